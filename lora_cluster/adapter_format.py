@@ -1,0 +1,190 @@
+"""PEFT LoRA adapters: parse a local adapter folder into validated host tensors.
+
+A PEFT adapter folder holds `adapter_config.json` and `adapter_model.safetensors`. Pickle weights
+(`adapter_model.bin`) are refused: loading them would execute code from an untrusted file. Every
+refusal is an `AdapterError` subclass naming the adapter and the limit or reason.
+
+Policy: an adapter is admitted only if every tensor maps to a (layer, projection) of the served
+model with matching shapes, its rank is <= `max_lora_rank`, and its values are finite. The LoRA
+scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rslora, per-module `rank_pattern` /
+`alpha_pattern` honoured) is kept per module and folded into B only when copied into a slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from lora_cluster.errors import (
+    AdapterError,
+    AdapterFormatError,
+    AdapterNotFoundError,
+    AdapterRankError,
+    AdapterShapeError,
+)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+# PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What an adapter must fit: layer count and (in_features, out_features) per projection."""
+
+    num_layers: int
+    modules: dict[str, tuple[int, int]]  # projection name -> (in_features, out_features)
+
+
+@dataclass
+class LoraWeights:
+    """One adapter's weights on the host, validated against the served model.
+
+    `a[(layer, module)]` is [r_m, in_features] and `b[(layer, module)]` is [out_features, r_m],
+    unscaled; `scaling[module]` multiplies B when it is copied into a device slot.
+    """
+
+    adapter_id: str
+    rank: int  # largest rank over modules
+    target_modules: frozenset[str]
+    scaling: dict[str, float]
+    a: dict[tuple[int, str], torch.Tensor]
+    b: dict[tuple[int, str], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    def module_rank(self, module: str) -> int:
+        """Rank of `module` (0 when the adapter does not target it)."""
+        ranks = [t.shape[0] for (_, m), t in self.a.items() if m == module]
+        return max(ranks, default=0)
+
+
+def _pattern_value(patterns: dict, module: str, default: float) -> float:
+    """PEFT's rank_pattern/alpha_pattern: a key matches a module name that ends with it."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?{key}", module) or key == module:
+            return value
+    return default
+
+
+def read_adapter_config(adapter_id: str, folder: Path) -> dict:
+    """Read and check `adapter_config.json`; raises AdapterFormatError on anything but plain LoRA."""
+    path = folder / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise AdapterNotFoundError(adapter_id, f"no {CONFIG_FILE} in {folder}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterFormatError(adapter_id, f"{CONFIG_FILE} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterFormatError(adapter_id, f"{CONFIG_FILE} must hold a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterFormatError(adapter_id, f"peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("use_dora"):
+        raise AdapterFormatError(adapter_id, "DoRA adapters are not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterFormatError(adapter_id, f"bias={config.get('bias')!r} is not supported (only 'none')")
+    if config.get("fan_in_fan_out"):
+        raise AdapterFormatError(adapter_id, "fan_in_fan_out adapters are not supported")
+    r = config.get("r")
+    if not isinstance(r, int) or r <= 0:
+        raise AdapterFormatError(adapter_id, f"r must be a positive integer, got {r!r}")
+    return config
+
+
+def load_peft_adapter(adapter_id: str, folder: Path, shapes: ModelShapes, max_rank: int) -> LoraWeights:
+    """Load and validate the PEFT adapter in `folder` for a model of the given shapes."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterNotFoundError(adapter_id, f"no adapter folder at {folder}")
+    config = read_adapter_config(adapter_id, folder)
+    weights_path = folder / WEIGHTS_FILE
+    if not weights_path.exists():
+        pickled = [name for name in PICKLE_FILES if (folder / name).exists()]
+        if pickled:
+            raise AdapterFormatError(
+                adapter_id, f"{pickled[0]} is pickle; only {WEIGHTS_FILE} is accepted (no pickle loading)"
+            )
+        raise AdapterFormatError(adapter_id, f"no {WEIGHTS_FILE} in {folder}")
+    if config["r"] > max_rank:
+        raise AdapterRankError(adapter_id, config["r"], max_rank)
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} is corrupt: {e}") from e
+    return parse_lora_tensors(adapter_id, config, tensors, shapes, max_rank)
+
+
+def parse_lora_tensors(
+    adapter_id: str, config: dict, tensors: dict[str, torch.Tensor], shapes: ModelShapes, max_rank: int
+) -> LoraWeights:
+    """Map PEFT tensor names to (layer, module) pairs and check them against the model."""
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise AdapterFormatError(
+                adapter_id,
+                f"tensor {key!r} is not a LoRA weight of a supported projection "
+                f"({', '.join(sorted(shapes.modules))})",
+            )
+        layer, module, which = int(match[1]), match[2], match[3]
+        if module not in shapes.modules:
+            raise AdapterFormatError(
+                adapter_id, f"target module {module!r} is not supported ({', '.join(sorted(shapes.modules))})"
+            )
+        if layer >= shapes.num_layers:
+            raise AdapterShapeError(adapter_id, f"layer {layer} >= the model's {shapes.num_layers} layers")
+        (a if which == "A" else b)[(layer, module)] = tensor.float().contiguous()
+    if not a:
+        raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
+    if a.keys() != b.keys():
+        missing = sorted(set(a) ^ set(b))[0]
+        raise AdapterFormatError(adapter_id, f"lora_A and lora_B do not pair up at layer {missing[0]} {missing[1]}")
+    scaling: dict[str, float] = {}
+    for (layer, module), wa in a.items():
+        wb = b[(layer, module)]
+        in_f, out_f = shapes.modules[module]
+        if wa.dim() != 2 or wb.dim() != 2 or wa.shape[1] != in_f or wb.shape[0] != out_f or wb.shape[1] != wa.shape[0]:
+            raise AdapterShapeError(
+                adapter_id,
+                f"layer {layer} {module}: lora_A {tuple(wa.shape)} / lora_B {tuple(wb.shape)} do not fit "
+                f"the model's {module} (in_features={in_f}, out_features={out_f})",
+            )
+        rank = wa.shape[0]
+        if rank > max_rank:
+            raise AdapterRankError(adapter_id, rank, max_rank)
+        if not (torch.isfinite(wa).all() and torch.isfinite(wb).all()):
+            raise AdapterFormatError(adapter_id, f"layer {layer} {module} holds NaN or infinite values")
+        scaling[module] = _module_scaling(config, module, rank)
+    return LoraWeights(
+        adapter_id=adapter_id,
+        rank=max(t.shape[0] for t in a.values()),
+        target_modules=frozenset(m for _, m in a),
+        scaling=scaling,
+        a=a,
+        b=b,
+    )
+
+
+def _module_scaling(config: dict, module: str, rank: int) -> float:
+    alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", config["r"])))
+    if config.get("use_rslora"):
+        return alpha / math.sqrt(rank)
+    return alpha / rank
+
+
+__all__ = ["AdapterError", "LoraWeights", "ModelShapes", "load_peft_adapter", "parse_lora_tensors"]

@@ -1,0 +1,128 @@
+"""Device-resident adapter slots, allocated once at start with fixed addresses.
+
+For each projection `m`, `a[m]` is [num_layers, num_slots, max_rank, in_features] and `b[m]` is
+[num_layers, num_slots, out_features, max_rank]. Loading an adapter copies its weights into a slot
+(scaling folded into B, rows/columns past its rank and projections it does not target zeroed);
+nothing is allocated per switch, so the addresses stay fixed (CUDA graphs can capture them).
+
+Invariants: a slot holds at most one adapter; a slot with references (running sequences) is never
+overwritten; eviction picks the least recently used unreferenced slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
+from lora_cluster.errors import AdapterCapacityError
+
+
+class AdapterPool:
+    def __init__(
+        self,
+        shapes: ModelShapes,
+        *,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.num_slots, self.max_rank = num_slots, max_rank
+        n = shapes.num_layers
+        self.a = {
+            m: torch.zeros((n, num_slots, max_rank, i), dtype=dtype, device=device)
+            for m, (i, _) in shapes.modules.items()
+        }
+        self.b = {
+            m: torch.zeros((n, num_slots, o, max_rank), dtype=dtype, device=device)
+            for m, (_, o) in shapes.modules.items()
+        }
+        # module -> rank of that projection in each slot (0: not targeted / empty)
+        self.module_ranks = {m: [0] * num_slots for m in shapes.modules}
+        self._owner: list[str | None] = [None] * num_slots
+        self._refs = [0] * num_slots
+        self._last_used = [0.0] * num_slots
+        self._slot_of: dict[str, int] = {}
+        self._clock = clock
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        return self._slot_of.get(adapter_id)
+
+    def resident(self) -> list[str]:
+        return list(self._slot_of)
+
+    def _victim(self) -> int | None:
+        free = [s for s in range(self.num_slots) if self._owner[s] is None]
+        if free:
+            return free[0]
+        idle = [s for s in range(self.num_slots) if self._refs[s] == 0]
+        return min(idle, key=self._last_used.__getitem__, default=None)
+
+    def can_allocate(self) -> bool:
+        return self._victim() is not None
+
+    @property
+    def num_free(self) -> int:
+        """Slots that an allocation could use now (empty or unreferenced)."""
+        return sum(1 for s in range(self.num_slots) if self._refs[s] == 0)
+
+    def allocate(self, weights: LoraWeights) -> int:
+        """Copy `weights` into a slot (evicting the LRU idle adapter if needed) and return the slot."""
+        if weights.rank > self.max_rank:
+            raise AdapterCapacityError(weights.adapter_id, f"rank {weights.rank} > slot rank {self.max_rank}")
+        slot = self._victim()
+        if slot is None:
+            raise AdapterCapacityError(
+                weights.adapter_id, f"all {self.num_slots} adapter slots (max_loras) are in use"
+            )
+        old = self._owner[slot]
+        if old is not None:
+            del self._slot_of[old]
+        for m in self.a:
+            self.a[m][:, slot].zero_()
+            self.b[m][:, slot].zero_()
+            self.module_ranks[m][slot] = weights.module_rank(m)
+        for (layer, m), wa in weights.a.items():
+            r = wa.shape[0]
+            self.a[m][layer, slot, :r].copy_(wa)
+            self.b[m][layer, slot, :, :r].copy_(weights.b[(layer, m)] * weights.scaling[m])
+        self._owner[slot] = weights.adapter_id
+        self._slot_of[weights.adapter_id] = slot
+        self._last_used[slot] = self._clock()
+        return slot
+
+    def acquire(self, adapter_id: str) -> int:
+        """Take a reference on a resident adapter (a running sequence uses it)."""
+        slot = self._slot_of[adapter_id]
+        self._refs[slot] += 1
+        self._last_used[slot] = self._clock()
+        return slot
+
+    def release(self, adapter_id: str) -> None:
+        slot = self._slot_of[adapter_id]
+        if self._refs[slot] <= 0:
+            raise RuntimeError(f"adapter {adapter_id!r} released more often than acquired")
+        self._refs[slot] -= 1
+
+    def evict(self, adapter_id: str) -> bool:
+        """Drop an unreferenced adapter from its slot; False when it is in use or not resident."""
+        slot = self._slot_of.get(adapter_id)
+        if slot is None or self._refs[slot] > 0:
+            return False
+        del self._slot_of[adapter_id]
+        self._owner[slot] = None
+        for m in self.module_ranks:
+            self.module_ranks[m][slot] = 0
+        return True
+
+    def refs(self, adapter_id: str) -> int:
+        slot = self._slot_of.get(adapter_id)
+        return 0 if slot is None else self._refs[slot]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))

@@ -1,0 +1,352 @@
+"""The multi-LoRA engine: continuous batching over one base model and a pool of adapter slots.
+
+`Engine` is synchronous and single-threaded: `add_request`, `abort` and `step` are called from one
+thread (the offline `generate`, or `AsyncEngine`'s loop thread). Adapter I/O never runs on that
+thread: loads are submitted to a small thread pool and a request waits in the queue, while the
+others keep decoding, until its adapter's host weights are ready and a device slot is free.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+from lora_kernels import get_lora_ops
+
+from lora_cluster.adapter_format import LoraWeights
+from lora_cluster.adapter_loader import AdapterLoader, FolderAdapterLoader, check_adapter_id
+from lora_cluster.config import EngineConfig, build_config
+from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.batch import build_step_batch
+from lora_cluster.engine.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.kv_cache import KVCache
+from lora_cluster.engine.llama import LlamaRunner
+from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
+from lora_cluster.engine.scheduler import Gate, Scheduler
+from lora_cluster.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, snapshot
+from lora_cluster.errors import AdapterError, LoraClusterError, PromptTooLongError, RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a router needs to know about this engine right now."""
+
+    num_running: int
+    num_waiting: int
+    free_seq_slots: int
+    free_adapter_slots: int
+    resident_adapters: tuple[str, ...]
+    loading_adapters: tuple[str, ...]
+
+
+def _resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, config.dtype)
+    return device, dtype
+
+
+class Engine:
+    """Serve many adapters of one base model in shared forward passes.
+
+    `Engine(model=..., adapter_source=..., max_loras=8, max_lora_rank=64)`; any other
+    `EngineConfig` field may be passed as a keyword, or a whole `config`. `adapter_loader`
+    replaces the plain folder lookup (the tiered adapter store plugs in there).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        adapter_source: str | list[str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        *,
+        config: EngineConfig | None = None,
+        adapter_loader: AdapterLoader | None = None,
+        **overrides: object,
+    ):
+        if config is None:
+            given = {"model": model, "adapter_source": adapter_source, "max_loras": max_loras,
+                     "max_lora_rank": max_lora_rank, **overrides}
+            config = build_config(EngineConfig, **{k: v for k, v in given.items() if v is not None})
+        self.config = config
+        self.device, self.dtype = _resolve_device(config)
+        self.model = load_base_model(config.model, dtype=self.dtype, device=self.device)
+        self.tokenizer = self.model.tokenizer
+        dims = self.model.dims
+        self.shapes = dims.shapes()
+        self.max_model_len = min(config.max_model_len, dims.max_position_embeddings)
+        window = getattr(self.model.config, "sliding_window", None)
+        if window and getattr(self.model.config, "use_sliding_window", True):
+            self.max_model_len = min(self.max_model_len, window)
+        self.kv = KVCache(num_layers=dims.num_layers, num_slots=config.max_num_seqs, kv_heads=dims.num_kv_heads,
+                          max_len=self.max_model_len, head_dim=dims.head_dim, dtype=self.dtype, device=self.device)
+        self.pool = AdapterPool(self.shapes, num_slots=config.max_loras, max_rank=config.max_lora_rank,
+                                dtype=self.dtype, device=self.device)
+        self.runner = LlamaRunner(self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device)
+        self.loader = adapter_loader or FolderAdapterLoader(config.adapter_source, self.shapes, config.max_lora_rank)
+        self._executor = ThreadPoolExecutor(config.adapter_load_workers, thread_name_prefix="adapter-load")
+        self._loads: dict[str, Future[LoraWeights]] = {}  # host loads in flight or done, not yet on device
+        self._failed: dict[str, AdapterError] = {}  # adapter failures seen during the current step
+        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_waiting=config.max_waiting, acquire=self._acquire, release=self._release)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = self._eos_ids()
+
+    # ----- adapters -------------------------------------------------------------------------
+
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        for source in (self.model.config, getattr(self.model, "generation_config", None)):
+            value = getattr(source, "eos_token_id", None)
+            ids.update(value if isinstance(value, list) else [value])
+        return {i for i in ids if i is not None}
+
+    def _start_load(self, adapter_id: str) -> Future[LoraWeights]:
+        future = self._loads.get(adapter_id)
+        if future is None:
+            future = self._executor.submit(self.loader.load, adapter_id)
+            self._loads[adapter_id] = future
+        return future
+
+    def _acquire(self, seq: Sequence, may_claim_slot: bool) -> Gate:
+        aid = seq.adapter_id
+        if aid is None:
+            seq.lora_slot = -1
+            return Gate.READY
+        if self.pool.slot_of(aid) is not None:
+            seq.lora_slot = self.pool.acquire(aid)
+            return Gate.READY
+        if aid in self._failed:
+            seq.error = self._failed[aid]
+            return Gate.FAILED
+        future = self._start_load(aid)
+        if not future.done():
+            return Gate.PENDING
+        try:
+            weights = future.result()
+        except AdapterError as e:
+            del self._loads[aid]
+            self._failed[aid] = seq.error = e
+            return Gate.FAILED
+        except Exception as e:  # a loader bug must fail this adapter, not the engine
+            del self._loads[aid]
+            self._failed[aid] = seq.error = AdapterError(aid, f"loading failed: {e!r}")
+            return Gate.FAILED
+        if not may_claim_slot or not self.pool.can_allocate():
+            return Gate.BLOCKED
+        self.pool.allocate(weights)
+        del self._loads[aid]
+        seq.lora_slot = self.pool.acquire(aid)
+        return Gate.READY
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.adapter_id is not None and seq.lora_slot >= 0:
+            self.pool.release(seq.adapter_id)
+            seq.lora_slot = -1
+
+    def load_adapter(self, adapter_id: str) -> None:
+        """Fetch and validate an adapter now (blocking); it is placed on the device on first use."""
+        check_adapter_id(adapter_id)
+        if self.pool.slot_of(adapter_id) is not None:
+            return
+        future = self._start_load(adapter_id)
+        try:
+            future.result()
+        except Exception:
+            self._loads.pop(adapter_id, None)
+            raise
+
+    def unload_adapter(self, adapter_id: str) -> bool:
+        """Drop an adapter from the device and host; False when a sequence is using it."""
+        self._loads.pop(adapter_id, None)
+        if self.pool.refs(adapter_id):
+            return False
+        self.pool.evict(adapter_id)
+        return True
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Prompt ids, checked against the vocabulary and `max_model_len` (one new token must fit)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            vocab = self.model.dims.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len - 1)
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        adapter_id: str | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request; raises RequestError/PromptTooLongError/EngineOverloadedError at once."""
+        if request_id in self._seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if adapter_id is not None:
+            check_adapter_id(adapter_id)
+        sampling = sampling or SamplingParams()
+        seq = Sequence(
+            request_id=request_id,
+            adapter_id=adapter_id,
+            prompt_ids=self.tokenize(prompt),
+            sampling=sampling,
+            detok=IncrementalDetokenizer(self.tokenizer),
+            generator=make_generator(sampling, self.device),
+        )
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        if adapter_id is not None and self.pool.slot_of(adapter_id) is None:
+            self._start_load(adapter_id)  # fetch now, off the step loop
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; frees its slot at once. Returns its final output, or None if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = FinishReason.ABORT
+        self.scheduler.finish(seq)
+        return snapshot(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            free_seq_slots=self.scheduler.num_free_slots,
+            free_adapter_slots=self.pool.num_free,
+            resident_adapters=tuple(self.pool.resident()),
+            loading_adapters=tuple(a for a, f in self._loads.items() if not f.done()),
+        )
+
+    # ----- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that got a token or finished."""
+        plan = self.scheduler.schedule()
+        self._failed.clear()
+        outputs = []
+        for seq in plan.failed:
+            self._finish(seq, FinishReason.ERROR)
+            outputs.append(snapshot(seq))
+        if plan.empty:
+            pending = [f for f in self._loads.values() if not f.done()]
+            if pending and self.scheduler.waiting:
+                wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+            return outputs
+        batch = build_step_batch(plan.decodes, plan.prefills, self.pool.module_ranks, self.device)
+        try:
+            logits = self.runner.forward(batch)
+        except Exception as e:  # never lose requests silently: fail what was in the batch
+            log.exception("forward pass failed")
+            error = LoraClusterError(f"forward pass failed: {e!r}")
+            for seq in [*plan.decodes, *(s for s, _ in plan.prefills)]:
+                seq.error = error
+                self._finish(seq, FinishReason.ERROR)
+                outputs.append(snapshot(seq))
+            return outputs
+        for seq in plan.decodes:
+            seq.num_computed += 1
+        for seq, n in plan.prefills:
+            seq.num_computed += n
+        tokens = sample(logits, [s.sampling for s in batch.sampled], [s.generator for s in batch.sampled])
+        for seq, token in zip(batch.sampled, tokens, strict=True):
+            self._append(seq, token)
+            outputs.append(snapshot(seq))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        p = seq.sampling
+        if token in p.stop_token_ids:
+            seq.detok.flush(seq.output_ids[:-1])
+            return self._finish(seq, FinishReason.STOP)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            seq.detok.flush(seq.output_ids)
+            return self._finish(seq, FinishReason.EOS)
+        before = len(seq.detok.text)
+        seq.detok.step(seq.output_ids)
+        if p.stop and self._truncate_at_stop(seq, before):
+            return self._finish(seq, FinishReason.STOP)
+        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            seq.detok.flush(seq.output_ids)
+            if p.stop and self._truncate_at_stop(seq, before):
+                return self._finish(seq, FinishReason.STOP)
+            return self._finish(seq, FinishReason.LENGTH)
+        return None
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence, before: int) -> bool:
+        text = seq.detok.text
+        start = max(0, before - max(len(s) for s in seq.sampling.stop) + 1)
+        hits = [i for i in (text.find(s, start) for s in seq.sampling.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.detok.text = text[: min(hits)]
+        return True
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    # ----- offline API ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        adapter_ids: list[str | None] | None = None,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion, all in one continuous batch; outputs in prompt order.
+
+        Every distinct adapter is fetched and validated first, so a bad adapter raises its
+        `AdapterError` before anything runs.
+        """
+        adapter_ids = adapter_ids if adapter_ids is not None else [None] * len(prompts)
+        if len(adapter_ids) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(adapter_ids)} adapter ids")
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for aid in dict.fromkeys(a for a in adapter_ids if a is not None):
+            self.load_adapter(aid)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, aid, p in zip(ids, prompts, adapter_ids, params, strict=True):
+            self.add_request(rid, prompt, aid, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["Engine", "EngineStats", "SeqStatus"]

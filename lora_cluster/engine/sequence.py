@@ -1,0 +1,116 @@
+"""A request's life inside the engine, and what the engine reports back about it.
+
+Lifecycle: WAITING (queued; its adapter may still be loading) -> RUNNING (holds a KV slot and a
+reference on its adapter's device slot; prefilling in chunks, then decoding one token per step)
+-> FINISHED (slot and adapter reference released exactly once). Abort and failure go straight to
+FINISHED from either state.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_cluster.engine.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.sampling import SamplingParams
+from lora_cluster.errors import LoraClusterError
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_new_tokens or max_model_len reached
+    STOP = "stop"  # a stop string or stop token id
+    EOS = "eos"  # the model's end-of-sequence token
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed (e.g. its adapter could not be loaded); see RequestOutput.error
+
+
+@dataclass
+class Sequence:
+    """Mutable engine-side state of one request."""
+
+    request_id: str
+    adapter_id: str | None
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    kv_slot: int | None = None
+    lora_slot: int = -1  # device adapter slot, -1 = base model
+    num_computed: int = 0  # tokens whose keys/values are in the KV cache
+    finish_reason: FinishReason | None = None
+    error: LoraClusterError | None = None
+    first_token_time: float | None = None
+    emitted_text: int = 0  # characters of detok.text already reported
+    emitted_ids: int = 0  # output ids already reported
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request: cumulative text and ids, plus what is new since the last one."""
+
+    request_id: str
+    adapter_id: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    error: LoraClusterError | None = None
+    time_to_first_token: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def snapshot(seq: Sequence) -> RequestOutput:
+    """Report `seq` and mark what it reports as emitted."""
+    text = seq.detok.text
+    finished = seq.status is SeqStatus.FINISHED
+    if seq.sampling.stop and not finished:  # hold back what may be the start of a stop string
+        text = text[: max(seq.emitted_text, len(text) - max(len(s) for s in seq.sampling.stop) + 1)]
+    out = RequestOutput(
+        request_id=seq.request_id,
+        adapter_id=seq.adapter_id,
+        prompt_token_ids=seq.prompt_ids,
+        token_ids=list(seq.output_ids),
+        text=text,
+        delta_text=text[seq.emitted_text :],
+        delta_token_ids=seq.output_ids[seq.emitted_ids :],
+        finished=finished,
+        finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        error=seq.error,
+        time_to_first_token=(seq.first_token_time - seq.arrival) if seq.first_token_time else None,
+    )
+    seq.emitted_text, seq.emitted_ids = len(text), len(seq.output_ids)
+    return out

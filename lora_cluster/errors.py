@@ -1,0 +1,87 @@
+"""Domain exceptions.
+
+Every error names what it is about (the adapter, the request, the model) and the limit that was
+crossed, so that a user reading an HTTP error body knows what to change. The HTTP layer maps these
+classes to status codes in one place (`lora_cluster.serve.errors`); nothing else picks codes.
+"""
+
+from __future__ import annotations
+
+
+class LoraClusterError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(LoraClusterError):
+    """The configuration or the served model cannot be used."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The base model's architecture is not one this engine implements."""
+
+    def __init__(self, model: str, architecture: str, supported: tuple[str, ...]):
+        self.model, self.architecture, self.supported = model, architecture, supported
+        super().__init__(
+            f"model {model!r} has architecture {architecture!r}; supported architectures: "
+            f"{', '.join(supported)}"
+        )
+
+
+class AdapterError(LoraClusterError):
+    """Something is wrong with one adapter; the message names it and the reason."""
+
+    def __init__(self, adapter_id: str, reason: str):
+        self.adapter_id, self.reason = adapter_id, reason
+        super().__init__(f"adapter {adapter_id!r}: {reason}")
+
+
+class AdapterNotFoundError(AdapterError):
+    """No configured source offers this adapter."""
+
+
+class AdapterFormatError(AdapterError):
+    """The adapter's files are not a valid PEFT LoRA adapter (pickle weights, corrupt safetensors, bad config)."""
+
+
+class AdapterRankError(AdapterError):
+    """The adapter's rank exceeds the engine's `max_lora_rank`."""
+
+    def __init__(self, adapter_id: str, rank: int, max_rank: int):
+        self.rank, self.max_rank = rank, max_rank
+        super().__init__(adapter_id, f"rank {rank} exceeds max_lora_rank={max_rank}")
+
+
+class AdapterShapeError(AdapterError):
+    """The adapter's weights do not fit the served base model."""
+
+
+class AdapterIntegrityError(AdapterError):
+    """Checksum mismatch, tampered or undecryptable file."""
+
+
+class AdapterLoadError(AdapterError):
+    """The adapter could not be fetched from its source (I/O, network) after retries."""
+
+
+class AdapterCapacityError(AdapterError):
+    """The adapter cannot be placed: every slot or byte of a tier is held by adapters in use."""
+
+
+class RequestError(LoraClusterError):
+    """A request's parameters are invalid."""
+
+
+class PromptTooLongError(RequestError):
+    """The prompt has more tokens than the configured limit."""
+
+    def __init__(self, prompt_tokens: int, limit: int):
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+        super().__init__(f"prompt has {prompt_tokens} tokens; the limit is {limit} tokens")
+
+
+class EngineOverloadedError(LoraClusterError):
+    """The engine's waiting queue is full; the caller should retry later."""
+
+
+class RequestAbortedError(LoraClusterError):
+    """The request was cancelled before it finished."""
