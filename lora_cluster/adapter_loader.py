@@ -35,6 +35,14 @@ class AdapterLoader(Protocol):
         """Ids of the adapters the sources offer."""
         ...
 
+    def register(self, adapter_id: str, location: str) -> None:
+        """Serve `adapter_id` from `location` (vLLM's load_lora_adapter); validates before returning."""
+        ...
+
+    def unregister(self, adapter_id: str) -> bool:
+        """Forget a registered adapter id; False when it was not registered."""
+        ...
+
 
 class FolderAdapterLoader:
     """Adapters are sub-folders of local source folders; the first folder holding the id wins."""
@@ -42,17 +50,29 @@ class FolderAdapterLoader:
     def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int):
         self.folders = [Path(s.removeprefix("file://")).expanduser() for s in sources]
         self.shapes, self.max_rank = shapes, max_rank
+        self._registered: dict[str, Path] = {}
 
     def load(self, adapter_id: str) -> LoraWeights:
         check_adapter_id(adapter_id)
+        if adapter_id in self._registered:
+            return load_peft_adapter(adapter_id, self._registered[adapter_id], self.shapes, self.max_rank)
         for folder in self.folders:
             if (folder / adapter_id).is_dir():
                 return load_peft_adapter(adapter_id, folder / adapter_id, self.shapes, self.max_rank)
         where = ", ".join(str(f) for f in self.folders) or "no adapter_source configured"
         raise AdapterNotFoundError(adapter_id, f"not found in {where}")
 
+    def register(self, adapter_id: str, location: str) -> None:
+        check_adapter_id(adapter_id)
+        folder = Path(location.removeprefix("file://")).expanduser()
+        load_peft_adapter(adapter_id, folder, self.shapes, self.max_rank)  # refuse what would fail later
+        self._registered[adapter_id] = folder
+
+    def unregister(self, adapter_id: str) -> bool:
+        return self._registered.pop(adapter_id, None) is not None
+
     def list_adapters(self) -> list[str]:
-        seen: dict[str, None] = {}
+        seen: dict[str, None] = dict.fromkeys(self._registered)
         for folder in self.folders:
             if folder.is_dir():
                 for cfg in sorted(folder.glob("**/adapter_config.json")):

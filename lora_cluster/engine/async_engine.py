@@ -64,6 +64,18 @@ class AsyncEngine:
         self._commands.put(command)
         return await future
 
+    async def load_adapter(self, adapter_id: str) -> None:
+        """Fetch and validate an adapter without blocking the loop thread; raises its AdapterError."""
+        future = await self.call(lambda engine: engine.start_load(adapter_id))
+        try:
+            await asyncio.wrap_future(future)
+        except BaseException:
+            await self.call(lambda engine: engine.forget_failed_load(adapter_id))
+            raise
+
+    async def unload_adapter(self, adapter_id: str) -> bool:
+        return await self.call(lambda engine: engine.unload_adapter(adapter_id))
+
     async def generate(
         self,
         prompt: str | list[int],

@@ -156,16 +156,27 @@ class Engine:
             self.pool.release(seq.adapter_id)
             seq.lora_slot = -1
 
-    def load_adapter(self, adapter_id: str) -> None:
-        """Fetch and validate an adapter now (blocking); it is placed on the device on first use."""
+    def start_load(self, adapter_id: str) -> Future[LoraWeights | None]:
+        """Begin fetching an adapter to the host (a done future when it is already on the device)."""
         check_adapter_id(adapter_id)
         if self.pool.slot_of(adapter_id) is not None:
-            return
-        future = self._start_load(adapter_id)
+            done: Future[LoraWeights | None] = Future()
+            done.set_result(None)
+            return done
+        return self._start_load(adapter_id)
+
+    def forget_failed_load(self, adapter_id: str) -> None:
+        """Drop a failed load so that the next request retries it."""
+        future = self._loads.get(adapter_id)
+        if future is not None and future.done() and future.exception() is not None:
+            del self._loads[adapter_id]
+
+    def load_adapter(self, adapter_id: str) -> None:
+        """Fetch and validate an adapter now (blocking); it is placed on the device on first use."""
         try:
-            future.result()
+            self.start_load(adapter_id).result()
         except Exception:
-            self._loads.pop(adapter_id, None)
+            self.forget_failed_load(adapter_id)
             raise
 
     def unload_adapter(self, adapter_id: str) -> bool:
