@@ -1,0 +1,120 @@
+"""The continuous-batching policy and the device adapter pool, without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
+from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.sampling import SamplingParams
+from lora_cluster.engine.scheduler import Gate, Scheduler
+from lora_cluster.engine.sequence import Sequence, SeqStatus
+from lora_cluster.errors import AdapterCapacityError, EngineOverloadedError
+
+
+def _seq(rid: str, prompt_len: int, adapter: str | None = None) -> Sequence:
+    return Sequence(rid, adapter, list(range(1, prompt_len + 1)), SamplingParams(), IncrementalDetokenizer(None), None)
+
+
+class Gates:
+    """Adapter gate fake: per-adapter answers; records whether a new slot could be claimed."""
+
+    def __init__(self, answers: dict[str | None, Gate]):
+        self.answers, self.calls, self.released = answers, [], []
+
+    def acquire(self, seq: Sequence, may_claim: bool) -> Gate:
+        self.calls.append((seq.request_id, may_claim))
+        gate = self.answers.get(seq.adapter_id, Gate.READY)
+        return gate if may_claim or gate is not Gate.BLOCKED else Gate.BLOCKED
+
+    def release(self, seq: Sequence) -> None:
+        self.released.append(seq.request_id)
+
+
+def _scheduler(gates: Gates, slots: int = 4, budget: int = 16, max_waiting: int = 10) -> Scheduler:
+    return Scheduler(max_num_seqs=slots, max_num_batched_tokens=budget, max_waiting=max_waiting,
+                     acquire=gates.acquire, release=gates.release)
+
+
+def test_chunked_prefill_shares_steps_with_decodes():
+    s = _scheduler(Gates({}), budget=8)
+    a, b = _seq("a", 3), _seq("b", 20)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.prefills] == [("a", 3), ("b", 5)]
+    a.num_computed, b.num_computed = 3, 5
+    a.output_ids.append(7)
+    out = s.schedule()
+    assert [q.request_id for q in out.decodes] == ["a"]
+    assert [(q.request_id, n) for q, n in out.prefills] == [("b", 7)]  # budget 8 minus one decode
+
+
+def test_pending_adapter_does_not_block_others_and_failures_surface():
+    gates = Gates({"loading": Gate.PENDING, "broken": Gate.FAILED})
+    s = _scheduler(gates)
+    for seq in (_seq("p", 2, "loading"), _seq("f", 2, "broken"), _seq("ok", 2, "ready")):
+        s.add(seq)
+    out = s.schedule()
+    assert [q.request_id for q, _ in out.prefills] == ["ok"]
+    assert [q.request_id for q in out.failed] == ["f"] and out.failed[0].status is SeqStatus.FINISHED
+    assert [q.request_id for q in s.waiting] == ["p"]
+
+
+def test_blocked_adapter_stops_later_slot_claims():
+    gates = Gates({"rare": Gate.BLOCKED})
+    s = _scheduler(gates)
+    for seq in (_seq("rare", 2, "rare"), _seq("later", 2, "other")):
+        s.add(seq)
+    s.schedule()
+    assert gates.calls == [("rare", True), ("later", False)]
+
+
+def test_kv_slots_lowest_first_and_released_once():
+    gates = Gates({})
+    s = _scheduler(gates, slots=2)
+    seqs = [_seq(str(i), 2) for i in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    s.schedule()
+    assert [q.kv_slot for q in seqs[:2]] == [0, 1] and seqs[2].status is SeqStatus.WAITING
+    s.finish(seqs[0])
+    s.finish(seqs[0])
+    assert gates.released == ["0"]
+    s.schedule()
+    assert seqs[2].kv_slot == 0
+
+
+def test_overloaded_queue_refuses():
+    s = _scheduler(Gates({}), max_waiting=1)
+    s.add(_seq("a", 2))
+    with pytest.raises(EngineOverloadedError, match="max_waiting=1"):
+        s.add(_seq("b", 2))
+
+
+def _weights(aid: str, rank: int) -> LoraWeights:
+    return LoraWeights(aid, rank, frozenset({"q_proj"}), {"q_proj": 2.0},
+                       {(0, "q_proj"): torch.ones(rank, 4)}, {(0, "q_proj"): torch.ones(6, rank)})
+
+
+def test_pool_refcounts_lru_and_capacity():
+    now = [0.0]
+    pool = AdapterPool(ModelShapes(1, {"q_proj": (4, 6), "v_proj": (4, 6)}), num_slots=2, max_rank=4,
+                       dtype=torch.float32, device=torch.device("cpu"), clock=lambda: now[0])
+    s0 = pool.allocate(_weights("x", 2))
+    assert pool.module_ranks == {"q_proj": [2, 0], "v_proj": [0, 0]}
+    assert torch.equal(pool.b["q_proj"][0, s0, :, :2], torch.full((6, 2), 2.0))  # scaling folded into B
+    assert pool.b["q_proj"][0, s0, :, 2:].abs().sum() == 0
+    pool.acquire("x")
+    now[0] = 1.0
+    pool.allocate(_weights("y", 4))
+    pool.acquire("y")
+    with pytest.raises(AdapterCapacityError, match="all 2 adapter slots"):
+        pool.allocate(_weights("z", 2))
+    pool.release("y")
+    assert pool.allocate(_weights("z", 2)) != s0  # y was idle, x is still referenced
+    assert pool.slot_of("y") is None and pool.evict("x") is False
+    pool.release("x")
+    assert pool.evict("x") is True
