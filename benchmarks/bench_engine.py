@@ -1,0 +1,153 @@
+"""Serving benchmark of the engine against PEFT on the ~100M demo model (CPU or GPU).
+
+Workload: N requests (default 128) with varied prompt lengths (8-96 words) and output lengths
+(16-64 tokens), adapters drawn Zipf-like (s=1.1) from 64. All systems generate greedily and
+ignore EOS, so every system produces exactly the requested tokens (static batches run to their
+longest member, as a PEFT user's would; only requested tokens are counted). Systems:
+
+  engine       lora-cluster, every request with its adapter, one continuous batch
+  engine-base  the same engine, every request on the base model (the LoRA overhead reference)
+  peft-static  PEFT `generate(..., adapter_names=[...])` in static mixed batches of 32
+  peft-single  PEFT one request at a time with `set_adapter`
+
+Run: python benchmarks/bench_engine.py [--requests 128] [--out docs/bench_engine.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from lora_cluster.demo import build_demo_zoo
+from lora_cluster.engine import Engine, SamplingParams
+
+WORDS = ("the river runs past a quiet town where people trade bread and stories about old ships "
+         "music weather mountains market children lanterns winter harvest letters bridge").split()
+
+
+def workload(n: int, num_adapters: int, seed: int) -> list[tuple[str, str, int]]:
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** 1.1 for k in range(num_adapters)]
+    out = []
+    for _ in range(n):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 96)))
+        adapter = f"a{rng.choices(range(num_adapters), weights)[0]}"
+        out.append((prompt, adapter, rng.randint(16, 64)))
+    return out
+
+
+def run_engine(engine: Engine, jobs, use_adapters: bool) -> float:
+    params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for _, _, m in jobs]
+    adapters = [a if use_adapters else None for _, a, _ in jobs]
+    start = time.perf_counter()
+    outs = engine.generate([p for p, _, _ in jobs], adapter_ids=adapters, sampling=params)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == sum(m for _, _, m in jobs)
+    return elapsed
+
+
+def peft_model(zoo, adapter_ids, dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(zoo.model_dir, dtype=dtype)
+    model = PeftModel.from_pretrained(base, zoo.adapters_dir / adapter_ids[0], adapter_name=adapter_ids[0])
+    for aid in adapter_ids[1:]:
+        model.load_adapter(zoo.adapters_dir / aid, adapter_name=aid)
+    return model.eval().to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_peft_static(model, tokenizer, jobs, batch_size: int) -> float:
+    tokenizer.padding_side = "left"
+    start = time.perf_counter()
+    for i in range(0, len(jobs), batch_size):
+        chunk = jobs[i : i + batch_size]
+        enc = tokenizer([p for p, _, _ in chunk], return_tensors="pt", padding=True).to(model.device)
+        longest = max(m for _, _, m in chunk)
+        with torch.no_grad():
+            model.generate(**enc, adapter_names=[a for _, a, _ in chunk], max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return time.perf_counter() - start
+
+
+def run_peft_single(model, tokenizer, jobs) -> float:
+    start = time.perf_counter()
+    for prompt, adapter, m in jobs:
+        model.set_adapter(adapter)
+        enc = tokenizer(prompt, return_tensors="pt").to(model.device)
+        with torch.no_grad():
+            model.generate(**enc, max_new_tokens=m, min_new_tokens=m, do_sample=False,
+                           pad_token_id=tokenizer.pad_token_id)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--adapters", type=int, default=64)
+    ap.add_argument("--zoo", type=Path, default=Path(".demo/base"))
+    ap.add_argument("--max-loras", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--skip-peft-single", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    zoo = build_demo_zoo(args.zoo, num_adapters=args.adapters, size="base", seed=0)
+    jobs = workload(args.requests, args.adapters, seed=0)
+    tokens = sum(m for _, _, m in jobs)
+    used = sorted({a for _, a, _ in jobs}, key=lambda a: int(a[1:]))
+    engine = Engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=args.max_loras,
+                    max_lora_rank=32, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
+    engine.generate(["warm up"], adapter_ids=[None], sampling=SamplingParams(max_new_tokens=4, temperature=0.0))
+    results = {
+        "engine": run_engine(engine, jobs, use_adapters=True),
+        "engine-base": run_engine(engine, jobs, use_adapters=False),
+    }
+    model = peft_model(zoo, used, engine.dtype)
+    results["peft-static"] = run_peft_static(model, engine.tokenizer, jobs, batch_size=32)
+    if not args.skip_peft_single:
+        results["peft-single"] = run_peft_single(model, engine.tokenizer, jobs)
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    lines = [
+        f"- date: {datetime.date.today()}; machine: {platform.machine()} {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        f"- model: demo base ({sum(p.numel() for p in [engine.model.embed, engine.model.lm_head]) / 1e6:.0f}M of "
+        f"embeddings, {engine.model.dims.num_layers} layers, hidden {engine.model.dims.hidden}); "
+        f"{len(jobs)} requests, {tokens} output tokens, {len(used)} distinct adapters of {args.adapters} (Zipf 1.1)",
+        f"- engine: max_loras={args.max_loras}, max_num_seqs={args.max_num_seqs}, max_lora_rank=32, "
+        f"kernel={engine.runner.ops.name}",
+        "- command: `python benchmarks/bench_engine.py"
+        + (f" --requests {args.requests}" if args.requests != 128 else "") + "`",
+        "",
+        "| system | seconds | tokens/s | requests/s | engine speed-up |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, secs in results.items():
+        lines.append(f"| {name} | {secs:.1f} | {tokens / secs:.1f} | {len(jobs) / secs:.2f} | "
+                     f"{secs / results['engine']:.2f}x |")
+    lines += [
+        "",
+        f"- adapter workload / base-only workload throughput: {results['engine-base'] / results['engine']:.3f} "
+        "(target >= 0.9)",
+        f"- engine / PEFT static mixed batches: {results['peft-static'] / results['engine']:.2f}x (target >= 2x)",
+    ]
+    if "peft-single" in results:
+        lines.append(f"- engine / PEFT one at a time: {results['peft-single'] / results['engine']:.2f}x "
+                     "(target >= 10x)")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"# Engine benchmark\n\n{__doc__}\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
