@@ -20,6 +20,7 @@ import datetime
 import os
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -28,8 +29,34 @@ import torch
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams
 
-WORDS = ("the river runs past a quiet town where people trade bread and stories about old ships "
-         "music weather mountains market children lanterns winter harvest letters bridge").split()
+WORDS = [
+    "the",
+    "river",
+    "runs",
+    "past",
+    "a",
+    "quiet",
+    "town",
+    "where",
+    "people",
+    "trade",
+    "bread",
+    "and",
+    "stories",
+    "about",
+    "old",
+    "ships",
+    "music",
+    "weather",
+    "mountains",
+    "market",
+    "children",
+    "lanterns",
+    "winter",
+    "harvest",
+    "letters",
+    "bridge",
+]
 
 
 def workload(n: int, num_adapters: int, seed: int) -> list[tuple[str, str, int]]:
@@ -72,8 +99,14 @@ def run_peft_static(model, tokenizer, jobs, batch_size: int) -> float:
         enc = tokenizer([p for p, _, _ in chunk], return_tensors="pt", padding=True).to(model.device)
         longest = max(m for _, _, m in chunk)
         with torch.no_grad():
-            model.generate(**enc, adapter_names=[a for _, a, _ in chunk], max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            model.generate(
+                **enc,
+                adapter_names=[a for _, a, _ in chunk],
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
     return time.perf_counter() - start
 
 
@@ -83,8 +116,13 @@ def run_peft_single(model, tokenizer, jobs) -> float:
         model.set_adapter(adapter)
         enc = tokenizer(prompt, return_tensors="pt").to(model.device)
         with torch.no_grad():
-            model.generate(**enc, max_new_tokens=m, min_new_tokens=m, do_sample=False,
-                           pad_token_id=tokenizer.pad_token_id)
+            model.generate(
+                **enc,
+                max_new_tokens=m,
+                min_new_tokens=m,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
     return time.perf_counter() - start
 
 
@@ -103,9 +141,17 @@ def main() -> None:
     jobs = workload(args.requests, args.adapters, seed=0)
     tokens = sum(m for _, _, m in jobs)
     used = sorted({a for _, a, _ in jobs}, key=lambda a: int(a[1:]))
-    engine = Engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=args.max_loras,
-                    max_lora_rank=32, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
-    engine.generate(["warm up"], adapter_ids=[None], sampling=SamplingParams(max_new_tokens=4, temperature=0.0))
+    engine = Engine(
+        model=str(zoo.model_dir),
+        adapter_source=str(zoo.adapters_dir),
+        max_loras=args.max_loras,
+        max_lora_rank=32,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=2048,
+    )
+    engine.generate(
+        ["warm up"], adapter_ids=[None], sampling=SamplingParams(max_new_tokens=4, temperature=0.0)
+    )
     results = {
         "engine": run_engine(engine, jobs, use_adapters=True),
         "engine-base": run_engine(engine, jobs, use_adapters=False),
@@ -116,32 +162,30 @@ def main() -> None:
         results["peft-single"] = run_peft_single(model, engine.tokenizer, jobs)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    dims = engine.model.dims
+    eng, base = results["engine"], results["engine-base"]
     lines = [
-        f"- date: {datetime.date.today()}; machine: {platform.machine()} {device}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
-        f"- model: demo base ({sum(p.numel() for p in [engine.model.embed, engine.model.lm_head]) / 1e6:.0f}M of "
-        f"embeddings, {engine.model.dims.num_layers} layers, hidden {engine.model.dims.hidden}); "
-        f"{len(jobs)} requests, {tokens} output tokens, {len(used)} distinct adapters of {args.adapters} (Zipf 1.1)",
+        f"- date: {datetime.date.today()}; machine: {platform.machine()} {device}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"- model: demo base, {dims.num_layers} layers, hidden {dims.hidden}; {len(jobs)} requests, "
+        f"{tokens} output tokens, {len(used)} distinct adapters of {args.adapters} (Zipf 1.1)",
         f"- engine: max_loras={args.max_loras}, max_num_seqs={args.max_num_seqs}, max_lora_rank=32, "
         f"kernel={engine.runner.ops.name}",
-        "- command: `python benchmarks/bench_engine.py"
-        + (f" --requests {args.requests}" if args.requests != 128 else "") + "`",
+        f"- command: `python benchmarks/bench_engine.py {' '.join(sys.argv[1:])}`",
         "",
         "| system | seconds | tokens/s | requests/s | engine speed-up |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, secs in results.items():
-        lines.append(f"| {name} | {secs:.1f} | {tokens / secs:.1f} | {len(jobs) / secs:.2f} | "
-                     f"{secs / results['engine']:.2f}x |")
+        row = f"| {name} | {secs:.1f} | {tokens / secs:.1f} | {len(jobs) / secs:.2f} | {secs / eng:.2f}x |"
+        lines.append(row)
     lines += [
         "",
-        f"- adapter workload / base-only workload throughput: {results['engine-base'] / results['engine']:.3f} "
-        "(target >= 0.9)",
-        f"- engine / PEFT static mixed batches: {results['peft-static'] / results['engine']:.2f}x (target >= 2x)",
+        f"- adapter workload / base-only workload throughput: {base / eng:.3f} (target >= 0.9)",
+        f"- engine / PEFT static mixed batches: {results['peft-static'] / eng:.2f}x (target >= 2x)",
     ]
     if "peft-single" in results:
-        lines.append(f"- engine / PEFT one at a time: {results['peft-single'] / results['engine']:.2f}x "
-                     "(target >= 10x)")
+        lines.append(f"- engine / PEFT one at a time: {results['peft-single'] / eng:.2f}x (target >= 10x)")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -153,12 +153,20 @@ def parse_lora_tensors(
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
     if a.keys() != b.keys():
         missing = sorted(set(a) ^ set(b))[0]
-        raise AdapterFormatError(adapter_id, f"lora_A and lora_B do not pair up at layer {missing[0]} {missing[1]}")
+        raise AdapterFormatError(
+            adapter_id, f"lora_A and lora_B do not pair up at layer {missing[0]} {missing[1]}"
+        )
     scaling: dict[str, float] = {}
     for (layer, module), wa in a.items():
         wb = b[(layer, module)]
         in_f, out_f = shapes.modules[module]
-        if wa.dim() != 2 or wb.dim() != 2 or wa.shape[1] != in_f or wb.shape[0] != out_f or wb.shape[1] != wa.shape[0]:
+        if (
+            wa.dim() != 2
+            or wb.dim() != 2
+            or wa.shape[1] != in_f
+            or wb.shape[0] != out_f
+            or wb.shape[1] != wa.shape[0]
+        ):
             raise AdapterShapeError(
                 adapter_id,
                 f"layer {layer} {module}: lora_A {tuple(wa.shape)} / lora_B {tuple(wb.shape)} do not fit "
@@ -181,7 +189,9 @@ def parse_lora_tensors(
 
 
 def _module_scaling(config: dict, module: str, rank: int) -> float:
-    alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", config["r"])))
+    alpha = float(
+        _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", config["r"]))
+    )
     if config.get("use_rslora"):
         return alpha / math.sqrt(rank)
     return alpha / rank

@@ -19,8 +19,11 @@ _ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\
 
 def check_adapter_id(adapter_id: str) -> str:
     """Adapter ids name sub-folders or key prefixes: no traversal, no absolute paths, no odd bytes."""
-    if not isinstance(adapter_id, str) or len(adapter_id) > 256 or not _ADAPTER_ID.fullmatch(adapter_id) or (
-        ".." in adapter_id.split("/")
+    if (
+        not isinstance(adapter_id, str)
+        or len(adapter_id) > 256
+        or not _ADAPTER_ID.fullmatch(adapter_id)
+        or (".." in adapter_id.split("/"))
     ):
         raise AdapterNotFoundError(str(adapter_id)[:256], "invalid adapter id (letters, digits, '._-/' only)")
     return adapter_id

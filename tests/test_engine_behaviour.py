@@ -13,7 +13,9 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir, demo_adapters_dir) -> Engine:
-    return Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=3, max_num_seqs=6)
+    return Engine(
+        model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=3, max_num_seqs=6
+    )
 
 
 def test_more_adapters_than_slots_complete(engine: Engine):
@@ -27,7 +29,9 @@ def test_more_adapters_than_slots_complete(engine: Engine):
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: Engine):
-    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     alone = engine.generate(["once upon a time"], adapter_ids=["a1"], sampling=params)[0]
     crowd = engine.generate(
         ["once upon a time", "other", "prompts here"],
@@ -36,7 +40,8 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: Engine):
     )[0]
     assert alone.token_ids == crowd.token_ids
     other_seed = engine.generate(
-        ["once upon a time"], adapter_ids=["a1"],
+        ["once upon a time"],
+        adapter_ids=["a1"],
         sampling=SamplingParams(max_new_tokens=16, temperature=0.9, seed=99, ignore_eos=True),
     )[0]
     assert other_seed.token_ids != alone.token_ids
@@ -44,8 +49,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: Engine):
 
 def test_top_k_one_is_greedy(engine: Engine):
     greedy = engine.generate(["hello there"], sampling=GREEDY)[0]
-    top1 = engine.generate(["hello there"], sampling=SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1,
-                                                                     ignore_eos=True))[0]
+    top1 = engine.generate(
+        ["hello there"], sampling=SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)
+    )[0]
     assert top1.token_ids == greedy.token_ids
 
 
@@ -53,19 +59,27 @@ def test_stop_string_and_stop_token(engine: Engine):
     full = engine.generate(["the river"], adapter_ids=["a3"], sampling=GREEDY)[0]
     stop = full.text[3:6]
     assert stop.strip(), "need a visible stop string"
-    cut = engine.generate(["the river"], adapter_ids=["a3"], sampling=SamplingParams(
-        max_new_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    cut = engine.generate(
+        ["the river"],
+        adapter_ids=["a3"],
+        sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]),
+    )[0]
     assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
     token = full.token_ids[4]
-    by_id = engine.generate(["the river"], adapter_ids=["a3"], sampling=SamplingParams(
-        max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[token]))[0]
+    by_id = engine.generate(
+        ["the river"],
+        adapter_ids=["a3"],
+        sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[token]),
+    )[0]
     first = full.token_ids.index(token)
     assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[: first + 1]
 
 
 def test_eos_finishes(engine: Engine):
     eos = engine.tokenizer.eos_token_id
-    engine.add_request("eos", "hi", None, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[]))
+    engine.add_request(
+        "eos", "hi", None, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[])
+    )
     seq = engine._seqs["eos"]
     engine.step()  # prefill
     seq.sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -74,7 +88,9 @@ def test_eos_finishes(engine: Engine):
 
 
 def test_abort_frees_slot(engine: Engine):
-    engine.add_request("x", "a long prompt to cancel", "a4", SamplingParams(max_new_tokens=50, temperature=0.0))
+    engine.add_request(
+        "x", "a long prompt to cancel", "a4", SamplingParams(max_new_tokens=50, temperature=0.0)
+    )
     for _ in range(100):  # the adapter loads off the step loop; the request waits meanwhile
         engine.step()
         if engine.stats().num_running:
@@ -96,8 +112,9 @@ async def test_async_stream_and_cancel(engine: Engine):
             expected, engine_text = out.token_ids, out.text
         assert "".join(deltas) == engine_text and len(expected) == 12
 
-        stream = aengine.generate("cancel me please", "a6", SamplingParams(max_new_tokens=200, temperature=0.0,
-                                                                           ignore_eos=True))
+        stream = aengine.generate(
+            "cancel me please", "a6", SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        )
         async for _ in stream:
             break  # a client that goes away
         await stream.aclose()

@@ -99,9 +99,13 @@ def test_adapters_change_outputs(demo_model_dir, demo_adapters_dir):
 
 
 def test_issue_example_call(demo_model_dir, demo_adapters_dir):
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=8, max_lora_rank=64)
+    engine = Engine(
+        model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=8, max_lora_rank=64
+    )
     outs = engine.generate(
-        ["prompt a", "prompt b"], adapter_ids=["a0", None], sampling=SamplingParams(max_new_tokens=16, temperature=0.0)
+        ["prompt a", "prompt b"],
+        adapter_ids=["a0", None],
+        sampling=SamplingParams(max_new_tokens=16, temperature=0.0),
     )
     assert all(isinstance(o.text, str) and o.token_ids for o in outs)
     assert {o.finish_reason for o in outs} <= {"length", "eos", "stop"}

@@ -10,12 +10,14 @@ from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.scheduler import Gate, Scheduler
-from lora_cluster.engine.sequence import Sequence, SeqStatus
+from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import AdapterCapacityError, EngineOverloadedError
 
 
 def _seq(rid: str, prompt_len: int, adapter: str | None = None) -> Sequence:
-    return Sequence(rid, adapter, list(range(1, prompt_len + 1)), SamplingParams(), IncrementalDetokenizer(None), None)
+    return Sequence(
+        rid, adapter, list(range(1, prompt_len + 1)), SamplingParams(), IncrementalDetokenizer(None), None
+    )
 
 
 class Gates:
@@ -34,8 +36,13 @@ class Gates:
 
 
 def _scheduler(gates: Gates, slots: int = 4, budget: int = 16, max_waiting: int = 10) -> Scheduler:
-    return Scheduler(max_num_seqs=slots, max_num_batched_tokens=budget, max_waiting=max_waiting,
-                     acquire=gates.acquire, release=gates.release)
+    return Scheduler(
+        max_num_seqs=slots,
+        max_num_batched_tokens=budget,
+        max_waiting=max_waiting,
+        acquire=gates.acquire,
+        release=gates.release,
+    )
 
 
 def test_chunked_prefill_shares_steps_with_decodes():
@@ -95,14 +102,26 @@ def test_overloaded_queue_refuses():
 
 
 def _weights(aid: str, rank: int) -> LoraWeights:
-    return LoraWeights(aid, rank, frozenset({"q_proj"}), {"q_proj": 2.0},
-                       {(0, "q_proj"): torch.ones(rank, 4)}, {(0, "q_proj"): torch.ones(6, rank)})
+    return LoraWeights(
+        aid,
+        rank,
+        frozenset({"q_proj"}),
+        {"q_proj": 2.0},
+        {(0, "q_proj"): torch.ones(rank, 4)},
+        {(0, "q_proj"): torch.ones(6, rank)},
+    )
 
 
 def test_pool_refcounts_lru_and_capacity():
     now = [0.0]
-    pool = AdapterPool(ModelShapes(1, {"q_proj": (4, 6), "v_proj": (4, 6)}), num_slots=2, max_rank=4,
-                       dtype=torch.float32, device=torch.device("cpu"), clock=lambda: now[0])
+    pool = AdapterPool(
+        ModelShapes(1, {"q_proj": (4, 6), "v_proj": (4, 6)}),
+        num_slots=2,
+        max_rank=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        clock=lambda: now[0],
+    )
     s0 = pool.allocate(_weights("x", 2))
     assert pool.module_ranks == {"q_proj": [2, 0], "v_proj": [0, 0]}
     assert torch.equal(pool.b["q_proj"][0, s0, :, :2], torch.full((6, 2), 2.0))  # scaling folded into B

@@ -1,14 +1,15 @@
 """Incremental detokenization: constant work per new token, never emits half a UTF-8 character.
 
-Byte-level BPE tokens can split a character; decoding the last emitted chunk plus the new tokens and holding back text that
-ends in U+FFFD (an incomplete byte sequence) keeps streamed deltas exact. The concatenated deltas
-equal `tokenizer.decode(all_output_ids, skip_special_tokens=True)` up to that held-back tail, which
-`flush` releases when the sequence ends.
+Byte-level BPE tokens can split a character; decoding the last emitted chunk plus the new tokens
+and holding back text that ends in U+FFFD (an incomplete byte sequence) keeps streamed deltas
+exact. The concatenated deltas equal `tokenizer.decode(all_output_ids, skip_special_tokens=True)`
+up to that held-back tail, which `flush` releases when the sequence ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 
 @dataclass
 class IncrementalDetokenizer:

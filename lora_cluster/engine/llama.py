@@ -77,7 +77,9 @@ class LlamaRunner:
             return
         self.ops.add_lora(out, x, self.pool.a[module][layer], self.pool.b[module][layer], meta)
 
-    def _lora_fused(self, batch: StepBatch, layer: int, fused: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    def _lora_fused(
+        self, batch: StepBatch, layer: int, fused: str, out: torch.Tensor, x: torch.Tensor
+    ) -> None:
         for module, (key, lo, hi) in self._splits.items():
             if key == fused:
                 self._lora(batch, layer, module, out[:, lo:hi], x)

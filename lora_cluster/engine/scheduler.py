@@ -22,7 +22,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lora_cluster.engine.sequence import Sequence, SeqStatus
+from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import EngineOverloadedError
 
 

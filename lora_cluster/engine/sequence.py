@@ -25,7 +25,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_new_tokens or max_model_len reached
     STOP = "stop"  # a stop string or stop token id
     EOS = "eos"  # the model's end-of-sequence token
