@@ -130,3 +130,24 @@ async def test_async_stream_and_cancel(engine: Engine):
                 pass
     finally:
         aengine.shutdown()
+
+
+def test_hub_id_resolves_from_local_cache_offline(demo_model_dir, monkeypatch, tmp_path):
+    """No hub is reachable here: a hub id is served from huggingface_hub's local cache."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    repo = tmp_path / "models--demo-org--tiny-llama"
+    shutil.copytree(demo_model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    engine = Engine(model="demo-org/tiny-llama")
+    local = Engine(model=str(demo_model_dir))
+    prompt = ["the quick brown fox"]
+    assert (
+        engine.generate(prompt, sampling=GREEDY)[0].token_ids
+        == local.generate(prompt, sampling=GREEDY)[0].token_ids
+    )
