@@ -46,7 +46,49 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo]
+def _add_encrypt(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "encrypt",
+        help="write an AES-256-GCM encrypted copy of an adapter folder (or of every adapter below it)",
+        description="Encrypt adapter weights at rest (docs/adapter-store.md): adapter_config.json stays in "
+        "clear text, adapter_model.safetensors becomes adapter_model.safetensors.enc, and checksums.sha256 "
+        "covers both. Upload the output folder to the adapter source; engines decrypt with the same key.",
+    )
+    p.add_argument("src", type=Path, help="an adapter folder, or a folder of adapter folders")
+    p.add_argument("dst", type=Path, help="output folder (must not exist or be empty)")
+    p.add_argument("--key-file", type=Path, help="file holding the 32-byte key (hex, base64 or raw)")
+    p.add_argument("--key-env", default="LORA_CLUSTER_ADAPTER_KEY",
+                   help="environment variable holding the key when no --key-file (default %(default)s)")
+    p.add_argument("--generate-key", action="store_true",
+                   help="create --key-file with a new random key first")
+    p.set_defaults(handler=_run_encrypt)
+
+
+def _run_encrypt(args: argparse.Namespace) -> int:
+    from lora_cluster.errors import LoraClusterError
+    from lora_cluster.store.crypto import encrypt_tree, generate_key_file, load_key
+
+    try:
+        if args.generate_key:
+            if args.key_file is None:
+                print("lora-cluster encrypt: --generate-key needs --key-file", file=sys.stderr)
+                return 2
+            generate_key_file(args.key_file)
+            print(f"key: {args.key_file} (new; keep it secret)")
+        key = load_key(args.key_env, str(args.key_file) if args.key_file else None)
+        if key is None:
+            print(f"lora-cluster encrypt: no key: pass --key-file or set ${args.key_env}", file=sys.stderr)
+            return 2
+        written = encrypt_tree(args.src, args.dst, key)
+    except (LoraClusterError, OSError) as e:
+        print(f"lora-cluster encrypt: {e}", file=sys.stderr)
+        return 1
+    for folder in written:
+        print(f"encrypted: {folder}")
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_encrypt]
 
 
 def build_parser() -> argparse.ArgumentParser:

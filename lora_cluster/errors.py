@@ -55,6 +55,10 @@ class AdapterShapeError(AdapterError):
     """The adapter's weights do not fit the served base model."""
 
 
+class AdapterBaseModelError(AdapterShapeError):
+    """The adapter declares another base model than the served one (refused with base_model_check=strict)."""
+
+
 class AdapterIntegrityError(AdapterError):
     """Checksum mismatch, tampered or undecryptable file."""
 

@@ -1,23 +1,33 @@
 """Device-resident adapter slots, allocated once at start with fixed addresses.
 
 For each projection `m`, `a[m]` is [num_layers, num_slots, max_rank, in_features] and `b[m]` is
-[num_layers, num_slots, out_features, max_rank]. Loading an adapter copies its weights into a slot
+[num_layers, num_slots, out_features, max_rank] (a transposed view, see below). Loading an adapter copies its weights into a slot
 (scaling folded into B, rows/columns past its rank and projections it does not target zeroed);
 nothing is allocated per switch, so the addresses stay fixed (CUDA graphs can capture them).
 
 Invariants: a slot holds at most one adapter; a slot with references (running sequences) is never
-overwritten; eviction picks the least recently used unreferenced slot.
+overwritten; eviction picks the least recently used unreferenced slot. An optional `SlotPolicy`
+(the adapter store's usage tracker) refines that: its `protected` adapters (pinned, or used by a
+queued request) are never evicted, victims go by lowest `priority` (then LRU), and it is told of
+every placement and removal (`on_device`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.errors import AdapterCapacityError
+
+
+class SlotPolicy(Protocol):
+    def protected(self, adapter_id: str) -> bool: ...
+    def priority(self, adapter_id: str) -> float: ...
+    def on_device(self, adapter_id: str, resident: bool) -> None: ...
 
 
 class AdapterPool:
@@ -30,15 +40,19 @@ class AdapterPool:
         dtype: torch.dtype,
         device: torch.device,
         clock: Callable[[], float] = time.monotonic,
+        policy: SlotPolicy | None = None,
     ):
         self.num_slots, self.max_rank = num_slots, max_rank
+        self.policy = policy
         n = shapes.num_layers
         self.a = {
             m: torch.zeros((n, num_slots, max_rank, i), dtype=dtype, device=device)
             for m, (i, _) in shapes.modules.items()
         }
+        # B is stored [layers, slots, max_rank, out] and exposed transposed: a slot's [r, out] block is
+        # then contiguous, which makes the expand GEMM's weight a plain (non-transposed) operand.
         self.b = {
-            m: torch.zeros((n, num_slots, o, max_rank), dtype=dtype, device=device)
+            m: torch.zeros((n, num_slots, max_rank, o), dtype=dtype, device=device).mT
             for m, (_, o) in shapes.modules.items()
         }
         # module -> rank of that projection in each slot (0: not targeted / empty)
@@ -60,7 +74,11 @@ class AdapterPool:
         if free:
             return free[0]
         idle = [s for s in range(self.num_slots) if self._refs[s] == 0]
-        return min(idle, key=self._last_used.__getitem__, default=None)
+        if self.policy is None:
+            return min(idle, key=self._last_used.__getitem__, default=None)
+        p = self.policy
+        idle = [s for s in idle if not p.protected(self._owner[s])]
+        return min(idle, key=lambda s: (p.priority(self._owner[s]), self._last_used[s]), default=None)
 
     def can_allocate(self) -> bool:
         return self._victim() is not None
@@ -82,6 +100,8 @@ class AdapterPool:
         old = self._owner[slot]
         if old is not None:
             del self._slot_of[old]
+            if self.policy is not None:
+                self.policy.on_device(old, False)
         for m in self.a:
             self.a[m][:, slot].zero_()
             self.b[m][:, slot].zero_()
@@ -93,6 +113,8 @@ class AdapterPool:
         self._owner[slot] = weights.adapter_id
         self._slot_of[weights.adapter_id] = slot
         self._last_used[slot] = self._clock()
+        if self.policy is not None:
+            self.policy.on_device(weights.adapter_id, True)
         return slot
 
     def acquire(self, adapter_id: str) -> int:
@@ -117,6 +139,8 @@ class AdapterPool:
         self._owner[slot] = None
         for m in self.module_ranks:
             self.module_ranks[m][slot] = 0
+        if self.policy is not None:
+            self.policy.on_device(adapter_id, False)
         return True
 
     def refs(self, adapter_id: str) -> int:

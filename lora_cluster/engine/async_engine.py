@@ -130,6 +130,7 @@ class AsyncEngine:
                 command = None
             if command is not None:
                 command()
+                self._stats = self.engine.stats()
                 continue
             try:
                 outputs = self.engine.step()

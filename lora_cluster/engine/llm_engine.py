@@ -18,7 +18,7 @@ import torch
 from lora_kernels import get_lora_ops
 
 from lora_cluster.adapter_format import LoraWeights
-from lora_cluster.adapter_loader import AdapterLoader, FolderAdapterLoader, check_adapter_id
+from lora_cluster.adapter_loader import AdapterLoader, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.batch import build_step_batch
@@ -30,6 +30,7 @@ from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Gate, Scheduler
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, snapshot
 from lora_cluster.errors import AdapterError, LoraClusterError, PromptTooLongError, RequestError
+from lora_cluster.store import build_adapter_loader
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,12 @@ class Engine:
             self.max_model_len = min(self.max_model_len, window)
         self.kv = KVCache(num_layers=dims.num_layers, num_slots=config.max_num_seqs, kv_heads=dims.num_kv_heads,
                           max_len=self.max_model_len, head_dim=dims.head_dim, dtype=self.dtype, device=self.device)
+        self.loader = adapter_loader or build_adapter_loader(config, self.shapes, self.device)
+        # the adapter store's usage tracker: device victim policy + queued/running adapter uses (or None)
+        self.usage = getattr(self.loader, "usage", None)
         self.pool = AdapterPool(self.shapes, num_slots=config.max_loras, max_rank=config.max_lora_rank,
-                                dtype=self.dtype, device=self.device)
+                                dtype=self.dtype, device=self.device, policy=self.usage)
         self.runner = LlamaRunner(self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device)
-        self.loader = adapter_loader or FolderAdapterLoader(config.adapter_source, self.shapes, config.max_lora_rank)
         self._executor = ThreadPoolExecutor(config.adapter_load_workers, thread_name_prefix="adapter-load")
         self._loads: dict[str, Future[LoraWeights]] = {}  # host loads in flight or done, not yet on device
         self._failed: dict[str, AdapterError] = {}  # adapter failures seen during the current step
@@ -227,6 +230,8 @@ class Engine:
         )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
+        if adapter_id is not None and self.usage is not None:
+            self.usage.request_started(adapter_id)
         if adapter_id is not None and self.pool.slot_of(adapter_id) is None:
             self._start_load(adapter_id)  # fetch now, off the step loop
 
@@ -237,6 +242,7 @@ class Engine:
             return None
         seq.finish_reason = FinishReason.ABORT
         self.scheduler.finish(seq)
+        self._usage_done(seq)
         return snapshot(seq)
 
     def has_unfinished(self) -> bool:
@@ -323,7 +329,13 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self._seqs.pop(seq.request_id, None)
+        if self._seqs.pop(seq.request_id, None) is not None:
+            self._usage_done(seq)
+
+    def _usage_done(self, seq: Sequence) -> None:
+        """Tell the adapter store a request stopped using its adapter (once per request)."""
+        if seq.adapter_id is not None and self.usage is not None:
+            self.usage.request_finished(seq.adapter_id)
 
     # ----- offline API ----------------------------------------------------------------------
 
@@ -358,6 +370,8 @@ class Engine:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.loader, "close"):
+            self.loader.close()
 
 
 __all__ = ["Engine", "EngineStats", "SeqStatus"]

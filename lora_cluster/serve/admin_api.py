@@ -1,0 +1,77 @@
+"""Operational routes: vLLM's adapter admin, /health, /metrics, /debug/replicas.
+
+`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` registers the adapter on every running
+replica; each validates it (a missing path is a 404, an invalid adapter a 400, never a success)
+and, if any refuses, it is unregistered from the others. The ingress remembers the registration
+and sends the path with each request for that adapter, so a replica started later registers it on
+first use. `POST /v1/unload_lora_adapter {"lora_name"}` undoes it (404 when it was not loaded).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from lora_cluster import metrics
+from lora_cluster.adapter_loader import check_adapter_id
+from lora_cluster.errors import AdapterError
+from lora_cluster.serve.context import ApiContext
+from lora_cluster.serve.errors import ApiError, ApiException, bad_request, not_found
+from lora_cluster.serve.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+
+
+def admin_router(ctx: ApiContext) -> APIRouter:
+    router = APIRouter()
+    dispatcher = ctx.dispatcher
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraAdapterRequest) -> Any:
+        try:
+            check_adapter_id(req.lora_name)
+        except AdapterError as exc:
+            raise bad_request(str(exc)) from exc
+        if req.lora_name in ctx.registered:
+            raise bad_request(f"the LoRA adapter {req.lora_name!r} has already been loaded",
+                              code="already_loaded")
+        results = await dispatcher.broadcast("register_adapter", req.lora_name, req.lora_path)
+        failed = [r["error"] for r in results.values() if "error" in r]
+        if failed:
+            for rid, r in results.items():
+                if "error" not in r:
+                    await dispatcher.call(rid, "unregister_adapter", req.lora_name)
+            raise ApiException(ApiError.from_dict(failed[0]))
+        ctx.registered[req.lora_name] = req.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> Any:
+        if req.lora_name not in ctx.registered:
+            raise not_found(f"the LoRA adapter {req.lora_name!r} cannot be found", code="adapter_not_found")
+        del ctx.registered[req.lora_name]
+        await dispatcher.broadcast("unregister_adapter", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    @router.get("/health")
+    async def health() -> Any:
+        """200 when at least one LoRA replica is running and answers; 503 otherwise."""
+        try:
+            replica = await dispatcher.any_replica("ping", timeout_s=5.0)
+        except ApiException as exc:
+            return JSONResponse(exc.error.body(), status_code=503)
+        stats = dispatcher.replica_stats() or {}
+        return {"status": "ok", "replicas": max(len(stats), 1), "answered": replica}
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+    @router.get("/debug/replicas")
+    async def debug_replicas(fresh: bool = True) -> dict[str, Any]:
+        """Every replica's engine state: fresh from each replica, or the router's last reports."""
+        stats = await dispatcher.broadcast("stats") if fresh else (dispatcher.replica_stats() or {})
+        return {"time": time.time(), "replicas": stats, "registered_adapters": dict(ctx.registered)}
+
+    return router

@@ -1,0 +1,201 @@
+"""The ingress's side of the replicas: start generations, read their streams, reach every replica.
+
+`Dispatcher.start(job)` sends a job to the LoRA replicas (the request router picks the replica)
+and waits for its first item, so that the HTTP status and the routing headers are known before any
+byte is sent: a failure before the first token (unknown adapter, prompt too long, overload)
+becomes a proper error response even for `stream: true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lora_cluster import metrics
+from lora_cluster.serve.errors import ApiError, ApiException, NoReplicaError, describe
+from lora_cluster.serve.protocol import GenerateJob, ToReplica
+from lora_cluster.serve.routing import replica_stats
+
+HEADER_REPLICA = "x-lora-replica"
+HEADER_HIT = "x-lora-adapter-hit"
+
+
+@contextlib.contextmanager
+def own_request_id() -> Iterator[None]:
+    """Give the replica call made inside this block its own Serve internal request id.
+
+    Every call made while handling one HTTP request inherits that request's internal id, and Ray
+    Serve's request router (2.60) indexes pending calls by it: concurrent calls of one request (n > 1,
+    several prompts, admin broadcasts) would be mixed up, one fulfilled with another's replica and the
+    other never routed. With its own id, each call is routed on its own. (Cancellation is not left to
+    Serve's parent-child tracking, which keys on that id: `Generation` cancels its call explicitly.)
+    """
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
+def cancel_call(response: Any) -> None:
+    """Cancel a Serve call. `cancel()` re-raises the call's own error when it already failed (for
+    example BackPressureError); there is nothing left to cancel then."""
+    with contextlib.suppress(Exception):
+        response.cancel()
+
+
+@dataclass
+class Generation:
+    """One job running on one replica; iterate `items()` for its outputs (the first is already in)."""
+
+    job: GenerateJob
+    replica: str
+    hit: bool
+    first: dict[str, Any]
+    stream: Any  # ray.serve.handle.DeploymentResponseGenerator
+    tokens: int = 0
+    finished: bool = field(default=False)
+
+    async def items(self) -> AsyncIterator[dict[str, Any]]:
+        """Output items to the final one; raises ApiException for an error item mid-stream."""
+        item: dict[str, Any] | None = self.first
+        try:
+            while item is not None:
+                if "error" in item:
+                    self.finished = True  # the replica ended the stream: nothing to cancel
+                    raise ApiException(ApiError.from_dict(item["error"]))
+                metrics.GENERATED_TOKENS.inc(len(item["delta_token_ids"]))
+                self.tokens = item["completion_tokens"]
+                if item["finished"]:
+                    self.finished = True
+                    metrics.PROMPT_TOKENS.inc(item["prompt_tokens"])
+                yield item
+                if item["finished"]:
+                    return
+                try:
+                    item = await self.stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:
+                    raise ApiException(describe(exc)) from exc
+        finally:
+            if not self.finished:
+                self.cancel()
+
+    async def final(self) -> dict[str, Any]:
+        """Run to the end; the final item (with the cumulative `text` and `token_ids`)."""
+        last: dict[str, Any] = {}
+        async for item in self.items():
+            last = item
+        return last
+
+    def cancel(self) -> None:
+        """Abort the request on its replica (frees its batch slot)."""
+        if not self.finished:
+            self.finished = True
+            metrics.CANCELLED.inc()
+            cancel_call(self.stream)
+
+
+class Dispatcher:
+    def __init__(self, handle: Any, app_name: str):
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._key = (app_name, handle.deployment_name)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]] | None:
+        """Last reports of the running replicas (None until the first call creates the router)."""
+        return replica_stats(*self._key)
+
+    def _check_replicas(self) -> None:
+        stats = self.replica_stats()
+        if stats is not None and not stats:
+            raise ApiException(describe(NoReplicaError("no LoRA replica is running")))
+
+    async def start(self, job: GenerateJob, route: str) -> Generation:
+        """Send `job` and wait for its first item; raises ApiException with the request's error."""
+        self._check_replicas()
+        t0 = time.monotonic()
+        with own_request_id():
+            stream = self._stream.generate.remote(job)
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            error = RuntimeError("the replica ended the stream without output")
+            raise ApiException(describe(error)) from None
+        except asyncio.CancelledError:
+            cancel_call(stream)
+            raise
+        except Exception as exc:
+            cancel_call(stream)
+            raise ApiException(describe(exc)) from exc
+        if "error" in first:
+            raise ApiException(ApiError.from_dict(first["error"]))
+        if job.stream:
+            metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - t0)
+        (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
+        return Generation(job=job, replica=first["replica"], hit=first["hit"], first=first, stream=stream)
+
+    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
+        """Start every job; if one fails, cancel the others and raise its error."""
+        results = await asyncio.gather(*(self.start(j, route) for j in jobs), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if isinstance(r, Generation):
+                    r.cancel()
+            raise errors[0]
+        return list(results)  # type: ignore[arg-type]
+
+    async def call(self, replica_id: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        """Call `method(ToReplica(replica_id), *args)` on that replica."""
+        with own_request_id():
+            response = getattr(self._handle, method).remote(ToReplica(replica_id), *args)
+        try:
+            return await asyncio.wait_for(response, timeout_s)
+        except TimeoutError:
+            cancel_call(response)
+            raise ApiException(describe(NoReplicaError(f"replica {replica_id} did not answer"))) from None
+
+    async def any_replica(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        """Call `method(None, *args)` on whichever replica the router picks."""
+        with own_request_id():
+            response = getattr(self._handle, method).remote(None, *args)
+        try:
+            return await asyncio.wait_for(response, timeout_s)
+        except TimeoutError:
+            cancel_call(response)
+            raise ApiException(describe(NoReplicaError(f"no replica answered within {timeout_s}s"))) from None
+
+    async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
+        """Call `method` on every running replica; {replica id: result}."""
+        stats = self.replica_stats()
+        if stats is None:  # no router yet: one call creates it, then the replica list arrives
+            await self.any_replica("ping")
+            for _ in range(50):
+                stats = self.replica_stats()
+                if stats:
+                    break
+                await asyncio.sleep(0.1)
+        if not stats:
+            raise ApiException(describe(NoReplicaError("no LoRA replica is running")))
+        ids = sorted(stats)
+        results = await asyncio.gather(*(self.call(rid, method, *args) for rid in ids))
+        return dict(zip(ids, results, strict=True))
+
+
+def routing_headers(generations: list[Generation]) -> dict[str, str]:
+    """`x-lora-replica` (the replicas that served, comma-separated) and `x-lora-adapter-hit`."""
+    replicas = list(dict.fromkeys(g.replica for g in generations))
+    return {HEADER_REPLICA: ",".join(replicas),
+            HEADER_HIT: "true" if all(g.hit for g in generations) else "false"}

@@ -1,0 +1,147 @@
+"""THE one place that maps exceptions to HTTP status codes and the OpenAI error shape.
+
+Every API route, and the replicas (which report errors inside their output stream), call
+`describe(exc)`; nothing else picks status codes. The body is OpenAI's
+`{"error": {"message", "type", "code"}}`, for the LoRAX and vLLM routes too (the LoRAX client maps
+errors by status code).
+
+| exception                                   | status | type                  | code                |
+|---------------------------------------------|--------|-----------------------|---------------------|
+| PromptTooLongError                          | 400    | invalid_request_error | prompt_too_long     |
+| RequestError, request validation            | 400    | invalid_request_error | invalid_parameter   |
+| AdapterNotFoundError                        | 404    | not_found_error       | adapter_not_found   |
+| AdapterFormat/Rank/Shape/IntegrityError     | 400    | invalid_request_error | invalid_adapter     |
+| EngineOverloadedError, AdapterCapacityError | 429    | rate_limit_error      | overloaded          |
+| Ray Serve BackPressureError                 | 429    | rate_limit_error      | overloaded          |
+| AdapterLoadError                            | 503    | service_unavailable   | adapter_unavailable |
+| NoReplicaError, dead/unavailable replicas   | 503    | service_unavailable   | no_replica          |
+| anything else                               | 500    | server_error          | internal_error      |
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+from lora_cluster import errors as e
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiError:
+    status: int
+    type: str
+    code: str
+    message: str
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ApiError:
+        return cls(int(d["status"]), str(d["type"]), str(d["code"]), str(d["message"]))
+
+
+class ApiException(Exception):
+    """Raised inside the HTTP layer to answer with `error`."""
+
+    def __init__(self, error: ApiError):
+        self.error = error
+        super().__init__(error.message)
+
+
+class NoReplicaError(e.LoraClusterError):
+    """No LoRA replica is running (or the targeted one is gone)."""
+
+
+def bad_request(message: str, code: str = "invalid_parameter") -> ApiException:
+    return ApiException(ApiError(400, "invalid_request_error", code, message))
+
+
+def not_found(message: str, code: str = "not_found") -> ApiException:
+    return ApiException(ApiError(404, "not_found_error", code, message))
+
+
+_DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
+    (e.PromptTooLongError, 400, "invalid_request_error", "prompt_too_long"),
+    (e.RequestError, 400, "invalid_request_error", "invalid_parameter"),
+    (e.AdapterNotFoundError, 404, "not_found_error", "adapter_not_found"),
+    (e.AdapterCapacityError, 429, "rate_limit_error", "overloaded"),
+    (e.AdapterLoadError, 503, "service_unavailable", "adapter_unavailable"),
+    (e.AdapterError, 400, "invalid_request_error", "invalid_adapter"),
+    (e.EngineOverloadedError, 429, "rate_limit_error", "overloaded"),
+    (NoReplicaError, 503, "service_unavailable", "no_replica"),
+    (e.RequestAbortedError, 503, "service_unavailable", "aborted"),
+]
+
+
+def _ray_error(exc: BaseException) -> ApiError | None:
+    """Ray Serve's own failures: overload (429) and replicas that cannot serve (503)."""
+    try:
+        from ray import exceptions as ray_exc
+        from ray.serve import exceptions as serve_exc
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return None
+    if isinstance(exc, serve_exc.BackPressureError):
+        return ApiError(429, "rate_limit_error", "overloaded", f"server overloaded, retry later: {exc}")
+    unavailable = (serve_exc.DeploymentUnavailableError, ray_exc.ActorDiedError,
+                   ray_exc.ActorUnavailableError, ray_exc.ActorUnschedulableError)
+    if isinstance(exc, unavailable):
+        return ApiError(503, "service_unavailable", "no_replica", f"no replica can serve the request: {exc}")
+    if isinstance(exc, ray_exc.RayTaskError) and isinstance(exc.cause, BaseException):
+        return describe(exc.cause) if not isinstance(exc.cause, ray_exc.RayTaskError) else None
+    return None
+
+
+def describe(exc: BaseException) -> ApiError:
+    """The HTTP error for an exception (see the module table)."""
+    if isinstance(exc, ApiException):
+        return exc.error
+    for cls, status, kind, code in _DOMAIN:
+        if isinstance(exc, cls):
+            return ApiError(status, kind, code, str(exc))
+    ray_error = _ray_error(exc)
+    if ray_error is not None:
+        return ray_error
+    log.error("unexpected error", exc_info=exc)
+    return ApiError(500, "server_error", "internal_error", f"internal error: {type(exc).__name__}: {exc}")
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A 400 naming the invalid fields of a request body (FastAPI/pydantic validation errors)."""
+    parts = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return ApiError(400, "invalid_request_error", "invalid_parameter", "invalid request: " + "; ".join(parts))
+
+
+def install_handlers(app) -> None:
+    """Make a FastAPI app answer every error in the OpenAI shape with the status from `describe`."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    def respond(error: ApiError) -> JSONResponse:
+        headers = {"retry-after": "1"} if error.status in (429, 503) else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def on_validation(_request, exc: RequestValidationError) -> JSONResponse:
+        return respond(validation_error(list(exc.errors())))
+
+    async def on_http(_request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return respond(ApiError(exc.status_code, kind, "http_error", str(exc.detail)))
+
+    async def on_any(_request, exc: Exception) -> JSONResponse:
+        return respond(describe(exc))
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(ApiException, on_any)
+    app.add_exception_handler(e.LoraClusterError, on_any)
+    app.add_exception_handler(Exception, on_any)

@@ -1,0 +1,55 @@
+"""The served model: `model: demo` resolution and the ingress-side tokenizer.
+
+`model: demo` (the default) means the built-in demo zoo: every process that needs it (the app
+builder, each replica, the ingress) calls `resolve_model`, which builds the zoo into `demo_dir` if
+it is missing and is a cheap no-op otherwise (the build is atomic and safe to race).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from lora_cluster.config import ServeConfig, build_config
+
+log = logging.getLogger(__name__)
+
+DEMO = "demo"
+
+
+def load_config(args: dict[str, Any] | None) -> ServeConfig:
+    """The ServeConfig of application args (plus `LORA_CLUSTER_*` env); raises ConfigError."""
+    config = build_config(ServeConfig, **(args or {}))
+    assert isinstance(config, ServeConfig)
+    return config
+
+
+def served_name(config: ServeConfig) -> str:
+    """The base model's name in the API."""
+    return config.served_model_name or config.model
+
+
+def resolve_model(config: ServeConfig) -> ServeConfig:
+    """`config` with `model: demo` replaced by the demo zoo's folders (built on first use)."""
+    if config.model != DEMO:
+        return config
+    from lora_cluster.demo import build_demo_zoo
+
+    folder = Path(config.demo_dir).expanduser() / f"{config.demo_size}-{config.demo_num_adapters}"
+    zoo = build_demo_zoo(folder, num_adapters=config.demo_num_adapters, size=config.demo_size, seed=0)
+    log.info("demo zoo at %s (%d adapters)", zoo.model_dir.parent, len(zoo.adapter_ids))
+    update: dict[str, Any] = {"model": str(zoo.model_dir),
+                              "served_model_name": config.served_model_name or DEMO}
+    if not config.adapter_source:
+        update["adapter_source"] = [str(zoo.adapters_dir)]
+    return config.model_copy(update=update)
+
+
+def load_tokenizer(config: ServeConfig) -> Any:
+    """The base model's tokenizer, loaded the way the engine loads it (same ids, same chat template)."""
+    from transformers import AutoTokenizer
+
+    from lora_cluster.engine.model_loader import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(resolve_model(config).model))

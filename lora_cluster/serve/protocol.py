@@ -1,0 +1,103 @@
+"""What the ingress and the LoRA replicas send each other (plain picklable objects).
+
+A generation call is `LoraReplica.generate(job: GenerateJob)`, a streaming method. The request
+router reads the job (the call's first argument) to learn the adapter; admin calls that must reach
+one particular replica pass `ToReplica(replica_id)` as their first argument instead.
+
+The replica yields dicts. The first one carries `replica` (its id) and `hit` (whether the adapter
+was already on its device when the request arrived). An item is either an output (`OUTPUT_KEYS`),
+or `{"error": ApiError dict}` after which the stream ends. A job with `stream=False` gets a single
+output item, the final one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from lora_cluster.engine import RequestOutput, SamplingParams
+
+T = TypeVar("T")
+_END = object()
+
+
+@dataclass
+class GenerateJob:
+    """One sequence to generate (an OpenAI request with n=2 and two prompts is four jobs)."""
+
+    request_id: str
+    prompt: str | list[int]
+    adapter_id: str | None
+    sampling: SamplingParams
+    stream: bool = True
+    adapter_path: str | None = None  # set for adapters registered through /v1/load_lora_adapter
+
+
+@dataclass(frozen=True)
+class ToReplica:
+    """Route this call to the replica with this id (admin broadcast, debug)."""
+
+    replica_id: str
+
+
+def output_item(out: RequestOutput, *, full: bool) -> dict[str, Any]:
+    """The wire form of one engine output; `full` adds the cumulative text (final items)."""
+    return {
+        "text": out.text if full else None,
+        "delta_text": out.delta_text,
+        "delta_token_ids": list(out.delta_token_ids),
+        "token_ids": list(out.token_ids) if full else None,
+        "finished": out.finished,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "ttft_s": out.time_to_first_token,
+    }
+
+
+def routing_key(args: tuple | list) -> tuple[str | None, str | None]:
+    """(adapter id, target replica id) of a replica call, from its positional arguments."""
+    first = args[0] if args else None
+    if isinstance(first, ToReplica):
+        return None, first.replica_id
+    if isinstance(first, GenerateJob):
+        return first.adapter_id, None
+    return None, None
+
+
+async def batches(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
+    """The items of `source` in groups: each group is everything that arrived while the consumer was
+    busy with the previous one (one item per group when the consumer keeps up). A slow consumer thus
+    gets fewer, larger messages instead of a growing backlog. An error of `source` is raised after
+    the items that preceded it; closing this generator closes `source` (e.g. aborts the request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                queue.put_nowait(item)
+            queue.put_nowait(_END)
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            got = [await queue.get()]
+            while not queue.empty():
+                got.append(queue.get_nowait())
+            ends = [x for x in got if x is _END or isinstance(x, Exception)]
+            group = [x for x in got if x is not _END and not isinstance(x, Exception)]
+            if group:
+                yield group
+            if ends:
+                if isinstance(ends[0], Exception):
+                    raise ends[0]
+                return
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

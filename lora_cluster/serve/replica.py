@@ -1,0 +1,144 @@
+"""The LoRA replica deployment: one engine, its own continuous-batching loop, streamed outputs.
+
+Each replica runs an `AsyncEngine` (a loop thread that steps the engine: requests of any adapter
+join the running batch at the next step, so Ray Serve's `@serve.batch`, which splits batches by
+model id, is not used). `generate` is a streaming method: the ingress calls it through
+`handle.options(stream=True)` and gets one item per engine output (see `protocol`). When the
+caller goes away (client disconnect), Ray cancels the generator, which aborts the request in the
+engine and frees its batch slot.
+
+`record_routing_stats` reports what the router needs: adapters on the device and loading, free
+adapter and batch slots, running and waiting requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
+from lora_cluster.errors import LoraClusterError
+from lora_cluster.serve.errors import describe
+from lora_cluster.serve.model import load_config, resolve_model
+from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
+
+log = logging.getLogger(__name__)
+
+
+async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
+    """Wire items of an engine output stream: one per output while the caller keeps up, else the
+    outputs that queued up merged into one item (deltas joined). Closing it aborts the request."""
+    async for group in batches(outputs):
+        last = group[-1]
+        item = output_item(last, full=last.finished)
+        if len(group) > 1:
+            item["delta_text"] = "".join(o.delta_text for o in group)
+            item["delta_token_ids"] = [t for o in group for t in o.delta_token_ids]
+        yield item
+        if last.finished:
+            return
+
+
+@serve.deployment(name="LoraReplica")
+class LoraReplica:
+    def __init__(self, config: dict[str, Any]):
+        self.config = resolve_model(load_config(config))
+        self.engine = Engine(config=self.config)
+        self.aengine = AsyncEngine(self.engine)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._registered: dict[str, str] = {}  # adapters registered here through the vLLM API
+        log.info("replica %s serving %s", self.replica_id, self.config.model)
+
+    # ----- generation ---------------------------------------------------------------------
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[dict[str, Any]]:
+        aid = job.adapter_id
+        hit = aid is None or aid in self.aengine.stats.resident_adapters
+        self.counts["requests"] += 1
+        self.counts["hits" if hit else "misses"] += 1
+        head: dict[str, Any] = {"replica": self.replica_id, "hit": hit}
+        try:
+            if job.adapter_path is not None and aid is not None:
+                await self._ensure_registered(aid, job.adapter_path)
+            outputs = self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id)
+            if not job.stream:
+                async for out in outputs:
+                    if out.finished:
+                        yield {**head, **output_item(out, full=True)}
+                return
+            async for item in coalesce(outputs):
+                yield {**head, **item}
+                head = {}
+        except asyncio.CancelledError:
+            self.counts["cancelled"] += 1
+            raise
+        except LoraClusterError as exc:
+            self.counts["errors"] += 1
+            yield {**head, "error": describe(exc).to_dict()}
+
+    async def _ensure_registered(self, adapter_id: str, path: str) -> None:
+        if self._registered.get(adapter_id) != path:
+            await asyncio.to_thread(self.engine.loader.register, adapter_id, path)
+            self._registered[adapter_id] = path
+
+    # ----- routing stats, admin -----------------------------------------------------------
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        # fresh from the loop thread: `AsyncEngine.stats` is refreshed only by engine steps, so it
+        # would still show an aborted request as running while the engine idles
+        s = await self.aengine.call(lambda engine: engine.stats())
+        held = set(s.resident_adapters) | set(s.loading_adapters)
+        return {
+            "resident": sorted(s.resident_adapters),
+            "loading": sorted(s.loading_adapters),
+            "empty_adapter_slots": max(0, self.config.max_loras - len(held)),
+            "free_adapter_slots": s.free_adapter_slots,  # empty or holding an idle adapter
+            "max_loras": self.config.max_loras,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "free_seq_slots": s.free_seq_slots,
+            "max_num_seqs": self.config.max_num_seqs,
+            **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
+        }
+
+    async def stats(self, _target: ToReplica | None = None) -> dict[str, Any]:
+        """Fresh stats of this replica (the routing stats, as of the engine's last step)."""
+        return {"replica": self.replica_id, **(await self.record_routing_stats())}
+
+    async def register_adapter(self, _target: ToReplica | None, name: str, path: str) -> dict[str, Any]:
+        """vLLM's load_lora_adapter on this replica: validate the adapter at `path` and serve it as `name`."""
+        try:
+            await asyncio.to_thread(self.engine.loader.register, name, path)
+        except LoraClusterError as exc:
+            return {"error": describe(exc).to_dict()}
+        self._registered[name] = path
+        return {"replica": self.replica_id, "ok": True}
+
+    async def unregister_adapter(self, _target: ToReplica | None, name: str) -> dict[str, Any]:
+        """vLLM's unload_lora_adapter on this replica; the adapter leaves the device once idle."""
+        known = self._registered.pop(name, None) is not None
+        self.engine.loader.unregister(name)
+        await self.aengine.unload_adapter(name)
+        return {"replica": self.replica_id, "ok": known}
+
+    async def list_adapters(self, _target: ToReplica | None = None) -> list[str]:
+        return await asyncio.to_thread(self.engine.loader.list_adapters)
+
+    async def ping(self, _target: ToReplica | None = None) -> str:
+        return self.replica_id
+
+    def check_health(self) -> None:
+        thread = getattr(self.aengine, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the engine loop thread has stopped")
+
+    def __del__(self) -> None:
+        aengine = getattr(self, "aengine", None)
+        if aengine is not None:
+            aengine.shutdown()

@@ -1,0 +1,83 @@
+"""The Ray Serve request router of the LoRA replicas: adapter affinity (policy in `routing`).
+
+Ray creates one `LoraAffinityRouter` per deployment handle, in the process that holds the handle
+(the ingress), and calls `choose_replicas` for every call. The router learns
+
+* the request's adapter from the call itself: the first positional argument of `generate` is a
+  `GenerateJob` (`protocol.routing_key`); a `ToReplica` argument pins an admin call to one replica;
+* each replica's state from its `record_routing_stats` report, which the Serve controller polls every
+  `request_routing_stats_period_s` and broadcasts with the replica list (`RunningReplica.routing_stats`);
+* its own recent decisions (at choice time, then `on_request_routed`), so that requests for a new
+  adapter that arrive between two reports land on the same replica, and so that it knows each
+  replica's working set (the distinct adapters it sent there lately);
+* queue lengths from Serve's replica queue-length cache (else from the reports).
+
+It returns every replica as its own rank, best first; Serve takes the first one that has room
+(below `max_ongoing_requests`) and backs off and retries when none has.
+
+The latest reports are also published in-process (`routing.replica_stats`) for /metrics and /debug.
+Ray pickles this module *by value* into every process that routes, so it keeps no module state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from lora_cluster.serve.protocol import routing_key
+from lora_cluster.serve.routing import PlacementTracker, publish_replica_stats, rank_replicas
+
+log = logging.getLogger(__name__)
+
+
+class LoraAffinityRouter(RequestRouter):
+    """Send a request to a replica that holds its adapter and has room, else to the cheapest one."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.initialize_state()
+
+    def initialize_state(self, miss_cost: float = 4.0, placement_ttl_s: float = 5.0, **_: Any) -> None:
+        """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* fields)."""
+        self._miss_cost = float(miss_cost)
+        self._placements = PlacementTracker(ttl_s=float(placement_ttl_s))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        stats = {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
+        self._placements.prune(stats, time.time())
+        publish_replica_stats(self._deployment_id.app_name, self._deployment_id.name, stats)
+
+    def _ongoing(self, replica: RunningReplica) -> int:
+        """Requests on the replica: Serve's queue-length cache (updated on every send, completion and
+        rejection), else the replica's last report."""
+        cached = self._replica_queue_len_cache.get(replica.replica_id)
+        if cached is not None:
+            return cached
+        stats = replica.routing_stats or {}
+        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        adapter_id, target = None, None
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # never spin when all are full
+            adapter_id, target = routing_key(pending_request.args)
+        if target is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        now = time.time()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._placements.view(rid, r.routing_stats or {}, self._ongoing(r), now)
+                 for rid, r in by_id.items()]
+        ranked = rank_replicas(adapter_id, views, self._miss_cost)
+        if ranked:  # tentatively: a concurrent request for the same new adapter should follow it
+            self._placements.record(ranked[0], adapter_id, now)
+        return [[by_id[rid]] for rid in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        adapter_id, _ = routing_key(pending_request.args)
+        self._placements.record(replica_id.unique_id, adapter_id, time.time())

@@ -1,0 +1,34 @@
+"""The adapter store: sources by URI, admission checks, and the host and disk cache tiers.
+
+`build_adapter_loader(config, shapes, device)` is what the engine uses when no loader is given:
+the `TieredAdapterStore` (the default, `adapter_store="tiered"`), or the plain
+`FolderAdapterLoader` with `adapter_store="folder"`. See docs/adapter-store.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lora_cluster.store.lifecycle import TRANSITIONS, AdapterState, Lifecycle
+from lora_cluster.store.source import AdapterInfo, open_source
+from lora_cluster.store.store import TieredAdapterStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from lora_cluster.adapter_format import ModelShapes
+    from lora_cluster.adapter_loader import AdapterLoader
+    from lora_cluster.config import EngineConfig
+
+
+def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterLoader:
+    """The engine's default adapter loader for `config` (see the module docstring)."""
+    if config.adapter_store == "folder":
+        from lora_cluster.adapter_loader import FolderAdapterLoader
+
+        return FolderAdapterLoader(config.adapter_source, shapes, config.max_lora_rank)
+    return TieredAdapterStore.from_config(config, shapes, device)
+
+
+__all__ = ["TRANSITIONS", "AdapterInfo", "AdapterState", "Lifecycle", "TieredAdapterStore",
+           "build_adapter_loader", "open_source"]

@@ -1,0 +1,424 @@
+"""The tiered adapter store: the engine's default `AdapterLoader`.
+
+    device slots (engine AdapterPool)  <-  host memory (HostCache)  <-  local disk (DiskCache)  <-  source
+
+`load(adapter_id)` (blocking, thread-safe, called from the engine's loader threads, never from the
+step loop) returns validated host weights, from the fastest tier that has them:
+1. host hit: the cached copy, no I/O;
+2. otherwise one *single flight* per adapter (32 concurrent callers: one download, one parse):
+   resolve the adapter (registered location first, then `adapter_source` in order; a disk-cached
+   copy of a remote source is used without asking the network), read it from the disk cache or
+   download it into the disk cache (S3) / the hub cache (hub) / read it in place (local folder),
+   run the admission checks (`admission`), keep a host copy, and return it.
+A failed load raises an `AdapterError` naming the adapter and the reason and leaves nothing cached
+(a download that fails admission is dropped from the disk cache); the next call retries.
+
+The device pool consults `usage` (an `AdapterUsage`) to choose victims; the engine reports request
+starts/finishes to it, so no tier evicts an adapter a queued or running request uses, or a pinned
+one. `preload` and `pinned` adapters are loaded into host memory in the background at start, and
+a hot adapter (>= `prefetch_min_requests` requests in `prefetch_window_s`) that sits on the device
+without a host copy is copied back to host memory in the background, so that losing its device
+slot costs a host-to-device copy rather than a disk read. Adapters are treated as immutable per
+id: to change one, register it again (or call `invalidate`), which drops its cached copies.
+
+CPU policy: parsing, validating and quantizing an adapter run with one intra-op thread in the
+calling thread (`torch.set_num_threads` is per thread with OpenMP), so a load in a loader thread
+never competes with the step loop's parallel kernels for the cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
+from lora_cluster.adapter_loader import check_adapter_id
+from lora_cluster.errors import AdapterError, AdapterLoadError, AdapterNotFoundError
+from lora_cluster.store.admission import AdmissionPolicy, admit_folder
+from lora_cluster.store.crypto import load_key
+from lora_cluster.store.disk_cache import DiskCache
+from lora_cluster.store.host_cache import HostCache
+from lora_cluster.store.lifecycle import AdapterState, Lifecycle, LifecycleError
+from lora_cluster.store.policy import AccessTracker
+from lora_cluster.store.single_flight import SingleFlight
+from lora_cluster.store.source import AdapterInfo, AdapterSource, Located, open_source
+from lora_cluster.store.stats import StoreStats
+from lora_cluster.store.usage import AdapterUsage
+
+if TYPE_CHECKING:
+    from lora_cluster.config import EngineConfig
+
+log = logging.getLogger(__name__)
+S = AdapterState
+GiB = 1 << 30
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch ops of the calling thread on one intra-op thread (OpenMP: per thread), then restore."""
+    before = torch.get_num_threads()
+    if before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before > 1:
+            torch.set_num_threads(before)
+
+
+def default_disk_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cluster" / "adapters"
+
+
+class TieredAdapterStore:
+    def __init__(
+        self,
+        sources: Iterable[str],
+        policy: AdmissionPolicy,
+        *,
+        host_cache_bytes: int = 4 * GiB,
+        host_int8: bool = False,
+        pin_memory: bool = False,
+        disk_cache_dir: str | Path | None = None,
+        disk_cache_bytes: int = 20 * GiB,
+        pinned: Iterable[str] = (),
+        preload: Iterable[str] = (),
+        prefetch_window_s: float = 60.0,
+        prefetch_min_requests: int = 4,
+        fetch_retries: int = 3,
+        fetch_backoff_s: float = 0.5,
+        fetch_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.policy = policy
+        self.stats = StoreStats()
+        self.lifecycle = Lifecycle()
+        tracker = AccessTracker(prefetch_window_s, prefetch_min_requests, clock)
+        self.usage = AdapterUsage(tracker, pinned, stats=self.stats, on_request=self._on_request,
+                                  on_residency=self._on_residency)
+        self.host = HostCache(host_cache_bytes, int8=host_int8, pin=pin_memory,
+                              protected=self.usage.protected, priority=self.usage.priority,
+                              on_evict=self._settle, stats=self.stats, clock=clock)
+        self._clock = clock
+        self._disk: DiskCache | None = None
+        self._disk_dir = Path(disk_cache_dir).expanduser() if disk_cache_dir else default_disk_cache_dir()
+        self._disk_bytes = disk_cache_bytes
+        self._remote = {"retries": fetch_retries, "backoff_s": fetch_backoff_s, "timeout_s": fetch_timeout_s,
+                        "sleep": sleep, "on_retry": self._count_retry}
+        self.source_uris = list(sources)
+        self.sources: list[AdapterSource] = [open_source(uri, **self._remote) for uri in self.source_uris]
+        self._registered: dict[str, tuple[AdapterSource, Located]] = {}
+        self._flight: SingleFlight[LoraWeights] = SingleFlight()
+        self._lock = threading.Lock()
+        self._handed: set[str] = set()  # loaded for the engine, not yet placed on the device
+        self._in_place: set[str] = set()  # read in place from a local folder or the hub cache
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
+        self._prefetches: dict[str, Future[None]] = {}
+        for adapter_id in dict.fromkeys([*pinned, *preload]):
+            self.prefetch(adapter_id)
+
+    def _count_retry(self, error: BaseException, attempt: int) -> None:
+        self.stats.add("source", "retries")
+        log.info("retrying a source request (attempt %d failed: %s)", attempt, error)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, shapes: ModelShapes,
+                    device: torch.device) -> TieredAdapterStore:
+        policy = AdmissionPolicy(
+            shapes=shapes, max_rank=config.max_lora_rank, base_model=config.model,
+            base_model_check=config.base_model_check,
+            key=load_key(config.encryption_key_env, config.encryption_key_file),
+            require_encryption=config.require_encryption, require_checksum=config.require_checksum,
+        )
+        return cls(
+            config.adapter_source, policy,
+            host_cache_bytes=config.host_cache_bytes, host_int8=config.host_int8,
+            pin_memory=config.host_pin_memory and device.type == "cuda",
+            disk_cache_dir=config.disk_cache_dir, disk_cache_bytes=config.disk_cache_bytes,
+            pinned=config.pinned, preload=config.preload,
+            prefetch_window_s=config.prefetch_window_s, prefetch_min_requests=config.prefetch_min_requests,
+            fetch_retries=config.fetch_retries, fetch_backoff_s=config.fetch_backoff_s,
+            fetch_timeout_s=config.fetch_timeout_s,
+        )
+
+    @property
+    def disk(self) -> DiskCache:
+        """The disk cache, created (and scanned) on first use by a remote source."""
+        with self._lock:
+            if self._disk is None:
+                self._disk = DiskCache(self._disk_dir, self._disk_bytes, protected=self.usage.protected,
+                                       priority=self.usage.priority, on_evict=self._settle, stats=self.stats,
+                                       clock=self._clock)
+            return self._disk
+
+    # ----- AdapterLoader protocol -----------------------------------------------------------
+
+    def load(self, adapter_id: str) -> LoraWeights:
+        """Validated host weights of `adapter_id` (see the module docstring); raises AdapterError."""
+        check_adapter_id(adapter_id)
+        with self._lock:  # before the flight lands, so no eviction in between reads as "gone from host"
+            self._handed.add(adapter_id)
+        try:
+            return self._fetch(adapter_id)
+        except BaseException:
+            with self._lock:
+                self._handed.discard(adapter_id)
+            raise
+
+    def list_adapters(self) -> list[str]:
+        ids: dict[str, None] = dict.fromkeys(self._registered)
+        for info in self.describe_adapters():
+            ids.setdefault(info.adapter_id, None)
+        return list(ids)
+
+    def register(self, adapter_id: str, location: str) -> None:
+        """Serve `adapter_id` from `location` (a folder, file://, s3:// or hf:// URI of the adapter
+        itself); loads and validates it before returning (which also warms the caches)."""
+        check_adapter_id(adapter_id)
+        source = open_source(location, **self._remote)
+        located = source.locate(adapter_id, "")
+        if located is None:
+            raise AdapterNotFoundError(adapter_id, f"no adapter at {location}")
+        with self._lock:
+            old = self._registered.get(adapter_id)
+            self._registered[adapter_id] = (source, located)
+        self.invalidate(adapter_id)
+        try:
+            self._fetch(adapter_id)
+        except BaseException:
+            with self._lock:
+                if old is None:
+                    self._registered.pop(adapter_id, None)
+                else:
+                    self._registered[adapter_id] = old
+            raise
+
+    def unregister(self, adapter_id: str) -> bool:
+        with self._lock:
+            found = self._registered.pop(adapter_id, None) is not None
+        if found:
+            self.invalidate(adapter_id)
+        return found
+
+    # ----- extras ---------------------------------------------------------------------------
+
+    def describe_adapters(self) -> list[AdapterInfo]:
+        """What the sources offer (rank, target modules, size, checksum), first source wins, without
+        reading weights. A source that cannot be listed is logged and skipped."""
+        infos: dict[str, AdapterInfo] = {}
+        for source in self.sources:
+            try:
+                found = source.adapters()
+            except Exception as e:
+                self.stats.add("source", "failures")
+                log.warning("cannot list adapters of %s: %s", source.uri, e)
+                continue
+            for info in found:
+                infos.setdefault(info.adapter_id, info)
+        return list(infos.values())
+
+    def prefetch(self, adapter_id: str) -> Future[None]:
+        """Load `adapter_id` into host memory in the background (errors are logged, not raised)."""
+        with self._lock:
+            future = self._prefetches.get(adapter_id)
+            if future is None or future.done():
+                future = self._prefetcher.submit(self._prefetch_one, adapter_id)
+                self._prefetches[adapter_id] = future
+            return future
+
+    def invalidate(self, adapter_id: str) -> None:
+        """Drop every cached copy of `adapter_id` but the device's (the engine drops that one)."""
+        self.host.remove(adapter_id)
+        if self._disk is not None:
+            for key in self._disk.adapter_keys(adapter_id):
+                self._disk.remove(key)
+        with self._lock:
+            self._in_place.discard(adapter_id)
+        self._settle(adapter_id)
+
+    def state(self, adapter_id: str) -> AdapterState | None:
+        return self.lifecycle.state(adapter_id)
+
+    def snapshot(self) -> dict[str, object]:
+        """Counters per tier plus the number of adapters in each lifecycle state (for metrics)."""
+        states: dict[str, int] = {s.name: 0 for s in AdapterState}
+        for state in self.lifecycle.states().values():
+            states[state.name] += 1
+        return {"tiers": self.stats.snapshot(), "states": states}
+
+    def wait_prefetches(self, timeout: float | None = None) -> None:
+        with self._lock:
+            futures = list(self._prefetches.values())
+        for future in futures:
+            future.result(timeout)
+
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=False, cancel_futures=True)
+
+    # ----- loading --------------------------------------------------------------------------
+
+    def _fetch(self, adapter_id: str) -> LoraWeights:
+        check_adapter_id(adapter_id)
+        weights = self._host_get(adapter_id)
+        if weights is not None:
+            self.stats.add("host", "hits")
+            return weights
+        weights, joined = self._flight.do(adapter_id, lambda: self._load_cold(adapter_id))
+        if joined:
+            self.stats.add("host", "coalesced")
+        return weights
+
+    def _host_get(self, adapter_id: str) -> LoraWeights | None:
+        if not self.host.int8:
+            return self.host.get(adapter_id)
+        with single_threaded():  # dequantization
+            return self.host.get(adapter_id)
+
+    def _load_cold(self, adapter_id: str) -> LoraWeights:
+        weights = self._host_get(adapter_id)  # a flight that landed just before this one began
+        if weights is not None:
+            self.stats.add("host", "hits")
+            return weights
+        self.stats.add("host", "misses")
+        tracked = False
+        try:
+            source, located = self._resolve(adapter_id)
+            with self._lock:
+                in_place = adapter_id in self._in_place or not source.remote
+            self.lifecycle.ensure(adapter_id, S.ON_DISK if in_place else S.REMOTE)
+            tracked = True
+            weights, seconds = self._load_from(adapter_id, source, located)
+        except Exception as e:
+            self.stats.add("host", "failures")
+            if tracked:
+                self.lifecycle.fail(adapter_id)
+            if isinstance(e, AdapterError):
+                raise
+            raise AdapterLoadError(adapter_id, f"loading failed: {e!r}") from e
+        self.stats.record_load("host", seconds, weights.nbytes)
+        self.lifecycle.promote(adapter_id, S.IN_HOST)
+        with single_threaded():
+            self.host.put(weights, seconds)
+        return weights
+
+    def _resolve(self, adapter_id: str) -> tuple[AdapterSource, Located]:
+        with self._lock:
+            registered = self._registered.get(adapter_id)
+        if registered is not None:
+            return registered
+        for source in self.sources:
+            if hasattr(source, "fetch") and self._disk_key(source, adapter_id) in self.disk:
+                return source, Located(adapter_id)  # cached: no network round trip
+            located = source.locate(adapter_id, adapter_id)
+            if located is not None:
+                return source, located
+        where = ", ".join(self.source_uris) or "no adapter_source configured"
+        raise AdapterNotFoundError(adapter_id, f"not found in {where}")
+
+    @staticmethod
+    def _disk_key(source: AdapterSource, subpath: str) -> str:
+        return DiskCache.key_for(source.uri, subpath)
+
+    def _admit(self, adapter_id: str, folder: Path, known: dict[str, str],
+               declared: dict[str, str] | None = None) -> tuple[LoraWeights, float]:
+        start = time.monotonic()
+        with single_threaded():
+            weights = admit_folder(adapter_id, folder, self.policy, known, declared)
+        return weights, time.monotonic() - start
+
+    def _load_from(self, adapter_id: str, source: AdapterSource,
+                   located: Located) -> tuple[LoraWeights, float]:
+        if not hasattr(source, "fetch"):  # local folder or hub cache: read in place
+            folder, digests = source.local_folder(adapter_id, located)  # type: ignore[attr-defined]
+            with self._lock:
+                self._in_place.add(adapter_id)
+            self.lifecycle.ensure(adapter_id, S.ON_DISK)
+            self.lifecycle.promote(adapter_id, S.ON_DISK)
+            return self._admit(adapter_id, folder, {}, digests)
+        disk, key = self.disk, self._disk_key(source, located.subpath)
+        with disk.open(key) as entry:
+            if entry is not None:
+                self.stats.add("disk", "hits")
+                self.lifecycle.promote(adapter_id, S.ON_DISK)
+                try:
+                    return self._admit(adapter_id, entry.path, entry.digests)
+                except AdapterError as e:
+                    log.warning("disk cache copy of %r refused (%s); fetching it again", adapter_id, e.reason)
+                    disk.remove(key)
+                    self._settle(adapter_id)
+        self.stats.add("disk", "misses")
+        if not located.files:
+            located = source.locate(adapter_id, located.subpath) or _not_found(adapter_id, source)
+        start = time.monotonic()
+        try:
+            with disk.fill(key, adapter_id, lambda dest: source.fetch(adapter_id, located, dest)) as entry:
+                seconds = time.monotonic() - start
+                self.stats.record_load("source", seconds, entry.nbytes)
+                if not entry.transient:
+                    self.stats.record_load("disk", seconds, entry.nbytes)
+                self.lifecycle.promote(adapter_id, S.ON_DISK)
+                try:
+                    return self._admit(adapter_id, entry.path, entry.digests)
+                except AdapterError:
+                    disk.remove(key)  # never keep what cannot be served
+                    self._settle(adapter_id)
+                    raise
+        except AdapterError:
+            self.stats.add("source", "failures")
+            raise
+
+    def _prefetch_one(self, adapter_id: str) -> None:
+        try:
+            self._fetch(adapter_id)
+        except Exception as e:
+            log.warning("prefetch of adapter %r failed: %s", adapter_id, e)
+        else:
+            self._settle(adapter_id)  # the host tier may have refused the copy
+
+    # ----- lifecycle bookkeeping ------------------------------------------------------------
+
+    def _best_tier(self, adapter_id: str) -> AdapterState:
+        if self.usage.on_device_now(adapter_id):
+            return S.ON_DEVICE
+        with self._lock:
+            handed, in_place = adapter_id in self._handed, adapter_id in self._in_place
+        if handed or adapter_id in self.host:
+            return S.IN_HOST
+        disk = self._disk
+        if in_place or (disk is not None and disk.adapter_keys(adapter_id)):
+            return S.ON_DISK
+        return S.REMOTE
+
+    def _settle(self, adapter_id: str) -> None:
+        self.lifecycle.settle(adapter_id, self._best_tier(adapter_id))
+
+    def _on_residency(self, adapter_id: str, resident: bool) -> None:
+        if not resident:
+            self._settle(adapter_id)
+            return
+        with self._lock:
+            self._handed.discard(adapter_id)
+        try:
+            self.lifecycle.promote(adapter_id, S.ON_DEVICE)
+        except LifecycleError as e:  # weights placed that did not come through this store
+            log.debug("lifecycle: %s", e)
+
+    def _on_request(self, adapter_id: str) -> None:
+        """Promotion: a hot adapter on the device without a host copy gets one in the background."""
+        if (self.usage.tracker.is_hot(adapter_id) and self.usage.on_device_now(adapter_id)
+                and adapter_id not in self.host and not self._flight.in_flight(adapter_id)):
+            self.prefetch(adapter_id)
+
+
+def _not_found(adapter_id: str, source: AdapterSource) -> Located:
+    raise AdapterNotFoundError(adapter_id, f"not found in {source.uri}")

@@ -1,0 +1,303 @@
+"""Pure parts of the serving layer, without Ray: routing policy, request mapping, errors, SSE, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lora_cluster import errors as e
+from lora_cluster import metrics
+from lora_cluster.config import ServeConfig
+from lora_cluster.engine import SamplingParams
+from lora_cluster.serve.errors import ApiError, ApiException, NoReplicaError, describe, validation_error
+from lora_cluster.serve.protocol import GenerateJob, ToReplica, routing_key
+from lora_cluster.serve.routing import PlacementTracker, ReplicaView, adapter_cost, rank_replicas
+from lora_cluster.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoraxParameters,
+    LoraxRequest,
+)
+from lora_cluster.serve.sse import DONE, event
+
+LIMITS = ServeConfig(model="m", max_new_tokens=100, default_max_tokens=20, max_n=4)
+
+
+def view(rid: str, adapters=(), ongoing=0, seqs=8, empty=4, can_allocate=True) -> ReplicaView:
+    return ReplicaView(rid, ongoing, seqs, empty, frozenset(adapters), can_allocate)
+
+
+# ----- routing policy ---------------------------------------------------------------------------
+
+
+def test_replica_holding_the_adapter_wins():
+    assert rank_replicas("x", [view("r1"), view("r2", ["x"])], miss_cost=4)[0] == "r2"
+
+
+def test_new_adapter_goes_to_the_replica_with_more_empty_slots_then_fewer_requests():
+    assert rank_replicas("new", [view("r1", empty=1), view("r2", empty=3)], 4)[0] == "r2"
+    assert rank_replicas("new", [view("r1", ongoing=3), view("r2", ongoing=1)], 4)[0] == "r2"
+    # no empty slot means evicting someone: worse than a replica with a little queue
+    assert rank_replicas("new", [view("r1", empty=0), view("r2", ongoing=9, seqs=8)], 4)[0] == "r2"
+
+
+def test_hot_adapter_spills_only_when_its_queue_exceeds_the_miss_cost():
+    busy = view("r1", ["hot"], ongoing=8 + 3, seqs=8)  # 4 requests would wait beyond the batch
+    idle = view("r2")
+    assert adapter_cost("hot", busy, 4) == 4 and adapter_cost("hot", idle, 4) == 4
+    assert rank_replicas("hot", [busy, idle], 4)[0] == "r2"  # tie on cost: fewer ongoing wins
+    less_busy = view("r1", ["hot"], ongoing=8 + 2, seqs=8)
+    assert rank_replicas("hot", [less_busy, idle], 4)[0] == "r1"
+
+
+def test_blocked_replica_is_avoided_for_a_new_adapter():
+    assert rank_replicas("n", [view("r1", can_allocate=False), view("r2", ongoing=2)], 4)[0] == "r2"
+
+
+def test_base_model_requests_balance_by_load_and_ties_are_deterministic():
+    assert rank_replicas(None, [view("r1", ongoing=2), view("r2", ongoing=1)], 4) == ["r2", "r1"]
+    assert rank_replicas("a", [view("b"), view("a")], 4) == ["a", "b"]
+
+
+def test_placements_count_until_reports_confirm_them():
+    t = PlacementTracker(ttl_s=5)
+    t.record("r1", "x", now=100.0)
+    v = t.view("r1", {"resident": [], "loading": [], "empty_adapter_slots": 2, "max_num_seqs": 8}, 0, now=101)
+    assert "x" in v.adapters and v.empty_adapter_slots == 1
+    reported = {"resident": ["x"], "empty_adapter_slots": 1}
+    assert t.view("r1", reported, 0, now=101).empty_adapter_slots == 1  # not counted twice
+    assert "x" not in t.view("r1", {}, 0, now=106).adapters  # expired, and the report lacks it
+    t.prune(["r2"], now=106)
+    assert t.recent("r1", 106) == set()
+
+
+def test_unknown_replica_is_assumed_to_have_room():
+    v = PlacementTracker(ttl_s=5).view("r9", {}, ongoing=3, now=0)
+    assert v.max_num_seqs > 1000 and v.empty_adapter_slots >= 1 and v.can_allocate
+
+
+def test_routing_key_reads_the_call_arguments():
+    job = GenerateJob("id", [1], "a7", SamplingParams())
+    assert routing_key((job,)) == ("a7", None)
+    assert routing_key([ToReplica("r1"), "x"]) == (None, "r1")
+    assert routing_key(()) == (None, None)
+
+
+# ----- request mapping --------------------------------------------------------------------------
+
+
+def test_openai_parameters_map_to_sampling_params():
+    body = CompletionRequest(model="a1", prompt="hi", max_tokens=7, temperature=0.5, top_p=0.9, top_k=5,
+                             stop="x", seed=3, n=2, ignore_eos=True, stop_token_ids=[9])
+    body.check(LIMITS)
+    p = body.sampling(LIMITS, 16, choice=1)
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, 0.9, 5, 4)
+    assert p.stop == ["x"] and p.ignore_eos and p.stop_token_ids == [9]
+    assert CompletionRequest(model="a", prompt="hi").sampling(LIMITS, 16).max_new_tokens == 16
+    assert CompletionRequest(model="a", prompt="hi", top_k=-1).sampling(LIMITS, 16).top_k == 0
+
+
+def test_prompt_forms():
+    assert CompletionRequest(model="m", prompt="a").prompts() == ["a"]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[[1], [2]]).prompts() == [[1], [2]]
+    with pytest.raises(ApiException):
+        CompletionRequest(model="m", prompt="").prompts()
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"presence_penalty": 0.5}, {"best_of": 3}, {"echo": True},
+                                   {"n": 5}, {"max_tokens": 101}])
+def test_unsupported_or_out_of_limit_openai_parameters_are_refused(extra):
+    body = CompletionRequest(model="m", prompt="hi", **extra)
+    with pytest.raises(ApiException) as info:
+        body.check(LIMITS)
+        body.sampling(LIMITS, 16)
+    assert info.value.error.status == 400
+
+
+def test_chat_request_uses_max_completion_tokens_and_text_parts():
+    body = ChatCompletionRequest(model="m", max_completion_tokens=9, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    body.check(LIMITS)
+    assert body.sampling(LIMITS, 20).max_new_tokens == 9
+    assert body.conversation() == [{"role": "user", "content": "ab"}]
+    with pytest.raises(ApiException):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                              tools=[{"type": "function"}]).check(LIMITS)
+
+
+def test_lorax_greedy_unless_sampling_is_asked_for():
+    p, seed = LoraxParameters(max_new_tokens=5).sampling(LIMITS)
+    assert p.greedy and seed is None and p.max_new_tokens == 5
+    p, seed = LoraxParameters(do_sample=True, seed=11).sampling(LIMITS)
+    assert not p.greedy and seed == 11 and p.seed == 11 and p.max_new_tokens == 20
+    p, seed = LoraxParameters(temperature=0.7).sampling(LIMITS)  # a warper turns sampling on (TGI)
+    assert p.temperature == 0.7 and seed is not None and p.seed == seed
+    assert LoraxParameters(temperature=0.0, do_sample=True).sampling(LIMITS)[0].greedy
+    req = LoraxRequest.model_validate({"inputs": "x", "parameters": {"adapter_id": "a", "stop": ["q"],
+                                                                     "return_full_text": True}})
+    assert req.parameters.sampling(LIMITS)[0].stop == ["q"]
+    with pytest.raises(ApiException):
+        LoraxParameters(repetition_penalty=1.3).check()
+
+
+# ----- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("exc", "status", "code"), [
+    (e.PromptTooLongError(600, 511), 400, "prompt_too_long"),
+    (e.RequestError("bad"), 400, "invalid_parameter"),
+    (e.AdapterNotFoundError("x", "not found"), 404, "adapter_not_found"),
+    (e.AdapterFormatError("x", "pickle"), 400, "invalid_adapter"),
+    (e.AdapterRankError("x", 128, 64), 400, "invalid_adapter"),
+    (e.AdapterCapacityError("x", "full"), 429, "overloaded"),
+    (e.EngineOverloadedError("queue full"), 429, "overloaded"),
+    (e.AdapterLoadError("x", "s3 down"), 503, "adapter_unavailable"),
+    (NoReplicaError("none"), 503, "no_replica"),
+    (ValueError("boom"), 500, "internal_error"),
+])
+def test_error_mapping(exc, status, code):
+    error = describe(exc)
+    assert (error.status, error.code) == (status, code)
+    body = error.body()["error"]
+    assert set(body) == {"message", "type", "code"} and body["message"]
+    assert ApiError.from_dict(error.to_dict()) == error
+
+
+def test_prompt_too_long_message_names_the_limit():
+    assert "the limit is 511 tokens" in describe(e.PromptTooLongError(600, 511)).message
+
+
+def test_ray_serve_failures_map_to_429_and_503():
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    assert describe(BackPressureError(num_queued_requests=5, max_queued_requests=4)).status == 429
+    assert describe(DeploymentUnavailableError("LoraReplica")).status == 503
+
+
+def test_validation_errors_name_the_field():
+    err = validation_error([{"loc": ("body", "temperature"), "msg": "must be <= 100"}])
+    assert err.status == 400 and "temperature: must be <= 100" in err.message
+
+
+# ----- SSE, metrics, config ---------------------------------------------------------------------
+
+
+def test_sse_framing():
+    assert event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_engine_gauges_come_from_the_replica_reports():
+    metrics.set_replica_stats_source(lambda: {"r1": {"num_running": 3, "num_waiting": 1, "max_loras": 4,
+                                                     "empty_adapter_slots": 1}})
+    text = metrics.render().decode()
+    assert 'lora_cluster_engine_running_requests{replica="r1"} 3.0' in text
+    assert 'lora_cluster_adapter_slots_in_use{replica="r1"} 3.0' in text
+    assert "lora_cluster_replicas 1.0" in text
+    metrics.REQUESTS.labels("/v1/completions", "200").inc()
+    assert 'lora_cluster_requests_total{route="/v1/completions",status="200"}' in metrics.render().decode()
+
+
+def test_serve_config_reads_the_environment_and_explicit_args_win(monkeypatch):
+    monkeypatch.setenv("LORA_CLUSTER_NUM_REPLICAS", "3")
+    monkeypatch.setenv("LORA_CLUSTER_MAX_LORAS", "5")
+    assert ServeConfig().num_replicas == 3 and ServeConfig().max_loras == 5
+    assert ServeConfig(num_replicas=2).num_replicas == 2
+    assert ServeConfig().model == "demo"
+    with pytest.raises(ValueError):
+        ServeConfig(max_new_tokens=10, default_max_tokens=20)
+
+
+def test_build_app_graph_without_starting_ray(tmp_path):
+    from lora_cluster.serve.app import replica_options
+
+    opts = replica_options(ServeConfig(model=str(tmp_path), num_replicas=3, num_gpus=0.5, router_miss_cost=2))
+    assert opts["num_replicas"] == 3 and opts["ray_actor_options"]["num_gpus"] == 0.5
+    router = opts["request_router_config"]
+    assert router.request_router_class.endswith("LoraAffinityRouter")
+    assert router.request_router_kwargs["miss_cost"] == 2
+    assert json.dumps(router.request_router_kwargs)  # must be JSON-serialisable for Serve
+
+
+# ----- the replica's stream coalescing -------------------------------------------------------------
+
+
+def _out(i: int, finished: bool = False) -> object:
+    from lora_cluster.engine import RequestOutput
+
+    return RequestOutput(request_id="r", adapter_id=None, prompt_token_ids=[1, 2],
+                         token_ids=list(range(i + 1)), text="x" * (i + 1), delta_text="x",
+                         delta_token_ids=[i], finished=finished,
+                         finish_reason="length" if finished else None)
+
+
+async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order():
+    import asyncio
+
+    from lora_cluster.serve.replica import coalesce
+
+    async def outputs():
+        for i in range(3):
+            yield _out(i)  # three outputs at once: the consumer sleeps meanwhile
+        await asyncio.sleep(0.05)
+        yield _out(3, finished=True)
+
+    items = []
+    async for item in coalesce(outputs()):
+        items.append(item)
+        await asyncio.sleep(0.02)
+    assert [i["delta_token_ids"] for i in items][-1] == [3] and items[-1]["finished"]
+    assert sum(len(i["delta_token_ids"]) for i in items) == 4 and len(items) < 4
+    assert "".join(i["delta_text"] for i in items) == items[-1]["text"] == "xxxx"
+
+    async def failing():
+        yield _out(0)
+        raise e.AdapterNotFoundError("a", "gone")
+
+    got = []
+    with pytest.raises(e.AdapterNotFoundError):
+        async for item in coalesce(failing()):
+            got.append(item)
+    assert len(got) == 1
+
+
+async def test_leaving_a_coalesced_stream_closes_the_engine_stream():
+    import asyncio
+
+    from lora_cluster.serve.replica import coalesce
+
+    closed = asyncio.Event()
+
+    async def endless():
+        try:
+            i = 0
+            while True:
+                yield _out(i)
+                i += 1
+                await asyncio.sleep(0.001)
+        finally:
+            closed.set()
+
+    stream = coalesce(endless())
+    await stream.__anext__()
+    await stream.aclose()
+    await asyncio.wait_for(closed.wait(), 1)
+
+
+def test_an_oversubscribed_replica_loses_ties_so_thrashing_stops():
+    # r1 was sent 5 distinct adapters lately but has 4 slots; "x" is also on r2, which is not full
+    r1 = ReplicaView("r1", 0, 8, 0, frozenset("abcdx"), confirmed=frozenset("abcx"), working_set=5,
+                     max_loras=4)
+    r2 = ReplicaView("r2", 0, 8, 0, frozenset("efgx"), confirmed=frozenset("efgx"), working_set=4,
+                     max_loras=4)
+    assert rank_replicas("x", [r1, r2], 4)[0] == "r2"
+    assert rank_replicas("a", [r1, r2], 4)[0] == "r1"  # only r1 holds "a": a hit still wins
+
+
+def test_a_confirmed_copy_wins_over_a_recent_placement():
+    placed = ReplicaView("r1", 0, 8, 2, frozenset("x"), confirmed=frozenset())
+    resident = ReplicaView("r2", 0, 8, 2, frozenset("x"), confirmed=frozenset("x"))
+    assert rank_replicas("x", [placed, resident], 4)[0] == "r2"

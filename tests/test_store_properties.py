@@ -1,0 +1,200 @@
+"""Property tests of the cache tiers (hypothesis): byte budgets are never exceeded, an adapter in use
+or pinned is never evicted (host, disk and device tiers), and the lifecycle never skips a state."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FolderAsRemote
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
+from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.store import TRANSITIONS, AdapterState, Lifecycle, TieredAdapterStore
+from lora_cluster.store.admission import AdmissionPolicy
+from lora_cluster.store.lifecycle import LifecycleError
+from lora_cluster.store.policy import AccessTracker
+from lora_cluster.store.tier import TierIndex
+from lora_cluster.store.usage import AdapterUsage
+
+S = AdapterState
+IDS = [f"a{i}" for i in range(8)]
+PINNED = "a5"
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def assert_no_skipped_promotion(log) -> None:
+    for adapter_id, old, new in log:
+        assert new in TRANSITIONS[old], (adapter_id, old, new)
+        if old is not S.FAILED and new is not S.FAILED and new > old:
+            assert new == old + 1, f"{adapter_id}: {old.name} -> {new.name} skips a tier"
+
+
+# ----- one tier's index ----------------------------------------------------------------------
+
+TIER_OPS = ["admit", "lease", "release", "protect", "unprotect", "remove"]
+tier_ops = st.lists(st.tuples(st.sampled_from(TIER_OPS), st.integers(0, 9), st.integers(1, 400)), max_size=60)
+
+
+@FAST
+@given(tier_ops)
+def test_tier_index_budget_and_protection(ops):
+    protected: set[str] = set()
+    index = TierIndex(1000, protected=protected.__contains__, priority=lambda a: hash(a) % 7 / 7)
+    for op, n, size in ops:
+        key = f"k{n}"
+        before = {k: (e.leases, k in protected) for k, e in index.entries.items()}
+        if op == "admit":
+            evicted = index.admit(key, key, size, reload_cost_s=size / 100)
+            if evicted is None:
+                assert set(index.entries) == set(before)  # refused: nothing changed
+            else:
+                assert key in index
+                for victim in evicted:
+                    leases, was_protected = before[victim.key]
+                    assert not leases and not was_protected, f"evicted {victim.key} while in use"
+        elif op == "lease":
+            index.lease(key)
+        elif op == "release":
+            index.release(key)
+        elif op == "protect":
+            protected.add(key)
+        elif op == "unprotect":
+            protected.discard(key)
+        else:
+            index.remove(key)
+        assert index.bytes == sum(e.nbytes for e in index.entries.values()) <= index.budget
+
+
+# ----- the lifecycle alone -----------------------------------------------------------------
+
+life_ops = st.lists(st.tuples(st.sampled_from(["promote", "settle", "fail"]), st.sampled_from(IDS[:3]),
+                              st.sampled_from(list(S))), max_size=40)
+
+
+@FAST
+@given(life_ops, st.sampled_from([S.REMOTE, S.ON_DISK]))
+def test_lifecycle_refuses_skips_and_logs_only_allowed_transitions(ops, floor):
+    life = Lifecycle()
+    for adapter_id in IDS[:3]:
+        life.ensure(adapter_id, floor)
+    for op, adapter_id, target in ops:
+        before = life.state(adapter_id)
+        if op == "promote" and target is not S.FAILED:
+            start = floor if before is S.FAILED else before
+            if target > start + 1:
+                with pytest.raises(LifecycleError, match="skips a tier"):
+                    life.promote(adapter_id, target)
+                continue
+            life.promote(adapter_id, target)
+            assert life.state(adapter_id) == max(start, target)
+        elif op == "settle" and target is not S.FAILED:
+            life.settle(adapter_id, target)
+            assert life.state(adapter_id) >= min(before, max(target, floor)) or before is S.FAILED
+        elif op == "fail":
+            life.fail(adapter_id)
+        assert life.state(adapter_id) is S.FAILED or life.state(adapter_id) >= floor
+    assert_no_skipped_promotion(life.log)
+
+
+# ----- the whole store: host + disk tiers, device events, in-use and pinned adapters -------------
+
+store_ops = st.lists(st.tuples(st.sampled_from(["load", "start", "finish", "place", "unplace", "invalidate"]),
+                               st.sampled_from(IDS)), min_size=1, max_size=30)
+
+
+@pytest.fixture(scope="module")
+def shapes(demo_model_dir: Path) -> ModelShapes:
+    return load_base_model(str(demo_model_dir), dtype=torch.float32, device=torch.device("cpu")).dims.shapes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(ops=store_ops, host_budget=st.sampled_from([0, 120_000, 300_000]),
+       disk_budget=st.sampled_from([0, 150_000, 400_000]))
+def test_store_budgets_in_use_pinned_and_lifecycle(demo_adapters_dir, shapes, ops, host_budget, disk_budget):
+    with tempfile.TemporaryDirectory() as tmp:
+        store = TieredAdapterStore([], AdmissionPolicy(shapes, 64), host_cache_bytes=host_budget,
+                                   disk_cache_dir=tmp, disk_cache_bytes=disk_budget, pinned=[PINNED])
+        store.sources = [FolderAsRemote(demo_adapters_dir)]
+        store.wait_prefetches()
+        placed: set[str] = set()
+        for op, adapter_id in ops:
+            keep = {a for a in IDS if store.usage.protected(a)}
+            keep -= {adapter_id} if op == "invalidate" else set()
+            in_host = {a for a in keep if a in store.host}
+            on_disk = {a for a in keep if store.disk.adapter_keys(a)}
+            if op == "load":
+                assert store.load(adapter_id).adapter_id == adapter_id
+            elif op == "start":
+                store.usage.request_started(adapter_id)
+            elif op == "finish":
+                store.usage.request_finished(adapter_id)
+            elif op == "place" and adapter_id not in placed and store.state(adapter_id) is not None:
+                store.load(adapter_id)  # the engine places only weights it got from the loader
+                store.usage.on_device(adapter_id, True)
+                placed.add(adapter_id)
+            elif op == "unplace" and adapter_id in placed:
+                store.usage.on_device(adapter_id, False)
+                placed.discard(adapter_id)
+            elif op == "invalidate":
+                store.invalidate(adapter_id)
+            assert store.host.bytes <= host_budget and store.disk.bytes <= disk_budget
+            assert in_host <= {a for a in IDS if a in store.host}, "evicted an in-use adapter from host"
+            assert on_disk <= {a for a in IDS if store.disk.adapter_keys(a)}, "evicted in-use from disk"
+            for a, state in store.lifecycle.states().items():  # the state is the fastest tier holding it
+                assert state is S.FAILED or state == store._best_tier(a)
+                assert (state is S.ON_DEVICE) == (a in placed)
+        assert_no_skipped_promotion(store.lifecycle.log)
+        store.close()
+
+
+# ----- the device pool with the store's slot policy ------------------------------------------
+
+pool_ops = st.lists(st.tuples(st.sampled_from(["request", "run", "finish_running", "finish_queued"]),
+                              st.sampled_from(IDS)), max_size=50)
+
+
+def _tiny(adapter_id: str) -> LoraWeights:
+    return LoraWeights(adapter_id, 2, frozenset({"q_proj"}), {"q_proj": 1.0},
+                       {(0, "q_proj"): torch.ones(2, 4)}, {(0, "q_proj"): torch.ones(4, 2)})
+
+
+@FAST
+@given(pool_ops)
+def test_device_pool_never_evicts_pinned_queued_or_running(ops):
+    evicted: list[str] = []
+    usage = AdapterUsage(AccessTracker(60, 4), pinned=[PINNED],
+                         on_residency=lambda a, resident: resident or evicted.append(a))
+    pool = AdapterPool(ModelShapes(1, {"q_proj": (4, 4)}), num_slots=3, max_rank=4, dtype=torch.float32,
+                       device=torch.device("cpu"), policy=usage)
+    queued: dict[str, int] = {}
+    running: list[str] = []
+    for op, adapter_id in ops:
+        in_use = {a for a in IDS if usage.protected(a) or pool.refs(a)}
+        if op == "request":
+            usage.request_started(adapter_id)
+            queued[adapter_id] = queued.get(adapter_id, 0) + 1
+        elif op == "run" and queued.get(adapter_id):  # the scheduler admits a queued request
+            if pool.slot_of(adapter_id) is None:
+                if not pool.can_allocate():
+                    continue
+                pool.allocate(_tiny(adapter_id))
+            pool.acquire(adapter_id)
+            queued[adapter_id] -= 1
+            running.append(adapter_id)
+        elif op == "finish_running" and adapter_id in running:
+            running.remove(adapter_id)
+            pool.release(adapter_id)
+            usage.request_finished(adapter_id)
+        elif op == "finish_queued" and queued.get(adapter_id):  # aborted while queued
+            queued[adapter_id] -= 1
+            usage.request_finished(adapter_id)
+        assert not set(evicted) & in_use, f"evicted {evicted} while pinned, queued or running"
+        evicted.clear()
+        assert len(pool.resident()) <= 3
