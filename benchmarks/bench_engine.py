@@ -5,7 +5,8 @@ Workload: N requests (default 128) with varied prompt lengths (8-96 words) and o
 ignore EOS, so every system produces exactly the requested tokens (static batches run to their
 longest member, as a PEFT user's would; only requested tokens are counted). Systems:
 
-  engine       lora-cluster, every request with its adapter, one continuous batch
+  engine       lora-cluster, every request with its adapter, one continuous batch (adapters
+               fetched to host memory beforehand, as PEFT has them loaded; slots reused as needed)
   engine-base  the same engine, every request on the base model (the LoRA overhead reference)
   peft-static  PEFT `generate(..., adapter_names=[...])` in static mixed batches of 32
   peft-single  PEFT one request at a time with `set_adapter`
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=64)
     ap.add_argument("--zoo", type=Path, default=Path(".demo/base"))
     ap.add_argument("--max-loras", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--skip-peft-single", action="store_true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -149,9 +150,10 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=2048,
     )
-    engine.generate(
-        ["warm up"], adapter_ids=[None], sampling=SamplingParams(max_new_tokens=4, temperature=0.0)
-    )
+    # warm-up, as the PEFT baselines get: every used adapter fetched to host memory (and the most
+    # recent ones to device slots), kernels and allocator warmed
+    warm = SamplingParams(max_new_tokens=2, temperature=0.0)
+    engine.generate(["warm up"] * (len(used) + 1), adapter_ids=[*used, None], sampling=warm)
     results = {
         "engine": run_engine(engine, jobs, use_adapters=True),
         "engine-base": run_engine(engine, jobs, use_adapters=False),

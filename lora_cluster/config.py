@@ -28,8 +28,22 @@ def _split_list(value: object) -> object:
 
 StrList = Annotated[list[str], NoDecode]
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def _parse_bytes(value: object) -> object:
@@ -38,7 +52,7 @@ def _parse_bytes(value: object) -> object:
         return value
     text = value.strip().lower().replace("_", "").replace(" ", "")
     number = text.rstrip("kmgtib")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     try:
         return int(float(number) * _BYTE_UNITS[unit])
     except (ValueError, KeyError):
@@ -75,55 +89,88 @@ class EngineConfig(BaseSettings):
     kernel: Literal["auto", "reference", "cpu", "triton"] = Field(
         "auto", description="LoRA kernel implementation; auto = triton on CUDA, cpu otherwise."
     )
-    adapter_load_workers: int = Field(2, ge=1, le=64, description="Threads that load adapters off the step loop.")
+    adapter_load_workers: int = Field(
+        2, ge=1, le=64, description="Threads that load adapters off the step loop."
+    )
 
     # ----- adapter store and cache tiers (lora_cluster.store, docs/adapter-store.md) -----
     adapter_store: Literal["tiered", "folder"] = Field(
-        "tiered", description="tiered = the adapter store (folder/s3/hf sources, host and disk caches, "
-        "checksums, encryption); folder = the plain local-folder loader, no caching.")
+        "tiered",
+        description="tiered = the adapter store (folder/s3/hf sources, host and disk caches, "
+        "checksums, encryption); folder = the plain local-folder loader, no caching.",
+    )
     host_cache_bytes: int = Field(
-        4 << 30, ge=0, description="Byte budget of validated adapter weights kept in host RAM "
-        "(0 = no host tier). Accepts suffixes: 512MiB, 4GiB, 1GB.")
+        4 << 30,
+        ge=0,
+        description="Byte budget of validated adapter weights kept in host RAM "
+        "(0 = no host tier). Accepts suffixes: 512MiB, 4GiB, 1GB.",
+    )
     host_int8: bool = Field(
-        False, description="Keep host copies as per-channel int8 (about 1/4 of the bytes, small error); the "
-        "device always gets float weights.")
+        False,
+        description="Keep host copies as per-channel int8 (about 1/4 of the bytes, small error); the "
+        "device always gets float weights.",
+    )
     host_pin_memory: bool = Field(
-        True, description="On CUDA, keep host copies in pinned (page-locked) memory for fast copies to the "
-        "device.")
+        True,
+        description="On CUDA, keep host copies in pinned (page-locked) memory for fast copies to the device.",
+    )
     disk_cache_dir: str | None = Field(
-        None, description="Folder of the local-disk tier for remote (s3://) adapters; survives restarts. "
-        "Default: $XDG_CACHE_HOME/lora-cluster/adapters (~/.cache/...).")
+        None,
+        description="Folder of the local-disk tier for remote (s3://) adapters; survives restarts. "
+        "Default: $XDG_CACHE_HOME/lora-cluster/adapters (~/.cache/...).",
+    )
     disk_cache_bytes: int = Field(
-        20 << 30, ge=0, description="Byte budget of the disk tier (0 = downloads are used once and deleted). "
-        "Accepts suffixes.")
+        20 << 30,
+        ge=0,
+        description="Byte budget of the disk tier (0 = downloads are used once and deleted). "
+        "Accepts suffixes.",
+    )
     pinned: StrList = Field(
-        default_factory=list, description="Adapter ids loaded at start and never evicted from any tier "
-        "(device, host, disk); fewer than max_loras.")
+        default_factory=list,
+        description="Adapter ids loaded at start and never evicted from any tier "
+        "(device, host, disk); fewer than max_loras.",
+    )
     preload: StrList = Field(
-        default_factory=list, description="Adapter ids loaded into host memory in the background at start.")
+        default_factory=list, description="Adapter ids loaded into host memory in the background at start."
+    )
     prefetch_window_s: float = Field(
-        60.0, gt=0, description="Sliding window (seconds) of request counts used by the eviction priority "
-        "(0.7*frequency + 0.3*recency) and by hot-adapter promotion.")
+        60.0,
+        gt=0,
+        description="Sliding window (seconds) of request counts used by the eviction priority "
+        "(0.7*frequency + 0.3*recency) and by hot-adapter promotion.",
+    )
     prefetch_min_requests: int = Field(
-        4, ge=0, description="Requests within the window that make an adapter hot: a hot adapter on the "
-        "device gets its host copy back in the background (0 = no promotion).")
+        4,
+        ge=0,
+        description="Requests within the window that make an adapter hot: a hot adapter on the "
+        "device gets its host copy back in the background (0 = no promotion).",
+    )
     fetch_retries: int = Field(
-        3, ge=0, le=20, description="Retries of a transient source error (network, 5xx).")
+        3, ge=0, le=20, description="Retries of a transient source error (network, 5xx)."
+    )
     fetch_backoff_s: float = Field(
-        0.5, ge=0, description="First retry delay; doubles on each retry, with jitter.")
+        0.5, ge=0, description="First retry delay; doubles on each retry, with jitter."
+    )
     fetch_timeout_s: float = Field(60.0, gt=0, description="Connect and read timeout of one S3 request.")
     encryption_key_env: str = Field(
-        "LORA_CLUSTER_ADAPTER_KEY", description="Name of the environment variable holding the AES-256 key of "
-        "encrypted adapters (64 hex digits or base64).")
+        "LORA_CLUSTER_ADAPTER_KEY",
+        description="Name of the environment variable holding the AES-256 key of "
+        "encrypted adapters (64 hex digits or base64).",
+    )
     encryption_key_file: str | None = Field(
-        None, description="File holding the AES-256 key (a mounted secret); wins over encryption_key_env.")
+        None, description="File holding the AES-256 key (a mounted secret); wins over encryption_key_env."
+    )
     require_encryption: bool = Field(False, description="Refuse adapters whose weights are not encrypted.")
     require_checksum: bool = Field(
-        False, description="Refuse adapters whose weights have no declared sha256 (checksums.sha256, a "
-        ".sha256 sidecar or S3 metadata).")
+        False,
+        description="Refuse adapters whose weights have no declared sha256 (checksums.sha256, a "
+        ".sha256 sidecar or S3 metadata).",
+    )
     base_model_check: Literal["off", "warn", "strict"] = Field(
-        "warn", description="Compare an adapter's base_model_name_or_path with the served model: warn logs a "
-        "mismatch, strict refuses the adapter (shapes are always checked).")
+        "warn",
+        description="Compare an adapter's base_model_name_or_path with the served model: warn logs a "
+        "mismatch, strict refuses the adapter (shapes are always checked).",
+    )
 
     @field_validator("pinned", "preload", mode="before")
     @classmethod
@@ -138,8 +185,10 @@ class EngineConfig(BaseSettings):
     @model_validator(mode="after")
     def _pinned_fit(self) -> EngineConfig:
         if len(set(self.pinned)) >= self.max_loras:
-            raise ValueError(f"{len(set(self.pinned))} pinned adapters need fewer than "
-                             f"max_loras={self.max_loras} slots (one slot must stay free for the others)")
+            raise ValueError(
+                f"{len(set(self.pinned))} pinned adapters need fewer than "
+                f"max_loras={self.max_loras} slots (one slot must stay free for the others)"
+            )
         return self
 
     @field_validator("adapter_source", mode="before")
@@ -192,18 +241,24 @@ class ServeConfig(EngineConfig):
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per LoRA replica (Ray resource).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per LoRA replica (Ray resource).")
     max_ongoing_requests: int = Field(
-        64, ge=1, description="Requests one replica accepts at once (running + waiting in its engine); more "
+        64,
+        ge=1,
+        description="Requests one replica accepts at once (running + waiting in its engine); more "
         "wait in the router.",
     )
     max_queued_requests: int = Field(
-        1024, ge=-1, description="Requests that may wait in the router for a replica; more are refused with "
+        1024,
+        ge=-1,
+        description="Requests that may wait in the router for a replica; more are refused with "
         "429. -1 = no limit.",
     )
     ingress_num_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (API, router).")
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs reserved per ingress replica.")
     ingress_max_ongoing_requests: int = Field(4096, ge=1, description="Requests one ingress replica accepts.")
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="Longest prompt in tokens; longer ones are refused (400). Default: the "
+        None,
+        ge=1,
+        description="Longest prompt in tokens; longer ones are refused (400). Default: the "
         "engine's limit, max_model_len - 1.",
     )
     max_new_tokens: int = Field(
@@ -217,11 +272,15 @@ class ServeConfig(EngineConfig):
         1.0, gt=0, description="How often each replica reports its adapters and load to the router."
     )
     router_miss_cost: float = Field(
-        4.0, ge=0, description="Routing: queued requests beyond free batch slots that a replica holding the "
+        4.0,
+        ge=0,
+        description="Routing: queued requests beyond free batch slots that a replica holding the "
         "adapter may have before a replica without it (which must load it) is preferred.",
     )
     router_placement_ttl_s: float = Field(
-        5.0, gt=0, description="Routing: how long the router trusts its own recent placements before the "
+        5.0,
+        gt=0,
+        description="Routing: how long the router trusts its own recent placements before the "
         "replicas' reports confirm them.",
     )
 

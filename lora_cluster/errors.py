@@ -40,7 +40,7 @@ class AdapterNotFoundError(AdapterError):
 
 
 class AdapterFormatError(AdapterError):
-    """The adapter's files are not a valid PEFT LoRA adapter (pickle weights, corrupt safetensors, bad config)."""
+    """The adapter's files are not a valid PEFT LoRA adapter (pickle, corrupt safetensors, bad config)."""
 
 
 class AdapterRankError(AdapterError):

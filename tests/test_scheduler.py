@@ -137,3 +137,20 @@ def test_pool_refcounts_lru_and_capacity():
     assert pool.slot_of("y") is None and pool.evict("x") is False
     pool.release("x")
     assert pool.evict("x") is True
+
+
+def test_pool_reused_slot_clears_the_previous_adapters_rows():
+    pool = AdapterPool(
+        ModelShapes(1, {"q_proj": (4, 6)}),
+        num_slots=1,
+        max_rank=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    pool.allocate(_weights("big", 4))
+    assert pool.evict("big")
+    slot = pool.allocate(_weights("small", 2))
+    assert (
+        pool.a["q_proj"][0, slot, 2:].abs().sum() == 0 and pool.b["q_proj"][0, slot, :, 2:].abs().sum() == 0
+    )
+    assert pool.a["q_proj"][0, slot, :2].abs().sum() > 0

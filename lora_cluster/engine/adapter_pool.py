@@ -1,8 +1,9 @@
 """Device-resident adapter slots, allocated once at start with fixed addresses.
 
 For each projection `m`, `a[m]` is [num_layers, num_slots, max_rank, in_features] and `b[m]` is
-[num_layers, num_slots, out_features, max_rank] (a transposed view, see below). Loading an adapter copies its weights into a slot
-(scaling folded into B, rows/columns past its rank and projections it does not target zeroed);
+[num_layers, num_slots, out_features, max_rank] (a transposed view, see below). Loading an adapter
+copies its weights into a slot (scaling folded into B, rows/columns past its rank and projections
+it does not target zeroed);
 nothing is allocated per switch, so the addresses stay fixed (CUDA graphs can capture them).
 
 Invariants: a slot holds at most one adapter; a slot with references (running sequences) is never
@@ -57,6 +58,9 @@ class AdapterPool:
         }
         # module -> rank of that projection in each slot (0: not targeted / empty)
         self.module_ranks = {m: [0] * num_slots for m in shapes.modules}
+        # module -> rank rows that may be non-zero in each slot (>= module_ranks; an evicted adapter's
+        # rows stay until the slot is reused, and only they are cleared then)
+        self._written = {m: [0] * num_slots for m in shapes.modules}
         self._owner: list[str | None] = [None] * num_slots
         self._refs = [0] * num_slots
         self._last_used = [0.0] * num_slots
@@ -103,9 +107,11 @@ class AdapterPool:
             if self.policy is not None:
                 self.policy.on_device(old, False)
         for m in self.a:
-            self.a[m][:, slot].zero_()
-            self.b[m][:, slot].zero_()
-            self.module_ranks[m][slot] = weights.module_rank(m)
+            stale = self._written[m][slot]
+            if stale:
+                self.a[m][:, slot, :stale].zero_()
+                self.b[m][:, slot, :, :stale].zero_()
+            self.module_ranks[m][slot] = self._written[m][slot] = weights.module_rank(m)
         for (layer, m), wa in weights.a.items():
             r = wa.shape[0]
             self.a[m][layer, slot, :r].copy_(wa)

@@ -28,7 +28,7 @@ from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Gate, Scheduler
-from lora_cluster.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, snapshot
+from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
 from lora_cluster.errors import AdapterError, LoraClusterError, PromptTooLongError, RequestError
 from lora_cluster.store import build_adapter_loader
 
@@ -48,7 +48,9 @@ class EngineStats:
 
 
 def _resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+    )
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
@@ -76,8 +78,13 @@ class Engine:
         **overrides: object,
     ):
         if config is None:
-            given = {"model": model, "adapter_source": adapter_source, "max_loras": max_loras,
-                     "max_lora_rank": max_lora_rank, **overrides}
+            given = {
+                "model": model,
+                "adapter_source": adapter_source,
+                "max_loras": max_loras,
+                "max_lora_rank": max_lora_rank,
+                **overrides,
+            }
             config = build_config(EngineConfig, **{k: v for k, v in given.items() if v is not None})
         self.config = config
         self.device, self.dtype = _resolve_device(config)
@@ -89,20 +96,39 @@ class Engine:
         window = getattr(self.model.config, "sliding_window", None)
         if window and getattr(self.model.config, "use_sliding_window", True):
             self.max_model_len = min(self.max_model_len, window)
-        self.kv = KVCache(num_layers=dims.num_layers, num_slots=config.max_num_seqs, kv_heads=dims.num_kv_heads,
-                          max_len=self.max_model_len, head_dim=dims.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = KVCache(
+            num_layers=dims.num_layers,
+            num_slots=config.max_num_seqs,
+            kv_heads=dims.num_kv_heads,
+            max_len=self.max_model_len,
+            head_dim=dims.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.loader = adapter_loader or build_adapter_loader(config, self.shapes, self.device)
         # the adapter store's usage tracker: device victim policy + queued/running adapter uses (or None)
         self.usage = getattr(self.loader, "usage", None)
-        self.pool = AdapterPool(self.shapes, num_slots=config.max_loras, max_rank=config.max_lora_rank,
-                                dtype=self.dtype, device=self.device, policy=self.usage)
-        self.runner = LlamaRunner(self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device)
+        self.pool = AdapterPool(
+            self.shapes,
+            num_slots=config.max_loras,
+            max_rank=config.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+            policy=self.usage,
+        )
+        self.runner = LlamaRunner(
+            self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device
+        )
         self._executor = ThreadPoolExecutor(config.adapter_load_workers, thread_name_prefix="adapter-load")
         self._loads: dict[str, Future[LoraWeights]] = {}  # host loads in flight or done, not yet on device
         self._failed: dict[str, AdapterError] = {}  # adapter failures seen during the current step
-        self.scheduler = Scheduler(max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_waiting=config.max_waiting, acquire=self._acquire, release=self._release)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_waiting=config.max_waiting,
+            acquire=self._acquire,
+            release=self._release,
+        )
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
