@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+# Triton kernels are tested on the CPU through Triton's interpreter when there is no GPU. The switch
+# must be set before anything imports triton (transformers does, when the demo module imports it).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import contextlib
 import hashlib
 import logging
-import os
 import socket
 import threading
 import uuid
