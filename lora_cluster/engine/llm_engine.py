@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +21,16 @@ from lora_cluster.adapter_format import LoraWeights
 from lora_cluster.adapter_loader import AdapterLoader, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapter_residency import AdapterResidency
 from lora_cluster.engine.batch import build_step_batch
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import KVCache
 from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
-from lora_cluster.engine.scheduler import Gate, Scheduler
+from lora_cluster.engine.scheduler import Scheduler
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
-from lora_cluster.errors import AdapterError, LoraClusterError, PromptTooLongError, RequestError
+from lora_cluster.errors import LoraClusterError, PromptTooLongError, RequestError
 from lora_cluster.store import build_adapter_loader
 
 log = logging.getLogger(__name__)
@@ -106,28 +107,24 @@ class Engine:
             device=self.device,
         )
         self.loader = adapter_loader or build_adapter_loader(config, self.shapes, self.device)
-        # the adapter store's usage tracker: device victim policy + queued/running adapter uses (or None)
-        self.usage = getattr(self.loader, "usage", None)
         self.pool = AdapterPool(
             self.shapes,
             num_slots=config.max_loras,
             max_rank=config.max_lora_rank,
             dtype=self.dtype,
             device=self.device,
-            policy=self.usage,
+            policy=getattr(self.loader, "usage", None),  # the store's victim policy, if any
         )
+        self.adapters = AdapterResidency(self.loader, self.pool, config.adapter_load_workers)
         self.runner = LlamaRunner(
             self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device
         )
-        self._executor = ThreadPoolExecutor(config.adapter_load_workers, thread_name_prefix="adapter-load")
-        self._loads: dict[str, Future[LoraWeights]] = {}  # host loads in flight or done, not yet on device
-        self._failed: dict[str, AdapterError] = {}  # adapter failures seen during the current step
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting,
-            acquire=self._acquire,
-            release=self._release,
+            acquire=self.adapters.acquire,
+            release=self.adapters.release,
         )
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -142,49 +139,6 @@ class Engine:
             ids.update(value if isinstance(value, list) else [value])
         return {i for i in ids if i is not None}
 
-    def _start_load(self, adapter_id: str) -> Future[LoraWeights]:
-        future = self._loads.get(adapter_id)
-        if future is None:
-            future = self._executor.submit(self.loader.load, adapter_id)
-            self._loads[adapter_id] = future
-        return future
-
-    def _acquire(self, seq: Sequence, may_claim_slot: bool) -> Gate:
-        aid = seq.adapter_id
-        if aid is None:
-            seq.lora_slot = -1
-            return Gate.READY
-        if self.pool.slot_of(aid) is not None:
-            seq.lora_slot = self.pool.acquire(aid)
-            return Gate.READY
-        if aid in self._failed:
-            seq.error = self._failed[aid]
-            return Gate.FAILED
-        future = self._start_load(aid)
-        if not future.done():
-            return Gate.PENDING
-        try:
-            weights = future.result()
-        except AdapterError as e:
-            del self._loads[aid]
-            self._failed[aid] = seq.error = e
-            return Gate.FAILED
-        except Exception as e:  # a loader bug must fail this adapter, not the engine
-            del self._loads[aid]
-            self._failed[aid] = seq.error = AdapterError(aid, f"loading failed: {e!r}")
-            return Gate.FAILED
-        if not may_claim_slot or not self.pool.can_allocate():
-            return Gate.BLOCKED
-        self.pool.allocate(weights)
-        del self._loads[aid]
-        seq.lora_slot = self.pool.acquire(aid)
-        return Gate.READY
-
-    def _release(self, seq: Sequence) -> None:
-        if seq.adapter_id is not None and seq.lora_slot >= 0:
-            self.pool.release(seq.adapter_id)
-            seq.lora_slot = -1
-
     def start_load(self, adapter_id: str) -> Future[LoraWeights | None]:
         """Begin fetching an adapter to the host (a done future when it is already on the device)."""
         check_adapter_id(adapter_id)
@@ -192,13 +146,11 @@ class Engine:
             done: Future[LoraWeights | None] = Future()
             done.set_result(None)
             return done
-        return self._start_load(adapter_id)
+        return self.adapters.fetch(adapter_id)
 
     def forget_failed_load(self, adapter_id: str) -> None:
         """Drop a failed load so that the next request retries it."""
-        future = self._loads.get(adapter_id)
-        if future is not None and future.done() and future.exception() is not None:
-            del self._loads[adapter_id]
+        self.adapters.forget_failed(adapter_id)
 
     def load_adapter(self, adapter_id: str) -> None:
         """Fetch and validate an adapter now (blocking); it is placed on the device on first use."""
@@ -210,11 +162,7 @@ class Engine:
 
     def unload_adapter(self, adapter_id: str) -> bool:
         """Drop an adapter from the device and host; False when a sequence is using it."""
-        self._loads.pop(adapter_id, None)
-        if self.pool.refs(adapter_id):
-            return False
-        self.pool.evict(adapter_id)
-        return True
+        return self.adapters.unload(adapter_id)
 
     # ----- requests -------------------------------------------------------------------------
 
@@ -256,10 +204,9 @@ class Engine:
         )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
-        if adapter_id is not None and self.usage is not None:
-            self.usage.request_started(adapter_id)
+        self.adapters.request_started(adapter_id)
         if adapter_id is not None and self.pool.slot_of(adapter_id) is None:
-            self._start_load(adapter_id)  # fetch now, off the step loop
+            self.adapters.fetch(adapter_id)  # fetch now, off the step loop
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; frees its slot at once. Returns its final output, or None if unknown."""
@@ -268,7 +215,7 @@ class Engine:
             return None
         seq.finish_reason = FinishReason.ABORT
         self.scheduler.finish(seq)
-        self._usage_done(seq)
+        self.adapters.request_finished(seq.adapter_id)
         return snapshot(seq)
 
     def has_unfinished(self) -> bool:
@@ -281,7 +228,7 @@ class Engine:
             free_seq_slots=self.scheduler.num_free_slots,
             free_adapter_slots=self.pool.num_free,
             resident_adapters=tuple(self.pool.resident()),
-            loading_adapters=tuple(a for a, f in self._loads.items() if not f.done()),
+            loading_adapters=self.adapters.loading(),
         )
 
     # ----- the step -------------------------------------------------------------------------
@@ -289,13 +236,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an output for every request that got a token or finished."""
         plan = self.scheduler.schedule()
-        self._failed.clear()
+        self.adapters.end_step()
         outputs = []
         for seq in plan.failed:
             self._finish(seq, FinishReason.ERROR)
             outputs.append(snapshot(seq))
         if plan.empty:
-            pending = [f for f in self._loads.values() if not f.done()]
+            pending = self.adapters.pending()
             if pending and self.scheduler.waiting:
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
             return outputs
@@ -355,13 +302,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        if self._seqs.pop(seq.request_id, None) is not None:
-            self._usage_done(seq)
-
-    def _usage_done(self, seq: Sequence) -> None:
-        """Tell the adapter store a request stopped using its adapter (once per request)."""
-        if seq.adapter_id is not None and self.usage is not None:
-            self.usage.request_finished(seq.adapter_id)
+        if self._seqs.pop(seq.request_id, None) is not None:  # once per request
+            self.adapters.request_finished(seq.adapter_id)
 
     # ----- offline API ----------------------------------------------------------------------
 
@@ -395,7 +337,7 @@ class Engine:
         return [final[rid] for rid in ids]
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.adapters.close()
         if hasattr(self.loader, "close"):
             self.loader.close()
 
