@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import shutil
 import socket
 import time
@@ -262,3 +263,5 @@ def test_metrics_are_exported(http):
                  "lora_cluster_adapter_slots_in_use"):
         assert name in text, name
     assert 'route="/v1/completions",status="200"' in text
+    # the replicas' adapter store counters, per tier (earlier tests loaded adapters into host memory)
+    assert re.search(r'lora_cluster_adapter_cache_loads_total\{replica="[^"]+",tier="host"\} [1-9]', text)

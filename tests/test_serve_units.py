@@ -201,6 +201,16 @@ def test_engine_gauges_come_from_the_replica_reports():
     assert 'lora_cluster_requests_total{route="/v1/completions",status="200"}' in metrics.render().decode()
 
 
+def test_adapter_store_tiers_are_exported_per_replica_and_tier():
+    store = {"host": {"hits": 3, "misses": 1, "bytes": 2048, "budget_bytes": 4096}, "disk": {"evictions": 2}}
+    metrics.set_replica_stats_source(lambda: {"r1": {"max_loras": 4, "store": store}, "r2": {"max_loras": 4}})
+    text = metrics.render().decode()
+    assert 'lora_cluster_adapter_cache_hits_total{replica="r1",tier="host"} 3.0' in text
+    assert 'lora_cluster_adapter_cache_evictions_total{replica="r1",tier="disk"} 2.0' in text
+    assert 'lora_cluster_adapter_cache_bytes{replica="r1",tier="host"} 2048.0' in text
+    assert 'replica="r2",tier=' not in text
+
+
 def test_serve_config_reads_the_environment_and_explicit_args_win(monkeypatch):
     monkeypatch.setenv("LORA_CLUSTER_NUM_REPLICAS", "3")
     monkeypatch.setenv("LORA_CLUSTER_MAX_LORAS", "5")

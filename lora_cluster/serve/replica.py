@@ -105,7 +105,13 @@ class LoraReplica:
             "free_seq_slots": s.free_seq_slots,
             "max_num_seqs": self.config.max_num_seqs,
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
+            "store": self._store_tiers(),
         }
+
+    def _store_tiers(self) -> dict[str, Any]:
+        """The adapter store's per-tier counters (for /metrics); empty with the plain folder loader."""
+        snapshot = getattr(self.engine.loader, "snapshot", None)
+        return snapshot()["tiers"] if snapshot is not None else {}
 
     async def stats(self, _target: ToReplica | None = None) -> dict[str, Any]:
         """Fresh stats of this replica (the routing stats, as of the engine's last step)."""
