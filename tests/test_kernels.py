@@ -30,7 +30,7 @@ import torch
 if not torch.cuda.is_available():  # must precede any import of triton, see the module docstring
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lora_kernels import LoraMeta, LoraOps, build_lora_meta, get_lora_ops
+from lora_kernels import LoraMeta, LoraOps, build_lora_meta, get_lora_ops, with_slot_ranks
 from lora_kernels import reference as ref
 from torch import Tensor
 
@@ -440,3 +440,12 @@ def test_triton_engine_sized_buffer_and_all_base(triton_env: tuple[LoraOps, str]
     c.meta = build_lora_meta(c.token_slot, slot_ranks(64))
     for op in OPS:
         check_against_reference(ops, op, to(c, device))
+
+
+def test_with_slot_ranks_equals_a_fresh_build() -> None:
+    token_slot = torch.tensor([-1, -1, 0, 0, 2, 2, 2, 1, -1, 2])
+    meta = build_lora_meta(token_slot, [8, 16, 32])
+    other = [0, 4, 12]
+    got, want = with_slot_ranks(meta, other), build_lora_meta(token_slot, other)
+    assert got.seg_rank_list == want.seg_rank_list and got.max_rank == want.max_rank == 12
+    assert torch.equal(got.seg_rank, want.seg_rank) and got.seg_indptr_list == want.seg_indptr_list

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .meta import LoraMeta, build_lora_meta
+from .meta import LoraMeta, build_lora_meta, with_slot_ranks
 
-__all__ = ["IMPLS", "LoraMeta", "LoraOps", "build_lora_meta", "get_lora_ops"]
+__all__ = ["IMPLS", "LoraMeta", "LoraOps", "build_lora_meta", "get_lora_ops", "with_slot_ranks"]
 
 IMPLS = ("auto", "reference", "cpu", "triton")
 _MODULES = {"reference": ".reference", "cpu": ".cpu", "triton": ".triton_ops"}

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["LoraMeta", "build_lora_meta"]
+__all__ = ["LoraMeta", "build_lora_meta", "with_slot_ranks"]
 
 
 @dataclass(frozen=True)
@@ -103,4 +103,16 @@ def build_lora_meta(token_slot: Tensor, slot_ranks: Sequence[int] | Tensor) -> L
         seg_len_list=tuple(seg_len),
         max_rank=max(seg_rank, default=0),
         max_seg_len=max(seg_len, default=0),
+    )
+
+
+def with_slot_ranks(meta: LoraMeta, slot_ranks: Sequence[int]) -> LoraMeta:
+    """The same segments with the ranks of other slots (e.g. another projection's), without
+    re-reading ``token_slot``: no device synchronisation, one small host-to-device copy."""
+    seg_rank = [slot_ranks[s] if s >= 0 else 0 for s in meta.seg_slot_list]
+    return replace(
+        meta,
+        seg_rank=torch.tensor(seg_rank, dtype=torch.int64, device=meta.token_slot.device),
+        seg_rank_list=tuple(seg_rank),
+        max_rank=max(seg_rank, default=0),
     )

@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-from lora_kernels import LoraMeta, build_lora_meta
+from lora_kernels import LoraMeta, build_lora_meta, with_slot_ranks
 
 from lora_cluster.engine.sequence import Sequence
 
@@ -97,7 +97,7 @@ def build_step_batch(
         input_ids=_t(ids),
         positions=_t(positions),
         kv_slots=_t(kv_slots),
-        lora={m: build_lora_meta(token_slot, ranks) for m, ranks in module_ranks.items()},
+        lora=_module_metas(token_slot, module_ranks),
         prefills=tuple(spans),
         decode_rows=_t(decode_rows),
         decode_slots=_t(decode_slots),
@@ -106,3 +106,11 @@ def build_step_batch(
         sample_rows=_t(sample_rows),
         sampled=tuple(sampled),
     )
+
+
+def _module_metas(token_slot: torch.Tensor, module_ranks: dict[str, list[int]]) -> dict[str, LoraMeta]:
+    """One segment layout per step (one read of `token_slot`), with each projection's slot ranks."""
+    ranks = iter(module_ranks.items())
+    first, first_ranks = next(ranks)
+    meta = build_lora_meta(token_slot, first_ranks)
+    return {first: meta, **{m: with_slot_ranks(meta, r) for m, r in ranks}}
