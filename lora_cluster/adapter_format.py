@@ -36,6 +36,23 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*")
+MAX_ADAPTER_ID_LEN = 256
+
+
+def check_adapter_id(adapter_id: str) -> str:
+    """Adapter ids name sub-folders or key prefixes: no traversal, no absolute paths, no odd bytes,
+    at most `MAX_ADAPTER_ID_LEN` characters. Raises AdapterNotFoundError (the id cannot exist)."""
+    if (
+        not isinstance(adapter_id, str)
+        or len(adapter_id) > MAX_ADAPTER_ID_LEN
+        or not _ADAPTER_ID.fullmatch(adapter_id)
+        or (".." in adapter_id.split("/"))
+    ):
+        raise AdapterNotFoundError(
+            str(adapter_id)[:MAX_ADAPTER_ID_LEN], "invalid adapter id (letters, digits, '._-/' only)"
+        )
+    return adapter_id
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class LoraWeights:
     scaling: dict[str, float]
     a: dict[tuple[int, str], torch.Tensor]
     b: dict[tuple[int, str], torch.Tensor]
+    version: int = 0  # the loader's version of the adapter id when these weights were read
 
     @property
     def nbytes(self) -> int:
@@ -197,4 +215,5 @@ def _module_scaling(config: dict, module: str, rank: int) -> float:
     return alpha / rank
 
 
-__all__ = ["AdapterError", "LoraWeights", "ModelShapes", "load_peft_adapter", "parse_lora_tensors"]
+__all__ = ["AdapterError", "LoraWeights", "ModelShapes", "check_adapter_id", "load_peft_adapter",
+           "parse_lora_tensors"]

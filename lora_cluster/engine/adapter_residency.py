@@ -19,8 +19,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from lora_cluster.adapter_format import LoraWeights
-from lora_cluster.adapter_loader import AdapterLoader
 from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.scheduler import Gate
 from lora_cluster.engine.sequence import Sequence
 from lora_cluster.errors import AdapterError

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 from lora_kernels import get_lora_ops
 
-from lora_cluster.adapter_format import LoraWeights
-from lora_cluster.adapter_loader import AdapterLoader, check_adapter_id
+from lora_cluster.adapter_format import LoraWeights, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.adapter_residency import AdapterResidency
@@ -26,6 +25,7 @@ from lora_cluster.engine.batch import build_step_batch
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import KVCache
 from lora_cluster.engine.llama import LlamaRunner
+from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Scheduler

@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lora_cluster import metrics
-from lora_cluster.adapter_loader import check_adapter_id
+from lora_cluster.adapter_format import check_adapter_id
 from lora_cluster.errors import AdapterError
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.errors import ApiError, ApiException, bad_request, not_found

@@ -1,6 +1,6 @@
 """The adapter store: sources by URI, admission checks, and the host and disk cache tiers.
 
-`build_adapter_loader(config, shapes, device)` is what the engine uses when no loader is given:
+`build_adapter_loader(config, shapes, device)` builds the engine's `AdapterLoader` for a config:
 the `TieredAdapterStore` (the default, `adapter_store="tiered"`), or the plain
 `FolderAdapterLoader` with `adapter_store="folder"`. See docs/adapter-store.md.
 """
@@ -17,14 +17,14 @@ if TYPE_CHECKING:
     import torch
 
     from lora_cluster.adapter_format import ModelShapes
-    from lora_cluster.adapter_loader import AdapterLoader
     from lora_cluster.config import EngineConfig
+    from lora_cluster.engine.loader import AdapterLoader
 
 
 def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterLoader:
     """The engine's default adapter loader for `config` (see the module docstring)."""
     if config.adapter_store == "folder":
-        from lora_cluster.adapter_loader import FolderAdapterLoader
+        from lora_cluster.store.folder_loader import FolderAdapterLoader
 
         return FolderAdapterLoader(config.adapter_source, shapes, config.max_lora_rank)
     return TieredAdapterStore.from_config(config, shapes, device)

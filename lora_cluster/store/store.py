@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes
-from lora_cluster.adapter_loader import check_adapter_id
+from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.errors import AdapterError, AdapterLoadError, AdapterNotFoundError
 from lora_cluster.store.admission import AdmissionPolicy, admit_folder
 from lora_cluster.store.crypto import load_key

@@ -1,0 +1,88 @@
+"""The plain folder loader: adapters are sub-folders of local folders, read on every load.
+
+No caches, no budgets: `adapter_store="folder"` selects it, for debugging and for tests that want
+the engine without the tiered store. The first folder holding an id wins; `register` maps an id to
+a folder of its own (vLLM's load_lora_adapter) and bumps the id's version.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id, load_peft_adapter
+from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.store.versions import Versions
+
+if TYPE_CHECKING:
+    from lora_cluster.engine.loader import SlotPolicy
+
+
+class FolderAdapterLoader:
+    """An `AdapterLoader` over local folders (see the module docstring)."""
+
+    def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int):
+        self.folders = [Path(s.removeprefix("file://")).expanduser() for s in sources]
+        self.shapes, self.max_rank = shapes, max_rank
+        self._registered: dict[str, Path] = {}
+        self._versions = Versions()
+        self._lock = threading.Lock()
+
+    def load(self, adapter_id: str) -> LoraWeights:
+        check_adapter_id(adapter_id)
+        version = self._versions.get(adapter_id)
+        with self._lock:
+            folder = self._registered.get(adapter_id)
+        if folder is None:
+            folder = next((f / adapter_id for f in self.folders if (f / adapter_id).is_dir()), None)
+        if folder is None:
+            raise AdapterNotFoundError(adapter_id, "not found in the configured adapter sources")
+        weights = load_peft_adapter(adapter_id, folder, self.shapes, self.max_rank)
+        weights.version = version
+        return weights
+
+    def version(self, adapter_id: str) -> int:
+        return self._versions.get(adapter_id)
+
+    def register(self, adapter_id: str, location: str) -> None:
+        check_adapter_id(adapter_id)
+        folder = Path(location.removeprefix("file://")).expanduser()
+        load_peft_adapter(adapter_id, folder, self.shapes, self.max_rank)  # refuse what would fail later
+        with self._lock:
+            self._registered[adapter_id] = folder
+        self._versions.bump(adapter_id)
+
+    def unregister(self, adapter_id: str) -> bool:
+        with self._lock:
+            found = self._registered.pop(adapter_id, None) is not None
+        if found:
+            self._versions.bump(adapter_id)
+        return found
+
+    def list_adapters(self) -> list[str]:
+        with self._lock:
+            seen: dict[str, None] = dict.fromkeys(self._registered)
+        for folder in self.folders:
+            if folder.is_dir():
+                for cfg in sorted(folder.glob("**/adapter_config.json")):
+                    seen.setdefault(cfg.parent.relative_to(folder).as_posix(), None)
+        return list(seen)
+
+    def slot_policy(self) -> SlotPolicy | None:
+        return None
+
+    def request_started(self, adapter_id: str) -> None:
+        pass
+
+    def request_finished(self, adapter_id: str) -> None:
+        pass
+
+    def load_abandoned(self, adapter_id: str) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
