@@ -2,7 +2,13 @@
 
 A PEFT adapter folder holds `adapter_config.json` and `adapter_model.safetensors`. Pickle weights
 (`adapter_model.bin`) are refused: loading them would execute code from an untrusted file. Every
-refusal is an `AdapterError` subclass naming the adapter and the limit or reason.
+refusal is an `AdapterError` subclass naming the adapter and the limit or reason, never a path of
+the server's file system.
+
+Validation is one set of small steps, in this order: `folder_files`, `weights_file_or_refuse`,
+`read_adapter_config` (`read_adapter_file` + `parse_adapter_config`), `check_rank`,
+`parse_safetensors_bytes` and `parse_lora_tensors`. `load_peft_adapter` composes them for a plain folder;
+`lora_cluster.store.admission.admit_folder` composes the same steps with checksums and decryption.
 
 Policy: an adapter is admitted only if every tensor maps to a (layer, projection) of the served
 model with matching shapes, its rank is <= `max_lora_rank`, and its values are finite. The LoRA
@@ -15,16 +21,18 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from lora_cluster.errors import (
     AdapterError,
     AdapterFormatError,
+    AdapterLoadError,
     AdapterNotFoundError,
     AdapterRankError,
     AdapterShapeError,
@@ -97,13 +105,39 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
-def read_adapter_config(adapter_id: str, folder: Path) -> dict:
-    """Read and check `adapter_config.json`; raises AdapterFormatError on anything but plain LoRA."""
-    path = folder / CONFIG_FILE
+def folder_files(adapter_id: str, folder: Path | str) -> frozenset[str]:
+    """The names of the files in the adapter folder `folder` (symlinks to files count, as in the hub
+    cache). No folder there is AdapterNotFoundError; an unreadable one AdapterLoadError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterNotFoundError(adapter_id, "no adapter folder")
     try:
-        config = json.loads(path.read_text())
+        return frozenset(p.name for p in folder.iterdir() if p.is_file())
+    except OSError as e:
+        raise AdapterLoadError(adapter_id, f"cannot read the adapter folder: {_os_reason(e)}") from e
+
+
+def read_adapter_file(adapter_id: str, folder: Path, name: str) -> bytes:
+    """The bytes of the adapter's file `name`. A missing file is AdapterNotFoundError, an unreadable
+    one AdapterLoadError; neither message names the server's path."""
+    try:
+        return (Path(folder) / name).read_bytes()
     except FileNotFoundError as e:
-        raise AdapterNotFoundError(adapter_id, f"no {CONFIG_FILE} in {folder}") from e
+        raise AdapterNotFoundError(adapter_id, f"no {name} in the adapter folder") from e
+    except OSError as e:
+        raise AdapterLoadError(adapter_id, f"cannot read {name}: {_os_reason(e)}") from e
+
+
+def _os_reason(error: OSError) -> str:
+    """An OSError's reason without the file name it carries (the server's path stays private)."""
+    return error.strerror or type(error).__name__
+
+
+def parse_adapter_config(adapter_id: str, data: bytes | str) -> dict:
+    """Parse and check `adapter_config.json`'s content; raises AdapterFormatError on anything but
+    plain LoRA with a positive integer rank `r`."""
+    try:
+        config = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterFormatError(adapter_id, f"{CONFIG_FILE} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
@@ -122,26 +156,57 @@ def read_adapter_config(adapter_id: str, folder: Path) -> dict:
     return config
 
 
-def load_peft_adapter(adapter_id: str, folder: Path, shapes: ModelShapes, max_rank: int) -> LoraWeights:
-    """Load and validate the PEFT adapter in `folder` for a model of the given shapes."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise AdapterNotFoundError(adapter_id, f"no adapter folder at {folder}")
-    config = read_adapter_config(adapter_id, folder)
-    weights_path = folder / WEIGHTS_FILE
-    if not weights_path.exists():
-        pickled = [name for name in PICKLE_FILES if (folder / name).exists()]
-        if pickled:
-            raise AdapterFormatError(
-                adapter_id, f"{pickled[0]} is pickle; only {WEIGHTS_FILE} is accepted (no pickle loading)"
-            )
-        raise AdapterFormatError(adapter_id, f"no {WEIGHTS_FILE} in {folder}")
+def read_adapter_config(adapter_id: str, folder: Path) -> dict:
+    """Read and check the `adapter_config.json` in `folder` (`parse_adapter_config`)."""
+    return parse_adapter_config(adapter_id, read_adapter_file(adapter_id, folder, CONFIG_FILE))
+
+
+def weights_file_or_refuse(adapter_id: str, names: Container[str], accepted: Sequence[str] = (WEIGHTS_FILE,),
+                           where: str = "the adapter folder") -> str:
+    """The first of the `accepted` weights files among the adapter's file `names`.
+
+    Policy: pickle weights (`PICKLE_FILES`) are never loaded (that would run code from an untrusted
+    file): an adapter that has only those is refused with AdapterFormatError saying so, and one
+    with no weights at all with AdapterFormatError naming `where` (never a server path)."""
+    for name in accepted:
+        if name in names:
+            return name
+    pickled = next((p for p in PICKLE_FILES if p in names), None)
+    if pickled is not None:
+        raise AdapterFormatError(
+            adapter_id, f"{pickled} is pickle; only {WEIGHTS_FILE} is accepted (no pickle loading)")
+    raise AdapterFormatError(adapter_id, f"no {WEIGHTS_FILE} in {where}")
+
+
+def check_rank(adapter_id: str, config: dict, max_rank: int) -> None:
+    """Refuse an adapter whose configured rank `r` exceeds `max_rank` (AdapterRankError), before its
+    weights are read; `parse_lora_tensors` checks each module's actual rank as well."""
     if config["r"] > max_rank:
         raise AdapterRankError(adapter_id, config["r"], max_rank)
+
+
+def parse_safetensors_bytes(adapter_id: str, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's content; anything unreadable is AdapterFormatError
+    ("... is corrupt")."""
     try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as e:
+        return load_safetensors(data)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} is corrupt: {e}") from e
+
+
+def load_peft_adapter(adapter_id: str, folder: Path, shapes: ModelShapes, max_rank: int) -> LoraWeights:
+    """Load and validate the plain PEFT adapter in `folder` for a model of the given shapes.
+
+    The composition of this module's steps, in order: the folder exists (`folder_files`), the
+    weights are safetensors (`weights_file_or_refuse`), the config is plain LoRA
+    (`read_adapter_config`), the rank fits (`check_rank`), the file parses
+    (`parse_safetensors_bytes`) and the tensors fit the model (`parse_lora_tensors`).
+    `lora_cluster.store.admission` composes the same steps with checksums and decryption."""
+    folder = Path(folder)
+    weights = weights_file_or_refuse(adapter_id, folder_files(adapter_id, folder))
+    config = read_adapter_config(adapter_id, folder)
+    check_rank(adapter_id, config, max_rank)
+    tensors = parse_safetensors_bytes(adapter_id, read_adapter_file(adapter_id, folder, weights))
     return parse_lora_tensors(adapter_id, config, tensors, shapes, max_rank)
 
 
@@ -215,5 +280,6 @@ def _module_scaling(config: dict, module: str, rank: int) -> float:
     return alpha / rank
 
 
-__all__ = ["AdapterError", "LoraWeights", "ModelShapes", "check_adapter_id", "load_peft_adapter",
-           "parse_lora_tensors"]
+__all__ = ["AdapterError", "LoraWeights", "ModelShapes", "check_adapter_id", "check_rank", "folder_files",
+           "load_peft_adapter", "parse_adapter_config", "parse_lora_tensors", "parse_safetensors_bytes",
+           "read_adapter_config", "read_adapter_file", "weights_file_or_refuse"]

@@ -92,6 +92,12 @@ class EngineConfig(BaseSettings):
     adapter_load_workers: int = Field(
         2, ge=1, le=64, description="Threads that load adapters off the step loop."
     )
+    max_consecutive_step_failures: int = Field(
+        3,
+        ge=1,
+        description="Engine steps in a row that may fail (their requests end with an error) before the "
+        "engine reports itself unhealthy, so that Ray Serve restarts the replica.",
+    )
 
     # ----- adapter store and cache tiers (lora_cluster.store, docs/adapter-store.md) -----
     adapter_store: Literal["tiered", "folder"] = Field(
@@ -132,6 +138,12 @@ class EngineConfig(BaseSettings):
     )
     preload: StrList = Field(
         default_factory=list, description="Adapter ids loaded into host memory in the background at start."
+    )
+    negative_cache_ttl_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds an adapter id that no source offers is answered 'not found' without asking "
+        "the sources again (a bounded cache; registering the id clears it; 0 = off).",
     )
     prefetch_window_s: float = Field(
         60.0,

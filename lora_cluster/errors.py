@@ -2,7 +2,7 @@
 
 Every error names what it is about (the adapter, the request, the model) and the limit that was
 crossed, so that a user reading an HTTP error body knows what to change. The HTTP layer maps these
-classes to status codes in one place (`lora_cluster.serve.errors`); nothing else picks codes.
+classes to status codes in one place (`lora_cluster.serve.http_errors`); nothing else picks codes.
 """
 
 from __future__ import annotations
@@ -89,3 +89,11 @@ class EngineOverloadedError(LoraClusterError):
 
 class RequestAbortedError(LoraClusterError):
     """The request was cancelled before it finished."""
+
+
+class EngineStepError(LoraClusterError):
+    """An engine step failed (forward pass, sampling, detokenization); its requests end with this."""
+
+
+class EngineUnavailableError(LoraClusterError):
+    """The engine cannot serve: its loop has stopped, or steps keep failing (the replica is unhealthy)."""

@@ -199,7 +199,7 @@ class FolderAsRemote:
         self.folder, self.uri, self.fetches = folder, uri, 0
 
     def locate(self, adapter_id: str, subpath: str) -> Any:
-        from lora_cluster.store.source import FileInfo, Located
+        from lora_cluster.store.sources.base import FileInfo, Located
 
         folder = self.folder / subpath
         if not folder.is_dir():

@@ -75,8 +75,8 @@ def test_bad_adapter_fails_alone(engine: Engine, adapter_id: str, error: type, w
     with pytest.raises(error) as info:
         engine.generate(["hello"], adapter_ids=[adapter_id], sampling=GREEDY)
     for word in words:
-        assert word in str(info.value)
-    assert getattr(info.value, "adapter_id", None) is not None
+        assert word in str(info.value), f"the error message names {word!r}"
+    assert getattr(info.value, "adapter_id", None) is not None, "the error carries the adapter id"
     # the same bad adapter in a running batch fails only its own request
     engine.add_request("good-base", "the quick brown fox", None, GREEDY)
     engine.add_request("good-lora", "the quick brown fox", "a0", GREEDY)
@@ -85,23 +85,26 @@ def test_bad_adapter_fails_alone(engine: Engine, adapter_id: str, error: type, w
     finals = {}
     while engine.has_unfinished():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finals["good-base"].finish_reason == finals["good-lora"].finish_reason == "length"
-    assert len(finals["good-lora"].token_ids) == 8
+    assert finals["good-base"].finish_reason == "length", "a base request next to a bad adapter completes"
+    assert finals["good-lora"].finish_reason == "length", "a good adapter next to a bad adapter completes"
+    assert len(finals["good-lora"].token_ids) == 8, "a good adapter next to a bad one gets all its tokens"
     if adapter_id != "../a0":
-        assert finals["bad"].finish_reason == "error" and isinstance(finals["bad"].error, error)
+        assert finals["bad"].finish_reason == "error", "the request with the bad adapter ends with 'error'"
+        assert isinstance(finals["bad"].error, error), "the failed request carries the adapter's error"
 
 
 def test_rank_error_names_limit(engine: Engine):
     with pytest.raises(AdapterRankError) as info:
         engine.load_adapter("a2")
-    assert (info.value.rank, info.value.max_rank) == (32, 16)
+    assert info.value.rank == 32, "the rank error names the adapter's rank"
+    assert info.value.max_rank == 16, "the rank error names the engine's max_lora_rank"
 
 
 def test_prompt_too_long_names_limit(engine: Engine):
     with pytest.raises(PromptTooLongError) as info:
         engine.add_request("long", [5] * engine.max_model_len, None, GREEDY)
-    assert info.value.limit == engine.max_model_len - 1
-    assert str(engine.max_model_len - 1) in str(info.value)
+    assert info.value.limit == engine.max_model_len - 1, "the limit leaves room for one new token"
+    assert str(engine.max_model_len - 1) in str(info.value), "the error message names the limit"
 
 
 @pytest.mark.parametrize(
@@ -130,4 +133,5 @@ def test_unsupported_architecture(demo_model_dir: Path, tmp_path: Path):
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError) as info:
         Engine(model=str(model))
-    assert "GPT2LMHeadModel" in str(info.value) and "LlamaForCausalLM" in str(info.value)
+    assert "GPT2LMHeadModel" in str(info.value), "the error names the unsupported architecture"
+    assert "LlamaForCausalLM" in str(info.value), "the error names the supported architecture"

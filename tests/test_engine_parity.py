@@ -80,14 +80,18 @@ def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, 
     mixed_steps = 0
     for rid, _prompt, aid in requests:
         out = finals[rid]
-        assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS
+        assert out.finish_reason == "length", f"{rid} ({aid}) runs to max_new_tokens with ignore_eos"
+        assert len(out.token_ids) == NEW_TOKENS, f"{rid} ({aid}) gets all {NEW_TOKENS} tokens"
         ref = _peft_logits(peft_model, aid, out.prompt_token_ids + out.token_ids)
         ref = ref[out.prompt_tokens - 1 : out.prompt_tokens - 1 + NEW_TOKENS]
         ours = torch.stack(captured[rid])
         assert ref.argmax(-1).tolist() == out.token_ids, f"{rid} ({aid}) diverges from PEFT"
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            ours, ref, atol=1e-4, rtol=0,
+            msg=lambda m, r=rid, a=aid: f"{r} ({a}) logits must equal PEFT's within 1e-4: {m}",
+        )
         mixed_steps += len(captured[rid])
-    assert mixed_steps == len(requests) * NEW_TOKENS
+    assert mixed_steps == len(requests) * NEW_TOKENS, "every sampled token's logits were compared with PEFT"
 
 
 def test_adapters_change_outputs(demo_model_dir, demo_adapters_dir):
@@ -95,17 +99,35 @@ def test_adapters_change_outputs(demo_model_dir, demo_adapters_dir):
     engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4)
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     outs = engine.generate(["the quick brown fox"] * 4, adapter_ids=[None, "a0", "a2", "a7"], sampling=greedy)
-    assert len({tuple(o.token_ids) for o in outs}) == 4
+    assert len({tuple(o.token_ids) for o in outs}) == 4, "the base model and each adapter give other tokens"
 
 
-def test_issue_example_call(demo_model_dir, demo_adapters_dir):
+def test_readme_offline_example_outputs_follow_prompts_and_adapters(demo_model_dir, demo_adapters_dir):
+    """The README's offline example: one output per prompt, in order, each decoded from its own ids,
+    16 tokens unless it stopped early, the adapter row as if run alone and unlike the base model."""
     engine = Engine(
         model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=8, max_lora_rank=64
     )
-    outs = engine.generate(
-        ["prompt a", "prompt b"],
-        adapter_ids=["a0", None],
-        sampling=SamplingParams(max_new_tokens=16, temperature=0.0),
-    )
-    assert all(isinstance(o.text, str) and o.token_ids for o in outs)
-    assert {o.finish_reason for o in outs} <= {"length", "eos", "stop"}
+    prompts, adapters = ["prompt a", "prompt b"], ["a0", None]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    outs = engine.generate(prompts, adapter_ids=adapters, sampling=greedy)
+
+    assert len(outs) == len(prompts), "generate returns one output per prompt"
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.prompt_token_ids == engine.tokenize(prompt), f"outputs come in prompt order ({prompt!r})"
+        assert out.finished, f"the output for {prompt!r} is final"
+        assert out.token_ids, f"{prompt!r} generates at least one token"
+        assert out.finish_reason in {"length", "eos", "stop"}, f"{prompt!r} ends for a documented reason"
+        assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True), (
+            f"the text for {prompt!r} is its token ids decoded"
+        )
+        if out.finish_reason not in {"eos", "stop"}:
+            assert len(out.token_ids) == 16, f"{prompt!r} runs to max_new_tokens unless it stops early"
+        else:
+            assert len(out.token_ids) <= 16, f"{prompt!r} stops early, within max_new_tokens"
+
+    alone = engine.generate([prompts[0]], adapter_ids=["a0"], sampling=greedy)[0]
+    assert outs[0].token_ids == alone.token_ids, "greedy a0 gives the same tokens in the batch as alone"
+    assert outs[0].text == alone.text, "greedy a0 gives the same text in the batch as alone"
+    base = engine.generate([prompts[0]], adapter_ids=[None], sampling=greedy)[0]
+    assert outs[0].token_ids != base.token_ids, "the a0 row is generated with the adapter, not the base model"

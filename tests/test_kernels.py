@@ -191,10 +191,13 @@ CPU = get_lora_ops("cpu")
 
 
 def check_against_reference(ops: LoraOps, op: str, c: Case, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """``op`` of ``ops`` writes the same ``out`` (dtype and values) as the reference on case ``c``."""
     expected = run_op(REF, op, c)
     got = run_op(ops, op, c)
-    assert got.dtype == expected.dtype
-    torch.testing.assert_close(got.cpu(), expected.cpu(), atol=atol, rtol=rtol)
+    assert got.dtype == expected.dtype, f"{ops.name} {op} changed out's dtype to {got.dtype}"
+    torch.testing.assert_close(
+        got.cpu(), expected.cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{ops.name} {op} != reference: {m}"
+    )
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -202,30 +205,43 @@ def check_against_reference(ops: LoraOps, op: str, c: Case, atol: float = 1e-5, 
 
 def test_build_lora_meta_hand_written() -> None:
     m = build_lora_meta(torch.tensor([0, 0, 1, 1, 1, -1, 0], dtype=torch.int32), [4, 8])
-    assert m.seg_indptr_list == (0, 2, 5, 6, 7)
-    assert m.seg_slot_list == (0, 1, -1, 0)
-    assert m.seg_rank_list == (4, 8, 0, 4)
-    assert m.seg_len_list == (2, 3, 1, 1)
-    assert (m.max_rank, m.max_seg_len, m.num_tokens, m.num_segments) == (8, 3, 7, 4)
-    assert m.token_slot.dtype == m.seg_indptr.dtype == m.seg_slot.dtype == m.seg_rank.dtype == torch.int64
-    assert m.seg_indptr.tolist() == [0, 2, 5, 6, 7]
-    assert m.seg_slot.tolist() == [0, 1, -1, 0]
-    assert m.seg_rank.tolist() == [4, 8, 0, 4]
+    assert m.seg_indptr_list == (0, 2, 5, 6, 7), "segment boundaries are the changes of slot"
+    assert m.seg_slot_list == (0, 1, -1, 0), "each run of equal slot is one segment, in token order"
+    assert m.seg_rank_list == (4, 8, 0, 4), "segments carry their slot's rank, base segments rank 0"
+    assert m.seg_len_list == (2, 3, 1, 1), "segment lengths are the run lengths"
+    assert m.max_rank == 8, "max_rank is the largest segment rank"
+    assert m.max_seg_len == 3, "max_seg_len is the longest run"
+    assert m.num_tokens == 7, "num_tokens counts every token, base ones included"
+    assert m.num_segments == 4, "num_segments counts base segments too"
+    for field in ("token_slot", "seg_indptr", "seg_slot", "seg_rank"):
+        assert getattr(m, field).dtype == torch.int64, f"{field} is int64 even for an int32 token_slot"
+    assert m.seg_indptr.tolist() == [0, 2, 5, 6, 7], "seg_indptr holds the same values as seg_indptr_list"
+    assert m.seg_slot.tolist() == [0, 1, -1, 0], "seg_slot holds the same values as seg_slot_list"
+    assert m.seg_rank.tolist() == [4, 8, 0, 4], "seg_rank holds the same values as seg_rank_list"
 
 
 def test_build_lora_meta_edge_cases() -> None:
     base = build_lora_meta(torch.tensor([-1, -1, -1]), [16])
-    assert (base.seg_indptr_list, base.seg_slot_list, base.seg_rank_list) == ((0, 3), (-1,), (0,))
-    assert base.max_rank == 0
+    assert base.seg_indptr_list == (0, 3), "an all-base batch is one segment over all tokens"
+    assert base.seg_slot_list == (-1,), "the all-base segment has slot -1"
+    assert base.seg_rank_list == (0,), "the all-base segment has rank 0"
+    assert base.max_rank == 0, "an all-base batch has max_rank 0"
     empty = build_lora_meta(torch.zeros(0, dtype=torch.int64), [16])
-    assert (empty.seg_indptr_list, empty.seg_slot_list, empty.max_rank, empty.max_seg_len) == ((0,), (), 0, 0)
-    assert empty.seg_indptr.tolist() == [0] and empty.seg_slot.numel() == 0
+    assert empty.seg_indptr_list == (0,), "an empty batch has the boundary list (0,)"
+    assert empty.seg_slot_list == (), "an empty batch has no segments"
+    assert empty.max_rank == 0, "an empty batch has max_rank 0"
+    assert empty.max_seg_len == 0, "an empty batch has max_seg_len 0"
+    assert empty.seg_indptr.tolist() == [0], "an empty batch's seg_indptr tensor is [0]"
+    assert empty.seg_slot.numel() == 0, "an empty batch's seg_slot tensor is empty"
     one = build_lora_meta(torch.tensor([2]), torch.tensor([8, 16, 32]))
-    assert (one.seg_indptr_list, one.seg_slot_list, one.seg_rank_list) == ((0, 1), (2,), (32,))
-    assert one.max_rank == 32
+    assert one.seg_indptr_list == (0, 1), "a one-token batch is one segment"
+    assert one.seg_slot_list == (2,), "the one segment has the token's slot"
+    assert one.seg_rank_list == (32,), "slot ranks may be given as a tensor"
+    assert one.max_rank == 32, "max_rank is the one segment's rank"
     alternating = build_lora_meta(torch.tensor([1, 0, 1, 0]), [0, 4])
-    assert alternating.seg_slot_list == (1, 0, 1, 0) and alternating.seg_rank_list == (4, 0, 4, 0)
-    assert alternating.max_rank == 4
+    assert alternating.seg_slot_list == (1, 0, 1, 0), "alternating slots give one segment per token"
+    assert alternating.seg_rank_list == (4, 0, 4, 0), "an empty slot (rank 0) keeps rank 0 in its segments"
+    assert alternating.max_rank == 4, "max_rank ignores the rank-0 slot"
 
 
 @pytest.mark.parametrize(
@@ -234,7 +250,7 @@ def test_build_lora_meta_edge_cases() -> None:
     ids=["slot-too-big", "slot-below-minus-one", "not-1d"],
 )
 def test_build_lora_meta_rejects_bad_input(token_slot: Tensor) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="token_slot"):
         build_lora_meta(token_slot, [8, 8, 8])
 
 
@@ -245,22 +261,35 @@ def test_build_lora_meta_segments_are_maximal_runs(mix: str, order: str) -> None
     ranks = slot_ranks(32)
     m = build_lora_meta(ts, ranks)
     lens = torch.tensor(m.seg_len_list)
-    assert torch.equal(torch.repeat_interleave(torch.tensor(m.seg_slot_list), lens), ts)
-    assert all(a != b for a, b in zip(m.seg_slot_list, m.seg_slot_list[1:], strict=False))
-    assert m.seg_rank_list == tuple(ranks[s] if s >= 0 else 0 for s in m.seg_slot_list)
-    assert list(m.seg_indptr_list) == [0, *torch.cumsum(lens, 0).tolist()]
-    assert (-1 in ts.tolist()) and m.max_rank == max(m.seg_rank_list)
+    assert -1 in ts.tolist(), "the generated batch has base tokens (the case the segments must keep)"
+    assert torch.equal(torch.repeat_interleave(torch.tensor(m.seg_slot_list), lens), ts), (
+        "the segments' slots repeated by their lengths give back token_slot"
+    )
+    assert all(a != b for a, b in itertools.pairwise(m.seg_slot_list)), (
+        "neighbouring segments have different slots (runs are maximal)"
+    )
+    assert m.seg_rank_list == tuple(ranks[s] if s >= 0 else 0 for s in m.seg_slot_list), (
+        "each segment has its slot's rank, base segments rank 0"
+    )
+    assert list(m.seg_indptr_list) == [0, *torch.cumsum(lens, 0).tolist()], (
+        "seg_indptr is the running sum of the segment lengths"
+    )
+    assert m.max_rank == max(m.seg_rank_list), "max_rank is the largest segment rank"
 
 
 # ----------------------------------------------------------------------------- interface
 
 
 def test_get_lora_ops() -> None:
-    assert get_lora_ops().name == "cpu"
-    assert get_lora_ops("auto", torch.device("cpu")).name == "cpu"
-    assert get_lora_ops("reference").add_lora is ref.add_lora
+    assert get_lora_ops().name == "cpu", "the default (auto on cpu) is the cpu implementation"
+    assert get_lora_ops("auto", torch.device("cpu")).name == "cpu", "auto on a CPU device picks cpu"
+    assert get_lora_ops("reference").add_lora is ref.add_lora, (
+        "reference gives the reference module's functions"
+    )
     has_triton = importlib.util.find_spec("triton") is not None
-    assert get_lora_ops("auto", "cuda").name == ("triton" if has_triton else "cpu")
+    assert get_lora_ops("auto", "cuda").name == ("triton" if has_triton else "cpu"), (
+        "auto on a CUDA device picks triton when it is importable, else cpu"
+    )
     with pytest.raises(ValueError, match="auto, reference, cpu, triton"):
         get_lora_ops("cuda")
 
@@ -286,11 +315,18 @@ def test_reference_matches_naive_loop() -> None:
         want["bgmv_expand_add"][t] += b[s] @ y[t]
         want["bgmv_expand_set"][t] = b[s] @ y[t]
         want["add_lora"][t] += b[s] @ (a[s] @ x[t])
-    assert c.token_slot.lt(0).any() and c.token_slot.ge(0).any()
+    assert c.token_slot.lt(0).any(), "the case has base tokens"
+    assert c.token_slot.ge(0).any(), "the case has adapter tokens"
     for op, expected in want.items():
-        torch.testing.assert_close(run_op(REF, op, c).double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            run_op(REF, op, c).double(), expected, atol=1e-5, rtol=1e-5,
+            msg=lambda m, op=op: f"reference {op} != per-token float64 loop: {m}",
+        )  # fmt: skip
     for op in ("sgmv_shrink", "sgmv_expand_add", "sgmv_expand_set"):
-        torch.testing.assert_close(run_op(REF, op, c), run_op(REF, op.replace("sgmv", "bgmv"), c))
+        torch.testing.assert_close(
+            run_op(REF, op, c), run_op(REF, op.replace("sgmv", "bgmv"), c),
+            msg=lambda m, op=op: f"reference {op} != its BGMV variant on meta's per-token slots: {m}",
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- cpu
@@ -331,12 +367,19 @@ def _strided_check(ops: LoraOps, op: str, c: Case, device: torch.device | str) -
         cd = to(c, dev)
         cd.x, cd.y = bx[:, 5 : 5 + c.x.shape[1]], by[:, 3 : 3 + c.y.shape[1]]
         out = b[:, 17 : 17 + width]
-        assert not out.is_contiguous() and not cd.x.is_contiguous()
+        assert not out.is_contiguous(), "out is a strided column-slice view"
+        assert not cd.x.is_contiguous(), "x is a strided column-slice view"
         run_op(impl, op, cd, out)
         results.append(b.cpu())
-    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        results[1], results[0], atol=1e-5, rtol=1e-5,
+        msg=lambda m: f"{ops.name} {op} into a strided view != reference (whole parent tensor): {m}",
+    )  # fmt: skip
     untouched = torch.cat([big[:, :17], big[:, 17 + width :]], dim=1)
-    torch.testing.assert_close(torch.cat([results[1][:, :17], results[1][:, 17 + width :]], 1), untouched)
+    torch.testing.assert_close(
+        torch.cat([results[1][:, :17], results[1][:, 17 + width :]], 1), untouched,
+        msg=lambda m: f"{ops.name} {op} wrote outside the out view: {m}",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -359,7 +402,7 @@ def test_cpu_all_base_batch() -> None:
     c.meta = build_lora_meta(c.token_slot, slot_ranks(16))
     out = c.init_expand.clone()
     CPU.add_lora(out, c.x, c.lora_a, c.lora_b, c.meta)
-    assert torch.equal(out, c.init_expand)
+    assert torch.equal(out, c.init_expand), "add_lora leaves out unchanged when no token has an adapter"
     for op in OPS:
         check_against_reference(CPU, op, c)
 
@@ -374,7 +417,7 @@ def _interpreted_in_process() -> bool:
 
     return all(
         type(fn).__name__ == "InterpretedFunction"
-        for fn in (tl_standard._sum_combine, triton_ops._bgmv_kernel, triton_ops._sgmv_shrink_kernel)
+        for fn in (tl_standard._sum_combine, triton_ops._bgmv_kernel, triton_ops._sgmv_kernel)
     )
 
 
@@ -447,5 +490,8 @@ def test_with_slot_ranks_equals_a_fresh_build() -> None:
     meta = build_lora_meta(token_slot, [8, 16, 32])
     other = [0, 4, 12]
     got, want = with_slot_ranks(meta, other), build_lora_meta(token_slot, other)
-    assert got.seg_rank_list == want.seg_rank_list and got.max_rank == want.max_rank == 12
-    assert torch.equal(got.seg_rank, want.seg_rank) and got.seg_indptr_list == want.seg_indptr_list
+    assert got.seg_rank_list == want.seg_rank_list, "segment ranks are the new slot ranks"
+    assert got.max_rank == 12, "max_rank is recomputed from the new ranks"
+    assert want.max_rank == 12, "a fresh build with the new ranks has the same max_rank"
+    assert torch.equal(got.seg_rank, want.seg_rank), "the seg_rank tensor holds the new ranks"
+    assert got.seg_indptr_list == want.seg_indptr_list, "the segments themselves are unchanged"

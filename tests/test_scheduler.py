@@ -51,12 +51,16 @@ def test_chunked_prefill_shares_steps_with_decodes():
     s.add(a)
     s.add(b)
     out = s.schedule()
-    assert [(q.request_id, n) for q, n in out.prefills] == [("a", 3), ("b", 5)]
+    assert [(q.request_id, n) for q, n in out.prefills] == [("a", 3), ("b", 5)], (
+        "prompts are prefilled in arrival order, the last one chunked to the token budget"
+    )
     a.num_computed, b.num_computed = 3, 5
     a.output_ids.append(7)
     out = s.schedule()
-    assert [q.request_id for q in out.decodes] == ["a"]
-    assert [(q.request_id, n) for q, n in out.prefills] == [("b", 7)]  # budget 8 minus one decode
+    assert [q.request_id for q in out.decodes] == ["a"], "a sequence past its prompt decodes"
+    assert [(q.request_id, n) for q, n in out.prefills] == [("b", 7)], (
+        "an unfinished prompt continues in the same step, with the budget left after the decodes (8 - 1)"
+    )
 
 
 def test_pending_adapter_does_not_block_others_and_failures_surface():
@@ -65,9 +69,12 @@ def test_pending_adapter_does_not_block_others_and_failures_surface():
     for seq in (_seq("p", 2, "loading"), _seq("f", 2, "broken"), _seq("ok", 2, "ready")):
         s.add(seq)
     out = s.schedule()
-    assert [q.request_id for q, _ in out.prefills] == ["ok"]
-    assert [q.request_id for q in out.failed] == ["f"] and out.failed[0].status is SeqStatus.FINISHED
-    assert [q.request_id for q in s.waiting] == ["p"]
+    assert [q.request_id for q, _ in out.prefills] == ["ok"], (
+        "a request whose adapter is ready runs although earlier ones wait for or failed on theirs"
+    )
+    assert [q.request_id for q in out.failed] == ["f"], "a request whose adapter failed is reported failed"
+    assert out.failed[0].status is SeqStatus.FINISHED, "a request whose adapter failed is finished"
+    assert [q.request_id for q in s.waiting] == ["p"], "a request whose adapter is loading keeps waiting"
 
 
 def test_blocked_adapter_stops_later_slot_claims():
@@ -76,7 +83,9 @@ def test_blocked_adapter_stops_later_slot_claims():
     for seq in (_seq("rare", 2, "rare"), _seq("later", 2, "other")):
         s.add(seq)
     s.schedule()
-    assert gates.calls == [("rare", True), ("later", False)]
+    assert gates.calls == [("rare", True), ("later", False)], (
+        "once an adapter is blocked on a slot, later requests may not claim a new adapter slot"
+    )
 
 
 def test_kv_slots_lowest_first_and_released_once():
@@ -86,12 +95,13 @@ def test_kv_slots_lowest_first_and_released_once():
     for seq in seqs:
         s.add(seq)
     s.schedule()
-    assert [q.kv_slot for q in seqs[:2]] == [0, 1] and seqs[2].status is SeqStatus.WAITING
+    assert [q.kv_slot for q in seqs[:2]] == [0, 1], "KV slots are handed out lowest first"
+    assert seqs[2].status is SeqStatus.WAITING, "a request beyond the free KV slots waits"
     s.finish(seqs[0])
     s.finish(seqs[0])
-    assert gates.released == ["0"]
+    assert gates.released == ["0"], "finishing a sequence twice releases its adapter once"
     s.schedule()
-    assert seqs[2].kv_slot == 0
+    assert seqs[2].kv_slot == 0, "the waiting request gets the freed KV slot"
 
 
 def test_overloaded_queue_refuses():
@@ -123,20 +133,41 @@ def test_pool_refcounts_lru_and_capacity():
         clock=lambda: now[0],
     )
     s0 = pool.allocate(_weights("x", 2))
-    assert pool.module_ranks == {"q_proj": [2, 0], "v_proj": [0, 0]}
-    assert torch.equal(pool.b["q_proj"][0, s0, :, :2], torch.full((6, 2), 2.0))  # scaling folded into B
-    assert pool.b["q_proj"][0, s0, :, 2:].abs().sum() == 0
-    pool.acquire("x")
+    assert pool.module_ranks == {"q_proj": [2, 0], "v_proj": [0, 0]}, "ranks per module and slot"
+    assert torch.equal(pool.b["q_proj"][0, s0, :, :2], torch.full((6, 2), 2.0)), "scaling is folded into B"
+    assert pool.b["q_proj"][0, s0, :, 2:].abs().sum() == 0, "columns past the rank are zero"
+    x_slot = pool.acquire("x")
     now[0] = 1.0
     pool.allocate(_weights("y", 4))
-    pool.acquire("y")
+    y_slot = pool.acquire("y")
     with pytest.raises(AdapterCapacityError, match="all 2 adapter slots"):
         pool.allocate(_weights("z", 2))
-    pool.release("y")
-    assert pool.allocate(_weights("z", 2)) != s0  # y was idle, x is still referenced
-    assert pool.slot_of("y") is None and pool.evict("x") is False
-    pool.release("x")
-    assert pool.evict("x") is True
+    pool.release(y_slot)
+    assert pool.allocate(_weights("z", 2)) != s0, "the idle y is evicted, not the referenced x"
+    assert pool.slot_of("y") is None, "y left the device"
+    assert pool.evict("x") is False, "a referenced adapter cannot be evicted"
+    pool.release(x_slot)
+    assert pool.evict("x") is True, "an unreferenced adapter can be evicted"
+
+
+def test_pool_retires_a_busy_old_version_and_frees_it_with_its_last_reference():
+    pool = AdapterPool(ModelShapes(1, {"q_proj": (4, 6)}), num_slots=2, max_rank=4, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    old = _weights("x", 2)
+    old_slot = pool.allocate(old)
+    running = pool.acquire("x")
+    pool.retire("x")
+    assert pool.slot_of("x") is None, "a retired version is not found by new requests"
+    new = _weights("x", 4)
+    new.version = 1
+    new_slot = pool.allocate(new)
+    assert new_slot != old_slot, "the new version takes another slot while the old one runs"
+    assert pool.version_of("x") == 1, "the id now maps to the new version"
+    assert pool.module_ranks["q_proj"][old_slot] == 2, "the running sequence keeps the old weights"
+    pool.acquire("x")
+    assert not pool.can_allocate(), "the retired busy slot is not a victim"
+    pool.release(running)
+    assert pool.can_allocate(), "the retired slot is freed with its last reference"
 
 
 def test_pool_reused_slot_clears_the_previous_adapters_rows():
@@ -148,9 +179,8 @@ def test_pool_reused_slot_clears_the_previous_adapters_rows():
         device=torch.device("cpu"),
     )
     pool.allocate(_weights("big", 4))
-    assert pool.evict("big")
+    assert pool.evict("big"), "precondition: an unreferenced adapter can be evicted"
     slot = pool.allocate(_weights("small", 2))
-    assert (
-        pool.a["q_proj"][0, slot, 2:].abs().sum() == 0 and pool.b["q_proj"][0, slot, :, 2:].abs().sum() == 0
-    )
-    assert pool.a["q_proj"][0, slot, :2].abs().sum() > 0
+    assert pool.a["q_proj"][0, slot, 2:].abs().sum() == 0, "A rows of the previous adapter are cleared"
+    assert pool.b["q_proj"][0, slot, :, 2:].abs().sum() == 0, "B columns of the previous adapter are cleared"
+    assert pool.a["q_proj"][0, slot, :2].abs().sum() > 0, "the new adapter's rows are written"

@@ -71,15 +71,21 @@ def test_listing_reports_rank_modules_size_checksum_without_weights(s3, demo_zoo
     store = make_store(s3, shapes, tmp_path)
     gets = record_gets(store)
     infos = {i.adapter_id: i for i in store.describe_adapters()}
-    assert sorted(infos) == ["a0", "a1", BIG] and store.list_adapters() == ["a0", "a1", BIG]
-    assert (infos[BIG].rank, infos[BIG].target_modules) == (32, ("down_proj", "gate_proj", "k_proj", "o_proj",
-                                                                 "q_proj", "up_proj", "v_proj"))
+    assert sorted(infos) == ["a0", "a1", BIG], "every prefix with a config is listed, the others are not"
+    assert store.list_adapters() == ["a0", "a1", BIG], "list_adapters names the described ones"
+    assert infos[BIG].rank == 32, "the rank comes from adapter_config.json"
+    assert infos[BIG].target_modules == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                         "v_proj"), "the target modules come from adapter_config.json, sorted"
     folder_bytes = sum(p.stat().st_size for p in (demo_zoo.adapters_dir / BIG).iterdir())
-    assert infos[BIG].size_bytes == folder_bytes and infos[BIG].etag and not infos[BIG].encrypted
-    assert infos["a1"].sha256 == digest and infos["a0"].sha256 is None
-    assert infos["a0"].location == f"s3://{s3.bucket}/zoo/a0"
-    assert not [k for k in gets if k.endswith(".safetensors")], gets  # no weights were read
-    assert store.state(BIG) is None  # listing is not loading
+    assert infos[BIG].size_bytes == folder_bytes, "the size is the sum of the adapter's object sizes"
+    assert infos[BIG].etag, "the weights object's ETag is reported"
+    assert not infos[BIG].encrypted, "a plaintext adapter is not reported as encrypted"
+    assert infos["a1"].sha256 == digest, "the sha256 declared in checksums.sha256 is reported"
+    assert infos["a0"].sha256 is None, "an adapter without a declared sha256 reports none"
+    assert infos["a0"].location == f"s3://{s3.bucket}/zoo/a0", "the location is the adapter's own URI"
+    weight_gets = [k for k in gets if k.endswith(".safetensors")]
+    assert weight_gets == [], f"listing must not read weights, but got {weight_gets}"
+    assert store.state(BIG) is None, "listing is not loading: the adapter has no lifecycle state"
 
 
 def test_cold_load_fills_disk_and_host_then_survives_restart_without_server(
@@ -88,18 +94,24 @@ def test_cold_load_fills_disk_and_host_then_survives_restart_without_server(
     s3.point_at(s3_proxy.endpoint)
     store = make_store(s3, shapes, tmp_path)
     weights = store.load(BIG)
-    assert same_weights(weights, load_peft_adapter(BIG, demo_zoo.adapters_dir / BIG, shapes, 64))
-    assert [(old.name, new.name) for _, old, new in store.lifecycle.log] == [("REMOTE", "ON_DISK"),
-                                                                            ("ON_DISK", "IN_HOST")]
+    assert same_weights(weights, load_peft_adapter(BIG, demo_zoo.adapters_dir / BIG, shapes, 64)), \
+        "weights loaded from S3 equal the folder loader's"
+    transitions = [(old.name, new.name) for _, old, new in store.lifecycle.log]
+    assert transitions == [("REMOTE", "ON_DISK"), ("ON_DISK", "IN_HOST")], "one tier per step"
     stats = store.snapshot()["tiers"]
-    assert (stats["host"]["misses"], stats["disk"]["misses"], stats["source"]["loads"]) == (1, 1, 1)
-    assert store.load(BIG) is weights and store.snapshot()["tiers"]["host"]["hits"] == 1
-    assert any(f.endswith("adapter_model.safetensors") for f in disk_files(tmp_path))
+    assert stats["host"]["misses"] == 1, "the cold load missed the host tier once"
+    assert stats["disk"]["misses"] == 1, "the cold load missed the disk tier once"
+    assert stats["source"]["loads"] == 1, "the cold load read the source once"
+    assert store.load(BIG) is weights, "a second load returns the host copy"
+    assert store.snapshot()["tiers"]["host"]["hits"] == 1, "the second load is a host hit"
+    assert any(f.endswith("adapter_model.safetensors") for f in disk_files(tmp_path)), \
+        "the weights were kept in the disk cache"
 
     s3_proxy.kill()  # the object store is gone: a restarted replica serves from its disk cache
     again = make_store(s3, shapes, tmp_path)
-    assert same_weights(again.load(BIG), weights)
-    assert again.snapshot()["tiers"]["disk"]["hits"] == 1 and again.state(BIG) is AdapterState.IN_HOST
+    assert same_weights(again.load(BIG), weights), "a restarted store serves the same weights from disk"
+    assert again.snapshot()["tiers"]["disk"]["hits"] == 1, "the restarted store found the adapter on disk"
+    assert again.state(BIG) is AdapterState.IN_HOST, "the disk copy was loaded into host memory"
     with pytest.raises(AdapterLoadError, match=r"'a0'.*after 4 attempts"):
         again.load("a0")  # not cached, and the server is unreachable
 
@@ -109,7 +121,7 @@ def test_missing_adapter_and_missing_objects(s3, demo_zoo, shapes, tmp_path):
     s3.put("zoo/config-only/adapter_config.json", config)
     s3.upload(demo_zoo.adapters_dir / "a0", "zoo/a0")
     store = make_store(s3, shapes, tmp_path)
-    with pytest.raises(AdapterNotFoundError, match=rf"'nope'.*not found in s3://{s3.bucket}/zoo"):
+    with pytest.raises(AdapterNotFoundError, match=r"'nope'.*not found in the configured adapter sources"):
         store.load("nope")
     with pytest.raises(AdapterFormatError, match=r"'config-only'.*no adapter_model.safetensors"):
         store.load("config-only")
@@ -119,7 +131,7 @@ def test_missing_adapter_and_missing_objects(s3, demo_zoo, shapes, tmp_path):
     store.sources[0].locate = lambda adapter_id, subpath: located
     with pytest.raises(AdapterNotFoundError, match=r"'a0'.*NoSuchKey"):
         store.load("a0")
-    assert disk_files(tmp_path) == []
+    assert disk_files(tmp_path) == [], "failed downloads leave nothing in the disk cache"
 
 
 def test_corrupt_object_is_refused_and_not_cached(s3, demo_zoo, shapes, tmp_path):
@@ -128,8 +140,9 @@ def test_corrupt_object_is_refused_and_not_cached(s3, demo_zoo, shapes, tmp_path
     store = make_store(s3, shapes, tmp_path)
     with pytest.raises(AdapterFormatError, match=r"'bad'.*corrupt"):
         store.load("bad")
-    assert disk_files(tmp_path) == [] and store.state("bad") is AdapterState.FAILED
-    assert store.snapshot()["tiers"]["host"]["failures"] == 1
+    assert disk_files(tmp_path) == [], "an adapter that fails admission is dropped from the disk cache"
+    assert store.state("bad") is AdapterState.FAILED, "the refused adapter is FAILED"
+    assert store.snapshot()["tiers"]["host"]["failures"] == 1, "the failure is counted once"
 
 
 def test_server_dies_mid_download_clear_error_backoff_no_partial_file(
@@ -142,10 +155,14 @@ def test_server_dies_mid_download_clear_error_backoff_no_partial_file(
     with pytest.raises(AdapterLoadError) as info:
         store.load(BIG)
     message = str(info.value)
-    assert f"'{BIG}'" in message and "adapter_model.safetensors failed after 4 attempts" in message
-    assert len(sleeps) == 3 and 0.05 <= sleeps[0] < 0.15 and 0.2 <= sleeps[2] < 0.6  # exponential backoff
-    assert disk_files(tmp_path) == []  # nothing half-written is left, in entries/ or staging/
-    assert store.state(BIG) is AdapterState.FAILED and store.snapshot()["tiers"]["source"]["retries"] == 3
+    assert f"'{BIG}'" in message, "the error names the adapter"
+    assert "adapter_model.safetensors failed after 4 attempts" in message, "it names the file and tries"
+    assert len(sleeps) == 3, "3 retries sleep 3 times"
+    assert 0.05 <= sleeps[0] < 0.15, f"the first backoff is fetch_backoff_s with jitter, got {sleeps[0]}"
+    assert 0.2 <= sleeps[2] < 0.6, f"the third backoff is 4x the first (exponential), got {sleeps[2]}"
+    assert disk_files(tmp_path) == [], "nothing half-written is left, in entries/ or staging/"
+    assert store.state(BIG) is AdapterState.FAILED, "the adapter is FAILED after the retries ran out"
+    assert store.snapshot()["tiers"]["source"]["retries"] == 3, "every retry is counted"
 
 
 def test_connection_cut_once_is_retried(s3, s3_proxy, demo_zoo, shapes, tmp_path):
@@ -153,9 +170,11 @@ def test_connection_cut_once_is_retried(s3, s3_proxy, demo_zoo, shapes, tmp_path
     s3.point_at(s3_proxy.endpoint)
     s3_proxy.cuts = 1  # the first connection is reset 64 KB into a response
     store = make_store(s3, shapes, tmp_path)
-    assert same_weights(store.load(BIG), load_peft_adapter(BIG, demo_zoo.adapters_dir / BIG, shapes, 64))
-    assert store.snapshot()["tiers"]["source"]["retries"] == 1
-    assert [f for f in disk_files(tmp_path) if f.startswith("staging/")] == []
+    assert same_weights(store.load(BIG), load_peft_adapter(BIG, demo_zoo.adapters_dir / BIG, shapes, 64)), \
+        "the retried download yields the complete weights"
+    assert store.snapshot()["tiers"]["source"]["retries"] == 1, "the cut connection cost one retry"
+    staged = [f for f in disk_files(tmp_path) if f.startswith("staging/")]
+    assert staged == [], f"the cut download left no staging files, got {staged}"
 
 
 def test_checksum_mismatch_metadata_and_manifest(s3, demo_zoo, shapes, tmp_path):
@@ -173,25 +192,29 @@ def test_checksum_mismatch_metadata_and_manifest(s3, demo_zoo, shapes, tmp_path)
         store.load("meta-bad")
     with pytest.raises(AdapterIntegrityError, match=r"'manifest-bad'.*sha256 mismatch"):
         store.load("manifest-bad")
-    assert disk_files(tmp_path) == []
-    store.load("good")
+    assert disk_files(tmp_path) == [], "adapters failing their checksums are not kept on disk"
+    assert store.load("good").adapter_id == "good", "matching metadata and manifest digests are accepted"
     strict = make_store(s3, shapes, tmp_path / "other")
     strict.policy = AdmissionPolicy(shapes, 64, require_checksum=True)
-    strict.load("good")
+    assert strict.load("good").adapter_id == "good", "require_checksum accepts a declared, matching digest"
+    s3.upload(demo_zoo.adapters_dir / "a0", "zoo/a0")
     with pytest.raises(AdapterIntegrityError, match=r"'a0'.*no sha256 is declared"):
-        s3.upload(demo_zoo.adapters_dir / "a0", "zoo/a0")
         strict.load("a0")
 
 
 def test_encrypted_adapter_round_trip_and_tampering(s3, demo_zoo, shapes, tmp_path, capsys):
     key_file, enc = tmp_path / "adapter.key", tmp_path / "enc"
-    assert main(["encrypt", str(demo_zoo.adapters_dir / "a1"), str(enc / "a1"), "--key-file", str(key_file),
-                 "--generate-key"]) == 0
-    assert "encrypted:" in capsys.readouterr().out and key_file.stat().st_mode & 0o777 == 0o600
+    code = main(["encrypt", str(demo_zoo.adapters_dir / "a1"), str(enc / "a1"), "--key-file", str(key_file),
+                 "--generate-key"])
+    assert code == 0, "lora-cluster encrypt succeeds"
+    assert "encrypted:" in capsys.readouterr().out, "the CLI reports what it encrypted"
+    assert key_file.stat().st_mode & 0o777 == 0o600, "a generated key file is readable by its owner only"
     assert sorted(p.name for p in (enc / "a1").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors.enc", "checksums.sha256"]
+        "adapter_config.json", "adapter_model.safetensors.enc", "checksums.sha256"], \
+        "the encrypted folder holds the clear config, the encrypted weights and their checksums"
     plaintext = (demo_zoo.adapters_dir / "a1" / "adapter_model.safetensors").read_bytes()
-    assert plaintext[64:128] not in (enc / "a1" / "adapter_model.safetensors.enc").read_bytes()
+    assert plaintext[64:128] not in (enc / "a1" / "adapter_model.safetensors.enc").read_bytes(), \
+        "the plaintext weights do not appear in the encrypted file"
     s3.upload(enc / "a1", "zoo/secret")
     s3.upload(enc / "a1", "zoo/tampered")
     blob = bytearray(s3.get("zoo/tampered/adapter_model.safetensors.enc"))
@@ -204,11 +227,13 @@ def test_encrypted_adapter_round_trip_and_tampering(s3, demo_zoo, shapes, tmp_pa
 
     key = parse_key(key_file.read_bytes(), "test")
     store = make_store(s3, shapes, tmp_path, key=key)
-    assert store.describe_adapters()[0].encrypted
+    assert store.describe_adapters()[0].encrypted, "the listing reports encrypted weights"
     plain = load_peft_adapter("a1", demo_zoo.adapters_dir / "a1", shapes, 64)
-    assert same_weights(store.load("secret"), plain)
-    cached = [f for f in disk_files(tmp_path) if f.endswith(".enc")]  # still encrypted in the disk cache
-    assert cached and plaintext[64:128] not in (tmp_path / "disk" / cached[0]).read_bytes()
+    assert same_weights(store.load("secret"), plain), "the decrypted weights equal the plaintext adapter's"
+    cached = [f for f in disk_files(tmp_path) if f.endswith(".enc")]
+    assert len(cached) == 1, f"the disk cache keeps the encrypted file, got {disk_files(tmp_path)}"
+    assert plaintext[64:128] not in (tmp_path / "disk" / cached[0]).read_bytes(), \
+        "the disk cache holds the weights encrypted"
     with pytest.raises(AdapterIntegrityError, match=r"'tampered'.*failed authentication"):
         store.load("tampered")
     no_key = make_store(s3, shapes, tmp_path / "nokey")
@@ -245,10 +270,16 @@ def test_32_threads_one_cold_adapter_one_download(s3, demo_zoo, shapes, tmp_path
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(results) == 32 and all(r is results[0] for r in results)
-    assert len(fetches) == 1 and len([k for k in gets if k.endswith("/adapter_model.safetensors")]) == 1
+    assert errors == [], "no caller fails"
+    assert len(results) == 32, "every caller gets weights"
+    assert all(r is results[0] for r in results), "every caller gets the same weights object"
+    assert len(fetches) == 1, "one download for 32 callers"
+    weight_gets = [k for k in gets if k.endswith("/adapter_model.safetensors")]
+    assert len(weight_gets) == 1, f"one GET of the weights for 32 callers, got {weight_gets}"
     host = store.snapshot()["tiers"]["host"]
-    assert host["misses"] == 1 and host["loads"] == 1 and host["coalesced"] + host["hits"] == 31
+    assert host["misses"] == 1, "one caller missed the host tier and led the flight"
+    assert host["loads"] == 1, "the host tier was filled once"
+    assert host["coalesced"] + host["hits"] == 31, "the other 31 joined the flight or hit the host copy"
 
 
 def test_generation_from_s3_equals_generation_from_folder(s3, demo_zoo, tmp_path):
@@ -263,10 +294,12 @@ def test_generation_from_s3_equals_generation_from_folder(s3, demo_zoo, tmp_path
                      disk_cache_dir=str(tmp_path / "disk"))
     expected = from_folder.generate(prompts, adapter_ids=ids, sampling=greedy)
     got = from_s3.generate(prompts, adapter_ids=ids, sampling=greedy)
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    assert len({tuple(o.token_ids) for o in got}) == 3
-    assert isinstance(from_s3.loader, TieredAdapterStore) and from_s3.loader.usage.uses("a0") == 0
-    assert from_s3.loader.state("a0") in (AdapterState.ON_DEVICE, AdapterState.IN_HOST)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected], "S3 and folder generate alike"
+    assert len({tuple(o.token_ids) for o in got}) == 3, "the three adapters produce three different outputs"
+    assert isinstance(from_s3.loader, TieredAdapterStore), "the engine's default loader is the tiered store"
+    assert from_s3.loader.usage.uses("a0") == 0, "finished requests release their adapter"
+    assert from_s3.loader.state("a0") in (AdapterState.ON_DEVICE, AdapterState.IN_HOST), \
+        "a used adapter stays on the device or in host memory"
     from_s3.close()
     from_folder.close()
 
@@ -277,10 +310,13 @@ def test_register_s3_location(s3, demo_zoo, shapes, tmp_path):
     s3.monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
     store = make_store(s3, shapes, tmp_path)
     store.register("mine", f"s3://{s3.bucket}/elsewhere/custom")
-    assert "mine" in store.list_adapters() and store.state("mine") is AdapterState.IN_HOST
-    assert same_weights(store.load("mine"), load_peft_adapter("a3", demo_zoo.adapters_dir / "a3", shapes, 64))
+    assert "mine" in store.list_adapters(), "a registered adapter is listed"
+    assert store.state("mine") is AdapterState.IN_HOST, "register validates by loading into host memory"
+    want = load_peft_adapter("a3", demo_zoo.adapters_dir / "a3", shapes, 64)
+    assert same_weights(store.load("mine"), want), "the registered id serves the weights at its location"
     with pytest.raises(AdapterNotFoundError, match=r"'other'.*no adapter at"):
         store.register("other", f"s3://{s3.bucket}/elsewhere/missing")
-    assert store.unregister("mine") and not store.unregister("mine")
+    assert store.unregister("mine"), "unregistering a registered id reports it"
+    assert not store.unregister("mine"), "unregistering it again reports nothing to forget"
     with pytest.raises(AdapterNotFoundError):
         store.load("mine")

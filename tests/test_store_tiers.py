@@ -18,13 +18,14 @@ from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import (
     AdapterBaseModelError,
+    AdapterFormatError,
     AdapterIntegrityError,
     AdapterNotFoundError,
     AdapterRankError,
     ConfigError,
 )
 from lora_cluster.store import AdapterState, TieredAdapterStore
-from lora_cluster.store.admission import AdmissionPolicy
+from lora_cluster.store.admission import AdmissionPolicy, admit_folder
 from lora_cluster.store.checksum import write_checksums
 from lora_cluster.store.crypto import encrypt_adapter_folder
 from lora_cluster.store.disk_cache import DiskCache
@@ -61,18 +62,23 @@ def test_local_folder_checksums_sidecars_and_errors(demo_zoo, shapes, tmp_path):
     (garbled / "checksums.sha256").write_text("not a checksum line\n")
     store = store_for([str(root), f"file://{demo_zoo.adapters_dir}"], shapes)
     ok = store.load("ok")
-    assert torch.equal(ok.a[(0, "q_proj")], load_peft_adapter("a0", root / "ok", shapes, 64).a[(0, "q_proj")])
+    want = load_peft_adapter("a0", root / "ok", shapes, 64)
+    assert torch.equal(ok.a[(0, "q_proj")], want.a[(0, "q_proj")]), "checksummed weights load unchanged"
     with pytest.raises(AdapterIntegrityError, match=r"'bad'.*sha256 mismatch"):
         store.load("bad")
     with pytest.raises(AdapterIntegrityError, match=r"'garbled'.*line 1"):
         store.load("garbled")
-    assert store.load("a5").rank == 32  # second source: first match wins, the rest still serve
+    assert store.load("a5").rank == 32, "an id only the second source offers is served from it"
     with pytest.raises(AdapterNotFoundError, match=r"'zz'.*not found in"):
         store.load("zz")
-    assert store.state("ok") is AdapterState.IN_HOST and store.state("bad") is AdapterState.FAILED
+    assert store.state("ok") is AdapterState.IN_HOST, "a loaded adapter is IN_HOST"
+    assert store.state("bad") is AdapterState.FAILED, "a refused adapter is FAILED"
     listed = {i.adapter_id: i for i in store.describe_adapters()}
-    assert {"ok", "bad", "a0", "a15"} <= set(listed) and listed["ok"].sha256 is not None
-    assert listed["a2"].rank == 32 and listed["a2"].size_bytes > 200_000
+    missing = {"ok", "bad", "a0", "a15"} - set(listed)
+    assert missing == set(), f"both sources' adapters are listed, missing {missing}"
+    assert listed["ok"].sha256 is not None, "the sha256 from checksums.sha256 is listed"
+    assert listed["a2"].rank == 32, "the listing reads the rank from the config"
+    assert listed["a2"].size_bytes > 200_000, "the listing reports the size of the weights"
 
 
 def test_base_model_check_and_rank(demo_zoo, shapes, tmp_path, caplog):
@@ -85,9 +91,51 @@ def test_base_model_check_and_rank(demo_zoo, shapes, tmp_path, caplog):
     with pytest.raises(AdapterBaseModelError, match=r"'other'.*'org/not-it'"):
         strict.load("other")
     warn = store_for([str(tmp_path / "src")], shapes, policy={"base_model": "/models/tiny"})
-    assert warn.load("other").rank == 8 and "org/not-it" in caplog.text
+    assert warn.load("other").rank == 8, "base_model_check=warn still serves the adapter"
+    assert "org/not-it" in caplog.text, "base_model_check=warn logs the declared base model"
     with pytest.raises(AdapterRankError, match="max_lora_rank=16"):
         store_for([str(demo_zoo.adapters_dir)], shapes, max_rank=16).load("a2")
+
+
+def _break(demo_zoo, folder: Path, fault: str) -> None:
+    """Make `folder` an adapter with `fault` (or no folder at all)."""
+    if fault == "missing-folder":
+        return
+    copy_adapter(demo_zoo, "a2" if fault == "rank-too-high" else "a0", folder)
+    weights = folder / "adapter_model.safetensors"
+    if fault in ("no-weights", "pickle-only"):
+        weights.unlink()
+    if fault == "pickle-only":
+        (folder / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    if fault == "corrupt":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    if fault == "no-config":
+        (folder / "adapter_config.json").unlink()
+
+
+REFUSALS = {  # fault -> (error, reason); a2 has rank 32, the policy allows 16
+    "missing-folder": (AdapterNotFoundError, "no adapter folder"),
+    "no-config": (AdapterNotFoundError, "no adapter_config.json in the adapter folder"),
+    "no-weights": (AdapterFormatError, "no adapter_model.safetensors in the adapter folder"),
+    "pickle-only": (AdapterFormatError, "adapter_model.bin is pickle; only adapter_model.safetensors"),
+    "corrupt": (AdapterFormatError, "adapter_model.safetensors is corrupt"),
+    "rank-too-high": (AdapterRankError, "rank 32 exceeds max_lora_rank=16"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(REFUSALS))
+def test_plain_loader_and_admission_refuse_alike_without_server_paths(demo_zoo, shapes, tmp_path, fault):
+    error, reason = REFUSALS[fault]
+    folder = tmp_path / "adapters" / fault
+    _break(demo_zoo, folder, fault)
+    with pytest.raises(error) as plain:
+        load_peft_adapter(fault, folder, shapes, 16)
+    with pytest.raises(error) as admitted:
+        admit_folder(fault, folder, AdmissionPolicy(shapes, 16))
+    assert f"adapter {fault!r}: {reason}" in str(plain.value), "the plain loader names the adapter and reason"
+    assert type(admitted.value) is type(plain.value), "admission refuses with the plain loader's error class"
+    assert str(admitted.value) == str(plain.value), "admission refuses with the plain loader's message"
+    assert str(tmp_path) not in str(plain.value), "the message does not reveal the server's folder"
 
 
 def test_encrypted_local_adapter_and_require_encryption(demo_zoo, shapes, tmp_path, monkeypatch):
@@ -99,7 +147,7 @@ def test_encrypted_local_adapter_and_require_encryption(demo_zoo, shapes, tmp_pa
                           encryption_key_env="MY_KEY", require_encryption=True)
     store = TieredAdapterStore.from_config(config, shapes, torch.device("cpu"))
     got, want = store.load("a4"), load_peft_adapter("a4", demo_zoo.adapters_dir / "a4", shapes, 64)
-    assert all(torch.equal(got.b[k], want.b[k]) for k in want.b)
+    assert all(torch.equal(got.b[k], want.b[k]) for k in want.b), "decrypted weights equal the plaintext ones"
     with pytest.raises(AdapterIntegrityError, match=r"'plain'.*require_encryption"):
         store.load("plain")
     key_file = tmp_path / "key"
@@ -107,18 +155,21 @@ def test_encrypted_local_adapter_and_require_encryption(demo_zoo, shapes, tmp_pa
     monkeypatch.setenv("MY_KEY", "00" * 32)
     with_file = config.model_copy(update={"encryption_key_file": str(key_file)})
     from_file = TieredAdapterStore.from_config(with_file, shapes, torch.device("cpu"))
-    assert from_file.load("a4").rank == want.rank
+    assert from_file.load("a4").rank == want.rank, "the key file wins over the env key"
 
 
 def test_cli_encrypt_tree_and_errors(demo_zoo, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LORA_CLUSTER_ADAPTER_KEY", "ab" * 32)
-    assert main(["encrypt", str(demo_zoo.adapters_dir), str(tmp_path / "all")]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 16
-    assert (tmp_path / "all" / "a15" / "adapter_model.safetensors.enc").is_file()
-    assert main(["encrypt", str(demo_zoo.adapters_dir / "a0"), str(tmp_path / "all")]) == 1  # not empty
+    assert main(["encrypt", str(demo_zoo.adapters_dir), str(tmp_path / "all")]) == 0, "a tree encrypts"
+    assert len(capsys.readouterr().out.splitlines()) == 16, "one line per encrypted adapter"
+    assert (tmp_path / "all" / "a15" / "adapter_model.safetensors.enc").is_file(), \
+        "each adapter keeps its relative path under the output folder"
+    assert main(["encrypt", str(demo_zoo.adapters_dir / "a0"), str(tmp_path / "all")]) == 1, \
+        "encrypting into a folder that is not empty fails"
     monkeypatch.delenv("LORA_CLUSTER_ADAPTER_KEY")
-    assert main(["encrypt", str(demo_zoo.adapters_dir / "a0"), str(tmp_path / "x")]) == 2
-    assert "no key" in capsys.readouterr().err
+    assert main(["encrypt", str(demo_zoo.adapters_dir / "a0"), str(tmp_path / "x")]) == 2, \
+        "encrypting without a key is a usage error"
+    assert "no key" in capsys.readouterr().err, "the CLI says that no key is configured"
 
 
 # ----- hub cache (offline) ---------------------------------------------------------------------
@@ -140,19 +191,22 @@ def test_hub_source_offline_from_cache(demo_zoo, shapes, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     store = store_for(["hf://acme/solo-adapter", "hf://acme/collection@v1", "hf://acme/tampered",
                        "hf://acme/absent"], shapes)
-    assert store.load("solo-adapter").rank == 8
+    assert store.load("solo-adapter").rank == 8, "a root adapter is served by the repo's name"
     assert [(o.name, n.name) for a, o, n in store.lifecycle.log if a == "solo-adapter"] == [
-        ("REMOTE", "ON_DISK"), ("ON_DISK", "IN_HOST")]
+        ("REMOTE", "ON_DISK"), ("ON_DISK", "IN_HOST")], "a hub adapter climbs from REMOTE one tier a step"
     want = load_peft_adapter("a6", demo_zoo.adapters_dir / "a6", shapes, 64)
-    assert torch.equal(store.load("a6").a[(1, "q_proj")], want.a[(1, "q_proj")])
+    assert torch.equal(store.load("a6").a[(1, "q_proj")], want.a[(1, "q_proj")]), \
+        "a repo sub-folder at a revision serves the adapter's weights"
     with pytest.raises(AdapterIntegrityError, match=r"'tampered'.*sha256 mismatch"):
         store.load("tampered")
-    with pytest.raises(AdapterNotFoundError, match=r"'a9'.*hf://acme/absent"):
+    with pytest.raises(AdapterNotFoundError, match=r"'a9'.*not found in the configured adapter sources"):
         store.load("a9")
-    assert store.list_adapters() == ["solo-adapter", "a1", "a6", "tampered"]
-    assert {i.adapter_id: i.location for i in store.describe_adapters()}["a6"] == "hf://acme/collection@v1/a6"
+    assert store.list_adapters() == ["solo-adapter", "a1", "a6", "tampered"], \
+        "offline, the listing shows what the hub cache holds, in source order"
+    locations = {i.adapter_id: i.location for i in store.describe_adapters()}
+    assert locations["a6"] == "hf://acme/collection@v1/a6", "the location keeps the revision and sub-folder"
     store.register("mine", "hf://acme/collection@v1/a1")
-    assert store.load("mine").rank == 16
+    assert store.load("mine").rank == 16, "a hub location can be registered under a new id"
 
 
 # ----- disk cache --------------------------------------------------------------------------
@@ -174,12 +228,15 @@ def test_disk_cache_is_atomic_bounded_and_survives_restart(demo_zoo, tmp_path):
     cache = DiskCache(root, 400_000)
     for aid in ("a0", "a1", "a2"):  # 16 KB + 60 KB + 267 KB fit; a 4th large one evicts
         with cache.fill(aid, aid, _fetcher(demo_zoo.adapters_dir / aid)) as entry:
-            assert not entry.transient and entry.path.parent == root / "entries"
+            assert not entry.transient, f"{aid} fits the budget and is kept"
+            assert entry.path.parent == root / "entries", f"{aid} is committed under entries/"
     with cache.open("a0"):
         with cache.fill("a5", "a5", _fetcher(demo_zoo.adapters_dir / "a5")) as entry:
-            assert not entry.transient
-        assert "a0" in cache  # leased: never the victim
-    assert cache.bytes <= 400_000 and "a2" not in cache and cache.stats.tiers["disk"].evictions >= 1
+            assert not entry.transient, "a5 is admitted by evicting an idle entry"
+        assert "a0" in cache, "a leased entry is never the victim"
+    assert cache.bytes <= 400_000, f"the cache holds {cache.bytes} bytes, over its budget"
+    assert "a2" not in cache, "the idle large entry was evicted for a5"
+    assert cache.stats.tiers["disk"].evictions >= 1, "the eviction is counted"
 
     def crash(dest: Path) -> dict[str, str]:
         (dest / "adapter_model.safetensors").write_bytes(b"half a file")
@@ -187,14 +244,17 @@ def test_disk_cache_is_atomic_bounded_and_survives_restart(demo_zoo, tmp_path):
 
     with pytest.raises(OSError), cache.fill("a9", "a9", crash):
         pass
-    assert "a9" not in cache and list((root / "staging").iterdir()) == []
+    assert "a9" not in cache, "a failed download is not an entry"
+    assert list((root / "staging").iterdir()) == [], "a failed download leaves nothing in staging"
+
     def huge(dest: Path) -> dict[str, str]:
         (dest / "x").write_bytes(b"0" * 500_000)
         return {"x": "0" * 64}
 
     with cache.fill("huge", "huge", huge) as e:
-        assert e.transient and e.path.is_dir()  # larger than the budget: used once from staging
-    assert not e.path.exists()
+        assert e.transient, "a download larger than the budget is not admitted"
+        assert e.path.is_dir(), "a download larger than the budget is used once from staging"
+    assert not e.path.exists(), "the transient download is deleted after use"
 
     # a crash mid-commit leaves staging leftovers and an entry without entry.json; a truncated file
     (root / "staging" / "tmp123").mkdir()
@@ -206,11 +266,14 @@ def test_disk_cache_is_atomic_bounded_and_survives_restart(demo_zoo, tmp_path):
     (root / "entries" / "truncated" / "entry.json").write_text(json.dumps({**meta, "adapter_id": "t"}))
     (root / "entries" / "truncated" / "adapter_model.safetensors").write_bytes(b"short")
     restarted = DiskCache(root, 400_000)
-    assert sorted(restarted.keys()) == sorted(cache.keys())
-    assert list((root / "staging").iterdir()) == [] and not (root / "entries" / "truncated").exists()
-    assert restarted.bytes == cache.bytes
+    assert sorted(restarted.keys()) == sorted(cache.keys()), "a restart keeps exactly the committed entries"
+    assert list((root / "staging").iterdir()) == [], "a restart wipes staging leftovers"
+    assert not (root / "entries" / "truncated").exists(), "a restart deletes an entry with a truncated file"
+    assert not (root / "entries" / "no-manifest").exists(), "a restart deletes an entry without entry.json"
+    assert restarted.bytes == cache.bytes, "a restart counts the same bytes"
     smaller = DiskCache(root, 50_000)  # the budget shrank between runs: the least recent go
-    assert smaller.bytes <= 50_000 and len(smaller.keys()) < len(cache.keys())
+    assert smaller.bytes <= 50_000, f"a smaller budget is enforced at start, got {smaller.bytes} bytes"
+    assert len(smaller.keys()) < len(cache.keys()), "entries were evicted to fit the smaller budget"
 
 
 def test_tampered_disk_copy_is_refetched(demo_zoo, shapes, tmp_path):
@@ -225,7 +288,9 @@ def test_tampered_disk_copy_is_refetched(demo_zoo, shapes, tmp_path):
     again = store_for([], shapes, disk_cache_dir=tmp_path / "disk")
     again.sources = [source]
     want = load_peft_adapter("a1", demo_zoo.adapters_dir / "a1", shapes, 64)
-    assert torch.equal(again.load("a1").a[(0, "k_proj")], want.a[(0, "k_proj")]) and source.fetches == 2
+    assert torch.equal(again.load("a1").a[(0, "k_proj")], want.a[(0, "k_proj")]), \
+        "the tampered disk copy is not served"
+    assert source.fetches == 2, "the tampered disk copy is fetched again from the source"
 
 
 # ----- host tier: int8 ---------------------------------------------------------------------
@@ -235,7 +300,6 @@ def test_int8_host_copy_error_against_float(demo_zoo, shapes):
     weights = load_peft_adapter("a2", demo_zoo.adapters_dir / "a2", shapes, 64)
     q = quantize(weights)
     back = dequantize(q)
-    assert q.nbytes < 0.3 * weights.nbytes
     x = torch.randn(16, 128, generator=torch.Generator().manual_seed(0))
     worst = {}
     for key, a in weights.a.items():
@@ -246,47 +310,56 @@ def test_int8_host_copy_error_against_float(demo_zoo, shapes):
         worst["B"] = max(worst.get("B", 0), rel(back.b[key], b))
         worst["BA x"] = max(worst.get("BA x", 0), rel(x_in @ back.a[key].T @ back.b[key].T, x_in @ a.T @ b.T))
     print("int8 relative Frobenius error (worst module):", {k: f"{v:.4%}" for k, v in worst.items()})
-    assert worst["A"] < 0.01 and worst["B"] < 0.01 and worst["BA x"] < 0.015
+    assert q.nbytes < 0.3 * weights.nbytes, "int8 copies take under 30% of the float bytes"
+    assert worst["A"] < 0.01, f"int8 A error {worst['A']:.4%} is at most 1%"
+    assert worst["B"] < 0.01, f"int8 B error {worst['B']:.4%} is at most 1%"
+    assert worst["BA x"] < 0.015, f"int8 LoRA output error {worst['BA x']:.4%} is at most 1.5%"
 
     store = store_for([str(demo_zoo.adapters_dir)], shapes, host_int8=True)
     first, second = store.load("a2"), store.load("a2")  # the second comes from the int8 host copy
-    assert first is not second and store.host.bytes == q.nbytes
-    assert (second.a[(0, "q_proj")] - first.a[(0, "q_proj")]).abs().max() <= \
-        first.a[(0, "q_proj")].abs().amax(dim=1).max() / 254 + 1e-7
+    assert first is not second, "a host hit with host_int8 dequantizes a new float copy"
+    assert store.host.bytes == q.nbytes, "the host tier holds the int8 copy"
+    error = (second.a[(0, "q_proj")] - first.a[(0, "q_proj")]).abs().max()
+    assert error <= first.a[(0, "q_proj")].abs().amax(dim=1).max() / 254 + 1e-7, \
+        "the dequantized copy is within half an int8 step of the float weights"
 
 
 # ----- engine wiring: device pinning, usage, preload, promotion, config ---------------------------
 
 
-def test_engine_pinned_adapter_stays_on_device_and_uses_return_to_zero(demo_zoo):
-    engine = Engine(str(demo_zoo.model_dir), str(demo_zoo.adapters_dir), max_loras=2, max_lora_rank=32,
-                    pinned=["a0"])
-    store = engine.loader
-    assert isinstance(store, TieredAdapterStore) and engine.pool.policy is store.usage
+def test_engine_pinned_adapter_stays_on_device_and_uses_return_to_zero(demo_zoo, shapes, tmp_path):
+    store = store_for([str(demo_zoo.adapters_dir)], shapes, max_rank=32, pinned=["a0"],
+                      disk_cache_dir=tmp_path / "disk")
+    engine = Engine(str(demo_zoo.model_dir), max_loras=2, max_lora_rank=32, adapter_loader=store)
+    assert engine.pool.policy is store.slot_policy(), "the caller's store chooses the device victims"
     store.wait_prefetches()
-    assert store.state("a0") is AdapterState.IN_HOST  # pinned adapters are loaded at start
+    assert store.state("a0") is AdapterState.IN_HOST, "pinned adapters are loaded at start"
     engine.generate(["hello"], adapter_ids=["a0"], sampling=GREEDY)
     for batch in (["a1", "a2", "a3"], ["a4", "a5"], ["a6", None, "a7"]):
         outs = engine.generate(["the cat sat"] * len(batch), adapter_ids=batch, sampling=GREEDY)
-        assert all(o.finish_reason == "length" for o in outs)
-        assert engine.pool.slot_of("a0") is not None  # never the victim
-    assert store.state("a0") is AdapterState.ON_DEVICE
-    assert all(store.usage.uses(f"a{i}") == 0 for i in range(8))
+        assert [o.finish_reason for o in outs] == ["length"] * len(batch), "every request completes"
+        assert engine.pool.slot_of("a0") is not None, "the pinned adapter is never the victim"
+    assert store.state("a0") is AdapterState.ON_DEVICE, "the pinned adapter ends on the device"
+    assert [store.usage.uses(f"a{i}") for i in range(8)] == [0] * 8, "finished requests release their uses"
     snap = store.snapshot()
-    assert snap["tiers"]["device"]["evictions"] >= 4 and snap["states"]["ON_DEVICE"] == 2
+    assert snap["tiers"]["device"]["evictions"] >= 4, "eight adapters through two slots evict"
+    assert snap["states"]["ON_DEVICE"] == 2, "two adapters sit on the device"
     engine.add_request("r", "abc", "a9", GREEDY)
-    assert store.usage.uses("a9") == 1
+    assert store.usage.uses("a9") == 1, "a queued request counts as a use"
     engine.abort("r")
-    assert store.usage.uses("a9") == 0
+    assert store.usage.uses("a9") == 0, "an aborted request releases its use"
     engine.close()
 
 
-def test_queued_adapter_is_not_evicted_from_device(demo_zoo):
-    engine = Engine(str(demo_zoo.model_dir), str(demo_zoo.adapters_dir), max_loras=2, max_lora_rank=32)
+def test_queued_adapter_is_not_evicted_from_device(demo_zoo, shapes, tmp_path):
+    store = store_for([str(demo_zoo.adapters_dir)], shapes, max_rank=32, disk_cache_dir=tmp_path / "disk")
+    engine = Engine(str(demo_zoo.model_dir), max_loras=2, max_lora_rank=32, adapter_loader=store)
     engine.generate(["x", "y"], adapter_ids=["a0", "a1"], sampling=GREEDY)  # both resident, idle
-    engine.loader.usage.request_started("a0")  # as if a request for a0 were queued
+    store.request_started("a0")  # as if a request for a0 were queued
     engine.generate(["z"], adapter_ids=["a2"], sampling=GREEDY)
-    assert engine.pool.slot_of("a0") is not None and engine.pool.slot_of("a1") is None
+    assert engine.pool.slot_of("a0") is not None, "the adapter of a queued request stays on the device"
+    assert engine.pool.slot_of("a1") is None, "the idle adapter is the victim"
+    engine.close()
 
 
 def test_preload_and_hot_promotion(demo_zoo, shapes):

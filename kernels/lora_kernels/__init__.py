@@ -1,8 +1,8 @@
 """lora_kernels: batched LoRA for heterogeneous batches (many adapters in one forward pass).
 
-Punica / S-LoRA style. The engine owns one adapter slot pool per LoRA-wrapped linear layer,
-allocated once (``L`` = max_loras slots, ``R`` = max_lora_rank, ``K`` = in_features,
-``N`` = out_features):
+Punica / S-LoRA style. The engine's adapter pool holds, for every LoRA-wrapped linear layer (one
+projection of one decoder layer), a pair of slot tensors allocated once (``L`` = max_loras slots,
+``R`` = max_lora_rank, ``K`` = in_features, ``N`` = out_features):
 
 * ``lora_a``: [L, R, K]; rows ``>= rank`` of a slot holding a rank-``rank`` adapter are zero.
 * ``lora_b``: [L, N, R]; scaling (alpha/r or alpha/sqrt(r)) folded in; columns ``>= rank`` zero.
@@ -23,9 +23,13 @@ place, return None"; ``out`` may be a strided view such as ``fused[:, 128:256]``
 * ``add_lora(out[T, N], x[T, K], lora_a, lora_b, meta)``:
   ``out[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T`` for s >= 0; base rows untouched.
 
-Implementations: ``reference`` (plain torch, float32, slow), ``cpu`` (per-segment BLAS),
-``triton`` (GPU kernels; CPU tensors only under ``TRITON_INTERPRET=1``). ``auto`` picks triton on
-a CUDA device when triton is importable, else cpu.
+The engine (``lora_cluster.engine.llama``) calls only ``add_lora``, i.e. the SGMV path, for the
+prefill and decode tokens of a step alike. The BGMV functions are for callers that have a per-token
+slot vector but no :class:`LoraMeta`; in this project only the tests call them.
+
+Implementations: ``reference`` (plain torch, float32, slow), ``cpu`` (per-segment BLAS; BGMV as
+batched matmuls over gathered weights), ``triton`` (GPU kernels; CPU tensors only under
+``TRITON_INTERPRET=1``). ``auto`` picks triton on a CUDA device when triton is importable, else cpu.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Semantics (``s`` = slot of token ``t``):
 
 The reference uses the full padded rank and ignores ``meta.seg_rank``: with the pool's zero padding
 beyond each adapter's rank the results are identical. The SGMV variants expand the segments of
-``meta`` back to a per-token slot vector, so they also check that the metadata is consistent.
+``meta`` back to a per-token slot vector, so comparing them with the BGMV variants on ``token_slot``
+(as the tests do) also checks the metadata.
 All functions write ``out`` in place (it may be a strided view) and return None.
 """
 

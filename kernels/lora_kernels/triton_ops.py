@@ -6,20 +6,30 @@ CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set bef
 is first imported in the process (triton reads it when its and our ``@triton.jit`` functions are
 decorated) and stay set while launching (tests).
 
+Who calls what: the engine (``LlamaRunner`` in ``lora_cluster.engine.llama``) calls only
+``add_lora``, once per decoder layer and LoRA projection (skipped when no token of the step has an
+adapter targeting that projection). A step mixes prefill chunks and decode tokens, sorted by
+adapter slot, so decode tokens go through SGMV like prefill tokens (a decode token alone on its
+adapter is a one-token segment).
+The BGMV functions are part of the :class:`~lora_kernels.LoraOps` interface for callers that have
+only a per-token slot vector (no :class:`LoraMeta`); in this project only the tests call them.
+
 Kernel design:
 
-* SGMV: one program per (segment, block of ``BLOCK_M`` tokens of the segment, block of ``BLOCK_N``
-  output columns); the launch grid comes from ``meta``'s host tuples, so no device sync. The
-  reduction runs over K in ``BLOCK_K`` tiles with ``tl.dot``; rank padding beyond the segment's
-  adapter rank is masked out of the loads (shrink: columns >= rank are written as 0; expand: the
-  K loop stops at the rank). Programs of base segments (slot -1) write zeros (shrink) or return
-  (expand).
-* BGMV: one program per (token, block of output columns), reducing with ``tl.sum``: no 16-row
-  minimum tile, best for decode batches where tokens carry different adapters.
+* SGMV: one kernel for shrink and expand (``SHRINK``/``ADD`` constexpr flags), one program per
+  (segment, block of ``BLOCK_M`` tokens of the segment, block of ``BLOCK_N`` output columns); the
+  launch grid comes from ``meta``'s host tuples, so no device sync. The reduction runs over K in
+  ``BLOCK_K`` tiles with ``tl.dot``; rank padding beyond the segment's adapter rank is masked out
+  of the loads (shrink: columns >= rank are written as 0; expand: the K loop stops at the rank).
+  Programs of base segments (slot -1) write zeros (shrink) or return (expand). A segment shorter
+  than ``BLOCK_M`` (16, the ``tl.dot`` minimum) still computes a full, row-masked tile.
+* BGMV: one kernel for shrink and expand as well, one program per (token, block of output
+  columns), reducing with ``tl.sum``: no 16-row tile, so no masked rows for short segments. It has
+  not been benchmarked against SGMV.
 * Loads are cast to float32 and accumulated in float32; stores cast to ``out``'s dtype. ``tl.dot``
-  uses exact ("ieee") float32 products for float32 data and "tf32" for fp16/bf16 data (their
-  values are exact in tf32). All tensors are addressed through their strides, so ``out`` and the
-  inputs may be strided views.
+  uses exact ("ieee") float32 products when either operand is float32 (e.g. ``add_lora``'s
+  intermediate) and "tf32" when both are fp16/bf16 (their values are exact in tf32). All tensors
+  are addressed through their strides, so ``out`` and the inputs may be strided views.
 * ``add_lora`` = SGMV shrink into a float32 [T, max_rank] buffer + SGMV expand with ``add=True``.
 """
 
@@ -46,87 +56,60 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 @triton.jit
-def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, out_ptr, indptr_ptr, slot_ptr, rank_ptr,
+def _sgmv_kernel(
+    v_ptr, w_ptr, out_ptr, indptr_ptr, slot_ptr, rank_ptr,
     N, K, scale,
-    sx_t, sx_k, sa_l, sa_r, sa_k, so_t, so_r,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    sv_t, sv_k, sw_l, sw_n, sw_k, so_t, so_n,
+    SHRINK: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """out[t, n] = scale * sum_k x[t, k] * a[slot, n, k] for t in one segment; N = R_out."""
-    pid_s = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    start = tl.load(indptr_ptr + pid_s)
-    end = tl.load(indptr_ptr + pid_s + 1)
-    row0 = start + pid_m * BLOCK_M
-    if row0 < end:
-        slot = tl.load(slot_ptr + pid_s)
-        rank = tl.load(rank_ptr + pid_s)
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < end
-        n_mask = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if (slot >= 0) & (pid_n * BLOCK_N < rank):
-            a_n_mask = n_mask & (offs_n < rank)
-            a_base = a_ptr + slot.to(tl.int64) * sa_l
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < K
-                x = tl.load(
-                    x_ptr + offs_m[:, None].to(tl.int64) * sx_t + offs_k[None, :] * sx_k,
-                    mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                a = tl.load(
-                    a_base + offs_k[:, None] * sa_k + offs_n[None, :] * sa_r,
-                    mask=k_mask[:, None] & a_n_mask[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                acc += tl.dot(x, a, input_precision=PRECISION)
-        acc = acc * scale
-        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * so_t + offs_n[None, :] * so_r
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    """out[t, n] (+)= scale * sum_k v[t, k] * w[slot, n, k] for the tokens t of one segment.
 
-
-@triton.jit
-def _sgmv_expand_kernel(
-    y_ptr, b_ptr, out_ptr, indptr_ptr, slot_ptr, rank_ptr,
-    N, R_IN,
-    sy_t, sy_r, sb_l, sb_n, sb_r, so_t, so_n,
-    ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """out[t, n] (+)= sum_{r < min(rank, R_IN)} y[t, r] * b[slot, n, r] for t in one segment."""
+    Shrink: v = x [T, K], w = lora_a ([L, R, K], n = rank row, N = R_out); rows n >= rank are masked
+    to 0, and base segments (slot -1) are written as 0.
+    Expand: v = y [T, R_in], w = lora_b ([L, N, R], k = rank column, K = R_in); the reduction stops
+    at min(rank, K), and base segments are left untouched.
+    """
     pid_s = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(2)
     start = tl.load(indptr_ptr + pid_s)
     end = tl.load(indptr_ptr + pid_s + 1)
     slot = tl.load(slot_ptr + pid_s)
+    rank = tl.load(rank_ptr + pid_s)
     row0 = start + pid_m * BLOCK_M
-    if (row0 < end) & (slot >= 0):
-        kmax = tl.minimum(tl.load(rank_ptr + pid_s), R_IN)
+    if SHRINK:
+        writes = row0 < end
+        k_end = K
+        n_end = rank
+    else:
+        writes = (row0 < end) & (slot >= 0)
+        k_end = tl.minimum(rank, K)
+        n_end = N
+    if writes:
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < end
         n_mask = offs_n < N
-        b_base = b_ptr + slot.to(tl.int64) * sb_l
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, kmax, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < kmax
-            y = tl.load(
-                y_ptr + offs_m[:, None].to(tl.int64) * sy_t + offs_k[None, :] * sy_r,
-                mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            b = tl.load(
-                b_base + offs_k[:, None] * sb_r + offs_n[None, :] * sb_n,
-                mask=k_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            acc += tl.dot(y, b, input_precision=PRECISION)
+        if (slot >= 0) & (pid_n * BLOCK_N < n_end):
+            w_n_mask = n_mask & (offs_n < n_end)
+            w_base = w_ptr + slot.to(tl.int64) * sw_l
+            for k0 in range(0, k_end, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < k_end
+                v = tl.load(
+                    v_ptr + offs_m[:, None].to(tl.int64) * sv_t + offs_k[None, :] * sv_k,
+                    mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                w = tl.load(
+                    w_base + offs_k[:, None] * sw_k + offs_n[None, :] * sw_n,
+                    mask=k_mask[:, None] & w_n_mask[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                acc += tl.dot(v, w, input_precision=PRECISION)
+        acc = acc * scale
         o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * so_t + offs_n[None, :] * so_n
         o_mask = m_mask[:, None] & n_mask[None, :]
         if ADD:
@@ -206,37 +189,49 @@ def bgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, token_slot: Tensor, add:
     )  # fmt: skip
 
 
+def _sgmv(
+    out: Tensor,
+    v: Tensor,
+    w: Tensor,
+    meta: LoraMeta,
+    k: int,
+    scale: float,
+    *,
+    shrink: bool,
+    add: bool,
+    block_k: int,
+) -> None:
+    """Launch :func:`_sgmv_kernel` over ``meta``'s segments.
+
+    out[T, N] (+)= scale * v[T, :k] @ w[s, :N, :k].T per segment of slot s (see the kernel for how
+    shrink and expand bound the reduction by the segment's rank and treat base segments).
+    """
+    n = out.shape[1]
+    block_n = _pow2(n, 16, 64)
+    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, _BLOCK_M), triton.cdiv(n, block_n))
+    _sgmv_kernel[grid](
+        v, w, out, meta.seg_indptr, meta.seg_slot, meta.seg_rank, n, k, float(scale),
+        v.stride(0), v.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        SHRINK=shrink, ADD=add, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=_precision(v, w),
+    )  # fmt: skip
+
+
 def sgmv_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scale: float = 1.0) -> None:
     """out[T, R_out] = scale * x[T, K] @ lora_a[s, :R_out].T per segment; base rows = 0."""
     k = x.shape[1]
-    r_out = out.shape[1]
-    if meta.num_segments == 0 or r_out == 0:
+    if meta.num_segments == 0 or out.shape[1] == 0:
         return
-    block_n = _pow2(r_out, 16, 64)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, _BLOCK_M), triton.cdiv(r_out, block_n))
-    _sgmv_shrink_kernel[grid](
-        x, lora_a, out, meta.seg_indptr, meta.seg_slot, meta.seg_rank, r_out, k, float(scale),
-        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_pow2(k, 16, 64), PRECISION=_precision(x, lora_a),
-    )  # fmt: skip
+    _sgmv(out, x, lora_a, meta, k, scale, shrink=True, add=False, block_k=_pow2(k, 16, 64))
 
 
 def sgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, meta: LoraMeta, add: bool = True) -> None:
     """out[T, N] (+)= y[T, R_in] @ lora_b[s, :, :R_in].T per segment with s >= 0; base rows untouched."""
     r_in = min(y.shape[1], lora_b.shape[2])
-    n = out.shape[1]
-    if meta.num_segments == 0 or n == 0 or (add and meta.max_rank == 0):
+    if meta.num_segments == 0 or out.shape[1] == 0 or (add and meta.max_rank == 0):
         return
-    block_n = _pow2(n, 16, 64)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, _BLOCK_M), triton.cdiv(n, block_n))
-    _sgmv_expand_kernel[grid](
-        y, lora_b, out, meta.seg_indptr, meta.seg_slot, meta.seg_rank, n, r_in,
-        y.stride(0), y.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        out.stride(0), out.stride(1),
-        ADD=add, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_pow2(min(r_in, meta.max_rank), 16, 64),
-        PRECISION=_precision(y, lora_b),
-    )  # fmt: skip
+    block_k = _pow2(min(r_in, meta.max_rank), 16, 64)
+    _sgmv(out, y, lora_b, meta, r_in, 1.0, shrink=False, add=add, block_k=block_k)
 
 
 def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta) -> None:

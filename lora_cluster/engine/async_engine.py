@@ -1,26 +1,40 @@
 """Asynchronous front of the engine: a loop thread steps it, callers await token streams.
 
-All `Engine` calls happen on the loop thread; callers talk to it through a command queue, so the
-engine needs no locks. Each request's outputs are pushed to the caller's asyncio queue with
-`call_soon_threadsafe`. A caller that stops iterating (client disconnect, cancellation) aborts
-its request, which frees the request's batch slot at the next step.
+All `Engine` calls that touch its state happen on the loop thread; callers talk to it through a
+command queue, so the engine needs no locks. Each request's outputs are pushed to the caller's
+asyncio queue with `call_soon_threadsafe`. A caller that stops iterating (client disconnect,
+cancellation) aborts its request, which frees the request's batch slot at the next step. The
+loader passthroughs (register, unregister, list) do blocking I/O and run in a worker thread, never
+on the caller's event loop nor on the step loop.
+
+Lifecycle: RUNNING -> CLOSED. `shutdown` stops the loop first and closes the engine only once the
+loop thread has exited. When the loop exits, for whatever reason, every waiting caller gets an
+`EngineUnavailableError` (queued commands and open streams alike), and so does every later
+caller: nobody waits on a loop that is gone. `check_health` raises while the loop is gone or while
+steps keep failing (`max_consecutive_step_failures` in a row), so that Ray Serve restarts the
+replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lora_cluster.engine.llm_engine import Engine, EngineStats
 from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.sequence import RequestOutput
+from lora_cluster.errors import EngineUnavailableError
 
 log = logging.getLogger(__name__)
+
+IDLE_FETCH_POLL_S = 0.05  # while idle with adapter fetches held, step this often to let them go
 
 
 @dataclass
@@ -29,16 +43,32 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Command:
+    run: Callable[[], None]
+    fail: Callable[[BaseException], None]
+
+
+def _ignore(_: BaseException) -> None:
+    pass
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, max_consecutive_step_failures: int | None = None):
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.max_consecutive_step_failures = (
+            max_consecutive_step_failures or engine.config.max_consecutive_step_failures
+        )
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # orders `_submit` against the loop's exit
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -48,21 +78,45 @@ class AsyncEngine:
         """Stats as of the last step (read without touching the engine)."""
         return self._stats
 
+    # ----- commands -------------------------------------------------------------------------
+
+    def _submit(self, command: _Command) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailableError("the engine loop has stopped")
+            self._commands.put(command)
+
     async def call(self, fn: Callable[[Engine], object]) -> object:
-        """Run `fn(engine)` on the loop thread and return its result (exceptions propagate)."""
+        """Run `fn(engine)` on the loop thread and return its result (exceptions propagate).
+        Raises EngineUnavailableError when the loop has stopped or stops before running it."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
-        def command() -> None:
+        def settle(setter: Callable[[Any], None], value: object) -> None:
+            if not future.done():
+                setter(value)
+
+        def fail(error: BaseException) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed
+                loop.call_soon_threadsafe(settle, future.set_exception, error)
+
+        def run() -> None:
             try:
                 result = fn(self.engine)
             except BaseException as e:
-                loop.call_soon_threadsafe(future.set_exception, e)
+                fail(e)
             else:
-                loop.call_soon_threadsafe(future.set_result, result)
+                loop.call_soon_threadsafe(settle, future.set_result, result)
 
-        self._commands.put(command)
+        self._submit(_Command(run, fail))
         return await future
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread, fire and forget (nothing to do if the loop is gone)."""
+        with contextlib.suppress(EngineUnavailableError):
+            self._submit(_Command(fn, _ignore))
+
+    # ----- adapters -------------------------------------------------------------------------
 
     async def load_adapter(self, adapter_id: str) -> None:
         """Fetch and validate an adapter without blocking the loop thread; raises its AdapterError."""
@@ -74,7 +128,30 @@ class AsyncEngine:
             raise
 
     async def unload_adapter(self, adapter_id: str) -> bool:
+        """Drop the adapter from the device and host; False while a request uses it."""
         return await self.call(lambda engine: engine.unload_adapter(adapter_id))
+
+    async def register_adapter(self, adapter_id: str, location: str) -> None:
+        """Serve `adapter_id` from `location` (validated first, in a worker thread)."""
+        self._check_open()
+        await asyncio.to_thread(self.engine.register_adapter, adapter_id, location)
+
+    async def unregister_adapter(self, adapter_id: str) -> bool:
+        """Forget a registered adapter and drop it from the device once idle; False: not registered."""
+        self._check_open()
+        found = await asyncio.to_thread(self.engine.unregister_adapter, adapter_id)
+        await self.unload_adapter(adapter_id)
+        return found
+
+    async def list_adapters(self) -> list[str]:
+        self._check_open()
+        return await asyncio.to_thread(self.engine.list_adapters)
+
+    def adapter_store_stats(self) -> dict[str, Any]:
+        """The adapter loader's counters (thread-safe, no I/O)."""
+        return self.engine.adapter_store_stats()
+
+    # ----- requests -------------------------------------------------------------------------
 
     async def generate(
         self,
@@ -111,10 +188,10 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(lambda: self.engine.abort(request_id))
+                self._post(lambda: self.engine.abort(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._abort(request_id))
+        self._post(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort(request_id)
@@ -122,29 +199,78 @@ class AsyncEngine:
         if out is not None and stream is not None:
             stream.put(out)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                command = self._commands.get(timeout=None if not self.engine.has_unfinished() else 0)
-            except queue.Empty:
-                command = None
-            if command is not None:
-                command()
-                self._stats = self.engine.stats()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:
-                log.exception("engine step failed")
-                continue
-            self._stats = self.engine.stats()
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+    # ----- health and lifecycle -------------------------------------------------------------
 
-    def shutdown(self) -> None:
+    def _check_open(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise EngineUnavailableError("the engine loop has stopped")
+
+    def check_health(self) -> None:
+        """Raise EngineUnavailableError when the loop is gone or steps keep failing."""
+        self._check_open()
+        failures = self._stats.consecutive_step_failures
+        if failures >= self.max_consecutive_step_failures:
+            raise EngineUnavailableError(
+                f"the last {failures} engine steps failed "
+                f"(max_consecutive_step_failures={self.max_consecutive_step_failures})"
+            )
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._iterate()
+        except BaseException:
+            log.exception("the engine loop stopped on an unexpected error")
+        finally:
+            self._close_loop()
+
+    def _iterate(self) -> None:
+        engine = self.engine
+        if engine.has_unfinished():
+            timeout: float | None = 0
+        elif engine.has_fetches():
+            timeout = IDLE_FETCH_POLL_S
+        else:
+            timeout = None
+        try:
+            command = self._commands.get(timeout=timeout)
+        except queue.Empty:
+            command = None
+        if command is not None:
+            command.run()
+            self._stats = engine.stats()
+            return
+        outputs = engine.step()
+        self._stats = engine.stats()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _close_loop(self) -> None:
+        self._refuse_all(EngineUnavailableError("the engine loop has stopped"))
+
+    def _refuse_all(self, error: EngineUnavailableError) -> None:
+        """Refuse new commands; fail the queued ones and every open stream with `error`."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            command.fail(error)
+        for stream in list(self._streams.values()):
+            stream.put(error)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop, then close the engine. If the loop does not stop within `timeout_s`
+        (a step that hangs), the engine is left open rather than closed under a running step."""
         self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join(timeout=5)
+        self._post(lambda: None)  # wake the loop if it idles
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("the engine loop did not stop within %.0f s; the engine stays open", timeout_s)
+            self._refuse_all(EngineUnavailableError("the engine is shutting down"))
+            return
         self.engine.close()

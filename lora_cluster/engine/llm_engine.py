@@ -1,9 +1,18 @@
 """The multi-LoRA engine: continuous batching over one base model and a pool of adapter slots.
 
-`Engine` is synchronous and single-threaded: `add_request`, `abort` and `step` are called from one
-thread (the offline `generate`, or `AsyncEngine`'s loop thread). Adapter I/O never runs on that
-thread: loads are submitted to a small thread pool and a request waits in the queue, while the
-others keep decoding, until its adapter's host weights are ready and a device slot is free.
+`Engine` is synchronous and single-threaded: `add_request`, `abort`, `step`, `start_load` and
+`unload_adapter` are called from one thread (the offline `generate`, or `AsyncEngine`'s loop
+thread). Only the loader passthroughs (`register_adapter`, `unregister_adapter`, `list_adapters`,
+`adapter_store_stats`) are thread-safe, and they do blocking I/O: call them off the step loop.
+Adapter I/O never runs on the step thread: loads are submitted to a small thread pool and a request
+waits in the queue, while the others keep decoding, until its adapter's host weights are ready and
+a device slot is free.
+
+Failures: a step that raises (forward pass, sampling, detokenization, scheduling) ends the requests
+it was running with an `EngineStepError`; a request whose own detokenization fails ends alone. The
+engine counts consecutive failed steps (`EngineStats.consecutive_step_failures`); the async front
+reports itself unhealthy past `max_consecutive_step_failures`, so the replica is restarted instead
+of looping on a broken device.
 """
 
 from __future__ import annotations
@@ -11,13 +20,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lora_kernels import get_lora_ops
 
-from lora_cluster.adapter_format import LoraWeights, check_adapter_id
+from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.adapter_residency import AdapterResidency
@@ -30,7 +41,7 @@ from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Scheduler
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
-from lora_cluster.errors import LoraClusterError, PromptTooLongError, RequestError
+from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
 from lora_cluster.store import build_adapter_loader
 
 log = logging.getLogger(__name__)
@@ -46,6 +57,13 @@ class EngineStats:
     free_adapter_slots: int
     resident_adapters: tuple[str, ...]
     loading_adapters: tuple[str, ...]
+    held_fetches: int = 0  # adapter fetches held outside the loader's budgets (bounded by requests)
+    consecutive_step_failures: int = 0
+    failed_steps: int = 0  # since start
+
+
+# builds the engine's loader once the base model's shapes and device are known
+LoaderFactory = Callable[[EngineConfig, ModelShapes, torch.device], AdapterLoader]
 
 
 def _resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -63,8 +81,10 @@ class Engine:
     """Serve many adapters of one base model in shared forward passes.
 
     `Engine(model=..., adapter_source=..., max_loras=8, max_lora_rank=64)`; any other
-    `EngineConfig` field may be passed as a keyword, or a whole `config`. `adapter_loader`
-    replaces the plain folder lookup (the tiered adapter store plugs in there).
+    `EngineConfig` field may be passed as a keyword, or a whole `config`. The caller wires where
+    adapters come from: `adapter_loader` is an `AdapterLoader`, or a factory called with the
+    config, the model's shapes and the device (default: `store.build_adapter_loader`, the tiered
+    adapter store of `adapter_source`).
     """
 
     def __init__(
@@ -75,7 +95,7 @@ class Engine:
         max_lora_rank: int | None = None,
         *,
         config: EngineConfig | None = None,
-        adapter_loader: AdapterLoader | None = None,
+        adapter_loader: AdapterLoader | LoaderFactory | None = None,
         **overrides: object,
     ):
         if config is None:
@@ -106,14 +126,16 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        self.loader = adapter_loader or build_adapter_loader(config, self.shapes, self.device)
+        factory = adapter_loader if callable(adapter_loader) else build_adapter_loader
+        loader = adapter_loader if adapter_loader is not None and not callable(adapter_loader) else None
+        self.loader: AdapterLoader = loader or factory(config, self.shapes, self.device)
         self.pool = AdapterPool(
             self.shapes,
             num_slots=config.max_loras,
             max_rank=config.max_lora_rank,
             dtype=self.dtype,
             device=self.device,
-            policy=getattr(self.loader, "usage", None),  # the store's victim policy, if any
+            policy=self.loader.slot_policy(),
         )
         self.adapters = AdapterResidency(self.loader, self.pool, config.adapter_load_workers)
         self.runner = LlamaRunner(
@@ -129,6 +151,8 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
+        self.consecutive_step_failures = 0
+        self.failed_steps = 0
 
     # ----- adapters -------------------------------------------------------------------------
 
@@ -142,11 +166,11 @@ class Engine:
     def start_load(self, adapter_id: str) -> Future[LoraWeights | None]:
         """Begin fetching an adapter to the host (a done future when it is already on the device)."""
         check_adapter_id(adapter_id)
-        if self.pool.slot_of(adapter_id) is not None:
+        if self.pool.version_of(adapter_id) == self.loader.version(adapter_id):
             done: Future[LoraWeights | None] = Future()
             done.set_result(None)
             return done
-        return self.adapters.fetch(adapter_id)
+        return self.adapters.start_load(adapter_id)
 
     def forget_failed_load(self, adapter_id: str) -> None:
         """Drop a failed load so that the next request retries it."""
@@ -163,6 +187,25 @@ class Engine:
     def unload_adapter(self, adapter_id: str) -> bool:
         """Drop an adapter from the device and host; False when a sequence is using it."""
         return self.adapters.unload(adapter_id)
+
+    def register_adapter(self, adapter_id: str, location: str) -> None:
+        """Serve `adapter_id` from `location` (validated first). Thread-safe, blocking I/O. Requests
+        queued from now on get the new weights; running ones finish on the weights they started with."""
+        check_adapter_id(adapter_id)
+        self.loader.register(adapter_id, location)
+
+    def unregister_adapter(self, adapter_id: str) -> bool:
+        """Forget a registered adapter (False: it was not registered). Thread-safe, may do I/O."""
+        check_adapter_id(adapter_id)
+        return self.loader.unregister(adapter_id)
+
+    def list_adapters(self) -> list[str]:
+        """Adapters the sources offer. Thread-safe, may list remote sources."""
+        return self.loader.list_adapters()
+
+    def adapter_store_stats(self) -> dict[str, Any]:
+        """The loader's counters (per tier, for metrics). Thread-safe."""
+        return self.loader.snapshot()
 
     # ----- requests -------------------------------------------------------------------------
 
@@ -204,9 +247,7 @@ class Engine:
         )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
-        self.adapters.request_started(adapter_id)
-        if adapter_id is not None and self.pool.slot_of(adapter_id) is None:
-            self.adapters.fetch(adapter_id)  # fetch now, off the step loop
+        self.adapters.request_started(adapter_id)  # starts its fetch now, off the step loop
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; frees its slot at once. Returns its final output, or None if unknown."""
@@ -221,6 +262,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    def has_fetches(self) -> bool:
+        """Adapter fetches are held (a `step` lets go of those nobody waits for any more)."""
+        return self.adapters.has_fetches()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -229,15 +274,25 @@ class Engine:
             free_adapter_slots=self.pool.num_free,
             resident_adapters=tuple(self.pool.resident()),
             loading_adapters=self.adapters.loading(),
+            held_fetches=self.adapters.held(),
+            consecutive_step_failures=self.consecutive_step_failures,
+            failed_steps=self.failed_steps,
         )
 
     # ----- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that got a token or finished."""
-        plan = self.scheduler.schedule()
-        self.adapters.end_step()
-        outputs = []
+        """Run one batch; returns an output for every request that got a token or finished.
+
+        Never raises for a failure of the step itself: the requests it concerned end with an
+        `EngineStepError` in their output (see the module docstring)."""
+        outputs: list[RequestOutput] = []
+        try:
+            plan = self.scheduler.schedule()
+            self.adapters.end_step()
+        except Exception as e:  # the queues themselves are broken: nothing can run
+            log.exception("scheduling failed")
+            return self._fail(list(self._seqs.values()), "scheduling", e)
         for seq in plan.failed:
             self._finish(seq, FinishReason.ERROR)
             outputs.append(snapshot(seq))
@@ -249,23 +304,50 @@ class Engine:
         batch = build_step_batch(plan.decodes, plan.prefills, self.pool.module_ranks, self.device)
         try:
             logits = self.runner.forward(batch)
-        except Exception as e:  # never lose requests silently: fail what was in the batch
-            log.exception("forward pass failed")
-            error = LoraClusterError(f"forward pass failed: {e!r}")
-            for seq in [*plan.decodes, *(s for s, _ in plan.prefills)]:
-                seq.error = error
-                self._finish(seq, FinishReason.ERROR)
-                outputs.append(snapshot(seq))
-            return outputs
+            tokens = sample(logits, [s.sampling for s in batch.sampled], [s.generator for s in batch.sampled])
+        except Exception as e:
+            log.exception("engine step failed")
+            return outputs + self._fail([*plan.decodes, *(s for s, _ in plan.prefills)], "step", e)
         for seq in plan.decodes:
             seq.num_computed += 1
         for seq, n in plan.prefills:
             seq.num_computed += n
-        tokens = sample(logits, [s.sampling for s in batch.sampled], [s.generator for s in batch.sampled])
+        failed = False
         for seq, token in zip(batch.sampled, tokens, strict=True):
-            self._append(seq, token)
+            try:
+                self._append(seq, token)
+            except Exception as e:  # e.g. the detokenizer: this request alone ends
+                log.exception("request %r failed after its step", seq.request_id)
+                seq.error, failed = EngineStepError(f"engine step failed: {e!r}"), True
+                self._finish(seq, FinishReason.ERROR)
+            outputs.append(snapshot(seq))
+        self._count_step(failed)
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], stage: str, error: Exception) -> list[RequestOutput]:
+        """End `seqs` with an EngineStepError naming the stage and the cause; count a failed step."""
+        self._count_step(True)
+        outputs = []
+        for seq in seqs:
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.error = EngineStepError(f"engine {stage} failed: {error!r}")
+            try:
+                self._finish(seq, FinishReason.ERROR)
+            except Exception:  # the scheduler itself is broken: still end the request
+                log.exception("could not release request %r", seq.request_id)
+                seq.status = SeqStatus.FINISHED
+                if self._seqs.pop(seq.request_id, None) is not None:
+                    self.adapters.request_finished(seq.adapter_id)
             outputs.append(snapshot(seq))
         return outputs
+
+    def _count_step(self, failed: bool) -> None:
+        if failed:
+            self.consecutive_step_failures += 1
+            self.failed_steps += 1
+        else:
+            self.consecutive_step_failures = 0
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -338,8 +420,7 @@ class Engine:
 
     def close(self) -> None:
         self.adapters.close()
-        if hasattr(self.loader, "close"):
-            self.loader.close()
+        self.loader.close()
 
 
 __all__ = ["Engine", "EngineStats", "SeqStatus"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lora_cluster.store.lifecycle import TRANSITIONS, AdapterState, Lifecycle
-from lora_cluster.store.source import AdapterInfo, open_source
+from lora_cluster.store.sources import AdapterInfo, open_source
 from lora_cluster.store.store import TieredAdapterStore
 
 if TYPE_CHECKING:

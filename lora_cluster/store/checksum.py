@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from lora_cluster.adapter_format import read_adapter_file
 from lora_cluster.errors import AdapterIntegrityError
 
 CHECKSUMS_FILE = "checksums.sha256"
@@ -73,15 +74,17 @@ def format_checksums(digests: dict[str, str]) -> str:
 
 
 def declared_digests(adapter_id: str, folder: Path, names: Iterable[str]) -> dict[str, str]:
-    """Digests declared inside `folder` (checksums file and sidecars) for the given file names."""
+    """Digests declared inside `folder` (checksums file and sidecars) for the given file names. An
+    unreadable declaration is AdapterLoadError (`adapter_format.read_adapter_file`), never ignored."""
     declared: dict[str, str] = {}
-    manifest = folder / CHECKSUMS_FILE
-    if manifest.is_file():
-        declared.update(parse_checksums(adapter_id, manifest.read_text(errors="replace")))
+    if (folder / CHECKSUMS_FILE).is_file():
+        text = read_adapter_file(adapter_id, folder, CHECKSUMS_FILE).decode(errors="replace")
+        declared.update(parse_checksums(adapter_id, text))
     for name in names:
-        sidecar = folder / (name + SIDECAR_SUFFIX)
-        if sidecar.is_file():
-            digest = parse_sidecar(adapter_id, name, sidecar.read_text(errors="replace"))
+        sidecar = name + SIDECAR_SUFFIX
+        if (folder / sidecar).is_file():
+            text = read_adapter_file(adapter_id, folder, sidecar).decode(errors="replace")
+            digest = parse_sidecar(adapter_id, name, text)
             if declared.setdefault(name, digest) != digest:
                 raise AdapterIntegrityError(
                     adapter_id, f"{CHECKSUMS_FILE} and {name}{SIDECAR_SUFFIX} declare different sha256")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -40,11 +40,17 @@ def load_priority(window_count: int, age_s: float | None, *, hot_count: int, win
 
 
 class AccessTracker:
-    """Request times per adapter over a sliding window, plus lifetime counts (thread-safe)."""
+    """Request times per adapter over a sliding window, plus lifetime counts (thread-safe).
 
-    def __init__(self, window_s: float, hot_count: int, clock: Callable[[], float] = time.monotonic):
+    Bounded: at most `max_adapters` adapters are tracked; recording a new one beyond that forgets
+    the adapter requested least recently (whose priority is the lowest anyway). The store also
+    `forget`s an id as soon as no source offers it, so ids that do not exist hold no entry."""
+
+    def __init__(self, window_s: float, hot_count: int, clock: Callable[[], float] = time.monotonic,
+                 max_adapters: int = 65_536):
         self.window_s, self.hot_count, self._clock = window_s, hot_count, clock
-        self._times: dict[str, deque[float]] = {}
+        self.max_adapters = max_adapters
+        self._times: OrderedDict[str, deque[float]] = OrderedDict()  # least recently requested first
         self._total: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -52,10 +58,27 @@ class AccessTracker:
         """Count a request now; returns the adapter's request count within the window."""
         now = self._clock()
         with self._lock:
-            times = self._times.setdefault(adapter_id, deque())
+            times = self._times.get(adapter_id)
+            if times is None:
+                times = self._times[adapter_id] = deque()
+                while len(self._times) > self.max_adapters:
+                    oldest, _ = self._times.popitem(last=False)
+                    self._total.pop(oldest, None)
+            else:
+                self._times.move_to_end(adapter_id)
             times.append(now)
             self._total[adapter_id] = self._total.get(adapter_id, 0) + 1
             return self._prune(times, now)
+
+    def forget(self, adapter_id: str) -> None:
+        """Drop every record of `adapter_id` (it does not exist)."""
+        with self._lock:
+            self._times.pop(adapter_id, None)
+            self._total.pop(adapter_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._times)
 
     def window_count(self, adapter_id: str) -> int:
         with self._lock:

@@ -11,19 +11,27 @@ step loop) returns validated host weights, from the fastest tier that has them:
    download it into the disk cache (S3) / the hub cache (hub) / read it in place (local folder),
    run the admission checks (`admission`), keep a host copy, and return it.
 A failed load raises an `AdapterError` naming the adapter and the reason and leaves nothing cached
-(a download that fails admission is dropped from the disk cache); the next call retries.
+(a download that fails admission is dropped from the disk cache); the next call retries. An id
+that no source offers is remembered as missing for `negative_cache_ttl_s` in a bounded LRU
+(`NegativeCache`), answered at once meanwhile, and leaves no other record (access history,
+lifecycle): every structure keyed by adapter id holds only adapters that exist, or is bounded.
 
-The device pool consults `usage` (an `AdapterUsage`) to choose victims; the engine reports request
-starts/finishes to it, so no tier evicts an adapter a queued or running request uses, or a pinned
-one. `preload` and `pinned` adapters are loaded into host memory in the background at start, and
-a hot adapter (>= `prefetch_min_requests` requests in `prefetch_window_s`) that sits on the device
-without a host copy is copied back to host memory in the background, so that losing its device
-slot costs a host-to-device copy rather than a disk read. Adapters are treated as immutable per
-id: to change one, register it again (or call `invalidate`), which drops its cached copies.
+Versions (`version(adapter_id)`, see `versions.Versions`): `register`, `unregister` and
+`invalidate` bump the id's version; weights carry the version current when their load began, so
+the engine never serves a changed adapter from an older copy in a device slot.
 
-CPU policy: parsing, validating and quantizing an adapter run with one intra-op thread in the
-calling thread (`torch.set_num_threads` is per thread with OpenMP), so a load in a loader thread
-never competes with the step loop's parallel kernels for the cores.
+The device pool consults `slot_policy()` (the store's `AdapterUsage`) to choose victims; the engine
+reports request starts/finishes (`request_started`/`request_finished`), so no tier evicts an
+adapter a queued or running request uses, or a pinned one; and `load_abandoned` when weights it
+fetched will not be placed, so they count as an ordinary host-tier entry again. `preload` and
+`pinned` adapters are loaded into host memory in the background at start, and a hot adapter (>=
+`prefetch_min_requests` requests in `prefetch_window_s`) that sits on the device without a host
+copy is copied back to host memory in the background, so that losing its device slot costs a
+host-to-device copy rather than a disk read. Adapters are treated as immutable per version: to
+change one, register it again (or call `invalidate`), which drops its cached copies and bumps its
+version. CPU policy: parsing, validating and quantizing an adapter run with one intra-op thread in
+the calling thread (`torch.set_num_threads` is per thread with OpenMP), so a load in a loader
+thread never competes with the step loop's parallel kernels for the cores.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,17 +55,19 @@ from lora_cluster.store.crypto import load_key
 from lora_cluster.store.disk_cache import DiskCache
 from lora_cluster.store.host_cache import HostCache
 from lora_cluster.store.lifecycle import AdapterState, Lifecycle, LifecycleError
+from lora_cluster.store.negative_cache import NegativeCache
 from lora_cluster.store.policy import AccessTracker
 from lora_cluster.store.single_flight import SingleFlight
-from lora_cluster.store.source import AdapterInfo, AdapterSource, Located, open_source
+from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located, open_source
 from lora_cluster.store.stats import StoreStats
 from lora_cluster.store.usage import AdapterUsage
+from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
+    from lora_cluster.engine.loader import SlotPolicy
 
 log = logging.getLogger(__name__)
-S = AdapterState
 GiB = 1 << 30
 
 
@@ -96,12 +106,15 @@ class TieredAdapterStore:
         fetch_retries: int = 3,
         fetch_backoff_s: float = 0.5,
         fetch_timeout_s: float = 60.0,
+        negative_cache_ttl_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
         self.policy = policy
         self.stats = StoreStats()
         self.lifecycle = Lifecycle()
+        self.versions = Versions()
+        self.missing = NegativeCache(negative_cache_ttl_s, clock=clock)
         tracker = AccessTracker(prefetch_window_s, prefetch_min_requests, clock)
         self.usage = AdapterUsage(tracker, pinned, stats=self.stats, on_request=self._on_request,
                                   on_residency=self._on_residency)
@@ -119,7 +132,7 @@ class TieredAdapterStore:
         self._registered: dict[str, tuple[AdapterSource, Located]] = {}
         self._flight: SingleFlight[LoraWeights] = SingleFlight()
         self._lock = threading.Lock()
-        self._handed: set[str] = set()  # loaded for the engine, not yet placed on the device
+        self._unplaced: set[str] = set()  # host weights returned by `load`, not yet placed on the device
         self._in_place: set[str] = set()  # read in place from a local folder or the hub cache
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
         self._prefetches: dict[str, Future[None]] = {}
@@ -147,7 +160,7 @@ class TieredAdapterStore:
             pinned=config.pinned, preload=config.preload,
             prefetch_window_s=config.prefetch_window_s, prefetch_min_requests=config.prefetch_min_requests,
             fetch_retries=config.fetch_retries, fetch_backoff_s=config.fetch_backoff_s,
-            fetch_timeout_s=config.fetch_timeout_s,
+            fetch_timeout_s=config.fetch_timeout_s, negative_cache_ttl_s=config.negative_cache_ttl_s,
         )
 
     @property
@@ -165,14 +178,33 @@ class TieredAdapterStore:
     def load(self, adapter_id: str) -> LoraWeights:
         """Validated host weights of `adapter_id` (see the module docstring); raises AdapterError."""
         check_adapter_id(adapter_id)
+        self.missing.check(adapter_id)
         with self._lock:  # before the flight lands, so no eviction in between reads as "gone from host"
-            self._handed.add(adapter_id)
+            self._unplaced.add(adapter_id)
         try:
             return self._fetch(adapter_id)
         except BaseException:
             with self._lock:
-                self._handed.discard(adapter_id)
+                self._unplaced.discard(adapter_id)
             raise
+
+    def version(self, adapter_id: str) -> int:
+        return self.versions.get(adapter_id)
+
+    def slot_policy(self) -> SlotPolicy:
+        return self.usage
+
+    def request_started(self, adapter_id: str) -> None:
+        self.usage.request_started(adapter_id)
+
+    def request_finished(self, adapter_id: str) -> None:
+        self.usage.request_finished(adapter_id)
+
+    def load_abandoned(self, adapter_id: str) -> None:
+        """Weights `load` returned will not be placed: they are an ordinary host-tier entry again."""
+        with self._lock:
+            self._unplaced.discard(adapter_id)
+        self._settle(adapter_id)
 
     def list_adapters(self) -> list[str]:
         ids: dict[str, None] = dict.fromkeys(self._registered)
@@ -191,6 +223,7 @@ class TieredAdapterStore:
         with self._lock:
             old = self._registered.get(adapter_id)
             self._registered[adapter_id] = (source, located)
+        self.missing.discard(adapter_id)
         self.invalidate(adapter_id)
         try:
             self._fetch(adapter_id)
@@ -200,6 +233,7 @@ class TieredAdapterStore:
                     self._registered.pop(adapter_id, None)
                 else:
                     self._registered[adapter_id] = old
+            self.invalidate(adapter_id)
             raise
 
     def unregister(self, adapter_id: str) -> bool:
@@ -236,7 +270,9 @@ class TieredAdapterStore:
             return future
 
     def invalidate(self, adapter_id: str) -> None:
-        """Drop every cached copy of `adapter_id` but the device's (the engine drops that one)."""
+        """Drop every cached copy of `adapter_id` and bump its version (the engine then drops its
+        device copy before the next request uses it)."""
+        self.versions.bump(adapter_id)
         self.host.remove(adapter_id)
         if self._disk is not None:
             for key in self._disk.adapter_keys(adapter_id):
@@ -248,12 +284,18 @@ class TieredAdapterStore:
     def state(self, adapter_id: str) -> AdapterState | None:
         return self.lifecycle.state(adapter_id)
 
-    def snapshot(self) -> dict[str, object]:
-        """Counters per tier plus the number of adapters in each lifecycle state (for metrics)."""
+    def snapshot(self) -> dict[str, Any]:
+        """Counters per tier, the number of adapters in each lifecycle state, and the sizes of the
+        structures keyed by adapter id (all bounded; for metrics)."""
         states: dict[str, int] = {s.name: 0 for s in AdapterState}
         for state in self.lifecycle.states().values():
             states[state.name] += 1
-        return {"tiers": self.stats.snapshot(), "states": states}
+        with self._lock:
+            unplaced = len(self._unplaced)
+        tracked = {"access_history": len(self.usage.tracker), "lifecycle": len(self.lifecycle),
+                   "unplaced": unplaced, "missing": len(self.missing), "versions": len(self.versions),
+                   "in_use": self.usage.num_in_use()}
+        return {"tiers": self.stats.snapshot(), "states": states, "tracked": tracked}
 
     def wait_prefetches(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -290,25 +332,43 @@ class TieredAdapterStore:
             return weights
         self.stats.add("host", "misses")
         tracked = False
+        version = self.versions.get(adapter_id)
         try:
             source, located = self._resolve(adapter_id)
             with self._lock:
                 in_place = adapter_id in self._in_place or not source.remote
-            self.lifecycle.ensure(adapter_id, S.ON_DISK if in_place else S.REMOTE)
+            self.lifecycle.ensure(adapter_id, AdapterState.ON_DISK if in_place else AdapterState.REMOTE)
             tracked = True
             weights, seconds = self._load_from(adapter_id, source, located)
+        except AdapterNotFoundError:
+            self.stats.add("host", "failures")
+            self._forget_missing(adapter_id)
+            raise
         except Exception as e:
             self.stats.add("host", "failures")
             if tracked:
                 self.lifecycle.fail(adapter_id)
             if isinstance(e, AdapterError):
                 raise
-            raise AdapterLoadError(adapter_id, f"loading failed: {e!r}") from e
+            log.error("loading adapter %r failed", adapter_id, exc_info=e)
+            reason = f"loading failed ({type(e).__name__}; see the server log)"
+            raise AdapterLoadError(adapter_id, reason) from e
+        weights.version = version
         self.stats.record_load("host", seconds, weights.nbytes)
-        self.lifecycle.promote(adapter_id, S.IN_HOST)
+        self.lifecycle.promote(adapter_id, AdapterState.IN_HOST)
         with single_threaded():
             self.host.put(weights, seconds)
         return weights
+
+    def _forget_missing(self, adapter_id: str) -> None:
+        """No source offers `adapter_id`: remember that briefly, keep no other record of it."""
+        with self._lock:
+            registered = adapter_id in self._registered
+        if registered:
+            return
+        self.missing.add(adapter_id)
+        self.lifecycle.forget(adapter_id)
+        self.usage.tracker.forget(adapter_id)
 
     def _resolve(self, adapter_id: str) -> tuple[AdapterSource, Located]:
         with self._lock:
@@ -321,7 +381,7 @@ class TieredAdapterStore:
             located = source.locate(adapter_id, adapter_id)
             if located is not None:
                 return source, located
-        where = ", ".join(self.source_uris) or "no adapter_source configured"
+        where = "the configured adapter sources" if self.source_uris else "any source (none is configured)"
         raise AdapterNotFoundError(adapter_id, f"not found in {where}")
 
     @staticmethod
@@ -341,14 +401,14 @@ class TieredAdapterStore:
             folder, digests = source.local_folder(adapter_id, located)  # type: ignore[attr-defined]
             with self._lock:
                 self._in_place.add(adapter_id)
-            self.lifecycle.ensure(adapter_id, S.ON_DISK)
-            self.lifecycle.promote(adapter_id, S.ON_DISK)
+            self.lifecycle.ensure(adapter_id, AdapterState.ON_DISK)
+            self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
             return self._admit(adapter_id, folder, {}, digests)
         disk, key = self.disk, self._disk_key(source, located.subpath)
         with disk.open(key) as entry:
             if entry is not None:
                 self.stats.add("disk", "hits")
-                self.lifecycle.promote(adapter_id, S.ON_DISK)
+                self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
                 try:
                     return self._admit(adapter_id, entry.path, entry.digests)
                 except AdapterError as e:
@@ -365,7 +425,7 @@ class TieredAdapterStore:
                 self.stats.record_load("source", seconds, entry.nbytes)
                 if not entry.transient:
                     self.stats.record_load("disk", seconds, entry.nbytes)
-                self.lifecycle.promote(adapter_id, S.ON_DISK)
+                self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
                 try:
                     return self._admit(adapter_id, entry.path, entry.digests)
                 except AdapterError:
@@ -388,15 +448,15 @@ class TieredAdapterStore:
 
     def _best_tier(self, adapter_id: str) -> AdapterState:
         if self.usage.on_device_now(adapter_id):
-            return S.ON_DEVICE
+            return AdapterState.ON_DEVICE
         with self._lock:
-            handed, in_place = adapter_id in self._handed, adapter_id in self._in_place
-        if handed or adapter_id in self.host:
-            return S.IN_HOST
+            unplaced, in_place = adapter_id in self._unplaced, adapter_id in self._in_place
+        if unplaced or adapter_id in self.host:
+            return AdapterState.IN_HOST
         disk = self._disk
         if in_place or (disk is not None and disk.adapter_keys(adapter_id)):
-            return S.ON_DISK
-        return S.REMOTE
+            return AdapterState.ON_DISK
+        return AdapterState.REMOTE
 
     def _settle(self, adapter_id: str) -> None:
         self.lifecycle.settle(adapter_id, self._best_tier(adapter_id))
@@ -406,9 +466,9 @@ class TieredAdapterStore:
             self._settle(adapter_id)
             return
         with self._lock:
-            self._handed.discard(adapter_id)
+            self._unplaced.discard(adapter_id)
         try:
-            self.lifecycle.promote(adapter_id, S.ON_DEVICE)
+            self.lifecycle.promote(adapter_id, AdapterState.ON_DEVICE)
         except LifecycleError as e:  # weights placed that did not come through this store
             log.debug("lifecycle: %s", e)
 
@@ -420,4 +480,4 @@ class TieredAdapterStore:
 
 
 def _not_found(adapter_id: str, source: AdapterSource) -> Located:
-    raise AdapterNotFoundError(adapter_id, f"not found in {source.uri}")
+    raise AdapterNotFoundError(adapter_id, "not found in its source any more")

@@ -79,6 +79,11 @@ class AdapterUsage:
 
     # ----- queries --------------------------------------------------------------------------
 
+    def num_in_use(self) -> int:
+        """Adapters that queued or running requests use (bounded by the engine's queues)."""
+        with self._lock:
+            return len(self._uses)
+
     def uses(self, adapter_id: str) -> int:
         with self._lock:
             return self._uses.get(adapter_id, 0)

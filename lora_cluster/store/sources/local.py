@@ -1,7 +1,9 @@
 """A local folder of adapters (`/path` or `file:///path`), read in place (it is its own disk tier).
 
 Adapter `x` is the sub-folder `/path/x` (nested ids `org/x` are nested folders); the first source
-folder holding the id wins, exactly like `FolderAdapterLoader`.
+folder holding the id wins, exactly like `FolderAdapterLoader`. The listing reads configs and
+declared checksums only; a bad checksums file is reported when the adapter is loaded, not listed.
+Imports only `sources.base` of the sources package.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from pathlib import Path
 
 from lora_cluster.adapter_format import CONFIG_FILE
 from lora_cluster.store.checksum import declared_digests
-from lora_cluster.store.source import AdapterInfo, Located, folder_of, info_from_config, weights_name
+from lora_cluster.store.sources.base import AdapterInfo, Located, folder_of, info_from_config, weights_name
 
 
 class LocalSource:
+    """An `AdapterSource` over one local folder (see the module docstring)."""
+
     remote = False
 
     def __init__(self, uri: str):

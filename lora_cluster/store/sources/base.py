@@ -1,14 +1,15 @@
-"""Adapter sources by URI, the `AdapterSource` protocol and what a listing reports.
+"""What every adapter source shares: the `AdapterSource` protocol, what a lookup and a listing
+report, and the helpers that pick an adapter's files from a listing of names.
 
-URIs (the `adapter_source` config field; a list, first source offering an id wins):
-* `/path` or `file:///path` — a local folder; adapter `x` is the sub-folder `/path/x`.
-* `s3://bucket/prefix` — adapter `x` is the key prefix `prefix/x/` (boto3, standard AWS config).
-* `hf://org/name[@revision][/sub/folder]` — a Hugging Face hub repo; adapter `x` is its sub-folder
-  `x`, and a repo whose root is an adapter offers it under the repo's name.
-`register(adapter_id, location)` takes the same URIs pointing at one adapter (the location is the
-adapter itself). Every source lists its adapters with rank, target modules, size and checksum
-without reading weights. A source is `remote` when its files must come through the store's disk
-cache (S3) or the hub cache (hub); a local folder is read in place.
+This module imports no source implementation; `local`, `s3` and `hf` import only this module (and
+the format, checksum and crypto conventions), and the package's `open_source` imports them.
+
+Invariants of a source:
+* `locate(adapter_id, subpath)` answers for one adapter, `adapters()` for all of them; neither
+  reads weights (listings come from configs, sizes and declared checksums only).
+* `remote` sources (S3, hub) hand their files to the store through a cache (the store's disk cache
+  for S3, the hub cache for the hub); a local folder is read in place.
+* Every error names the adapter it is about.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lora_cluster.adapter_format import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
-from lora_cluster.errors import ConfigError
+from lora_cluster.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lora_cluster.store.checksum import CHECKSUMS_FILE, SIDECAR_SUFFIX
 from lora_cluster.store.crypto import ENC_WEIGHTS_FILE
 
 
 @dataclass(frozen=True)
 class FileInfo:
+    """One file of an adapter as a remote listing reports it."""
+
     size: int
     etag: str | None = None
     sha256: str | None = None  # declared by the source (object metadata), when known
@@ -56,6 +58,8 @@ class AdapterInfo:
 
 
 class AdapterSource(Protocol):
+    """A place adapters come from, named by a URI (see `lora_cluster.store.sources`)."""
+
     uri: str
     remote: bool
 
@@ -77,18 +81,17 @@ def wanted_files(names: set[str] | dict[str, object]) -> list[str]:
 
 
 def weights_name(names: set[str] | dict[str, object]) -> str | None:
+    """The adapter's weights file among `names`: the plaintext one when present, else the encrypted
+    one, else None (a listing reports such a folder; loading it is refused)."""
     if WEIGHTS_FILE in names:
         return WEIGHTS_FILE
     return ENC_WEIGHTS_FILE if ENC_WEIGHTS_FILE in names else None
 
 
-def has_pickle_only(names: set[str] | dict[str, object]) -> str | None:
-    return next((p for p in PICKLE_FILES if p in names), None) if weights_name(names) is None else None
-
-
 def info_from_config(adapter_id: str, location: str, source: str, config_text: str | bytes,
                      sizes: dict[str, int], sha256: str | None, etag: str | None) -> AdapterInfo:
-    """An `AdapterInfo` from an adapter's config text and its file sizes."""
+    """An `AdapterInfo` from an adapter's config text and its file sizes. A config that does not
+    parse lists the adapter without rank or target modules (loading it reports the error)."""
     try:
         config = json.loads(config_text)
     except ValueError:
@@ -105,24 +108,6 @@ def info_from_config(adapter_id: str, location: str, source: str, config_text: s
     )
 
 
-def open_source(uri: str, **remote_options: object) -> AdapterSource:
-    """The source for `uri`; `remote_options` (retries, backoff_s, timeout_s, sleep, stats) go to S3."""
-    from lora_cluster.store.hf_source import HfSource
-    from lora_cluster.store.local_source import LocalSource
-    from lora_cluster.store.s3_source import S3Source
-
-    if uri.startswith("s3://"):
-        return S3Source(uri, **remote_options)  # type: ignore[arg-type]
-    if uri.startswith("hf://"):
-        return HfSource(uri)
-    if "://" in uri and not uri.startswith("file://"):
-        raise ConfigError(f"adapter source {uri!r}: unsupported scheme (use a folder, file://, s3:// or hf://)")
-    return LocalSource(uri)
-
-
-def is_plain_folder(uri: str) -> bool:
-    return "://" not in uri or uri.startswith("file://")
-
-
 def folder_of(uri: str) -> Path:
+    """The local folder a `/path` or `file:///path` URI names (`~` expanded)."""
     return Path(uri.removeprefix("file://")).expanduser()

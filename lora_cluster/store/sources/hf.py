@@ -9,6 +9,7 @@ files sit in the cache under their sha256 (`blobs/<sha256>`), so that digest is 
 
 Adapter `x` is the repo sub-folder `x`; a repo whose root is an adapter offers it under the repo's
 name (`hf://org/my-adapter` serves adapter id `my-adapter`). Tokens: `HF_TOKEN` as usual.
+Imports only `sources.base` of the sources package (huggingface_hub itself is imported on use).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lora_cluster.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lora_cluster.errors import AdapterLoadError, ConfigError
 from lora_cluster.store.checksum import CHECKSUMS_FILE, SIDECAR_SUFFIX, declared_digests, is_sha256
 from lora_cluster.store.crypto import ENC_WEIGHTS_FILE
-from lora_cluster.store.source import AdapterInfo, Located, info_from_config, weights_name
+from lora_cluster.store.sources.base import AdapterInfo, Located, info_from_config, weights_name
 
 _FILES = (CONFIG_FILE, WEIGHTS_FILE, ENC_WEIGHTS_FILE, CHECKSUMS_FILE)
 
@@ -30,6 +31,8 @@ def hub_offline() -> bool:
 
 
 class HfSource:
+    """An `AdapterSource` over one hub repo (see the module docstring)."""
+
     remote = True
 
     def __init__(self, uri: str):
@@ -69,7 +72,8 @@ class HfSource:
         except (LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
             return None
         except (HfHubHTTPError, OSError, ValueError) as e:
-            raise AdapterLoadError(adapter_id, f"{self.uri}: {type(e).__name__}: {e}") from e
+            reason = (e.strerror if isinstance(e, OSError) else None) or str(e)  # strerror: no cache path
+            raise AdapterLoadError(adapter_id, f"{self.uri}: {type(e).__name__}: {reason}") from e
 
     def _patterns(self, prefix: str, names: tuple[str, ...]) -> list[str]:
         names = (*names, *(n + SIDECAR_SUFFIX for n in names))

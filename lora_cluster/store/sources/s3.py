@@ -6,14 +6,16 @@ endpoint override `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` (MinIO, Ceph), plu
 request retries (`AWS_MAX_ATTEMPTS`, `AWS_RETRY_MODE`).
 
 Adapter `x` is the key prefix `prefix/x/`. Locating it is one LIST call (sizes, ETags); a download
-GETs only the files the store needs (`source.wanted_files`), streams each into the caller's staging
+GETs only the files the store needs (`base.wanted_files`), streams each into the caller's staging
 folder while hashing it, checks its length and its `sha256` user metadata when present (kept
 next to the cached file as a `<file>.sha256` sidecar, so the declaration travels with it), and
 retries transient failures — including a connection cut in the middle of a body, which botocore
 does not retry — with exponential backoff (`retry`). Errors: a missing key is
 `AdapterNotFoundError`; access denied, missing credentials or exhausted retries are
-`AdapterLoadError`; a digest mismatch is `AdapterIntegrityError`. Listing reads each
+`AdapterLoadError`; a digest mismatch is `AdapterIntegrityError`; a prefix with pickle weights or no
+weights is refused before any download (`adapter_format.weights_file_or_refuse`). Listing reads each
 `adapter_config.json` once per ETag (cached) and the `checksums.sha256` objects, never weights.
+Imports only `sources.base` of the sources package.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from typing import Any
 import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 
-from lora_cluster.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from lora_cluster.errors import AdapterFormatError, AdapterLoadError, AdapterNotFoundError, ConfigError
+from lora_cluster.adapter_format import CONFIG_FILE, WEIGHTS_FILE, weights_file_or_refuse
+from lora_cluster.errors import AdapterLoadError, AdapterNotFoundError, ConfigError
 from lora_cluster.store.checksum import (
     CHECKSUMS_FILE,
     S3_METADATA_KEY,
@@ -41,12 +43,12 @@ from lora_cluster.store.checksum import (
     sha256_file,
     verify,
 )
+from lora_cluster.store.crypto import ENC_WEIGHTS_FILE
 from lora_cluster.store.retry import with_retries
-from lora_cluster.store.source import (
+from lora_cluster.store.sources.base import (
     AdapterInfo,
     FileInfo,
     Located,
-    has_pickle_only,
     info_from_config,
     wanted_files,
     weights_name,
@@ -74,6 +76,8 @@ def is_transient(error: BaseException) -> bool:
 
 
 class S3Source:
+    """An `AdapterSource` over one bucket and prefix (see the module docstring)."""
+
     remote = True
 
     def __init__(
@@ -160,13 +164,9 @@ class S3Source:
 
     def fetch(self, adapter_id: str, located: Located, dest: Path) -> dict[str, str]:
         """Download the adapter's needed files into `dest`; returns {file name: sha256 of its bytes}."""
+        weights_file_or_refuse(adapter_id, located.files, (WEIGHTS_FILE, ENC_WEIGHTS_FILE),
+                               where=self._location(located.subpath))
         names = wanted_files(located.files)
-        if weights_name(located.files) is None:
-            pickled = has_pickle_only(located.files)
-            if pickled:
-                raise AdapterFormatError(
-                    adapter_id, f"{pickled} is pickle; only {WEIGHTS_FILE} is accepted (no pickle loading)")
-            raise AdapterFormatError(adapter_id, f"no {WEIGHTS_FILE} under {self._location(located.subpath)}")
         digests = {name: self._download(adapter_id, self._key(located.subpath, name), dest / name,
                                         located.files[name].size)
                    for name in names}
