@@ -7,6 +7,7 @@ which Ray 2.60 would otherwise require). Clients: the real `openai` SDK, `lorax-
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -79,15 +80,18 @@ def offline(app_config):
 
 def _replicas(http) -> dict:
     r = http.get("/debug/replicas")
-    assert r.status_code == 200
+    assert r.status_code == 200, f"/debug/replicas answers: {r.text}"
     return r.json()["replicas"]
 
 
 def test_health_and_models(http, app_config):
     r = http.get("/health")
-    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert r.status_code == 200, f"/health is 200 once a replica answers: {r.text}"
+    assert r.json()["status"] == "ok", "/health reports ok"
     ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
-    assert ids[0] == app_config["model"] and set(ADAPTERS) <= set(ids) and len(ids) == 17  # base + a0..a15
+    assert ids[0] == app_config["model"], "/v1/models lists the base model first"
+    assert set(ADAPTERS) <= set(ids), "/v1/models lists the source's adapters"
+    assert len(ids) == 17, f"/v1/models lists the base model and a0..a15, got {ids}"
 
 
 def test_openai_client_matches_the_engine(base_url, offline):
@@ -98,37 +102,46 @@ def test_openai_client_matches_the_engine(base_url, offline):
         model = adapter or client.models.list().data[0].id
         want = offline(PROMPT, adapter, 12)
         got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
-        assert got.choices[0].text == want.text
-        assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
-        assert got.usage.prompt_tokens == want.prompt_tokens
-        assert got.usage.completion_tokens == want.completion_tokens
+        assert got.choices[0].text == want.text, f"{model}: greedy text equals the engine's"
+        assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop"), (
+            f"{model}: the finish reason is the engine's, in OpenAI's terms")
+        assert got.usage.prompt_tokens == want.prompt_tokens, f"{model}: prompt tokens are the engine's"
+        assert got.usage.completion_tokens == want.completion_tokens, (
+            f"{model}: completion tokens are the engine's")
         streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
                                              stream=True, stream_options={"include_usage": True})
         chunks = list(streamed)
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
-        assert chunks[-1].usage.completion_tokens == want.completion_tokens
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text, (
+            f"{model}: the streamed chunks join to the engine's text")
+        assert chunks[-1].usage.completion_tokens == want.completion_tokens, (
+            f"{model}: the last chunk carries the usage (include_usage)")
 
     chat = client.chat.completions.create(model="a3", messages=[{"role": "user", "content": "hello"}],
                                           max_tokens=6, temperature=0)
-    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    assert chat.choices[0].message.role == "assistant", "a chat reply is the assistant's message"
+    assert chat.usage.completion_tokens == 6, "a chat reply honours max_tokens"
     stream = client.chat.completions.create(model="a3", messages=[{"role": "user", "content": "hello"}],
                                             max_tokens=6, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content, (
+        "a streamed chat reply equals the non-streamed one")
 
 
 def test_n_seed_stop_and_routing_headers(http):
     body = {"model": "a4", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2}
     r1, r2 = http.post("/v1/completions", json=body), http.post("/v1/completions", json=body)
-    assert r1.status_code == 200 and r1.json()["choices"] == r2.json()["choices"]  # seeded: reproducible
-    assert [c["index"] for c in r1.json()["choices"]] == [0, 1]
-    assert r1.headers["x-lora-replica"] and r1.headers["x-lora-adapter-hit"] in ("true", "false")
-    assert r2.headers["x-lora-adapter-hit"] == "true"
+    assert r1.status_code == 200, f"a seeded n=2 request succeeds: {r1.text}"
+    assert r1.json()["choices"] == r2.json()["choices"], "a seeded sampled request is reproducible"
+    assert [c["index"] for c in r1.json()["choices"]] == [0, 1], "n=2 gives choices 0 and 1"
+    assert r1.headers["x-lora-replica"], "x-lora-replica names the replica that served"
+    assert r1.headers["x-lora-adapter-hit"] in ("true", "false"), "x-lora-adapter-hit is a boolean"
+    assert r2.headers["x-lora-adapter-hit"] == "true", "the adapter is a hit the second time"
     full = http.post("/v1/completions", json={"model": "a4", "prompt": PROMPT, "max_tokens": 12,
                                               "temperature": 0}).json()["choices"][0]["text"]
     stop = full[3:5]
     cut = http.post("/v1/completions", json={"model": "a4", "prompt": PROMPT, "max_tokens": 12,
                                              "temperature": 0, "stop": [stop]}).json()["choices"][0]
-    assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)], "the text ends before the stop string"
+    assert cut["finish_reason"] == "stop", "a stop string ends the choice with finish_reason stop"
 
 
 def test_lorax_client_matches_the_engine(base_url, offline):
@@ -137,25 +150,32 @@ def test_lorax_client_matches_the_engine(base_url, offline):
     client = Client(base_url, timeout=120)
     want = offline(PROMPT, "a5", 10)
     got = client.generate(PROMPT, adapter_id="a5", max_new_tokens=10)
-    assert got.generated_text == want.text
-    assert got.details.generated_tokens == 10 and got.details.finish_reason.value == "length"
-    assert [t.id for t in got.details.tokens] == want.token_ids
+    assert got.generated_text == want.text, "LoRAX generate's text equals the engine's"
+    assert got.details.generated_tokens == 10, "details count the generated tokens"
+    assert got.details.finish_reason.value == "length", "max_new_tokens ends with finish_reason length"
+    assert [t.id for t in got.details.tokens] == want.token_ids, "details list the engine's token ids"
     events = list(client.generate_stream(PROMPT, adapter_id="a5", max_new_tokens=10))
-    assert "".join(e.token.text for e in events) == want.text
-    assert events[-1].generated_text == want.text and events[-1].details.prompt_tokens == want.prompt_tokens
+    assert "".join(e.token.text for e in events) == want.text, "the stream's tokens join to the engine's text"
+    assert events[-1].generated_text == want.text, "the last stream event carries the whole text"
+    assert events[-1].details.prompt_tokens == want.prompt_tokens, "the last stream event counts the prompt"
     r = httpx.post(f"{base_url}/generate", json={"inputs": PROMPT, "parameters": {
         "adapter_id": "a5", "max_new_tokens": 10, "return_full_text": True}}, timeout=60)
-    assert r.status_code == 200 and r.json()["generated_text"] == PROMPT + want.text
+    assert r.status_code == 200, f"/generate with return_full_text succeeds: {r.text}"
+    assert r.json()["generated_text"] == PROMPT + want.text, "return_full_text prepends the prompt"
     r = httpx.post(f"{base_url}/generate_stream", json={"inputs": PROMPT, "parameters": {
         "adapter_id": "a5", "max_new_tokens": 3}}, timeout=60)
-    assert r.status_code == 200 and r.text.count("data:") == 3
+    assert r.status_code == 200, f"/generate_stream succeeds: {r.text}"
+    events = [json.loads(chunk.removeprefix("data:")) for chunk in r.text.split("\n\n") if chunk]
+    assert 1 <= len(events) <= 3, f"at most one event per token (outputs that queue up are merged): {events}"
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"], (
+        "the events' token texts join to the generated text that the last event carries")
 
 
 def test_adapter_affinity(http):
     def complete(adapter: str) -> str:
         r = http.post("/v1/completions", json={"model": adapter, "prompt": PROMPT, "max_tokens": 4,
                                                "temperature": 0})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, f"{adapter}: the completion succeeds: {r.text}"
         return r.headers["x-lora-adapter-hit"] + " " + r.headers["x-lora-replica"]
 
     for adapter in ADAPTERS:  # warm-up: every adapter is placed once
@@ -168,7 +188,8 @@ def test_adapter_affinity(http):
     placed = {rid: set(s["resident"]) for rid, s in _replicas(http).items()}
     misses = [(a, h) for a, h in zip(order, hits, strict=True) if not h.startswith("true")]
     assert rate >= 0.95, f"adapter hit rate {rate:.2%}; misses {misses}; resident {placed}"
-    assert len(placed) == 2 and all(len(held) <= 4 for held in placed.values())
+    assert len(placed) == 2, f"both replicas report, got {sorted(placed)}"
+    assert all(len(held) <= 4 for held in placed.values()), f"no replica holds more than max_loras: {placed}"
 
 
 def test_bad_requests_get_their_status_and_the_server_keeps_serving(http):
@@ -176,9 +197,9 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(http):
         return http.post(path, json=body)
 
     def error_of(r: httpx.Response, status: int) -> dict:
-        assert r.status_code == status, r.text
+        assert r.status_code == status, f"the request is answered with {status}: {r.text}"
         error = r.json()["error"]
-        assert set(error) == {"message", "type", "code"}
+        assert set(error) == {"message", "type", "code"}, f"the error has OpenAI's shape: {error}"
         return error
 
     ok = {"model": "a1", "prompt": PROMPT, "max_tokens": 2}
@@ -192,9 +213,9 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(http):
     error_of(post("/v1/completions", {**ok, "stream": True, "model": "no-such-adapter"}), 404)
     error_of(post("/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "nope"}}), 404)
     too_long = error_of(post("/v1/completions", {**ok, "prompt": "river " * 200}), 400)
-    assert f"the limit is {MAX_PROMPT_TOKENS} tokens" in too_long["message"]
+    assert f"the limit is {MAX_PROMPT_TOKENS} tokens" in too_long["message"], "the 400 names the prompt limit"
     error_of(post("/v1/chat/completions", {"model": "a1", "messages": []}), 400)
-    assert post("/v1/completions", ok).status_code == 200
+    assert post("/v1/completions", ok).status_code == 200, "the server keeps serving after bad requests"
 
 
 def test_overload_is_429_and_the_server_recovers(base_url, http):
@@ -205,8 +226,11 @@ def test_overload_is_429_and_the_server_recovers(base_url, http):
 
     with concurrent.futures.ThreadPoolExecutor(36) as pool:
         codes = list(pool.map(one, range(36)))  # 2 replicas x 8 ongoing + 4 queued at most
-    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
-    assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert 429 in codes, f"requests beyond the replicas' and the router's room get 429: {codes}"
+    assert 200 in codes, f"the requests that fit are served: {codes}"
+    assert set(codes) <= {200, 429}, f"overload yields no other status: {codes}"
+    assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200, (
+        "the server serves again once the burst is over")
 
 
 def test_load_and_unload_lora_adapter(http, demo_zoo, tmp_path):
@@ -216,22 +240,49 @@ def test_load_and_unload_lora_adapter(http, demo_zoo, tmp_path):
     bad.mkdir()
     (bad / "adapter_config.json").write_text("{not json")
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(tmp_path / "missing")})
-    assert r.status_code in (400, 404) and "error" in r.json()
+    assert r.status_code in (400, 404), f"a missing path is refused: {r.text}"
+    assert "error" in r.json(), "the refusal has an error body"
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(bad)})
-    assert r.status_code == 400, r.text
+    assert r.status_code == 400, f"an invalid adapter is a 400: {r.text}"
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(good)})
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200, f"a valid adapter loads (a refused name is free again): {r.text}"
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(good)})
-    assert again.status_code == 400
+    assert again.status_code == 400, f"loading a loaded name again is a 400: {again.text}"
+    assert again.json()["error"]["code"] == "already_loaded", "the refusal says the name is already loaded"
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     mine = http.post("/v1/completions", json={**body, "model": "mine"})
-    assert mine.status_code == 200
+    assert mine.status_code == 200, f"the loaded adapter serves requests: {mine.text}"
     same = http.post("/v1/completions", json={**body, "model": "a9"})
-    assert mine.json()["choices"] == same.json()["choices"]
-    assert "mine" in [m["id"] for m in http.get("/v1/models").json()["data"]]
-    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 200
-    assert http.post("/v1/completions", json={**body, "model": "mine"}).status_code == 404
-    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 404
+    assert mine.json()["choices"] == same.json()["choices"], "the loaded copy behaves as its original"
+    assert "mine" in [m["id"] for m in http.get("/v1/models").json()["data"]], "/v1/models lists it"
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 200, (
+        "a loaded adapter can be unloaded")
+    assert http.post("/v1/completions", json={**body, "model": "mine"}).status_code == 404, (
+        "an unloaded adapter is unknown again")
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 404, (
+        "unloading a name that is not loaded is a 404")
+
+
+def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(http, demo_zoo):
+    """Regression: the replica's device slot kept the source adapter's weights after the name was
+    registered with another path (and again after it was unloaded)."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+
+    def text(model: str) -> str:
+        r = http.post("/v1/completions", json={**body, "model": model})
+        assert r.status_code == 200, f"{model} serves: {r.text}"
+        return r.json()["choices"][0]["text"]
+
+    own_a5 = text("a5")
+    assert text("a5") == own_a5, "a5 answers the same from the device copy it now has"
+    own_a6 = text("a6")
+    assert own_a5 != own_a6, "a5 and a6 answer differently (else this test proves nothing)"
+    shadow = {"lora_name": "a5", "lora_path": str(demo_zoo.adapters_dir / "a6")}
+    r = http.post("/v1/load_lora_adapter", json=shadow)
+    assert r.status_code == 200, f"a source adapter's name can be loaded with another path: {r.text}"
+    assert text("a5") == own_a6, "a5 now serves the loaded weights, not the copy on the replica's device"
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a5"}).status_code == 200, "it unloads"
+    assert text("a5") == own_a5, "after the unload, a5 is the source adapter again"
 
 
 def test_client_disconnect_frees_the_batch_slot(base_url, http):
@@ -239,11 +290,11 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
     body = {"model": "a7", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=base_url, timeout=60) as client, client.stream("POST", "/v1/completions",
                                                                               json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, "the streaming request starts"
         lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+        assert next(lines).startswith("data: "), "the first SSE event arrives"
         running = sum(s["num_running"] for s in _replicas(http).values())
-        assert running == 1  # still generating when the client goes away
+        assert running == 1, "the request is still generating when the client goes away"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         stats = _replicas(http).values()
@@ -252,7 +303,8 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
         time.sleep(0.2)
     else:
         pytest.fail(f"the request was not aborted: {list(stats)}")
-    assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values())
+    assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (
+        "every batch slot is free again after the disconnect")
 
 
 def test_metrics_are_exported(http):
@@ -261,7 +313,8 @@ def test_metrics_are_exported(http):
                  "lora_cluster_time_to_first_token_seconds_bucket", "lora_cluster_generated_tokens_total",
                  "lora_cluster_adapter_hits_total", "lora_cluster_engine_running_requests",
                  "lora_cluster_adapter_slots_in_use"):
-        assert name in text, name
-    assert 'route="/v1/completions",status="200"' in text
+        assert name in text, f"{name} is exported"
+    assert 'route="/v1/completions",status="200"' in text, "requests are counted by route and status"
     # the replicas' adapter store counters, per tier (earlier tests loaded adapters into host memory)
-    assert re.search(r'lora_cluster_adapter_cache_loads_total\{replica="[^"]+",tier="host"\} [1-9]', text)
+    assert re.search(r'lora_cluster_adapter_cache_loads_total\{replica="[^"]+",tier="host"\} [1-9]', text), (
+        "the replicas' host-tier adapter loads are exported per replica")

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from lora_cluster import errors as e
-from lora_cluster import metrics
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.errors import ApiError, ApiException, NoReplicaError, describe, validation_error
+from lora_cluster.serve import metrics
+from lora_cluster.serve.affinity import PlacementTracker, ReplicaView, adapter_cost, rank_replicas
+from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe, validation_error
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, routing_key
-from lora_cluster.serve.routing import PlacementTracker, ReplicaView, adapter_cost, rank_replicas
 from lora_cluster.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,56 +32,69 @@ def view(rid: str, adapters=(), ongoing=0, seqs=8, empty=4, can_allocate=True) -
 
 
 def test_replica_holding_the_adapter_wins():
-    assert rank_replicas("x", [view("r1"), view("r2", ["x"])], miss_cost=4)[0] == "r2"
+    assert rank_replicas("x", [view("r1"), view("r2", ["x"])], miss_cost=4)[0] == "r2", (
+        "a request goes to the replica that already holds its adapter")
 
 
 def test_new_adapter_goes_to_the_replica_with_more_empty_slots_then_fewer_requests():
-    assert rank_replicas("new", [view("r1", empty=1), view("r2", empty=3)], 4)[0] == "r2"
-    assert rank_replicas("new", [view("r1", ongoing=3), view("r2", ongoing=1)], 4)[0] == "r2"
-    # no empty slot means evicting someone: worse than a replica with a little queue
-    assert rank_replicas("new", [view("r1", empty=0), view("r2", ongoing=9, seqs=8)], 4)[0] == "r2"
+    assert rank_replicas("new", [view("r1", empty=1), view("r2", empty=3)], 4)[0] == "r2", (
+        "a new adapter goes to the replica with more empty adapter slots")
+    assert rank_replicas("new", [view("r1", ongoing=3), view("r2", ongoing=1)], 4)[0] == "r2", (
+        "with equal slots, a new adapter goes to the replica with fewer ongoing requests")
+    assert rank_replicas("new", [view("r1", empty=0), view("r2", ongoing=9, seqs=8)], 4)[0] == "r2", (
+        "evicting an adapter (no empty slot) costs more than a replica with a little queue")
 
 
 def test_hot_adapter_spills_only_when_its_queue_exceeds_the_miss_cost():
     busy = view("r1", ["hot"], ongoing=8 + 3, seqs=8)  # 4 requests would wait beyond the batch
     idle = view("r2")
-    assert adapter_cost("hot", busy, 4) == 4 and adapter_cost("hot", idle, 4) == 4
-    assert rank_replicas("hot", [busy, idle], 4)[0] == "r2"  # tie on cost: fewer ongoing wins
+    assert adapter_cost("hot", busy, 4) == 4, "the holder's cost is its queue excess (4 waiting)"
+    assert adapter_cost("hot", idle, 4) == 4, "an idle replica without the adapter costs the miss cost"
+    assert rank_replicas("hot", [busy, idle], 4)[0] == "r2", "on a cost tie, fewer ongoing requests wins"
     less_busy = view("r1", ["hot"], ongoing=8 + 2, seqs=8)
-    assert rank_replicas("hot", [less_busy, idle], 4)[0] == "r1"
+    assert rank_replicas("hot", [less_busy, idle], 4)[0] == "r1", (
+        "a hot adapter stays on its replica while its queue excess is below the miss cost")
 
 
 def test_blocked_replica_is_avoided_for_a_new_adapter():
-    assert rank_replicas("n", [view("r1", can_allocate=False), view("r2", ongoing=2)], 4)[0] == "r2"
+    assert rank_replicas("n", [view("r1", can_allocate=False), view("r2", ongoing=2)], 4)[0] == "r2", (
+        "a replica whose adapter slots are all pinned by running requests is avoided for a new adapter")
 
 
 def test_base_model_requests_balance_by_load_and_ties_are_deterministic():
-    assert rank_replicas(None, [view("r1", ongoing=2), view("r2", ongoing=1)], 4) == ["r2", "r1"]
-    assert rank_replicas("a", [view("b"), view("a")], 4) == ["a", "b"]
+    assert rank_replicas(None, [view("r1", ongoing=2), view("r2", ongoing=1)], 4) == ["r2", "r1"], (
+        "base-model requests go to the least loaded replica first")
+    assert rank_replicas("a", [view("b"), view("a")], 4) == ["a", "b"], (
+        "full ties are broken by the lower replica id, so concurrent routers agree")
 
 
 def test_placements_count_until_reports_confirm_them():
     t = PlacementTracker(ttl_s=5)
     t.record("r1", "x", now=100.0)
     v = t.view("r1", {"resident": [], "loading": [], "empty_adapter_slots": 2, "max_num_seqs": 8}, 0, now=101)
-    assert "x" in v.adapters and v.empty_adapter_slots == 1
+    assert "x" in v.adapters, "a recent placement counts as held before the report shows it"
+    assert v.empty_adapter_slots == 1, "a recent placement takes one of the reported empty slots"
     reported = {"resident": ["x"], "empty_adapter_slots": 1}
-    assert t.view("r1", reported, 0, now=101).empty_adapter_slots == 1  # not counted twice
-    assert "x" not in t.view("r1", {}, 0, now=106).adapters  # expired, and the report lacks it
+    assert t.view("r1", reported, 0, now=101).empty_adapter_slots == 1, (
+        "a placement that the report confirms is not counted twice")
+    assert "x" not in t.view("r1", {}, 0, now=106).adapters, (
+        "an expired placement no longer counts when the report lacks it")
     t.prune(["r2"], now=106)
-    assert t.recent("r1", 106) == set()
+    assert t.recent("r1", 106) == set(), "pruning forgets replicas that are gone"
 
 
 def test_unknown_replica_is_assumed_to_have_room():
     v = PlacementTracker(ttl_s=5).view("r9", {}, ongoing=3, now=0)
-    assert v.max_num_seqs > 1000 and v.empty_adapter_slots >= 1 and v.can_allocate
+    assert v.max_num_seqs > 1000, "without a report, the batch is assumed to have room"
+    assert v.empty_adapter_slots >= 1, "without a report, an adapter slot is assumed empty"
+    assert v.can_allocate, "without a report, a new adapter is assumed to fit"
 
 
 def test_routing_key_reads_the_call_arguments():
     job = GenerateJob("id", [1], "a7", SamplingParams())
-    assert routing_key((job,)) == ("a7", None)
-    assert routing_key([ToReplica("r1"), "x"]) == (None, "r1")
-    assert routing_key(()) == (None, None)
+    assert routing_key((job,)) == ("a7", None), "a generation call is routed by its job's adapter"
+    assert routing_key([ToReplica("r1"), "x"]) == (None, "r1"), "a ToReplica call is pinned to its replica"
+    assert routing_key(()) == (None, None), "a call without arguments has no adapter and no target"
 
 
 # ----- request mapping --------------------------------------------------------------------------
@@ -92,17 +105,27 @@ def test_openai_parameters_map_to_sampling_params():
                              stop="x", seed=3, n=2, ignore_eos=True, stop_token_ids=[9])
     body.check(LIMITS)
     p = body.sampling(LIMITS, 16, choice=1)
-    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, 0.9, 5, 4)
-    assert p.stop == ["x"] and p.ignore_eos and p.stop_token_ids == [9]
-    assert CompletionRequest(model="a", prompt="hi").sampling(LIMITS, 16).max_new_tokens == 16
-    assert CompletionRequest(model="a", prompt="hi", top_k=-1).sampling(LIMITS, 16).top_k == 0
+    assert p.max_new_tokens == 7, "max_tokens becomes max_new_tokens"
+    assert p.temperature == 0.5, "temperature is passed on"
+    assert p.top_p == 0.9, "top_p is passed on"
+    assert p.top_k == 5, "top_k is passed on"
+    assert p.seed == 4, "choice i of a seeded request uses seed + i"
+    assert p.stop == ["x"], "a single stop string becomes a list"
+    assert p.ignore_eos, "ignore_eos is passed on"
+    assert p.stop_token_ids == [9], "stop_token_ids are passed on"
+    assert CompletionRequest(model="a", prompt="hi").sampling(LIMITS, 16).max_new_tokens == 16, (
+        "without max_tokens the route's default applies")
+    assert CompletionRequest(model="a", prompt="hi", top_k=-1).sampling(LIMITS, 16).top_k == 0, (
+        "vLLM's top_k=-1 (disabled) becomes the engine's 0")
 
 
 def test_prompt_forms():
-    assert CompletionRequest(model="m", prompt="a").prompts() == ["a"]
-    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
-    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
-    assert CompletionRequest(model="m", prompt=[[1], [2]]).prompts() == [[1], [2]]
+    assert CompletionRequest(model="m", prompt="a").prompts() == ["a"], "a string is one text prompt"
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]], "a list of ints is one prompt"
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"], (
+        "a list of strings is several text prompts")
+    assert CompletionRequest(model="m", prompt=[[1], [2]]).prompts() == [[1], [2]], (
+        "a list of int lists is several token prompts")
     with pytest.raises(ApiException):
         CompletionRequest(model="m", prompt="").prompts()
 
@@ -114,15 +137,15 @@ def test_unsupported_or_out_of_limit_openai_parameters_are_refused(extra):
     with pytest.raises(ApiException) as info:
         body.check(LIMITS)
         body.sampling(LIMITS, 16)
-    assert info.value.error.status == 400
+    assert info.value.error.status == 400, f"{extra} is refused as the client's error"
 
 
 def test_chat_request_uses_max_completion_tokens_and_text_parts():
     body = ChatCompletionRequest(model="m", max_completion_tokens=9, messages=[
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     body.check(LIMITS)
-    assert body.sampling(LIMITS, 20).max_new_tokens == 9
-    assert body.conversation() == [{"role": "user", "content": "ab"}]
+    assert body.sampling(LIMITS, 20).max_new_tokens == 9, "max_completion_tokens limits the reply"
+    assert body.conversation() == [{"role": "user", "content": "ab"}], "text content parts are joined"
     with pytest.raises(ApiException):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                               tools=[{"type": "function"}]).check(LIMITS)
@@ -130,15 +153,23 @@ def test_chat_request_uses_max_completion_tokens_and_text_parts():
 
 def test_lorax_greedy_unless_sampling_is_asked_for():
     p, seed = LoraxParameters(max_new_tokens=5).sampling(LIMITS)
-    assert p.greedy and seed is None and p.max_new_tokens == 5
+    assert p.greedy, "without do_sample or a warper, LoRAX decodes greedily"
+    assert seed is None, "a greedy request reports no seed"
+    assert p.max_new_tokens == 5, "max_new_tokens is passed on"
     p, seed = LoraxParameters(do_sample=True, seed=11).sampling(LIMITS)
-    assert not p.greedy and seed == 11 and p.seed == 11 and p.max_new_tokens == 20
-    p, seed = LoraxParameters(temperature=0.7).sampling(LIMITS)  # a warper turns sampling on (TGI)
-    assert p.temperature == 0.7 and seed is not None and p.seed == seed
-    assert LoraxParameters(temperature=0.0, do_sample=True).sampling(LIMITS)[0].greedy
+    assert not p.greedy, "do_sample turns sampling on"
+    assert seed == 11, "the request's seed is reported"
+    assert p.seed == 11, "the request's seed is used"
+    assert p.max_new_tokens == 20, "without max_new_tokens the configured default applies"
+    p, seed = LoraxParameters(temperature=0.7).sampling(LIMITS)
+    assert p.temperature == 0.7, "a warper is passed on"
+    assert seed is not None, "a warper turns sampling on (TGI's rule) and a seed is chosen and reported"
+    assert p.seed == seed, "the reported seed is the one used"
+    assert LoraxParameters(temperature=0.0, do_sample=True).sampling(LIMITS)[0].greedy, (
+        "temperature 0 is greedy even with do_sample")
     req = LoraxRequest.model_validate({"inputs": "x", "parameters": {"adapter_id": "a", "stop": ["q"],
                                                                      "return_full_text": True}})
-    assert req.parameters.sampling(LIMITS)[0].stop == ["q"]
+    assert req.parameters.sampling(LIMITS)[0].stop == ["q"], "stop sequences are passed on"
     with pytest.raises(ApiException):
         LoraxParameters(repetition_penalty=1.3).check()
 
@@ -160,63 +191,73 @@ def test_lorax_greedy_unless_sampling_is_asked_for():
 ])
 def test_error_mapping(exc, status, code):
     error = describe(exc)
-    assert (error.status, error.code) == (status, code)
+    name = type(exc).__name__
+    assert error.status == status, f"{name} maps to status {status}"
+    assert error.code == code, f"{name} maps to code {code}"
     body = error.body()["error"]
-    assert set(body) == {"message", "type", "code"} and body["message"]
-    assert ApiError.from_dict(error.to_dict()) == error
+    assert set(body) == {"message", "type", "code"}, "the body has OpenAI's error shape"
+    assert body["message"], "the body carries a message"
+    assert ApiError.from_dict(error.to_dict()) == error, "an error survives its wire form (replica->ingress)"
 
 
 def test_prompt_too_long_message_names_the_limit():
-    assert "the limit is 511 tokens" in describe(e.PromptTooLongError(600, 511)).message
+    assert "the limit is 511 tokens" in describe(e.PromptTooLongError(600, 511)).message, (
+        "the message names the prompt limit")
 
 
 def test_ray_serve_failures_map_to_429_and_503():
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    assert describe(BackPressureError(num_queued_requests=5, max_queued_requests=4)).status == 429
-    assert describe(DeploymentUnavailableError("LoraReplica")).status == 503
+    assert describe(BackPressureError(num_queued_requests=5, max_queued_requests=4)).status == 429, (
+        "Serve's back pressure (router queue full) is a 429")
+    assert describe(DeploymentUnavailableError("LoraReplica")).status == 503, (
+        "an unavailable deployment is a 503")
 
 
 def test_validation_errors_name_the_field():
     err = validation_error([{"loc": ("body", "temperature"), "msg": "must be <= 100"}])
-    assert err.status == 400 and "temperature: must be <= 100" in err.message
+    assert err.status == 400, "an invalid request body is a 400"
+    assert "temperature: must be <= 100" in err.message, "the message names the field and the rule"
 
 
 # ----- SSE, metrics, config ---------------------------------------------------------------------
 
 
 def test_sse_framing():
-    assert event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
-    assert DONE == b"data: [DONE]\n\n"
+    assert event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode(), "an event is compact UTF-8 JSON"
+    assert DONE == b"data: [DONE]\n\n", "the stream ends with OpenAI's [DONE] event"
 
 
 def test_engine_gauges_come_from_the_replica_reports():
     metrics.set_replica_stats_source(lambda: {"r1": {"num_running": 3, "num_waiting": 1, "max_loras": 4,
                                                      "empty_adapter_slots": 1}})
     text = metrics.render().decode()
-    assert 'lora_cluster_engine_running_requests{replica="r1"} 3.0' in text
-    assert 'lora_cluster_adapter_slots_in_use{replica="r1"} 3.0' in text
-    assert "lora_cluster_replicas 1.0" in text
+    assert 'lora_cluster_engine_running_requests{replica="r1"} 3.0' in text, "running requests per replica"
+    assert 'lora_cluster_adapter_slots_in_use{replica="r1"} 3.0' in text, "slots in use = max_loras - empty"
+    assert "lora_cluster_replicas 1.0" in text, "the replica count"
     metrics.REQUESTS.labels("/v1/completions", "200").inc()
-    assert 'lora_cluster_requests_total{route="/v1/completions",status="200"}' in metrics.render().decode()
+    assert 'lora_cluster_requests_total{route="/v1/completions",status="200"}' in metrics.render().decode(), (
+        "requests are counted by route template and status")
 
 
 def test_adapter_store_tiers_are_exported_per_replica_and_tier():
     store = {"host": {"hits": 3, "misses": 1, "bytes": 2048, "budget_bytes": 4096}, "disk": {"evictions": 2}}
     metrics.set_replica_stats_source(lambda: {"r1": {"max_loras": 4, "store": store}, "r2": {"max_loras": 4}})
     text = metrics.render().decode()
-    assert 'lora_cluster_adapter_cache_hits_total{replica="r1",tier="host"} 3.0' in text
-    assert 'lora_cluster_adapter_cache_evictions_total{replica="r1",tier="disk"} 2.0' in text
-    assert 'lora_cluster_adapter_cache_bytes{replica="r1",tier="host"} 2048.0' in text
-    assert 'replica="r2",tier=' not in text
+    assert 'lora_cluster_adapter_cache_hits_total{replica="r1",tier="host"} 3.0' in text, "tier hit counters"
+    assert 'lora_cluster_adapter_cache_evictions_total{replica="r1",tier="disk"} 2.0' in text, (
+        "tier eviction counters")
+    assert 'lora_cluster_adapter_cache_bytes{replica="r1",tier="host"} 2048.0' in text, "tier byte gauges"
+    assert 'replica="r2",tier=' not in text, "a replica without an adapter store exports no tier series"
 
 
 def test_serve_config_reads_the_environment_and_explicit_args_win(monkeypatch):
     monkeypatch.setenv("LORA_CLUSTER_NUM_REPLICAS", "3")
     monkeypatch.setenv("LORA_CLUSTER_MAX_LORAS", "5")
-    assert ServeConfig().num_replicas == 3 and ServeConfig().max_loras == 5
-    assert ServeConfig(num_replicas=2).num_replicas == 2
-    assert ServeConfig().model == "demo"
+    assert ServeConfig().num_replicas == 3, "a serving field is read from LORA_CLUSTER_<FIELD>"
+    assert ServeConfig().max_loras == 5, "an engine field is read from LORA_CLUSTER_<FIELD>"
+    assert ServeConfig(num_replicas=2).num_replicas == 2, "an explicit argument wins over the environment"
+    assert ServeConfig().model == "demo", "the default model is the demo zoo"
     with pytest.raises(ValueError):
         ServeConfig(max_new_tokens=10, default_max_tokens=20)
 
@@ -225,11 +266,12 @@ def test_build_app_graph_without_starting_ray(tmp_path):
     from lora_cluster.serve.app import replica_options
 
     opts = replica_options(ServeConfig(model=str(tmp_path), num_replicas=3, num_gpus=0.5, router_miss_cost=2))
-    assert opts["num_replicas"] == 3 and opts["ray_actor_options"]["num_gpus"] == 0.5
     router = opts["request_router_config"]
-    assert router.request_router_class.endswith("LoraAffinityRouter")
-    assert router.request_router_kwargs["miss_cost"] == 2
-    assert json.dumps(router.request_router_kwargs)  # must be JSON-serialisable for Serve
+    assert opts["num_replicas"] == 3, "num_replicas sets the replica deployment's size"
+    assert opts["ray_actor_options"]["num_gpus"] == 0.5, "num_gpus is each replica's GPU share"
+    assert router.request_router_class.endswith("LoraAffinityRouter"), "the replicas use the affinity router"
+    assert router.request_router_kwargs["miss_cost"] == 2, "router_miss_cost reaches the router"
+    assert json.dumps(router.request_router_kwargs), "the router kwargs are JSON-serialisable, as Serve needs"
 
 
 # ----- the replica's stream coalescing -------------------------------------------------------------
@@ -259,9 +301,12 @@ async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order()
     async for item in coalesce(outputs()):
         items.append(item)
         await asyncio.sleep(0.02)
-    assert [i["delta_token_ids"] for i in items][-1] == [3] and items[-1]["finished"]
-    assert sum(len(i["delta_token_ids"]) for i in items) == 4 and len(items) < 4
-    assert "".join(i["delta_text"] for i in items) == items[-1]["text"] == "xxxx"
+    assert items[-1]["delta_token_ids"] == [3], "the last output arrives on its own"
+    assert items[-1]["finished"], "the last item is the finished one"
+    assert sum(len(i["delta_token_ids"]) for i in items) == 4, "no token is lost in merging"
+    assert len(items) < 4, "outputs that queued up while the consumer slept were merged"
+    assert "".join(i["delta_text"] for i in items) == "xxxx", "the merged deltas join to the whole text"
+    assert items[-1]["text"] == "xxxx", "the final item carries the whole text"
 
     async def failing():
         yield _out(0)
@@ -271,7 +316,7 @@ async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order()
     with pytest.raises(e.AdapterNotFoundError):
         async for item in coalesce(failing()):
             got.append(item)
-    assert len(got) == 1
+    assert len(got) == 1, "the output before the error was delivered before the error was raised"
 
 
 async def test_leaving_a_coalesced_stream_closes_the_engine_stream():
@@ -294,7 +339,7 @@ async def test_leaving_a_coalesced_stream_closes_the_engine_stream():
     stream = coalesce(endless())
     await stream.__anext__()
     await stream.aclose()
-    await asyncio.wait_for(closed.wait(), 1)
+    await asyncio.wait_for(closed.wait(), 20)  # bounded: fails (TimeoutError) if the source stays open
 
 
 def test_an_oversubscribed_replica_loses_ties_so_thrashing_stops():
@@ -303,11 +348,65 @@ def test_an_oversubscribed_replica_loses_ties_so_thrashing_stops():
                      max_loras=4)
     r2 = ReplicaView("r2", 0, 8, 0, frozenset("efgx"), confirmed=frozenset("efgx"), working_set=4,
                      max_loras=4)
-    assert rank_replicas("x", [r1, r2], 4)[0] == "r2"
-    assert rank_replicas("a", [r1, r2], 4)[0] == "r1"  # only r1 holds "a": a hit still wins
+    assert rank_replicas("x", [r1, r2], 4)[0] == "r2", "an oversubscribed replica loses a tie"
+    assert rank_replicas("a", [r1, r2], 4)[0] == "r1", "a hit on an oversubscribed replica still wins"
 
 
 def test_a_confirmed_copy_wins_over_a_recent_placement():
     placed = ReplicaView("r1", 0, 8, 2, frozenset("x"), confirmed=frozenset())
     resident = ReplicaView("r2", 0, 8, 2, frozenset("x"), confirmed=frozenset("x"))
-    assert rank_replicas("x", [placed, resident], 4)[0] == "r2"
+    assert rank_replicas("x", [placed, resident], 4)[0] == "r2", (
+        "a replica whose report confirms the adapter beats one that was only recently sent it")
+
+
+async def test_a_source_cancelled_under_the_consumer_ends_its_batches_with_an_abort_error():
+    import asyncio
+
+    from lora_cluster.serve.protocol import batches
+
+    async def cancelled_source():
+        yield 1
+        raise asyncio.CancelledError  # e.g. the call under the stream was cancelled by someone else
+
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for group in batches(cancelled_source()):
+            got.extend(group)
+
+    with pytest.raises(e.RequestAbortedError):
+        await asyncio.wait_for(consume(), 20)  # bounded: the defect was a consumer waiting forever
+    assert got == [1], "the items that preceded the cancellation were delivered first"
+
+
+async def test_a_cancelled_choice_ends_a_merged_response_with_an_abort_error():
+    import asyncio
+
+    from lora_cluster.serve.context import merge
+
+    class Choice:
+        """Duck-typed `Generation`: yields `items`, then ends as `end` says."""
+
+        def __init__(self, items: list[dict], end: BaseException | None):
+            self._items, self._end, self.cancelled = items, end, False
+
+        async def items(self):
+            for item in self._items:
+                yield item
+            if self._end is not None:
+                raise self._end
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    choices = [Choice([{"n": 0}], None), Choice([{"n": 1}], asyncio.CancelledError())]
+    got: list[tuple[int, dict]] = []
+
+    async def consume() -> None:
+        async for index, item in merge(choices):  # type: ignore[arg-type]
+            got.append((index, item))
+
+    with pytest.raises(e.RequestAbortedError, match="choice 1 was cancelled"):
+        await asyncio.wait_for(consume(), 20)
+    assert (1, {"n": 1}) in got, "the cancelled choice's items before the cancellation were delivered"
+    assert all(c.cancelled for c in choices), "leaving the merge cancels every choice"

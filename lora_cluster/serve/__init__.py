@@ -2,8 +2,10 @@
 
 `lora_cluster.serve.app:build_app` builds it; the modules, one concept each:
 `app` (the graph), `ingress` (FastAPI deployment), `openai_api` / `lorax_api` / `admin_api` (routes),
-`schemas` (request bodies), `errors` (exception -> HTTP status), `sse`, `dispatch` (ingress -> replicas),
-`replica` (the engine deployment), `router` (Ray request router) and `routing` (its pure policy),
-`protocol` (what ingress and replicas exchange), `model` (demo zoo, tokenizer).
+`context` (what the routes share), `registrations` (adapters loaded through the vLLM API),
+`schemas` (request bodies), `http_errors` (exception -> HTTP status), `sse`, `dispatch` (ingress ->
+replicas), `replica` (the engine deployment), `request_router` (Ray request router) and `affinity`
+(its pure policy), `ray_internals` (the private Ray names we rely on), `protocol` (what ingress and
+replicas exchange), `model` (demo zoo, tokenizer), `metrics` (Prometheus).
 This package imports nothing at import time, so the pure modules load without Ray.
 """

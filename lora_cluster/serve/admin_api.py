@@ -2,9 +2,11 @@
 
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` registers the adapter on every running
 replica; each validates it (a missing path is a 404, an invalid adapter a 400, never a success)
-and, if any refuses, it is unregistered from the others. The ingress remembers the registration
-and sends the path with each request for that adapter, so a replica started later registers it on
-first use. `POST /v1/unload_lora_adapter {"lora_name"}` undoes it (404 when it was not loaded).
+and, if any refuses, it is unregistered from the others. A name is loaded once: loading a name that
+is loaded, or that a concurrent call is loading or unloading, is a 400 (see `registrations`). The
+ingress remembers the registration and sends the path with each request for that adapter, so a
+replica started later registers it on first use. `POST /v1/unload_lora_adapter {"lora_name"}`
+undoes it (404 when it was not loaded).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from lora_cluster import metrics
 from lora_cluster.adapter_format import check_adapter_id
 from lora_cluster.errors import AdapterError
+from lora_cluster.serve import metrics
 from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.errors import ApiError, ApiException, bad_request, not_found
+from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, not_found
+from lora_cluster.serve.registrations import RegistrationConflict
 from lora_cluster.serve.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 
@@ -29,30 +32,44 @@ def admin_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraAdapterRequest) -> Any:
+        """Register on every replica. The name is reserved before the broadcast's first await (a
+        concurrent load of it gets a 400) and released if the load fails."""
+        name = req.lora_name
         try:
-            check_adapter_id(req.lora_name)
+            check_adapter_id(name)
+            ctx.registrations.reserve_load(name)
         except AdapterError as exc:
             raise bad_request(str(exc)) from exc
-        if req.lora_name in ctx.registered:
-            raise bad_request(f"the LoRA adapter {req.lora_name!r} has already been loaded",
-                              code="already_loaded")
-        results = await dispatcher.broadcast("register_adapter", req.lora_name, req.lora_path)
-        failed = [r["error"] for r in results.values() if "error" in r]
-        if failed:
-            for rid, r in results.items():
-                if "error" not in r:
-                    await dispatcher.call(rid, "unregister_adapter", req.lora_name)
-            raise ApiException(ApiError.from_dict(failed[0]))
-        ctx.registered[req.lora_name] = req.lora_path
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+        except RegistrationConflict as exc:
+            raise bad_request(str(exc), code=exc.code) from exc
+        loaded = False
+        try:
+            results = await dispatcher.broadcast("register_adapter", name, req.lora_path)
+            failed = [r["error"] for r in results.values() if "error" in r]
+            if failed:
+                for rid, r in results.items():
+                    if "error" not in r:
+                        await dispatcher.call(rid, "unregister_adapter", name)
+                raise ApiException(ApiError.from_dict(failed[0]))
+            ctx.registrations.complete_load(name, req.lora_path)
+            loaded = True
+        finally:
+            if not loaded:
+                ctx.registrations.release(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> Any:
-        if req.lora_name not in ctx.registered:
-            raise not_found(f"the LoRA adapter {req.lora_name!r} cannot be found", code="adapter_not_found")
-        del ctx.registered[req.lora_name]
-        await dispatcher.broadcast("unregister_adapter", req.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+        """Unregister at once (new requests for it get a 404); the name stays reserved until every
+        replica has dropped it, so that a load of the same name cannot interleave."""
+        name = req.lora_name
+        if not ctx.registrations.reserve_unload(name):
+            raise not_found(f"the LoRA adapter {name!r} cannot be found", code="adapter_not_found")
+        try:
+            await dispatcher.broadcast("unregister_adapter", name)
+        finally:
+            ctx.registrations.release(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @router.get("/health")
     async def health() -> Any:
@@ -72,6 +89,6 @@ def admin_router(ctx: ApiContext) -> APIRouter:
     async def debug_replicas(fresh: bool = True) -> dict[str, Any]:
         """Every replica's engine state: fresh from each replica, or the router's last reports."""
         stats = await dispatcher.broadcast("stats") if fresh else (dispatcher.replica_stats() or {})
-        return {"time": time.time(), "replicas": stats, "registered_adapters": dict(ctx.registered)}
+        return {"time": time.time(), "replicas": stats, "registered_adapters": ctx.registrations.snapshot()}
 
     return router

@@ -22,7 +22,7 @@ from lora_cluster.config import ServeConfig
 from lora_cluster.serve.ingress import LoraIngress
 from lora_cluster.serve.model import load_config, resolve_model
 from lora_cluster.serve.replica import LoraReplica
-from lora_cluster.serve.router import LoraAffinityRouter
+from lora_cluster.serve.request_router import LoraAffinityRouter
 
 
 def replica_options(config: ServeConfig) -> dict[str, Any]:

@@ -1,28 +1,58 @@
-"""What every API route of the ingress shares: limits, tokenizer, model names, the dispatcher."""
+"""What every API route of the ingress shares: limits, tokenizer, model names, the dispatcher.
+
+Tokenization and chat templates never run on the event loop. The ingress is one process with one
+event loop serving every request; a long prompt or a slow Jinja chat template would stall every
+other request's stream while it ran. They run on a thread pool owned by the `ApiContext` instead
+(`encode_threads` threads, not asyncio's default executor, which other libraries share): a fast
+tokenizer's Rust core releases the GIL, and a Jinja template at least lets the loop run in between.
+Each request has at most one job in the pool at a time (a request's prompts are encoded in turn), so
+the pool's queue is bounded by the requests in flight, which Serve bounds with
+`ingress_max_ongoing_requests`. A job whose request is cancelled still runs to its end in its thread
+(a thread cannot be interrupted); its result is dropped. Decoding single tokens for LoRAX stream
+events (`token_text`) is cheap and stays on the loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import PromptTooLongError, RequestError
+from lora_cluster.errors import ConfigError, PromptTooLongError, RequestAbortedError, RequestError
 from lora_cluster.serve.dispatch import Dispatcher, Generation
-from lora_cluster.serve.errors import ApiException, describe
+from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.model import served_name
+from lora_cluster.serve.registrations import AdapterRegistrations
 
 _END = object()
+ENCODE_THREADS = 4
+R = TypeVar("R")
 
 
 @dataclass
 class ApiContext:
+    """Shared by the routes of one ingress. Call `close()` when the ingress goes away."""
+
     config: ServeConfig
     tokenizer: Any
     dispatcher: Dispatcher
-    registered: dict[str, str] = field(default_factory=dict)  # vLLM load_lora_adapter: name -> path
+    registrations: AdapterRegistrations = field(default_factory=AdapterRegistrations)
+    encode_threads: int = ENCODE_THREADS
+    _pool: ThreadPoolExecutor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.encode_threads < 1:
+            raise ConfigError(f"encode_threads must be at least 1, got {self.encode_threads}")
+        self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="lora-ingress-encode")
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (jobs not started yet are dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def base_name(self) -> str:
@@ -35,30 +65,45 @@ class ApiContext:
         return model
 
     def adapter_path(self, adapter_id: str | None) -> str | None:
-        return None if adapter_id is None else self.registered.get(adapter_id)
+        """The path of an adapter registered through vLLM's load_lora_adapter (None: not registered)."""
+        return None if adapter_id is None else self.registrations.path(adapter_id)
 
-    def encode(self, prompt: str | list[int], *, special: bool = True) -> list[int]:
-        """Prompt token ids (as the engine would tokenize the text), checked against max_prompt_tokens."""
+    async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """`fn(*args, **kwargs)` on the tokenizer threads; the loop serves other requests meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def encode(self, prompt: str | list[int], *, special: bool = True) -> list[int]:
+        """Prompt token ids (as the engine would tokenize the text), checked against max_prompt_tokens.
+        Text is tokenized on the tokenizer threads; token ids are only checked."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=special)
+            ids = await self._off_loop(self.tokenizer.encode, prompt, add_special_tokens=special)
         else:
             ids = list(prompt)
+        return self._checked(ids)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered with the tokenizer's chat template (+ generation prompt),
+        rendered and tokenized on the tokenizer threads (one job)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiException(describe(RequestError("the base model's tokenizer has no chat template")))
+        return self._checked(await self._off_loop(self._render_chat, messages))
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Runs on a tokenizer thread."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may reject roles or orders it does not support
+            raise ApiException(describe(RequestError(f"cannot apply the chat template: {exc}"))) from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _checked(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ApiException(describe(RequestError("the prompt is empty")))
         limit = self.config.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise ApiException(describe(PromptTooLongError(len(ids), limit)))
         return ids
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered with the tokenizer's chat template (+ generation prompt)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiException(describe(RequestError("the base model's tokenizer has no chat template")))
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # a template may reject roles or orders it does not support
-            raise ApiException(describe(RequestError(f"cannot apply the chat template: {exc}"))) from exc
-        return self.encode(text, special=False)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -82,11 +127,15 @@ async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, dict[
     async def pump(index: int, generation: Generation) -> None:
         try:
             async for item in generation.items():
-                await queue.put((index, item))
+                queue.put_nowait((index, item))
         except Exception as exc:
-            await queue.put((index, exc))
+            queue.put_nowait((index, exc))
+        except BaseException as exc:  # a cancelled choice ends the response with an error, not silently
+            error = RequestAbortedError(f"choice {index} was cancelled ({type(exc).__name__})")
+            queue.put_nowait((index, error))
+            raise
         finally:
-            await queue.put((index, _END))
+            queue.put_nowait((index, _END))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
     try:

@@ -10,41 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_cluster import metrics
-from lora_cluster.serve.errors import ApiError, ApiException, NoReplicaError, describe
+from lora_cluster.serve import metrics
+from lora_cluster.serve.affinity import replica_stats
+from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob, ToReplica
-from lora_cluster.serve.routing import replica_stats
+from lora_cluster.serve.ray_internals import own_request_id
 
 HEADER_REPLICA = "x-lora-replica"
 HEADER_HIT = "x-lora-adapter-hit"
-
-
-@contextlib.contextmanager
-def own_request_id() -> Iterator[None]:
-    """Give the replica call made inside this block its own Serve internal request id.
-
-    Every call made while handling one HTTP request inherits that request's internal id, and Ray
-    Serve's request router (2.60) indexes pending calls by it: concurrent calls of one request (n > 1,
-    several prompts, admin broadcasts) would be mixed up, one fulfilled with another's replica and the
-    other never routed. With its own id, each call is routed on its own. (Cancellation is not left to
-    Serve's parent-child tracking, which keys on that id: `Generation` cancels its call explicitly.)
-    """
-    from ray.serve import context as serve_context
-
-    current = serve_context._get_serve_request_context()
-    token = serve_context._serve_request_context.set(
-        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
-    try:
-        yield
-    finally:
-        serve_context._serve_request_context.reset(token)
 
 
 def cancel_call(response: Any) -> None:

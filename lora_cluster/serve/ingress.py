@@ -1,9 +1,10 @@
 """The ingress deployment: the HTTP API (FastAPI through `serve.ingress`) and the model router.
 
 It parses and validates requests, tokenizes prompts (the same tokenizer as the engines, so limits
-are checked before a replica is bothered), and sends each generation to the LoRA replicas through a
-deployment handle whose request router is `LoraAffinityRouter`. Responses carry
-`x-lora-replica` and `x-lora-adapter-hit`, as reported by the replica that served them.
+are checked before a replica is bothered; on the context's tokenizer threads, never on the event
+loop: see `context`), and sends each generation to the LoRA replicas through a deployment handle
+whose request router is `LoraAffinityRouter`. Responses carry `x-lora-replica` and
+`x-lora-adapter-hit`, as reported by the replica that served them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
-from lora_cluster import metrics
+from lora_cluster.serve import metrics
 from lora_cluster.serve.admin_api import admin_router
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.dispatch import Dispatcher
-from lora_cluster.serve.errors import install_handlers
+from lora_cluster.serve.http_errors import install_handlers
 from lora_cluster.serve.lorax_api import lorax_router
 from lora_cluster.serve.model import load_config, load_tokenizer, resolve_model
 from lora_cluster.serve.openai_api import openai_router
@@ -77,3 +78,8 @@ class LoraIngress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi(self.ctx)
+
+    def __del__(self) -> None:
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None:
+            ctx.close()

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.dispatch import Generation, routing_headers
-from lora_cluster.serve.errors import ApiException
+from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.schemas import LORAX_FINISH, LoraxRequest
 from lora_cluster.serve.sse import EventStream, event
@@ -37,7 +37,8 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         p.check()
         sampling, seed = p.sampling(ctx.config)
         adapter = ctx.adapter_for(p.adapter_id)
-        job = GenerateJob(request_id=ctx.new_id("lorax"), prompt=ctx.encode(body.inputs), adapter_id=adapter,
+        prompt = await ctx.encode(body.inputs)
+        job = GenerateJob(request_id=ctx.new_id("lorax"), prompt=prompt, adapter_id=adapter,
                           sampling=sampling, stream=stream, adapter_path=ctx.adapter_path(adapter))
         return (await ctx.dispatcher.start(job, route)), seed
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from lora_cluster.serve.context import ApiContext, finals, merge
 from lora_cluster.serve.dispatch import Generation, routing_headers
-from lora_cluster.serve.errors import ApiException
+from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
 from lora_cluster.serve.sse import DONE, EventStream, event
@@ -74,13 +74,13 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         body.check(ctx.config)
-        prompts = [ctx.encode(p) for p in body.prompts()]
+        prompts = [await ctx.encode(p) for p in body.prompts()]  # in turn: one pool job per request
         return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text")
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         body.check(ctx.config)
-        prompt = ctx.encode_chat(body.conversation())
+        prompt = await ctx.encode_chat(body.conversation())
         return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat")
 
     @router.get("/v1/models")
@@ -89,10 +89,11 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         created = int(time.time())
         base = {"id": ctx.base_name, "object": "model", "created": created, "owned_by": "lora-cluster",
                 "root": ctx.config.model, "parent": None}
-        ids = list(dict.fromkeys([*ctx.registered, *adapters]))
+        registered = ctx.registrations.snapshot()
+        ids = list(dict.fromkeys([*registered, *adapters]))
         return {"object": "list", "data": [base, *(
             {"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
-             "root": ctx.registered.get(a, a), "parent": ctx.base_name} for a in ids)]}
+             "root": registered.get(a, a), "parent": ctx.base_name} for a in ids)]}
 
     return router
 

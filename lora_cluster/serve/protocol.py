@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lora_cluster.engine import RequestOutput, SamplingParams
+from lora_cluster.errors import RequestAbortedError
 
 T = TypeVar("T")
 _END = object()
@@ -72,7 +73,12 @@ async def batches(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
     """The items of `source` in groups: each group is everything that arrived while the consumer was
     busy with the previous one (one item per group when the consumer keeps up). A slow consumer thus
     gets fewer, larger messages instead of a growing backlog. An error of `source` is raised after
-    the items that preceded it; closing this generator closes `source` (e.g. aborts the request)."""
+    the items that preceded it; closing this generator closes `source` (e.g. aborts the request).
+
+    Invariant: however `source` ends (exhausted, an exception, or a `CancelledError` or other
+    BaseException that did not come from closing this generator), the consumer gets that end and never
+    waits forever. A cancellation of `source` itself reaches the consumer as `RequestAbortedError`:
+    the consumer was not cancelled, so re-raising `CancelledError` into it would be a lie."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump() -> None:
@@ -82,6 +88,11 @@ async def batches(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
             queue.put_nowait(_END)
         except Exception as exc:
             queue.put_nowait(exc)
+        except BaseException as exc:  # CancelledError from the source, or this task cancelled on close
+            aborted = RequestAbortedError(f"the request's output stream was cancelled ({type(exc).__name__})")
+            aborted.__cause__ = exc
+            queue.put_nowait(aborted)
+            raise
 
     task = asyncio.create_task(pump())
     try:

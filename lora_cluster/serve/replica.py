@@ -23,9 +23,10 @@ from ray import serve
 
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
-from lora_cluster.serve.errors import describe
+from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.model import load_config, resolve_model
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
+from lora_cluster.store import build_adapter_loader
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,12 @@ async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[
 class LoraReplica:
     def __init__(self, config: dict[str, Any]):
         self.config = resolve_model(load_config(config))
-        self.engine = Engine(config=self.config)
+        self.engine = Engine(config=self.config, adapter_loader=build_adapter_loader)
         self.aengine = AsyncEngine(self.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.counts: collections.Counter[str] = collections.Counter()
         self._registered: dict[str, str] = {}  # adapters registered here through the vLLM API
+        self._registering = asyncio.Lock()  # one registration at a time: a path is registered once
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 
     # ----- generation ---------------------------------------------------------------------
@@ -83,9 +85,12 @@ class LoraReplica:
             yield {**head, "error": describe(exc).to_dict()}
 
     async def _ensure_registered(self, adapter_id: str, path: str) -> None:
-        if self._registered.get(adapter_id) != path:
-            await asyncio.to_thread(self.engine.loader.register, adapter_id, path)
-            self._registered[adapter_id] = path
+        if self._registered.get(adapter_id) == path:
+            return
+        async with self._registering:
+            if self._registered.get(adapter_id) != path:
+                await self.aengine.register_adapter(adapter_id, path)
+                self._registered[adapter_id] = path
 
     # ----- routing stats, admin -----------------------------------------------------------
 
@@ -110,8 +115,7 @@ class LoraReplica:
 
     def _store_tiers(self) -> dict[str, Any]:
         """The adapter store's per-tier counters (for /metrics); empty with the plain folder loader."""
-        snapshot = getattr(self.engine.loader, "snapshot", None)
-        return snapshot()["tiers"] if snapshot is not None else {}
+        return self.aengine.adapter_store_stats().get("tiers", {})
 
     async def stats(self, _target: ToReplica | None = None) -> dict[str, Any]:
         """Fresh stats of this replica (the routing stats, as of the engine's last step)."""
@@ -120,7 +124,8 @@ class LoraReplica:
     async def register_adapter(self, _target: ToReplica | None, name: str, path: str) -> dict[str, Any]:
         """vLLM's load_lora_adapter on this replica: validate the adapter at `path` and serve it as `name`."""
         try:
-            await asyncio.to_thread(self.engine.loader.register, name, path)
+            async with self._registering:
+                await self.aengine.register_adapter(name, path)
         except LoraClusterError as exc:
             return {"error": describe(exc).to_dict()}
         self._registered[name] = path
@@ -129,20 +134,18 @@ class LoraReplica:
     async def unregister_adapter(self, _target: ToReplica | None, name: str) -> dict[str, Any]:
         """vLLM's unload_lora_adapter on this replica; the adapter leaves the device once idle."""
         known = self._registered.pop(name, None) is not None
-        self.engine.loader.unregister(name)
-        await self.aengine.unload_adapter(name)
+        await self.aengine.unregister_adapter(name)
         return {"replica": self.replica_id, "ok": known}
 
     async def list_adapters(self, _target: ToReplica | None = None) -> list[str]:
-        return await asyncio.to_thread(self.engine.loader.list_adapters)
+        return await self.aengine.list_adapters()
 
     async def ping(self, _target: ToReplica | None = None) -> str:
         return self.replica_id
 
     def check_health(self) -> None:
-        thread = getattr(self.aengine, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError("the engine loop thread has stopped")
+        """Serve's health probe: fails while the engine loop is gone or its steps keep failing."""
+        self.aengine.check_health()
 
     def __del__(self) -> None:
         aengine = getattr(self, "aengine", None)

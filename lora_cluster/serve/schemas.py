@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.errors import bad_request
+from lora_cluster.serve.http_errors import bad_request
 
 
 class _Body(BaseModel):

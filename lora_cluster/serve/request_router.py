@@ -1,4 +1,4 @@
-"""The Ray Serve request router of the LoRA replicas: adapter affinity (policy in `routing`).
+"""The Ray Serve request router of the LoRA replicas: adapter affinity (policy in `affinity`).
 
 Ray creates one `LoraAffinityRouter` per deployment handle, in the process that holds the handle
 (the ingress), and calls `choose_replicas` for every call. The router learns
@@ -10,12 +10,13 @@ Ray creates one `LoraAffinityRouter` per deployment handle, in the process that 
 * its own recent decisions (at choice time, then `on_request_routed`), so that requests for a new
   adapter that arrive between two reports land on the same replica, and so that it knows each
   replica's working set (the distinct adapters it sent there lately);
-* queue lengths from Serve's replica queue-length cache (else from the reports).
+* queue lengths from Serve's replica queue-length cache (else from the reports); the Ray internals
+  this takes are wrapped in `ray_internals`.
 
 It returns every replica as its own rank, best first; Serve takes the first one that has room
 (below `max_ongoing_requests`) and backs off and retries when none has.
 
-The latest reports are also published in-process (`routing.replica_stats`) for /metrics and /debug.
+The latest reports are also published in-process (`affinity.replica_stats`) for /metrics and /debug.
 Ray pickles this module *by value* into every process that routes, so it keeps no module state.
 """
 
@@ -27,8 +28,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from lora_cluster.serve.affinity import PlacementTracker, publish_replica_stats, rank_replicas
 from lora_cluster.serve.protocol import routing_key
-from lora_cluster.serve.routing import PlacementTracker, publish_replica_stats, rank_replicas
+from lora_cluster.serve.ray_internals import cached_queue_len, deployment_key
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +51,12 @@ class LoraAffinityRouter(RequestRouter):
         super().update_replicas(replicas)
         stats = {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
         self._placements.prune(stats, time.time())
-        publish_replica_stats(self._deployment_id.app_name, self._deployment_id.name, stats)
+        publish_replica_stats(*deployment_key(self), stats)
 
     def _ongoing(self, replica: RunningReplica) -> int:
         """Requests on the replica: Serve's queue-length cache (updated on every send, completion and
         rejection), else the replica's last report."""
-        cached = self._replica_queue_len_cache.get(replica.replica_id)
+        cached = cached_queue_len(self, replica.replica_id)
         if cached is not None:
             return cached
         stats = replica.routing_stats or {}

@@ -15,6 +15,8 @@ errors by status code).
 | Ray Serve BackPressureError                 | 429    | rate_limit_error      | overloaded          |
 | AdapterLoadError                            | 503    | service_unavailable   | adapter_unavailable |
 | NoReplicaError, dead/unavailable replicas   | 503    | service_unavailable   | no_replica          |
+| EngineUnavailableError                      | 503    | service_unavailable   | engine_unavailable  |
+| EngineStepError                             | 500    | server_error          | engine_error        |
 | anything else                               | 500    | server_error          | internal_error      |
 """
 
@@ -76,6 +78,8 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.EngineOverloadedError, 429, "rate_limit_error", "overloaded"),
     (NoReplicaError, 503, "service_unavailable", "no_replica"),
     (e.RequestAbortedError, 503, "service_unavailable", "aborted"),
+    (e.EngineUnavailableError, 503, "service_unavailable", "engine_unavailable"),
+    (e.EngineStepError, 500, "server_error", "engine_error"),
 ]
 
 

@@ -1,0 +1,63 @@
+"""Every Ray name outside Ray's public API that lora-cluster relies on, in one place.
+
+Checked against Ray 2.60 (`CHECKED_RAY_VERSION`). Nothing else in the project touches a private
+Ray name; `tests/test_serve_ray_internals.py` checks each one on the real Ray classes, so a Ray
+upgrade that removes or renames one fails that test (naming the attribute) instead of failing at
+serving time. Each function says what it reads and why no public API does the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+CHECKED_RAY_VERSION = "2.60"
+
+
+def deployment_key(router: Any) -> tuple[str, str]:
+    """(application name, deployment name) of the deployment a `RequestRouter` routes to.
+
+    Reads `RequestRouter._deployment_id` (a `DeploymentID`, set in `__init__`). Ray 2.60 exposes
+    `app_name` publicly but not the deployment's name, which the ingress needs to find the replica
+    reports its router publishes (an ingress may hold handles to several deployments).
+    """
+    deployment_id = router._deployment_id
+    return deployment_id.app_name, deployment_id.name
+
+
+def cached_queue_len(router: Any, replica_id: Any) -> int | None:
+    """Serve's cached count of ongoing requests on a replica (None: unknown or stale).
+
+    Reads `RequestRouter.replica_queue_len_cache` (the `ReplicaQueueLengthCache` that Serve updates
+    on every send, completion and rejection) and its `get(replica_id)`. The property is public, but
+    the cache's type and its `get` live in `ray.serve._private` and are not documented. The
+    replicas' own stats reports are up to `request_routing_stats_period_s` old; this cache is what
+    Serve itself routes by.
+    """
+    return router.replica_queue_len_cache.get(replica_id)
+
+
+@contextlib.contextmanager
+def own_request_id() -> Iterator[None]:
+    """Give the Serve handle call made inside this block its own internal request id.
+
+    Every call made while handling one HTTP request inherits that request's internal id
+    (`ray.serve.context._serve_request_context`, a ContextVar holding a frozen `_RequestContext`
+    whose `_internal_request_id` field the handle copies into the call's metadata), and Ray Serve
+    2.60's request router indexes pending calls by it: concurrent calls of one request (n > 1,
+    several prompts, admin broadcasts) would be mixed up, one fulfilled with another's replica and
+    the other never routed. There is no public way to set it. Cancellation is then not left to
+    Serve's parent-child tracking, which keys on that id: callers cancel their calls explicitly.
+    """
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)

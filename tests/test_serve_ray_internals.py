@@ -1,0 +1,96 @@
+"""The private Ray names that `lora_cluster.serve.ray_internals` relies on still exist and still work.
+
+Checked on the real Ray classes (a `LoraAffinityRouter` built as Serve builds it, Serve's request
+context, the handle's request metadata), without starting Ray. When a Ray upgrade removes or renames
+one of them, these tests fail with a message naming the attribute and both Ray versions.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import inspect
+
+import pytest
+import ray
+from ray.serve import context as serve_context
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve.request_router import ReplicaID, RequestRouter
+
+from lora_cluster.serve.ray_internals import (
+    CHECKED_RAY_VERSION,
+    cached_queue_len,
+    deployment_key,
+    own_request_id,
+)
+from lora_cluster.serve.request_router import LoraAffinityRouter
+
+DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="lora-app")
+
+
+def broken(what: str) -> str:
+    """The failure message: which Ray name changed, in which Ray version, and what to update."""
+    return (f"Ray {ray.__version__}: {what} (lora_cluster/serve/ray_internals.py was checked against "
+            f"Ray {CHECKED_RAY_VERSION}; update it for this Ray version)")
+
+
+@pytest.fixture
+def router() -> LoraAffinityRouter:
+    """The project's router, constructed with the arguments Serve's handle router passes."""
+    return LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+                              use_replica_queue_len_cache=True)
+
+
+def test_request_router_keeps_its_deployment_id(router):
+    assert hasattr(router, "_deployment_id"), broken("RequestRouter.__init__ no longer sets `_deployment_id`")
+    assert deployment_key(router) == ("lora-app", "LoraReplica"), broken(
+        "RequestRouter._deployment_id no longer holds the DeploymentID (`app_name`, `name`) it was given")
+
+
+def test_request_router_exposes_the_replica_queue_length_cache(router):
+    attribute = inspect.getattr_static(RequestRouter, "replica_queue_len_cache", None)
+    assert isinstance(attribute, property), broken("RequestRouter has no `replica_queue_len_cache` property")
+    replica = ReplicaID(unique_id="r1", deployment_id=DEPLOYMENT)
+    assert cached_queue_len(router, replica) is None, broken(
+        "RequestRouter.replica_queue_len_cache.get() no longer answers None for an unknown replica")
+    router.on_new_queue_len_info(replica, 5)
+    assert cached_queue_len(router, replica) == 5, broken(
+        "RequestRouter.replica_queue_len_cache.get() no longer returns what on_new_queue_len_info recorded")
+
+
+def test_serve_request_context_is_a_context_variable_of_a_dataclass_with_an_internal_id():
+    assert isinstance(getattr(serve_context, "_serve_request_context", None), contextvars.ContextVar), broken(
+        "ray.serve.context has no ContextVar `_serve_request_context`")
+    assert callable(getattr(serve_context, "_get_serve_request_context", None)), broken(
+        "ray.serve.context has no function `_get_serve_request_context`")
+    current = serve_context._get_serve_request_context()
+    fields = {f.name for f in dataclasses.fields(current)} if dataclasses.is_dataclass(current) else set()
+    assert "_internal_request_id" in fields, broken(
+        "ray.serve.context._get_serve_request_context() no longer returns a dataclass with "
+        "`_internal_request_id`")
+
+
+def test_own_request_id_gives_the_block_a_fresh_internal_id_and_restores_the_request_s():
+    token = serve_context._serve_request_context.set(
+        dataclasses.replace(serve_context._get_serve_request_context(), _internal_request_id="http-request"))
+    try:
+        with own_request_id():
+            inside = serve_context._get_serve_request_context()._internal_request_id
+        after = serve_context._get_serve_request_context()._internal_request_id
+    finally:
+        serve_context._serve_request_context.reset(token)
+    assert inside not in ("", "http-request"), broken(
+        "setting ray.serve.context._serve_request_context does not change `_internal_request_id`")
+    assert after == "http-request", "own_request_id restores the request's own internal id when it ends"
+
+
+def test_a_handle_call_takes_the_internal_id_that_own_request_id_sets():
+    from ray.serve._private.default_impl import get_request_metadata
+    from ray.serve._private.handle_options import DynamicHandleOptions, InitHandleOptions
+
+    with own_request_id():
+        wanted = serve_context._get_serve_request_context()._internal_request_id
+        metadata = get_request_metadata(InitHandleOptions.create(), DynamicHandleOptions())
+    assert metadata.internal_request_id == wanted, broken(
+        "a handle call's RequestMetadata.internal_request_id no longer comes from "
+        "ray.serve.context._serve_request_context's `_internal_request_id`")
