@@ -126,9 +126,10 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        factory = adapter_loader if callable(adapter_loader) else build_adapter_loader
-        loader = adapter_loader if adapter_loader is not None and not callable(adapter_loader) else None
-        self.loader: AdapterLoader = loader or factory(config, self.shapes, self.device)
+        wiring = build_adapter_loader if adapter_loader is None else adapter_loader
+        self.loader: AdapterLoader = (
+            wiring(config, self.shapes, self.device) if callable(wiring) else wiring
+        )
         self.pool = AdapterPool(
             self.shapes,
             num_slots=config.max_loras,
