@@ -1,0 +1,120 @@
+"""The controller's Ray edge: a one-replica Ray Serve deployment wrapping `controller.Controller`.
+
+It is part of the application graph (started with it; if its actor dies, Serve starts a new one,
+which rebuilds its view from the next replica reports, see `controller`). Calls:
+
+* `report(report)` from each LoRA replica, every `controller_report_period_s` and when a request
+  finishes while requests are queued; the reply says how many are queued and what to prefetch;
+* `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
+  returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`)
+  or timed out (`{"timeout": true}`); a cancelled call (client gone) drops its ticket;
+* `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router.
+
+Everything here runs on the deployment's one event loop, so the controller needs no locks. A
+ticker lets time pass for the controller (stale replicas, preemption of long-waiting tickets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from ray import serve
+
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant
+from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.errors import ClusterOverloadedError
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+
+
+def controller_settings(config: ServeConfig) -> ControllerSettings:
+    return ControllerSettings(
+        queue_size=config.cluster_queue_size, aging_s=config.cluster_queue_aging_s,
+        preempt_after_fraction=config.preempt_after_fraction,
+        stale_after_s=max(2.0, 4 * config.controller_report_period_s), hot_share=config.placement_hot_share,
+    )
+
+
+@serve.deployment(name="ClusterController", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=100_000, health_check_period_s=2.0)
+class ClusterController:
+    def __init__(self, config: dict[str, Any]):
+        cfg = ServeConfig(**config)  # the app's resolved fields (the environment was applied there)
+        self.core = Controller(build_sla_classes(cfg), controller_settings(cfg), clock=time.monotonic)
+        self._waiters: dict[str, asyncio.Future[Grant]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.core.tick()
+                self._deliver()
+            except Exception:
+                log.exception("controller tick failed")
+
+    def _deliver(self) -> None:
+        for ticket_id, grant in self.core.take_grants().items():
+            waiter = self._waiters.get(ticket_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(grant)
+
+    async def report(self, report: dict[str, Any]) -> dict[str, Any]:
+        self._ensure_ticker()
+        reply = self.core.report(ReplicaReport.from_dict(report))
+        self._deliver()
+        return reply
+
+    async def admit(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Park a ticket for `request` ({ticket_id, ingress_id, sla_class, adapter_id, waited_s}) and
+        wait for its grant (see the module docstring)."""
+        self._ensure_ticker()
+        sla = self.core.classes.get(request["sla_class"])
+        now = time.monotonic()
+        enqueued = now - max(0.0, float(request.get("waited_s", 0.0)))
+        ticket = Ticket(
+            ticket_id=str(request["ticket_id"]), ingress_id=str(request["ingress_id"]), sla_class=sla.name,
+            priority=sla.priority, adapter_id=request.get("adapter_id"), enqueued_at=enqueued,
+            deadline=None if sla.ttft_s is None else enqueued + sla.ttft_s, ttft_s=sla.ttft_s,
+        )
+        waiter: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.ticket_id] = waiter
+        try:
+            try:
+                grant = self.core.park(ticket)
+            except ClusterOverloadedError as e:
+                return {"overloaded": str(e), "retry_after_s": e.retry_after_s}
+            self._deliver()
+            if grant is None:
+                grant = await asyncio.wait_for(waiter, timeout_s)
+            return {"replica_id": grant.replica_id, "preempt": grant.preempt}
+        except TimeoutError:
+            return {"timeout": True}
+        finally:
+            self._waiters.pop(ticket.ticket_id, None)
+            if not waiter.done():
+                self.core.cancel(ticket.ticket_id)
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self.core.snapshot()
+
+    async def placement(self) -> dict[str, list[str]]:
+        return {a: list(r) for a, r in self.core.placement().items()}
+
+    def __del__(self) -> None:
+        ticker = getattr(self, "_ticker", None)
+        if ticker is not None:
+            with contextlib.suppress(RuntimeError):
+                ticker.cancel()

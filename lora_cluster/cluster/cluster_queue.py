@@ -1,0 +1,178 @@
+"""The cluster-wide priority queue: requests that no replica can take now, as tickets.
+
+A ticket stands for one request parked by an ingress (the request's body stays with the ingress).
+Order: by *urgency* = priority - waited / aging_s (lower first; the class's priority, so
+`interactive` before `standard` before `batch`), then by deadline, then by arrival. Aging makes a
+ticket one priority level more urgent per `aging_s` seconds of waiting, so no class starves: a
+`batch` ticket that waited 2 x aging_s ranks with a fresh `interactive` one. Because every ticket
+ages at the same rate, urgency order never changes while tickets wait: the key
+`priority + enqueued_at / aging_s` is fixed at park time and a heap keeps the order.
+
+Admission: a full queue (`max_size`) refuses a ticket; so does a deadline that cannot be met, when
+the predicted wait (tickets at least as urgent ahead of it, divided by the measured drain rate)
+would end past it. Both refusals carry a retry-after estimate. Pure: injected clock, no Ray.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from lora_cluster.errors import ClusterOverloadedError, RequestError
+
+
+@dataclass(frozen=True)
+class Ticket:
+    ticket_id: str
+    ingress_id: str
+    sla_class: str
+    priority: int
+    adapter_id: str | None
+    enqueued_at: float
+    deadline: float | None = None  # latest start that meets the class's TTFT target (None: no target)
+    ttft_s: float | None = None  # the class's TTFT target
+
+
+@dataclass(order=True)
+class _Entry:
+    key: tuple[float, float, float, int]
+    ticket: Ticket = field(compare=False)
+    removed: bool = field(default=False, compare=False)
+
+
+class DrainMeter:
+    """Requests that left the queue's way per second (grants, or capacity freed), over a window."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float]):
+        self.window_s, self._clock = window_s, clock
+        self._times: list[float] = []
+
+    def record(self, n: int = 1) -> None:
+        now = self._clock()
+        self._times.extend([now] * n)
+        self._prune(now)
+
+    def rate(self) -> float | None:
+        """Events per second over the window; None until the window has seen any."""
+        now = self._clock()
+        self._prune(now)
+        if not self._times:
+            return None
+        span = max(now - self._times[0], self.window_s / 4)
+        return len(self._times) / span
+
+    def _prune(self, now: float) -> None:
+        cut = 0
+        while cut < len(self._times) and now - self._times[cut] > self.window_s:
+            cut += 1
+        if cut:
+            del self._times[:cut]
+        if len(self._times) > 100_000:  # bounded whatever the rate
+            del self._times[: len(self._times) - 100_000]
+
+
+class ClusterQueue:
+    """Tickets by urgency (see the module docstring). Bounded by `max_size`."""
+
+    def __init__(self, *, max_size: int, aging_s: float, clock: Callable[[], float],
+                 drain_window_s: float = 10.0):
+        if max_size < 1 or aging_s <= 0:
+            raise RequestError(f"cluster queue: max_size {max_size} and aging_s {aging_s} must be positive")
+        self.max_size, self.aging_s, self._clock = max_size, aging_s, clock
+        self._heap: list[_Entry] = []
+        self._entries: dict[str, _Entry] = {}
+        self._seq = itertools.count()
+        self.drain = DrainMeter(drain_window_s, clock)
+
+    def key(self, ticket: Ticket) -> tuple[float, float, float, int]:
+        deadline = ticket.deadline if ticket.deadline is not None else math.inf
+        urgency_key = ticket.priority + ticket.enqueued_at / self.aging_s
+        return (urgency_key, deadline, ticket.enqueued_at, next(self._seq))
+
+    def urgency(self, ticket: Ticket, now: float | None = None) -> float:
+        """priority - waited / aging_s (lower is more urgent)."""
+        now = self._clock() if now is None else now
+        return ticket.priority - (now - ticket.enqueued_at) / self.aging_s
+
+    def predicted_wait_s(self, ticket: Ticket) -> float | None:
+        """Seconds until `ticket` would leave the queue, if it were parked now (None: no estimate yet)."""
+        rate = self.drain.rate()
+        if rate is None or rate <= 0:
+            return None
+        urgency_key = ticket.priority + ticket.enqueued_at / self.aging_s
+        ahead = sum(1 for e in self._entries.values() if e.key[0] <= urgency_key)
+        return (ahead + 1) / rate
+
+    def park(self, ticket: Ticket) -> None:
+        """Queue `ticket`; raises ClusterOverloadedError when full or when its deadline cannot be met."""
+        if ticket.ticket_id in self._entries:
+            raise RequestError(f"ticket {ticket.ticket_id!r} is already queued")
+        if len(self._entries) >= self.max_size:
+            raise ClusterOverloadedError(
+                f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size)",
+                retry_after_s=self._retry_after(len(self._entries)),
+            )
+        now = self._clock()
+        wait = self.predicted_wait_s(ticket)
+        if ticket.deadline is not None and wait is not None and now + wait > ticket.deadline:
+            raise ClusterOverloadedError(
+                f"the {ticket.sla_class} class's time-to-first-token target of {ticket.ttft_s:g} s cannot be "
+                f"met: about {wait:.1f} s of queued work is ahead",
+                retry_after_s=wait,
+            )
+        entry = _Entry(self.key(ticket), ticket)
+        self._entries[ticket.ticket_id] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _retry_after(self, ahead: int) -> float:
+        rate = self.drain.rate()
+        return 1.0 if not rate else max(1.0, ahead / rate)
+
+    def remove(self, ticket_id: str) -> Ticket | None:
+        """Take a ticket out (granted elsewhere, or its request went away)."""
+        entry = self._entries.pop(ticket_id, None)
+        if entry is None:
+            return None
+        entry.removed = True
+        self._compact()
+        return entry.ticket
+
+    def peek(self) -> Ticket | None:
+        """The most urgent ticket (None: empty)."""
+        while self._heap and self._heap[0].removed:
+            heapq.heappop(self._heap)
+        return self._heap[0].ticket if self._heap else None
+
+    def pop(self) -> Ticket | None:
+        """Take the most urgent ticket."""
+        ticket = self.peek()
+        if ticket is not None:
+            self.remove(ticket.ticket_id)
+        return ticket
+
+    def in_order(self) -> Iterator[Ticket]:
+        """Tickets from the most urgent (a sorted copy: O(n log n); for grants across replicas)."""
+        for entry in sorted(e for e in self._heap if not e.removed):
+            yield entry.ticket
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [e for e in self._heap if not e.removed]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, ticket_id: object) -> bool:
+        return ticket_id in self._entries
+
+    def depth_by_class(self) -> dict[str, int]:
+        return dict(Counter(e.ticket.sla_class for e in self._entries.values()))
+
+    def oldest_wait_s(self) -> float:
+        now = self._clock()
+        return max((now - e.ticket.enqueued_at for e in self._entries.values()), default=0.0)

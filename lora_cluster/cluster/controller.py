@@ -1,0 +1,177 @@
+"""The cluster controller's state machine: replica reports in, queued requests out to replicas.
+
+Inputs: `report` (each replica, every period and when a request finishes while requests are
+queued), `park` (an ingress has a request that no replica can take now), `cancel` (the request went
+away) and `tick` (time passes: stale replicas are forgotten, waiting tickets may now preempt).
+Outputs: grants (`take_grants`: ticket -> replica, and whether it preempts), each report's reply
+(how many requests are queued, so the replica reports again as soon as it frees a slot, and which
+adapters to prefetch because placement chose that replica for them), and `snapshot` (the cluster
+view served at `GET /v1/cluster`).
+
+Policies (each in its own module): `cluster_queue` orders and admits tickets, `scheduling` picks
+the replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
+holds no request bodies and no Ray objects; the actor (`cluster.actor`) wraps it. Its state is
+soft: a restarted controller starts empty, rebuilds its view from the next reports, and the
+ingresses park their waiting requests again. Pure: injected clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
+from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
+from lora_cluster.cluster.reports import ClusterView, ReplicaReport
+from lora_cluster.cluster.scheduling import choose_replica, preemption_target, should_preempt
+from lora_cluster.cluster.sla import SlaClasses
+
+DEFAULT_SERVICE_TIME_S = 1.0
+MAX_UNCLAIMED_GRANTS = 65_536
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    queue_size: int = 4096
+    aging_s: float = 10.0
+    preempt_after_fraction: float = 0.5
+    stale_after_s: float = 5.0  # a replica silent this long is forgotten
+    hot_share: float = 0.5
+    demand_window_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Grant:
+    replica_id: str
+    preempt: bool = False
+
+
+class Controller:
+    def __init__(self, classes: SlaClasses, settings: ControllerSettings = ControllerSettings(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.classes, self.settings, self._clock = classes, settings, clock
+        self.queue = ClusterQueue(max_size=settings.queue_size, aging_s=settings.aging_s, clock=clock)
+        self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
+        self.demand = DemandTracker(window_s=settings.demand_window_s, clock=clock)
+        self._placement: dict[str, tuple[str, ...]] = {}
+        self._grants: dict[str, Grant] = {}
+        self.started = clock()
+        self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
+                       "reports": 0}
+
+    # ----- inputs ---------------------------------------------------------------------------
+
+    def report(self, report: ReplicaReport) -> dict[str, Any]:
+        """Take a replica's report; returns its reply (`queue_depth`, `prefetch`)."""
+        self.counts["reports"] += 1
+        self.view.update(report)
+        self.demand.record(report.adapter_requests)
+        self._replan()
+        self._dispatch()
+        targeted = [a for a, rids in self._placement.items() if report.replica_id in rids]
+        prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
+        return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch)}
+
+    def park(self, ticket: Ticket) -> Grant | None:
+        """Queue a request that no replica can take now; returns its grant if one is decided at once
+        (it still waits its turn behind more urgent tickets). Raises ClusterOverloadedError."""
+        try:
+            self.queue.park(ticket)
+        except Exception:
+            self.counts["rejected"] += 1
+            raise
+        self.counts["parked"] += 1
+        self._dispatch()
+        return self._grants.pop(ticket.ticket_id, None)
+
+    def cancel(self, ticket_id: str) -> None:
+        """The request went away: drop its ticket or its unclaimed grant."""
+        if self.queue.remove(ticket_id) is not None or self._grants.pop(ticket_id, None) is not None:
+            self.counts["cancelled"] += 1
+
+    def tick(self) -> None:
+        """Forget replicas that stopped reporting; let long-waiting urgent tickets preempt."""
+        if self.view.prune():
+            self._replan()
+        self._dispatch()
+
+    # ----- outputs --------------------------------------------------------------------------
+
+    def take_grants(self) -> dict[str, Grant]:
+        """Grants decided since the last call (ticket id -> grant)."""
+        grants, self._grants = self._grants, {}
+        return grants
+
+    def placement(self) -> dict[str, tuple[str, ...]]:
+        """adapter -> replicas that should hold it (hot adapters only)."""
+        return dict(self._placement)
+
+    # ----- policy ---------------------------------------------------------------------------
+
+    def _grant(self, ticket: Ticket, replica_id: str, *, preempt: bool) -> None:
+        self.queue.remove(ticket.ticket_id)
+        self.view.granted(replica_id, preempting=preempt)
+        self.queue.drain.record()
+        self._grants[ticket.ticket_id] = Grant(replica_id, preempt)
+        self.counts["granted"] += 1
+        self.counts["preempting_grants"] += int(preempt)
+        if len(self._grants) > MAX_UNCLAIMED_GRANTS:  # nobody takes them: the actor is gone
+            self._grants.pop(next(iter(self._grants)))
+
+    def _dispatch(self) -> None:
+        while (ticket := self.queue.peek()) is not None:
+            replica_id = choose_replica(ticket, self.view, self._placement)
+            if replica_id is None:
+                break
+            self._grant(ticket, replica_id, preempt=False)
+        if not len(self.queue):
+            return
+        now = self._clock()
+        fraction = self.settings.preempt_after_fraction
+        for ticket in list(self.queue.in_order()):
+            if not should_preempt(ticket, now, fraction):
+                continue
+            replica_id = preemption_target(ticket, self.view)
+            if replica_id is not None:
+                self._grant(ticket, replica_id, preempt=True)
+
+    def _replan(self) -> None:
+        replicas = self.view.replicas()
+        times = [r.service_time_s for r in replicas if r.service_time_s]
+        service = sum(times) / len(times) if times else DEFAULT_SERVICE_TIME_S
+        policy = PlacementPolicy(service_time_s=service, hot_share=self.settings.hot_share)
+        self._placement = policy.targets(self.demand.rates(), replicas)
+
+    # ----- the view -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole cluster as JSON: nodes -> replicas -> adapters, queues, memory, placement."""
+        nodes: dict[str, dict[str, Any]] = {}
+        for report in sorted(self.view.replicas(), key=lambda r: r.replica_id):
+            rid = report.replica_id
+            node = nodes.setdefault(report.node_id, {"replicas": {}})
+            node["replicas"][rid] = {
+                "capacity": report.capacity, "running": report.running, "waiting": report.waiting,
+                "free": self.view.free(rid), "max_num_seqs": report.max_num_seqs,
+                "max_loras": report.max_loras, "free_adapter_slots": report.free_adapter_slots,
+                "adapters": {"resident": list(report.resident), "loading": list(report.loading)},
+                "memory": dict(vars(report.memory)),
+                "classes": {k: dict(v) for k, v in report.classes.items()},
+                "running_by_priority": {str(p): n for p, n in report.running_by_priority.items()},
+                "service_time_s": report.service_time_s, "report_age_s": round(self.view.age_s(rid), 3),
+            }
+        rates = sorted(self.demand.rates().items(), key=lambda kv: -kv[1])[:50]
+        return {
+            "controller": {"up_s": round(self._clock() - self.started, 3), "replicas": len(self.view),
+                           "counts": dict(self.counts)},
+            "classes": {c.name: {"priority": c.priority, "ttft_s": c.ttft_s, "tpot_s": c.tpot_s}
+                        for c in self.classes.classes},
+            "queue": {"depth": len(self.queue), "size": self.queue.max_size,
+                      "by_class": self.queue.depth_by_class(),
+                      "oldest_wait_s": round(self.queue.oldest_wait_s(), 3)},
+            "nodes": nodes,
+            "placement": {a: list(r) for a, r in sorted(self._placement.items())},
+            "demand_rps": {a: round(r, 4) for a, r in rates},
+        }

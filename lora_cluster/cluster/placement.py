@@ -1,0 +1,94 @@
+"""Adapter placement: how many replicas should hold each adapter, and which.
+
+Demand: every report carries the replica's requests per adapter since its previous report; the
+`DemandTracker` turns them into a request rate per adapter (an exponentially weighted moving
+average with time constant `window_s`) and keeps at most `max_adapters` adapters (the busiest).
+
+Target: an adapter's *load* is rate x service time (requests of it in flight on average). One
+replica can run `max_num_seqs` requests; an adapter is given one more holder each time its load
+exceeds `hot_share` of that, up to every live replica: replicas = ceil(load / (hot_share x
+max_num_seqs)). Adapters that need one replica get no entry (the router's affinity already keeps
+each adapter on one holder); hot ones are spread.
+
+Which replicas: current holders first (the adapter is resident or loading there), then replicas
+that can take a new adapter without evicting a pinned or in-use one (a free adapter slot, per the
+report), least loaded first. A replica whose slots are all held by running requests is never chosen
+as a new holder. Pure: injected clock, no Ray.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from lora_cluster.cluster.reports import ReplicaReport
+
+MIN_RATE = 1e-3  # requests per second below which an adapter's demand is forgotten
+
+
+class DemandTracker:
+    """Request rate per adapter (EWMA over `window_s`), bounded to the `max_adapters` busiest."""
+
+    def __init__(self, *, window_s: float, clock: Callable[[], float], max_adapters: int = 1024):
+        self.window_s, self.max_adapters, self._clock = window_s, max_adapters, clock
+        self._rate: dict[str, float] = {}
+        self._last = clock()
+
+    def record(self, counts: Mapping[str, int]) -> None:
+        """Requests per adapter observed since the previous call (from one replica's report)."""
+        now = self._clock()
+        self._decay(now)
+        for adapter_id, n in counts.items():
+            self._rate[adapter_id] = self._rate.get(adapter_id, 0.0) + n / self.window_s
+        if len(self._rate) > self.max_adapters:
+            keep = sorted(self._rate.items(), key=lambda kv: -kv[1])[: self.max_adapters]
+            self._rate = dict(keep)
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._last
+        if dt <= 0:
+            return
+        self._last = now
+        factor = math.exp(-dt / self.window_s)
+        self._rate = {a: r * factor for a, r in self._rate.items() if r * factor > MIN_RATE}
+
+    def rates(self) -> dict[str, float]:
+        """Requests per second per adapter, now."""
+        self._decay(self._clock())
+        return dict(self._rate)
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    service_time_s: float  # typical time a request holds a batch slot
+    hot_share: float  # share of one replica's batch slots an adapter may take before it spreads
+
+    def replicas_needed(self, rate: float, max_num_seqs: int, live: int) -> int:
+        load = rate * self.service_time_s
+        return max(1, min(live, math.ceil(load / max(self.hot_share * max_num_seqs, 1e-9))))
+
+    def targets(self, rates: Mapping[str, float],
+                replicas: Iterable[ReplicaReport]) -> dict[str, tuple[str, ...]]:
+        """adapter -> the replicas that should hold it, for adapters that need more than one."""
+        live = sorted(replicas, key=lambda r: r.replica_id)
+        if len(live) < 2:
+            return {}
+        max_num_seqs = min(r.max_num_seqs for r in live)
+        planned_new: dict[str, int] = {r.replica_id: 0 for r in live}  # new holders assigned this round
+        out: dict[str, tuple[str, ...]] = {}
+        for adapter_id, rate in sorted(rates.items(), key=lambda kv: (-kv[1], kv[0])):
+            need = self.replicas_needed(rate, max_num_seqs, len(live))
+            if need < 2:
+                continue
+            holders = [r for r in live if adapter_id in r.resident or adapter_id in r.loading]
+            others = [r for r in live if r not in holders
+                      and r.free_adapter_slots - planned_new[r.replica_id] > 0]
+            others.sort(key=lambda r: (r.ongoing / max(r.capacity, 1), r.replica_id))
+            chosen = [*holders, *others][:need]
+            for r in chosen:
+                if r not in holders:
+                    planned_new[r.replica_id] += 1
+            if len(chosen) > 1:
+                out[adapter_id] = tuple(sorted(r.replica_id for r in chosen))
+        return out

@@ -1,0 +1,80 @@
+"""SLA classes: how urgent a request is and which latency it is promised.
+
+A class has a name, a priority (lower is more urgent, vLLM's convention; the engine orders and
+preempts by it), a time-to-first-token target and a time-per-output-token target (None: no
+target, e.g. batch work). A request picks its class by name (header `x-lora-priority: <class>`),
+or by vLLM's integer `priority` field (the class with that priority, else the most urgent class
+that is not more urgent than the number asked for, else the least urgent class), or gets the
+default class. Pure: no Ray, no HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lora_cluster.errors import ConfigError, RequestError
+
+
+@dataclass(frozen=True)
+class SlaClass:
+    name: str
+    priority: int  # lower is more urgent
+    ttft_s: float | None = None  # time-to-first-token target (None: none)
+    tpot_s: float | None = None  # time-per-output-token target (None: none)
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Whether a finished request with these latencies met this class's targets."""
+        if self.ttft_s is not None and (ttft_s is None or ttft_s > self.ttft_s):
+            return False
+        return not (self.tpot_s is not None and tpot_s is not None and tpot_s > self.tpot_s)
+
+
+DEFAULT_SLA_CLASSES = (
+    SlaClass("interactive", 0, ttft_s=1.0, tpot_s=0.2),
+    SlaClass("standard", 1, ttft_s=5.0, tpot_s=0.5),
+    SlaClass("batch", 2),
+)
+DEFAULT_CLASS = "standard"
+MAX_CLASSES = 16
+
+
+class SlaClasses:
+    """The configured classes, looked up by name or by vLLM's integer priority."""
+
+    def __init__(self, classes: Iterable[SlaClass] = DEFAULT_SLA_CLASSES, default: str = DEFAULT_CLASS):
+        self.classes = tuple(sorted(classes, key=lambda c: (c.priority, c.name)))
+        if not self.classes or len(self.classes) > MAX_CLASSES:
+            raise ConfigError(f"between 1 and {MAX_CLASSES} SLA classes are needed, got {len(self.classes)}")
+        self.by_name = {c.name: c for c in self.classes}
+        if len(self.by_name) != len(self.classes):
+            raise ConfigError("SLA class names must be unique")
+        if default not in self.by_name:
+            raise ConfigError(f"the default SLA class {default!r} is not one of {', '.join(self.by_name)}")
+        self.default = self.by_name[default]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.by_name)
+
+    def get(self, name: str) -> SlaClass:
+        """The class called `name`; RequestError naming the known classes otherwise."""
+        found = self.by_name.get(name)
+        if found is None:
+            raise RequestError(f"unknown priority class {name[:64]!r}; known: {', '.join(self.by_name)}")
+        return found
+
+    def for_priority(self, priority: int) -> SlaClass:
+        """The class of vLLM's integer priority (see the module docstring)."""
+        for c in self.classes:
+            if c.priority >= priority:
+                return c
+        return self.classes[-1]
+
+    def resolve(self, name: str | None = None, priority: int | None = None) -> SlaClass:
+        """A request's class: by name, else by integer priority, else the default."""
+        if name is not None:
+            return self.get(name)
+        if priority is not None:
+            return self.for_priority(priority)
+        return self.default

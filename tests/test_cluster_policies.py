@@ -1,0 +1,192 @@
+"""The controller's policies as pure functions with a fake clock: queue order, aging, deadlines,
+grants by affinity, preemption choice, placement targets, and the view rebuilt after a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
+from lora_cluster.cluster.controller import Controller, ControllerSettings
+from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
+from lora_cluster.cluster.reports import ClusterView, ReplicaReport
+from lora_cluster.cluster.scheduling import choose_replica, preemption_target, should_preempt
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.errors import ClusterOverloadedError
+
+CLASSES = SlaClasses()  # interactive 0 / 1 s, standard 1 / 5 s, batch 2 / none
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ticket(tid: str, cls: str, at: float, adapter: str | None = None) -> Ticket:
+    sla = CLASSES.get(cls)
+    return Ticket(tid, "ingress-1", sla.name, sla.priority, adapter, at,
+                  None if sla.ttft_s is None else at + sla.ttft_s, sla.ttft_s)
+
+
+def report(rid: str, *, capacity: int = 2, running: int = 0, waiting: int = 0, node: str = "n1",
+           resident: tuple[str, ...] = (), by_priority: dict[int, int] | None = None,
+           free_slots: int = 2, demand: dict[str, int] | None = None) -> ReplicaReport:
+    return ReplicaReport(rid, node, capacity=capacity, max_num_seqs=capacity, max_loras=4, running=running,
+                         waiting=waiting, free_adapter_slots=free_slots, resident=resident,
+                         running_by_priority=by_priority or {}, adapter_requests=demand or {})
+
+
+# ----- the queue ------------------------------------------------------------------------------
+
+
+def test_queue_orders_by_class_then_deadline_then_arrival():
+    clock = Clock()
+    q = ClusterQueue(max_size=10, aging_s=100.0, clock=clock)
+    for t in (ticket("b1", "batch", 100.0), ticket("s1", "standard", 100.1),
+              ticket("i1", "interactive", 100.2), ticket("s2", "standard", 100.3)):
+        q.park(t)
+    assert [t.ticket_id for t in q.in_order()] == ["i1", "s1", "s2", "b1"], "class first, then arrival"
+    assert q.pop().ticket_id == "i1", "pop takes the most urgent"
+
+
+def test_aging_lets_a_long_waiting_batch_ticket_pass_fresh_urgent_ones():
+    clock = Clock()
+    q = ClusterQueue(max_size=10, aging_s=1.0, clock=clock)
+    q.park(ticket("old-batch", "batch", 100.0))
+    clock.now = 103.0  # three priority levels of aging: batch (2) now ranks as -1
+    q.park(ticket("fresh-interactive", "interactive", 103.0))
+    assert q.peek().ticket_id == "old-batch", "aging keeps a batch ticket from starving"
+    assert q.urgency(q.peek()) == pytest.approx(-1.0), "urgency is priority - waited / aging_s"
+
+
+def test_a_full_queue_refuses_with_a_retry_after():
+    q = ClusterQueue(max_size=1, aging_s=10.0, clock=Clock())
+    q.park(ticket("a", "batch", 100.0))
+    with pytest.raises(ClusterOverloadedError, match="cluster_queue_size") as info:
+        q.park(ticket("b", "batch", 100.0))
+    assert info.value.retry_after_s >= 1.0, "a refusal says when to retry"
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_at_once():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock)
+    q.drain.record(10)  # ten requests left the queue just now: a drain rate of 4/s (over 2.5 s at least)
+    for i in range(4):
+        q.park(ticket(f"i{i}", "interactive", 100.0))  # the 4th starts after 1 s: just in time
+    with pytest.raises(ClusterOverloadedError, match="time-to-first-token target of 1 s"):
+        q.park(ticket("late", "interactive", 100.0))
+    q.park(ticket("patient", "batch", 100.0))  # no target: queued however long the wait
+    assert "patient" in q, "a class without a TTFT target is never refused for its deadline"
+
+
+def test_removed_tickets_are_skipped():
+    q = ClusterQueue(max_size=10, aging_s=10.0, clock=Clock())
+    q.park(ticket("a", "interactive", 100.0))
+    q.park(ticket("b", "standard", 100.0))
+    assert q.remove("a").ticket_id == "a", "remove returns the ticket"
+    assert q.peek().ticket_id == "b", "a removed ticket is never granted"
+    assert len(q) == 1, "the queue counts live tickets"
+
+
+# ----- grants and preemption ------------------------------------------------------------------
+
+
+def test_a_ticket_goes_to_a_holder_of_its_adapter_with_room():
+    view = ClusterView(stale_after_s=5, clock=Clock())
+    view.update(report("r1", running=0))
+    view.update(report("r2", running=1, resident=("x",)))
+    assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == "r2", "the holder wins"
+    assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {}) == "r1", "else the most room"
+    assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {"y": ("r2",)}) == "r2", (
+        "else a replica the placement table names")
+    view.granted("r2")
+    assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == "r1", (
+        "a replica whose room went to grants since its report is full")
+
+
+def test_preemption_waits_for_its_fraction_and_picks_the_most_less_urgent_work():
+    clock = Clock()
+    view = ClusterView(stale_after_s=5, clock=clock)
+    view.update(report("r1", running=5, by_priority={1: 5}))
+    view.update(report("r2", running=2, by_priority={2: 2}))
+    view.update(report("r3", running=2, by_priority={0: 2}))
+    urgent = ticket("t", "interactive", 100.0)
+    assert not should_preempt(urgent, 100.2, 0.5), "not before half of the 1 s TTFT target"
+    assert should_preempt(urgent, 100.5, 0.5), "after half of it"
+    assert not should_preempt(ticket("b", "batch", 100.0), 1000.0, 0.5), "no target, no preemption"
+    assert preemption_target(urgent, view) == "r1", "the replica with the most less urgent running work"
+    assert preemption_target(ticket("s", "standard", 100.0), view) == "r2", (
+        "work as urgent as the ticket does not count")
+    assert preemption_target(ticket("b", "batch", 100.0), view) is None, "nothing is less urgent than batch"
+
+
+def test_controller_grants_as_capacity_frees_and_preempts_for_urgent_work():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
+    ctl.report(report("r1", capacity=2, running=2, by_priority={2: 2}))
+    assert ctl.park(ticket("b", "batch", 100.0)) is None, "no room: the batch ticket waits"
+    assert ctl.park(ticket("i", "interactive", 100.0)) is None, "no room: the urgent ticket waits too"
+    clock.now = 100.6
+    ctl.tick()
+    grants = ctl.take_grants()
+    assert grants.get("i") is not None and grants["i"].preempt, "the urgent ticket preempts after 0.5 s"
+    assert "b" not in grants, "the batch ticket does not preempt"
+    reply = ctl.report(report("r1", capacity=2, running=1, by_priority={0: 1}))
+    assert ctl.take_grants()["b"].replica_id == "r1", "the batch ticket gets the slot that freed"
+    assert reply["queue_depth"] == 0, "the reply tells the replica that nothing waits any more"
+
+
+def test_a_restarted_controller_rebuilds_its_view_from_the_next_reports():
+    clock = Clock()
+    ctl = Controller(CLASSES, clock=clock)
+    ctl.report(report("r1", node="n1"))
+    ctl.report(report("r2", node="n2"))
+    restarted = Controller(CLASSES, clock=clock)
+    assert restarted.snapshot()["nodes"] == {}, "a new controller starts empty"
+    restarted.report(report("r1", node="n1"))
+    restarted.report(report("r2", node="n2"))
+    assert restarted.snapshot()["nodes"] == ctl.snapshot()["nodes"], "one round of reports rebuilds the view"
+    clock.now += 10
+    restarted.report(report("r1", node="n1"))
+    restarted.tick()
+    assert list(restarted.snapshot()["nodes"]) == ["n1"], "a replica that stopped reporting is forgotten"
+
+
+def test_cancelled_tickets_leave_no_trace():
+    ctl = Controller(CLASSES, clock=Clock())
+    ctl.report(report("r1", running=2))
+    ctl.park(ticket("gone", "standard", 100.0))
+    ctl.cancel("gone")
+    ctl.report(report("r1", running=0))
+    assert ctl.take_grants() == {}, "a cancelled ticket is never granted"
+    assert ctl.snapshot()["queue"]["depth"] == 0, "and does not stay queued"
+
+
+# ----- placement ------------------------------------------------------------------------------
+
+
+def test_hot_adapters_spread_and_cold_ones_stay_on_one_replica():
+    clock = Clock()
+    demand = DemandTracker(window_s=10.0, clock=clock)
+    demand.record({"hot": 200, "cold": 2})  # 20 req/s and 0.2 req/s
+    rates = demand.rates()
+    assert rates["hot"] == pytest.approx(20.0), "the rate is requests over the window"
+    policy = PlacementPolicy(service_time_s=0.5, hot_share=0.5)
+    replicas = [report("r1", capacity=8, resident=("hot",)), report("r2", capacity=8),
+                report("r3", capacity=8, free_slots=0)]
+    targets = policy.targets(rates, replicas)
+    assert targets["hot"] == ("r1", "r2"), "load 10 over 4 slots per replica: the holder and one more"
+    assert "cold" not in targets, "a cold adapter is left to affinity routing"
+    assert "r3" not in targets["hot"], "a replica with no free adapter slot is never a new holder"
+    clock.now += 100
+    assert demand.rates() == {}, "demand decays away when requests stop"
+
+
+def test_controller_tells_a_replica_to_prefetch_what_placement_chose_for_it():
+    ctl = Controller(CLASSES, ControllerSettings(hot_share=0.1, demand_window_s=1.0), clock=Clock())
+    ctl.report(report("r1", capacity=8, resident=("hot",), demand={"hot": 50}))
+    reply = ctl.report(report("r2", capacity=8))
+    assert reply["prefetch"] == ["hot"], "the new holder is told to prefetch the hot adapter"
+    assert ctl.placement()["hot"] == ("r1", "r2"), "the placement table names both holders"
