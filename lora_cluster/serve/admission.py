@@ -1,0 +1,117 @@
+"""The ingress's side of the cluster queue: send at once while a replica has room, else wait for a grant.
+
+Fast path: the ingress sends a request straight to the replicas (the request router picks one)
+while some replica has room: fewer ongoing requests than its admission capacity (`admission_capacity`,
+default `max_num_seqs`). Ongoing is the larger of the replica's last report (requests from every
+ingress, up to `routing_stats_period_s` old) and this ingress's own requests in flight there
+(exact, immediate). The check reads memory only: the fast path makes no actor call.
+
+Slow path: no replica has room, so the request is parked in the cluster queue (`ClusterController.admit`)
+and sent to the replica it is granted (pinned) once one frees a slot, in class-then-deadline order.
+A refusal (full queue, deadline out of reach) is a 429 with `Retry-After`; waiting past
+`cluster_queue_timeout_s` a 503.
+
+Faults: if the controller dies while a request waits, the request is parked again at its
+restarted successor (Serve starts one); if no controller answers within `REPARK_WINDOW_S`, or
+the controller is off, requests go the direct way (Serve's own queue) and the ingress stops asking
+for `BACKOFF_S`. No accepted request is lost to a controller failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError
+
+log = logging.getLogger(__name__)
+
+REPARK_WINDOW_S = 5.0  # how long a waiting request keeps trying to reach a (restarted) controller
+BACKOFF_S = 1.0  # after the controller could not be reached: direct routing for this long
+RETRY_PAUSE_S = 0.2
+
+
+class ClusterAdmission:
+    def __init__(self, controller: Any | None, *, capacity: int | None,
+                 replica_stats: Callable[[], Mapping[str, Mapping[str, Any]] | None], timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        """`controller`: a handle to the ClusterController deployment (None: controller off);
+        `capacity`: requests per replica before parking (None: each replica's max_num_seqs)."""
+        self._controller, self._capacity, self._stats = controller, capacity, replica_stats
+        self.timeout_s, self._clock = timeout_s, clock
+        self.ingress_id = uuid.uuid4().hex[:12]
+        self._inflight: Counter[str] = Counter()  # this ingress's requests per replica, in flight
+        self._down_until = 0.0
+        self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
+
+    @property
+    def enabled(self) -> bool:
+        return self._controller is not None
+
+    def has_room(self) -> bool:
+        """Some replica takes one more request now (see the module docstring). Unknown replicas
+        (no report yet) count as having room."""
+        stats = self._stats()
+        if not stats:
+            return True
+        for rid, report in stats.items():
+            if not report:
+                return True
+            capacity = self._capacity or int(report.get("max_num_seqs", 1))
+            reported = int(report.get("num_running", 0)) + int(report.get("num_waiting", 0))
+            if max(reported, self._inflight[rid]) < capacity:
+                return True
+        return False
+
+    async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> str | None:
+        """The replica to pin the request to, or None to send it the direct way (fast path, or no
+        controller). Raises ClusterOverloadedError (429) or ClusterQueueTimeoutError (503)."""
+        if self._controller is None or self._clock() < self._down_until or self.has_room():
+            self.counts["fast"] += 1
+            return None
+        self.counts["parked"] += 1
+        ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
+                  "adapter_id": adapter_id}
+        give_up_reaching = None
+        while True:
+            now = self._clock()
+            remaining = self.timeout_s - (now - arrived_at)
+            if remaining <= 0:
+                raise ClusterQueueTimeoutError(
+                    f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
+            response = self._controller.admit.remote({**ticket, "waited_s": now - arrived_at}, remaining)
+            try:
+                reply = await response
+            except asyncio.CancelledError:
+                response.cancel()  # the client went away: drop the ticket
+                raise
+            except Exception as exc:  # the controller died or is restarting: park again there
+                give_up_reaching = give_up_reaching or self._clock() + REPARK_WINDOW_S
+                if self._clock() >= give_up_reaching:
+                    log.warning("cluster controller unreachable (%s); routing directly for %.0f s",
+                                exc, BACKOFF_S)
+                    self._down_until = self._clock() + BACKOFF_S
+                    self.counts["fallback"] += 1
+                    return None
+                await asyncio.sleep(RETRY_PAUSE_S)
+                continue
+            if "replica_id" in reply:
+                self.counts["preempting" if reply.get("preempt") else "granted"] += 1
+                return str(reply["replica_id"])
+            if "overloaded" in reply:
+                self.counts["refused"] += 1
+                raise ClusterOverloadedError(str(reply["overloaded"]), float(reply["retry_after_s"]))
+            give_up_reaching = None  # a timeout answer: loop to raise with the remaining time spent
+
+    def started(self, replica_id: str) -> None:
+        self._inflight[replica_id] += 1
+
+    def finished(self, replica_id: str) -> None:
+        self._inflight[replica_id] -= 1
+        if self._inflight[replica_id] <= 0:
+            del self._inflight[replica_id]

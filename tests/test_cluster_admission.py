@@ -1,0 +1,120 @@
+"""The ingress's side of the cluster queue, with a fake controller: the fast path makes no controller
+call, the slow path waits for a grant, refusals become errors, and a dead controller is retried
+and then bypassed (no request is lost)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError
+from lora_cluster.serve import admission as admission_module
+from lora_cluster.serve.admission import ClusterAdmission
+from lora_cluster.serve.reporter import AdapterDemand
+
+
+class Response:
+    def __init__(self, outcome: Any):
+        self._outcome, self.cancelled = outcome, False
+
+    def __await__(self):
+        async def result():
+            if isinstance(self._outcome, BaseException):
+                raise self._outcome
+            return self._outcome
+        return result().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeController:
+    """`admit.remote(...)` answers with the next scripted outcome (a reply dict or an exception) and
+    advances the fake clock by `step_s` (the time the call took)."""
+
+    def __init__(self, *outcomes: Any, clock: list[float] | None = None, step_s: float = 0.0):
+        self.outcomes, self.clock, self.step_s = list(outcomes), clock, step_s
+        self.calls: list[dict] = []
+        self.admit = self
+
+    def remote(self, ticket: dict, timeout_s: float) -> Response:
+        self.calls.append(ticket)
+        if self.clock is not None:
+            self.clock[0] += self.step_s
+        return Response(self.outcomes.pop(0))
+
+
+def full_stats() -> dict[str, dict[str, int]]:
+    return {"r1": {"num_running": 2, "num_waiting": 0, "max_num_seqs": 2},
+            "r2": {"num_running": 1, "num_waiting": 1, "max_num_seqs": 2}}
+
+
+def admission(controller: Any, stats: Any = full_stats, clock: list[float] | None = None) -> ClusterAdmission:
+    clock = clock if clock is not None else [0.0]
+    return ClusterAdmission(controller, capacity=None, replica_stats=stats, timeout_s=30.0,
+                            clock=lambda: clock[0])
+
+
+def one_replica(running: int) -> dict[str, dict[str, int]]:
+    return {"r1": {"num_running": running, "num_waiting": 0, "max_num_seqs": 2}}
+
+
+async def test_the_fast_path_makes_no_controller_call():
+    controller = FakeController()
+    a = admission(controller, stats=lambda: one_replica(1))
+    assert await a.admit(sla_class="standard", adapter_id="x", arrived_at=0.0) is None, "sent the direct way"
+    assert controller.calls == [], "a replica with room means no controller call"
+
+
+async def test_own_requests_in_flight_count_before_the_next_report():
+    a = admission(FakeController(), stats=lambda: one_replica(0))
+    a.started("r1")
+    assert a.has_room(), "one of two slots is taken"
+    a.started("r1")
+    assert not a.has_room(), "this ingress's own two requests fill the replica before it reports them"
+    a.finished("r1")
+    assert a.has_room(), "a finished request frees its slot at once"
+
+
+async def test_a_full_cluster_waits_for_a_grant_and_pins_the_request():
+    controller = FakeController({"replica_id": "r2", "preempt": False})
+    a = admission(controller)
+    granted = await a.admit(sla_class="interactive", adapter_id="x", arrived_at=0.0)
+    assert granted == "r2", "the request goes to the replica the controller granted"
+    assert controller.calls[0]["sla_class"] == "interactive", "the ticket carries the class"
+    assert controller.calls[0]["adapter_id"] == "x", "and the adapter, for affinity"
+
+
+async def test_refusals_become_429_and_timeouts_503():
+    a = admission(FakeController({"overloaded": "the cluster queue is full", "retry_after_s": 3.0}))
+    with pytest.raises(ClusterOverloadedError, match="full") as info:
+        await a.admit(sla_class="batch", adapter_id=None, arrived_at=0.0)
+    assert info.value.retry_after_s == 3.0, "the retry-after estimate travels"
+    clock = [0.0]
+    slow = admission(FakeController({"timeout": True}, clock=clock, step_s=30.0), clock=clock)
+    with pytest.raises(ClusterQueueTimeoutError, match="cluster_queue_timeout_s"):
+        await slow.admit(sla_class="batch", adapter_id=None, arrived_at=0.0)
+
+
+async def test_a_dead_controller_is_asked_again_then_bypassed(monkeypatch):
+    monkeypatch.setattr(admission_module, "RETRY_PAUSE_S", 0.0)
+    revived = FakeController(RuntimeError("actor died"), {"replica_id": "r1", "preempt": True})
+    assert await admission(revived).admit(sla_class="interactive", adapter_id=None, arrived_at=0.0) == "r1", (
+        "a request parked at a controller that died is parked again at its successor")
+    clock = [0.0]
+    dead = FakeController(*[RuntimeError("actor died")] * 100, clock=clock, step_s=1.0)
+    a = admission(dead, clock=clock)
+    assert await a.admit(sla_class="standard", adapter_id=None, arrived_at=0.0) is None, (
+        "with no controller reachable the request goes the direct way instead of being lost")
+    calls = len(dead.calls)
+    assert await a.admit(sla_class="standard", adapter_id=None, arrived_at=clock[0]) is None, "still direct"
+    assert len(dead.calls) == calls, "during the backoff the ingress does not ask the dead controller"
+
+
+def test_adapter_demand_is_bounded_and_reset_by_each_report():
+    demand = AdapterDemand(max_adapters=3)
+    for aid in ["a", "a", "b", "c", "d", None]:
+        demand.record(aid)
+    assert demand.take() == {"a": 2, "b": 1, "c": 1}, "beyond the bound new ids are not counted"
+    assert demand.take() == {}, "each report takes the counts since the previous one"
