@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from lora_cluster.cluster.sla import DEFAULT_CLASS, DEFAULT_SLA_CLASSES, MAX_CLASSES, SlaClass, SlaClasses
 from lora_cluster.errors import ConfigError
 
 
@@ -231,6 +232,29 @@ def _default_demo_dir() -> str:
     return os.path.join(cache, "lora-cluster", "demo-zoo")
 
 
+class SlaClassConfig(BaseModel):
+    """One SLA class of `ServeConfig.sla_classes` (see `lora_cluster.cluster.sla`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="What clients send in `x-lora-priority` and get back in `x-lora-priority-class`: "
+        "1-64 letters, digits, `_`, `.` or `-`.",
+    )
+    priority: int = Field(description="Lower is more urgent (vLLM's convention); the engine orders by it.")
+    ttft_s: float | None = Field(None, gt=0, description="Time-to-first-token target (None: no target).")
+    tpot_s: float | None = Field(None, gt=0, description="Time-per-output-token target (None: no target).")
+
+    def sla_class(self) -> SlaClass:
+        return SlaClass(self.name, self.priority, ttft_s=self.ttft_s, tpot_s=self.tpot_s)
+
+
+def _default_sla_classes() -> list[SlaClassConfig]:
+    return [SlaClassConfig(name=c.name, priority=c.priority, ttft_s=c.ttft_s, tpot_s=c.tpot_s)
+            for c in DEFAULT_SLA_CLASSES]
+
+
 class ServeConfig(EngineConfig):
     """Configuration of the Ray Serve application: every engine field plus replicas, resources and limits.
 
@@ -295,6 +319,57 @@ class ServeConfig(EngineConfig):
         description="Routing: how long the router trusts its own recent placements before the "
         "replicas' reports confirm them.",
     )
+    controller: bool = Field(
+        True,
+        description="Run the cluster controller: the cluster-wide priority queue, cross-replica "
+        "preemption and adapter placement. Off: requests wait in Ray Serve's own queue (FIFO).",
+    )
+    admission_capacity: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one replica is given at once before the ingress parks further ones in "
+        "the cluster queue (default: max_num_seqs, the replica's batch slots).",
+    )
+    cluster_queue_size: int = Field(
+        4096, ge=1, description="Requests the cluster queue holds; more are refused with 429."
+    )
+    cluster_queue_aging_s: float = Field(
+        10.0,
+        gt=0,
+        description="Aging of the cluster queue: a waiting request gains one priority level per "
+        "this many seconds, so no class starves.",
+    )
+    cluster_queue_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503)."
+    )
+    preempt_after_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An urgent queued request that has waited this fraction of its class's TTFT "
+        "target is sent to the replica with the most less-urgent work, which preempts some of it.",
+    )
+    controller_report_period_s: float = Field(
+        0.5, gt=0, description="How often each replica reports its memory, adapters and queues."
+    )
+    placement_hot_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Placement: an adapter is spread over one more replica each time its load "
+        "(request rate x service time) exceeds this share of one replica's batch slots.",
+    )
+
+    sla_classes: list[SlaClassConfig] = Field(
+        default_factory=_default_sla_classes,
+        description="SLA classes a request can ask for (header `x-lora-priority: <name>`, or vLLM's "
+        "integer `priority` field): name, priority (lower = more urgent), ttft_s and tpot_s targets "
+        "(null = none). 1 to 16 classes, unique names. Environment: a JSON list. Default: interactive "
+        "(0, 1 s, 0.2 s), standard (1, 5 s, 0.5 s), batch (2, no targets).",
+    )
+    default_priority_class: str = Field(
+        DEFAULT_CLASS, description="The class of a request that names none (one of `sla_classes`)."
+    )
 
     @model_validator(mode="after")
     def _serve_consistent(self) -> ServeConfig:
@@ -304,3 +379,23 @@ class ServeConfig(EngineConfig):
                 f"max_new_tokens={self.max_new_tokens}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _sla_classes_consistent(self) -> ServeConfig:
+        names = [c.name for c in self.sla_classes]
+        if not 1 <= len(names) <= MAX_CLASSES:
+            raise ValueError(f"sla_classes must list between 1 and {MAX_CLASSES} classes, got {len(names)}")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"sla_classes names must be unique; repeated: {', '.join(duplicates)}")
+        if self.default_priority_class not in names:
+            raise ValueError(
+                f"default_priority_class={self.default_priority_class!r} is not one of sla_classes "
+                f"({', '.join(names)})"
+            )
+        return self
+
+
+def build_sla_classes(config: ServeConfig) -> SlaClasses:
+    """The `SlaClasses` of a ServeConfig: its `sla_classes`, defaulting to `default_priority_class`."""
+    return SlaClasses((c.sla_class() for c in config.sla_classes), default=config.default_priority_class)

@@ -87,6 +87,23 @@ class EngineOverloadedError(LoraClusterError):
     """The engine's waiting queue is full; the caller should retry later."""
 
 
+class ClusterOverloadedError(LoraClusterError):
+    """The cluster queue refused a request: it is full, or the request's class deadline cannot be
+    met. `retry_after_s` is when a retry may succeed."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class ClusterQueueTimeoutError(LoraClusterError):
+    """A request waited in the cluster queue longer than `cluster_queue_timeout_s`."""
+
+
+class ControllerOffError(LoraClusterError):
+    """The cluster controller is not running (configured off, or unreachable)."""
+
+
 class RequestAbortedError(LoraClusterError):
     """The request was cancelled before it finished."""
 

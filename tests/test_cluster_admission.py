@@ -69,10 +69,14 @@ async def test_the_fast_path_makes_no_controller_call():
 
 async def test_own_requests_in_flight_count_before_the_next_report():
     a = admission(FakeController(), stats=lambda: one_replica(0))
-    a.started("r1")
-    assert a.has_room(), "one of two slots is taken"
-    a.started("r1")
-    assert not a.has_room(), "this ingress's own two requests fill the replica before it reports them"
+    assert await a.admit(sla_class="standard", adapter_id=None, arrived_at=0.0) is None, "fast path"
+    assert await a.admit(sla_class="standard", adapter_id=None, arrived_at=0.0) is None, "fast path"
+    assert not a.has_room(), "two requests on their way fill the two slots before any replica reports them"
+    a.started("r1", granted=False)
+    a.not_started(granted=False)
+    assert a.has_room(), "a request that failed before reaching a replica gives its slot back"
+    a.started("r1", granted=False)
+    assert not a.has_room(), "two requests run on the replica"
     a.finished("r1")
     assert a.has_room(), "a finished request frees its slot at once"
 

@@ -14,10 +14,26 @@ from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import AdapterCapacityError, EngineOverloadedError
 
 
-def _seq(rid: str, prompt_len: int, adapter: str | None = None) -> Sequence:
+def _seq(rid: str, prompt_len: int, adapter: str | None = None, priority: int = 0) -> Sequence:
     return Sequence(
-        rid, adapter, list(range(1, prompt_len + 1)), SamplingParams(), IncrementalDetokenizer(None), None
+        rid, adapter, list(range(1, prompt_len + 1)), SamplingParams(), IncrementalDetokenizer(None), None,
+        priority=priority,
     )
+
+
+def _ids(seqs: list[Sequence]) -> list[str]:
+    return [q.request_id for q in seqs]
+
+
+def _decoding(s: Scheduler, *seqs: Sequence) -> None:
+    """Admit `seqs` (in one step) and play the engine: each computes its prompt and samples a token."""
+    for seq in seqs:
+        s.add(seq)
+    out = s.schedule()
+    assert _ids([q for q, _ in out.prefills]) == _ids(list(seqs)), "precondition: all are admitted"
+    for seq, n in out.prefills:
+        seq.num_computed += n
+        seq.output_ids.append(7)
 
 
 class Gates:
@@ -184,3 +200,108 @@ def test_pool_reused_slot_clears_the_previous_adapters_rows():
     assert pool.a["q_proj"][0, slot, 2:].abs().sum() == 0, "A rows of the previous adapter are cleared"
     assert pool.b["q_proj"][0, slot, :, 2:].abs().sum() == 0, "B columns of the previous adapter are cleared"
     assert pool.a["q_proj"][0, slot, :2].abs().sum() > 0, "the new adapter's rows are written"
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_arrival():
+    s = _scheduler(Gates({}), slots=1)
+    for rid, priority in (("p2", 2), ("p0", 0), ("p1", 1), ("p0-later", 0)):
+        s.add(_seq(rid, 2, priority=priority))
+    out = s.schedule()
+    assert _ids([q for q, _ in out.prefills]) == ["p0"], "the most urgent request is admitted first"
+    assert _ids(s.waiting) == ["p0-later", "p1", "p2"], (
+        "the queue stays in (priority, arrival) order: lower priority values first, arrival within one"
+    )
+
+
+def test_an_urgent_sequence_preempts_the_least_urgent_latest_arrival():
+    gates = Gates({})
+    s = _scheduler(gates, slots=3)
+    a, b, c = _seq("a", 3, priority=1), _seq("b", 3, priority=5), _seq("c", 3, priority=5)
+    _decoding(s, a, b, c)
+    slot_of_c = c.kv_slot
+    urgent = _seq("urgent", 4, priority=0)
+    s.add(urgent)
+    out = s.schedule()
+    assert _ids(out.preempted) == ["c"], "the victim has the largest priority value, then the latest arrival"
+    assert gates.released == ["c"], "the victim gives back its adapter reference"
+    assert c.status is SeqStatus.WAITING, "the victim goes back to waiting"
+    assert c.kv_slot is None, "the victim holds no KV slot"
+    assert c.num_computed == 0, "the victim's KV cache is forgotten: it is recomputed"
+    assert c.output_ids == [7], "the victim keeps the tokens it generated"
+    assert c.num_preemptions == 1, "the victim counts its preemption"
+    assert s.num_preemptions == 1, "the scheduler counts preemptions"
+    assert urgent.kv_slot == slot_of_c, "the urgent request takes the freed KV slot"
+    assert _ids(out.decodes) == ["a", "b"], "the other running requests decode as before"
+    assert [(q.request_id, n) for q, n in out.prefills] == [("urgent", 4)], "the urgent request prefills"
+    assert _ids(s.waiting) == ["c"], "the victim waits for a slot again"
+
+
+def test_as_many_victims_as_urgent_sequences_and_victims_keep_their_place():
+    s = _scheduler(Gates({}), slots=2)
+    a, b = _seq("a", 3, priority=5), _seq("b", 3, priority=5)
+    _decoding(s, a, b)
+    late = _seq("late", 2, priority=5)
+    s.add(late)
+    for rid in ("u1", "u2"):
+        s.add(_seq(rid, 2, priority=0))
+    out = s.schedule()
+    assert _ids(out.preempted) == ["b", "a"], "two urgent requests preempt two requests, latest arrival first"
+    assert _ids(s.running) == ["u1", "u2"], "the urgent requests run"
+    assert _ids(s.waiting) == ["a", "b", "late"], (
+        "preempted requests wait in their arrival order, ahead of later arrivals of their priority"
+    )
+
+
+def test_no_preemption_for_an_equally_or_less_urgent_sequence():
+    gates = Gates({})
+    s = _scheduler(gates, slots=1)
+    running = _seq("running", 3, priority=3)
+    _decoding(s, running)
+    for seq in (_seq("equal", 2, priority=3), _seq("lower", 2, priority=9)):
+        s.add(seq)
+    out = s.schedule()
+    assert out.preempted == [], "nothing is preempted for a request that is not strictly more urgent"
+    assert _ids(out.decodes) == ["running"], "the running request keeps decoding"
+    assert gates.calls == [("running", True)], (
+        "requests that cannot get a KV slot are not asked for their adapter"
+    )
+
+
+def test_a_sequence_whose_adapter_is_not_ready_preempts_nobody():
+    s = _scheduler(Gates({"loading": Gate.PENDING}), slots=1)
+    running = _seq("running", 3, priority=5)
+    _decoding(s, running)
+    s.add(_seq("urgent", 2, "loading", priority=0))
+    out = s.schedule()
+    assert out.preempted == [], "an urgent request that cannot run yet (adapter loading) evicts nobody"
+    assert _ids(out.decodes) == ["running"], "the running request keeps decoding"
+
+
+def test_a_preempted_sequence_recomputes_prompt_and_output_in_chunks():
+    s = _scheduler(Gates({}), slots=1, budget=4)
+    victim = _seq("victim", 3, priority=5)
+    _decoding(s, victim)
+    victim.output_ids.append(8)
+    victim.num_computed += 1  # two tokens generated, the last not yet computed
+    urgent = _seq("urgent", 2, priority=0)
+    s.add(urgent)
+    assert _ids(s.schedule().preempted) == ["victim"], "precondition: the request is preempted"
+    s.finish(urgent)
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.prefills] == [("victim", 4)], (
+        "re-admitted, it prefills its prompt and output again, chunked to the step budget"
+    )
+    victim.num_computed += 4
+    out = s.schedule()
+    assert _ids(out.decodes) == ["victim"], "with only its last token left, it decodes that token"
+
+
+def test_the_victims_share_of_the_step_budget_goes_to_the_urgent_sequence():
+    s = _scheduler(Gates({}), slots=1, budget=1)
+    _decoding(s, _seq("victim", 1, priority=5))
+    s.add(_seq("urgent", 3, priority=0))
+    out = s.schedule()
+    assert out.decodes == [], "the preempted request does not decode in this step"
+    assert [(q.request_id, n) for q, n in out.prefills] == [("urgent", 1)], (
+        "the token the victim would have decoded is the urgent request's prefill budget"
+    )

@@ -103,11 +103,13 @@ class FakeDispatcher:
         self.registers_in_flight = 0
         self.two_registers_in_flight = asyncio.Event()
         self.broadcasts: list[tuple[str, tuple[Any, ...]]] = []
+        self.jobs: list[GenerateJob] = []  # every job started, in order
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {"r1": {}}
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
+        self.jobs.append(job)
         first, *rest = outputs(job)
         return Generation(job=job, replica="r1", hit=True, first=first, stream=FakeStream(rest))
 
@@ -270,3 +272,83 @@ async def test_the_number_of_loaded_adapters_is_bounded(fake_dispatcher):
     assert first.status_code == 200, f"a load within the limit succeeds: {first.text}"
     assert second.status_code == 400, f"a load beyond the limit is refused: {second.text}"
     assert "at most 1 LoRA adapters" in second.json()["error"]["message"], "the refusal names the limit"
+
+
+# ----- SLA classes: header, else vLLM's priority field, else the default; the job and response carry it ----
+
+COMPLETION = {"model": "a1", "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+LORAX = {"inputs": "hi", "parameters": {"adapter_id": "a1", "max_new_tokens": 2}}
+
+
+async def test_the_header_names_the_class_and_wins_over_the_priority_field(fake_dispatcher):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post("/v1/completions", json={**COMPLETION, "priority": 0},
+                              headers={"x-lora-priority": "batch"})
+    assert r.status_code == 200, f"a request naming a known class succeeds: {r.text}"
+    assert fake_dispatcher.jobs[0].priority_class == "batch", (
+        "the header's class wins over the priority field")
+    assert fake_dispatcher.jobs[0].priority == 2, "the job carries its class's priority"
+    assert r.headers["x-lora-priority-class"] == "batch", "the response names the class that served it"
+
+
+async def test_the_priority_field_picks_the_class_when_there_is_no_header(fake_dispatcher):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        completion = await client.post("/v1/completions", json={**COMPLETION, "priority": 0})
+        chat = await client.post("/v1/chat/completions", json={**CHAT, "priority": 2})
+    assert completion.status_code == 200, f"a completion with a priority succeeds: {completion.text}"
+    assert chat.status_code == 200, f"a chat completion with a priority succeeds: {chat.text}"
+    assert fake_dispatcher.jobs[0].priority_class == "interactive", "completions: priority 0 is interactive"
+    assert fake_dispatcher.jobs[0].priority == 0, "completions: the job carries priority 0"
+    assert fake_dispatcher.jobs[1].priority_class == "batch", "chat: priority 2 is batch"
+    assert chat.headers["x-lora-priority-class"] == "batch", "chat: the response names the class"
+
+
+async def test_a_request_without_header_or_priority_is_in_the_default_class(fake_dispatcher):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post("/v1/completions", json={**COMPLETION, "n": 2})
+    assert r.status_code == 200, f"the request succeeds: {r.text}"
+    assert [j.priority_class for j in fake_dispatcher.jobs] == ["standard", "standard"], (
+        "every choice's job is in the default class")
+    assert [j.priority for j in fake_dispatcher.jobs] == [1, 1], (
+        "every job carries the default class's priority")
+    assert r.headers["x-lora-priority-class"] == "standard", "the response names the default class"
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                                            ("/generate", LORAX), ("/generate_stream", LORAX)])
+async def test_an_unknown_class_is_a_400_naming_the_known_classes(fake_dispatcher, path, body):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post(path, json=body, headers={"x-lora-priority": "platinum"})
+    assert r.status_code == 400, f"{path}: an unknown class is the client's error: {r.text}"
+    message = r.json()["error"]["message"]
+    assert "'platinum'" in message, f"{path}: the message names the unknown class: {message}"
+    assert "interactive, standard, batch" in message, (
+        f"{path}: the message names the known classes: {message}")
+    assert fake_dispatcher.jobs == [], f"{path}: nothing was sent to a replica"
+
+
+@pytest.mark.parametrize(("path", "body", "stream"), [
+    ("/v1/completions", COMPLETION, False), ("/v1/completions", {**COMPLETION, "stream": True}, True),
+    ("/v1/chat/completions", CHAT, False), ("/v1/chat/completions", {**CHAT, "stream": True}, True),
+    ("/generate", LORAX, False), ("/generate_stream", LORAX, True),
+    ("/", LORAX, False), ("/", {**LORAX, "stream": True}, True),
+])
+async def test_every_generation_response_names_its_class(fake_dispatcher, path, body, stream):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post(path, json=body, headers={"x-lora-priority": "interactive"})
+    assert r.status_code == 200, f"{path}: the request succeeds: {r.text}"
+    kind = "text/event-stream" if stream else "application/json"
+    assert r.headers["content-type"].startswith(kind), f"{path}: the response is {kind}"
+    assert r.headers["x-lora-priority-class"] == "interactive", f"{path}: the response names its class"
+    assert fake_dispatcher.jobs[0].priority_class == "interactive", f"{path}: the job carries the class"
+    assert fake_dispatcher.jobs[0].priority == 0, f"{path}: the job carries the class's priority"
+
+
+async def test_lorax_routes_ignore_a_priority_field_and_use_the_default_class(fake_dispatcher):
+    body = {**LORAX, "parameters": {**LORAX["parameters"], "priority": 0}}
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post("/generate", json=body)
+    assert r.status_code == 200, f"the request succeeds: {r.text}"
+    assert r.headers["x-lora-priority-class"] == "standard", (
+        "LoRAX's schema has no priority field: without the header, the default class")

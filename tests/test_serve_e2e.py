@@ -39,6 +39,7 @@ def app_config(demo_zoo, tmp_path_factory):
         "num_replicas": 2, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 8,
         "max_num_batched_tokens": 256, "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_new_tokens": 400,
         "max_ongoing_requests": 8, "max_queued_requests": 4, "routing_stats_period_s": 0.5,
+        "cluster_queue_size": 4,
     }
 
 
@@ -225,8 +226,8 @@ def test_overload_is_429_and_the_server_recovers(base_url, http):
         return httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).status_code
 
     with concurrent.futures.ThreadPoolExecutor(36) as pool:
-        codes = list(pool.map(one, range(36)))  # 2 replicas x 8 ongoing + 4 queued at most
-    assert 429 in codes, f"requests beyond the replicas' and the router's room get 429: {codes}"
+        codes = list(pool.map(one, range(36)))  # 2 replicas x 8 slots + 4 in the cluster queue at most
+    assert 429 in codes, f"requests beyond the replicas' and the cluster queue's room get 429: {codes}"
     assert 200 in codes, f"the requests that fit are served: {codes}"
     assert set(codes) <= {200, 429}, f"overload yields no other status: {codes}"
     assert http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200, (
@@ -305,6 +306,40 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
         pytest.fail(f"the request was not aborted: {list(stats)}")
     assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (
         "every batch slot is free again after the disconnect")
+
+
+def _finished_by_class(http) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for stats in _replicas(http).values():
+        for name, c in stats["classes"].items():
+            totals[name] = totals.get(name, 0) + c["finished"]
+    return totals
+
+
+def test_priority_classes_are_answered_and_counted_per_class_on_the_replicas(http):
+    before = _finished_by_class(http)
+    body = {"model": "a2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    interactive = http.post("/v1/completions", json=body, headers={"x-lora-priority": "interactive"})
+    streamed = http.post("/generate_stream", json={"inputs": PROMPT, "parameters": {
+        "adapter_id": "a2", "max_new_tokens": 4}}, headers={"x-lora-priority": "batch"})
+    by_field = [http.post("/v1/completions", json={**body, "priority": 2}) for _ in range(3)]
+    after = _finished_by_class(http)
+    replicas = _replicas(http)
+    assert interactive.status_code == 200, f"a request naming a class succeeds: {interactive.text}"
+    assert interactive.headers["x-lora-priority-class"] == "interactive", "the response names its class"
+    assert streamed.status_code == 200, f"a LoRAX stream naming a class succeeds: {streamed.text}"
+    assert streamed.headers["x-lora-priority-class"] == "batch", "a LoRAX stream names its class"
+    assert [r.status_code for r in by_field] == [200] * 3, "requests with vLLM's priority field succeed"
+    assert [r.headers["x-lora-priority-class"] for r in by_field] == ["batch"] * 3, (
+        "vLLM's priority field 2 picks the batch class")
+    assert after["interactive"] - before.get("interactive", 0) == 1, (
+        f"the replicas counted the interactive request: {before} -> {after}")
+    assert after["batch"] - before.get("batch", 0) == 4, f"the replicas counted the batch requests: {after}"
+    interactive_stats = [s["classes"]["interactive"] for s in replicas.values()
+                         if s["classes"]["interactive"]["finished"]]
+    assert interactive_stats[0]["ttft_p50_s"] is not None, f"the class reports its TTFT: {interactive_stats}"
+    assert all(c["running"] == 0 and c["waiting"] == 0 for s in replicas.values()
+               for c in s["classes"].values()), "no request of any class is in flight once all are answered"
 
 
 def test_metrics_are_exported(http):

@@ -146,6 +146,14 @@ class ClassStats:
             window.waiting += 1
         return RequestTracker(window)
 
+    def running_by_priority(self) -> dict[int, int]:
+        """{priority: running requests} over the classes with running requests (classes may share one)."""
+        out: dict[int, int] = {}
+        for window in self._classes.values():
+            if window.running:
+                out[window.sla.priority] = out.get(window.sla.priority, 0) + window.running
+        return out
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """{class name: {running, waiting, finished, ttft_p50_s, ttft_p99_s, tpot_p50_s, tpot_p99_s,
         slo_attainment}}, every configured class, most urgent first."""

@@ -159,14 +159,16 @@ class AsyncEngine:
         adapter_id: str | None = None,
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; raises its error (bad input, failed adapter) instead."""
+        """Stream outputs of one request (`priority`: lower is more urgent, see `Engine`); raises its
+        error (bad input, failed adapter) instead."""
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
 
         def add(engine: Engine) -> None:
-            engine.add_request(request_id, prompt, adapter_id, sampling)
+            engine.add_request(request_id, prompt, adapter_id, sampling, priority)
 
         try:
             await self.call(add)

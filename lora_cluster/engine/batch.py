@@ -19,7 +19,8 @@ from lora_cluster.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class PrefillSpan:
-    """A prompt chunk of one sequence: batch tokens [start, end) at positions [ctx_start, ctx_start + n)."""
+    """A prefill chunk of one sequence (its prompt, or prompt + output when recomputed after a
+    preemption): batch tokens [start, end) at positions [ctx_start, ctx_start + n)."""
 
     kv_slot: int
     start: int

@@ -8,6 +8,9 @@ Adapter I/O never runs on the step thread: loads are submitted to a small thread
 waits in the queue, while the others keep decoding, until its adapter's host weights are ready and
 a device slot is free.
 
+Priorities: a request's int `priority` (lower is more urgent) orders admission, and an urgent request
+preempts less urgent running ones when every KV slot is taken (`engine.scheduler` has the policy).
+
 Failures: a step that raises (forward pass, sampling, detokenization, scheduling) ends the requests
 it was running with an `EngineStepError`; a request whose own detokenization fails ends alone. The
 engine counts consecutive failed steps (`EngineStats.consecutive_step_failures`); the async front
@@ -20,9 +23,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,10 +41,11 @@ from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import KVCache
 from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.loader import AdapterLoader
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model_loader import load_base_model, resolve_device
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
-from lora_cluster.engine.scheduler import Scheduler
+from lora_cluster.engine.scheduler import Scheduler, check_priority
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
+from lora_cluster.engine.stopping import eos_token_ids, stop_reason
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
 from lora_cluster.store import build_adapter_loader
 
@@ -60,21 +65,13 @@ class EngineStats:
     held_fetches: int = 0  # adapter fetches held outside the loader's budgets (bounded by requests)
     consecutive_step_failures: int = 0
     failed_steps: int = 0  # since start
+    num_preemptions: int = 0  # since start
+    running_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> running requests
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> waiting requests
 
 
 # builds the engine's loader once the base model's shapes and device are known
 LoaderFactory = Callable[[EngineConfig, ModelShapes, torch.device], AdapterLoader]
-
-
-def _resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
-    )
-    if config.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = getattr(torch, config.dtype)
-    return device, dtype
 
 
 class Engine:
@@ -108,7 +105,7 @@ class Engine:
             }
             config = build_config(EngineConfig, **{k: v for k, v in given.items() if v is not None})
         self.config = config
-        self.device, self.dtype = _resolve_device(config)
+        self.device, self.dtype = resolve_device(config.device, config.dtype)
         self.model = load_base_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = self.model.tokenizer
         dims = self.model.dims
@@ -151,18 +148,11 @@ class Engine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model)
         self.consecutive_step_failures = 0
         self.failed_steps = 0
 
     # ----- adapters -------------------------------------------------------------------------
-
-    def _eos_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id}
-        for source in (self.model.config, getattr(self.model, "generation_config", None)):
-            value = getattr(source, "eos_token_id", None)
-            ids.update(value if isinstance(value, list) else [value])
-        return {i for i in ids if i is not None}
 
     def start_load(self, adapter_id: str) -> Future[LoraWeights | None]:
         """Begin fetching an adapter to the host (a done future when it is already on the device)."""
@@ -231,8 +221,11 @@ class Engine:
         prompt: str | list[int],
         adapter_id: str | None = None,
         sampling: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request; raises RequestError/PromptTooLongError/EngineOverloadedError at once."""
+        """Queue a request (`priority`: lower is more urgent); raises RequestError/PromptTooLongError/
+        EngineOverloadedError at once."""
+        check_priority(priority)
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         if adapter_id is not None:
@@ -245,6 +238,7 @@ class Engine:
             sampling=sampling,
             detok=IncrementalDetokenizer(self.tokenizer),
             generator=make_generator(sampling, self.device),
+            priority=priority,
         )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
@@ -278,6 +272,9 @@ class Engine:
             held_fetches=self.adapters.held(),
             consecutive_step_failures=self.consecutive_step_failures,
             failed_steps=self.failed_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
+            waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
         )
 
     # ----- the step -------------------------------------------------------------------------
@@ -354,33 +351,9 @@ class Engine:
         seq.output_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        p = seq.sampling
-        if token in p.stop_token_ids:
-            seq.detok.flush(seq.output_ids[:-1])
-            return self._finish(seq, FinishReason.STOP)
-        if token in self.eos_token_ids and not p.ignore_eos:
-            seq.detok.flush(seq.output_ids)
-            return self._finish(seq, FinishReason.EOS)
-        before = len(seq.detok.text)
-        seq.detok.step(seq.output_ids)
-        if p.stop and self._truncate_at_stop(seq, before):
-            return self._finish(seq, FinishReason.STOP)
-        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            seq.detok.flush(seq.output_ids)
-            if p.stop and self._truncate_at_stop(seq, before):
-                return self._finish(seq, FinishReason.STOP)
-            return self._finish(seq, FinishReason.LENGTH)
-        return None
-
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence, before: int) -> bool:
-        text = seq.detok.text
-        start = max(0, before - max(len(s) for s in seq.sampling.stop) + 1)
-        hits = [i for i in (text.find(s, start) for s in seq.sampling.stop) if i >= 0]
-        if not hits:
-            return False
-        seq.detok.text = text[: min(hits)]
-        return True
+        reason = stop_reason(seq, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -395,23 +368,24 @@ class Engine:
         prompts: list[str] | list[list[int]],
         adapter_ids: list[str | None] | None = None,
         sampling: SamplingParams | list[SamplingParams] | None = None,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion, all in one continuous batch; outputs in prompt order.
 
-        Every distinct adapter is fetched and validated first, so a bad adapter raises its
-        `AdapterError` before anything runs.
+        `priorities` (one per prompt, lower is more urgent; default all 0) order admission when the
+        prompts do not all fit at once. Every distinct adapter is fetched and validated first, so a
+        bad adapter raises its `AdapterError` before anything runs.
         """
-        adapter_ids = adapter_ids if adapter_ids is not None else [None] * len(prompts)
-        if len(adapter_ids) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(adapter_ids)} adapter ids")
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        n = len(prompts)
+        adapter_ids = _per_prompt(adapter_ids, n, None, "adapter ids")
+        single = None if isinstance(sampling, list) else sampling or SamplingParams()
+        params = _per_prompt(sampling if isinstance(sampling, list) else None, n, single, "sampling params")
+        priorities = [check_priority(p) for p in _per_prompt(priorities, n, 0, "priorities")]
         for aid in dict.fromkeys(a for a in adapter_ids if a is not None):
             self.load_adapter(aid)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, aid, p in zip(ids, prompts, adapter_ids, params, strict=True):
-            self.add_request(rid, prompt, aid, p)
+        for rid, prompt, aid, p, prio in zip(ids, prompts, adapter_ids, params, priorities, strict=True):
+            self.add_request(rid, prompt, aid, p, prio)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
@@ -422,6 +396,15 @@ class Engine:
     def close(self) -> None:
         self.adapters.close()
         self.loader.close()
+
+
+def _per_prompt(values: list | None, n: int, default: object, what: str) -> list:
+    """`values` (one per prompt), or `default` for every prompt; a RequestError when the counts differ."""
+    if values is None:
+        return [default] * n
+    if len(values) != n:
+        raise RequestError(f"{n} prompts but {len(values)} {what}")
+    return values
 
 
 __all__ = ["Engine", "EngineStats", "SeqStatus"]

@@ -87,6 +87,14 @@ class BaseModel:
     tokenizer: object
 
 
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The configured device and dtype; "auto" is cuda (bfloat16) when available, else cpu (float32)."""
+    where = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dtype == "auto":
+        return where, torch.bfloat16 if where.type == "cuda" else torch.float32
+    return where, getattr(torch, dtype)
+
+
 def resolve_model_path(model: str) -> Path:
     """A local folder as is; otherwise a hub snapshot (downloaded, or from the local cache offline)."""
     path = Path(model).expanduser()

@@ -1,29 +1,47 @@
 """Continuous batching: which sequences run in the next step, and with how many tokens.
 
 Pure policy, no tensors and no Ray. Every step:
-1. each running sequence that has finished its prompt decodes one token;
-2. running sequences still in their prompt continue with a chunk (chunked prefill);
-3. waiting sequences are admitted in arrival order while a KV slot and token budget remain.
-The step's token budget is `max_num_batched_tokens`, so long prompts are split across steps and
+1. each running sequence that has finished its prefill decodes one token;
+2. running sequences still in their prefill continue with a chunk (chunked prefill);
+3. waiting sequences are admitted in urgency order while a KV slot and token budget remain,
+   preempting less urgent running sequences when every KV slot is taken (see Preemption).
+The step's token budget is `max_num_batched_tokens`, so long prefills are split across steps and
 decodes are never starved by a prefill.
 
-A waiting sequence is admitted only when its adapter is ready on the device. The engine answers
-through the injected `acquire` callback (READY, PENDING while it loads, BLOCKED when every adapter
-slot is held by running sequences, FAILED). Sequences whose adapter is pending do not hold up
-the others; but once an earlier sequence is BLOCKED, later ones may not claim a new adapter slot
-(they may still join with adapters already resident), so a rare adapter is not starved by a
-stream of other newcomers.
+Urgency: a sequence's `priority` is an int, lower is more urgent (vLLM's convention). Sequences are
+ordered by (priority, arrival): the waiting queue is kept sorted by that key, and arrival is the
+order of `add`, kept for life (a preempted sequence returns to its place among its peers).
+
+Adapters: a waiting sequence is admitted only when its adapter is ready on the device. The engine
+answers through the injected `acquire` callback (READY, PENDING while it loads, BLOCKED when every
+adapter slot is held by running sequences, FAILED). Sequences whose adapter is pending do not hold
+up the others; but once an earlier (more urgent) sequence is BLOCKED, later ones may not claim a
+new adapter slot (they may still join with adapters already resident), so a rare adapter is not
+starved by a stream of other newcomers.
+
+Preemption (recompute): when a waiting sequence finds no free KV slot and the least urgent running
+sequence (largest priority, then latest arrival) has a strictly larger priority value, that one is
+preempted for it: it gives back its KV slot and its adapter reference, returns to the waiting queue
+at its place with nothing computed (`num_computed = 0`), and keeps its prompt, its output and the
+engine's per-request state (detokenizer, sampling generator). Re-admitted, it prefills prompt and
+output again (chunked like any prefill); the step that completes that prefill samples its next
+token, as its next decode would have. Invariants: a sequence is never preempted for one of equal or
+larger priority value; a victim is preempted only once the waiting sequence's adapter is READY and
+the step has budget for it, so a sequence that cannot run yet never evicts anyone; a sequence
+preempted in a step is not re-admitted in that step.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_cluster.engine.sequence import SeqStatus, Sequence
-from lora_cluster.errors import EngineOverloadedError
+from lora_cluster.errors import EngineOverloadedError, RequestError
 
 
 class Gate(enum.Enum):
@@ -38,11 +56,24 @@ AcquireFn = Callable[[Sequence, bool], Gate]
 ReleaseFn = Callable[[Sequence], None]
 
 
+def check_priority(priority: object) -> int:
+    """`priority` if it is an int (not a bool); otherwise a RequestError."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError(f"priority must be an integer (lower is more urgent), got {priority!r}")
+    return priority
+
+
+def urgency(seq: Sequence) -> tuple[int, int]:
+    """Order key of sequences: smaller is more urgent (priority, then arrival order)."""
+    return seq.priority, seq.arrival_order
+
+
 @dataclass
 class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     failed: list[Sequence] = field(default_factory=list)  # adapter could not be loaded
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to the waiting queue this step
 
     @property
     def empty(self) -> bool:
@@ -50,7 +81,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and the KV slot free list."""
+    """Owns the waiting queue (sorted by urgency), the running set and the KV slot free list."""
 
     def __init__(
         self,
@@ -66,38 +97,38 @@ class Scheduler:
         self._acquire, self._release = acquire, release
         self._free_slots = list(range(max_num_seqs))
         heapq.heapify(self._free_slots)
+        self._arrivals = itertools.count()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start
 
     def can_add(self) -> bool:
         return len(self.waiting) < self.max_waiting
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind the waiting ones at least as urgent (stamps its arrival order)."""
         if not self.can_add():
             raise EngineOverloadedError(
                 f"request {seq.request_id!r} refused: {len(self.waiting)} requests already wait "
                 f"(max_waiting={self.max_waiting})"
             )
-        self.waiting.append(seq)
+        seq.arrival_order = next(self._arrivals)
+        bisect.insort(self.waiting, seq, key=urgency)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's work (see the module docstring); preempted sequences are back in the
+        waiting queue when it returns."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        for seq in self.running:
-            if not seq.in_prefill:
-                out.decodes.append(seq)
-                budget -= 1
-        for seq in self.running:
-            if seq.in_prefill and budget > 0:
-                n = min(len(seq.prompt_ids) - seq.num_computed, budget)
-                out.prefills.append((seq, n))
-                budget -= n
+        planned = self._plan_running()
+        budget = self.max_num_batched_tokens - sum(planned.values())
         blocked = False
         still_waiting: list[Sequence] = []
-        for seq in self.waiting:
-            if not self._free_slots or budget <= 0:
-                still_waiting.append(seq)
-                continue
+        for i, seq in enumerate(self.waiting):
+            victim = None if self._free_slots else self._victim_for(seq)
+            refund = planned.get(victim.request_id, 0) if victim is not None else 0
+            if (not self._free_slots and victim is None) or budget + refund <= 0:
+                still_waiting.extend(self.waiting[i:])  # the rest are no more urgent: no room for them either
+                break
             gate = self._acquire(seq, not blocked)
             if gate is Gate.FAILED:
                 seq.status = SeqStatus.FINISHED
@@ -107,22 +138,73 @@ class Scheduler:
                 blocked = blocked or gate is Gate.BLOCKED
                 still_waiting.append(seq)
                 continue
-            seq.kv_slot = heapq.heappop(self._free_slots)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            n = min(len(seq.prompt_ids), budget)
-            out.prefills.append((seq, n))
+            if victim is not None:
+                budget += planned.pop(victim.request_id, 0)
+                self._preempt(victim)
+                out.preempted.append(victim)
+            self._admit(seq)
+            n = min(seq.num_tokens, budget)
+            planned[seq.request_id] = n
             budget -= n
         self.waiting = still_waiting
+        for seq in out.preempted:
+            bisect.insort(self.waiting, seq, key=urgency)
+        for seq in self.running:
+            n = planned.get(seq.request_id)
+            if n is None:
+                continue
+            if seq.in_prefill:
+                out.prefills.append((seq, n))
+            else:
+                out.decodes.append(seq)
         return out
+
+    def _plan_running(self) -> dict[str, int]:
+        """Tokens of each running sequence this step: decodes first (one each), then prefill chunks."""
+        planned: dict[str, int] = {}
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            if not seq.in_prefill:
+                planned[seq.request_id] = 1
+                budget -= 1
+        for seq in self.running:
+            if seq.in_prefill and budget > 0:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                planned[seq.request_id] = n
+                budget -= n
+        return planned
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """The least urgent running sequence, if its priority is strictly less urgent than `seq`'s."""
+        victim = max(self.running, key=urgency, default=None)
+        if victim is None or victim.priority <= seq.priority:
+            return None
+        return victim
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.kv_slot = heapq.heappop(self._free_slots)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def _stop_running(self, seq: Sequence) -> None:
+        """Return a running sequence's KV slot and adapter reference."""
+        self.running.remove(seq)
+        heapq.heappush(self._free_slots, seq.kv_slot)
+        seq.kv_slot = None
+        self._release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """RUNNING -> WAITING, to be recomputed from scratch (the caller re-queues it)."""
+        self._stop_running(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Take `seq` out of the queues, returning its KV slot and adapter reference (idempotent)."""
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-            heapq.heappush(self._free_slots, seq.kv_slot)
-            seq.kv_slot = None
-            self._release(seq)
+            self._stop_running(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

@@ -2,8 +2,13 @@
 
 Lifecycle: WAITING (queued; its adapter may still be loading) -> RUNNING (holds a KV slot and a
 reference on its adapter's device slot; prefilling in chunks, then decoding one token per step)
--> FINISHED (slot and adapter reference released exactly once). Abort and failure go straight to
-FINISHED from either state.
+-> FINISHED (slot and adapter reference released exactly once). A preempted sequence goes RUNNING
+-> WAITING: it gives back its slot and adapter reference, its KV cache is forgotten
+(`num_computed = 0`), and its prompt, output, detokenizer and generator are kept, so that once
+re-admitted it prefills prompt + output again and continues where it was. Abort and failure go
+straight to FINISHED from either state.
+
+Priority: an int, lower is more urgent (vLLM's convention), 0 by default.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class Sequence:
     first_token_time: float | None = None
     emitted_text: int = 0  # characters of detok.text already reported
     emitted_ids: int = 0  # output ids already reported
+    priority: int = 0  # lower is more urgent
+    arrival_order: int = 0  # stamped by the scheduler when queued; kept across preemptions
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +69,11 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        """More than one token to compute before the next sample: the prompt of a new sequence, or
+        prompt + output of a preempted one (recomputed). Prefill chunks run up to `num_tokens`, and
+        the chunk that reaches it samples the next token: for a preempted sequence, the token its
+        next decode would have sampled. A sequence with only its last token uncached decodes it."""
+        return self.num_computed < len(self.prompt_ids) or self.num_computed < self.num_tokens - 1
 
     def token_at(self, index: int) -> int:
         p = len(self.prompt_ids)
@@ -83,6 +95,7 @@ class RequestOutput:
     finish_reason: str | None
     error: LoraClusterError | None = None
     time_to_first_token: float | None = None
+    num_preemptions: int = 0  # times the request was preempted (and recomputed)
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,6 +124,7 @@ def snapshot(seq: Sequence) -> RequestOutput:
         finish_reason=seq.finish_reason.value if seq.finish_reason else None,
         error=seq.error,
         time_to_first_token=(seq.first_token_time - seq.arrival) if seq.first_token_time else None,
+        num_preemptions=seq.num_preemptions,
     )
     seq.emitted_text, seq.emitted_ids = len(text), len(seq.output_ids)
     return out

@@ -1,4 +1,4 @@
-"""Operational routes: vLLM's adapter admin, /health, /metrics, /debug/replicas.
+"""Operational routes: vLLM's adapter admin, /health, /metrics, /v1/cluster, /debug/replicas.
 
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` registers the adapter on every running
 replica; each validates it (a missing path is a 404, an invalid adapter a 400, never a success)
@@ -18,7 +18,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lora_cluster.adapter_format import check_adapter_id
-from lora_cluster.errors import AdapterError
+from lora_cluster.errors import AdapterError, ControllerOffError, LoraClusterError
 from lora_cluster.serve import metrics
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, not_found
@@ -84,6 +84,18 @@ def admin_router(ctx: ApiContext) -> APIRouter:
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+    @router.get("/v1/cluster")
+    async def cluster() -> dict[str, Any]:
+        """The cluster controller's view: nodes -> replicas -> adapters, queues, memory, placement;
+        503 when the controller is off or cannot be reached."""
+        try:
+            return await dispatcher.admission.cluster_view()
+        except LoraClusterError:
+            raise
+        except Exception as exc:
+            reason = f"the cluster controller cannot be reached: {type(exc).__name__}"
+            raise ControllerOffError(reason) from exc
 
     @router.get("/debug/replicas")
     async def debug_replicas(fresh: bool = True) -> dict[str, Any]:

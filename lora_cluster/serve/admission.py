@@ -1,15 +1,21 @@
 """The ingress's side of the cluster queue: send at once while a replica has room, else wait for a grant.
 
 Fast path: the ingress sends a request straight to the replicas (the request router picks one)
-while some replica has room: fewer ongoing requests than its admission capacity (`admission_capacity`,
-default `max_num_seqs`). Ongoing is the larger of the replica's last report (requests from every
-ingress, up to `routing_stats_period_s` old) and this ingress's own requests in flight there
-(exact, immediate). The check reads memory only: the fast path makes no actor call.
+while the replicas have room: their free slots add up to more than this ingress's requests that
+are on their way (sent, replica not known yet). A replica's free slots are its admission capacity
+(`admission_capacity`, default `max_num_seqs`) minus its ongoing requests, the larger of its last
+report (requests from every ingress, up to `routing_stats_period_s` old) and this ingress's own
+requests running there (exact, immediate). The check reads memory only: the fast path makes no
+actor call.
 
 Slow path: no replica has room, so the request is parked in the cluster queue (`ClusterController.admit`)
 and sent to the replica it is granted (pinned) once one frees a slot, in class-then-deadline order.
 A refusal (full queue, deadline out of reach) is a 429 with `Retry-After`; waiting past
 `cluster_queue_timeout_s` a 503.
+
+Placement: every `placement_period_s` the ingress fetches the controller's placement table (hot
+adapter -> replicas that should hold it) and hands it to its request router (`placement_sink`),
+which then spreads a hot adapter's requests over those replicas.
 
 Faults: if the controller dies while a request waits, the request is parked again at its
 restarted successor (Serve starts one); if no controller answers within `REPARK_WINDOW_S`, or
@@ -27,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError
+from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +45,17 @@ RETRY_PAUSE_S = 0.2
 class ClusterAdmission:
     def __init__(self, controller: Any | None, *, capacity: int | None,
                  replica_stats: Callable[[], Mapping[str, Mapping[str, Any]] | None], timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 placement_sink: Callable[[Mapping[str, list[str]]], None] | None = None,
+                 placement_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         """`controller`: a handle to the ClusterController deployment (None: controller off);
         `capacity`: requests per replica before parking (None: each replica's max_num_seqs)."""
         self._controller, self._capacity, self._stats = controller, capacity, replica_stats
         self.timeout_s, self._clock = timeout_s, clock
+        self._placement_sink, self.placement_period_s = placement_sink, placement_period_s
+        self._placement_task: asyncio.Task[None] | None = None
         self.ingress_id = uuid.uuid4().hex[:12]
         self._inflight: Counter[str] = Counter()  # this ingress's requests per replica, in flight
+        self._unassigned = 0  # sent on the fast path, replica not known yet
         self._down_until = 0.0
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
 
@@ -54,25 +64,28 @@ class ClusterAdmission:
         return self._controller is not None
 
     def has_room(self) -> bool:
-        """Some replica takes one more request now (see the module docstring). Unknown replicas
-        (no report yet) count as having room."""
+        """The replicas take one more request now (see the module docstring). A replica without a
+        report yet counts as having room."""
         stats = self._stats()
         if not stats:
             return True
+        free = 0
         for rid, report in stats.items():
             if not report:
                 return True
             capacity = self._capacity or int(report.get("max_num_seqs", 1))
             reported = int(report.get("num_running", 0)) + int(report.get("num_waiting", 0))
-            if max(reported, self._inflight[rid]) < capacity:
-                return True
-        return False
+            free += max(0, capacity - max(reported, self._inflight[rid]))
+        return free > self._unassigned
 
     async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> str | None:
         """The replica to pin the request to, or None to send it the direct way (fast path, or no
-        controller). Raises ClusterOverloadedError (429) or ClusterQueueTimeoutError (503)."""
+        controller). Raises ClusterOverloadedError (429) or ClusterQueueTimeoutError (503). The
+        caller then reports `started` (first item) or `not_started`, and `finished`."""
+        self._sync_placement()
         if self._controller is None or self._clock() < self._down_until or self.has_room():
             self.counts["fast"] += 1
+            self._unassigned += 1
             return None
         self.counts["parked"] += 1
         ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
@@ -97,6 +110,7 @@ class ClusterAdmission:
                                 exc, BACKOFF_S)
                     self._down_until = self._clock() + BACKOFF_S
                     self.counts["fallback"] += 1
+                    self._unassigned += 1
                     return None
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
@@ -108,8 +122,45 @@ class ClusterAdmission:
                 raise ClusterOverloadedError(str(reply["overloaded"]), float(reply["retry_after_s"]))
             give_up_reaching = None  # a timeout answer: loop to raise with the remaining time spent
 
-    def started(self, replica_id: str) -> None:
+    def _sync_placement(self) -> None:
+        """Start the placement fetch loop (once, on the serving event loop)."""
+        if self._controller is None or self._placement_sink is None:
+            return
+        if self._placement_task is None or self._placement_task.done():
+            self._placement_task = asyncio.get_running_loop().create_task(self._placement_loop())
+
+    async def _placement_loop(self) -> None:
+        while True:
+            try:
+                table = await self._controller.placement.remote()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the controller restarts: keep the last table meanwhile
+                log.debug("placement not fetched: %s", exc)
+            else:
+                self._placement_sink(table)
+            await asyncio.sleep(self.placement_period_s)
+
+    async def cluster_view(self) -> dict[str, Any]:
+        """The controller's cluster view plus this ingress's admission counts (for GET /v1/cluster).
+        Raises ControllerOffError when there is no controller; a failed call raises its error."""
+        if self._controller is None:
+            raise ControllerOffError("the cluster controller is off (controller: false)")
+        view = await self._controller.snapshot.remote()
+        view["ingress"] = {"id": self.ingress_id, "admission": dict(self.counts),
+                           "in_flight": dict(self._inflight)}
+        return view
+
+    def started(self, replica_id: str, *, granted: bool) -> None:
+        """The request's first item came from `replica_id` (`granted`: it was pinned there)."""
+        if not granted:
+            self._unassigned = max(0, self._unassigned - 1)
         self._inflight[replica_id] += 1
+
+    def not_started(self, *, granted: bool) -> None:
+        """The request failed before any replica answered."""
+        if not granted:
+            self._unassigned = max(0, self._unassigned - 1)
 
     def finished(self, replica_id: str) -> None:
         self._inflight[replica_id] -= 1

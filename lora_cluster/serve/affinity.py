@@ -57,14 +57,17 @@ def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float)
     return cost
 
 
+def rank_key(adapter_id: str | None, replica: ReplicaView,
+             miss_cost: float) -> tuple[float, int, bool, int, int, str]:
+    """The order of `rank_replicas`: smaller is better (cost, then the tie-breaks of the module docstring)."""
+    unconfirmed = adapter_id is not None and adapter_id not in replica.confirmed
+    return (adapter_cost(adapter_id, replica, miss_cost), replica.oversubscribed, unconfirmed,
+            replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
+
+
 def rank_replicas(adapter_id: str | None, replicas: Iterable[ReplicaView], miss_cost: float) -> list[str]:
     """Replica ids, best first, for a request of `adapter_id` (None = the base model)."""
-    def key(r: ReplicaView) -> tuple[float, int, bool, int, int, str]:
-        unconfirmed = adapter_id is not None and adapter_id not in r.confirmed
-        return (adapter_cost(adapter_id, r, miss_cost), r.oversubscribed, unconfirmed, r.ongoing,
-                -r.empty_adapter_slots, r.replica_id)
-
-    return [r.replica_id for r in sorted(replicas, key=key)]
+    return [r.replica_id for r in sorted(replicas, key=lambda r: rank_key(adapter_id, r, miss_cost))]
 
 
 @dataclass
@@ -96,9 +99,14 @@ class PlacementTracker:
             for aid in [a for a, t in placed.items() if now - t >= self.ttl_s]:
                 del placed[aid]
 
-    def view(self, replica_id: str, stats: Mapping[str, Any], ongoing: int, now: float) -> ReplicaView:
-        """Merge a replica's last report (`ReplicaStats.to_dict()`, maybe empty) with recent placements."""
+    def view(self, replica_id: str, stats: Mapping[str, Any], ongoing: int, now: float,
+             placed: str | None = None) -> ReplicaView:
+        """Merge a replica's last report (`ReplicaStats.to_dict()`, maybe empty) with recent placements.
+        `placed`: an adapter the controller's placement table assigns to this replica (it is
+        prefetched there, so the policy counts it as held and spreads its requests over its holders)."""
         reported = frozenset(stats.get("resident", ())) | frozenset(stats.get("loading", ()))
+        if placed is not None:
+            reported |= {placed}
         recent = self.recent(replica_id, now)
         pending = recent - reported
         empty = int(stats.get("empty_adapter_slots", stats.get("max_loras", 1)))
@@ -117,6 +125,7 @@ class PlacementTracker:
 
 _lock = threading.Lock()
 _published: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (app, deployment) -> replica -> report
+_placement: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {}  # (app, deployment) -> adapter -> replicas
 
 
 def publish_replica_stats(app_name: str, deployment: str, stats: dict[str, dict[str, Any]]) -> None:
@@ -130,3 +139,15 @@ def replica_stats(app_name: str, deployment: str) -> dict[str, dict[str, Any]] |
     with _lock:
         stats = _published.get((app_name, deployment))
         return None if stats is None else dict(stats)
+
+
+def publish_placement(app_name: str, deployment: str, table: Mapping[str, Iterable[str]]) -> None:
+    """The controller's placement table (hot adapter -> replicas that should hold it), fetched by the
+    ingress; the request router in this process reads it."""
+    with _lock:
+        _placement[(app_name, deployment)] = {a: tuple(r) for a, r in table.items()}
+
+
+def placement_table(app_name: str, deployment: str) -> dict[str, tuple[str, ...]]:
+    with _lock:
+        return _placement.get((app_name, deployment), {})

@@ -18,6 +18,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from lora_cluster.cluster.actor import ClusterController
 from lora_cluster.config import ServeConfig
 from lora_cluster.serve.ingress import LoraIngress
 from lora_cluster.serve.model import load_config, resolve_model
@@ -47,10 +48,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     config = load_config(args)
     resolve_model(config)  # build the demo zoo now (once), not in every replica at the same time
     fields = config.model_dump(exclude_unset=False)
-    replicas = LoraReplica.options(**replica_options(config)).bind(fields)
+    controller = None
+    if config.controller:  # every waiting request holds one call to it: room for the whole queue
+        room = config.cluster_queue_size + 4096
+        controller = ClusterController.options(max_ongoing_requests=room).bind(fields)
+    replicas = LoraReplica.options(**replica_options(config)).bind(fields, controller)
     ingress = LoraIngress.options(
         num_replicas=config.ingress_num_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
-    return ingress.bind(replicas, fields)
+    return ingress.bind(replicas, fields, controller)

@@ -20,9 +20,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from lora_cluster.config import ServeConfig
+from fastapi import Header
+
+from lora_cluster.cluster.sla import SlaClass, SlaClasses
+from lora_cluster.config import ServeConfig, build_sla_classes
 from lora_cluster.errors import ConfigError, PromptTooLongError, RequestAbortedError, RequestError
 from lora_cluster.serve.dispatch import Dispatcher, Generation
 from lora_cluster.serve.http_errors import ApiException, describe
@@ -31,6 +34,10 @@ from lora_cluster.serve.registrations import AdapterRegistrations
 
 _END = object()
 ENCODE_THREADS = 4
+HEADER_PRIORITY = "x-lora-priority"  # request: the SLA class's name
+HEADER_PRIORITY_CLASS = "x-lora-priority-class"  # response: the SLA class that served the request
+# a route's `x_lora_priority: PriorityHeader = None` parameter reads the x-lora-priority header
+PriorityHeader = Annotated[str | None, Header(description="The request's SLA class, by name.")]
 R = TypeVar("R")
 
 
@@ -43,11 +50,13 @@ class ApiContext:
     dispatcher: Dispatcher
     registrations: AdapterRegistrations = field(default_factory=AdapterRegistrations)
     encode_threads: int = ENCODE_THREADS
+    sla: SlaClasses = field(init=False, repr=False)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.encode_threads < 1:
             raise ConfigError(f"encode_threads must be at least 1, got {self.encode_threads}")
+        self.sla = build_sla_classes(self.config)
         self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="lora-ingress-encode")
 
     def close(self) -> None:
@@ -67,6 +76,14 @@ class ApiContext:
     def adapter_path(self, adapter_id: str | None) -> str | None:
         """The path of an adapter registered through vLLM's load_lora_adapter (None: not registered)."""
         return None if adapter_id is None else self.registrations.path(adapter_id)
+
+    def priority_class(self, header: str | None, priority: int | None = None) -> SlaClass:
+        """The request's SLA class: the `x-lora-priority` header's class (400 naming the known classes
+        when there is no such class), else the class of the body's integer `priority`, else the default."""
+        try:
+            return self.sla.resolve(name=None if header is None else header.strip(), priority=priority)
+        except RequestError as exc:
+            raise ApiException(describe(RequestError(f"{HEADER_PRIORITY}: {exc}"))) from exc
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)` on the tokenizer threads; the loop serves other requests meanwhile."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lora_cluster.serve import metrics
+from lora_cluster.serve.admission import ClusterAdmission
 from lora_cluster.serve.affinity import replica_stats
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob, ToReplica
@@ -43,6 +45,12 @@ class Generation:
     stream: Any  # ray.serve.handle.DeploymentResponseGenerator
     tokens: int = 0
     finished: bool = field(default=False)
+    on_done: Callable[[], None] | None = None  # called once when the generation ends, however it ends
+
+    def _done(self) -> None:
+        callback, self.on_done = self.on_done, None
+        if callback is not None:
+            callback()
 
     async def items(self) -> AsyncIterator[dict[str, Any]]:
         """Output items to the final one; raises ApiException for an error item mid-stream."""
@@ -69,6 +77,7 @@ class Generation:
         finally:
             if not self.finished:
                 self.cancel()
+            self._done()
 
     async def final(self) -> dict[str, Any]:
         """Run to the end; the final item (with the cumulative `text` and `token_ids`)."""
@@ -83,13 +92,19 @@ class Generation:
             self.finished = True
             metrics.CANCELLED.inc()
             cancel_call(self.stream)
+        self._done()
 
 
 class Dispatcher:
-    def __init__(self, handle: Any, app_name: str):
+    """Sends jobs to the replicas. With a cluster controller, `admission` decides per job whether it
+    goes at once (a replica has room) or waits in the cluster queue for a granted replica."""
+
+    def __init__(self, handle: Any, app_name: str, admission: ClusterAdmission | None = None):
         self._handle = handle
         self._stream = handle.options(stream=True)
         self._key = (app_name, handle.deployment_name)
+        self.admission = admission or ClusterAdmission(None, capacity=None, replica_stats=self.replica_stats,
+                                                       timeout_s=1.0)
 
     def replica_stats(self) -> dict[str, dict[str, Any]] | None:
         """Last reports of the running replicas (None until the first call creates the router)."""
@@ -101,13 +116,36 @@ class Dispatcher:
             raise ApiException(describe(NoReplicaError("no LoRA replica is running")))
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
-        """Send `job` and wait for its first item; raises ApiException with the request's error."""
+        """Send `job` (at once, or once the cluster queue grants it a replica) and wait for its first
+        item; raises ApiException with the request's error (429/503 from the cluster queue too)."""
         self._check_replicas()
         t0 = time.monotonic()
+        granted = await self.admission.admit(sla_class=job.priority_class, adapter_id=job.adapter_id,
+                                             arrived_at=t0)
+        if granted is not None:
+            job = dataclasses.replace(job, replica_id=granted)
+        pinned = granted is not None
+        try:
+            first, stream = await self._first_item(job)
+        except BaseException:
+            self.admission.not_started(granted=pinned)
+            raise
+        replica = first["replica"]
+        self.admission.started(replica, granted=pinned)
+        if "error" in first:
+            self.admission.finished(replica)
+            raise ApiException(ApiError.from_dict(first["error"]))
+        if job.stream:
+            metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - t0)
+        (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
+        return Generation(job=job, replica=replica, hit=first["hit"], first=first, stream=stream,
+                          on_done=lambda: self.admission.finished(replica))
+
+    async def _first_item(self, job: GenerateJob) -> tuple[dict[str, Any], Any]:
         with own_request_id():
             stream = self._stream.generate.remote(job)
         try:
-            first = await stream.__anext__()
+            return await stream.__anext__(), stream
         except StopAsyncIteration:
             error = RuntimeError("the replica ended the stream without output")
             raise ApiException(describe(error)) from None
@@ -117,12 +155,6 @@ class Dispatcher:
         except Exception as exc:
             cancel_call(stream)
             raise ApiException(describe(exc)) from exc
-        if "error" in first:
-            raise ApiException(ApiError.from_dict(first["error"]))
-        if job.stream:
-            metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - t0)
-        (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
-        return Generation(job=job, replica=first["replica"], hit=first["hit"], first=first, stream=stream)
 
     async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
         """Start every job; if one fails, cancel the others and raise its error."""

@@ -17,12 +17,16 @@ errors by status code).
 | NoReplicaError, dead/unavailable replicas   | 503    | service_unavailable   | no_replica          |
 | EngineUnavailableError                      | 503    | service_unavailable   | engine_unavailable  |
 | EngineStepError                             | 500    | server_error          | engine_error        |
+| ClusterOverloadedError (Retry-After: its s) | 429    | rate_limit_error      | overloaded          |
+| ClusterQueueTimeoutError                    | 503    | service_unavailable   | queue_timeout       |
+| ControllerOffError                          | 503    | service_unavailable   | controller_unavailable |
 | anything else                               | 500    | server_error          | internal_error      |
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass
 
 from lora_cluster import errors as e
@@ -36,6 +40,7 @@ class ApiError:
     type: str
     code: str
     message: str
+    retry_after_s: float | None = None  # 429/503: when a retry may succeed (the Retry-After header)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
@@ -45,7 +50,15 @@ class ApiError:
 
     @classmethod
     def from_dict(cls, d: dict) -> ApiError:
-        return cls(int(d["status"]), str(d["type"]), str(d["code"]), str(d["message"]))
+        retry = d.get("retry_after_s")
+        return cls(int(d["status"]), str(d["type"]), str(d["code"]), str(d["message"]),
+                   None if retry is None else float(retry))
+
+    def retry_after_header(self) -> dict[str, str]:
+        """`Retry-After` in whole seconds (at least 1) for 429 and 503, else nothing."""
+        if self.status not in (429, 503):
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s or 1)))}
 
 
 class ApiException(Exception):
@@ -80,6 +93,8 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.RequestAbortedError, 503, "service_unavailable", "aborted"),
     (e.EngineUnavailableError, 503, "service_unavailable", "engine_unavailable"),
     (e.EngineStepError, 500, "server_error", "engine_error"),
+    (e.ClusterQueueTimeoutError, 503, "service_unavailable", "queue_timeout"),
+    (e.ControllerOffError, 503, "service_unavailable", "controller_unavailable"),
 ]
 
 
@@ -105,6 +120,8 @@ def describe(exc: BaseException) -> ApiError:
     """The HTTP error for an exception (see the module table)."""
     if isinstance(exc, ApiException):
         return exc.error
+    if isinstance(exc, e.ClusterOverloadedError):
+        return ApiError(429, "rate_limit_error", "overloaded", str(exc), exc.retry_after_s)
     for cls, status, kind, code in _DOMAIN:
         if isinstance(exc, cls):
             return ApiError(status, kind, code, str(exc))
@@ -131,8 +148,7 @@ def install_handlers(app) -> None:
     from starlette.exceptions import HTTPException
 
     def respond(error: ApiError) -> JSONResponse:
-        headers = {"retry-after": "1"} if error.status in (429, 503) else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.retry_after_header())
 
     async def on_validation(_request, exc: RequestValidationError) -> JSONResponse:
         return respond(validation_error(list(exc.errors())))

@@ -10,6 +10,7 @@ whose request router is `LoraAffinityRouter`. Responses carry `x-lora-replica` a
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -18,6 +19,8 @@ from ray import serve
 
 from lora_cluster.serve import metrics
 from lora_cluster.serve.admin_api import admin_router
+from lora_cluster.serve.admission import ClusterAdmission
+from lora_cluster.serve.affinity import publish_placement, replica_stats
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.dispatch import Dispatcher
 from lora_cluster.serve.http_errors import install_handlers
@@ -70,9 +73,16 @@ def build_fastapi(ctx: ApiContext) -> FastAPI:
 @serve.deployment(name="LoraIngress")
 @serve.ingress()
 class LoraIngress:
-    def __init__(self, replicas: Any, config: dict[str, Any]):
+    def __init__(self, replicas: Any, config: dict[str, Any], controller: Any | None = None):
         resolved = resolve_model(load_config(config))
-        dispatcher = Dispatcher(replicas, serve.get_replica_context().app_name)
+        app_name = serve.get_replica_context().app_name
+        admission = ClusterAdmission(
+            controller, capacity=resolved.admission_capacity,
+            replica_stats=functools.partial(replica_stats, app_name, replicas.deployment_name),
+            timeout_s=resolved.cluster_queue_timeout_s,
+            placement_sink=functools.partial(publish_placement, app_name, replicas.deployment_name),
+            placement_period_s=resolved.controller_report_period_s)
+        dispatcher = Dispatcher(replicas, app_name, admission)
         self.ctx = ApiContext(config=resolved, tokenizer=load_tokenizer(resolved), dispatcher=dispatcher)
         metrics.set_replica_stats_source(dispatcher.replica_stats)
 

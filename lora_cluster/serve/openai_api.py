@@ -3,7 +3,9 @@
 `model` is an adapter id, or the base model's name for no adapter. `n` choices run as separate
 engine requests (choice i of a seeded request uses seed + i). `stream: true` sends SSE chunks and
 ends with `data: [DONE]`; `stream_options.include_usage` adds a last chunk with the usage. An error
-after the first token arrives as a `data: {"error": ...}` event before `[DONE]`.
+after the first token arrives as a `data: {"error": ...}` event before `[DONE]`. The SLA class is the
+`x-lora-priority` header's, else vLLM's integer `priority` field's, else the default (see `context`);
+every choice's job runs in it, and the response names it in `x-lora-priority-class`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from lora_cluster.serve.context import ApiContext, finals, merge
+from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.serve.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
 from lora_cluster.serve.dispatch import Generation, routing_headers
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
@@ -33,7 +36,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def openai_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
 
-    def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str) -> list[GenerateJob]:
+    def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
+                 sla: SlaClass) -> list[GenerateJob]:
         adapter = ctx.adapter_for(body.model)
         jobs = []
         for prompt in prompts:
@@ -41,15 +45,16 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                 jobs.append(GenerateJob(
                     request_id=f"{request_id}-{len(jobs)}", prompt=prompt, adapter_id=adapter,
                     sampling=body.sampling(ctx.config, default_max, choice), stream=body.stream,
-                    adapter_path=ctx.adapter_path(adapter)))
+                    adapter_path=ctx.adapter_path(adapter), priority_class=sla.name, priority=sla.priority))
         return jobs
 
-    async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str) -> Any:
+    async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str,
+                  sla: SlaClass) -> Any:
         request_id = ctx.new_id("cmpl" if kind == "text" else "chatcmpl")
         created = int(time.time())
-        jobs = jobs_for(body, prompts, default_max, request_id)
+        jobs = jobs_for(body, prompts, default_max, request_id, sla)
         generations = await ctx.dispatcher.start_all(jobs, route)
-        headers = routing_headers(generations)
+        headers = {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
         prompt_tokens = sum(len(p) for p in prompts)
         if not body.stream:
             done = await finals(generations)
@@ -72,16 +77,18 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, x_lora_priority: PriorityHeader = None) -> Any:
         body.check(ctx.config)
+        sla = ctx.priority_class(x_lora_priority, body.priority)
         prompts = [await ctx.encode(p) for p in body.prompts()]  # in turn: one pool job per request
-        return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text")
+        return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla)
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, x_lora_priority: PriorityHeader = None) -> Any:
         body.check(ctx.config)
+        sla = ctx.priority_class(x_lora_priority, body.priority)
         prompt = await ctx.encode_chat(body.conversation())
-        return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat")
+        return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla)
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -18,16 +18,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.engine import RequestOutput, SamplingParams
 from lora_cluster.errors import RequestAbortedError
 
 T = TypeVar("T")
 _END = object()
+_DEFAULT_CLASS = SlaClasses().default  # of the default configuration
 
 
 @dataclass
 class GenerateJob:
-    """One sequence to generate (an OpenAI request with n=2 and two prompts is four jobs)."""
+    """One sequence to generate (an OpenAI request with n=2 and two prompts is four jobs).
+
+    `priority_class` is the request's SLA class (its name) and `priority` that class's priority
+    (lower = more urgent), which the replica passes to the engine. A job built without them (a
+    benchmark, an older caller) is in the default configuration's default class."""
 
     request_id: str
     prompt: str | list[int]
@@ -35,6 +41,9 @@ class GenerateJob:
     sampling: SamplingParams
     stream: bool = True
     adapter_path: str | None = None  # set for adapters registered through /v1/load_lora_adapter
+    priority_class: str = _DEFAULT_CLASS.name
+    priority: int = _DEFAULT_CLASS.priority
+    replica_id: str | None = None  # granted by the cluster controller: run there (None: router's choice)
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ def routing_key(args: tuple | list) -> tuple[str | None, str | None]:
     if isinstance(first, ToReplica):
         return None, first.replica_id
     if isinstance(first, GenerateJob):
-        return first.adapter_id, None
+        return first.adapter_id, first.replica_id
     return None, None
 
 

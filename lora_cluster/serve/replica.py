@@ -8,7 +8,13 @@ caller goes away (client disconnect), Ray cancels the generator, which aborts th
 engine and frees its batch slot.
 
 `record_routing_stats` reports what the router needs: adapters on the device and loading, free
-adapter and batch slots, running and waiting requests.
+adapter and batch slots, running and waiting requests; and, under `classes`, per SLA class: requests
+running and waiting now, and over the last minute finished requests, TTFT and TPOT p50/p99 and SLO
+attainment (`lora_cluster.cluster.class_stats`). Each job runs at its class's priority in the engine.
+
+With a cluster controller, the replica also reports to it (`reporter`, `replica_report`): every
+`controller_report_period_s`, and at once when a request finishes while requests wait in the
+cluster queue; it prefetches the adapters the controller's placement names for it.
 """
 
 from __future__ import annotations
@@ -16,19 +22,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
+from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
+from lora_cluster.config import build_sla_classes
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.model import load_config, resolve_model
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
+from lora_cluster.serve.replica_report import ServiceTime, build_report, memory_split
+from lora_cluster.serve.reporter import AdapterDemand, ControllerReporter
 from lora_cluster.store import build_adapter_loader
 
 log = logging.getLogger(__name__)
+
+MAX_PREFETCHES = 4  # adapter prefetches (placement) in flight at once on one replica
 
 
 async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
@@ -45,30 +59,56 @@ async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[
             return
 
 
+async def tracked(outputs: AsyncIterator[RequestOutput],
+                  tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
+    """`outputs`, telling `tracker` when the first token and the final output arrive."""
+    async for out in outputs:
+        if out.completion_tokens:
+            tracker.first_token()
+        if out.finished:
+            tracker.finished(out.time_to_first_token, out.completion_tokens)
+        yield out
+
+
 @serve.deployment(name="LoraReplica")
 class LoraReplica:
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], controller: Any | None = None):
         self.config = resolve_model(load_config(config))
         self.engine = Engine(config=self.config, adapter_loader=build_adapter_loader)
         self.aengine = AsyncEngine(self.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.counts: collections.Counter[str] = collections.Counter()
+        self.class_stats = ClassStats(build_sla_classes(self.config))
         self._registered: dict[str, str] = {}  # adapters registered here through the vLLM API
         self._registering = asyncio.Lock()  # one registration at a time: a path is registered once
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.demand = AdapterDemand()
+        self.service_time = ServiceTime()
+        self._prefetching: set[str] = set()
+        self.reporter = None if controller is None else ControllerReporter(
+            controller, self._report, self._on_reply, self.config.controller_report_period_s)
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 
     # ----- generation ---------------------------------------------------------------------
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict[str, Any]]:
+        """Run `job` at its class's priority; its class's stats count it (an error is a missed SLO, a
+        caller that goes away is no sample)."""
         aid = job.adapter_id
         hit = aid is None or aid in self.aengine.stats.resident_adapters
         self.counts["requests"] += 1
         self.counts["hits" if hit else "misses"] += 1
         head: dict[str, Any] = {"replica": self.replica_id, "hit": hit}
+        tracker = self.class_stats.start(job.priority_class)
+        self.demand.record(aid)
+        started = time.monotonic()
+        if self.reporter is not None:
+            self.reporter.start()
         try:
             if job.adapter_path is not None and aid is not None:
                 await self._ensure_registered(aid, job.adapter_path)
-            outputs = self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id)
+            outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
+                                                    priority=job.priority), tracker)
             if not job.stream:
                 async for out in outputs:
                     if out.finished:
@@ -79,10 +119,20 @@ class LoraReplica:
                 head = {}
         except asyncio.CancelledError:
             self.counts["cancelled"] += 1
+            tracker.cancelled()
             raise
         except LoraClusterError as exc:
             self.counts["errors"] += 1
+            tracker.failed()
             yield {**head, "error": describe(exc).to_dict()}
+        except Exception:
+            tracker.failed()
+            raise
+        finally:
+            tracker.cancelled()  # the caller closed the stream early; no-op once the request ended
+            self.service_time.record(time.monotonic() - started)
+            if self.reporter is not None:
+                self.reporter.request_finished()
 
     async def _ensure_registered(self, adapter_id: str, path: str) -> None:
         if self._registered.get(adapter_id) == path:
@@ -95,6 +145,8 @@ class LoraReplica:
     # ----- routing stats, admin -----------------------------------------------------------
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        if self.reporter is not None:
+            self.reporter.start()  # Serve polls this from the start: the reports begin with it
         # fresh from the loop thread: `AsyncEngine.stats` is refreshed only by engine steps, so it
         # would still show an aborted request as running while the engine idles
         s = await self.aengine.call(lambda engine: engine.stats())
@@ -111,7 +163,37 @@ class LoraReplica:
             "max_num_seqs": self.config.max_num_seqs,
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
             "store": self._store_tiers(),
+            "classes": self.class_stats.snapshot(),
         }
+
+    # ----- the cluster controller ---------------------------------------------------------
+
+    async def _report(self) -> dict[str, Any]:
+        s = await self.aengine.call(lambda engine: engine.stats())
+        return build_report(
+            replica_id=self.replica_id, node_id=self.node_id,
+            capacity=self.config.admission_capacity or self.config.max_num_seqs, stats=s,
+            max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,
+            classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
+            memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,
+            sent_at=time.time())
+
+    async def _on_reply(self, reply: dict[str, Any]) -> None:
+        """Prefetch what the controller's placement chose this replica for (host copy first; the
+        device slot follows with the first request the router spreads here)."""
+        for adapter_id in reply.get("prefetch", ()):
+            if len(self._prefetching) >= MAX_PREFETCHES or adapter_id in self._prefetching:
+                continue
+            self._prefetching.add(adapter_id)
+            asyncio.get_running_loop().create_task(self._prefetch(adapter_id))
+
+    async def _prefetch(self, adapter_id: str) -> None:
+        try:
+            await self.aengine.load_adapter(adapter_id)
+        except LoraClusterError as exc:
+            log.info("prefetch of %r for placement failed: %s", adapter_id, exc)
+        finally:
+            self._prefetching.discard(adapter_id)
 
     def _store_tiers(self) -> dict[str, Any]:
         """The adapter store's per-tier counters (for /metrics); empty with the plain folder loader."""
@@ -148,6 +230,9 @@ class LoraReplica:
         self.aengine.check_health()
 
     def __del__(self) -> None:
+        reporter = getattr(self, "reporter", None)
+        if reporter is not None:
+            reporter.stop()
         aengine = getattr(self, "aengine", None)
         if aengine is not None:
             aengine.shutdown()

@@ -28,8 +28,13 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lora_cluster.serve.affinity import PlacementTracker, publish_replica_stats, rank_replicas
-from lora_cluster.serve.protocol import routing_key
+from lora_cluster.serve.affinity import (
+    PlacementTracker,
+    placement_table,
+    publish_replica_stats,
+    rank_replicas,
+)
+from lora_cluster.serve.protocol import ToReplica, routing_key
 from lora_cluster.serve.ray_internals import cached_queue_len, deployment_key
 
 log = logging.getLogger(__name__)
@@ -70,10 +75,14 @@ class LoraAffinityRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # never spin when all are full
             adapter_id, target = routing_key(pending_request.args)
         if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if pinned or isinstance(pending_request.args[0], ToReplica):
+                return [pinned]  # an admin call waits for its replica; a granted job is not stranded
         now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        views = [self._placements.view(rid, r.routing_stats or {}, self._ongoing(r), now)
+        placed = set(placement_table(*deployment_key(self)).get(adapter_id, ())) if adapter_id else set()
+        views = [self._placements.view(rid, r.routing_stats or {}, self._ongoing(r), now,
+                                       placed=adapter_id if rid in placed else None)
                  for rid, r in by_id.items()]
         ranked = rank_replicas(adapter_id, views, self._miss_cost)
         if ranked:  # tentatively: a concurrent request for the same new adapter should follow it

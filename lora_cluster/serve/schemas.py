@@ -44,6 +44,9 @@ class _OpenAISampling(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    priority: int | None = Field(
+        None, description="vLLM extension: lower is more urgent; picks the SLA class with that priority "
+        "(see SlaClasses.resolve) unless the x-lora-priority header names one.")
 
     def _refuse_unsupported(self, logprobs: object) -> None:
         unsupported = {

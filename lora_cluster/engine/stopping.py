@@ -1,0 +1,53 @@
+"""When a request stops: stop token ids, end-of-sequence, stop strings and length limits.
+
+Checked after each new token, in this order: a stop token id (kept in the ids, not in the text), an
+end-of-sequence token unless `ignore_eos` (kept in the ids), a stop string in the text (the text is
+cut before it), then `max_new_tokens` or the model's length limit (the detokenizer's held-back tail
+is released, and a stop string it completes still cuts the text).
+"""
+
+from __future__ import annotations
+
+from lora_cluster.engine.model_loader import BaseModel
+from lora_cluster.engine.sequence import FinishReason, Sequence
+
+
+def eos_token_ids(model: BaseModel) -> set[int]:
+    """The model's end-of-sequence ids: the tokenizer's, the config's and the generation config's."""
+    ids = {model.tokenizer.eos_token_id}
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, list) else [value])
+    return {i for i in ids if i is not None}
+
+
+def stop_reason(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
+    """Advance `seq`'s detokenizer over its newest output token; the reason it stops now, or None."""
+    token, p = seq.output_ids[-1], seq.sampling
+    if token in p.stop_token_ids:
+        seq.detok.flush(seq.output_ids[:-1])
+        return FinishReason.STOP
+    if token in eos_token_ids and not p.ignore_eos:
+        seq.detok.flush(seq.output_ids)
+        return FinishReason.EOS
+    before = len(seq.detok.text)
+    seq.detok.step(seq.output_ids)
+    if p.stop and _truncate_at_stop(seq, before):
+        return FinishReason.STOP
+    if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= max_model_len:
+        seq.detok.flush(seq.output_ids)
+        if p.stop and _truncate_at_stop(seq, before):
+            return FinishReason.STOP
+        return FinishReason.LENGTH
+    return None
+
+
+def _truncate_at_stop(seq: Sequence, before: int) -> bool:
+    """Cut the text at the first stop string that may have been completed since `before` characters."""
+    text = seq.detok.text
+    start = max(0, before - max(len(s) for s in seq.sampling.stop) + 1)
+    hits = [i for i in (text.find(s, start) for s in seq.sampling.stop) if i >= 0]
+    if not hits:
+        return False
+    seq.detok.text = text[: min(hits)]
+    return True

@@ -1,0 +1,64 @@
+"""What a LoRA replica tells the cluster controller: its `ReplicaReport`, built from the engine.
+
+Memory split (bytes): the base model's weights, the KV cache and the adapter slot pool as the
+engine allocated them, the device's free memory (CUDA only; None on CPU), and the adapter store's
+host tier (bytes held and budget). Requests: running and waiting (all, per priority, per SLA class),
+the replica's busiest adapters since its last report, and the mean time a request held the replica
+recently (an exponentially weighted average), which the controller's placement uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from lora_cluster.cluster.reports import MemorySplit, ReplicaReport
+from lora_cluster.engine import Engine, EngineStats
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+def memory_split(engine: Engine, store_tiers: dict[str, Any]) -> MemorySplit:
+    """The engine's device memory by use, and the host tier's bytes (see the module docstring)."""
+    free = None
+    if engine.device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(engine.device)[0])
+    host = store_tiers.get("host", {})
+    return MemorySplit(base_weights=_tensor_bytes(engine.model), kv_cache=engine.kv.nbytes,
+                       adapter_pool=engine.pool.nbytes, free=free, host_cache=int(host.get("bytes", 0)),
+                       host_cache_budget=int(host.get("budget_bytes", 0)))
+
+
+class ServiceTime:
+    """Mean seconds a request holds the replica (EWMA over recent requests)."""
+
+    def __init__(self, weight: float = 0.05):
+        self.weight = weight
+        self.mean: float | None = None
+
+    def record(self, seconds: float) -> None:
+        self.mean = seconds if self.mean is None else (1 - self.weight) * self.mean + self.weight * seconds
+
+
+def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineStats, max_num_seqs: int,
+                 max_loras: int, classes: dict[str, Any], adapter_requests: dict[str, int],
+                 memory: MemorySplit, service_time_s: float | None, sent_at: float) -> dict[str, Any]:
+    """The report as the plain dict the controller's `report` takes."""
+    return ReplicaReport(
+        replica_id=replica_id, node_id=node_id, capacity=capacity, max_num_seqs=max_num_seqs,
+        max_loras=max_loras, running=stats.num_running, waiting=stats.num_waiting,
+        free_adapter_slots=stats.free_adapter_slots, resident=tuple(stats.resident_adapters),
+        loading=tuple(stats.loading_adapters), running_by_priority=dict(stats.running_by_priority),
+        classes=classes, adapter_requests=adapter_requests, memory=memory, service_time_s=service_time_s,
+        sent_at=sent_at,
+    ).to_dict()
