@@ -69,7 +69,7 @@ def decode_point(engine: Engine, n: int, d: int, adapters: list[str], salt: int)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
     times = []
-    for _ in range(4):
+    for _ in range(6):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
@@ -94,6 +94,7 @@ def measure_steps(engine: Engine, adapters: list[str], reps: int) -> list[dict[s
     for aid in adapters:  # every adapter on the device first: step times without loads
         engine.load_adapter(aid)
     prefill_point(engine, 32, adapters[0], 0)  # warm-up
+    decode_point(engine, 8, 8, adapters, 1)
     rows = []
     for n, d in DECODE_POINTS:
         s = statistics.median(decode_point(engine, n, d, adapters, 1000 * r + n) for r in range(reps))

@@ -85,7 +85,8 @@ async def test_a_full_cluster_waits_for_a_grant_and_pins_the_request():
     controller = FakeController({"replica_id": "r2", "preempt": False})
     a = admission(controller)
     granted = await a.admit(sla_class="interactive", adapter_id="x", arrived_at=0.0)
-    assert granted == "r2", "the request goes to the replica the controller granted"
+    assert granted.replica_id == "r2", "the request goes to the replica the controller granted"
+    assert granted.ticket_id == controller.calls[0]["ticket_id"], "with the ticket it was granted for"
     assert controller.calls[0]["sla_class"] == "interactive", "the ticket carries the class"
     assert controller.calls[0]["adapter_id"] == "x", "and the adapter, for affinity"
 
@@ -104,7 +105,8 @@ async def test_refusals_become_429_and_timeouts_503():
 async def test_a_dead_controller_is_asked_again_then_bypassed(monkeypatch):
     monkeypatch.setattr(admission_module, "RETRY_PAUSE_S", 0.0)
     revived = FakeController(RuntimeError("actor died"), {"replica_id": "r1", "preempt": True})
-    assert await admission(revived).admit(sla_class="interactive", adapter_id=None, arrived_at=0.0) == "r1", (
+    granted = await admission(revived).admit(sla_class="interactive", adapter_id=None, arrived_at=0.0)
+    assert granted.replica_id == "r1", (
         "a request parked at a controller that died is parked again at its successor")
     clock = [0.0]
     dead = FakeController(*[RuntimeError("actor died")] * 100, clock=clock, step_s=1.0)

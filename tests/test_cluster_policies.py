@@ -32,10 +32,12 @@ def ticket(tid: str, cls: str, at: float, adapter: str | None = None) -> Ticket:
 
 def report(rid: str, *, capacity: int = 2, running: int = 0, waiting: int = 0, node: str = "n1",
            resident: tuple[str, ...] = (), by_priority: dict[int, int] | None = None,
-           free_slots: int = 2, demand: dict[str, int] | None = None) -> ReplicaReport:
+           free_slots: int = 2, demand: dict[str, int] | None = None,
+           arrived: tuple[str, ...] = ()) -> ReplicaReport:
     return ReplicaReport(rid, node, capacity=capacity, max_num_seqs=capacity, max_loras=4, running=running,
                          waiting=waiting, free_adapter_slots=free_slots, resident=resident,
-                         running_by_priority=by_priority or {}, adapter_requests=demand or {})
+                         running_by_priority=by_priority or {}, adapter_requests=demand or {},
+                         arrived_tickets=arrived)
 
 
 # ----- the queue ------------------------------------------------------------------------------
@@ -101,9 +103,13 @@ def test_a_ticket_goes_to_a_holder_of_its_adapter_with_room():
     assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {}) == "r1", "else the most room"
     assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {"y": ("r2",)}) == "r2", (
         "else a replica the placement table names")
-    view.granted("r2")
+    view.granted("r2", "t0")
     assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == "r1", (
-        "a replica whose room went to grants since its report is full")
+        "a replica whose room went to a grant on its way is full")
+    view.update(report("r2", running=2, resident=("x",), arrived=("t0",)))
+    assert view.free("r2") == 0, "an arrived grant is counted once, in the replica's own count"
+    view.update(report("r2", running=1, resident=("x",)))
+    assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == "r2", "room once it finished"
 
 
 def test_preemption_waits_for_its_fraction_and_picks_the_most_less_urgent_work():
@@ -133,7 +139,10 @@ def test_controller_grants_as_capacity_frees_and_preempts_for_urgent_work():
     grants = ctl.take_grants()
     assert grants.get("i") is not None and grants["i"].preempt, "the urgent ticket preempts after 0.5 s"
     assert "b" not in grants, "the batch ticket does not preempt"
-    reply = ctl.report(report("r1", capacity=2, running=1, by_priority={0: 1}))
+    still_coming = ctl.report(report("r1", capacity=2, running=1, by_priority={0: 1}))
+    assert ctl.take_grants() == {}, "the urgent ticket's grant still counts until the replica says it arrived"
+    assert still_coming["queue_depth"] == 1, "the batch ticket still waits"
+    reply = ctl.report(report("r1", capacity=2, running=1, by_priority={0: 1}, arrived=("i",)))
     assert ctl.take_grants()["b"].replica_id == "r1", "the batch ticket gets the slot that freed"
     assert reply["queue_depth"] == 0, "the reply tells the replica that nothing waits any more"
 
@@ -190,3 +199,15 @@ def test_controller_tells_a_replica_to_prefetch_what_placement_chose_for_it():
     reply = ctl.report(report("r2", capacity=8))
     assert reply["prefetch"] == ["hot"], "the new holder is told to prefetch the hot adapter"
     assert ctl.placement()["hot"] == ("r1", "r2"), "the placement table names both holders"
+
+
+def test_requests_sent_the_direct_way_count_before_the_replicas_report_them():
+    clock = Clock()
+    ctl = Controller(CLASSES, clock=clock)
+    ctl.report(report("r1", capacity=2, running=0))  # stale: two direct requests are on their way there
+    claims = {"inflight": {"r1": 1}, "unassigned": 1}
+    assert ctl.park(ticket("t", "standard", 100.0), claims) is None, (
+        "one request runs there and one more is on its way: no room for the ticket")
+    clock.now += 2.0  # the claim expired; the replica's report is the truth again
+    ctl.report(report("r1", capacity=2, running=1))
+    assert ctl.take_grants()["t"].replica_id == "r1", "the ticket gets the slot the report shows free"

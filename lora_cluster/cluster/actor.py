@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+import ray
 from ray import serve
 
 from lora_cluster.cluster.cluster_queue import Ticket
@@ -93,7 +94,7 @@ class ClusterController:
         self._waiters[ticket.ticket_id] = waiter
         try:
             try:
-                grant = self.core.park(ticket)
+                grant = self.core.park(ticket, request.get("claims"))
             except ClusterOverloadedError as e:
                 return {"overloaded": str(e), "retry_after_s": e.retry_after_s}
             self._deliver()
@@ -108,7 +109,11 @@ class ClusterController:
                 self.core.cancel(ticket.ticket_id)
 
     async def snapshot(self) -> dict[str, Any]:
-        return self.core.snapshot()
+        """The controller's view, plus where the controller itself runs (its actor and node)."""
+        view = self.core.snapshot()
+        context = ray.get_runtime_context()
+        view["controller"].update(actor=context.get_actor_name(), node_id=context.get_node_id())
+        return view
 
     async def placement(self) -> dict[str, list[str]]:
         return {a: list(r) for a, r in self.core.placement().items()}

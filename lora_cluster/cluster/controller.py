@@ -18,7 +18,7 @@ ingresses park their waiting requests again. Pure: injected clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +74,13 @@ class Controller:
         prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
         return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch)}
 
-    def park(self, ticket: Ticket) -> Grant | None:
+    def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | None:
         """Queue a request that no replica can take now; returns its grant if one is decided at once
-        (it still waits its turn behind more urgent tickets). Raises ClusterOverloadedError."""
+        (it still waits its turn behind more urgent tickets). `claims`: the parking ingress's
+        requests in flight (`{"inflight": {replica: n}, "unassigned": n}`, see `ClusterView.claim`).
+        Raises ClusterOverloadedError."""
+        if claims is not None:
+            self.view.claim(ticket.ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
         try:
             self.queue.park(ticket)
         except Exception:
@@ -112,7 +116,7 @@ class Controller:
 
     def _grant(self, ticket: Ticket, replica_id: str, *, preempt: bool) -> None:
         self.queue.remove(ticket.ticket_id)
-        self.view.granted(replica_id, preempting=preempt)
+        self.view.granted(replica_id, ticket.ticket_id, preempting=preempt)
         self.queue.drain.record()
         self._grants[ticket.ticket_id] = Grant(replica_id, preempt)
         self.counts["granted"] += 1
@@ -121,11 +125,14 @@ class Controller:
             self._grants.pop(next(iter(self._grants)))
 
     def _dispatch(self) -> None:
-        while (ticket := self.queue.peek()) is not None:
+        # direct requests on their way will take some of the room: grant only what is left
+        room = sum(max(0, self.view.free(rid)) for rid in self.view.ids()) - self.view.unassigned()
+        while room > 0 and (ticket := self.queue.peek()) is not None:
             replica_id = choose_replica(ticket, self.view, self._placement)
             if replica_id is None:
                 break
             self._grant(ticket, replica_id, preempt=False)
+            room -= 1
         if not len(self.queue):
             return
         now = self._clock()

@@ -6,8 +6,17 @@ recent latency and SLO attainment per class, and the replica's recent requests p
 busiest adapters only, so a report stays small with thousands of adapters).
 
 `ClusterView` keeps the latest report of each replica and forgets a replica that has not reported
-for `stale_after_s` (it died or was scaled down). A restarted controller starts empty and is whole
-again once every replica has reported, within one report period. Pure: injected clock, no Ray.
+for `stale_after_s` (it died or was scaled down). Room on a replica is its capacity minus its
+requests in flight (`active`, counted by the replica itself) minus the grants sent its way that
+have not arrived yet: each grant is a ticket id, and each report lists the ticket ids that arrived
+since the previous one, so no grant is counted twice or lost between two reports (a grant that
+never arrives, its request gone, is dropped after `grant_ttl_s`). Requests an ingress sent the
+direct way (its fast path) reach a replica before the replica reports them; each ingress therefore
+states, with every ticket it parks, its requests in flight per replica and those on their way to
+a replica not known yet (`claim`). A claim counts for `claim_ttl_s`, after which the replicas'
+reports, which include those requests, are the truth again. A restarted controller starts
+empty and is whole again once every replica has reported, within one report period. Pure:
+injected clock, no Ray.
 """
 
 from __future__ import annotations
@@ -49,11 +58,13 @@ class ReplicaReport:
     adapter_requests: Mapping[str, int] = field(default_factory=dict)  # requests per adapter since last
     memory: MemorySplit = field(default_factory=MemorySplit)
     service_time_s: float | None = None  # mean time a request held the replica, recently
+    active: int | None = None  # requests in the replica's hands (None: use running + waiting)
+    arrived_tickets: tuple[str, ...] = ()  # granted tickets that reached the replica since its last report
     sent_at: float = 0.0  # wall-clock time, for display
 
     @property
     def ongoing(self) -> int:
-        return self.running + self.waiting
+        return self.running + self.waiting if self.active is None else self.active
 
     def less_urgent_running(self, priority: int) -> int:
         """Running requests strictly less urgent than `priority` (what a preemption could free)."""
@@ -62,6 +73,7 @@ class ReplicaReport:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["resident"], d["loading"] = list(self.resident), list(self.loading)
+        d["arrived_tickets"] = list(self.arrived_tickets)
         d["running_by_priority"] = {str(p): n for p, n in self.running_by_priority.items()}
         return d
 
@@ -71,6 +83,7 @@ class ReplicaReport:
         values = {k: v for k, v in d.items() if k in fields}
         values["resident"] = tuple(values.get("resident", ()))
         values["loading"] = tuple(values.get("loading", ()))
+        values["arrived_tickets"] = tuple(values.get("arrived_tickets", ()))
         by_priority = values.get("running_by_priority") or {}
         values["running_by_priority"] = {int(p): int(n) for p, n in by_priority.items()}
         values["memory"] = MemorySplit(**dict(values.get("memory") or {}))
@@ -83,19 +96,48 @@ class ReplicaReport:
 class _Seen:
     report: ReplicaReport
     at: float  # controller clock
-    granted_since: int = 0  # grants the controller issued after this report (not yet in its counts)
-    preempt_grants_since: int = 0
+    outstanding: dict[str, float] = field(default_factory=dict)  # granted ticket -> when, not arrived yet
+    preempting: set[str] = field(default_factory=set)  # those of them that preempt
 
 
 class ClusterView:
-    """The latest report of every live replica, plus grants issued since each report."""
+    """The latest report of every live replica, plus grants on their way to each."""
 
-    def __init__(self, *, stale_after_s: float, clock: Callable[[], float]):
-        self.stale_after_s, self._clock = stale_after_s, clock
+    def __init__(self, *, stale_after_s: float, clock: Callable[[], float], grant_ttl_s: float = 10.0,
+                 claim_ttl_s: float = 1.0, max_ingresses: int = 1024):
+        self.stale_after_s, self.grant_ttl_s, self._clock = stale_after_s, grant_ttl_s, clock
+        self.claim_ttl_s, self.max_ingresses = claim_ttl_s, max_ingresses
         self._seen: dict[str, _Seen] = {}
+        # ingress -> (when, its requests in flight per replica, its requests on their way)
+        self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
+
+    def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int) -> None:
+        """An ingress's requests in flight per replica, and those on their way to an unknown one."""
+        self._claims.pop(ingress_id, None)
+        self._claims[ingress_id] = (self._clock(), dict(inflight), max(0, int(unassigned)))
+        while len(self._claims) > self.max_ingresses:
+            self._claims.pop(next(iter(self._claims)))
+
+    def _fresh_claims(self) -> list[tuple[Mapping[str, int], int]]:
+        now = self._clock()
+        for ingress in [i for i, (at, _, _) in self._claims.items() if now - at > self.claim_ttl_s]:
+            del self._claims[ingress]
+        return [(inflight, unassigned) for _, inflight, unassigned in self._claims.values()]
+
+    def unassigned(self) -> int:
+        """Requests the ingresses sent the direct way that no replica has answered yet."""
+        return sum(n for _, n in self._fresh_claims())
 
     def update(self, report: ReplicaReport) -> None:
-        self._seen[report.replica_id] = _Seen(report, self._clock())
+        now = self._clock()
+        old = self._seen.get(report.replica_id)
+        seen = _Seen(report, now)
+        if old is not None:
+            arrived = set(report.arrived_tickets)
+            seen.outstanding = {t: at for t, at in old.outstanding.items()
+                                if t not in arrived and now - at < self.grant_ttl_s}
+            seen.preempting = old.preempting & set(seen.outstanding)
+        self._seen[report.replica_id] = seen
 
     def forget(self, replica_id: str) -> None:
         self._seen.pop(replica_id, None)
@@ -116,20 +158,23 @@ class ClusterView:
         return None if seen is None else seen.report
 
     def free(self, replica_id: str) -> int:
-        """Requests the replica can still be given: capacity - reported ongoing - grants since."""
+        """Requests the replica can still be given: capacity - in flight - grants on their way (in
+        flight: the larger of its report and what the ingresses claim there)."""
         s = self._seen[replica_id]
-        return s.report.capacity - s.report.ongoing - s.granted_since
+        claimed = sum(inflight.get(replica_id, 0) for inflight, _ in self._fresh_claims())
+        return s.report.capacity - max(s.report.ongoing + len(s.outstanding), claimed)
 
     def preemptible(self, replica_id: str, priority: int) -> int:
         """Less urgent running requests a grant over capacity could still preempt there."""
         s = self._seen[replica_id]
-        return s.report.less_urgent_running(priority) - s.preempt_grants_since
+        return s.report.less_urgent_running(priority) - len(s.preempting)
 
-    def granted(self, replica_id: str, *, preempting: bool = False) -> None:
+    def granted(self, replica_id: str, ticket_id: str, *, preempting: bool = False) -> None:
         s = self._seen.get(replica_id)
         if s is not None:
-            s.granted_since += 1
-            s.preempt_grants_since += int(preempting)
+            s.outstanding[ticket_id] = self._clock()
+            if preempting:
+                s.preempting.add(ticket_id)
 
     def ids(self) -> Iterable[str]:
         return self._seen.keys()

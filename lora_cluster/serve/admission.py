@@ -31,6 +31,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
@@ -40,6 +41,14 @@ log = logging.getLogger(__name__)
 REPARK_WINDOW_S = 5.0  # how long a waiting request keeps trying to reach a (restarted) controller
 BACKOFF_S = 1.0  # after the controller could not be reached: direct routing for this long
 RETRY_PAUSE_S = 0.2
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A request's grant: run it on `replica_id`; the replica reports `ticket_id` when it arrives."""
+
+    replica_id: str
+    ticket_id: str
 
 
 class ClusterAdmission:
@@ -78,7 +87,7 @@ class ClusterAdmission:
             free += max(0, capacity - max(reported, self._inflight[rid]))
         return free > self._unassigned
 
-    async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> str | None:
+    async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> Granted | None:
         """The replica to pin the request to, or None to send it the direct way (fast path, or no
         controller). Raises ClusterOverloadedError (429) or ClusterQueueTimeoutError (503). The
         caller then reports `started` (first item) or `not_started`, and `finished`."""
@@ -97,7 +106,9 @@ class ClusterAdmission:
             if remaining <= 0:
                 raise ClusterQueueTimeoutError(
                     f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
-            response = self._controller.admit.remote({**ticket, "waited_s": now - arrived_at}, remaining)
+            claims = {"inflight": dict(self._inflight), "unassigned": self._unassigned}
+            response = self._controller.admit.remote(
+                {**ticket, "waited_s": now - arrived_at, "claims": claims}, remaining)
             try:
                 reply = await response
             except asyncio.CancelledError:
@@ -116,7 +127,7 @@ class ClusterAdmission:
                 continue
             if "replica_id" in reply:
                 self.counts["preempting" if reply.get("preempt") else "granted"] += 1
-                return str(reply["replica_id"])
+                return Granted(str(reply["replica_id"]), ticket["ticket_id"])
             if "overloaded" in reply:
                 self.counts["refused"] += 1
                 raise ClusterOverloadedError(str(reply["overloaded"]), float(reply["retry_after_s"]))

@@ -123,7 +123,7 @@ class Dispatcher:
         granted = await self.admission.admit(sla_class=job.priority_class, adapter_id=job.adapter_id,
                                              arrived_at=t0)
         if granted is not None:
-            job = dataclasses.replace(job, replica_id=granted)
+            job = dataclasses.replace(job, replica_id=granted.replica_id, ticket_id=granted.ticket_id)
         pinned = granted is not None
         try:
             first, stream = await self._first_item(job)

@@ -44,6 +44,7 @@ class GenerateJob:
     priority_class: str = _DEFAULT_CLASS.name
     priority: int = _DEFAULT_CLASS.priority
     replica_id: str | None = None  # granted by the cluster controller: run there (None: router's choice)
+    ticket_id: str | None = None  # the cluster queue ticket it was granted with (the replica reports it)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class LoraReplica:
         self.demand = AdapterDemand()
         self.service_time = ServiceTime()
         self._prefetching: set[str] = set()
+        self.active = 0  # generate calls in progress: what the controller counts against capacity
+        self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
             controller, self._report, self._on_reply, self.config.controller_report_period_s)
         log.info("replica %s serving %s", self.replica_id, self.config.model)
@@ -101,6 +103,9 @@ class LoraReplica:
         head: dict[str, Any] = {"replica": self.replica_id, "hit": hit}
         tracker = self.class_stats.start(job.priority_class)
         self.demand.record(aid)
+        self.active += 1
+        if job.ticket_id is not None:
+            self._arrived.append(job.ticket_id)
         started = time.monotonic()
         if self.reporter is not None:
             self.reporter.start()
@@ -130,6 +135,7 @@ class LoraReplica:
             raise
         finally:
             tracker.cancelled()  # the caller closed the stream early; no-op once the request ended
+            self.active -= 1
             self.service_time.record(time.monotonic() - started)
             if self.reporter is not None:
                 self.reporter.request_finished()
@@ -170,7 +176,10 @@ class LoraReplica:
 
     async def _report(self) -> dict[str, Any]:
         s = await self.aengine.call(lambda engine: engine.stats())
+        arrived = tuple(self._arrived)
+        self._arrived.clear()
         return build_report(
+            active=self.active, arrived_tickets=arrived,
             replica_id=self.replica_id, node_id=self.node_id,
             capacity=self.config.admission_capacity or self.config.max_num_seqs, stats=s,
             max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,

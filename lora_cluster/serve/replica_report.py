@@ -52,7 +52,8 @@ class ServiceTime:
 
 def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineStats, max_num_seqs: int,
                  max_loras: int, classes: dict[str, Any], adapter_requests: dict[str, int],
-                 memory: MemorySplit, service_time_s: float | None, sent_at: float) -> dict[str, Any]:
+                 memory: MemorySplit, service_time_s: float | None, sent_at: float, active: int,
+                 arrived_tickets: tuple[str, ...]) -> dict[str, Any]:
     """The report as the plain dict the controller's `report` takes."""
     return ReplicaReport(
         replica_id=replica_id, node_id=node_id, capacity=capacity, max_num_seqs=max_num_seqs,
@@ -60,5 +61,5 @@ def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineS
         free_adapter_slots=stats.free_adapter_slots, resident=tuple(stats.resident_adapters),
         loading=tuple(stats.loading_adapters), running_by_priority=dict(stats.running_by_priority),
         classes=classes, adapter_requests=adapter_requests, memory=memory, service_time_s=service_time_s,
-        sent_at=sent_at,
+        active=active, arrived_tickets=arrived_tickets, sent_at=sent_at,
     ).to_dict()

@@ -1,0 +1,17 @@
+"""A discrete-event simulator of a lora-cluster deployment, driving the cluster's own policy code.
+
+The routing, admission, cluster queue, preemption and placement decisions are made by the modules
+the live system runs, imported unchanged: `cluster.controller.Controller` (with `cluster_queue`,
+`scheduling.choose_replica` / `preemption_target`, `placement.PlacementPolicy` / `DemandTracker`),
+`serve.affinity.rank_replicas` (through `PlacementTracker`) and `serve.reporter.AdapterDemand`.
+What is simulated is everything around them: time (`events`), the workload (`workload`), the
+replicas' engines (`replica`, `adapters`, `store`), calibrated by a profile (`profile`), the wiring
+of the live deployments (`cluster_policy`), the baselines (`baselines`) and the measurements
+(`metrics`). `simulation.run(SimConfig(...))` runs one; `python -m lora_cluster.cluster.sim` is its
+command line, `python -m lora_cluster.cluster.sim.experiments` writes docs/scale.md's figures.
+"""
+
+from lora_cluster.cluster.sim.metrics import SimResult
+from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, run
+
+__all__ = ["POLICIES", "SimConfig", "SimResult", "run"]

@@ -1,0 +1,155 @@
+"""One replica's adapters: device slots, host fetches on a few load workers, prefetches.
+
+Modelled on `engine.adapter_residency` and `engine.adapter_pool`:
+
+* A request's adapter is fetched into host memory when the request reaches the replica (unless it
+  is in a device slot), from the node store's highest tier that holds it, on `workers` load workers
+  (one fetch per adapter however many requests want it). The fetch takes the profile's time for
+  that tier and the adapter's size; it is counted as a load from that tier (prefetches too).
+* `acquire` (the scheduler's gate) answers READY (in a slot: a reference is taken; or fetched and
+  a slot is free or evictable: the host -> device copy is charged to the current step), PENDING
+  (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
+  or `may_claim` is false).
+* Eviction: an empty slot first, else the least recently released slot without references whose
+  adapter no queued request of this replica wants.
+* Fetched weights are dropped when the last request that wanted them ends before they got a slot.
+* `prefetch` (placement): a fetch into host memory only, as the live replica's `_prefetch` does;
+  at most `MAX_PREFETCHES` at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from lora_cluster.cluster.sim.events import EventLoop
+from lora_cluster.cluster.sim.profile import ReplicaProfile
+from lora_cluster.cluster.sim.store import NodeStore
+
+READY, PENDING, BLOCKED = 0, 1, 2
+MAX_PREFETCHES = 4  # as serve.replica.MAX_PREFETCHES
+
+
+class DeviceAdapters:
+    def __init__(self, *, max_loras: int, profile: ReplicaProfile, store: NodeStore, loop: EventLoop,
+                 sizes: dict[str, int], on_ready: Callable[[], None], on_load: Callable[[str], None],
+                 workers: int = 2):
+        self.max_loras, self.profile, self.store, self.loop = max_loras, profile, store, loop
+        self.sizes, self._on_ready, self._on_load, self.workers = sizes, on_ready, on_load, workers
+        self.refs: dict[str, int] = {}  # adapters in device slots -> running requests using them
+        self.idle: OrderedDict[str, None] = OrderedDict()  # slots without references, least recent first
+        self.active = 0  # adapters with references (distinct adapters in the running batch)
+        self.wanted: dict[str, int] = {}  # unfinished requests of this replica per adapter
+        self.loading: dict[str, bool] = {}  # queued, fetching or fetched (not on the device) -> explicit
+        self.fetched: set[str] = set()
+        self._queue: deque[str] = deque()
+        self._busy = 0
+        self._prefetches = 0
+        self.copy_s = 0.0  # host -> device copies charged to the step being planned
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def request_started(self, adapter_id: str) -> bool:
+        """A request for `adapter_id` reached the replica; returns whether it is a device hit."""
+        self.wanted[adapter_id] = self.wanted.get(adapter_id, 0) + 1
+        if adapter_id in self.refs:
+            return True
+        if adapter_id not in self.loading:
+            self._submit(adapter_id, explicit=False)
+        return False
+
+    def request_finished(self, adapter_id: str) -> None:
+        left = self.wanted[adapter_id] - 1
+        if left:
+            self.wanted[adapter_id] = left
+            return
+        del self.wanted[adapter_id]
+        if adapter_id in self.fetched:  # nobody waits for these weights any more
+            self.fetched.discard(adapter_id)
+            del self.loading[adapter_id]
+
+    def prefetch(self, adapter_id: str) -> None:
+        if self._prefetches >= MAX_PREFETCHES or adapter_id in self.refs or adapter_id in self.loading:
+            return
+        self._prefetches += 1
+        self._submit(adapter_id, explicit=True)
+
+    # ----- the scheduler's gate -------------------------------------------------------------
+
+    def acquire(self, adapter_id: str, may_claim: bool) -> int:
+        refs = self.refs.get(adapter_id)
+        if refs is not None:
+            if refs == 0:
+                del self.idle[adapter_id]
+                self.active += 1
+            self.refs[adapter_id] = refs + 1
+            return READY
+        if adapter_id not in self.fetched:
+            return PENDING
+        if not may_claim or not self._make_room():
+            return BLOCKED
+        self.fetched.discard(adapter_id)
+        del self.loading[adapter_id]
+        self.refs[adapter_id] = 1
+        self.active += 1
+        self.copy_s += self.profile.host_to_device.seconds(self.sizes[adapter_id])
+        return READY
+
+    def release(self, adapter_id: str) -> None:
+        refs = self.refs[adapter_id] - 1
+        self.refs[adapter_id] = refs
+        if refs == 0:
+            self.active -= 1
+            self.idle[adapter_id] = None
+
+    def _make_room(self) -> bool:
+        if len(self.refs) < self.max_loras:
+            return True
+        for victim in self.idle:
+            if victim not in self.wanted:
+                del self.idle[victim]
+                del self.refs[victim]
+                return True
+        return False
+
+    # ----- fetches --------------------------------------------------------------------------
+
+    def _submit(self, adapter_id: str, *, explicit: bool) -> None:
+        self.loading[adapter_id] = explicit
+        if self._busy < self.workers:
+            self._start(adapter_id)
+        else:
+            self._queue.append(adapter_id)
+
+    def _start(self, adapter_id: str) -> None:
+        self._busy += 1
+        tier = self.store.tier(adapter_id)
+        nbytes = self.sizes[adapter_id]
+        if tier == "host":
+            self.store.host.touch(adapter_id)
+        self._on_load(tier)
+        self.loop.after(self.profile.fetch_s(tier, nbytes), self._done, adapter_id, tier)
+
+    def _done(self, adapter_id: str, tier: str) -> None:
+        self._busy -= 1
+        self.store.fetched(adapter_id, self.sizes[adapter_id], tier)
+        if self.loading.pop(adapter_id, False):
+            self._prefetches -= 1
+        if adapter_id in self.wanted and adapter_id not in self.refs:
+            self.loading[adapter_id] = False
+            self.fetched.add(adapter_id)
+        while self._queue and self._busy < self.workers:
+            self._start(self._queue.popleft())
+        self._on_ready()
+
+    # ----- what reports show ----------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        """Slots empty or holding an idle adapter (a new adapter can go there)."""
+        return self.max_loras - self.active
+
+    @property
+    def empty_slots(self) -> int:
+        """Slots neither holding nor about to hold an adapter."""
+        return max(0, self.max_loras - len(self.refs) - len(self.loading))

@@ -1,0 +1,208 @@
+"""The `lora-cluster` policy: the ingress's admission, the affinity router and the cluster controller,
+wired to simulated replicas the way the live deployments are wired to each other.
+
+* Arrival (`serve.admission.ClusterAdmission.admit`): while some replica has room (the larger of
+  its last routing-stats count and the ingress's own requests in flight there is below its
+  admission capacity), the request goes the fast path: the affinity router picks the replica
+  (`routing.AffinityRouting`, i.e. `rank_replicas`). Otherwise a `Ticket` is parked at the
+  `Controller` (a refusal is a rejection); the request waits until a grant sends it, pinned, to
+  its replica, or until `cluster_queue_timeout_s` (then it is rejected, 503).
+* Replicas report to the controller (`Controller.report` with a `ReplicaReport`) every
+  `controller_report_period_s` and, as `serve.reporter.ControllerReporter` does, at once (at
+  least `MIN_GAP_S` after the previous report) when a request finishes while their last reply
+  said tickets are queued. The reply's `prefetch` list is fetched into host memory.
+* The controller ticks every `TICK_S` (stale replicas, preemption of long-waiting urgent tickets);
+  grants are delivered after every controller call. The ingress fetches the placement table for
+  its router every `controller_report_period_s`; each replica's routing stats refresh every
+  `routing_stats_period_s`, staggered.
+
+One ingress is modelled, so its in-flight count per replica is the replica's ongoing count. The
+control plane has no latency: a report, a grant and a send happen at the same simulated instant.
+The CPU time spent inside the controller's methods is measured (wall clock of this process) and
+reported with the calls, so that its cost at scale is visible.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.controller import Controller, Grant
+from lora_cluster.cluster.sim.context import SimContext
+from lora_cluster.cluster.sim.replica import SimReplica
+from lora_cluster.cluster.sim.routing import AffinityRouting
+from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.errors import ClusterOverloadedError
+from lora_cluster.serve.reporter import MIN_GAP_S
+
+TICK_S = 0.05  # as cluster.actor.TICK_S (that module imports Ray)
+INGRESS_ID = "sim-ingress"
+T = TypeVar("T")
+
+
+class LoraClusterPolicy:
+    name = "lora-cluster"
+
+    def __init__(self, ctx: SimContext):
+        self.ctx, self.loop, self.replicas, self.metrics = ctx, ctx.loop, ctx.replicas, ctx.metrics
+        s = ctx.serve
+        self.controller = Controller(ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
+        self.routing = AffinityRouting(ctx.replicas, miss_cost=s.router_miss_cost,
+                                       placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock)
+        self.capacity = {rid: s.admission_capacity or r.max_num_seqs for rid, r in ctx.replicas.items()}
+        self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
+        self._room = set(ctx.replicas)  # replicas the admission check sees with room
+        self._tickets: dict[str, SimRequest] = {}
+        self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
+        self._report_at: dict[str, float] = {}
+        self._report_version = dict.fromkeys(ctx.replicas, 0)
+        self._last_report = dict.fromkeys(ctx.replicas, -MIN_GAP_S)
+        self.controller_s = self.router_s = 0.0
+        self.calls: Counter[str] = Counter()
+        self.fast = self.parked = self.preempting = 0
+        self._depth_sum = self._depth_samples = self._depth_max = 0
+
+    def start(self) -> None:
+        s, n = self.ctx.serve, len(self.replicas)
+        for i, rid in enumerate(sorted(self.replicas)):
+            self._schedule_report(rid, s.controller_report_period_s * i / n)
+            self.loop.at(s.routing_stats_period_s * i / n, self._stats_tick, rid, i == 0)
+        self.loop.at(0.0, self._tick)
+        self.loop.at(0.0, self._fetch_placement)
+
+    def _call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.controller_s += time.perf_counter() - t0
+            self.calls[name] += 1
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def arrive(self, req: SimRequest) -> None:
+        if self._room:
+            self.fast += 1
+            t0 = time.perf_counter()
+            rid = self.routing.choose(req.adapter)
+            self.router_s += time.perf_counter() - t0
+            self._send(req, rid)
+            return
+        self.parked += 1
+        tid, sla = str(req.rid), req.sla
+        ticket = Ticket(ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
+                        adapter_id=req.adapter, enqueued_at=req.arrival,
+                        deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s, ttft_s=sla.ttft_s)
+        full = len(self.controller.queue) >= self.controller.queue.max_size
+        try:
+            grant = self._call("park", self.controller.park, ticket)
+        except ClusterOverloadedError:
+            self.metrics.rejected(req, "cluster queue full" if full else "deadline out of reach")
+            return
+        self._tickets[tid] = req
+        if grant is not None:
+            self._grant(tid, grant)
+        self._deliver()
+        if tid in self._tickets:
+            self.loop.at(req.arrival + self.ctx.serve.cluster_queue_timeout_s, self._timeout, tid)
+
+    def finished(self, replica: SimReplica, req: SimRequest) -> None:
+        self.metrics.finished(req)
+        rid = replica.replica_id
+        self._changed(rid)
+        if self._queue_depth[rid] > 0:
+            self._schedule_report(rid, max(self.loop.now, self._last_report[rid] + MIN_GAP_S))
+
+    def _send(self, req: SimRequest, replica_id: str) -> None:
+        self.replicas[replica_id].add(req, self.loop.now)
+        self._changed(replica_id)
+
+    def _changed(self, replica_id: str) -> None:
+        self.routing.changed(replica_id)
+        ongoing = max(self._reported[replica_id], self.replicas[replica_id].ongoing)
+        if ongoing < self.capacity[replica_id]:
+            self._room.add(replica_id)
+        else:
+            self._room.discard(replica_id)
+
+    def _grant(self, ticket_id: str, grant: Grant) -> None:
+        req = self._tickets.pop(ticket_id, None)
+        if req is None:
+            return
+        self.preempting += grant.preempt
+        self.routing.record(grant.replica_id, req.adapter)
+        self._send(req, grant.replica_id)
+
+    def _deliver(self) -> None:
+        for ticket_id, grant in self._call("take_grants", self.controller.take_grants).items():
+            self._grant(ticket_id, grant)
+
+    def _timeout(self, ticket_id: str) -> None:
+        req = self._tickets.pop(ticket_id, None)
+        if req is not None:
+            self._call("cancel", self.controller.cancel, ticket_id)
+            self.metrics.rejected(req, "cluster queue timeout")
+
+    def pending(self) -> list[SimRequest]:
+        return list(self._tickets.values())
+
+    # ----- the periodic parts ---------------------------------------------------------------
+
+    def _schedule_report(self, replica_id: str, when: float) -> None:
+        pending = self._report_at.get(replica_id)
+        if pending is not None and pending <= when:
+            return
+        self._report_at[replica_id] = when
+        self._report_version[replica_id] += 1
+        self.loop.at(when, self._report, replica_id, self._report_version[replica_id])
+
+    def _report(self, replica_id: str, version: int) -> None:
+        if version != self._report_version[replica_id]:
+            return
+        now = self.loop.now
+        del self._report_at[replica_id]
+        self._last_report[replica_id] = now
+        replica = self.replicas[replica_id]
+        reply = self._call("report", self.controller.report, replica.report(self.capacity[replica_id], now))
+        self._queue_depth[replica_id] = int(reply["queue_depth"])
+        for adapter_id in reply["prefetch"]:
+            replica.prefetch(adapter_id)
+        self._deliver()
+        self._schedule_report(replica_id, now + MIN_GAP_S + self.ctx.serve.controller_report_period_s)
+
+    def _tick(self) -> None:
+        self._call("tick", self.controller.tick)
+        self._deliver()
+        depth = len(self.controller.queue)
+        self._depth_sum += depth
+        self._depth_samples += 1
+        self._depth_max = max(self._depth_max, depth)
+        self.loop.after(TICK_S, self._tick)
+
+    def _fetch_placement(self) -> None:
+        self.routing.placement = self._call("placement", self.controller.placement)
+        self.loop.after(self.ctx.serve.controller_report_period_s, self._fetch_placement)
+
+    def _stats_tick(self, replica_id: str, prune: bool) -> None:
+        self.routing.refresh_stats(replica_id)
+        replica = self.replicas[replica_id]
+        self._reported[replica_id] = len(replica.running) + len(replica.waiting)
+        self._changed(replica_id)
+        if prune:
+            self.routing.prune()
+        self.loop.after(self.ctx.serve.routing_stats_period_s, self._stats_tick, replica_id, prune)
+
+    def details(self) -> dict[str, object]:
+        c = self.controller
+        return {
+            "fast_path": self.fast, "parked": self.parked, "preempting_grants": self.preempting,
+            "controller_counts": dict(c.counts), "controller_calls": dict(self.calls),
+            "controller_cpu_s": self.controller_s, "router_cpu_s": self.router_s,
+            "router_decisions": self.routing.decisions,
+            "queue_depth_mean": self._depth_sum / max(self._depth_samples, 1),
+            "queue_depth_max": self._depth_max,
+            "placement_entries": len(c.placement()),
+        }

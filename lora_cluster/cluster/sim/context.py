@@ -1,0 +1,72 @@
+"""What every routing policy of the simulator is given: the clock, the replicas, the metrics, and the
+serving settings, read from `ServeConfig`'s defaults so that the simulator runs what a user gets."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from lora_cluster.cluster.controller import ControllerSettings
+from lora_cluster.cluster.sim.events import EventLoop
+from lora_cluster.cluster.sim.metrics import Metrics
+from lora_cluster.cluster.sim.replica import SimReplica
+from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import ServeConfig
+
+
+def _default(name: str) -> object:
+    return ServeConfig.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The serving knobs the policies read (defaults: those of `ServeConfig`)."""
+
+    max_ongoing_requests: int = _default("max_ongoing_requests")  # type: ignore[assignment]
+    max_queued_requests: int = _default("max_queued_requests")  # type: ignore[assignment]
+    routing_stats_period_s: float = _default("routing_stats_period_s")  # type: ignore[assignment]
+    router_miss_cost: float = _default("router_miss_cost")  # type: ignore[assignment]
+    router_placement_ttl_s: float = _default("router_placement_ttl_s")  # type: ignore[assignment]
+    admission_capacity: int | None = _default("admission_capacity")  # type: ignore[assignment]
+    cluster_queue_size: int = _default("cluster_queue_size")  # type: ignore[assignment]
+    cluster_queue_aging_s: float = _default("cluster_queue_aging_s")  # type: ignore[assignment]
+    cluster_queue_timeout_s: float = _default("cluster_queue_timeout_s")  # type: ignore[assignment]
+    preempt_after_fraction: float = _default("preempt_after_fraction")  # type: ignore[assignment]
+    controller_report_period_s: float = _default("controller_report_period_s")  # type: ignore[assignment]
+    placement_hot_share: float = _default("placement_hot_share")  # type: ignore[assignment]
+
+    def controller_settings(self) -> ControllerSettings:
+        """As `cluster.actor.controller_settings` maps a ServeConfig (that module imports Ray)."""
+        return ControllerSettings(
+            queue_size=self.cluster_queue_size, aging_s=self.cluster_queue_aging_s,
+            preempt_after_fraction=self.preempt_after_fraction,
+            stale_after_s=max(2.0, 4 * self.controller_report_period_s), hot_share=self.placement_hot_share)
+
+
+@dataclass
+class SimContext:
+    loop: EventLoop
+    replicas: dict[str, SimReplica]
+    metrics: Metrics
+    classes: SlaClasses
+    serve: ServeSettings
+    rng: random.Random  # the policies' own randomness (power of two choices), seeded
+
+
+class Policy(Protocol):
+    """How requests get to replicas. `arrive` takes each new request; `finished` hears of each
+    request a replica completed; `pending` lists the requests the policy itself still holds."""
+
+    name: str
+
+    def start(self) -> None: ...
+
+    def arrive(self, req: SimRequest) -> None: ...
+
+    def finished(self, replica: SimReplica, req: SimRequest) -> None: ...
+
+    def pending(self) -> list[SimRequest]: ...
+
+    def details(self) -> dict[str, object]: ...

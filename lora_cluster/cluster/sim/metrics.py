@@ -1,0 +1,107 @@
+"""What a run measures, and the result it prints.
+
+Only requests that arrive after the warm-up (`measured`) count. Per SLA class:
+
+* `ttft_p50_s`, `ttft_p99_s`: time from arrival to the first token, over completed requests
+  (nearest-rank percentiles, `class_stats.percentile`);
+* `slo_attainment`: the share of the class's requests that completed and met the class's targets
+  (`SlaClass.met`: TTFT and TPOT); a rejected request, or one still unfinished when the run stops,
+  did not meet them.
+
+Overall: `completed`, `rejected` (refused by the cluster queue or Serve's queue, or timed out in the
+cluster queue), `hit_rate` (completed requests whose adapter was on the device of the replica that
+ran them when they reached it) and `adapter_loads` (fetches by the tier they started from, after
+the warm-up, prefetches included).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lora_cluster.cluster.class_stats import percentile
+from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.cluster.sla import SlaClasses
+
+TIERS = ("host", "disk", "s3")
+
+
+@dataclass
+class SimResult:
+    completed: int
+    rejected: int
+    hit_rate: float | None
+    adapter_loads: dict[str, int]
+    classes: dict[str, dict[str, float | None]]
+    wall_s: float
+    details: dict[str, Any] = field(default_factory=dict)  # not printed by --json: run and policy figures
+
+    def to_json(self) -> dict[str, Any]:
+        """The object `--json` prints (exactly these keys)."""
+        return {"completed": self.completed, "rejected": self.rejected, "hit_rate": self.hit_rate,
+                "adapter_loads": dict(self.adapter_loads), "classes": self.classes, "wall_s": self.wall_s}
+
+
+class _ClassTally:
+    def __init__(self) -> None:
+        self.ttfts: list[float] = []
+        self.met = self.completed = self.rejected = self.unfinished = 0
+
+
+class Metrics:
+    def __init__(self, classes: SlaClasses, *, measure_from: float, clock: Callable[[], float]):
+        self.measure_from, self._clock = measure_from, clock
+        self.classes = {c.name: _ClassTally() for c in classes.classes}
+        self.loads: Counter[str] = Counter({t: 0 for t in TIERS})
+        self.rejections: Counter[str] = Counter()
+        self.hits = self.completed = self.preempted_requests = 0
+        self.outstanding = 0  # requests arrived and not yet ended (all, measured or not)
+
+    def arrived(self) -> None:
+        self.outstanding += 1
+
+    def finished(self, req: SimRequest) -> None:
+        self.outstanding -= 1
+        if not req.measured:
+            return
+        tally = self.classes[req.sla.name]
+        tally.completed += 1
+        self.completed += 1
+        self.hits += req.hit
+        self.preempted_requests += req.preemptions > 0
+        ttft = req.first_token_at - req.arrival  # type: ignore[operator]
+        tally.ttfts.append(ttft)
+        tally.met += req.sla.met(ttft, req.tpot_s())
+
+    def rejected(self, req: SimRequest, reason: str) -> None:
+        self.outstanding -= 1
+        if req.measured:
+            self.classes[req.sla.name].rejected += 1
+            self.rejections[reason] += 1
+
+    def load(self, tier: str) -> None:
+        if self._clock() >= self.measure_from:
+            self.loads[tier] += 1
+
+    def result(self, unfinished: Iterable[SimRequest], wall_s: float, details: dict[str, Any]) -> SimResult:
+        for req in unfinished:
+            if req.measured:
+                self.classes[req.sla.name].unfinished += 1
+        out: dict[str, dict[str, float | None]] = {}
+        for name, t in self.classes.items():
+            offered = t.completed + t.rejected + t.unfinished
+            out[name] = {"ttft_p50_s": percentile(t.ttfts, 50), "ttft_p99_s": percentile(t.ttfts, 99),
+                         "slo_attainment": t.met / offered if offered else None}
+        rejected = sum(self.rejections.values())
+        details = {**details, "rejections": dict(self.rejections),
+                   "unfinished": sum(t.unfinished for t in self.classes.values()),
+                   "preempted_requests": self.preempted_requests,
+                   "by_class": {n: {"offered": t.completed + t.rejected + t.unfinished,
+                                    "completed": t.completed, "rejected": t.rejected, "met": t.met}
+                                for n, t in self.classes.items()}}
+        return SimResult(completed=self.completed, rejected=rejected,
+                         hit_rate=self.hits / self.completed if self.completed else None,
+                         adapter_loads={t: self.loads[t] for t in TIERS}, classes=out, wall_s=wall_s,
+                         details=details)

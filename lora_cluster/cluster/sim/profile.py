@@ -1,0 +1,97 @@
+"""The replica model's constants: a profile, measured on the real engine or taken from papers.
+
+A profile (JSON, see `benchmarks/profile_replica.py` for the measured one and
+`docs/profile_gpu_papers.json` for the one from papers) gives:
+
+* the step time of one engine step, linear in its composition:
+  `base_s + per_prefill_token_s * prefill tokens + per_decode_token_s * decode tokens +
+  per_adapter_s * distinct adapters in the batch`;
+* the time to move an adapter of a given size between tiers, each `fixed_s + per_mb_s * MB`:
+  `host` (host memory -> device slot, done inside an engine step), `disk` (local disk -> host,
+  off the step loop) and `s3` (S3 -> local disk); a device hit costs nothing;
+* the adapter sizes to draw from (bytes), the node's memory budgets (host cache, disk cache) and
+  the engine's batch shape (`max_num_seqs`, `max_num_batched_tokens`).
+
+`profile_path("cpu")` / `profile_path("gpu")` name the committed profiles in `docs/`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MB = 1 << 20
+DOCS = Path(__file__).resolve().parents[3] / "docs"
+NAMED = {"cpu": "profile_cpu.json", "gpu": "profile_gpu_papers.json"}
+
+
+@dataclass(frozen=True)
+class TierCost:
+    fixed_s: float
+    per_mb_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.fixed_s + self.per_mb_s * nbytes / MB
+
+
+@dataclass(frozen=True)
+class ReplicaProfile:
+    name: str
+    label: str
+    measured: bool
+    base_s: float
+    per_prefill_token_s: float
+    per_decode_token_s: float
+    per_adapter_s: float
+    host_to_device: TierCost
+    disk_to_host: TierCost
+    s3_to_disk: TierCost
+    adapter_sizes: tuple[int, ...]
+    host_cache_bytes: int
+    disk_cache_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def step_s(self, prefill_tokens: int, decode_tokens: int, adapters: int) -> float:
+        """Seconds of one engine step with this composition."""
+        return (self.base_s + self.per_prefill_token_s * prefill_tokens
+                + self.per_decode_token_s * decode_tokens + self.per_adapter_s * adapters)
+
+    def fetch_s(self, tier: str, nbytes: int) -> float:
+        """Seconds to bring an adapter from `tier` ("host", "disk", "s3") into host memory."""
+        if tier == "host":
+            return 0.0
+        seconds = self.disk_to_host.seconds(nbytes)
+        return seconds + self.s3_to_disk.seconds(nbytes) if tier == "s3" else seconds
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplicaProfile:
+        step, tiers, node, engine = d["step"], d["tiers"], d["node"], d["engine"]
+
+        def tier(name: str) -> TierCost:
+            return TierCost(float(tiers[name]["fixed_s"]), float(tiers[name]["per_mb_s"]))
+
+        return cls(
+            name=d["name"], label=d["label"], measured=bool(d["measured"]),
+            base_s=float(step["base_s"]), per_prefill_token_s=float(step["per_prefill_token_s"]),
+            per_decode_token_s=float(step["per_decode_token_s"]), per_adapter_s=float(step["per_adapter_s"]),
+            host_to_device=tier("host"), disk_to_host=tier("disk"), s3_to_disk=tier("s3"),
+            adapter_sizes=tuple(int(s) for s in d["adapter_sizes_bytes"]),
+            host_cache_bytes=int(node["host_cache_bytes"]), disk_cache_bytes=int(node["disk_cache_bytes"]),
+            max_num_seqs=int(engine["max_num_seqs"]),
+            max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+        )
+
+
+def profile_path(name_or_path: str) -> Path:
+    """`cpu`, `gpu` (the committed profiles in docs/) or a path to a profile JSON."""
+    return DOCS / NAMED[name_or_path] if name_or_path in NAMED else Path(name_or_path)
+
+
+def load_profile(name_or_path: str) -> ReplicaProfile:
+    path = profile_path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"no replica profile at {path} (benchmarks/profile_replica.py measures one)")
+    return ReplicaProfile.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,259 @@
+"""One simulated LoRA replica: the engine's continuous batching, event by event.
+
+The schedule follows `engine.scheduler` step for step:
+
+1. every running sequence past its prefill decodes one token;
+2. running sequences still in their prefill get the next chunk of the step's token budget;
+3. waiting sequences are admitted in (priority, arrival) order while a KV slot and budget remain
+   and their adapter is READY (`adapters.DeviceAdapters.acquire`); once one is BLOCKED, later
+   ones may not claim a new adapter slot; when no KV slot is free, the least urgent running
+   sequence is preempted for a strictly more urgent one (recompute: it returns to the waiting
+   queue and re-prefills its prompt and the tokens it had produced).
+
+A step takes `profile.step_s(prefill tokens, decode tokens, distinct adapters)` plus the host ->
+device copies of adapters placed in it. The step that completes a prefill samples a token (the
+first token, for a new request). Time jumps: while the batch is decode-only and nothing changes,
+the k steps until the next sequence finishes are one event; an arrival or a finished fetch cuts
+such a run at the next step boundary (where the real engine would next schedule). Invariants: a
+request is in exactly one of `waiting` and `running` until it finishes; `kv_free + len(running)`
+is `max_num_seqs`; `ongoing` is `len(waiting) + len(running)`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Callable
+
+from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
+from lora_cluster.cluster.sim.events import EventLoop
+from lora_cluster.cluster.sim.profile import ReplicaProfile
+from lora_cluster.cluster.sim.store import NodeStore
+from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.serve.reporter import AdapterDemand
+
+SERVICE_TIME_WEIGHT = 0.05  # as serve.replica_report.ServiceTime
+
+
+def _urgency(req: SimRequest) -> tuple[int, int]:
+    return req.priority, req.order
+
+
+class SimReplica:
+    def __init__(self, replica_id: str, *, profile: ReplicaProfile, max_num_seqs: int, max_loras: int,
+                 loop: EventLoop, sizes: dict[str, int], on_finish: Callable[[SimReplica, SimRequest], None],
+                 on_load: Callable[[str], None]):
+        self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
+        self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
+        self.budget = profile.max_num_batched_tokens
+        self._on_finish = on_finish
+        store = NodeStore(host_bytes=profile.host_cache_bytes, disk_bytes=profile.disk_cache_bytes)
+        self.adapters = DeviceAdapters(max_loras=max_loras, profile=profile, store=store, loop=loop,
+                                       sizes=sizes, on_ready=self._kick_now, on_load=on_load)
+        self.waiting: list[SimRequest] = []
+        self.running: dict[int, SimRequest] = {}
+        self.prefilling: list[SimRequest] = []
+        self.kv_free = max_num_seqs
+        self.n_decoding = 0
+        self.decode_steps = 0  # decode steps run since the start (a decoding request ends at its mark)
+        self._finishes: list[tuple[int, int, int, SimRequest]] = []
+        self.running_by_priority: dict[int, int] = {}
+        self.ongoing = 0
+        self.demand = AdapterDemand()
+        self.service_time_s: float | None = None
+        self.preemptions = 0
+        self._orders = itertools.count()
+        self._busy = self._in_end = False
+        self._version, self._start, self._step_s, self._steps = 0, 0.0, 0.0, 0
+        self._chunks: list[tuple[SimRequest, int]] = []
+
+    # ----- requests in ----------------------------------------------------------------------
+
+    def add(self, req: SimRequest, now: float) -> None:
+        req.order, req.replica, req.reached_at = next(self._orders), self.replica_id, now
+        req.hit = self.adapters.request_started(req.adapter)
+        self.demand.record(req.adapter)
+        self.ongoing += 1
+        bisect.insort(self.waiting, req, key=_urgency)
+        self._kick(now)
+
+    def prefetch(self, adapter_id: str) -> None:
+        self.adapters.prefetch(adapter_id)
+
+    def _kick_now(self) -> None:
+        self._kick(self.loop.now)
+
+    def _kick(self, now: float) -> None:
+        """Something changed: schedule now if idle, else cut a multi-step run at the next boundary."""
+        if self._in_end:
+            return
+        if not self._busy:
+            self._busy = True
+            self._plan(now)
+            return
+        if self._steps > 1:
+            steps = int((now - self._start) / self._step_s) + 1
+            if steps < self._steps:
+                self._steps = steps
+                self._version += 1
+                self.loop.at(self._start + steps * self._step_s, self._end, self._version)
+
+    # ----- the schedule ---------------------------------------------------------------------
+
+    def _plan(self, now: float) -> None:
+        budget = self.budget - self.n_decoding
+        chunks: list[tuple[SimRequest, int]] = []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(r.prefill_left, budget)
+            chunks.append((r, n))
+            budget -= n
+        adapters = self.adapters
+        adapters.copy_s = 0.0
+        if self.waiting:
+            budget = self._admit(chunks, budget)
+        if not chunks and not self.n_decoding:
+            self._busy = False
+            return
+        steps = 1 if chunks else self._next_finish() - self.decode_steps
+        prefill = sum(n for _, n in chunks)
+        self._chunks, self._steps, self._start = chunks, steps, now
+        self._step_s = self.profile.step_s(prefill, self.n_decoding, adapters.active) + adapters.copy_s
+        self._version += 1
+        self.loop.at(now + steps * self._step_s, self._end, self._version)
+
+    def _admit(self, chunks: list[tuple[SimRequest, int]], budget: int) -> int:
+        """Admit waiting requests into this step (see the module docstring); returns the budget left."""
+        blocked = False
+        keep: list[SimRequest] = []
+        preempted: list[SimRequest] = []
+        waiting = self.waiting
+        for i, req in enumerate(waiting):
+            victim, refund = None, 0
+            if not self.kv_free:
+                victim = self._victim(req.priority)
+                if victim is None:
+                    keep.extend(waiting[i:])
+                    break
+                refund = 1 if victim.finish_mark >= 0 else next((n for r, n in chunks if r is victim), 0)
+            if budget + refund <= 0:
+                keep.extend(waiting[i:])
+                break
+            gate = self.adapters.acquire(req.adapter, not blocked)
+            if gate != READY:
+                blocked = blocked or gate == BLOCKED
+                keep.append(req)
+                continue
+            if victim is not None:
+                budget += refund
+                if victim.finish_mark < 0:
+                    chunks[:] = [(r, n) for r, n in chunks if r is not victim]
+                self._preempt(victim)
+                preempted.append(victim)
+            self.kv_free -= 1
+            self.running[req.rid] = req
+            self.prefilling.append(req)
+            self.running_by_priority[req.priority] = self.running_by_priority.get(req.priority, 0) + 1
+            n = min(req.prefill_left, budget)
+            chunks.append((req, n))
+            budget -= n
+        self.waiting = keep
+        for req in preempted:
+            bisect.insort(self.waiting, req, key=_urgency)
+        return budget
+
+    def _victim(self, priority: int) -> SimRequest | None:
+        """The least urgent running request if it is strictly less urgent than `priority`."""
+        if max((p for p, n in self.running_by_priority.items() if n), default=priority) <= priority:
+            return None
+        victim = max(self.running.values(), key=_urgency)
+        return victim if victim.priority > priority else None
+
+    def _preempt(self, req: SimRequest) -> None:
+        self._leave_running(req)
+        if req.finish_mark >= 0:
+            req.generated = req.output - (req.finish_mark - self.decode_steps)
+            req.finish_mark = -1
+            self.n_decoding -= 1
+        else:
+            self.prefilling.remove(req)
+        req.prefill_left = req.prompt + req.generated
+        req.preemptions += 1
+        self.preemptions += 1
+
+    def _leave_running(self, req: SimRequest) -> None:
+        del self.running[req.rid]
+        self.kv_free += 1
+        self.running_by_priority[req.priority] -= 1
+        self.adapters.release(req.adapter)
+
+    def _next_finish(self) -> int:
+        heap = self._finishes
+        while heap[0][3].finish_mark != heap[0][0] or heap[0][3].preemptions != heap[0][2]:
+            heapq.heappop(heap)
+        return heap[0][0]
+
+    def _end(self, version: int) -> None:
+        if version != self._version:
+            return
+        now = self.loop.now
+        self._in_end = True
+        self.decode_steps += self._steps
+        for r, n in self._chunks:
+            r.prefill_left -= n
+            if r.prefill_left:
+                continue
+            self.prefilling.remove(r)
+            r.generated += 1
+            if r.first_token_at is None:
+                r.first_token_at = now
+            left = r.output - r.generated
+            if left <= 0:
+                self._finish(r, now)
+            else:
+                r.finish_mark = self.decode_steps + left
+                heapq.heappush(self._finishes, (r.finish_mark, r.order, r.preemptions, r))
+                self.n_decoding += 1
+        heap = self._finishes
+        while heap and heap[0][0] <= self.decode_steps:
+            mark, _, preemptions, r = heapq.heappop(heap)
+            if r.finish_mark == mark and r.preemptions == preemptions:
+                self.n_decoding -= 1
+                self._finish(r, now)
+        self._in_end = False
+        self._plan(now)
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        self._leave_running(req)
+        req.finish_mark = -1
+        req.finish_at = now
+        self.ongoing -= 1
+        self.adapters.request_finished(req.adapter)
+        held = now - req.reached_at
+        mean = self.service_time_s
+        self.service_time_s = held if mean is None else mean + SERVICE_TIME_WEIGHT * (held - mean)
+        self._on_finish(self, req)
+
+    # ----- what it reports ------------------------------------------------------------------
+
+    def routing_stats(self) -> dict[str, object]:
+        """What `record_routing_stats` returns, as far as the request router reads it."""
+        a = self.adapters
+        return {"resident": tuple(a.refs), "loading": tuple(a.loading), "empty_adapter_slots": a.empty_slots,
+                "free_adapter_slots": a.free_slots, "max_loras": a.max_loras,
+                "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "max_num_seqs": self.max_num_seqs}
+
+    def report(self, capacity: int, now: float) -> ReplicaReport:
+        """The controller report (`serve.replica_report.build_report` without memory and class stats)."""
+        a = self.adapters
+        return ReplicaReport(
+            replica_id=self.replica_id, node_id=self.node_id, capacity=capacity,
+            max_num_seqs=self.max_num_seqs,
+            max_loras=a.max_loras, running=len(self.running), waiting=len(self.waiting),
+            free_adapter_slots=a.free_slots, resident=tuple(a.refs), loading=tuple(a.loading),
+            running_by_priority={p: n for p, n in self.running_by_priority.items() if n},
+            adapter_requests=self.demand.take(), service_time_s=self.service_time_s, sent_at=now)

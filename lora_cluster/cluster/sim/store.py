@@ -1,0 +1,60 @@
+"""One node's adapter store below the device: host memory and local disk, each with a byte budget.
+
+An adapter is in the highest tier that holds it: host, else disk, else only in S3 (the source).
+Fetching it to host memory puts it in the host tier, and, when it came from S3, in the disk tier
+too. Each tier evicts its least recently used adapters to stay within its budget (the real store
+weighs size, reload cost, frequency and recency; LRU is the simulator's simplification). A run
+starts with every adapter in S3 only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class _LruBytes:
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self._items: OrderedDict[str, int] = OrderedDict()
+
+    def __contains__(self, adapter_id: object) -> bool:
+        return adapter_id in self._items
+
+    def touch(self, adapter_id: str) -> None:
+        if adapter_id in self._items:
+            self._items.move_to_end(adapter_id)
+
+    def put(self, adapter_id: str, nbytes: int) -> None:
+        if adapter_id in self._items:
+            self._items.move_to_end(adapter_id)
+            return
+        if nbytes > self.budget:
+            return
+        while self.used + nbytes > self.budget:
+            _, freed = self._items.popitem(last=False)
+            self.used -= freed
+        self._items[adapter_id] = nbytes
+        self.used += nbytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class NodeStore:
+    def __init__(self, *, host_bytes: int, disk_bytes: int):
+        self.host = _LruBytes(host_bytes)
+        self.disk = _LruBytes(disk_bytes)
+
+    def tier(self, adapter_id: str) -> str:
+        """Where a fetch of `adapter_id` starts: "host", "disk" or "s3"."""
+        if adapter_id in self.host:
+            return "host"
+        return "disk" if adapter_id in self.disk else "s3"
+
+    def fetched(self, adapter_id: str, nbytes: int, tier: str) -> None:
+        """A fetch from `tier` completed: the adapter is now in host memory (and on disk if from S3)."""
+        if tier == "s3":
+            self.disk.put(adapter_id, nbytes)
+        else:
+            self.disk.touch(adapter_id)
+        self.host.put(adapter_id, nbytes)

@@ -1,0 +1,189 @@
+"""The cluster controller for real: a three-node Ray cluster (`ray.cluster_utils.Cluster`, one CPU per
+node) running the application with three LoRA replicas of two batch slots each, one per node.
+
+* `GET /v1/cluster` shows the nodes, their replicas, adapters and memory.
+* While `batch` requests saturate every slot and queue behind them, `interactive` requests start
+  before the batch requests that were queued earlier (cluster queue order, and preemption of batch
+  work in the engines), and every batch request still completes with the tokens the engine gives
+  offline (a preempted request's output is unchanged).
+* The controller is killed while requests wait in its queue: every request still completes, and
+  the restarted controller rebuilds its view from the replicas' next reports.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+from lora_cluster.engine import Engine, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox"
+BATCH_TOKENS = 300
+BOUND_S = 120.0  # every wait in this module is bounded
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_config(demo_zoo):
+    return {
+        "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
+        "num_replicas": 3, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
+        "max_num_batched_tokens": 64, "max_ongoing_requests": 16, "routing_stats_period_s": 0.2,
+        "controller_report_period_s": 0.2, "preempt_after_fraction": 0.2,
+        "sla_classes": [{"name": "interactive", "priority": 0, "ttft_s": 2.0},
+                        {"name": "standard", "priority": 1, "ttft_s": 30.0},
+                        {"name": "batch", "priority": 2}],
+    }
+
+
+@pytest.fixture(scope="module")
+def base_url(app_config):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from lora_cluster.serve.app import build_app
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_config), name="lora", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=BOUND_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline(app_config):
+    keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
+    engine = Engine(**{k: v for k, v in app_config.items() if k in keys})
+    yield lambda adapter, n: engine.generate(
+        [PROMPT], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                                 ignore_eos=True))[0].text
+    engine.close()
+
+
+def _wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"gave up after {BOUND_S:.0f} s waiting for {what}")
+
+
+def _view(http) -> dict:
+    r = http.get("/v1/cluster")
+    assert r.status_code == 200, f"/v1/cluster answers: {r.text}"
+    return r.json()
+
+
+def _replicas(view: dict) -> dict[str, dict]:
+    return {rid: r for node in view["nodes"].values() for rid, r in node["replicas"].items()}
+
+
+def _stream(base_url: str, model: str, cls: str, max_tokens: int) -> dict:
+    """One streamed completion: its class, when it was sent, its first token and its text."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    sent = time.monotonic()
+    first, text = None, ""
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=BOUND_S,
+                      headers={"x-lora-priority": cls}) as r:
+        status, header = r.status_code, r.headers.get("x-lora-priority-class")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            delta = chunk["choices"][0]["text"] if chunk.get("choices") else ""
+            if delta and first is None:
+                first = time.monotonic()
+            text += delta
+    return {"status": status, "class": header, "sent": sent, "first": first, "text": text}
+
+
+def test_the_cluster_view_shows_nodes_replicas_adapters_and_memory(http, base_url):
+    r = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200, f"a first request is served: {r.text}"
+    _wait_for(lambda: len(_replicas(_view(http))) == 3, "three replicas in the controller's view")
+    view = _view(http)
+    assert len(view["nodes"]) == 3, "the three replicas run on three nodes, and the view says which"
+    replicas = _replicas(view)
+    some = next(iter(replicas.values()))
+    assert some["memory"]["kv_cache"] > 0, "the memory split counts the KV cache"
+    assert some["memory"]["base_weights"] > 0, "and the base model's weights"
+    assert some["memory"]["adapter_pool"] > 0, "and the adapter slot pool"
+    assert some["capacity"] == 2, "each replica's admission capacity is its batch slots"
+    _wait_for(lambda: any("a1" in r["adapters"]["resident"] for r in _replicas(_view(http)).values()),
+              "a1 resident on a replica")
+    assert set(view["classes"]) == {"interactive", "standard", "batch"}, "the view lists the SLA classes"
+    assert "queue" in view, "and the cluster queue"
+
+
+def test_interactive_requests_go_first_and_batch_output_is_unchanged(base_url, http, offline):
+    adapters = [f"a{i % 4}" for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        batch = [pool.submit(_stream, base_url, a, "batch", BATCH_TOKENS) for a in adapters]
+        _wait_for(lambda: _view(http)["queue"]["depth"] >= 3, "batch requests queued behind full replicas")
+        urgent = [pool.submit(_stream, base_url, "a5", "interactive", 4) for _ in range(3)]
+        urgent_results = [f.result(timeout=BOUND_S) for f in urgent]
+        batch_results = [f.result(timeout=BOUND_S) for f in batch]
+    assert [r["status"] for r in urgent_results + batch_results] == [200] * 15, "every request completes"
+    assert {r["class"] for r in urgent_results} == {"interactive"}, "x-lora-priority-class says the class"
+    last_urgent_start = max(r["first"] for r in urgent_results)
+    last_batch_start = max(r["first"] for r in batch_results)
+    assert last_urgent_start < last_batch_start, (
+        "the interactive requests start before the batch requests that were queued ahead of them")
+    for adapter, r in zip(adapters, batch_results, strict=True):
+        assert r["text"] == offline(adapter, BATCH_TOKENS), f"batch output on {adapter} equals the engine's"
+    view = _view(http)
+    stats = {rid: r["classes"].get("interactive", {}) for rid, r in _replicas(view).items()}
+    finished = sum(s.get("finished") or 0 for s in stats.values())
+    assert finished >= 3, "the replicas counted the interactive requests"
+    attained = [s["slo_attainment"] for s in stats.values() if s.get("finished")]
+    assert min(attained) == 1.0, f"interactive requests met their (2 s) TTFT target: {stats}"
+
+
+def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_url, http):
+    import ray
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        load = [pool.submit(_stream, base_url, f"a{i % 3}", "standard", 200) for i in range(12)]
+        _wait_for(lambda: _view(http)["queue"]["depth"] >= 1, "requests waiting in the controller's queue")
+        actor = _view(http)["controller"]["actor"]
+        ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=False)
+        results = [f.result(timeout=BOUND_S) for f in load]
+    assert [r["status"] for r in results] == [200] * 12, "no request is lost when the controller dies"
+    assert all(r["text"] for r in results), "every request produced its tokens"
+
+    def rebuilt() -> bool:
+        r = http.get("/v1/cluster")
+        return r.status_code == 200 and len(_replicas(r.json())) == 3
+    _wait_for(rebuilt, "the restarted controller's view of all three replicas")
+    assert _view(http)["controller"]["actor"] != actor, "the view comes from a new controller"
