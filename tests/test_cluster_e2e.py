@@ -8,6 +8,7 @@ node) running the application with three LoRA replicas of two batch slots each, 
   offline (a preempted request's output is unchanged).
 * The controller is killed while requests wait in its queue: every request still completes, and
   the restarted controller rebuilds its view from the replicas' next reports.
+* A hot adapter is placed on more replicas, prefetched there, and its requests spread over them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def app_config(demo_zoo):
         "num_replicas": 3, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
         "max_num_batched_tokens": 64, "max_ongoing_requests": 16, "routing_stats_period_s": 0.2,
         "controller_report_period_s": 0.2, "preempt_after_fraction": 0.2,
+        "placement_hot_share": 0.05,  # a burst of one adapter spreads (its load: ~0.3 requests in flight)
         "sla_classes": [{"name": "interactive", "priority": 0, "ttft_s": 2.0},
                         {"name": "standard", "priority": 1, "ttft_s": 30.0},
                         {"name": "batch", "priority": 2}],
@@ -187,3 +189,23 @@ def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_ur
         return r.status_code == 200 and len(_replicas(r.json())) == 3
     _wait_for(rebuilt, "the restarted controller's view of all three replicas")
     assert _view(http)["controller"]["actor"] != actor, "the view comes from a new controller"
+
+
+def test_a_hot_adapter_is_placed_on_more_replicas_and_prefetched_there(base_url, http):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        burst = [pool.submit(_stream, base_url, "a7", "standard", 60) for _ in range(16)]
+
+        def spread() -> bool:
+            return len(_view(http)["placement"].get("a7", ())) >= 2
+        _wait_for(spread, "the controller's placement to give the hot a7 more than one replica")
+        results = [f.result(timeout=BOUND_S) for f in burst]
+    assert [r["status"] for r in results] == [200] * 16, "every request of the burst completes"
+    holders = set(_view(http)["placement"].get("a7", ()))
+
+    def prefetched() -> bool:
+        replicas = _replicas(_view(http))
+        held = {rid for rid, r in replicas.items()
+                if "a7" in r["adapters"]["resident"] or "a7" in r["adapters"]["loading"]}
+        return len(held) >= 2
+    _wait_for(prefetched, "a7 on at least two replicas' devices")
+    assert len(holders) >= 2, f"the placement table names several holders of a7: {holders}"

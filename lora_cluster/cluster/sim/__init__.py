@@ -12,6 +12,6 @@ command line, `python -m lora_cluster.cluster.sim.experiments` writes docs/scale
 """
 
 from lora_cluster.cluster.sim.metrics import SimResult
-from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, run
+from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, Simulation, run
 
-__all__ = ["POLICIES", "SimConfig", "SimResult", "run"]
+__all__ = ["POLICIES", "SimConfig", "SimResult", "Simulation", "run"]

@@ -50,6 +50,9 @@ class _ServeQueue:
             self._queue.append(req)
             self.queued_max = max(self.queued_max, len(self._queue))
 
+    def first_token(self, replica: SimReplica, req: SimRequest) -> None:
+        return None
+
     def finished(self, replica: SimReplica, req: SimRequest) -> None:
         self.metrics.finished(req)
         self._update(replica.replica_id)

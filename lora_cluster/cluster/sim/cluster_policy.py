@@ -1,25 +1,30 @@
 """The `lora-cluster` policy: the ingress's admission, the affinity router and the cluster controller,
 wired to simulated replicas the way the live deployments are wired to each other.
 
-* Arrival (`serve.admission.ClusterAdmission.admit`): while some replica has room (the larger of
-  its last routing-stats count and the ingress's own requests in flight there is below its
-  admission capacity), the request goes the fast path: the affinity router picks the replica
+* Arrival (`serve.admission.ClusterAdmission.admit`): while the replicas have room (their free
+  slots, each the admission capacity minus the larger of the replica's last routing-stats count
+  and the ingress's own requests running there, add up to more than the ingress's requests on
+  their way), the request goes the fast path: the affinity router picks the replica
   (`routing.AffinityRouting`, i.e. `rank_replicas`). Otherwise a `Ticket` is parked at the
-  `Controller` (a refusal is a rejection); the request waits until a grant sends it, pinned, to
-  its replica, or until `cluster_queue_timeout_s` (then it is rejected, 503).
+  `Controller` with the ingress's claims (`Controller.park(ticket, claims)`; a refusal is a
+  rejection); the request waits until a grant sends it, pinned, to its replica, or until
+  `cluster_queue_timeout_s` (then it is rejected, 503). As in `serve.dispatch`, a request counts
+  as on its way until its first item (its first token: requests stream) and then as running on
+  its replica until it ends.
 * Replicas report to the controller (`Controller.report` with a `ReplicaReport`) every
   `controller_report_period_s` and, as `serve.reporter.ControllerReporter` does, at once (at
   least `MIN_GAP_S` after the previous report) when a request finishes while their last reply
-  said tickets are queued. The reply's `prefetch` list is fetched into host memory.
+  said tickets are queued; a report lists the granted tickets that arrived since the previous
+  one. The reply's `prefetch` list is fetched into host memory.
 * The controller ticks every `TICK_S` (stale replicas, preemption of long-waiting urgent tickets);
   grants are delivered after every controller call. The ingress fetches the placement table for
   its router every `controller_report_period_s`; each replica's routing stats refresh every
   `routing_stats_period_s`, staggered.
 
-One ingress is modelled, so its in-flight count per replica is the replica's ongoing count. The
-control plane has no latency: a report, a grant and a send happen at the same simulated instant.
-The CPU time spent inside the controller's methods is measured (wall clock of this process) and
-reported with the calls, so that its cost at scale is visible.
+One ingress is modelled. The control plane has no latency: a report, a grant and a send happen at
+the same simulated instant. The CPU time spent inside the controller's methods is measured (wall
+clock of this process) and reported with the calls, so that its cost at scale is visible; with
+`trace` set to a list, every controller call and its answer is recorded there, for replay.
 """
 
 from __future__ import annotations
@@ -54,14 +59,19 @@ class LoraClusterPolicy:
                                        placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock)
         self.capacity = {rid: s.admission_capacity or r.max_num_seqs for rid, r in ctx.replicas.items()}
         self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
-        self._room = set(ctx.replicas)  # replicas the admission check sees with room
+        self._inflight = dict.fromkeys(ctx.replicas, 0)  # the ingress's requests running on each replica
+        self._unassigned = 0  # fast-path requests on their way (no first item yet)
+        self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
+        self._free_total = sum(self._free.values())
         self._tickets: dict[str, SimRequest] = {}
+        self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
         self._report_version = dict.fromkeys(ctx.replicas, 0)
         self._last_report = dict.fromkeys(ctx.replicas, -MIN_GAP_S)
         self.controller_s = self.router_s = 0.0
         self.calls: Counter[str] = Counter()
+        self.trace: list[tuple[float, str, tuple[Any, ...], Any]] | None = None  # a list: record calls
         self.fast = self.parked = self.preempting = 0
         self._depth_sum = self._depth_samples = self._depth_max = 0
 
@@ -75,17 +85,29 @@ class LoraClusterPolicy:
 
     def _call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
         t0 = time.perf_counter()
+        answer: Any = None
         try:
-            return fn(*args)
+            answer = fn(*args)
+            return answer
+        except ClusterOverloadedError as e:
+            answer = e
+            raise
         finally:
             self.controller_s += time.perf_counter() - t0
             self.calls[name] += 1
+            if self.trace is not None:
+                self.trace.append((self.loop.now, name, args, answer))
 
     # ----- requests -------------------------------------------------------------------------
 
+    def has_room(self) -> bool:
+        """The ingress's admission check (`ClusterAdmission.has_room`)."""
+        return self._free_total > self._unassigned
+
     def arrive(self, req: SimRequest) -> None:
-        if self._room:
+        if self._free_total > self._unassigned:
             self.fast += 1
+            self._unassigned += 1
             t0 = time.perf_counter()
             rid = self.routing.choose(req.adapter)
             self.router_s += time.perf_counter() - t0
@@ -97,8 +119,10 @@ class LoraClusterPolicy:
                         adapter_id=req.adapter, enqueued_at=req.arrival,
                         deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s, ttft_s=sla.ttft_s)
         full = len(self.controller.queue) >= self.controller.queue.max_size
+        claims = {"inflight": {rid: n for rid, n in self._inflight.items() if n},
+                  "unassigned": self._unassigned}
         try:
-            grant = self._call("park", self.controller.park, ticket)
+            grant = self._call("park", self.controller.park, ticket, claims)
         except ClusterOverloadedError:
             self.metrics.rejected(req, "cluster queue full" if full else "deadline out of reach")
             return
@@ -109,30 +133,38 @@ class LoraClusterPolicy:
         if tid in self._tickets:
             self.loop.at(req.arrival + self.ctx.serve.cluster_queue_timeout_s, self._timeout, tid)
 
+    def first_token(self, replica: SimReplica, req: SimRequest) -> None:
+        """The request's first item reached the ingress (`ClusterAdmission.started`)."""
+        if req.ticket is None:
+            self._unassigned -= 1
+        self._inflight[replica.replica_id] += 1
+        self._refree(replica.replica_id)
+
     def finished(self, replica: SimReplica, req: SimRequest) -> None:
         self.metrics.finished(req)
         rid = replica.replica_id
-        self._changed(rid)
+        self._inflight[rid] -= 1
+        self._refree(rid)
+        self.routing.changed(rid)
         if self._queue_depth[rid] > 0:
             self._schedule_report(rid, max(self.loop.now, self._last_report[rid] + MIN_GAP_S))
 
     def _send(self, req: SimRequest, replica_id: str) -> None:
         self.replicas[replica_id].add(req, self.loop.now)
-        self._changed(replica_id)
-
-    def _changed(self, replica_id: str) -> None:
         self.routing.changed(replica_id)
-        ongoing = max(self._reported[replica_id], self.replicas[replica_id].ongoing)
-        if ongoing < self.capacity[replica_id]:
-            self._room.add(replica_id)
-        else:
-            self._room.discard(replica_id)
+
+    def _refree(self, replica_id: str) -> None:
+        free = max(0, self.capacity[replica_id] - max(self._reported[replica_id], self._inflight[replica_id]))
+        self._free_total += free - self._free[replica_id]
+        self._free[replica_id] = free
 
     def _grant(self, ticket_id: str, grant: Grant) -> None:
         req = self._tickets.pop(ticket_id, None)
         if req is None:
             return
         self.preempting += grant.preempt
+        req.ticket = ticket_id
+        self._arrived[grant.replica_id].append(ticket_id)
         self.routing.record(grant.replica_id, req.adapter)
         self._send(req, grant.replica_id)
 
@@ -166,7 +198,9 @@ class LoraClusterPolicy:
         del self._report_at[replica_id]
         self._last_report[replica_id] = now
         replica = self.replicas[replica_id]
-        reply = self._call("report", self.controller.report, replica.report(self.capacity[replica_id], now))
+        arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
+        reply = self._call("report", self.controller.report,
+                           replica.report(self.capacity[replica_id], now, arrived))
         self._queue_depth[replica_id] = int(reply["queue_depth"])
         for adapter_id in reply["prefetch"]:
             replica.prefetch(adapter_id)
@@ -186,11 +220,15 @@ class LoraClusterPolicy:
         self.routing.placement = self._call("placement", self.controller.placement)
         self.loop.after(self.ctx.serve.controller_report_period_s, self._fetch_placement)
 
-    def _stats_tick(self, replica_id: str, prune: bool) -> None:
+    def refresh_stats(self, replica_id: str) -> None:
+        """The replica's routing stats arrive at the router and the ingress's admission check."""
         self.routing.refresh_stats(replica_id)
         replica = self.replicas[replica_id]
         self._reported[replica_id] = len(replica.running) + len(replica.waiting)
-        self._changed(replica_id)
+        self._refree(replica_id)
+
+    def _stats_tick(self, replica_id: str, prune: bool) -> None:
+        self.refresh_stats(replica_id)
         if prune:
             self.routing.prune()
         self.loop.after(self.ctx.serve.routing_stats_period_s, self._stats_tick, replica_id, prune)

@@ -56,14 +56,16 @@ class SimContext:
 
 
 class Policy(Protocol):
-    """How requests get to replicas. `arrive` takes each new request; `finished` hears of each
-    request a replica completed; `pending` lists the requests the policy itself still holds."""
+    """How requests get to replicas. `arrive` takes each new request; `first_token` and `finished`
+    hear of each request's first token and end; `pending` lists the requests the policy holds."""
 
     name: str
 
     def start(self) -> None: ...
 
     def arrive(self, req: SimRequest) -> None: ...
+
+    def first_token(self, replica: SimReplica, req: SimRequest) -> None: ...
 
     def finished(self, replica: SimReplica, req: SimRequest) -> None: ...
 

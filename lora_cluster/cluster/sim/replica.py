@@ -44,11 +44,12 @@ def _urgency(req: SimRequest) -> tuple[int, int]:
 class SimReplica:
     def __init__(self, replica_id: str, *, profile: ReplicaProfile, max_num_seqs: int, max_loras: int,
                  loop: EventLoop, sizes: dict[str, int], on_finish: Callable[[SimReplica, SimRequest], None],
-                 on_load: Callable[[str], None]):
+                 on_load: Callable[[str], None],
+                 on_first_token: Callable[[SimReplica, SimRequest], None] | None = None):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
         self.budget = profile.max_num_batched_tokens
-        self._on_finish = on_finish
+        self._on_finish, self._on_first_token = on_finish, on_first_token
         store = NodeStore(host_bytes=profile.host_cache_bytes, disk_bytes=profile.disk_cache_bytes)
         self.adapters = DeviceAdapters(max_loras=max_loras, profile=profile, store=store, loop=loop,
                                        sizes=sizes, on_ready=self._kick_now, on_load=on_load)
@@ -210,6 +211,8 @@ class SimReplica:
             r.generated += 1
             if r.first_token_at is None:
                 r.first_token_at = now
+                if self._on_first_token is not None:
+                    self._on_first_token(self, r)
             left = r.output - r.generated
             if left <= 0:
                 self._finish(r, now)
@@ -247,8 +250,9 @@ class SimReplica:
                 "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "max_num_seqs": self.max_num_seqs}
 
-    def report(self, capacity: int, now: float) -> ReplicaReport:
-        """The controller report (`serve.replica_report.build_report` without memory and class stats)."""
+    def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
+        """The controller report (`serve.replica_report.build_report` without memory and class stats);
+        `active` (generate calls in progress) is the ongoing count."""
         a = self.adapters
         return ReplicaReport(
             replica_id=self.replica_id, node_id=self.node_id, capacity=capacity,
@@ -256,4 +260,5 @@ class SimReplica:
             max_loras=a.max_loras, running=len(self.running), waiting=len(self.waiting),
             free_adapter_slots=a.free_slots, resident=tuple(a.refs), loading=tuple(a.loading),
             running_by_priority={p: n for p, n in self.running_by_priority.items() if n},
-            adapter_requests=self.demand.take(), service_time_s=self.service_time_s, sent_at=now)
+            adapter_requests=self.demand.take(), service_time_s=self.service_time_s, sent_at=now,
+            active=self.ongoing, arrived_tickets=arrived_tickets)

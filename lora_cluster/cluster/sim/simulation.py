@@ -58,59 +58,76 @@ def replica_rate(profile: ReplicaProfile, max_loras: int) -> float:
     return n / (output * step)
 
 
+class Simulation:
+    """One run, built and driven step by step (`advance`), or all at once (`finish`)."""
+
+    def __init__(self, config: SimConfig, profile: ReplicaProfile | None = None):
+        self.started = time.perf_counter()
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r}; one of {', '.join(POLICIES)}")
+        self.config = config
+        self.profile = profile = profile or load_profile(config.profile)
+        classes = SlaClasses()
+        self.loop = loop = EventLoop()
+        self.rated_rps = config.nodes * replica_rate(profile, config.max_loras)
+        self.workload = Workload(adapters=config.adapters, zipf=config.zipf,
+                                 rate=config.load * self.rated_rps,
+                                 classes=[(classes.get(name), share) for name, share in config.mix],
+                                 adapter_sizes=profile.adapter_sizes, seed=config.seed,
+                                 measure_from=config.warmup)
+        self.metrics = Metrics(classes, measure_from=config.warmup, clock=loop.clock)
+        self.replicas = {
+            f"r{i:04d}": SimReplica(f"r{i:04d}", profile=profile, max_num_seqs=profile.max_num_seqs,
+                                    max_loras=config.max_loras, loop=loop, sizes=self.workload.sizes,
+                                    on_finish=self._finished, on_load=self.metrics.load,
+                                    on_first_token=self._first_token)
+            for i in range(config.nodes)
+        }
+        self.ctx = SimContext(loop=loop, replicas=self.replicas, metrics=self.metrics, classes=classes,
+                              serve=config.serve, rng=random.Random(config.seed + 2))
+        self.policy: Policy = POLICIES[config.policy](self.ctx)
+        self.end = config.warmup + config.duration
+        self.arrivals = 0
+        self.policy.start()
+        loop.at(self.workload.next_at, self._arrive)
+
+    def _finished(self, replica: SimReplica, req: SimRequest) -> None:
+        self.policy.finished(replica, req)
+
+    def _first_token(self, replica: SimReplica, req: SimRequest) -> None:
+        self.policy.first_token(replica, req)
+
+    def _arrive(self) -> None:
+        self.arrivals += 1
+        self.metrics.arrived()
+        self.policy.arrive(self.workload.pop())
+        if self.workload.next_at < self.end:
+            self.loop.at(self.workload.next_at, self._arrive)
+
+    def advance(self, until: float) -> None:
+        """Run the simulation up to simulated time `until`."""
+        self.loop.run(until=until)
+
+    def finish(self) -> SimResult:
+        """Run to the end of the arrivals, drain, and measure."""
+        self.loop.run(until=self.end)
+        self.loop.run(until=self.end + self.config.drain_limit_s, stop=lambda: self.metrics.outstanding == 0)
+        unfinished = [*self.policy.pending()]
+        for replica in self.replicas.values():
+            unfinished.extend(replica.waiting)
+            unfinished.extend(replica.running.values())
+        c = self.config
+        details = {
+            "policy": c.policy, "profile": self.profile.name, "profile_measured": self.profile.measured,
+            "rated_rps": self.rated_rps, "offered_rps": self.workload.rate, "arrivals": self.arrivals,
+            "events": self.loop.events, "simulated_s": self.loop.now,
+            "engine_preemptions": sum(r.preemptions for r in self.replicas.values()),
+            "hit_rate_ceiling": zipf_share(c.adapters, c.zipf, c.nodes * c.max_loras),
+            **self.policy.details(),
+        }
+        return self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details)
+
+
 def run(config: SimConfig, profile: ReplicaProfile | None = None) -> SimResult:
-    """Simulate `config`; `profile` overrides `config.profile` (a loaded profile)."""
-    started = time.perf_counter()
-    if config.policy not in POLICIES:
-        raise ValueError(f"unknown policy {config.policy!r}; one of {', '.join(POLICIES)}")
-    profile = profile or load_profile(config.profile)
-    classes = SlaClasses()
-    loop = EventLoop()
-    rated = config.nodes * replica_rate(profile, config.max_loras)
-    rate = config.load * rated
-    workload = Workload(adapters=config.adapters, zipf=config.zipf, rate=rate,
-                        classes=[(classes.get(name), share) for name, share in config.mix],
-                        adapter_sizes=profile.adapter_sizes, seed=config.seed, measure_from=config.warmup)
-    metrics = Metrics(classes, measure_from=config.warmup, clock=loop.clock)
-    policies: list[Policy] = []  # the one policy, made once the replicas exist
-
-    def finished(replica: SimReplica, req: SimRequest) -> None:
-        policies[0].finished(replica, req)
-
-    replicas = {
-        f"r{i:04d}": SimReplica(f"r{i:04d}", profile=profile, max_num_seqs=profile.max_num_seqs,
-                                max_loras=config.max_loras, loop=loop, sizes=workload.sizes,
-                                on_finish=finished, on_load=metrics.load)
-        for i in range(config.nodes)
-    }
-    ctx = SimContext(loop=loop, replicas=replicas, metrics=metrics, classes=classes, serve=config.serve,
-                     rng=random.Random(config.seed + 2))
-    policy: Policy = POLICIES[config.policy](ctx)
-    policies.append(policy)
-    policy.start()
-    end = config.warmup + config.duration
-    arrivals = 0
-
-    def arrive() -> None:
-        nonlocal arrivals
-        arrivals += 1
-        metrics.arrived()
-        policy.arrive(workload.pop())
-        if workload.next_at < end:
-            loop.at(workload.next_at, arrive)
-
-    loop.at(workload.next_at, arrive)
-    loop.run(until=end)
-    loop.run(until=end + config.drain_limit_s, stop=lambda: metrics.outstanding == 0)
-    unfinished = [*policy.pending()]
-    for replica in replicas.values():
-        unfinished.extend(replica.waiting)
-        unfinished.extend(replica.running.values())
-    details = {
-        "policy": config.policy, "profile": profile.name, "profile_measured": profile.measured,
-        "rated_rps": rated, "offered_rps": rate, "arrivals": arrivals, "events": loop.events,
-        "simulated_s": loop.now, "engine_preemptions": sum(r.preemptions for r in replicas.values()),
-        "hit_rate_ceiling": zipf_share(config.adapters, config.zipf, config.nodes * config.max_loras),
-        **policy.details(),
-    }
-    return metrics.result(unfinished, round(time.perf_counter() - started, 3), details)
+    """Simulate `config` (`profile`, a loaded profile, overrides `config.profile`)."""
+    return Simulation(config, profile).finish()

@@ -31,13 +31,14 @@ class SimRequest:
 
     __slots__ = ("adapter", "arrival", "finish_at", "finish_mark", "first_token_at", "generated", "hit",
                  "measured", "order", "output", "preemptions", "prefill_left", "priority", "prompt",
-                 "reached_at", "replica", "rid", "sla")
+                 "reached_at", "replica", "rid", "sla", "ticket")
 
     def __init__(self, rid: int, adapter: str, sla: SlaClass, prompt: int, output: int, arrival: float,
                  measured: bool):
         self.rid, self.adapter, self.sla, self.priority = rid, adapter, sla, sla.priority
         self.prompt, self.output, self.arrival, self.measured = prompt, output, arrival, measured
         self.replica: str | None = None
+        self.ticket: str | None = None  # its cluster-queue ticket, if it was parked and granted
         self.order = 0  # arrival order at its replica (the engine's tie-break after priority)
         self.reached_at = 0.0  # when it reached its replica
         self.hit = False  # its adapter was on its replica's device when it got there

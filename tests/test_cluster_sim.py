@@ -1,0 +1,218 @@
+"""The cluster simulator: it decides as the live router, admission and controller do (shared fixtures),
+its replica model keeps the engine's timing and preemption rules, runs are deterministic, and its
+command line prints exactly the documented JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import random
+
+import pytest
+
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.reports import ClusterView, ReplicaReport
+from lora_cluster.cluster.scheduling import choose_replica, preemption_target
+from lora_cluster.cluster.sim import SimConfig, Simulation, run
+from lora_cluster.cluster.sim.__main__ import main
+from lora_cluster.cluster.sim.cluster_policy import LoraClusterPolicy
+from lora_cluster.cluster.sim.events import EventLoop
+from lora_cluster.cluster.sim.profile import ReplicaProfile, TierCost
+from lora_cluster.cluster.sim.replica import SimReplica
+from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.serve.admission import ClusterAdmission
+from lora_cluster.serve.affinity import rank_replicas
+
+CLASSES = SlaClasses()
+PROFILE = ReplicaProfile(
+    name="test", label="synthetic", measured=False, base_s=0.01, per_prefill_token_s=0.001,
+    per_decode_token_s=0.0005, per_adapter_s=0.002, host_to_device=TierCost(0.001, 0.0),
+    disk_to_host=TierCost(0.02, 0.0), s3_to_disk=TierCost(0.1, 0.0), adapter_sizes=(1 << 20,),
+    host_cache_bytes=64 << 20, disk_cache_bytes=256 << 20, max_num_seqs=4, max_num_batched_tokens=256)
+
+
+# ----- shared fixtures: one cluster state, asked of the simulator and of the live code ------------
+
+@pytest.fixture(scope="module")
+def paused() -> Simulation:
+    """A lora-cluster simulation overloaded (2x) and stopped mid-run: replicas full, tickets queued,
+    adapters resident and loading, placements recorded."""
+    sim = Simulation(SimConfig(nodes=6, adapters=40, zipf=1.0, load=2.0, duration=30, warmup=0, seed=3,
+                               max_loras=4, policy="lora-cluster"), PROFILE)
+    sim.advance(12.0)
+    return sim
+
+
+def live_views(policy: LoraClusterPolicy, adapter_id: str) -> list:
+    """What `LoraAffinityRouter.choose_replicas` builds: every replica's view, the placed ones as held."""
+    placed = set(policy.routing.placement.get(adapter_id, ()))
+    return [policy.routing.view(rid, adapter_id if rid in placed else None)
+            for rid in sorted(policy.replicas)]
+
+
+def live_cluster_view(sim: Simulation) -> ClusterView:
+    """The live controller's view of the same replicas, fed through the actor's dict path."""
+    view = ClusterView(stale_after_s=60.0, clock=sim.loop.clock)
+    policy = sim.policy
+    assert isinstance(policy, LoraClusterPolicy)
+    for rid, replica in sorted(sim.replicas.items()):
+        report = dataclasses.replace(replica.report(policy.capacity[rid], sim.loop.now), adapter_requests={})
+        view.update(ReplicaReport.from_dict(report.to_dict()))
+    return view
+
+
+def test_the_router_decision_is_the_live_rank_over_every_replica(paused: Simulation) -> None:
+    policy = paused.policy
+    assert isinstance(policy, LoraClusterPolicy)
+    for rid in paused.replicas:
+        policy.routing.refresh_stats(rid)
+    for adapter_id in [f"a{k}" for k in range(40)]:
+        live = rank_replicas(adapter_id, live_views(policy, adapter_id), policy.routing.miss_cost)[0]
+        assert policy.routing.choose(adapter_id) == live, f"adapter {adapter_id}: another replica chosen"
+
+
+def test_the_router_decision_matches_on_random_states() -> None:
+    rng = random.Random(7)
+    for trial in range(30):
+        sim = Simulation(SimConfig(nodes=rng.randint(2, 9), adapters=30, zipf=rng.uniform(0.5, 1.5),
+                                   load=rng.uniform(0.3, 2.5), duration=20, warmup=0, seed=trial,
+                                   max_loras=rng.randint(1, 5)), PROFILE)
+        sim.advance(rng.uniform(1.0, 15.0))
+        policy = sim.policy
+        assert isinstance(policy, LoraClusterPolicy)
+        for adapter_id in [f"a{k}" for k in rng.sample(range(30), 10)]:
+            live = rank_replicas(adapter_id, live_views(policy, adapter_id), policy.routing.miss_cost)[0]
+            assert policy.routing.choose(adapter_id) == live, f"trial {trial}, adapter {adapter_id}"
+
+
+def test_the_admission_check_is_the_live_ingress_check(paused: Simulation) -> None:
+    policy = paused.policy
+    assert isinstance(policy, LoraClusterPolicy)
+    stats = {rid: {"num_running": len(r.running), "num_waiting": len(r.waiting),
+                   "max_num_seqs": r.max_num_seqs} for rid, r in paused.replicas.items()}
+    for rid in paused.replicas:
+        policy.refresh_stats(rid)
+    ingress = ClusterAdmission(object(), capacity=None, replica_stats=lambda: stats, timeout_s=60.0)
+    for rid, replica in paused.replicas.items():
+        for _ in range(replica.ongoing):
+            ingress.started(rid)
+    assert policy.has_room() == ingress.has_room(), "fast path or park: simulator and ingress disagree"
+    assert not ingress.has_room(), "the fixture is meant to be overloaded (every replica at capacity)"
+
+
+def test_a_parked_request_is_granted_where_the_live_controller_grants_it(paused: Simulation) -> None:
+    policy = paused.policy
+    assert isinstance(policy, LoraClusterPolicy)
+    view = live_cluster_view(paused)
+    placement = policy.controller.placement()
+    sla = CLASSES.get("interactive")
+    for adapter_id in ("a0", "a7", "a39"):
+        ticket = Ticket(ticket_id=f"probe-{adapter_id}", ingress_id="test", sla_class=sla.name,
+                        priority=sla.priority, adapter_id=adapter_id, enqueued_at=paused.loop.now - 0.9,
+                        deadline=paused.loop.now + 0.1, ttft_s=sla.ttft_s)
+        for rid, replica in sorted(paused.replicas.items()):
+            policy.controller.view.update(dataclasses.replace(
+                replica.report(policy.capacity[rid], paused.loop.now), adapter_requests={}))
+        assert (choose_replica(ticket, policy.controller.view, placement)
+                == choose_replica(ticket, view, placement)), f"grant of {adapter_id}"
+        assert (preemption_target(ticket, policy.controller.view)
+                == preemption_target(ticket, view)), f"preemption target for {adapter_id}"
+    assert preemption_target(ticket, view) is not None, "the fixture has less urgent work to preempt"
+
+
+# ----- the replica model ------------------------------------------------------------------------
+
+def one_replica(max_num_seqs: int = 4) -> tuple[EventLoop, SimReplica, list[SimRequest]]:
+    loop, done = EventLoop(), []
+    profile = dataclasses.replace(PROFILE, max_num_seqs=max_num_seqs)
+    replica = SimReplica("r0", profile=profile, max_num_seqs=max_num_seqs, max_loras=2, loop=loop,
+                         sizes={"a0": 1 << 20, "a1": 1 << 20}, on_finish=lambda _, r: done.append(r),
+                         on_load=lambda _: None)
+    return loop, replica, done
+
+
+def test_a_cold_request_pays_the_s3_fetch_the_copy_the_prefill_and_its_decodes() -> None:
+    loop, replica, done = one_replica()
+    req = SimRequest(0, "a0", CLASSES.get("standard"), prompt=100, output=5, arrival=0.0, measured=True)
+    replica.add(req, 0.0)
+    loop.run(until=100.0)
+    fetch = PROFILE.fetch_s("s3", 1 << 20)
+    prefill = PROFILE.step_s(100, 0, 1) + PROFILE.host_to_device.seconds(1 << 20)
+    assert req.first_token_at == pytest.approx(fetch + prefill), "first token: fetch, copy, prefill step"
+    decodes = 4 * PROFILE.step_s(0, 1, 1)
+    assert req.finish_at == pytest.approx(fetch + prefill + decodes), "then 4 decode steps"
+    assert req.hit is False, "the adapter was not on the device when the request arrived"
+    assert done == [req], "the replica reported the request finished"
+
+
+def test_an_urgent_request_preempts_the_least_urgent_one_which_recomputes() -> None:
+    loop, replica, done = one_replica(max_num_seqs=1)
+    batch = SimRequest(0, "a0", CLASSES.get("batch"), prompt=10, output=50, arrival=0.0, measured=True)
+    urgent = SimRequest(1, "a0", CLASSES.get("interactive"), prompt=10, output=2, arrival=0.0, measured=True)
+    replica.add(batch, 0.0)
+    loop.run(until=0.5)
+    replica.add(urgent, 0.5)
+    loop.run(until=100.0)
+    assert batch.preemptions == 1, "the batch request was preempted once"
+    assert done[0] is urgent, "the urgent request finished first"
+    assert batch.finish_at is not None and batch.first_token_at < urgent.first_token_at, \
+        "the batch request kept its first token time and finished after recomputing"
+
+
+def test_a_busy_slot_is_never_evicted() -> None:
+    loop, replica, _ = one_replica()
+    replica.adapters.max_loras = 1
+    first = SimRequest(0, "a0", CLASSES.get("standard"), prompt=10, output=100, arrival=0.0, measured=True)
+    other = SimRequest(1, "a1", CLASSES.get("standard"), prompt=10, output=2, arrival=0.0, measured=True)
+    replica.add(first, 0.0)
+    replica.add(other, 0.0)
+    loop.run(until=1.0)
+    assert "a0" in replica.adapters.refs and "a1" not in replica.adapters.refs, "a0 stays while it runs"
+    loop.run(until=100.0)
+    assert other.first_token_at > first.finish_at, "a1 got the slot once a0's request ended"
+
+
+# ----- whole runs -------------------------------------------------------------------------------
+
+SMALL = dict(nodes=4, adapters=60, duration=20, warmup=5, max_loras=4)
+
+
+@pytest.mark.parametrize("policy", ["lora-cluster", "round-robin", "serve-multiplex"])
+def test_a_small_run_completes_with_sane_numbers(policy: str) -> None:
+    result = run(SimConfig(**SMALL, load=0.6, policy=policy), PROFILE)
+    offered = sum(c["offered"] for c in result.details["by_class"].values())
+    assert result.completed > 100, "requests completed"
+    assert result.completed + result.rejected == offered, "every measured request completed or was rejected"
+    assert 0.0 <= result.hit_rate <= 1.0, "hit rate is a share"
+    assert result.hit_rate <= 1.0 and result.details["unfinished"] == 0, "the drain finished every request"
+    for name, c in result.classes.items():
+        assert 0.0 <= c["slo_attainment"] <= 1.0, f"{name}: attainment is a share"
+        assert 0.0 < c["ttft_p50_s"] <= c["ttft_p99_s"], f"{name}: p50 <= p99"
+
+
+def test_a_seed_gives_the_same_run() -> None:
+    a = run(SimConfig(**SMALL, load=1.5, seed=11), PROFILE)
+    b = run(SimConfig(**SMALL, load=1.5, seed=11), PROFILE)
+    c = run(SimConfig(**SMALL, load=1.5, seed=12), PROFILE)
+    same = {k: v for k, v in a.to_json().items() if k != "wall_s"}
+    assert same == {k: v for k, v in b.to_json().items() if k != "wall_s"}, "same seed, same result"
+    assert same != {k: v for k, v in c.to_json().items() if k != "wall_s"}, "another seed, another run"
+    assert a.details["controller_counts"] == b.details["controller_counts"], "same controller decisions"
+
+
+def test_the_command_line_prints_exactly_the_documented_json() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--nodes", "3", "--adapters", "30", "--zipf", "1.1", "--load", "0.8", "--duration", "10",
+              "--warmup", "2", "--seed", "1", "--max-loras", "4", "--policy", "serve-multiplex",
+              "--profile", "gpu", "--json"])
+    result = json.loads(out.getvalue())
+    assert set(result) == {"completed", "rejected", "hit_rate", "adapter_loads", "classes", "wall_s"}, \
+        "top-level keys"
+    assert set(result["adapter_loads"]) == {"host", "disk", "s3"}, "loads by tier"
+    assert set(result["classes"]) == {"interactive", "standard", "batch"}, "one entry per class"
+    for name, c in result["classes"].items():
+        assert set(c) == {"ttft_p50_s", "ttft_p99_s", "slo_attainment"}, f"{name}: class keys"
