@@ -29,6 +29,7 @@ from lora_cluster.cluster.scheduling import choose_replica, preemption_target, s
 from lora_cluster.cluster.sla import SlaClasses
 
 DEFAULT_SERVICE_TIME_S = 1.0
+REPLAN_EVERY_S = 1.0  # placement is recomputed this often, and when a replica joins or goes away
 MAX_UNCLAIMED_GRANTS = 65_536
 
 
@@ -56,6 +57,7 @@ class Controller:
         self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
         self.demand = DemandTracker(window_s=settings.demand_window_s, clock=clock)
         self._placement: dict[str, tuple[str, ...]] = {}
+        self._planned_at = -float("inf")
         self._grants: dict[str, Grant] = {}
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
@@ -66,9 +68,11 @@ class Controller:
     def report(self, report: ReplicaReport) -> dict[str, Any]:
         """Take a replica's report; returns its reply (`queue_depth`, `prefetch`)."""
         self.counts["reports"] += 1
+        joined = self.view.get(report.replica_id) is None
         self.view.update(report)
         self.demand.record(report.adapter_requests)
-        self._replan()
+        if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
+            self._replan()
         self._dispatch()
         targeted = [a for a, rids in self._placement.items() if report.replica_id in rids]
         prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
@@ -145,6 +149,7 @@ class Controller:
                 self._grant(ticket, replica_id, preempt=True)
 
     def _replan(self) -> None:
+        self._planned_at = self._clock()
         replicas = self.view.replicas()
         times = [r.service_time_s for r in replicas if r.service_time_s]
         service = sum(times) / len(times) if times else DEFAULT_SERVICE_TIME_S
