@@ -124,3 +124,13 @@ def test_adapter_demand_is_bounded_and_reset_by_each_report():
         demand.record(aid)
     assert demand.take() == {"a": 2, "b": 1, "c": 1}, "beyond the bound new ids are not counted"
     assert demand.take() == {}, "each report takes the counts since the previous one"
+
+
+async def test_a_direct_request_counts_as_on_its_way_only_until_the_reports_can_show_it():
+    clock = [0.0]
+    a = ClusterAdmission(FakeController(), capacity=None, replica_stats=lambda: one_replica(1),
+                         timeout_s=30.0, report_lag_s=1.0, clock=lambda: clock[0])
+    assert await a.admit(sla_class="standard", adapter_id=None, arrived_at=0.0) is None, "fast path"
+    assert not a.has_room(), "the request on its way takes the last free slot"
+    clock[0] = 2.0
+    assert a.has_room(), "after the report lag the replica's report counts it, not the ingress again"

@@ -211,3 +211,53 @@ def test_requests_sent_the_direct_way_count_before_the_replicas_report_them():
     clock.now += 2.0  # the claim expired; the replica's report is the truth again
     ctl.report(report("r1", capacity=2, running=1))
     assert ctl.take_grants()["t"].replica_id == "r1", "the ticket gets the slot the report shows free"
+
+
+def test_an_urgent_ticket_that_can_preempt_is_not_refused_for_its_deadline():
+    clock = Clock()
+    ctl = Controller(CLASSES, clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}))  # busy with batch work
+    ctl.queue.drain.record(1)  # a slow measured drain: any wait looks long
+    for i in range(3):
+        ctl.park(ticket(f"b{i}", "batch", 100.0))
+    assert ctl.park(ticket("i", "interactive", 100.0)) is None, (
+        "queued, not refused: it can preempt the running batch work in time")
+    ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))  # now urgent work runs there
+    with pytest.raises(ClusterOverloadedError, match="cannot be met"):
+        ctl.park(ticket("i2", "interactive", 100.0))
+
+
+def test_the_expected_drain_rate_of_the_replicas_avoids_refusals_a_slow_measurement_would_cause():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock)
+    q.drain.record(1)  # measured: 0.4 requests per second
+    for i in range(3):
+        q.park(ticket(f"s{i}", "batch", 100.0))
+    with pytest.raises(ClusterOverloadedError):
+        q.park(ticket("late", "interactive", 100.0))
+    q.park(ticket("in-time", "interactive", 100.0), expected_rate=10.0)
+    assert "in-time" in q, "with replicas that complete 10 requests/s, 4 ahead take 0.4 s: in time"
+
+
+def test_a_hit_a_few_tickets_back_is_granted_before_a_miss_at_the_head():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(affinity_lookahead=4), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
+    ctl.park(ticket("miss", "standard", 100.0, "y"))
+    ctl.park(ticket("hit", "standard", 100.1, "x"))
+    ctl.park(ticket("urgent-miss", "interactive", 100.2, "z"))
+    ctl.report(report("r1", capacity=1, running=0, resident=("x",)))
+    grants = ctl.take_grants()
+    assert list(grants) == ["urgent-miss"], "a hit never overtakes a more urgent class"
+    ctl.report(report("r1", capacity=1, running=0, resident=("x",), arrived=("urgent-miss",)))
+    assert list(ctl.take_grants()) == ["hit"], "within a class, the hit goes first to the slot that holds x"
+
+
+def test_a_preempting_grant_prefers_a_holder_of_the_adapter():
+    view = ClusterView(stale_after_s=5, clock=Clock())
+    view.update(report("r1", running=2, by_priority={2: 2}))
+    view.update(report("r2", running=2, by_priority={2: 1, 0: 1}, resident=("x",)))
+    assert preemption_target(ticket("t", "interactive", 100.0, "x"), view) == "r2", (
+        "a holder with less urgent work wins over more less urgent work elsewhere")
+    assert preemption_target(ticket("t", "interactive", 100.0, "y"), view) == "r1", (
+        "without a holder, the most less urgent work")

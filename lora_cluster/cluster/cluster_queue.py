@@ -9,8 +9,12 @@ ages at the same rate, urgency order never changes while tickets wait: the key
 `priority + enqueued_at / aging_s` is fixed at park time and a heap keeps the order.
 
 Admission: a full queue (`max_size`) refuses a ticket; so does a deadline that cannot be met, when
-the predicted wait (tickets at least as urgent ahead of it, divided by the measured drain rate)
-would end past it. Both refusals carry a retry-after estimate. Pure: injected clock, no Ray.
+the predicted wait (tickets at least as urgent ahead of it, divided by the drain rate) would end
+past it and the caller says nothing else can serve it in time (`deadline_at_risk`: the controller
+passes False when the ticket could preempt less urgent running work). The drain rate is the larger
+of the measured one (grants over a window) and the one the caller expects from capacity (replicas'
+batch slots over their service time). Both refusals carry a retry-after estimate. Pure: injected
+clock, no Ray.
 """
 
 from __future__ import annotations
@@ -98,17 +102,21 @@ class ClusterQueue:
         now = self._clock() if now is None else now
         return ticket.priority - (now - ticket.enqueued_at) / self.aging_s
 
-    def predicted_wait_s(self, ticket: Ticket) -> float | None:
-        """Seconds until `ticket` would leave the queue, if it were parked now (None: no estimate yet)."""
-        rate = self.drain.rate()
-        if rate is None or rate <= 0:
+    def predicted_wait_s(self, ticket: Ticket, expected_rate: float | None = None) -> float | None:
+        """Seconds until `ticket` would leave the queue, if it were parked now (None: no estimate yet).
+        `expected_rate`: requests per second the replicas should complete (their slots / service time)."""
+        rates = [r for r in (self.drain.rate(), expected_rate) if r]
+        if not rates:
             return None
+        rate = max(rates)
         urgency_key = ticket.priority + ticket.enqueued_at / self.aging_s
         ahead = sum(1 for e in self._entries.values() if e.key[0] <= urgency_key)
         return (ahead + 1) / rate
 
-    def park(self, ticket: Ticket) -> None:
-        """Queue `ticket`; raises ClusterOverloadedError when full or when its deadline cannot be met."""
+    def park(self, ticket: Ticket, *, deadline_at_risk: bool = True,
+             expected_rate: float | None = None) -> None:
+        """Queue `ticket`; raises ClusterOverloadedError when full, or when its deadline cannot be met
+        and `deadline_at_risk` (see the module docstring)."""
         if ticket.ticket_id in self._entries:
             raise RequestError(f"ticket {ticket.ticket_id!r} is already queued")
         if len(self._entries) >= self.max_size:
@@ -117,7 +125,7 @@ class ClusterQueue:
                 retry_after_s=self._retry_after(len(self._entries)),
             )
         now = self._clock()
-        wait = self.predicted_wait_s(ticket)
+        wait = self.predicted_wait_s(ticket, expected_rate) if deadline_at_risk else None
         if ticket.deadline is not None and wait is not None and now + wait > ticket.deadline:
             raise ClusterOverloadedError(
                 f"the {ticket.sla_class} class's time-to-first-token target of {ticket.ttft_s:g} s cannot be "
@@ -153,6 +161,10 @@ class ClusterQueue:
         if ticket is not None:
             self.remove(ticket.ticket_id)
         return ticket
+
+    def first(self, n: int) -> list[Ticket]:
+        """The `n` most urgent tickets, most urgent first (O(size log n))."""
+        return [e.ticket for e in heapq.nsmallest(n, (e for e in self._heap if not e.removed))]
 
     def in_order(self) -> Iterator[Ticket]:
         """Tickets from the most urgent (a sorted copy: O(n log n); for grants across replicas)."""

@@ -25,7 +25,13 @@ from typing import Any
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
-from lora_cluster.cluster.scheduling import choose_replica, preemption_target, should_preempt
+from lora_cluster.cluster.scheduling import (
+    affinity_pick,
+    choose_replica,
+    holds,
+    preemption_target,
+    should_preempt,
+)
 from lora_cluster.cluster.sla import SlaClasses
 
 DEFAULT_SERVICE_TIME_S = 1.0
@@ -41,6 +47,7 @@ class ControllerSettings:
     stale_after_s: float = 5.0  # a replica silent this long is forgotten
     hot_share: float = 0.5
     demand_window_s: float = 30.0
+    affinity_lookahead: int = 8  # tickets of one class a hit may overtake (see `scheduling`)
 
 
 @dataclass(frozen=True)
@@ -85,8 +92,9 @@ class Controller:
         Raises ClusterOverloadedError."""
         if claims is not None:
             self.view.claim(ticket.ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
+        can_preempt = ticket.ttft_s is not None and preemption_target(ticket, self.view) is not None
         try:
-            self.queue.park(ticket)
+            self.queue.park(ticket, deadline_at_risk=not can_preempt, expected_rate=self._expected_rate())
         except Exception:
             self.counts["rejected"] += 1
             raise
@@ -135,6 +143,11 @@ class Controller:
             replica_id = choose_replica(ticket, self.view, self._placement)
             if replica_id is None:
                 break
+            if not holds(self.view, replica_id, ticket.adapter_id):  # a miss: a hit a little later first?
+                lookahead = self.settings.affinity_lookahead
+                hit = affinity_pick(self.queue.first(lookahead), self.view, lookahead)
+                if hit is not None:
+                    ticket, replica_id = hit
             self._grant(ticket, replica_id, preempt=False)
             room -= 1
         if not len(self.queue):
@@ -147,6 +160,11 @@ class Controller:
             replica_id = preemption_target(ticket, self.view)
             if replica_id is not None:
                 self._grant(ticket, replica_id, preempt=True)
+
+    def _expected_rate(self) -> float | None:
+        """Requests per second the live replicas should complete: batch slots over service time."""
+        rate = sum(r.capacity / r.service_time_s for r in self.view.replicas() if r.service_time_s)
+        return rate or None
 
     def _replan(self) -> None:
         self._planned_at = self._clock()

@@ -3,12 +3,16 @@
 Grant: a ticket goes to a replica with room (`ClusterView.free > 0`), preferring, in order, one
 that holds its adapter (resident or loading), one the placement table names for it, and then the
 one with the most room (ties by id, so that decisions are deterministic). The base model (no
-adapter) goes by room alone.
+adapter) goes by room alone. When the most urgent ticket would miss its adapter wherever it goes,
+the controller first looks a bounded number of tickets further (`affinity_pick`, within the same
+class) for one whose adapter a replica with room holds: a hit now instead of a miss that waits
+for an adapter slot, at the price of at most `lookahead` tickets of reordering within a class.
 
 Preemption: when no replica has room, an urgent ticket that has waited at least
-`preempt_after_fraction` of its class's TTFT target is sent, over capacity, to the replica with the
-most running work strictly less urgent than it (the replica's engine then preempts its least urgent
-sequences; see `engine.scheduler`). Tickets without a TTFT target never preempt. Pure functions.
+`preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
+running work strictly less urgent than it (the replica's engine then preempts its least urgent
+sequences; see `engine.scheduler`): one that holds its adapter if any has such work, else the one
+with the most of it. Tickets without a TTFT target never preempt. Pure functions.
 """
 
 from __future__ import annotations
@@ -35,6 +39,32 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
     return min(candidates, key=key)
 
 
+def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
+    """The replica has the adapter on its device or loading it (the base model: always)."""
+    if adapter_id is None:
+        return True
+    report = view.get(replica_id)
+    return report is not None and (adapter_id in report.resident or adapter_id in report.loading)
+
+
+def affinity_pick(tickets: Iterable[Ticket], view: ClusterView, lookahead: int) -> tuple[Ticket, str] | None:
+    """Among the first `lookahead` tickets of the most urgent one's class, the first whose adapter
+    a replica with room holds, and that replica (None: no such hit)."""
+    room = [rid for rid in sorted(view.ids()) if view.free(rid) > 0]
+    first_priority = None
+    for i, ticket in enumerate(tickets):
+        if i >= lookahead:
+            break
+        if first_priority is None:
+            first_priority = ticket.priority
+        if ticket.priority != first_priority:
+            break
+        holder = next((rid for rid in room if holds(view, rid, ticket.adapter_id)), None)
+        if holder is not None:
+            return ticket, holder
+    return None
+
+
 def should_preempt(ticket: Ticket, now: float, preempt_after_fraction: float) -> bool:
     """Whether `ticket` has waited long enough, against its TTFT target, to preempt other work."""
     if ticket.ttft_s is None:
@@ -44,10 +74,14 @@ def should_preempt(ticket: Ticket, now: float, preempt_after_fraction: float) ->
 
 def preemption_target(ticket: Ticket, view: ClusterView,
                       replica_ids: Iterable[str] | None = None) -> str | None:
-    """The replica with the most running work strictly less urgent than `ticket` (None: nowhere)."""
-    best, most = None, 0
+    """A replica with running work strictly less urgent than `ticket`: a holder of its adapter with
+    the most such work, else any replica with the most (None: nowhere)."""
+    best, most = None, (False, 0)
     for rid in sorted(view.ids() if replica_ids is None else replica_ids):
         n = view.preemptible(rid, ticket.priority)
-        if n > most:
-            best, most = rid, n
+        if n <= 0:
+            continue
+        score = (holds(view, rid, ticket.adapter_id), n)
+        if score > most:
+            best, most = rid, score
     return best

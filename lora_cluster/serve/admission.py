@@ -1,12 +1,13 @@
 """The ingress's side of the cluster queue: send at once while a replica has room, else wait for a grant.
 
-Fast path: the ingress sends a request straight to the replicas (the request router picks one)
-while the replicas have room: their free slots add up to more than this ingress's requests that
-are on their way (sent, replica not known yet). A replica's free slots are its admission capacity
-(`admission_capacity`, default `max_num_seqs`) minus its ongoing requests, the larger of its last
-report (requests from every ingress, up to `routing_stats_period_s` old) and this ingress's own
-requests running there (exact, immediate). The check reads memory only: the fast path makes no
-actor call.
+Fast path: the ingress sends a request straight to the replicas (the request router picks one) while
+the replicas have room: their free slots add up to more than this ingress's requests that are on
+their way (sent in the last `report_lag_s`, replica not known yet; older ones are in the replicas'
+reports by then, and counting them again would close the fast path on free slots). A replica's free
+slots are its admission capacity (`admission_capacity`, default `max_num_seqs`) minus its ongoing
+requests, the larger of its last report (requests from every ingress, up to `routing_stats_period_s`
+old) and this ingress's own requests running there (exact, immediate). The check reads memory only:
+the fast path makes no actor call.
 
 Slow path: no replica has room, so the request is parked in the cluster queue (`ClusterController.admit`)
 and sent to the replica it is granted (pinned) once one frees a slot, in class-then-deadline order.
@@ -29,7 +30,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,8 @@ class ClusterAdmission:
     def __init__(self, controller: Any | None, *, capacity: int | None,
                  replica_stats: Callable[[], Mapping[str, Mapping[str, Any]] | None], timeout_s: float,
                  placement_sink: Callable[[Mapping[str, list[str]]], None] | None = None,
-                 placement_period_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 placement_period_s: float = 1.0, report_lag_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
         """`controller`: a handle to the ClusterController deployment (None: controller off);
         `capacity`: requests per replica before parking (None: each replica's max_num_seqs)."""
         self._controller, self._capacity, self._stats = controller, capacity, replica_stats
@@ -64,7 +66,8 @@ class ClusterAdmission:
         self._placement_task: asyncio.Task[None] | None = None
         self.ingress_id = uuid.uuid4().hex[:12]
         self._inflight: Counter[str] = Counter()  # this ingress's requests per replica, in flight
-        self._unassigned = 0  # sent on the fast path, replica not known yet
+        self.report_lag_s = report_lag_s
+        self._on_their_way: deque[float] = deque()  # send times of direct requests, replica not known yet
         self._down_until = 0.0
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
 
@@ -85,7 +88,7 @@ class ClusterAdmission:
             capacity = self._capacity or int(report.get("max_num_seqs", 1))
             reported = int(report.get("num_running", 0)) + int(report.get("num_waiting", 0))
             free += max(0, capacity - max(reported, self._inflight[rid]))
-        return free > self._unassigned
+        return free > self.unassigned()
 
     async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> Granted | None:
         """The replica to pin the request to, or None to send it the direct way (fast path, or no
@@ -94,7 +97,7 @@ class ClusterAdmission:
         self._sync_placement()
         if self._controller is None or self._clock() < self._down_until or self.has_room():
             self.counts["fast"] += 1
-            self._unassigned += 1
+            self._on_their_way.append(self._clock())
             return None
         self.counts["parked"] += 1
         ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
@@ -106,7 +109,7 @@ class ClusterAdmission:
             if remaining <= 0:
                 raise ClusterQueueTimeoutError(
                     f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
-            claims = {"inflight": dict(self._inflight), "unassigned": self._unassigned}
+            claims = {"inflight": dict(self._inflight), "unassigned": self.unassigned()}
             response = self._controller.admit.remote(
                 {**ticket, "waited_s": now - arrived_at, "claims": claims}, remaining)
             try:
@@ -121,7 +124,7 @@ class ClusterAdmission:
                                 exc, BACKOFF_S)
                     self._down_until = self._clock() + BACKOFF_S
                     self.counts["fallback"] += 1
-                    self._unassigned += 1
+                    self._on_their_way.append(self._clock())
                     return None
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
@@ -164,14 +167,19 @@ class ClusterAdmission:
 
     def started(self, replica_id: str, *, granted: bool) -> None:
         """The request's first item came from `replica_id` (`granted`: it was pinned there)."""
-        if not granted:
-            self._unassigned = max(0, self._unassigned - 1)
+        if not granted and self._on_their_way:
+            self._on_their_way.popleft()
         self._inflight[replica_id] += 1
 
     def not_started(self, *, granted: bool) -> None:
         """The request failed before any replica answered."""
-        if not granted:
-            self._unassigned = max(0, self._unassigned - 1)
+        if not granted and self._on_their_way:
+            self._on_their_way.popleft()
+
+    def unassigned(self) -> int:
+        """Direct requests sent in the last `report_lag_s` that no replica has answered yet."""
+        horizon = self._clock() - self.report_lag_s
+        return sum(1 for sent in self._on_their_way if sent > horizon)
 
     def finished(self, replica_id: str) -> None:
         self._inflight[replica_id] -= 1

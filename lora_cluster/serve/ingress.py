@@ -81,7 +81,8 @@ class LoraIngress:
             replica_stats=functools.partial(replica_stats, app_name, replicas.deployment_name),
             timeout_s=resolved.cluster_queue_timeout_s,
             placement_sink=functools.partial(publish_placement, app_name, replicas.deployment_name),
-            placement_period_s=resolved.controller_report_period_s)
+            placement_period_s=resolved.controller_report_period_s,
+            report_lag_s=2 * resolved.routing_stats_period_s)
         dispatcher = Dispatcher(replicas, app_name, admission)
         self.ctx = ApiContext(config=resolved, tokenizer=load_tokenizer(resolved), dispatcher=dispatcher)
         metrics.set_replica_stats_source(dispatcher.replica_stats)

@@ -22,14 +22,14 @@ HELP = argparse.ArgumentDefaultsHelpFormatter
 def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap = argparse.ArgumentParser(prog="python -m lora_cluster.cluster.sim", formatter_class=HELP,
                                  description="Simulate a lora-cluster deployment with its own policy code.")
-    ap.add_argument("--nodes", type=int, default=32, help="nodes, one replica each (default 32)")
-    ap.add_argument("--adapters", type=int, default=1000, help="distinct adapters (default 1000)")
+    ap.add_argument("--nodes", type=int, default=32, help="nodes, one replica each")
+    ap.add_argument("--adapters", type=int, default=1000, help="distinct adapters")
     ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     ap.add_argument("--load", type=float, default=1.0, help="offered load, times the rated capacity")
     ap.add_argument("--duration", type=float, default=120.0, help="measured simulated seconds")
     ap.add_argument("--warmup", type=float, default=30.0, help="unmeasured simulated seconds first")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-loras", type=int, default=16, help="adapter slots per replica (default 16)")
+    ap.add_argument("--max-loras", type=int, default=16, help="adapter slots per replica")
     ap.add_argument("--policy", choices=sorted(POLICIES), default="lora-cluster")
     ap.add_argument("--profile", default="cpu",
                     help="replica profile: cpu (measured here), gpu (from papers) or a JSON path")

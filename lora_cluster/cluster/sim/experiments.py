@@ -1,0 +1,197 @@
+"""The runs behind docs/scale.md: a table of policies x loads, and a load sweep plotted to PNG.
+
+    python -m lora_cluster.cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
+        --loads 1,2 --duration 300 --profile cpu [--save runs.json]
+    python -m lora_cluster.cluster.sim.experiments sweep --nodes 32 --adapters 1000 --max-loras 16 \
+        --loads 0.5,1,1.5,2,2.5,3 --duration 120 --profile cpu --plot docs/scale_sweep_cpu.png
+    python -m lora_cluster.cluster.sim.experiments render --save runs.json [--plot FILE]
+    python -m lora_cluster.cluster.sim.experiments router-cost
+
+`router-cost` times the live router's per-request work (`PlacementTracker.view` for every replica,
+then `rank_replicas` over them, as `LoraAffinityRouter.choose_replicas` does) at 32 to 1024 replicas.
+
+`table` prints a markdown table (one row per policy and load); `sweep` runs the same grid and plots
+SLO attainment (interactive, standard) and hit rate against load (needs matplotlib, which the
+project does not depend on: `pip install matplotlib`); `--save` keeps every run's result as JSON so
+that `render` can redraw without running again. Each run is `simulation.run`, one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lora_cluster.cluster.sim.context import ServeSettings
+from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, run
+from lora_cluster.serve.affinity import PlacementTracker, rank_replicas
+
+ORDER = ("lora-cluster", "serve-multiplex", "round-robin")
+
+
+def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run every policy at every load; each run as {config, result, details}."""
+    runs = []
+    for load in (float(x) for x in args.loads.split(",")):
+        for policy in args.policies.split(","):
+            config = SimConfig(nodes=args.nodes, adapters=args.adapters, zipf=args.zipf, load=load,
+                               duration=args.duration, warmup=args.warmup, seed=args.seed,
+                               max_loras=args.max_loras, policy=policy, profile=args.profile,
+                               serve=serve_settings(args.set))
+            result = run(config)
+            print(f"# {policy} load {load:g}: wall {result.wall_s:.1f} s", file=sys.stderr, flush=True)
+            runs.append({"config": {k: v for k, v in asdict(config).items() if k != "serve"},
+                         "result": result.to_json(), "details": result.details})
+    return runs
+
+
+def serve_settings(pairs: list[str]) -> ServeSettings:
+    """ServeSettings with `name=value` overrides (e.g. cluster_queue_aging_s=60)."""
+    fields = {f.name: f.type for f in dataclasses.fields(ServeSettings)}
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        name, _, raw = pair.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--set: unknown setting {name!r}; one of {', '.join(fields)}")
+        values[name] = float(raw) if "." in raw or "e" in raw else int(raw)
+    return ServeSettings(**values)
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    """One row per run: completed, rejected, hit rate (and its ceiling), loads per tier, per class
+    TTFT p50/p99 and SLO attainment, the controller's CPU per simulated second and queue depth."""
+    head = ("| policy | load | completed | rejected | hit rate (ceiling) | loads host / disk / s3 "
+            "| interactive p50 / p99 s, SLO | standard p50 / p99 s, SLO | batch p50 / p99 s, SLO "
+            "| controller CPU s per s, queue mean / max | wall s |")
+    lines = [head, "|" + "---|" * 11]
+    ranked = sorted(runs, key=lambda r: (r["config"]["load"], ORDER.index(r["config"]["policy"])))
+    for r in ranked:
+        res, d = r["result"], r["details"]
+        classes = [f"{_f(c['ttft_p50_s'])} / {_f(c['ttft_p99_s'])}, {_pct(c['slo_attainment'])}"
+                   for c in res["classes"].values()]
+        loads = res["adapter_loads"]
+        controller = "-"
+        if "controller_cpu_s" in d:
+            controller = (f"{d['controller_cpu_s'] / d['simulated_s']:.2f}, "
+                          f"{d['queue_depth_mean']:.0f} / {d['queue_depth_max']}")
+        lines.append(
+            f"| {r['config']['policy']} | {r['config']['load']:g}x | {res['completed']} | {res['rejected']} "
+            f"| {_pct(res['hit_rate'])} ({_pct(d['hit_rate_ceiling'])}) "
+            f"| {loads['host']} / {loads['disk']} / {loads['s3']} | {' | '.join(classes)} "
+            f"| {controller} | {res['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    def attainment(name: str) -> Any:
+        return lambda r: r["result"]["classes"][name]["slo_attainment"]
+
+    panels = [("interactive SLO attainment", attainment("interactive")),
+              ("standard SLO attainment", attainment("standard")),
+              ("hit rate", lambda r: r["result"]["hit_rate"])]
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for policy in ORDER:
+            mine = sorted((r for r in runs if r["config"]["policy"] == policy),
+                          key=lambda r: r["config"]["load"])
+            if mine:
+                ax.plot([r["config"]["load"] for r in mine], [100 * (value(r) or 0) for r in mine],
+                        marker="o", label=policy)
+        if title == "hit rate" and runs:
+            ax.axhline(100 * runs[0]["details"]["hit_rate_ceiling"], color="grey", linestyle=":",
+                       label="ceiling (slots / Zipf)")
+        ax.set_title(title)
+        ax.set_xlabel("offered load (x rated capacity)")
+        ax.set_ylabel("%")
+        ax.set_ylim(0, 102)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower left", fontsize=8)
+    axes[2].legend(loc="lower left", fontsize=8)
+    c = runs[0]["config"]
+    fig.suptitle(f"{c['nodes']} nodes x {c['adapters']} adapters, Zipf {c['zipf']:g}, "
+                 f"max_loras {c['max_loras']}, profile {runs[0]['details']['profile']} (simulated)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def router_cost(sizes: tuple[int, ...] = (32, 256, 1024), adapters: int = 10_000,
+                decisions: int = 200) -> str:
+    """Markdown: microseconds per routing decision of the live router, by replica count."""
+    rng = random.Random(0)
+    lines = ["| replicas | µs per decision | decisions per second (one core) |", "|---|---:|---:|"]
+    for n in sizes:
+        tracker = PlacementTracker(ttl_s=5.0)
+        stats = {f"r{i}": {"resident": [f"a{rng.randrange(adapters)}" for _ in range(16)], "loading": [],
+                           "empty_adapter_slots": 0, "free_adapter_slots": 4, "max_loras": 16,
+                           "num_running": 32, "num_waiting": 0, "max_num_seqs": 32} for i in range(n)}
+        for i in range(n):
+            for _ in range(8):
+                tracker.record(f"r{i}", f"a{rng.randrange(adapters)}", 0.0)
+        t0 = time.perf_counter()
+        for k in range(decisions):
+            aid = f"a{k % 50}"
+            views = [tracker.view(rid, s, rng.randrange(40), 1.0) for rid, s in stats.items()]
+            rank_replicas(aid, views, 4.0)
+        per = (time.perf_counter() - t0) / decisions
+        lines.append(f"| {n} | {per * 1e6:.0f} | {1 / per:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lora_cluster.cluster.sim.experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("table", "sweep", "render", "router-cost"))
+    ap.add_argument("--nodes", type=int, default=32)
+    ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--max-loras", type=int, default=16)
+    ap.add_argument("--loads", default="1,2")
+    ap.add_argument("--policies", default=",".join(ORDER))
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a ServeConfig setting the policies read (repeatable), e.g. admission_capacity=64")
+    ap.add_argument("--save", help="JSON file of the runs (written by table/sweep, read by render)")
+    ap.add_argument("--plot", help="PNG to draw (sweep, render)")
+    args = ap.parse_args(argv)
+    if any(p not in POLICIES for p in args.policies.split(",")):
+        ap.error(f"--policies: one or more of {', '.join(POLICIES)}")
+    if args.what == "router-cost":
+        print(router_cost())
+        return 0
+    if args.what == "render":
+        runs = json.loads(Path(args.save).read_text())
+    else:
+        runs = grid(args)
+        if args.save:
+            Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
+    print(markdown(runs))
+    if args.plot:
+        plot(runs, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
