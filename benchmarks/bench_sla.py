@@ -18,12 +18,13 @@ float32, CPU) served by 2 LoRA replicas (1 CPU each, `max_num_seqs` 4, so 8 batc
      on      `controller: true`, the default config: admission capacity = `max_num_seqs`; a request
              no replica has room for is parked in the cluster queue (class, then deadline order,
              aging) and granted to a replica when one frees a slot; urgent tickets that waited half
-             their TTFT target preempt less urgent work; tickets whose target cannot be met are
-             refused (429, Retry-After).
+             their TTFT target preempt less urgent work; the controller may refuse a ticket whose
+             target it predicts cannot be met (429, Retry-After).
      off     `controller: false` and `max_ongoing_requests` = `max_num_seqs`: requests beyond the
              batch slots wait in Ray Serve's own router queue, first come first served.
      engine  (optional) `controller: false` with the default `max_ongoing_requests` (64): requests
              wait in each replica's engine queue, which orders by class priority and preempts.
+     on-eager (optional, diagnostic) `on` with `preempt_after_fraction` 0.1 instead of 0.5.
 
    Per class: requests sent, completed, refused (429/503 with Retry-After), cut off, errors, p50 and
    p99 TTFT and SLO attainment = requests whose first token came within the class's TTFT target /
@@ -31,11 +32,15 @@ float32, CPU) served by 2 LoRA replicas (1 CPU each, `max_num_seqs` 4, so 8 batc
    not attained). A cut-off request without a first token contributes its wait so far, a lower
    bound, to the percentiles (marked >=). `batch` has no target: its column says "-". For `on`, the
    controller's and the ingress's counters from GET /v1/cluster (deltas over the run) and the
-   largest cluster-queue depth seen (polled every 2 s). Engine preemption counts are not exposed by
-   the API (EngineStats.num_preemptions is in neither the routing stats nor /metrics).
-3. Slow path: all 8 slots are filled with `standard` requests, then one more 1-token request is
-   sent; it waits (parked in the cluster queue with the controller, in Serve's queue without). Its
-   latency from the first blocker's end (client side) to its own first token, on vs off, alternating.
+   largest cluster-queue depth seen (polled every 2 s), and what the controller still holds 2 s after
+   the cut-off (tickets queued, slots counted as taken): a clean run leaves nothing. Engine preemption
+   counts are not exposed by the API (EngineStats.num_preemptions is in neither the routing stats
+   nor /metrics).
+3. Slow path: all 8 slots are filled with `standard` base-model requests (sent 0.15 s apart, so that
+   the request router spreads them 4 and 4), then one more 1-token request is sent; it waits (parked
+   in the cluster queue with the controller, in Serve's queue without). Its latency from the first
+   blocker's end (client side) to its own first token, on vs off, alternating; a round where a
+   blocker queued or the probe was not parked is run again.
 4. Fast path: the tiny demo model (so that the model's own time and its noise are small), 2
    replicas per app, one 1-token non-streaming request at a time (every request takes the fast path;
    checked with the ingress's counters), on and off alternating in each round; p50/p99 per mode and
@@ -59,6 +64,7 @@ import platform
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -204,19 +210,28 @@ def new_session() -> Any:
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=HTTP_TIMEOUT_S))
 
 
+def held_slots(view: dict[str, Any]) -> tuple[int, int]:
+    """(slots the controller counts as taken, requests the replicas report running or waiting)."""
+    reps = [r for node in view.get("nodes", {}).values() for r in node["replicas"].values()]
+    return (sum(int(r["capacity"]) - int(r["free"]) for r in reps),
+            sum(int(r["running"]) + int(r["waiting"]) for r in reps))
+
+
 async def wait_idle(session: Any, base: str, controller: bool) -> dict[str, Any]:
-    """Until the app's replicas run and queue nothing (and the cluster queue is empty); bounded."""
+    """Until the app's replicas run and queue nothing and, with the controller, its queue is empty and
+    it counts every slot as free; bounded (RuntimeError naming what is left)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         reps = (await get_json(session, f"{base}/debug/replicas"))["replicas"]
         busy = sum(int(r["num_running"]) + int(r["num_waiting"]) for r in reps.values())
         view = await get_json(session, f"{base}/v1/cluster") if controller else {}
         depth = view.get("queue", {}).get("depth", 0)
-        if busy == 0 and depth == 0:
+        held = held_slots(view)[0] if controller else 0
+        if busy == 0 and depth == 0 and held == 0:
             return view
         if time.monotonic() > deadline:
             raise RuntimeError(f"{base} not idle after {IDLE_TIMEOUT_S:.0f} s: {busy} requests in the "
-                               f"engines, {depth} in the cluster queue")
+                               f"engines, {depth} in the cluster queue, {held} slots held by the controller")
         await asyncio.sleep(0.5)
 
 
@@ -257,6 +272,7 @@ class RunResult:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     max_depth: dict[str, Any] = field(default_factory=dict)
     after: dict[str, Any] = field(default_factory=dict)
+    load_avg: float = 0.0  # 1-minute load average at the end of the arrivals
 
 
 async def open_loop(session: Any, base: str, rate: float, duration: float, drain: float, seed: int,
@@ -293,7 +309,7 @@ async def open_loop(session: Any, base: str, rate: float, duration: float, drain
 
 async def sla_run(session: Any, base: str, mode: str, load: float, rated: float, args: argparse.Namespace,
                   seed: int) -> RunResult:
-    controller = mode == "on"
+    controller = uses_controller(mode)
     before = await wait_idle(session, base, controller)
     max_depth: dict[str, Any] = {"depth": 0, "by_class": {}, "oldest_wait_s": 0.0}
 
@@ -311,46 +327,82 @@ async def sla_run(session: Any, base: str, mode: str, load: float, rated: float,
 
     outcomes, wall = await open_loop(session, base, load * rated, args.duration, args.drain, seed,
                                      poll if controller else None)
-    after = await wait_idle(session, base, controller)
-    result = RunResult(mode, load, load * rated, outcomes, wall, max_depth=max_depth if controller else {})
+    result = RunResult(mode, load, load * rated, outcomes, wall, max_depth=max_depth if controller else {},
+                       load_avg=os.getloadavg()[0])
+    t_end = time.monotonic()
+    if controller:  # what the controller holds once the cut-off clients are gone
+        await asyncio.sleep(2.0)
+        view = await get_json(session, f"{base}/v1/cluster")
+        held, busy = held_slots(view)
+        result.after["2 s after the cut-off"] = {"queued": view["queue"]["depth"], "slots held": held,
+                                                 "running or waiting": busy}
+    try:
+        after = await wait_idle(session, base, controller)
+        result.after["idle after s"] = round(time.monotonic() - t_end, 1)
+    except RuntimeError as exc:
+        result.after["not idle"] = str(exc)
+        after = await get_json(session, f"{base}/v1/cluster") if controller else {}
     if controller:
         for part, key in (("controller", "counts"), ("ingress", "admission")):
             b, a = before[part][key], after[part][key]
             result.counters[part] = {k: int(a.get(k, 0)) - int(b.get(k, 0)) for k in sorted(set(a) | set(b))}
-        replicas = {rid: r for node in after["nodes"].values() for rid, r in node["replicas"].items()}
-        result.after = {"ingress_in_flight": after["ingress"]["in_flight"],
-                        "free": {rid[-6:]: r["free"] for rid, r in replicas.items()},
-                        "restarted": after["controller"]["up_s"] < before["controller"]["up_s"]}
+        result.after["ingress in flight"] = after["ingress"]["in_flight"]
+        result.after["controller restarted"] = after["controller"]["up_s"] < before["controller"]["up_s"]
     return result
 
 
 async def slow_path(sessions: dict[str, Any], bases: dict[str, str], rounds: int,
-                    blocker_tokens: int) -> dict[str, list[dict[str, float]]]:
-    """Fill every slot, then send one 1-token request that must wait for one to free (see above)."""
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in bases}
+                    blocker_tokens: int) -> dict[str, dict[str, Any]]:
+    """Fill every slot, then send one 1-token request that must wait for one to free (see above).
+    A round counts only if all blockers ran when the probe was sent (none queued, none finished)
+    and, with the controller, the probe was parked; otherwise it is run again (at most twice)."""
+    results: dict[str, dict[str, Any]] = {m: {"rows": [], "invalid": 0, "why": []} for m in bases}
     for i in range(rounds):
         order = list(bases) if i % 2 == 0 else list(reversed(bases))
         for mode in order:
-            session, base = sessions[mode], bases[mode]
-            await wait_idle(session, base, mode == "on")
-            blockers = [Outcome(Req("standard", ADAPTERS[k % 4], " ".join(WORDS[:12]), blocker_tokens))
-                        for k in range(SLOTS)]
-            tasks = [asyncio.create_task(stream_one(session, base, o)) for o in blockers]
-            deadline = time.monotonic() + HTTP_TIMEOUT_S
-            while any(o.first is None and o.done is None and o.error is None for o in blockers):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{mode}: the blockers did not all start")
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
-            probe = Outcome(Req("standard", "a0", " ".join(WORDS[:10]), 1))
-            await asyncio.wait_for(asyncio.gather(stream_one(session, base, probe), *tasks),
-                                   HTTP_TIMEOUT_S)
-            if not (probe.completed and all(o.completed for o in blockers)):
-                raise RuntimeError(f"{mode}: slow-path round failed: probe {probe}, "
-                                   f"blockers {[o.status for o in blockers]}")
-            freed = min(o.done for o in blockers if o.done is not None)
-            results[mode].append({"after_free": probe.first - freed, "ttft": probe.first - probe.sent})
+            for _ in range(3):
+                row = await slow_path_round(sessions[mode], bases[mode], uses_controller(mode),
+                                            blocker_tokens)
+                if "why" not in row:
+                    results[mode]["rows"].append(row)
+                    break
+                results[mode]["invalid"] += 1
+                results[mode]["why"].append(row["why"])
     return results
+
+
+async def slow_path_round(session: Any, base: str, controller: bool,
+                          blocker_tokens: int) -> dict[str, Any]:
+    await wait_idle(session, base, controller)
+    await asyncio.sleep(1.5)  # the routing stats and reports show the idle replicas
+    # the base model (no adapter), one blocker every 0.15 s: sent all at once (or for adapters), the
+    # request router may put 5-6 of them on one replica with the controller on (max_ongoing_requests
+    # 64), where they wait in the engine while the other replica has free slots (see the reading)
+    model = (await get_json(session, f"{base}/v1/models"))["data"][0]["id"]
+    blockers = [Outcome(Req("standard", model, " ".join(WORDS[:12]), blocker_tokens)) for _ in range(SLOTS)]
+    tasks = []
+    for o in blockers:
+        tasks.append(asyncio.create_task(stream_one(session, base, o)))
+        await asyncio.sleep(0.15)
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while any(o.first is None and o.done is None and o.error is None and o.status in (None, 200)
+              for o in blockers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    all_running = all(o.first is not None and o.done is None for o in blockers)
+    parked0 = (await get_json(session, f"{base}/v1/cluster"))["ingress"]["admission"].get("parked", 0) \
+        if controller else 0
+    probe = Outcome(Req("standard", model, " ".join(WORDS[:10]), 1))
+    await asyncio.wait_for(asyncio.gather(stream_one(session, base, probe), *tasks), HTTP_TIMEOUT_S)
+    parked = (await get_json(session, f"{base}/v1/cluster"))["ingress"]["admission"].get("parked", 0) \
+        - parked0 if controller else 0
+    if not (probe.completed and all(o.completed for o in blockers)):
+        raise RuntimeError(f"slow-path round failed: probe {probe}, blockers {[o.status for o in blockers]}")
+    freed = min(o.done for o in blockers if o.done is not None)
+    if not all_running or probe.sent >= freed or (controller and parked != 1):
+        return {"why": f"all blockers running {all_running}, probe sent {probe.sent - freed:+.2f} s after "
+                       f"the first blocker ended, probe parked {parked}"}
+    return {"after_free": probe.first - freed, "ttft": probe.first - probe.sent}
 
 
 async def fast_path(sessions: dict[str, Any], bases: dict[str, str], rounds: int,
@@ -407,23 +459,33 @@ async def admission_micro(n: int) -> dict[str, float]:
 # ----- process CPU -------------------------------------------------------------------------------
 
 
-def app_cpu_seconds(app: str) -> dict[str, float]:
-    """CPU seconds so far of each Ray process of Serve app `app` (by process title), by deployment."""
+def app_cpu_seconds(app: str) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each Ray process of Serve app `app`: pid -> (deployment, seconds). Found
+    by process title, which Ray changes while a task runs (`LoraIngress.handle_request...`)."""
     import psutil
 
-    cpu: dict[str, float] = {}
+    cpu: dict[int, tuple[str, float]] = {}
     tag = f"ServeReplica:{app}:"
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or ())
             if tag not in cmd:
                 continue
-            deployment = cmd.split(tag, 1)[1].split()[0]
+            deployment = cmd.split(tag, 1)[1].split()[0].split(".")[0]
             t = p.cpu_times()
-            cpu[deployment] = cpu.get(deployment, 0.0) + t.user + t.system
+            cpu[p.pid] = (deployment, t.user + t.system)
         except (psutil.Error, IndexError):
             continue
     return cpu
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds between two `app_cpu_seconds`, by deployment (processes present in both)."""
+    out: dict[str, float] = {}
+    for pid, (deployment, seconds) in after.items():
+        if pid in before:
+            out[deployment] = out.get(deployment, 0.0) + seconds - before[pid][1]
+    return out
 
 
 # ----- statistics and the report -----------------------------------------------------------------
@@ -482,6 +544,19 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores{mem}, no GPU"
 
 
+def code_version() -> str:
+    """The commit the library was measured at, and whether lora_cluster/ differs from it."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lora_cluster"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"commit {head or 'unknown'}" + (" with uncommitted changes in lora_cluster/" if dirty else "")
+
+
 def load_avg() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -498,7 +573,8 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
         "# Cluster controller: SLA classes under overload", "",
         f"- date: {meta['date']}",
         f"- machine: {machine()}; load average at the start {meta['load_start']}, at the end {load_avg()}",
-        f"- software: Python {sys.version.split()[0]}, torch {torch.__version__}, Ray {ray.__version__}",
+        f"- software: Python {sys.version.split()[0]}, torch {torch.__version__}, Ray {ray.__version__}; "
+        f"lora-cluster at {meta['code']}",
         f"- command: `{cmd.strip()}` ({meta['wall_min']:.1f} min)",
         f"- served: demo zoo `{args.size}` model, {NUM_REPLICAS} LoRA replicas x 1 CPU, max_num_seqs "
         f"{MAX_NUM_SEQS} ({SLOTS} batch slots), max_loras 8; modes: "
@@ -511,9 +587,14 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
         "- TTFT targets (the servers' `sla_classes`, the same for every mode): "
         + ", ".join(f"{c} {'none' if t is None else f'{t:g} s'}" for c, t in targets.items()),
     ]
+    if any(meta["warmup_refused"].values()):
+        lines.append("- warm-up requests refused with 429 (sent again): " + ", ".join(
+            f"{m} {n}" for m, n in meta["warmup_refused"].items()))
     if meta.get("uncontended"):
-        lines.append("- uncontended TTFT (one request at a time, p50 of 10): "
-                     + ", ".join(f"{m} {ms(v)} ms" for m, v in meta["uncontended"].items()))
+        lines.append("- uncontended TTFT (one streamed request at a time, the same 20 to each mode, p50): "
+                     + ", ".join(f"{m} {ms(v)} ms" for m, v in meta["uncontended"].items())
+                     + (f"; on - off, median of the paired differences {ms(meta['uncontended_diff'])} ms"
+                        if "uncontended_diff" in meta else ""))
     if meta.get("rated_detail"):
         d = meta["rated_detail"]
         lines.append(f"- rated load: {meta['rated']:.2f} requests/s ({d['tokens_per_s']:.0f} output "
@@ -536,9 +617,9 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
                 lines.append(f"| {run.load:g}x ({run.rate:.2f}/s) | {run.mode} | {cls} | {s['sent']} | "
                              f"{s['completed']} | {refused} | {s['cut_off']} | {s['failed']} | "
                              f"{fmt_s(*s['p50'])} | {fmt_s(*s['p99'])} | {att} |")
-        lines += ["", "| load | mode | wall s | completed/s in the run | controller counters (delta) | "
-                  "ingress admission (delta) | max cluster queue | after the run |",
-                  "|---|---|---:|---:|---|---|---|---|"]
+        lines += ["", "| load | mode | wall s | completed/s in the run | machine load avg | controller "
+                  "counters (delta) | ingress admission (delta) | max cluster queue | after the run |",
+                  "|---|---|---:|---:|---:|---|---|---|---|"]
         for run in runs:
             done = sum(o.completed for o in run.outcomes)
             counters = run.counters.get("controller", {})
@@ -550,28 +631,35 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
                 depth += f" (poll error: {run.max_depth['poll_error']})"
             after = json.dumps(run.after) if run.after else "-"
             lines.append(f"| {run.load:g}x | {run.mode} | {run.wall_s:.0f} | {done / run.wall_s:.2f} | "
-                         f"{ctrl or '-'} | {ing or '-'} | {depth} | {after} |")
+                         f"{run.load_avg:.1f} | {ctrl or '-'} | {ing or '-'} | {depth} | {after} |")
         errors = sorted({o.error for run in runs for o in run.outcomes if o.error})
         statuses = sorted({o.status for run in runs for o in run.outcomes if o.failed and o.status})
         if errors or statuses:
             lines += ["", f"Errors seen: statuses {statuses}; " + "; ".join(errors[:5])]
     if slow:
-        lines += ["", f"Slow path: {SLOTS} `standard` blockers fill every slot, then one 1-token `standard` "
-                  "request; its first token after the first blocker's end (client side), "
-                  f"{len(next(iter(slow.values())))} rounds per mode, alternating.", "",
-                  "| mode | p50 ms after a slot frees | min ms | max ms | p50 TTFT ms |",
-                  "|---|---:|---:|---:|---:|"]
-        for mode, rows in slow.items():
+        lines += ["", f"Slow path: {SLOTS} `standard` blockers ({args.blocker_tokens} tokens) fill every "
+                  "slot, then one 1-token `standard` request is sent; its first token after the first "
+                  "blocker's end (client side); rounds alternate between the modes; a round counts only "
+                  "if every blocker was running when the probe was sent and (on) the probe was parked.", "",
+                  "| mode | rounds (invalid) | p50 ms after a slot frees | min ms | max ms | p50 TTFT ms |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for mode, res in slow.items():
+            rows = res["rows"]
+            if not rows:
+                lines.append(f"| {mode} | 0 ({res['invalid']}) | - | - | - | - |")
+                continue
             after = sorted(r["after_free"] for r in rows)
-            lines.append(f"| {mode} | {ms(pick(after, 0.5))} | {ms(after[0])} | {ms(after[-1])} | "
-                         f"{ms(pick(sorted(r['ttft'] for r in rows), 0.5))} |")
+            ttft = sorted(r["ttft"] for r in rows)
+            lines.append(f"| {mode} | {len(rows)} ({res['invalid']}) | {ms(pick(after, 0.5))} | "
+                         f"{ms(after[0])} | {ms(after[-1])} | {ms(pick(ttft, 0.5))} |")
     if fast:
         lat, cpu, micro, counts = fast["lat"], fast["cpu"], fast["micro"], fast["counts"]
         n = len(next(iter(lat.values())))
         lines += ["", f"Fast path: tiny demo model, {NUM_REPLICAS} replicas per app, one 1-token "
                   f"non-streaming request at a time, {n} rounds (after {args.fast_warmup} warm-up "
                   "rounds), on and off alternating in each round.", "",
-                  "| mode | p50 ms | p90 ms | p99 ms | mean ms | app CPU s over the phase |",
+                  "| mode | p50 ms | p90 ms | p99 ms | mean ms | "
+                  f"app CPU s over the {fast['phase_s']:.0f} s phase |",
                   "|---|---:|---:|---:|---:|---|"]
         for mode, samples in lat.items():
             s = sorted(samples)
@@ -605,7 +693,13 @@ MODE_CONFIG: dict[str, dict[str, Any]] = {
     "on": {"controller": True},
     "off": {"controller": False, "max_ongoing_requests": MAX_NUM_SEQS},
     "engine": {"controller": False},
+    # diagnostic: the controller with urgent tickets preempting after 10% of their target instead of 50%
+    "on-eager": {"controller": True, "preempt_after_fraction": 0.1},
 }
+
+
+def uses_controller(mode: str) -> bool:
+    return bool(MODE_CONFIG[mode].get("controller", True))
 
 
 def app_config(zoo: Any, mode: str, classes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -620,26 +714,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def warm_up(session: Any, base: str) -> None:
-    """Every adapter used, on both replicas (a few concurrent requests per adapter)."""
-    reqs = [Outcome(Req("standard", a, "the river runs past a quiet town", 4))
-            for a in ADAPTERS for _ in (0, 1)]
+async def warm_up(session: Any, base: str) -> int:
+    """Every adapter used, on both replicas (a few concurrent requests per adapter). A refused request
+    (429, see the reading in docs/benchmarks.md) is sent again after a pause; returns how many were."""
+    reqs = [Req("standard", a, "the river runs past a quiet town", 4) for a in ADAPTERS for _ in (0, 1)]
+    refused = 0
     for k in range(0, len(reqs), SLOTS):
-        await asyncio.wait_for(asyncio.gather(*(stream_one(session, base, o) for o in reqs[k:k + SLOTS])),
-                               HTTP_TIMEOUT_S)
-    bad = [o for o in reqs if not o.completed]
-    if bad:
-        raise RuntimeError(f"warm-up failed on {base}: {bad[0]}")
+        todo = reqs[k:k + SLOTS]
+        for _ in range(5):
+            outs = [Outcome(r) for r in todo]
+            await asyncio.wait_for(asyncio.gather(*(stream_one(session, base, o) for o in outs)),
+                                   HTTP_TIMEOUT_S)
+            bad = [o for o in outs if not o.completed]
+            if any(not o.refused for o in bad):
+                raise RuntimeError(f"warm-up failed on {base}: {bad[0]}")
+            refused += len(bad)
+            todo = [o.req for o in bad]
+            if not todo:
+                break
+            await asyncio.sleep(1.0)
+        if todo:
+            raise RuntimeError(f"warm-up on {base}: still refused after 5 tries")
+    return refused
 
 
-async def uncontended(session: Any, base: str, rng: random.Random) -> list[float]:
-    out = []
-    for _ in range(10):
-        o = Outcome(make_request(rng, "standard"))
-        await asyncio.wait_for(stream_one(session, base, o), HTTP_TIMEOUT_S)
-        if o.first is None:
-            raise RuntimeError(f"uncontended request failed: {o}")
-        out.append(o.first - o.sent)
+async def uncontended(sessions: dict[str, Any], bases: dict[str, str], rng: random.Random,
+                      n: int = 20) -> dict[str, list[float]]:
+    """TTFT of one streamed request at a time: the same `n` requests to every mode, interleaved."""
+    out: dict[str, list[float]] = {m: [] for m in bases}
+    for i in range(n):
+        req = make_request(rng, "standard")
+        for mode in list(bases) if i % 2 == 0 else list(reversed(bases)):
+            o = Outcome(req)
+            await asyncio.wait_for(stream_one(sessions[mode], bases[mode], o), HTTP_TIMEOUT_S)
+            if o.first is None:
+                raise RuntimeError(f"uncontended request failed: {o}")
+            out[mode].append(o.first - o.sent)
     return out
 
 
@@ -655,6 +765,7 @@ def main() -> int:
     ap.add_argument("--interactive-ttft", type=float, default=1.0)
     ap.add_argument("--standard-ttft", type=float, default=5.0)
     ap.add_argument("--slow-rounds", type=int, default=6)
+    ap.add_argument("--blocker-tokens", type=int, default=24)
     ap.add_argument("--fast-rounds", type=int, default=300)
     ap.add_argument("--fast-warmup", type=int, default=20)
     ap.add_argument("--size", choices=["tiny", "base"], default="base")
@@ -680,7 +791,7 @@ async def run(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     meta: dict[str, Any] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                            "load_start": load_avg()}
+                            "load_start": load_avg(), "warmup_refused": {}, "code": code_version()}
     classes = [{"name": "interactive", "priority": 0, "ttft_s": args.interactive_ttft, "tpot_s": 0.2},
                {"name": "standard", "priority": 1, "ttft_s": args.standard_ttft, "tpot_s": 0.5},
                {"name": "batch", "priority": 2}]
@@ -703,13 +814,12 @@ async def run(args: argparse.Namespace) -> int:
                 serve.run(build_app(app_config(zoo, mode, classes)), name=f"sla-{mode}",
                           route_prefix=f"/{mode}")
                 print(f"[bench_sla] app {mode} up in {time.monotonic() - t0:.0f} s", flush=True)
-                await warm_up(sessions[mode], bases[mode])
-            rng = random.Random(args.seed)
-            unc = {m: [] for m in args.modes}
-            for _ in range(2):
-                for mode in args.modes:
-                    unc[mode] += await uncontended(sessions[mode], bases[mode], rng)
+                meta["warmup_refused"][mode] = await warm_up(sessions[mode], bases[mode])
+            unc = await uncontended(sessions, bases, random.Random(args.seed))
             meta["uncontended"] = {m: statistics.median(v) for m, v in unc.items()}
+            if {"on", "off"} <= set(unc):
+                meta["uncontended_diff"] = statistics.median(a - b for a, b in zip(unc["on"], unc["off"],
+                                                                                   strict=True))
             print(f"[bench_sla] uncontended TTFT {meta['uncontended']}", flush=True)
         if "sla" in args.phases:
             rated = args.rated
@@ -731,7 +841,7 @@ async def run(args: argparse.Namespace) -> int:
                         + f"; counters {result.counters}; depth {result.max_depth}; after {result.after}",
                         flush=True)
         if "slow" in args.phases:
-            slow = await slow_path(sessions, bases, args.slow_rounds, blocker_tokens=24)
+            slow = await slow_path(sessions, bases, args.slow_rounds, args.blocker_tokens)
             print(f"[bench_sla] slow path {slow}", flush=True)
         if "fast" in args.phases:
             for mode in args.modes:
@@ -743,16 +853,17 @@ async def run(args: argparse.Namespace) -> int:
             for mode in ("on", "off"):
                 serve.run(build_app(app_config(tiny, mode, classes)), name=f"fast-{mode}",
                           route_prefix=f"/fast-{mode}")
-                await warm_up(fast_sessions[mode], fast_bases[mode])
+                meta["warmup_refused"][f"fast-{mode}"] = await warm_up(fast_sessions[mode], fast_bases[mode])
             before = await get_json(fast_sessions["on"], f"{fast_bases['on']}/v1/cluster")
-            cpu0 = {m: app_cpu_seconds(f"fast-{m}") for m in ("on", "off")}
+            cpu0, t0 = {m: app_cpu_seconds(f"fast-{m}") for m in ("on", "off")}, time.monotonic()
             lat = await fast_path(fast_sessions, fast_bases, args.fast_rounds, args.fast_warmup)
-            cpu1 = {m: app_cpu_seconds(f"fast-{m}") for m in ("on", "off")}
+            cpu1, phase_s = {m: app_cpu_seconds(f"fast-{m}") for m in ("on", "off")}, time.monotonic() - t0
             after = await get_json(fast_sessions["on"], f"{fast_bases['on']}/v1/cluster")
             b, a = before["ingress"]["admission"], after["ingress"]["admission"]
             counts = {k: int(a.get(k, 0)) - int(b.get(k, 0)) for k in sorted(set(a) | set(b))}
-            cpu = {m: {k: cpu1[m].get(k, 0.0) - cpu0[m].get(k, 0.0) for k in cpu1[m]} for m in cpu1}
-            fast = {"lat": lat, "cpu": cpu, "micro": await admission_micro(20_000), "counts": counts}
+            cpu = {m: cpu_delta(cpu0[m], cpu1[m]) for m in cpu1}
+            fast = {"lat": lat, "cpu": cpu, "micro": await admission_micro(20_000), "counts": counts,
+                    "phase_s": phase_s}
             print(f"[bench_sla] fast path p50 on {pick(sorted(lat['on']), 0.5):.4f} off "
                   f"{pick(sorted(lat['off']), 0.5):.4f}; counts {counts}; cpu {cpu}", flush=True)
         for s in sessions.values():

@@ -4,6 +4,7 @@ command line prints exactly the documented JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
@@ -12,9 +13,8 @@ import random
 
 import pytest
 
-from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.cluster.reports import ClusterView, ReplicaReport
-from lora_cluster.cluster.scheduling import choose_replica, preemption_target
+from lora_cluster.cluster.controller import Controller
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.sim import SimConfig, Simulation, run
 from lora_cluster.cluster.sim.__main__ import main
 from lora_cluster.cluster.sim.cluster_policy import LoraClusterPolicy
@@ -23,6 +23,7 @@ from lora_cluster.cluster.sim.profile import ReplicaProfile, TierCost
 from lora_cluster.cluster.sim.replica import SimReplica
 from lora_cluster.cluster.sim.workload import SimRequest
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.errors import ClusterOverloadedError
 from lora_cluster.serve.admission import ClusterAdmission
 from lora_cluster.serve.affinity import rank_replicas
 
@@ -53,17 +54,6 @@ def live_views(policy: LoraClusterPolicy, adapter_id: str) -> list:
             for rid in sorted(policy.replicas)]
 
 
-def live_cluster_view(sim: Simulation) -> ClusterView:
-    """The live controller's view of the same replicas, fed through the actor's dict path."""
-    view = ClusterView(stale_after_s=60.0, clock=sim.loop.clock)
-    policy = sim.policy
-    assert isinstance(policy, LoraClusterPolicy)
-    for rid, replica in sorted(sim.replicas.items()):
-        report = dataclasses.replace(replica.report(policy.capacity[rid], sim.loop.now), adapter_requests={})
-        view.update(ReplicaReport.from_dict(report.to_dict()))
-    return view
-
-
 def test_the_router_decision_is_the_live_rank_over_every_replica(paused: Simulation) -> None:
     policy = paused.policy
     assert isinstance(policy, LoraClusterPolicy)
@@ -88,39 +78,60 @@ def test_the_router_decision_matches_on_random_states() -> None:
             assert policy.routing.choose(adapter_id) == live, f"trial {trial}, adapter {adapter_id}"
 
 
+def live_ingress(sim: Simulation) -> ClusterAdmission:
+    """The live ingress's admission state for the same requests: fast-path requests on their way,
+    requests running per replica (after their first item), the replicas' routing stats."""
+    stats: dict[str, dict[str, int]] = {}
+    ingress = ClusterAdmission(object(), capacity=None, replica_stats=lambda: stats, timeout_s=60.0)
+    for rid, replica in sorted(sim.replicas.items()):
+        for req in [*replica.waiting, *replica.running.values()]:
+            if req.ticket is None:
+                asyncio.run(ingress.admit(sla_class=req.sla.name, adapter_id=req.adapter, arrived_at=0.0))
+            if req.first_token_at is not None:
+                ingress.started(rid, granted=req.ticket is not None)
+    stats.update({rid: {"num_running": len(r.running), "num_waiting": len(r.waiting),
+                        "max_num_seqs": r.max_num_seqs} for rid, r in sim.replicas.items()})
+    return ingress
+
+
 def test_the_admission_check_is_the_live_ingress_check(paused: Simulation) -> None:
     policy = paused.policy
     assert isinstance(policy, LoraClusterPolicy)
-    stats = {rid: {"num_running": len(r.running), "num_waiting": len(r.waiting),
-                   "max_num_seqs": r.max_num_seqs} for rid, r in paused.replicas.items()}
     for rid in paused.replicas:
         policy.refresh_stats(rid)
-    ingress = ClusterAdmission(object(), capacity=None, replica_stats=lambda: stats, timeout_s=60.0)
-    for rid, replica in paused.replicas.items():
-        for _ in range(replica.ongoing):
-            ingress.started(rid)
+    ingress = live_ingress(paused)
     assert policy.has_room() == ingress.has_room(), "fast path or park: simulator and ingress disagree"
-    assert not ingress.has_room(), "the fixture is meant to be overloaded (every replica at capacity)"
+    assert not ingress.has_room(), "the fixture is meant to be overloaded"
 
 
-def test_a_parked_request_is_granted_where_the_live_controller_grants_it(paused: Simulation) -> None:
-    policy = paused.policy
+def test_the_controller_decides_as_the_live_one_on_the_same_calls() -> None:
+    """Replay every controller call of a run through a fresh Controller, reports through the actor's
+    dict path (`ReplicaReport.from_dict(report.to_dict())`): the same grants, replies and refusals."""
+    sim = Simulation(SimConfig(nodes=5, adapters=40, load=2.0, duration=15, warmup=0, seed=5, max_loras=4),
+                     PROFILE)
+    policy = sim.policy
     assert isinstance(policy, LoraClusterPolicy)
-    view = live_cluster_view(paused)
-    placement = policy.controller.placement()
-    sla = CLASSES.get("interactive")
-    for adapter_id in ("a0", "a7", "a39"):
-        ticket = Ticket(ticket_id=f"probe-{adapter_id}", ingress_id="test", sla_class=sla.name,
-                        priority=sla.priority, adapter_id=adapter_id, enqueued_at=paused.loop.now - 0.9,
-                        deadline=paused.loop.now + 0.1, ttft_s=sla.ttft_s)
-        for rid, replica in sorted(paused.replicas.items()):
-            policy.controller.view.update(dataclasses.replace(
-                replica.report(policy.capacity[rid], paused.loop.now), adapter_requests={}))
-        assert (choose_replica(ticket, policy.controller.view, placement)
-                == choose_replica(ticket, view, placement)), f"grant of {adapter_id}"
-        assert (preemption_target(ticket, policy.controller.view)
-                == preemption_target(ticket, view)), f"preemption target for {adapter_id}"
-    assert preemption_target(ticket, view) is not None, "the fixture has less urgent work to preempt"
+    policy.trace = []
+    sim.finish()
+    now = [0.0]
+    live = Controller(CLASSES, policy.controller.settings, clock=lambda: now[0])
+    kinds = set()
+    for when, name, args, answer in policy.trace:
+        now[0] = when
+        if name == "report":
+            args = (ReplicaReport.from_dict(args[0].to_dict()),)
+        try:
+            got = getattr(live, name)(*args)
+        except ClusterOverloadedError as e:
+            got = e
+        if isinstance(answer, ClusterOverloadedError):
+            assert isinstance(got, ClusterOverloadedError), f"{name} at {when:.3f}: the live one accepted"
+        else:
+            assert got == answer, f"{name} at {when:.3f}: {got!r} != {answer!r}"
+        kinds.add(name)
+    assert {"report", "park", "tick", "take_grants"} <= kinds, "the run exercised every controller input"
+    assert live.counts == policy.controller.counts, "the same counts of grants, preemptions and refusals"
+    assert policy.controller.counts["preempting_grants"] > 0, "the run includes preempting grants"
 
 
 # ----- the replica model ------------------------------------------------------------------------
@@ -184,10 +195,10 @@ SMALL = dict(nodes=4, adapters=60, duration=20, warmup=5, max_loras=4)
 def test_a_small_run_completes_with_sane_numbers(policy: str) -> None:
     result = run(SimConfig(**SMALL, load=0.6, policy=policy), PROFILE)
     offered = sum(c["offered"] for c in result.details["by_class"].values())
-    assert result.completed > 100, "requests completed"
+    assert result.completed > 30, "requests completed"
     assert result.completed + result.rejected == offered, "every measured request completed or was rejected"
     assert 0.0 <= result.hit_rate <= 1.0, "hit rate is a share"
-    assert result.hit_rate <= 1.0 and result.details["unfinished"] == 0, "the drain finished every request"
+    assert result.details["unfinished"] == 0, "the drain finished every request"
     for name, c in result.classes.items():
         assert 0.0 <= c["slo_attainment"] <= 1.0, f"{name}: attainment is a share"
         assert 0.0 < c["ttft_p50_s"] <= c["ttft_p99_s"], f"{name}: p50 <= p99"
