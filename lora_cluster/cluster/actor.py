@@ -105,7 +105,7 @@ class ClusterController:
             return {"timeout": True}
         finally:
             self._waiters.pop(ticket.ticket_id, None)
-            if not waiter.done():
+            if not waiter.done() or waiter.cancelled():  # timed out or the caller went away
                 self.core.cancel(ticket.ticket_id)
 
     async def snapshot(self) -> dict[str, Any]:

@@ -1,0 +1,44 @@
+"""The controller deployment's own logic, without Ray: a parked request that goes away (cancelled or
+timed out) leaves no ticket behind.
+
+Regression: `admit` dropped its ticket only when its waiter was not done, but `asyncio.wait_for`
+cancels the waiter on a timeout or a cancellation, so stale tickets held the queue and counted
+replicas' slots as granted to nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from lora_cluster.cluster.actor import ClusterController
+from lora_cluster.config import ServeConfig
+
+
+def controller() -> ClusterController:
+    return ClusterController.func_or_class(ServeConfig().model_dump())
+
+
+def request(ticket_id: str) -> dict:
+    return {"ticket_id": ticket_id, "ingress_id": "i1", "sla_class": "batch", "adapter_id": "a1",
+            "waited_s": 0.0}
+
+
+async def test_a_cancelled_admit_call_drops_its_ticket():
+    actor = controller()
+    call = asyncio.create_task(actor.admit(request("t1"), 30.0))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if len(actor.core.queue):
+            break
+    assert len(actor.core.queue) == 1, "the request waits in the cluster queue (no replica has room)"
+    call.cancel()  # what Serve does to the coroutine when the ingress cancels its call
+    await asyncio.gather(call, return_exceptions=True)
+    assert len(actor.core.queue) == 0, "the ticket of a request that went away leaves the queue"
+    assert actor.core.counts["cancelled"] == 1, "and is counted as cancelled"
+
+
+async def test_a_timed_out_admit_call_drops_its_ticket():
+    actor = controller()
+    reply = await actor.admit(request("t2"), 0.05)
+    assert reply == {"timeout": True}, "the call answers that it timed out"
+    assert len(actor.core.queue) == 0, "and leaves no ticket behind"
