@@ -98,7 +98,7 @@ class CountingLoader:
         return []
 
     def register(self, adapter_id: str, location: str) -> None:
-        raise NotImplementedError
+        raise AdapterNotFoundError(adapter_id, "this test loader makes weights for any id; none to register")
 
     def unregister(self, adapter_id: str) -> bool:
         return False

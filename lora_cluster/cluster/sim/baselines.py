@@ -15,6 +15,7 @@ priority in the engine); only routing and queueing differ.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 
 from lora_cluster.cluster.sim.context import SimContext
@@ -22,7 +23,9 @@ from lora_cluster.cluster.sim.replica import SimReplica
 from lora_cluster.cluster.sim.workload import SimRequest
 
 
-class _ServeQueue:
+class _ServeQueue(ABC):
+    """Serve's queue in front of the replicas; subclasses choose the replica (`pick`)."""
+
     name = "serve"
 
     def __init__(self, ctx: SimContext):
@@ -38,8 +41,9 @@ class _ServeQueue:
     def start(self) -> None:
         return None
 
+    @abstractmethod
     def pick(self, req: SimRequest) -> str:
-        raise NotImplementedError
+        """The replica (one with room) that takes `req`."""
 
     def arrive(self, req: SimRequest) -> None:
         if self.open:
