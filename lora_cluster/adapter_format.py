@@ -32,6 +32,7 @@ from safetensors.torch import load as load_safetensors
 from lora_cluster.errors import (
     AdapterError,
     AdapterFormatError,
+    AdapterIdError,
     AdapterLoadError,
     AdapterNotFoundError,
     AdapterRankError,
@@ -44,7 +45,9 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
-_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*")
+# adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
+ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*$"
+_ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN.strip("^$"))
 MAX_ADAPTER_ID_LEN = 256
 
 
@@ -57,7 +60,7 @@ def check_adapter_id(adapter_id: str) -> str:
         or not _ADAPTER_ID.fullmatch(adapter_id)
         or (".." in adapter_id.split("/"))
     ):
-        raise AdapterNotFoundError(
+        raise AdapterIdError(
             str(adapter_id)[:MAX_ADAPTER_ID_LEN], "invalid adapter id (letters, digits, '._-/' only)"
         )
     return adapter_id

@@ -9,11 +9,16 @@ stays fast. `main` returns the exit status (0 on success).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lora_cluster import __version__
+
+if TYPE_CHECKING:
+    from lora_cluster.client import LoraClusterClient
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -21,12 +26,17 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="write the demo model zoo (random-weight Llama model + LoRA adapters) offline",
         description="Write, deterministically from a seed, a small random-weight Llama model and N PEFT "
-        "LoRA adapters. Rerunning with the same arguments is a no-op.",
+        "LoRA adapters. Rerunning with the same arguments is a no-op; other arguments into an existing "
+        "zoo are refused unless --force. The weights are random: the outputs are gibberish by design.",
     )
     p.add_argument("--out", type=Path, required=True, help="folder to write the zoo into")
     p.add_argument("--num-adapters", type=int, default=64, help="number of adapters a0..a{N-1} (default 64)")
     p.add_argument("--size", choices=["tiny", "base"], default="tiny", help="tiny (~0.1M) or base (~88M)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a zoo at --out that was built with other arguments (default: refuse)")
+    p.add_argument("--progress", action="store_true", default=None,
+                   help="show a progress bar even when stderr is not a terminal")
     p.set_defaults(handler=_run_demo)
 
 
@@ -37,9 +47,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         print("lora-cluster demo: --num-adapters must be >= 0", file=sys.stderr)
         return 2
     try:
-        zoo = build_demo_zoo(args.out, num_adapters=args.num_adapters, size=args.size, seed=args.seed)
+        zoo = build_demo_zoo(args.out, num_adapters=args.num_adapters, size=args.size, seed=args.seed,
+                             replace=args.force, progress=args.progress)
     except FileExistsError as e:
-        print(f"lora-cluster demo: {e}", file=sys.stderr)
+        hint = "; pass --force to replace it" if "refusing to replace" in str(e) else ""
+        print(f"lora-cluster demo: {e}{hint}", file=sys.stderr)
         return 1
     print(f"model: {zoo.model_dir}")
     print(f"adapters: {zoo.adapters_dir} ({len(zoo.adapter_ids)} adapters)")
@@ -88,7 +100,83 @@ def _run_encrypt(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_encrypt]
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    from lora_cluster.client import DEFAULT_URL
+
+    p.add_argument("--url", default=DEFAULT_URL, help="the server (default %(default)s)")
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer <key>`")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer (default 30)")
+
+
+def _client(args: argparse.Namespace) -> LoraClusterClient:
+    from lora_cluster.client import LoraClusterClient
+
+    return LoraClusterClient(args.url, api_key=args.api_key, timeout_s=args.timeout)
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status", help="show the cluster of a running server: nodes, replicas, adapters per tier, queues",
+        description="Print the cluster controller's view (GET /v1/cluster) of a running server.")
+    _add_server_options(p)
+    p.add_argument("--json", action="store_true", help="print the raw JSON view")
+    p.set_defaults(handler=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from lora_cluster.client import ServerError, status_lines
+
+    try:
+        view = _client(args).cluster()
+    except ServerError as e:
+        print(f"lora-cluster status: {e}", file=sys.stderr)
+        return 1
+    lines = [json.dumps(view, indent=2, sort_keys=True)] if args.json else status_lines(view, url=args.url)
+    print("\n".join(lines))
+    return 0
+
+
+def _add_adapters(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("adapters", help="list, load or unload adapters on a running server",
+                              description="Adapters of a running server: list (GET /v1/models), load and "
+                              "unload (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="the base model and every adapter the server offers")
+    listing.add_argument("--json", action="store_true", help="print the raw JSON list")
+    load = actions.add_parser("load", help="serve the adapter folder PATH as NAME on every replica")
+    load.add_argument("name", help="the adapter's name in requests (`model`)")
+    load.add_argument("path", help="the adapter's folder, as the replicas see it")
+    unload = actions.add_parser("unload", help="stop serving the adapter NAME loaded with `load`")
+    unload.add_argument("name")
+    for action in (listing, load, unload):
+        _add_server_options(action)
+    p.set_defaults(handler=_run_adapters)
+
+
+def _run_adapters(args: argparse.Namespace) -> int:
+    from lora_cluster.client import ServerError
+
+    client = _client(args)
+    try:
+        if args.action == "list":
+            models = client.models()
+            if args.json:
+                print(json.dumps(models, indent=2))
+            for m in [] if args.json else models:
+                where = "base model" if m.get("parent") is None else m.get("root", "")
+                print(f"{m['id']}\t{where}")
+        elif args.action == "load":
+            print(client.load_adapter(args.name, args.path))
+        else:
+            print(client.unload_adapter(args.name))
+    except ServerError as e:
+        print(f"lora-cluster adapters {args.action}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_demo, _add_encrypt, _add_status, _add_adapters]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ which wins over the defaults. List fields accept a comma-separated string in the
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -100,6 +100,41 @@ class EngineConfig(BaseSettings):
         "engine reports itself unhealthy, so that Ray Serve restarts the replica.",
     )
 
+    # ----- paged KV cache, memory sizing, LoRA fast paths (engine.kv_cache, memory_plan; issue 12) -----
+    kv_block_size: int = Field(
+        16, ge=1, le=256, description="Tokens per KV cache block (a power of two); sequences take "
+        "blocks as they grow instead of a max_model_len reservation."
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV cache blocks. Default: on a GPU, what gpu_memory_utilization leaves "
+        "after the base model, the adapter pool and the buffer; on CPU, max_num_seqs full-length sequences."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of the GPU's total memory this engine may use (base model, "
+        "adapter pool, buffer and KV cache together)."
+    )
+    adapter_pool_share: float = Field(
+        0.3, gt=0, lt=1, description="Most of that budget the adapter slots may take (seed 001's 60/30/10 "
+        "split of base, adapter pool and buffer); on a GPU max_loras is lowered to what fits."
+    )
+    memory_buffer_share: float = Field(
+        0.1, ge=0, lt=1, description="Share of that budget kept free for activations and allocator slack."
+    )
+    lora_decode_kernel: Literal["auto", "sgmv", "bgmv"] = Field(
+        "auto", description="LoRA of decode tokens: bgmv = gathered per-token weights, sgmv = one matmul "
+        "per adapter segment, auto = bgmv when decode segments are short (many distinct adapters)."
+    )
+    lora_fused_shrink: bool = Field(
+        True, description="One LoRA shrink for q/k/v and one for gate/up over stacked A weights."
+    )
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {value}")
+        return value
+
     # ----- adapter store and cache tiers (lora_cluster.store, docs/adapter-store.md) -----
     adapter_store: Literal["tiered", "folder"] = Field(
         "tiered",
@@ -185,6 +220,112 @@ class EngineConfig(BaseSettings):
         "mismatch, strict refuses the adapter (shapes are always checked).",
     )
 
+    # ----- log probabilities and merged adapters (engine.logprobs, store.merge; issue 12) -----
+    max_logprobs: int = Field(
+        20, ge=0, le=1024,
+        description="Most alternatives per token a request may ask for (OpenAI `logprobs` / `top_logprobs`, "
+        "LoRAX `return_k_alternatives`, prompt logprobs); more is refused with 400. OpenAI allows 0-20.",
+    )
+    max_merged_adapter_ids: int = Field(
+        8, ge=1, le=64,
+        description="Most adapters one request may merge (`merged_adapters.ids`); more is refused with 400.",
+    )
+    max_merged_adapters: int = Field(
+        256, ge=1, le=65536,
+        description="Merge recipes one replica remembers (least recently used dropped first, never one "
+        "that a queued or running request uses); the merged weights themselves live in the host and "
+        "device tiers under their byte and slot budgets.",
+    )
+    merge_seed: int = Field(
+        0, ge=0, lt=2**63,
+        description="Seed of the random pruning of dare_linear and dare_ties merges: the same request "
+        "gives the same merged adapter on every replica and after restarts.",
+    )
+
+    # ----- overload protection: circuit breakers (lora_cluster.breaker, docs/serving.md#breakers) -----
+    breakers: bool = Field(
+        True, description="Run the circuit breakers (adapter switch rate, device load latency, "
+        "adapter sources, routing errors); false turns every one of them off."
+    )
+    breaker_switch_warn_per_s: float = Field(
+        3.0, gt=0, description="Adapter switches (adapters placed into a device slot) per second on one "
+        "replica at which its switch-rate breaker warns."
+    )
+    breaker_switch_trip_per_s: float = Field(
+        5.0, gt=0, description="Switches per second at which it opens: the replica stops placing cold "
+        "adapters (their requests wait; the router sends misses to other replicas)."
+    )
+    breaker_switch_recover_per_s: float = Field(
+        2.0, gt=0, description="Switch rate below which the breaker recovers, once it held "
+        "breaker_switch_recover_s seconds."
+    )
+    breaker_switch_recover_s: float = Field(
+        30.0, ge=0, description="How long the switch rate must stay below breaker_switch_recover_per_s."
+    )
+    breaker_switch_window_s: float = Field(
+        1.0, gt=0, description="Window over which the switch rate is measured."
+    )
+    breaker_load_warn_ms: float = Field(
+        50.0, gt=0, description="Latency of placing one adapter's weights into a device slot at which "
+        "the replica's load-latency breaker warns."
+    )
+    breaker_load_trip_ms: float = Field(
+        100.0, gt=0, description="Load latency at which it opens: the replica places no cold adapters "
+        "until a probe load after the cool-down is fast again."
+    )
+    breaker_load_recover_ms: float = Field(
+        30.0, gt=0, description="Load latency below which a probe load counts towards recovery."
+    )
+    breaker_load_recover_loads: int = Field(
+        10, ge=1, description="Fast probe loads in a row that close the load-latency breaker."
+    )
+    breaker_source_failures: int = Field(
+        3, ge=1, description="Failed fetches in a row (network, 5xx, timeouts; not a missing adapter) "
+        "after which an adapter source's breaker opens: cold loads from it fail at once with 503 "
+        "naming the source, adapters already cached keep serving."
+    )
+    breaker_source_cooldown_s: float = Field(
+        10.0, ge=0, description="How long a source's breaker stays open before one probe load may try it."
+    )
+    breaker_cooldown_s: float = Field(
+        5.0, ge=0, description="How long the switch-rate, load-latency and routing-error breakers stay "
+        "open before they probe (half-open)."
+    )
+
+    # ----- adapter rotation and prefetch (lora_cluster.engine.adapter_rotation, issue 12 part 1) -----
+    adapter_min_steps: int = Field(
+        8, ge=1, description="No thrash: an adapter placed into a device slot runs at least this many "
+        "engine steps before rotation may hand its slot to another adapter."
+    )
+    adapter_wait_bounds_s: dict[int, float] = Field(
+        default_factory=dict,
+        description="Fairness bound per priority: seconds a request may wait for its adapter to get a "
+        "device slot before a resident adapter is drained for it. Serving fills it from the SLA classes "
+        "(adapter_wait_fraction of each class's ttft_s) unless set. Priorities not listed use "
+        "adapter_max_wait_s.",
+    )
+    adapter_wait_fraction: float = Field(
+        0.5, gt=0, le=1, description="Share of an SLA class's ttft_s that its requests may wait for an "
+        "adapter slot (the fairness bound of adapter rotation)."
+    )
+    adapter_max_wait_s: float = Field(
+        10.0, gt=0, description="Fairness bound of priorities without an entry in adapter_wait_bounds_s."
+    )
+    adapter_prefetch_depth: int = Field(
+        4, ge=0, description="Next adapters of the waiting queue (urgency order) copied into free device "
+        "slots while the current batch runs."
+    )
+    adapter_async_copy_bytes: int = Field(
+        1 << 20, ge=0, description="Adapters of at least this many bytes are copied into their device slot "
+        "off the step thread (CUDA: a side stream), overlapping the forward pass; smaller ones are "
+        "copied inline. Accepts suffixes."
+    )
+
+    @field_validator("adapter_async_copy_bytes", mode="before")
+    @classmethod
+    def _copy_bytes(cls, value: object) -> object:
+        return _parse_bytes(value)
+
     @field_validator("pinned", "preload", mode="before")
     @classmethod
     def _adapter_lists(cls, value: object) -> object:
@@ -253,6 +394,43 @@ class SlaClassConfig(BaseModel):
 def _default_sla_classes() -> list[SlaClassConfig]:
     return [SlaClassConfig(name=c.name, priority=c.priority, ttft_s=c.ttft_s, tpot_s=c.tpot_s)
             for c in DEFAULT_SLA_CLASSES]
+
+
+# ----- replica groups (issue 10 part 6, lora_cluster.serve.replica_groups) -----
+MAX_REPLICA_GROUPS = 16
+MAX_GROUP_PATTERNS = 256
+
+
+class ReplicaGroupConfig(BaseModel):
+    """One named group of LoRA replicas (`ServeConfig.replica_groups`): its own Ray Serve deployment
+    with its own replica count and resources, serving the adapters and tenants it names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$",
+        description="Group name (1-32 lowercase letters, digits or `-`): the deployment is "
+        "`LoraReplica-<name>`, its controller `ClusterController-<name>`.",
+    )
+    num_replicas: int = Field(1, ge=1, le=1024, description="LoRA replicas of this group.")
+    num_cpus: float | None = Field(None, ge=0, description="CPUs per replica (default: num_cpus).")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (default: num_gpus).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {finance-node: 1}."
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray node labels the replicas must run on (Ray's label_selector), e.g. "
+        "{lora-group: finance}; KubeRay sets them from a worker group's `labels`.",
+    )
+    adapters: list[str] = Field(
+        default_factory=list, max_length=MAX_GROUP_PATTERNS,
+        description="Glob patterns (fnmatch, case-sensitive) of the adapter ids this group serves.",
+    )
+    tenants: list[str] = Field(
+        default_factory=list, max_length=MAX_GROUP_PATTERNS,
+        description="Tenant names (of the tenants file) whose requests this group serves.",
+    )
 
 
 class ServeConfig(EngineConfig):
@@ -370,6 +548,121 @@ class ServeConfig(EngineConfig):
     default_priority_class: str = Field(
         DEFAULT_CLASS, description="The class of a request that names none (one of `sla_classes`)."
     )
+
+    # ----- observability and autoscaling (issue 11: lora_cluster.serve.metrics, serve.top_labels, app) -----
+    metrics_max_adapter_labels: int = Field(
+        50, ge=0, le=10_000,
+        description="Adapters that keep their own `adapter` label in the request metrics: the busiest "
+        "ones over the last metrics_label_window_s; every other adapter is counted as adapter=\"other\" "
+        "(bounded Prometheus cardinality; 0 = all \"other\").",
+    )
+    metrics_max_tenant_labels: int = Field(
+        50, ge=0, le=10_000,
+        description="Tenants that keep their own `tenant` label (the busiest ones, as for adapters); "
+        "the others are tenant=\"other\".",
+    )
+    metrics_label_window_s: float = Field(
+        300.0, gt=0, description="Window over which the busiest adapters and tenants are re-ranked."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Ray Serve autoscaling of the LoRA replicas (Ray's `autoscaling_config`: "
+        "target_ongoing_requests, min_replicas, max_replicas, upscale_delay_s, downscale_delay_s, ...); "
+        "when set, it replaces num_replicas. Environment: a JSON object. Default: a fixed num_replicas.",
+    )
+
+    # ----- operator tooling: log lines (lora_cluster.serve.logs) -----
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Format of lora-cluster's log lines in the ingress and replicas: text, or json (one "
+        "object per line: ts, level, logger, message, request_id). Every line of a request carries its "
+        "`x-request-id`.",
+    )
+
+    # ----- overload protection: the routing-error breaker (lora_cluster.serve.guard) -----
+    breaker_routing_warn: float = Field(
+        0.01, gt=0, le=1, description="Share of routing errors (a replica died, was unreachable or "
+        "ended a stream without output) among the last 100 requests at which the ingress warns."
+    )
+    breaker_routing_trip: float = Field(
+        0.03, gt=0, le=1, description="Share at which the ingress's routing-error breaker opens: new "
+        "requests are answered 503 with Retry-After (the cool-down left) instead of being sent."
+    )
+    breaker_routing_recover_requests: int = Field(
+        100, ge=1, description="Probe requests in a row without a routing error that close it."
+    )
+
+    # ----- replica groups (issue 10 part 6, lora_cluster.serve.replica_groups) -----
+    replica_groups: list[ReplicaGroupConfig] = Field(
+        default_factory=list,
+        description="Named groups of LoRA replicas, each its own deployment with its own num_replicas, "
+        "num_cpus/num_gpus/resources and node_labels, serving the adapters (glob patterns) and "
+        "tenants it lists: a request goes to the first group (in this order) matching its adapter "
+        "or tenant, else to the first group listing neither (catch-all), else it is a 404. Empty "
+        "(the default): one group of num_replicas replicas serving everything. Environment: a JSON list.",
+    )
+
+    # ----- tenants, API keys, quotas and input limits (issue 10 parts 1, 2, 4, 5: lora_cluster.tenancy,
+    # serve/auth.py, serve/quotas.py, serve/body_limits.py) -----
+    tenants_file: str | None = Field(
+        None,
+        description="YAML file of tenants (API key hashes, adapter patterns, SLA class, quotas) and admin "
+        "keys; re-read when it changes. None: no keys, every route is open (local quickstart).",
+    )
+    tenants_reload_period_s: float = Field(
+        2.0, gt=0, description="How often the ingress looks for a changed tenants file (in a thread)."
+    )
+    quota_lease_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Each ingress takes a tenant's quota from the shared ledger in leases of this many "
+        "seconds of its rates and gives back the unused part after as long (see docs/serving.md).",
+    )
+    quota_ticket_ttl_s: float = Field(
+        900.0,
+        gt=0,
+        description="Concurrency slots of a tenant held by an ingress that the quota ledger has not "
+        "heard of for this long are released (the ingress died).",
+    )
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest request body in bytes (400 above). Accepts suffixes: 1MiB."
+    )
+    max_json_depth: int = Field(
+        32, ge=2, le=1000, description="Deepest nesting of arrays and objects in a JSON body (400 above)."
+    )
+    max_stop_sequences: int = Field(
+        4, ge=0, le=256, description="Most stop strings one request may give (as OpenAI; 400 above)."
+    )
+    max_stop_length: int = Field(
+        256, ge=1, description="Longest stop string in characters (400 above)."
+    )
+    max_prompts: int = Field(
+        16, ge=1, le=4096, description="Most prompts in one /v1/completions request (400 above)."
+    )
+
+    @field_validator("max_body_bytes", mode="before")
+    @classmethod
+    def _body_bytes(cls, value: object) -> object:
+        return _parse_bytes(value)
+
+    @model_validator(mode="after")
+    def _adapter_wait_bounds_from_classes(self) -> ServeConfig:
+        """Adapter rotation's fairness bounds follow the SLA classes unless set explicitly."""
+        if "adapter_wait_bounds_s" not in self.model_fields_set:
+            self.adapter_wait_bounds_s = {c.priority: c.ttft_s * self.adapter_wait_fraction
+                                          for c in self.sla_classes if c.ttft_s is not None}
+        return self
+
+    @model_validator(mode="after")
+    def _replica_groups_consistent(self) -> ServeConfig:
+        names = [g.name for g in self.replica_groups]
+        if len(names) > MAX_REPLICA_GROUPS:
+            raise ValueError(f"replica_groups lists {len(names)} groups; at most {MAX_REPLICA_GROUPS}")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"replica_groups names must be unique; repeated: {', '.join(duplicates)}")
+        return self
 
     @model_validator(mode="after")
     def _serve_consistent(self) -> ServeConfig:

@@ -238,25 +238,38 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
     return {k: manifest.get(k) for k in ("version", "seed", "size", "num_adapters")}
 
 
-def build_demo_zoo(out: Path, *, num_adapters: int = 64, size: Size = "tiny", seed: int = 0) -> DemoZoo:
+def _describe(manifest: dict[str, Any]) -> str:
+    m = manifest
+    return (f"{m.get('num_adapters')} adapters, size {m.get('size')}, seed {m.get('seed')}, "
+            f"version {m.get('version')}")
+
+
+def build_demo_zoo(out: Path, *, num_adapters: int = 64, size: Size = "tiny", seed: int = 0,
+                   replace: bool = True, progress: bool | None = False) -> DemoZoo:
     """Write (or reuse) the demo zoo at `out`: `out/model`, `out/adapters/a0..a{N-1}`, `out/manifest.json`.
 
     A folder whose manifest matches (seed, size, num_adapters, ZOO_VERSION) is returned untouched; a zoo
-    with another manifest is replaced; a non-empty folder without a manifest raises `FileExistsError`.
+    with another manifest is replaced when `replace`, else `FileExistsError` names both (the command line
+    replaces only with `--force`); a non-empty folder without a manifest raises `FileExistsError`.
+    `progress`: a bar on stderr over the adapters written (None: when stderr is a terminal).
     """
     if size not in SIZES or num_adapters < 0:
         raise ValueError(f"size must be one of {sorted(SIZES)} and num_adapters >= 0")
     out = Path(out).resolve()
     want = {"version": ZOO_VERSION, "seed": seed, "size": size, "num_adapters": num_adapters}
     zoo = DemoZoo(out / "model", out / "adapters", [f"a{i}" for i in range(num_adapters)])
-    if _read_manifest(out) == want:
+    found = _read_manifest(out)
+    if found == want:
         return zoo
     if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():
         raise FileExistsError(f"{out} is not empty and holds no demo zoo manifest; refusing to overwrite it")
+    if found is not None and not replace:
+        raise FileExistsError(f"{out} holds a demo zoo of {_describe(found)}; refusing to replace it with "
+                              f"one of {_describe(want)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write_zoo(tmp, zoo, want)
+        _write_zoo(tmp, zoo, want, progress)
         if _read_manifest(out) == want:  # a concurrent builder finished the same zoo first
             return zoo
         tmp.chmod(0o755)
@@ -273,9 +286,11 @@ def build_demo_zoo(out: Path, *, num_adapters: int = 64, size: Size = "tiny", se
     return zoo
 
 
-def _write_zoo(tmp: Path, zoo: DemoZoo, manifest: dict[str, Any]) -> None:
+def _write_zoo(tmp: Path, zoo: DemoZoo, manifest: dict[str, Any], show_progress: bool | None) -> None:
     """Write every file of the zoo under `tmp`, recording final paths (`zoo`) inside the configs."""
     from transformers import GenerationConfig
+
+    from lora_cluster.progress import progress
 
     size, seed = manifest["size"], manifest["seed"]
     tokenizer = train_tokenizer(size)
@@ -286,7 +301,8 @@ def _write_zoo(tmp: Path, zoo: DemoZoo, manifest: dict[str, Any]) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(model_dir)
     save_file(_model_weights(cfg, seed), model_dir / "model.safetensors", metadata={"format": "pt"})
     adapters = {}
-    for index, adapter_id in enumerate(zoo.adapter_ids):
+    indexed = list(enumerate(zoo.adapter_ids))
+    for index, adapter_id in progress(indexed, desc="demo adapters", unit="adapter", enabled=show_progress):
         spec = AdapterSpec.of(index)
         adapters[adapter_id] = asdict(spec)
         adapter_dir = tmp / "adapters" / adapter_id

@@ -39,6 +39,10 @@ class AdapterNotFoundError(AdapterError):
     """No configured source offers this adapter."""
 
 
+class AdapterIdError(AdapterNotFoundError):
+    """The adapter id is not a valid id (so no adapter can have it); the message says why."""
+
+
 class AdapterFormatError(AdapterError):
     """The adapter's files are not a valid PEFT LoRA adapter (pickle, corrupt safetensors, bad config)."""
 
@@ -67,8 +71,24 @@ class AdapterLoadError(AdapterError):
     """The adapter could not be fetched from its source (I/O, network) after retries."""
 
 
+class AdapterSourceUnavailableError(AdapterLoadError):
+    """The adapter's source is down (its circuit breaker is open): cold loads from it fail at once.
+    `source` is the source's public name (scheme and bucket or repository); `retry_after_s` is when
+    the breaker lets a probe through."""
+
+    def __init__(self, adapter_id: str, source: str, retry_after_s: float):
+        self.source, self.retry_after_s = source, retry_after_s
+        super().__init__(adapter_id, f"adapter source {source} is unavailable (its circuit breaker is open "
+                                     f"after repeated failures); retry in {retry_after_s:.0f} s")
+
+
 class AdapterCapacityError(AdapterError):
     """The adapter cannot be placed: every slot or byte of a tier is held by adapters in use."""
+
+
+class AdapterMergeError(AdapterError):
+    """A merged adapter cannot be built from its adapters (ranks that differ for ties/dare, a merged
+    rank above max_lora_rank); names the merged adapter and the limit (lora_cluster.store.merge)."""
 
 
 class RequestError(LoraClusterError):
@@ -96,6 +116,14 @@ class ClusterOverloadedError(LoraClusterError):
         super().__init__(message)
 
 
+class RoutingUnavailableError(LoraClusterError):
+    """The ingress's routing-error breaker is open: the request is shed (503, `retry_after_s`)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
 class ClusterQueueTimeoutError(LoraClusterError):
     """A request waited in the cluster queue longer than `cluster_queue_timeout_s`."""
 
@@ -114,3 +142,32 @@ class EngineStepError(LoraClusterError):
 
 class EngineUnavailableError(LoraClusterError):
     """The engine cannot serve: its loop has stopped, or steps keep failing (the replica is unhealthy)."""
+
+
+# ----- tenants and quotas (lora_cluster.tenancy, serve/auth.py) -----
+
+
+class AuthenticationError(LoraClusterError):
+    """The request carries no API key, or one that the tenants file does not know (401)."""
+
+    def __init__(self, message: str, code: str):
+        self.code = code
+        super().__init__(message)
+
+
+class PermissionDeniedError(LoraClusterError):
+    """The caller's key is known but may not use this route (a tenant key on an admin route, 403)."""
+
+
+class QuotaUnavailableError(LoraClusterError):
+    """The quota ledger cannot be reached, so a tenant's quota cannot be checked (503)."""
+
+
+class QuotaExceededError(LoraClusterError):
+    """A tenant's quota refused a request; names the tenant and the limit, `retry_after_s` says when
+    a retry may succeed (429)."""
+
+    def __init__(self, tenant: str, limit: str, value: int, retry_after_s: float):
+        self.tenant, self.limit, self.value, self.retry_after_s = tenant, limit, value, retry_after_s
+        super().__init__(f"tenant {tenant!r} is over its quota: {limit}={value}; retry after "
+                         f"{max(retry_after_s, 0.001):.3g} s")

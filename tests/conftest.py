@@ -25,6 +25,52 @@ import pytest
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
 
+# ----- the user's ~/.cache/lora-cluster is never written: default cache folders are temp folders -----
+
+REAL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cluster"
+_CACHE_ENV = ("LORA_CLUSTER_DEMO_DIR", "LORA_CLUSTER_DISK_CACHE_DIR")  # would override the defaults
+
+
+def cache_fingerprint(folder: Path, limit: int = 5000) -> tuple[tuple[str, int, int], ...]:
+    """(path, mtime_ns, size) of `folder` and what lies below it (at most `limit` entries)."""
+    entries = []
+    for root, dirs, files in os.walk(folder):
+        for name in [".", *dirs, *files]:
+            path = Path(root, name)
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                entries.append((str(path), st.st_mtime_ns, st.st_size if name in files else 0))
+            if len(entries) >= limit:
+                return tuple(sorted(entries))
+    return tuple(sorted(entries))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """XDG_CACHE_HOME (from which the demo zoo's and the disk tier's default folders derive) is a temp
+    folder for the whole session, Ray workers included (they inherit the environment)."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    at_start = cache_fingerprint(REAL_CACHE)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(cache))
+    for name in _CACHE_ENV:
+        patch.delenv(name, raising=False)
+    yield cache
+    patch.undo()
+    if cache_fingerprint(REAL_CACHE) != at_start:  # e.g. a module fixture's teardown wrote there
+        pytest.fail(f"the test session wrote into {REAL_CACHE}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _real_cache_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test that wrote into the user's ~/.cache/lora-cluster."""
+    before = cache_fingerprint(REAL_CACHE)
+    yield
+    after = cache_fingerprint(REAL_CACHE)
+    if after != before:
+        changed = sorted(set(after) ^ set(before))[:5]
+        pytest.fail(f"{request.node.nodeid} wrote into {REAL_CACHE}: {changed}", pytrace=False)
+
 
 @pytest.fixture(scope="session")
 def demo_zoo(tmp_path_factory: pytest.TempPathFactory) -> DemoZoo:
@@ -114,6 +160,14 @@ class TcpProxy:
         """The server goes away: every connection is reset and new ones are refused."""
         self.dead = True
         self._close(self.listener, *self._sockets)
+
+    def restart(self) -> None:
+        """The server comes back on the same port (after `kill`), with no failure armed."""
+        self.die_after, self.cuts = None, 0
+        self._sockets = []
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        self.dead = False
+        threading.Thread(target=self._accept, daemon=True).start()
 
 
 @dataclass
@@ -215,4 +269,7 @@ class FolderAsRemote:
         return {name: sha256_file(dest / name) for name in located.files}
 
     def adapters(self) -> list:
+        return []
+
+    def adapter_ids(self) -> list:
         return []

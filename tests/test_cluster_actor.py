@@ -1,5 +1,5 @@
 """The controller deployment's own logic, without Ray: a parked request that goes away (cancelled or
-timed out) leaves no ticket behind.
+timed out) leaves no ticket behind, and one bumped out of a full queue is refused.
 
 Regression: `admit` dropped its ticket only when its waiter was not done, but `asyncio.wait_for`
 cancels the waiter on a timeout or a cancellation, so stale tickets held the queue and counted
@@ -42,3 +42,18 @@ async def test_a_timed_out_admit_call_drops_its_ticket():
     reply = await actor.admit(request("t2"), 0.05)
     assert reply == {"timeout": True}, "the call answers that it timed out"
     assert len(actor.core.queue) == 0, "and leaves no ticket behind"
+
+
+async def test_a_request_bumped_out_of_the_full_queue_is_refused_with_a_retry_after():
+    actor = ClusterController.func_or_class(ServeConfig(cluster_queue_size=1).model_dump())
+    batch = asyncio.create_task(actor.admit(request("t-batch"), 30.0))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if len(actor.core.queue):
+            break
+    urgent = asyncio.create_task(actor.admit({**request("t-urgent"), "sla_class": "interactive"}, 0.5))
+    reply = await asyncio.wait_for(batch, 5.0)
+    assert "overloaded" in reply and reply["retry_after_s"] >= 1.0, (
+        "the waiting batch request is refused at once, with a retry-after, when an urgent one needs it")
+    assert "t-urgent" in actor.core.queue, "the urgent request holds the place"
+    await asyncio.gather(urgent, return_exceptions=True)

@@ -3,10 +3,13 @@ grants by affinity, preemption choice, placement targets, and the view rebuilt a
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
-from lora_cluster.cluster.controller import Controller, ControllerSettings
+from lora_cluster.cluster.controller import Controller, ControllerSettings, Refusal
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import choose_replica, preemption_target, should_preempt
@@ -53,14 +56,44 @@ def test_queue_orders_by_class_then_deadline_then_arrival():
     assert q.pop().ticket_id == "i1", "pop takes the most urgent"
 
 
-def test_aging_lets_a_long_waiting_batch_ticket_pass_fresh_urgent_ones():
+def test_aging_lets_a_long_waiting_batch_ticket_pass_fresh_standard_ones():
     clock = Clock()
-    q = ClusterQueue(max_size=10, aging_s=1.0, clock=clock)
+    q = ClusterQueue(max_size=10, aging_s=1.0, clock=clock, top_priority=0)
     q.park(ticket("old-batch", "batch", 100.0))
     clock.now = 103.0  # three priority levels of aging: batch (2) now ranks as -1
-    q.park(ticket("fresh-interactive", "interactive", 103.0))
+    q.park(ticket("fresh-standard", "standard", 103.0))
     assert q.peek().ticket_id == "old-batch", "aging keeps a batch ticket from starving"
     assert q.urgency(q.peek()) == pytest.approx(-1.0), "urgency is priority - waited / aging_s"
+
+
+def test_aging_never_lifts_a_ticket_above_the_most_urgent_class():
+    clock = Clock()
+    q = ClusterQueue(max_size=10, aging_s=1.0, clock=clock, top_priority=0)
+    q.park(ticket("old-batch", "batch", 100.0))
+    q.park(ticket("old-standard", "standard", 100.0))
+    clock.now = 200.0  # a hundred levels of aging
+    q.park(ticket("fresh-interactive", "interactive", 200.0))
+    assert [t.ticket_id for t in q.in_order()] == ["fresh-interactive", "old-standard", "old-batch"], (
+        "a fresh request of the most urgent class goes before any aged one")
+    plain = ClusterQueue(max_size=10, aging_s=1.0, clock=clock)
+    plain.park(ticket("old-batch", "batch", 100.0))
+    plain.park(ticket("fresh-interactive", "interactive", 200.0))
+    assert plain.peek().ticket_id == "old-batch", "without top_priority, aging applies to every class"
+
+
+def test_the_predicted_wait_counts_only_the_tickets_ahead():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0)
+    for i in range(6):
+        q.park(ticket(f"b{i}", "batch", 100.0))
+    for i in range(2):
+        q.park(ticket(f"i{i}", "interactive", 100.0))
+    q.remove("i1")
+    wait = q.predicted_wait_s(ticket("new-i", "interactive", 100.0), expected_rate=1.0)
+    assert wait == pytest.approx(2.0), (
+        "one interactive ticket ahead, plus itself, at one request per second")
+    assert q.predicted_wait_s(ticket("new-b", "batch", 100.0), expected_rate=1.0) == pytest.approx(8.0), (
+        "every queued ticket is ahead of a fresh batch one")
 
 
 def test_a_full_queue_refuses_with_a_retry_after():
@@ -176,6 +209,22 @@ def test_cancelled_tickets_leave_no_trace():
 # ----- placement ------------------------------------------------------------------------------
 
 
+def test_demand_rates_decay_with_the_window_and_stay_bounded():
+    clock = Clock()
+    demand = DemandTracker(window_s=10.0, clock=clock, max_adapters=3)
+    demand.record({"a": 10})
+    assert demand.rates()["a"] == pytest.approx(1.0), "n requests add n / window_s requests per second"
+    clock.now += 10.0
+    demand.record({"b": 10})
+    assert demand.rates()["a"] == pytest.approx(math.exp(-1.0)), "a rate decays by e per window"
+    clock.now += 1000.0  # past the lazy reference's rebase interval
+    demand.record({"c": 10})
+    assert demand.rates() == pytest.approx({"c": 1.0}), "rates that decayed away are forgotten"
+    for i in range(20):
+        demand.record({f"x{i}": i + 1})
+    assert len(demand.rates()) <= 3, "only the max_adapters busiest are kept"
+
+
 def test_hot_adapters_spread_and_cold_ones_stay_on_one_replica():
     clock = Clock()
     demand = DemandTracker(window_s=10.0, clock=clock)
@@ -261,3 +310,83 @@ def test_a_preempting_grant_prefers_a_holder_of_the_adapter():
         "a holder with less urgent work wins over more less urgent work elsewhere")
     assert preemption_target(ticket("t", "interactive", 100.0, "y"), view) == "r1", (
         "without a holder, the most less urgent work")
+
+
+def test_an_urgent_ticket_whose_adapter_is_held_preempts_its_holder_at_once():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
+    ctl.report(report("r2", capacity=1, running=1, by_priority={2: 1}))
+    grant = ctl.park(ticket("hit", "interactive", 100.0, "x"))
+    assert grant is not None and grant.replica_id == "r1" and grant.preempt, (
+        "a hit by preemption now beats waiting half the TTFT target")
+    assert ctl.park(ticket("miss", "interactive", 100.0, "y")) is None, (
+        "an adapter nobody holds waits its fraction of the target before preempting")
+
+
+def test_a_holder_with_less_urgent_work_beats_a_miss_on_a_replica_with_room():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(affinity_lookahead=4), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}, resident=("x",)))
+    ctl.report(report("r2", capacity=2, running=2, by_priority={2: 2}))
+    ctl.park(ticket("b", "batch", 99.0, "y"))
+    ctl.park(ticket("s", "standard", 100.0, "x"))
+    assert ctl.take_grants() == {}, "no room anywhere yet, and the holder runs urgent work"
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
+    assert ctl.take_grants() == {}, "the ticket has not waited its fraction of the target yet"
+    ctl.report(report("r2", capacity=2, running=1, by_priority={2: 1}))
+    grants = ctl.take_grants()
+    assert grants["s"].replica_id == "r1" and grants["s"].preempt, (
+        "the urgent ticket preempts the holder of its adapter instead of missing on r2")
+    assert grants["b"].replica_id == "r2" and not grants["b"].preempt, "r2's room goes to the next ticket"
+
+
+def test_a_full_queue_bumps_its_least_urgent_ticket_for_a_more_urgent_one():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(queue_size=2), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))
+    ctl.park(ticket("b-old", "batch", 99.0))
+    ctl.park(ticket("b-new", "batch", 100.0))
+    with pytest.raises(ClusterOverloadedError, match="cluster_queue_size"):
+        ctl.park(ticket("b-late", "batch", 100.0))
+    assert ctl.park(ticket("s", "standard", 100.0)) is None, "the standard ticket is queued"
+    refusals = ctl.take_grants()
+    assert list(refusals) == ["b-new"], "the least urgent ticket (the newest batch one) is bumped"
+    assert isinstance(refusals["b-new"], Refusal) and refusals["b-new"].retry_after_s >= 1.0, (
+        "its request is refused with a retry-after")
+    assert "b-new" not in ctl.queue and "s" in ctl.queue, "the queue keeps its bound"
+    assert ctl.snapshot()["controller"]["counts"]["bumped"] == 1, "bumps are counted"
+
+
+def test_a_ticket_without_a_deadline_is_refused_at_once_when_it_would_outwait_the_queue_timeout():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0)
+    for i in range(9):
+        q.park(ticket(f"b{i}", "batch", 100.0))
+    with pytest.raises(ClusterOverloadedError, match="cluster_queue_timeout_s"):
+        q.park(ticket("late", "batch", 100.0), expected_rate=1.0, max_wait_s=5.0)
+    q.park(ticket("in-time", "batch", 100.0), expected_rate=1.0, max_wait_s=30.0)
+    assert "in-time" in q, "a wait of 10 s within a 30 s timeout is queued"
+
+
+def test_the_incremental_room_total_equals_the_sum_of_every_replica_s_room():
+    rng, clock = random.Random(3), Clock()
+    view = ClusterView(stale_after_s=5, clock=clock, claim_ttl_s=1.0)
+    for step in range(400):
+        rid = f"r{rng.randrange(6)}"
+        action = rng.random()
+        if action < 0.4:
+            view.update(report(rid, capacity=4, running=rng.randrange(6), arrived=tuple(
+                t for t in (f"t{step - k}" for k in range(1, 4)) if rng.random() < 0.5)))
+        elif action < 0.6:
+            view.granted(rid, f"t{step}")
+        elif action < 0.8:
+            inflight = {f"r{k}": rng.randrange(5) for k in range(6) if rng.random() < 0.5}
+            view.claim(f"ing{rng.randrange(2)}", inflight, rng.randrange(3))
+        elif action < 0.9:
+            view.forget(rid)
+        clock.now += rng.random() * 0.5
+        if rng.random() < 0.1:
+            view.prune()
+        expected = sum(max(0, view.free(r)) for r in list(view.ids()))
+        assert view.total_free() == expected, f"step {step}: the running total drifted from the room"

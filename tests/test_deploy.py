@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,130 @@ def test_rayservice_manifest_validates_against_kuberay_crd() -> None:
     assert result.returncode == 0, (
         f"deploy/k8s validates against the KubeRay CRD:\n{result.stdout}{result.stderr}"
     )
+
+
+# ----- observability and autoscaling (issue 11) -------------------------------------------------
+
+
+def _docs(path: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / path).read_text()) if d]
+
+
+def _rules() -> dict[str, dict]:
+    (rule,) = [d for d in _docs("deploy/k8s/monitoring.yaml") if d["kind"] == "PrometheusRule"]
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+
+
+@pytest.mark.parametrize(("alerts", "metric", "thresholds"), [
+    (("LoraAdapterSwitchRateHigh", "LoraAdapterSwitchRateCritical"), "lora_cluster_adapter_switches_total",
+     (3, 5)),
+    (("LoraAdapterLoadLatencyHigh", "LoraAdapterLoadLatencyCritical"),
+     "lora_cluster_adapter_load_duration_seconds", (0.05, 0.1)),
+    (("LoraRoutingErrorRateHigh", "LoraRoutingErrorRateCritical"), "lora_cluster_routing_errors_total",
+     (0.01, 0.03)),
+    (("LoraMemoryFragmentationHigh", "LoraMemoryFragmentationCritical"),
+     "lora_cluster_adapter_pool_fragmentation_ratio", (0.2, 0.3)),
+])
+def test_alerts_carry_seed_001_thresholds_as_warning_critical_pairs(alerts, metric, thresholds):
+    rules = _rules()
+    for alert, severity, threshold in zip(alerts, ("warning", "critical"), thresholds, strict=True):
+        assert alert in rules, f"the PrometheusRule has {alert}"
+        rule = rules[alert]
+        assert rule["labels"]["severity"] == severity, f"{alert} is a {severity} alert"
+        assert metric in rule["expr"], f"{alert} watches {metric}"
+        assert rule["expr"].rstrip().endswith(f"> {threshold}"), f"{alert} fires above {threshold}"
+
+
+def test_alerts_cover_sla_attainment_per_class_and_replica_health():
+    rules = _rules()
+    sla = [r for r in rules.values() if "lora_cluster_slo_requests_total" in r["expr"]]
+    severities = {r["labels"]["severity"] for r in sla}
+    assert severities == {"warning", "critical"}, "SLA attainment: a warning and a critical alert"
+    assert all("by (priority_class)" in r["expr"] for r in sla), "SLA attainment is computed per class"
+    assert "LoraNoReplicas" in rules, "an alert when no replica runs"
+    assert "LoraMetricsAbsent" in rules, "an alert when the scrape is missing"
+
+
+def test_the_pod_monitor_scrapes_the_ingress_once_and_every_ray_pod():
+    (monitor,) = [d for d in _docs("deploy/k8s/monitoring.yaml") if d["kind"] == "PodMonitor"]
+    service = next(d for d in _docs("deploy/k8s/rayservice.yaml") if d["kind"] == "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), "every Ray pod matches the PodMonitor"
+    endpoints = {e["port"]: e for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert endpoints["serve"]["path"] == "/metrics", "the app's /metrics through the Serve proxy"
+    keep = endpoints["serve"]["relabelings"][0]
+    assert (keep["action"], keep["regex"]) == ("keep", "head"), "the ingress is scraped through the head only"
+    ports = [{p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])} for t in templates]
+    assert all("metrics" in p for p in ports), "every Ray pod exposes Ray's metrics port"
+
+
+def test_rayservice_autoscales_replicas_and_gpu_workers():
+    from lora_cluster.serve.app import replica_options
+
+    service = next(d for d in _docs("deploy/k8s/rayservice.yaml") if d["kind"] == "RayService")
+    (app,) = _apps(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    options = replica_options(ServeConfig(**app["args"]))
+    scaling = options["autoscaling_config"]
+    assert scaling["min_replicas"] < scaling["max_replicas"], "Serve scales the LoRA replicas between bounds"
+    assert scaling["target_ongoing_requests"] < app["args"]["max_num_seqs"], (
+        "the target is under a replica's batch slots, so that full replicas scale out")
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True, "KubeRay's autoscaler adds and removes worker pods"
+    (gpu,) = cluster["workerGroupSpecs"]
+    assert gpu["maxReplicas"] >= scaling["max_replicas"], "enough GPU pods for the most replicas"
+    spec = gpu["template"]["spec"]
+    assert spec["nodeSelector"], "GPU workers run on GPU nodes"
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]), "GPU workers tolerate GPU taints"
+    for template in (cluster["headGroupSpec"]["template"], gpu["template"]):
+        (container,) = template["spec"]["containers"]
+        assert "readinessProbe" in container, f"{container['name']} has a readiness probe"
+        assert "livenessProbe" in container, f"{container['name']} has a liveness probe"
+
+
+def test_serve_config_documents_autoscaling_and_metric_bounds():
+    text = (ROOT / "serve_config.yaml").read_text()
+    for field in ("autoscaling_config", "target_ongoing_requests", "metrics_max_adapter_labels"):
+        assert field in text, f"serve_config.yaml documents {field}"
+
+
+def test_dashboard_has_the_sections_and_variables():
+    dashboard = json.loads((ROOT / "deploy/grafana/lora-cluster.json").read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"tenant", "adapter"} <= variables, f"the dashboard has tenant and adapter variables: {variables}"
+    rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
+    for section in ("Cluster overview", "Per tenant", "Per adapter (top N)", "Adapter cache tiers",
+                    "Memory and engines", "SLA attainment"):
+        assert section in rows, f"the dashboard has a '{section}' row"
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in panels), "every panel queries"
+    assert any("topk($topn" in t["expr"] for p in panels for t in p["targets"]), "adapters are shown top N"
+
+
+# ----- replica groups (issue 10 part 6): a KubeRay worker group per business line ----------------------
+
+
+def test_each_replica_group_runs_on_its_own_worker_group_and_nodes():
+    from lora_cluster.serve.replica_groups import replica_groups
+
+    (service,) = [d for d in _docs("deploy/k8s/groups/rayservice.yaml") if d["kind"] == "RayService"]
+    (app,) = _apps(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    groups = replica_groups(ServeConfig(**app["args"]))
+    workers = {w["groupName"]: w for w in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert len(groups) >= 2, "the manifest deploys several business lines"
+    for group in groups:
+        line = group.node_labels.get("lora-group")
+        assert line in workers, f"group {group.name}: a worker group for lora-group={line}"
+        worker = workers[line]
+        assert worker["labels"] == {"lora-group": line}, f"{line}: its Ray nodes carry the lora-group label"
+        terms = worker["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert {"key": "lora-group", "operator": "In", "values": [line]} in terms[0]["matchExpressions"], (
+            f"{line}: its pods are scheduled only on nodes labelled lora-group={line}")
+        (container,) = worker["template"]["spec"]["containers"]
+        gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert worker["maxReplicas"] * gpus >= group.num_replicas * group.num_gpus, (
+            f"{line}: its worker group has GPUs for all of the group's replicas")

@@ -495,3 +495,102 @@ def test_with_slot_ranks_equals_a_fresh_build() -> None:
     assert want.max_rank == 12, "a fresh build with the new ranks has the same max_rank"
     assert torch.equal(got.seg_rank, want.seg_rank), "the seg_rank tensor holds the new ranks"
     assert got.seg_indptr_list == want.seg_indptr_list, "the segments themselves are unchanged"
+
+
+# ----------------------------------------------------------------------------- fused shrink (stacked A)
+
+FUSED_N = (N_OUT, 40, 24)  # output widths of the group's members (q/k/v-like: one input, several outputs)
+
+
+def member_ranks(max_rank: int) -> list[list[int]]:
+    """Rank of each member in each slot: the first as slot_ranks, the second half of it and 0 (not
+    targeted) in every third slot, the third equal to the first."""
+    base = slot_ranks(max_rank)
+    second = [0 if s % 3 == 0 else r // 2 for s, r in enumerate(base)]
+    return [base, second, list(base)]
+
+
+@functools.cache
+def make_fused_pool(max_rank: int, k: int = K_IN) -> tuple[Tensor, list[Tensor]]:
+    """Stacked A [L, R * G, K] stored rank-major ([L, R, G, K], as the engine's pool) and each
+    member's B [L, N_j, R], zero beyond each member's rank. Cached: tests must not modify it."""
+    gen = _gen("fused", max_rank, k)
+    g = len(FUSED_N)
+    stacked = torch.randn(N_SLOTS, max_rank, g, k, generator=gen) / k**0.5
+    bs = [torch.randn(N_SLOTS, n, max_rank, generator=gen) / max_rank**0.5 for n in FUSED_N]
+    for j, ranks in enumerate(member_ranks(max_rank)):
+        for s, r in enumerate(ranks):
+            stacked[s, r:, j] = 0
+            bs[j][s, :, r:] = 0
+    return stacked.flatten(1, 2), bs
+
+
+def run_fused(ops: LoraOps, path: str, x: Tensor, token_slot: Tensor, a_fused: Tensor, bs: list[Tensor],
+              outs: list[Tensor], max_rank: int) -> None:  # fmt: skip
+    """One shrink over the stacked A of the group, then each member's expand of its column slice."""
+    g = len(bs)
+    ranks = member_ranks(max_rank)
+    fused_ranks = [g * max(r[s] for r in ranks) for s in range(N_SLOTS)]
+    meta = build_lora_meta(token_slot, fused_ranks)
+    metas = [build_lora_meta(token_slot, r) for r in ranks]
+    if meta.max_rank == 0:
+        return
+    h = torch.empty(x.shape[0], meta.max_rank, dtype=torch.float32, device=x.device)
+    if path == "sgmv":
+        ops.sgmv_shrink(h, x, a_fused, meta)
+    else:
+        ops.bgmv_shrink(h, x, a_fused, token_slot)
+    for j, (b, out) in enumerate(zip(bs, outs, strict=True)):
+        if path == "sgmv":
+            ops.sgmv_expand(out, h[:, j::g], b, metas[j], add=True)
+        else:
+            ops.bgmv_expand(out, h[:, j::g], b, token_slot, add=True)
+
+
+def check_fused(ops: LoraOps, device: str, mix: str, n_tok: int, max_rank: int, path: str) -> None:
+    """The fused group's outputs equal the reference's add_lora of each member on its own A view."""
+    gen = _gen("fused-case", mix, n_tok, max_rank)
+    token_slot = make_token_slots(mix, n_tok, "sorted", gen)
+    x = torch.randn(n_tok, K_IN, generator=gen)
+    inits = [torch.randn(n_tok, n, generator=gen) for n in FUSED_N]
+    a_fused, bs = make_fused_pool(max_rank)
+    a_view = a_fused.view(N_SLOTS, max_rank, len(FUSED_N), K_IN)
+    want = [t.clone() for t in inits]
+    for j, (b, out) in enumerate(zip(bs, want, strict=True)):
+        REF.add_lora(out, x, a_view[:, :, j], b, build_lora_meta(token_slot, member_ranks(max_rank)[j]))
+    got = [t.clone().to(device) for t in inits]
+    run_fused(ops, path, x.to(device), token_slot.to(device), a_fused.to(device), [b.to(device) for b in bs],
+              got, max_rank)  # fmt: skip
+    for j in range(len(FUSED_N)):
+        torch.testing.assert_close(
+            got[j].cpu(), want[j], atol=1e-5, rtol=1e-5,
+            msg=lambda m, j=j: f"{ops.name} fused {path} shrink, member {j} != its own add_lora: {m}",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("max_rank", [8, 32])
+@pytest.mark.parametrize("n_tok", [1, 3, 16, 64])
+@pytest.mark.parametrize("mix", MIXES)
+def test_cpu_fused_shrink_matches_per_member_reference(
+    mix: str, n_tok: int, max_rank: int, path: str
+) -> None:
+    check_fused(CPU, "cpu", mix, n_tok, max_rank, path)
+
+
+@pytest.mark.parametrize("path", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("mix", MIXES)
+def test_reference_fused_shrink_matches_per_member(mix: str, path: str) -> None:
+    check_fused(REF, "cpu", mix, 16, 16, path)
+
+
+FUSED_TRITON_GRID = [(m, (3, 16)[i % 2], (8, 32)[i % 2]) for i, m in enumerate(MIXES)]
+
+
+@pytest.mark.parametrize(("mix", "n_tok", "max_rank"), FUSED_TRITON_GRID)
+@pytest.mark.parametrize("path", ["sgmv", "bgmv"])
+def test_triton_fused_shrink_matches_per_member_reference(
+    triton_env: tuple[LoraOps, str], mix: str, n_tok: int, max_rank: int, path: str
+) -> None:
+    ops, device = triton_env
+    check_fused(ops, device, mix, n_tok, max_rank, path)

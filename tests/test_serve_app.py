@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -352,3 +353,201 @@ async def test_lorax_routes_ignore_a_priority_field_and_use_the_default_class(fa
     assert r.status_code == 200, f"the request succeeds: {r.text}"
     assert r.headers["x-lora-priority-class"] == "standard", (
         "LoRAX's schema has no priority field: without the header, the default class")
+
+
+# ----- x-request-id: accepted or generated, echoed, in every log line of the request; JSON lines -----
+
+
+@pytest.fixture
+def log_lines():
+    """lora-cluster's log lines in JSON, captured while the test runs (a list of dicts, filled lazily)."""
+    import io
+    import json
+    import logging
+
+    from lora_cluster.serve.logs import LOGGER, configure_logging
+
+    stream = io.StringIO()
+    handler = configure_logging("json", logging.INFO, stream=stream)
+    try:
+        yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    finally:
+        logger = logging.getLogger(LOGGER)
+        logger.removeHandler(handler)
+        logger.propagate, logger.level = True, logging.NOTSET
+
+
+class LoggingTokenizer(FakeTokenizer):
+    """Logs one INFO line per prompt it encodes (on the ingress's tokenizer threads)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        import logging
+
+        logging.getLogger("lora_cluster.test_tokenizer").info("encoding %d characters", len(text))
+        return super().encode(text, add_special_tokens)
+
+
+async def test_a_client_request_id_is_echoed_and_travels_with_the_job(fake_dispatcher):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "req-42"})
+    assert r.status_code == 200, f"the request succeeds: {r.text}"
+    assert r.headers.get_list("x-request-id") == ["req-42"], "the client's x-request-id is echoed once"
+    assert fake_dispatcher.jobs[0].http_request_id == "req-42", (
+        "the job sent to the replica carries the request id (the replica logs with it)")
+
+
+async def test_a_request_id_is_generated_when_absent_and_echoed_on_errors_too(fake_dispatcher):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        ok = await client.post("/v1/completions", json=COMPLETION)
+        other = await client.post("/v1/completions", json=COMPLETION)
+        bad = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": -1},
+                                headers={"x-request-id": "bad-1"})
+    generated = ok.headers.get("x-request-id", "")
+    assert re.fullmatch(r"[0-9a-f]{32}", generated), f"a request without one gets a new id: {generated!r}"
+    assert other.headers.get("x-request-id") != generated, "each request gets its own id"
+    assert fake_dispatcher.jobs[0].http_request_id == generated, "the job carries the generated id"
+    assert bad.status_code == 400, f"an invalid request is refused: {bad.text}"
+    assert bad.headers.get("x-request-id") == "bad-1", "an error response echoes the id too"
+
+
+async def test_every_log_line_of_a_request_carries_its_id_and_json_lines_parse(fake_dispatcher, log_lines):
+    async with serving(LoggingTokenizer(), fake_dispatcher) as client:
+        first = client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "one"})
+        second = client.post("/v1/completions", json={**COMPLETION, "prompt": "hello"},
+                             headers={"x-request-id": "two"})
+        responses = await asyncio.gather(first, second)
+    assert [r.status_code for r in responses] == [200, 200], "both requests succeed"
+    lines = [line for line in log_lines() if line["logger"] == "lora_cluster.test_tokenizer"]
+    by_id = {line["request_id"]: line["message"] for line in lines}
+    assert by_id == {"one": "encoding 2 characters", "two": "encoding 5 characters"}, (
+        f"each request's line (logged on a tokenizer thread) carries that request's id: {lines}")
+    assert all({"ts", "level", "logger", "message", "request_id"} <= set(line) for line in lines), (
+        "a JSON line has ts, level, logger, message and request_id")
+
+
+async def test_a_cancelled_call_is_an_info_line_not_an_unexpected_error(fake_dispatcher, log_lines):
+    """Regression: when a client disconnects, Ray Serve cancels the request's calls and the stream being
+    read raises TaskCancelledError; that was logged as ERROR "unexpected error" with a traceback."""
+    from ray.exceptions import TaskCancelledError
+
+    class CancelledStream(FakeStream):
+        async def __anext__(self) -> dict[str, Any]:
+            raise TaskCancelledError()
+
+    async def start(job: GenerateJob, route: str) -> Generation:
+        fake_dispatcher.jobs.append(job)
+        first = outputs(job)[0]
+        return Generation(job=job, replica="r1", hit=True, first=first, stream=CancelledStream([]))
+
+    fake_dispatcher.start = start
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "gone"})
+    lines = log_lines()
+    assert r.status_code == 503, f"a cancelled call ends the request as aborted: {r.text}"
+    assert not [line for line in lines if line["level"] in ("ERROR", "CRITICAL")], (
+        f"a cancelled call logs no error: {lines}")
+    info = [line for line in lines if line["level"] == "INFO" and "cancelled" in line["message"]]
+    assert len(info) == 1, f"it is one INFO line: {lines}"
+    assert "exc_info" not in info[0], "without a traceback"
+    assert info[0]["request_id"] == "gone", "and with the request's id"
+
+
+# ----- log probabilities and merged adapters at the ingress (issue 12) --------------------------------
+
+
+def _with_logprobs(fake_dispatcher: FakeDispatcher) -> None:
+    """Make the fake replica attach a logprob (and 2 alternatives) to each "x" token, as the engine does."""
+    from lora_cluster.engine.logprobs import TokenLogprob
+
+    lp = TokenLogprob(120, -0.5, ((120, -0.5), (121, -1.5)))
+
+    async def start(job: GenerateJob, route: str) -> Generation:
+        fake_dispatcher.jobs.append(job)
+        items = outputs(job)
+        for item in items:
+            item["delta_logprobs"] = [lp]
+            item["logprobs"] = [lp] * item["completion_tokens"] if item["finished"] else None
+        return Generation(job=job, replica="r1", hit=True, first=items[0], stream=FakeStream(items[1:]))
+
+    fake_dispatcher.start = start
+
+
+async def test_openai_logprobs_reach_the_engine_and_come_back_in_openai_shapes(fake_dispatcher):
+    _with_logprobs(fake_dispatcher)
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        completion = await client.post("/v1/completions", json={
+            "model": "a1", "prompt": "hi", "max_tokens": 3, "logprobs": 2})
+        chat = await client.post("/v1/chat/completions", json={
+            "model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 1})
+        stream = await client.post("/v1/completions", json={
+            "model": "a1", "prompt": "hi", "max_tokens": 3, "logprobs": 1, "stream": True})
+    sent = [job.sampling.logprobs for job in fake_dispatcher.jobs]
+    assert sent == [2, 1, 1], f"the engine is asked for the requested alternatives: {sent}"
+    lp = completion.json()["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["x", "x", "x"], "token_logprobs": [-0.5] * 3,
+                  "top_logprobs": [{"x": -0.5, "y": -1.5}] * 3, "text_offset": [0, 1, 2]}, (
+        f"completions logprobs in OpenAI's shape: {lp}")
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": [
+        {"token": "x", "logprob": -0.5, "bytes": [120]}, {"token": "y", "logprob": -1.5, "bytes": [121]}]}, (
+        f"chat logprobs in OpenAI's shape: {content}")
+    offsets = re.findall(r'"text_offset":\[(\d+)\]', stream.text)
+    assert offsets == ["0", "1", "2"], f"streamed chunks carry their tokens' offsets, continued: {offsets}"
+
+
+@pytest.mark.parametrize("route,body,needle", [
+    ("/v1/chat/completions", {"model": "a1", "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, "requires logprobs"),
+    ("/v1/completions", {"model": "a1", "prompt": "hi", "logprobs": 21}, "max_logprobs"),
+    ("/generate", {"inputs": "hi", "parameters": {"return_k_alternatives": 21}}, "max_logprobs"),
+    ("/generate", {"inputs": "hi", "parameters": {"adapter_id": "a1", "merged_adapters": {
+        "ids": ["a0"], "weights": [1.0], "density": 1.0}}}, "at most one"),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "merged_adapters": {
+        "ids": [f"a{i}" for i in range(9)], "weights": [1.0] * 9, "density": 1.0}}, "max_merged_adapter_ids"),
+    ("/generate", {"inputs": "hi", "parameters": {"merged_adapters": {
+        "ids": ["a0", "a1"], "weights": [1.0], "density": 1.0}}}, "2 ids but 1 weights"),
+    ("/generate", {"inputs": "hi", "parameters": {"merged_adapters": {
+        "ids": ["a0"], "weights": [1.0], "merge_strategy": "svd", "density": 1.0}}}, "merge_strategy"),
+])
+async def test_invalid_logprobs_and_merges_are_400s_naming_the_field(fake_dispatcher, route, body, needle):
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        r = await client.post(route, json=body)
+    assert r.status_code == 400, f"{route} {body}: a 400, got {r.status_code} {r.text}"
+    assert needle in r.json()["error"]["message"], f"the message names the problem ({needle}): {r.text}"
+    assert not fake_dispatcher.jobs, "nothing is sent to a replica"
+
+
+async def test_a_merge_is_sent_as_its_own_adapter_id_with_its_recipe(fake_dispatcher):
+    merged = {"ids": ["a0", "a2"], "weights": [0.5, 0.5], "merge_strategy": "ties", "density": 0.5}
+    async with serving(FakeTokenizer(), fake_dispatcher) as client:
+        lorax = await client.post("/generate", json={"inputs": "hi", "parameters": {"merged_adapters": merged,
+                                                                                     "max_new_tokens": 1}})
+        openai = await client.post("/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 1,
+                                                             "merged_adapters": merged})
+    assert [lorax.status_code, openai.status_code] == [200, 200], f"both succeed: {lorax.text} {openai.text}"
+    first, second = fake_dispatcher.jobs
+    assert first.merge is not None and first.merge.ids == ("a0", "a2"), "the job carries the merge recipe"
+    assert first.merge.strategy == "ties" and first.merge.density == 0.5, "with its strategy and density"
+    assert first.adapter_id == first.merge.adapter_id and first.adapter_id.startswith("merged/"), (
+        "the job's adapter id is the merge's own (routing affinity, one device slot)")
+    assert second.adapter_id == first.adapter_id, "the same merge from the OpenAI route has the same id"
+
+
+async def test_a_background_task_started_during_a_request_logs_without_its_id(log_lines):
+    import logging
+
+    from lora_cluster.serve.logs import detached, set_request_id
+
+    log = logging.getLogger("lora_cluster.test_background")
+
+    async def request() -> None:
+        set_request_id("req-9")
+        log.info("in the request")
+        loop = asyncio.get_running_loop()
+        await loop.create_task(asyncio.to_thread(log.info, "background"), context=detached())
+
+    await asyncio.create_task(request())
+    ids = {line["message"]: line["request_id"] for line in log_lines()}
+    assert ids == {"in the request": "req-9", "background": "-"}, (
+        f"the request's line has its id, a detached background task's line has none: {ids}")

@@ -206,7 +206,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(http):
     ok = {"model": "a1", "prompt": PROMPT, "max_tokens": 2}
     error_of(post("/v1/completions", {**ok, "temperature": -1}), 400)
     error_of(post("/v1/completions", {**ok, "max_tokens": 100_000}), 400)
-    error_of(post("/v1/completions", {**ok, "logprobs": 3}), 400)
+    error_of(post("/v1/completions", {**ok, "logprobs": 21}), 400)  # over max_logprobs
     error_of(post("/v1/completions", {"model": "a1"}), 400)
     garbage = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     error_of(garbage, 400)
@@ -353,3 +353,165 @@ def test_metrics_are_exported(http):
     # the replicas' adapter store counters, per tier (earlier tests loaded adapters into host memory)
     assert re.search(r'lora_cluster_adapter_cache_loads_total\{replica="[^"]+",tier="host"\} [1-9]', text), (
         "the replicas' host-tier adapter loads are exported per replica")
+
+
+# ----- operator tooling against the running server: x-request-id, `lora-cluster status` / `adapters` -----
+
+
+def test_x_request_id_is_echoed_once_by_the_served_app(http):
+    given = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPT, "max_tokens": 2},
+                      headers={"x-request-id": "e2e-req-1"})
+    assert given.status_code == 200, f"the request succeeds: {given.text}"
+    assert given.headers.get_list("x-request-id") == ["e2e-req-1"], "the client's id is echoed, once"
+    missing = http.get("/v1/models")
+    assert len(missing.headers.get_list("x-request-id")) == 1, "a request without an id gets exactly one"
+    error = http.post("/v1/completions", json={"model": "nope", "prompt": PROMPT, "max_tokens": 2},
+                      headers={"x-request-id": "e2e-req-2"})
+    assert error.status_code == 404, f"an unknown adapter is a 404: {error.text}"
+    assert error.headers.get_list("x-request-id") == ["e2e-req-2"], "an error response echoes the id too"
+
+
+def test_cli_status_prints_the_cluster_view(base_url, http, capsys):
+    from lora_cluster.cli import main
+
+    served = http.post("/v1/completions", json={"model": "a2", "prompt": PROMPT, "max_tokens": 2})
+    assert served.status_code == 200, f"a request is served first: {served.text}"
+    assert main(["status", "--url", base_url, "--json"]) == 0, "status --json succeeds"
+    view = json.loads(capsys.readouterr().out)
+    assert {"nodes", "queue", "controller", "classes"} <= set(view), f"--json prints the view: {list(view)}"
+    assert main(["status", "--url", base_url]) == 0, "status succeeds"
+    out = capsys.readouterr().out
+    assert out.startswith(f"server {base_url}: "), f"the first line names the server: {out}"
+    assert "queue: " in out, f"it shows the cluster queue: {out}"
+    replicas = [line for line in out.splitlines() if line.startswith("  replica ")]
+    in_view = sum(len(node["replicas"]) for node in view["nodes"].values())
+    assert in_view >= 1 and len(replicas) >= in_view, f"one block per replica of the view: {out}"
+    assert "    device: " in out and "host cache: " in out, f"it shows adapters per tier: {out}"
+
+
+def test_cli_adapters_list_load_and_unload(base_url, demo_zoo, tmp_path, capsys):
+    from lora_cluster.cli import main
+
+    copy = tmp_path / "cli-copy"
+    shutil.copytree(demo_zoo.adapters_dir / "a4", copy)
+    assert main(["adapters", "load", "cli-mine", str(copy), "--url", base_url]) == 0, "load succeeds"
+    assert "cli-mine" in capsys.readouterr().out, "load prints the server's answer naming the adapter"
+    assert main(["adapters", "list", "--url", base_url]) == 0, "list succeeds"
+    listed = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
+    assert listed.get("cli-mine") == str(copy), f"list shows the loaded adapter and its path: {listed}"
+    assert {"a0", "a15"} <= set(listed), f"list shows the source's adapters: {sorted(listed)}"
+    assert "base model" in listed.values(), "list shows the base model"
+    assert main(["adapters", "unload", "cli-mine", "--url", base_url]) == 0, "unload succeeds"
+    capsys.readouterr()
+    assert main(["adapters", "unload", "cli-mine", "--url", base_url]) == 1, "unloading it again fails"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HTTP 404" in err[0] and "cannot be found" in err[0], (
+        f"the failure is one line with the status and the server's message: {err}")
+
+
+# ----- log probabilities and merged adapters (issue 12), through the real clients -------------------------
+
+
+@pytest.fixture(scope="module")
+def offline_engine(app_config):
+    """The engine called directly, configured like the replicas (merges included)."""
+    keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
+    engine = Engine(**{k: v for k, v in app_config.items() if k in keys})
+    yield engine
+    engine.close()
+
+
+MERGE = {"ids": ["a0", "a1", "a3"], "weights": [0.6, -0.3, 0.9], "merge_strategy": "linear", "density": 1.0}
+
+
+def test_lorax_client_merged_adapters_and_details_with_logprobs(base_url, offline_engine):
+    lorax = pytest.importorskip("lorax", reason="pip install --no-deps lorax-client")
+    from lora_cluster.store.merge import MergeSpec
+
+    spec = MergeSpec.parse(MERGE["ids"], MERGE["weights"], "linear", 1.0, None, max_ids=8)
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=3, prompt_logprobs=0)
+    merged_id = offline_engine.define_merge(spec)
+    want = offline_engine.generate([PROMPT], adapter_ids=[merged_id], sampling=sampling)[0]
+    client = lorax.Client(base_url, timeout=120)
+    got = client.generate(PROMPT, merged_adapters=lorax.types.MergedAdapters(**MERGE), max_new_tokens=8,
+                          details=True, decoder_input_details=True, return_k_alternatives=3)
+    assert got.generated_text == want.text, "a linear merge's greedy text equals the engine's for that merge"
+    tokens = got.details.tokens
+    assert [t.id for t in tokens] == want.token_ids, "details list the merge's tokens"
+    for t, lp in zip(tokens, want.logprobs, strict=True):
+        assert abs(t.logprob - lp.logprob) <= 1e-4, f"token {t.id}: details carry the engine's logprob"
+        assert [a.id for a in t.alternative_tokens] == [i for i, _ in lp.top], (
+            f"token {t.id}: return_k_alternatives=3 lists the engine's 3 most likely tokens")
+    prefill = got.details.prefill
+    assert [p.id for p in prefill] == want.prompt_token_ids, "decoder_input_details lists the prompt tokens"
+    assert prefill[0].logprob is None, "the first prompt token has no logprob"
+    pairs = zip(prefill[1:], want.prompt_logprobs[1:], strict=True)
+    assert all(abs(p.logprob - lp.logprob) <= 1e-4 for p, lp in pairs), "prompt logprobs are the engine's"
+    events = list(client.generate_stream(PROMPT, merged_adapters=lorax.types.MergedAdapters(**MERGE),
+                                         max_new_tokens=8))
+    assert events[-1].generated_text == want.text, "a streamed merge gives the same text"
+    assert all(e.token.logprob < 0 for e in events), "stream events carry real (negative) logprobs"
+    r = httpx.post(f"{base_url}/generate", json={"inputs": PROMPT, "parameters": {
+        "adapter_id": "a0", "merged_adapters": MERGE, "max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 400, f"an adapter and a merge at once are refused: {r.text}"
+    r = httpx.post(f"{base_url}/generate", json={"inputs": PROMPT, "parameters": {
+        "merged_adapters": {**MERGE, "ids": ["a0", "nope"], "weights": [1, 1]}, "max_new_tokens": 2}},
+        timeout=60)
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"], (
+        f"a merge of an unknown adapter is a 404 naming it: {r.text}")
+
+
+def test_openai_logprobs_and_merged_adapters(base_url, offline_engine):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    want = offline_engine.generate([PROMPT], adapter_ids=["a2"], sampling=SamplingParams(
+        max_new_tokens=6, temperature=0.0, logprobs=2))[0]
+    got = client.completions.create(model="a2", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert [round(x, 4) for x in lp.token_logprobs] == [round(x.logprob, 4) for x in want.logprobs], (
+        "completions token_logprobs are the engine's")
+    assert "".join(lp.tokens) == got.choices[0].text, "completions logprobs tokens join to the text"
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs), "top_logprobs: 2 alternatives and the chosen"
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0, "text offsets count from 0"
+    streamed = list(client.completions.create(model="a2", prompt=PROMPT, max_tokens=6, temperature=0,
+                                              logprobs=2, stream=True))
+    stream_lps = [x for c in streamed if c.choices and c.choices[0].logprobs
+                  for x in c.choices[0].logprobs.token_logprobs]
+    assert stream_lps == lp.token_logprobs, "streamed chunks carry the same token logprobs"
+
+    chat = client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens, "chat logprobs: one entry per generated token"
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content), "each with top_logprobs=2"
+    assert all(bytes(c.bytes).decode() == c.token for c in content), "bytes are the token's UTF-8"
+    chunks = list(client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hello"}],
+                                                 max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed_content = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                        for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed_content] == [c.logprob for c in content], "streamed: same logprobs"
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={
+        "model": "a2", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and "max_logprobs" in r.text, f"top_logprobs over its limit: 400: {r.text}"
+
+    echo = httpx.post(f"{base_url}/v1/completions", json={  # lm-eval-harness' loglikelihood request
+        "model": "a2", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True},
+        timeout=60).json()["choices"][0]
+    prompt_want = offline_engine.generate([PROMPT], adapter_ids=["a2"], sampling=SamplingParams(
+        max_new_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1))[0]
+    assert echo["text"] == PROMPT + prompt_want.text, "echo prepends the prompt to the text"
+    echoed = echo["logprobs"]["token_logprobs"]
+    assert echoed[0] is None and echo["logprobs"]["top_logprobs"][0] is None, "the first prompt token: null"
+    want_lps = [lp.logprob for lp in prompt_want.prompt_logprobs[1:] + prompt_want.logprobs]
+    assert len(echoed) == prompt_want.prompt_tokens + 1, "echo: a logprob per prompt token, then the output's"
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(echoed[1:], want_lps, strict=True)), (
+        "the prompt and output logprobs are the engine's")
+
+    base = client.models.list().data[0].id
+    merged = client.completions.create(model=base, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"merged_adapters": MERGE})
+    lorax_text = httpx.post(f"{base_url}/generate", json={"inputs": PROMPT, "parameters": {
+        "merged_adapters": MERGE, "max_new_tokens": 8}}, timeout=60).json()["generated_text"]
+    assert merged.choices[0].text == lorax_text, "merged_adapters in an OpenAI body: LoRAX's same merge"

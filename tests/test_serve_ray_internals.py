@@ -94,3 +94,15 @@ def test_a_handle_call_takes_the_internal_id_that_own_request_id_sets():
     assert metadata.internal_request_id == wanted, broken(
         "a handle call's RequestMetadata.internal_request_id no longer comes from "
         "ray.serve.context._serve_request_context's `_internal_request_id`")
+
+
+def test_the_serve_client_exposes_its_root_url():
+    from ray.serve._private.client import ServeControllerClient
+
+    assert callable(getattr(serve_context, "_get_global_client", None)), broken(
+        "ray.serve.context has no `_get_global_client`")
+    parameters = inspect.signature(serve_context._get_global_client).parameters
+    assert "raise_if_no_controller_running" in parameters, broken(
+        "`_get_global_client` no longer takes `raise_if_no_controller_running`")
+    attribute = inspect.getattr_static(ServeControllerClient, "root_url", None)
+    assert isinstance(attribute, property), broken("ServeControllerClient has no `root_url` property")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from lora_cluster import errors as e
 from lora_cluster.config import ServeConfig
@@ -126,12 +127,13 @@ def test_prompt_forms():
         "a list of strings is several text prompts")
     assert CompletionRequest(model="m", prompt=[[1], [2]]).prompts() == [[1], [2]], (
         "a list of int lists is several token prompts")
-    with pytest.raises(ApiException):
-        CompletionRequest(model="m", prompt="").prompts()
+    for empty in ("", [], [""], [[]]):  # the body's schema refuses it: a 400 over HTTP
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt=empty)
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"presence_penalty": 0.5}, {"best_of": 3}, {"echo": True},
-                                   {"n": 5}, {"max_tokens": 101}])
+@pytest.mark.parametrize("extra", [{"logprobs": 21}, {"presence_penalty": 0.5}, {"best_of": 3},
+                                   {"echo": True, "stream": True}, {"n": 5}, {"max_tokens": 101}])
 def test_unsupported_or_out_of_limit_openai_parameters_are_refused(extra):
     body = CompletionRequest(model="m", prompt="hi", **extra)
     with pytest.raises(ApiException) as info:
@@ -307,6 +309,34 @@ async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order()
     assert len(items) < 4, "outputs that queued up while the consumer slept were merged"
     assert "".join(i["delta_text"] for i in items) == "xxxx", "the merged deltas join to the whole text"
     assert items[-1]["text"] == "xxxx", "the final item carries the whole text"
+
+
+async def test_coalesce_keeps_every_tokens_logprob():
+    import asyncio
+
+    from lora_cluster.engine.logprobs import TokenLogprob
+    from lora_cluster.serve.replica import coalesce
+
+    def with_logprob(i: int, finished: bool = False) -> object:
+        out = _out(i, finished)
+        out.delta_logprobs = [TokenLogprob(i, -float(i))]
+        out.logprobs = [TokenLogprob(j, -float(j)) for j in range(i + 1)]
+        return out
+
+    async def outputs():
+        for i in range(3):
+            yield with_logprob(i)
+        await asyncio.sleep(0.05)
+        yield with_logprob(3, finished=True)
+
+    items = []
+    async for item in coalesce(outputs()):
+        items.append(item)
+        await asyncio.sleep(0.02)
+    merged = [lp.token_id for item in items for lp in item["delta_logprobs"]]
+    assert len(items) < 4, "outputs that queued up were merged"
+    assert merged == [0, 1, 2, 3], "the merged items carry every token's logprob, in order"
+    assert [lp.token_id for lp in items[-1]["logprobs"]] == [0, 1, 2, 3], "the final item carries them all"
 
     async def failing():
         yield _out(0)

@@ -320,3 +320,21 @@ def test_register_s3_location(s3, demo_zoo, shapes, tmp_path):
     assert not store.unregister("mine"), "unregistering it again reports nothing to forget"
     with pytest.raises(AdapterNotFoundError):
         store.load("mine")
+
+
+def test_listing_reads_no_object_and_describing_reads_each_small_file_once(s3, demo_zoo, shapes, tmp_path):
+    for i in range(12):
+        s3.upload(demo_zoo.adapters_dir / f"a{i % 3}", f"zoo/x{i}")
+    weights = (demo_zoo.adapters_dir / "a1" / "adapter_model.safetensors").read_bytes()
+    digest = hashlib.sha256(weights).hexdigest()
+    s3.put("zoo/x1/checksums.sha256", f"{digest}  adapter_model.safetensors\n".encode())
+    store = make_store(s3, shapes, tmp_path)
+    gets = record_gets(store)
+    assert sorted(store.list_adapters()) == sorted(f"x{i}" for i in range(12)), "every adapter is listed"
+    assert gets == [], "listing adapter ids reads no object (the key listing alone)"
+    infos = {i.adapter_id: i for i in store.describe_adapters()}
+    assert len(infos) == 12, "every adapter is described (configs read concurrently)"
+    assert infos["x1"].sha256 == digest, "the declared checksum is reported"
+    assert len(gets) == 13, "the first description reads each config and the checksums file once"
+    store.describe_adapters()
+    assert len(gets) == 13, "describing again reads nothing new (small files cached by ETag)"

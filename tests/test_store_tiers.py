@@ -331,7 +331,9 @@ def test_engine_pinned_adapter_stays_on_device_and_uses_return_to_zero(demo_zoo,
     store = store_for([str(demo_zoo.adapters_dir)], shapes, max_rank=32, pinned=["a0"],
                       disk_cache_dir=tmp_path / "disk")
     engine = Engine(str(demo_zoo.model_dir), max_loras=2, max_lora_rank=32, adapter_loader=store)
-    assert engine.pool.policy is store.slot_policy(), "the caller's store chooses the device victims"
+    assert engine.pool.policy.inner is store.slot_policy(), (
+        "the caller's store chooses the device victims (inside adapter rotation's slot policy)"
+    )
     store.wait_prefetches()
     assert store.state("a0") is AdapterState.IN_HOST, "pinned adapters are loaded at start"
     engine.generate(["hello"], adapter_ids=["a0"], sampling=GREEDY)

@@ -9,7 +9,9 @@ Same signatures, shapes and semantics as :mod:`lora_kernels.reference` (see ther
   copy is made. Rank slicing (``lora_a[s, :r]``, ``lora_b[s, :, :r]``) skips the zero padding;
   like the reference, results assume the padding beyond each adapter's rank is zero.
 * The BGMV functions have no segments: they gather the per-token adapter weights and use one
-  batched matmul per chunk of tokens (chunks bound the gathered copy to ``_GATHER_ELEMS``).
+  batched matmul per chunk of tokens (chunks bound the gathered copy to ``_GATHER_ELEMS``). The
+  gathers copy whole rows (A's [rank, K] rows, B's stored [rank, N] rows through ``lora_b.mT``), so
+  each is a run of contiguous copies; the matmuls are [1, K] x [K, r] and [1, r] x [r, N] per token.
 * ``x``, the weights, ``y`` and ``out`` must share one dtype (BLAS ``out=`` needs it); float16 and
   bfloat16 work and accumulate as CPU BLAS does (the ``add_lora`` intermediate is in ``x``'s dtype).
 * A batch without any adapter token (``meta.max_rank == 0``) is a no-op for ``add_lora`` (and
@@ -40,7 +42,7 @@ def bgmv_shrink(out: Tensor, x: Tensor, lora_a: Tensor, token_slot: Tensor, scal
     step = max(1, _GATHER_ELEMS // max(1, r_out * k))
     for c in range(0, n_tok, step):
         a = lora_a[slots[c : c + step], :r_out]  # [n, R_out, K] gathered copy
-        h = torch.bmm(a, x[c : c + step].unsqueeze(2)).squeeze(2)  # [n, R_out]
+        h = torch.bmm(x[c : c + step].unsqueeze(1), a.mT).squeeze(1)  # [n, R_out]
         if scale != 1.0:
             h.mul_(scale)
         out[c : c + step] = h.masked_fill_(base[c : c + step], 0)
@@ -54,9 +56,10 @@ def bgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, token_slot: Tensor, add:
     base = (token_slot < 0).unsqueeze(1)
     slots = token_slot.clamp(min=0)
     step = max(1, _GATHER_ELEMS // max(1, r_in * out.shape[1]))
+    b_t = lora_b.mT  # [L, R, N]: the pool stores B this way, so a slot's rank rows are contiguous
     for c in range(0, n_tok, step):
-        b = lora_b[slots[c : c + step], :, :r_in]  # [n, N, R_in] gathered copy
-        d = torch.bmm(b, y[c : c + step].unsqueeze(2)).squeeze(2)  # [n, N]
+        b = b_t[slots[c : c + step], :r_in]  # [n, R_in, N] gathered copy
+        d = torch.bmm(y[c : c + step].unsqueeze(1), b).squeeze(1)  # [n, N]
         o, m = out[c : c + step], base[c : c + step]
         if add:
             o.add_(d.masked_fill_(m, 0))

@@ -6,13 +6,10 @@ CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set bef
 is first imported in the process (triton reads it when its and our ``@triton.jit`` functions are
 decorated) and stay set while launching (tests).
 
-Who calls what: the engine (``LlamaRunner`` in ``lora_cluster.engine.llama``) calls only
-``add_lora``, once per decoder layer and LoRA projection (skipped when no token of the step has an
-adapter targeting that projection). A step mixes prefill chunks and decode tokens, sorted by
-adapter slot, so decode tokens go through SGMV like prefill tokens (a decode token alone on its
-adapter is a one-token segment).
-The BGMV functions are part of the :class:`~lora_kernels.LoraOps` interface for callers that have
-only a per-token slot vector (no :class:`LoraMeta`); in this project only the tests call them.
+Who calls what: the engine's LoRA layer (``lora_cluster.engine.lora_layer``) runs the decode rows
+of a step through the BGMV functions when they are mostly distinct adapters (``use_bgmv``), and the
+other rows through SGMV: ``add_lora`` per unfused projection, one ``sgmv_shrink`` over stacked A and
+an ``sgmv_expand`` per member for the fused q/k/v and gate/up groups.
 
 Kernel design:
 

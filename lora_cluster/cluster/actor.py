@@ -6,8 +6,9 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
 * `report(report)` from each LoRA replica, every `controller_report_period_s` and when a request
   finishes while requests are queued; the reply says how many are queued and what to prefetch;
 * `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
-  returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`)
-  or timed out (`{"timeout": true}`); a cancelled call (client gone) drops its ticket;
+  returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
+  at once or later, when more urgent tickets bump it out of a full queue) or timed out
+  (`{"timeout": true}`); a cancelled call (client gone) drops its ticket;
 * `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router.
 
 Everything here runs on the deployment's one event loop, so the controller needs no locks. A
@@ -26,7 +27,7 @@ import ray
 from ray import serve
 
 from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant
+from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.config import ServeConfig, build_sla_classes
 from lora_cluster.errors import ClusterOverloadedError
@@ -36,21 +37,14 @@ log = logging.getLogger(__name__)
 TICK_S = 0.05
 
 
-def controller_settings(config: ServeConfig) -> ControllerSettings:
-    return ControllerSettings(
-        queue_size=config.cluster_queue_size, aging_s=config.cluster_queue_aging_s,
-        preempt_after_fraction=config.preempt_after_fraction,
-        stale_after_s=max(2.0, 4 * config.controller_report_period_s), hot_share=config.placement_hot_share,
-    )
-
-
 @serve.deployment(name="ClusterController", num_replicas=1, ray_actor_options={"num_cpus": 0},
                   max_ongoing_requests=100_000, health_check_period_s=2.0)
 class ClusterController:
     def __init__(self, config: dict[str, Any]):
         cfg = ServeConfig(**config)  # the app's resolved fields (the environment was applied there)
-        self.core = Controller(build_sla_classes(cfg), controller_settings(cfg), clock=time.monotonic)
-        self._waiters: dict[str, asyncio.Future[Grant]] = {}
+        settings = ControllerSettings.from_config(cfg)
+        self.core = Controller(build_sla_classes(cfg), settings, clock=time.monotonic)
+        self._waiters: dict[str, asyncio.Future[Grant | Refusal]] = {}
         self._ticker: asyncio.Task[None] | None = None
 
     def _ensure_ticker(self) -> None:
@@ -90,7 +84,7 @@ class ClusterController:
             priority=sla.priority, adapter_id=request.get("adapter_id"), enqueued_at=enqueued,
             deadline=None if sla.ttft_s is None else enqueued + sla.ttft_s, ttft_s=sla.ttft_s,
         )
-        waiter: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Grant | Refusal] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.ticket_id] = waiter
         try:
             try:
@@ -100,6 +94,8 @@ class ClusterController:
             self._deliver()
             if grant is None:
                 grant = await asyncio.wait_for(waiter, timeout_s)
+            if isinstance(grant, Refusal):  # bumped out of the full queue by more urgent requests
+                return {"overloaded": grant.reason, "retry_after_s": grant.retry_after_s}
             return {"replica_id": grant.replica_id, "preempt": grant.preempt}
         except TimeoutError:
             return {"timeout": True}

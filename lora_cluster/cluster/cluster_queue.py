@@ -1,17 +1,24 @@
 """The cluster-wide priority queue: requests that no replica can take now, as tickets.
 
 A ticket stands for one request parked by an ingress (the request's body stays with the ingress).
-Order: by *urgency* = priority - waited / aging_s (lower first; the class's priority, so
-`interactive` before `standard` before `batch`), then by deadline, then by arrival. Aging makes a
-ticket one priority level more urgent per `aging_s` seconds of waiting, so no class starves: a
-`batch` ticket that waited 2 x aging_s ranks with a fresh `interactive` one. Because every ticket
-ages at the same rate, urgency order never changes while tickets wait: the key
-`priority + enqueued_at / aging_s` is fixed at park time and a heap keeps the order.
+Order: tickets of the most urgent class (`top_priority`) first, then the others by *urgency* =
+priority - waited / aging_s (lower first: `standard` before `batch`), then by deadline, then by
+arrival. Aging makes a ticket one priority level more urgent per `aging_s` seconds of waiting, so
+`batch` does not starve behind `standard`: a `batch` ticket that waited aging_s ranks with a fresh
+`standard` one. Aging never lifts a ticket above the most urgent class, so under sustained overload
+an old `batch` request never delays a fresh `interactive` one (the other classes absorb the delay;
+they wait only as long as the most urgent class alone fills the cluster, which the deadline check
+below keeps to what the replicas can serve). Because every ticket ages at the same rate, the order
+never changes while tickets wait: the key (tier, `priority + enqueued_at / aging_s`) is fixed at
+park time and a heap keeps the order; a sorted list of the same keys counts the tickets ahead of a
+new one in O(log n).
 
-Admission: a full queue (`max_size`) refuses a ticket; so does a deadline that cannot be met, when
-the predicted wait (tickets at least as urgent ahead of it, divided by the drain rate) would end
-past it and the caller says nothing else can serve it in time (`deadline_at_risk`: the controller
-passes False when the ticket could preempt less urgent running work). The drain rate is the larger
+Admission: a full queue (`max_size`) refuses a ticket, unless its least urgent ticket is strictly
+less urgent than the new one: that one is bumped (its request refused) to make room. A deadline
+that cannot be met is refused too, when the predicted wait (tickets at least as urgent ahead of
+it, divided by the drain rate) would end past it and the caller says nothing else can serve it in
+time (`deadline_at_risk`: the controller passes False when the ticket could preempt less urgent
+running work). The drain rate is the larger
 of the measured one (grants over a window) and the one the caller expects from capacity (replicas'
 batch slots over their service time). Both refusals carry a retry-after estimate. Pure: injected
 clock, no Ray.
@@ -19,6 +26,7 @@ clock, no Ray.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -41,9 +49,12 @@ class Ticket:
     ttft_s: float | None = None  # the class's TTFT target
 
 
+Key = tuple[int, float, float, float, int]  # tier, priority + enqueued / aging, deadline, arrival, seq
+
+
 @dataclass(order=True)
 class _Entry:
-    key: tuple[float, float, float, int]
+    key: Key
     ticket: Ticket = field(compare=False)
     removed: bool = field(default=False, compare=False)
 
@@ -83,19 +94,31 @@ class ClusterQueue:
     """Tickets by urgency (see the module docstring). Bounded by `max_size`."""
 
     def __init__(self, *, max_size: int, aging_s: float, clock: Callable[[], float],
-                 drain_window_s: float = 10.0):
+                 drain_window_s: float = 10.0, top_priority: int | None = None):
+        """`top_priority`: the most urgent class's priority; its tickets are never overtaken by aged
+        ones (None: plain aging across every class)."""
         if max_size < 1 or aging_s <= 0:
             raise RequestError(f"cluster queue: max_size {max_size} and aging_s {aging_s} must be positive")
         self.max_size, self.aging_s, self._clock = max_size, aging_s, clock
+        self.top_priority = top_priority
         self._heap: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
+        self._ranks: list[tuple[int, float, int, str]] = []  # (tier, urgency key, seq, id), sorted
         self._seq = itertools.count()
         self.drain = DrainMeter(drain_window_s, clock)
 
-    def key(self, ticket: Ticket) -> tuple[float, float, float, int]:
+    def _rank(self, ticket: Ticket) -> tuple[int, float]:
+        tier = 0 if self.top_priority is not None and ticket.priority <= self.top_priority else 1
+        return tier, ticket.priority + ticket.enqueued_at / self.aging_s
+
+    def key(self, ticket: Ticket) -> Key:
         deadline = ticket.deadline if ticket.deadline is not None else math.inf
-        urgency_key = ticket.priority + ticket.enqueued_at / self.aging_s
-        return (urgency_key, deadline, ticket.enqueued_at, next(self._seq))
+        return (*self._rank(ticket), deadline, ticket.enqueued_at, next(self._seq))
+
+    def sort_key(self, ticket_id: str) -> Key | None:
+        """The queue's order of a queued ticket (None: not queued): sort by it to go most urgent first."""
+        entry = self._entries.get(ticket_id)
+        return None if entry is None else entry.key
 
     def urgency(self, ticket: Ticket, now: float | None = None) -> float:
         """priority - waited / aging_s (lower is more urgent)."""
@@ -109,21 +132,28 @@ class ClusterQueue:
         if not rates:
             return None
         rate = max(rates)
-        urgency_key = ticket.priority + ticket.enqueued_at / self.aging_s
-        ahead = sum(1 for e in self._entries.values() if e.key[0] <= urgency_key)
+        ahead = bisect.bisect_right(self._ranks, (*self._rank(ticket), math.inf))
         return (ahead + 1) / rate
 
     def park(self, ticket: Ticket, *, deadline_at_risk: bool = True,
-             expected_rate: float | None = None) -> None:
-        """Queue `ticket`; raises ClusterOverloadedError when full, or when its deadline cannot be met
-        and `deadline_at_risk` (see the module docstring)."""
+             expected_rate: float | None = None, max_wait_s: float | None = None) -> Ticket | None:
+        """Queue `ticket`. A full queue makes room by bumping its least urgent ticket when that one
+        is strictly less urgent than `ticket` (returned: its request is refused, so that an urgent
+        request never waits behind a full queue of less urgent ones); otherwise raises
+        ClusterOverloadedError, as it does when the deadline cannot be met and `deadline_at_risk`
+        (see the module docstring). `max_wait_s` (the ingress's queue timeout): a ticket without a
+        deadline is refused at once when its predicted wait is longer, rather than timing out later."""
         if ticket.ticket_id in self._entries:
             raise RequestError(f"ticket {ticket.ticket_id!r} is already queued")
+        bump = None
         if len(self._entries) >= self.max_size:
-            raise ClusterOverloadedError(
-                f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size)",
-                retry_after_s=self._retry_after(len(self._entries)),
-            )
+            if self._ranks and self._ranks[-1][:2] > self._rank(ticket):
+                bump = self._entries[self._ranks[-1][3]].ticket
+            else:
+                raise ClusterOverloadedError(
+                    f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size)",
+                    retry_after_s=self._retry_after(len(self._entries)),
+                )
         now = self._clock()
         wait = self.predicted_wait_s(ticket, expected_rate) if deadline_at_risk else None
         if ticket.deadline is not None and wait is not None and now + wait > ticket.deadline:
@@ -132,9 +162,26 @@ class ClusterQueue:
                 f"met: about {wait:.1f} s of queued work is ahead",
                 retry_after_s=wait,
             )
+        if ticket.deadline is None and wait is not None and max_wait_s is not None and wait > max_wait_s:
+            raise ClusterOverloadedError(
+                f"about {wait:.0f} s of queued work is ahead of this {ticket.sla_class} request, more than "
+                f"the queue timeout of {max_wait_s:g} s (cluster_queue_timeout_s)",
+                retry_after_s=wait - max_wait_s,
+            )
+        if bump is not None:
+            self.remove(bump.ticket_id)
         entry = _Entry(self.key(ticket), ticket)
         self._entries[ticket.ticket_id] = entry
         heapq.heappush(self._heap, entry)
+        bisect.insort(self._ranks, (*entry.key[:2], entry.key[4], ticket.ticket_id))
+        return bump
+
+    def bumped_error(self, ticket: Ticket) -> ClusterOverloadedError:
+        """The refusal of a ticket bumped out of the full queue by a more urgent one."""
+        return ClusterOverloadedError(
+            f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size) and more "
+            f"urgent requests than this {ticket.sla_class} one took its place",
+            retry_after_s=self._retry_after(len(self._entries)))
 
     def _retry_after(self, ahead: int) -> float:
         rate = self.drain.rate()
@@ -146,6 +193,8 @@ class ClusterQueue:
         if entry is None:
             return None
         entry.removed = True
+        i = bisect.bisect_left(self._ranks, (*entry.key[:2], entry.key[4], ticket_id))
+        del self._ranks[i]
         self._compact()
         return entry.ticket
 
@@ -163,8 +212,18 @@ class ClusterQueue:
         return ticket
 
     def first(self, n: int) -> list[Ticket]:
-        """The `n` most urgent tickets, most urgent first (O(size log n))."""
-        return [e.ticket for e in heapq.nsmallest(n, (e for e in self._heap if not e.removed))]
+        """The `n` most urgent tickets, most urgent first: a best-first walk down the heap's tree,
+        O((n + removed entries met) log n), not O(size)."""
+        heap, out = self._heap, []
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier and len(out) < n:
+            entry, i = heapq.heappop(frontier)
+            if not entry.removed:
+                out.append(entry.ticket)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+        return out
 
     def in_order(self) -> Iterator[Ticket]:
         """Tickets from the most urgent (a sorted copy: O(n log n); for grants across replicas)."""

@@ -17,6 +17,8 @@ ingresses park their waiting requests again. Pure: injected clock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,9 +30,9 @@ from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import (
     affinity_pick,
     choose_replica,
+    holder_preemption_target,
     holds,
     preemption_target,
-    should_preempt,
 )
 from lora_cluster.cluster.sla import SlaClasses
 
@@ -48,6 +50,17 @@ class ControllerSettings:
     hot_share: float = 0.5
     demand_window_s: float = 30.0
     affinity_lookahead: int = 8  # tickets of one class a hit may overtake (see `scheduling`)
+    queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
+
+    @classmethod
+    def from_config(cls, config: Any) -> ControllerSettings:
+        """From a `ServeConfig`, or anything with its field names (the simulator's settings)."""
+        return cls(
+            queue_size=config.cluster_queue_size, aging_s=config.cluster_queue_aging_s,
+            preempt_after_fraction=config.preempt_after_fraction,
+            stale_after_s=max(2.0, 4 * config.controller_report_period_s),
+            hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -56,19 +69,33 @@ class Grant:
     preempt: bool = False
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A parked ticket's request is refused after all (bumped out of the full queue)."""
+
+    reason: str
+    retry_after_s: float
+
+
 class Controller:
     def __init__(self, classes: SlaClasses, settings: ControllerSettings = ControllerSettings(),
                  clock: Callable[[], float] = time.monotonic):
         self.classes, self.settings, self._clock = classes, settings, clock
-        self.queue = ClusterQueue(max_size=settings.queue_size, aging_s=settings.aging_s, clock=clock)
+        self.queue = ClusterQueue(max_size=settings.queue_size, aging_s=settings.aging_s, clock=clock,
+                                  top_priority=classes.classes[0].priority)
         self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
         self.demand = DemandTracker(window_s=settings.demand_window_s, clock=clock)
         self._placement: dict[str, tuple[str, ...]] = {}
         self._planned_at = -float("inf")
-        self._grants: dict[str, Grant] = {}
+        self._grants: dict[str, Grant | Refusal] = {}
+        self._by_replica: dict[str, list[str]] = {}  # the placement table by replica
+        # tickets with a TTFT target by when they may preempt: (time, seq, ticket); then those due
+        self._preempt_at: list[tuple[float, int, Ticket]] = []
+        self._due: dict[str, Ticket] = {}
+        self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
-                       "reports": 0}
+                       "bumped": 0, "reports": 0}
 
     # ----- inputs ---------------------------------------------------------------------------
 
@@ -81,11 +108,11 @@ class Controller:
         if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
             self._replan()
         self._dispatch()
-        targeted = [a for a, rids in self._placement.items() if report.replica_id in rids]
+        targeted = self._by_replica.get(report.replica_id, ())
         prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
         return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch)}
 
-    def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | None:
+    def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | Refusal | None:
         """Queue a request that no replica can take now; returns its grant if one is decided at once
         (it still waits its turn behind more urgent tickets). `claims`: the parking ingress's
         requests in flight (`{"inflight": {replica: n}, "unassigned": n}`, see `ClusterView.claim`).
@@ -94,11 +121,22 @@ class Controller:
             self.view.claim(ticket.ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
         can_preempt = ticket.ttft_s is not None and preemption_target(ticket, self.view) is not None
         try:
-            self.queue.park(ticket, deadline_at_risk=not can_preempt, expected_rate=self._expected_rate())
+            bumped = self.queue.park(
+                ticket, deadline_at_risk=not can_preempt, expected_rate=self._expected_rate(),
+                max_wait_s=self.settings.queue_timeout_s)
         except Exception:
             self.counts["rejected"] += 1
             raise
         self.counts["parked"] += 1
+        if bumped is not None:
+            error = self.queue.bumped_error(bumped)
+            self._grants[bumped.ticket_id] = Refusal(str(error), error.retry_after_s)
+            self.counts["bumped"] += 1
+        if ticket.ttft_s is not None:
+            at = ticket.enqueued_at + self.settings.preempt_after_fraction * ticket.ttft_s
+            if holder_preemption_target(ticket, self.view) is not None:
+                at = ticket.enqueued_at  # a hit by preemption now beats a miss later
+            heapq.heappush(self._preempt_at, (at, next(self._seq), ticket))
         self._dispatch()
         return self._grants.pop(ticket.ticket_id, None)
 
@@ -115,8 +153,9 @@ class Controller:
 
     # ----- outputs --------------------------------------------------------------------------
 
-    def take_grants(self) -> dict[str, Grant]:
-        """Grants decided since the last call (ticket id -> grant)."""
+    def take_grants(self) -> dict[str, Grant | Refusal]:
+        """Grants decided since the last call (ticket id -> grant), and the refusals of tickets that a
+        more urgent one bumped out of the full queue."""
         grants, self._grants = self._grants, {}
         return grants
 
@@ -137,8 +176,10 @@ class Controller:
             self._grants.pop(next(iter(self._grants)))
 
     def _dispatch(self) -> None:
+        if not len(self.queue):
+            return
         # direct requests on their way will take some of the room: grant only what is left
-        room = sum(max(0, self.view.free(rid)) for rid in self.view.ids()) - self.view.unassigned()
+        room = self.view.total_free() - self.view.unassigned()
         while room > 0 and (ticket := self.queue.peek()) is not None:
             replica_id = choose_replica(ticket, self.view, self._placement)
             if replica_id is None:
@@ -148,18 +189,46 @@ class Controller:
                 hit = affinity_pick(self.queue.first(lookahead), self.view, lookahead)
                 if hit is not None:
                     ticket, replica_id = hit
+                elif ticket.ttft_s is not None and (holder := holder_preemption_target(ticket, self.view)):
+                    self._grant(ticket, holder, preempt=True)  # a hit by preemption beats a miss
+                    continue
             self._grant(ticket, replica_id, preempt=False)
             room -= 1
-        if not len(self.queue):
-            return
+        if len(self.queue):
+            self._preempt()
+
+    def _preempt(self) -> None:
+        """Send the tickets that have waited `preempt_after_fraction` of their TTFT target, most
+        urgent first, over capacity to replicas running less urgent work. Only the tickets due are
+        looked at (a heap by due time), and once no replica has work less urgent than priority p,
+        tickets of priority p or less urgent are skipped: O(due x replicas), not O(queue)."""
         now = self._clock()
-        fraction = self.settings.preempt_after_fraction
-        for ticket in list(self.queue.in_order()):
-            if not should_preempt(ticket, now, fraction):
+        while self._preempt_at and self._preempt_at[0][0] <= now:
+            _, _, ticket = heapq.heappop(self._preempt_at)
+            if ticket.ticket_id in self.queue:
+                self._due[ticket.ticket_id] = ticket
+        if len(self._preempt_at) > 2 * len(self.queue) + 64:
+            self._preempt_at = [e for e in self._preempt_at if e[2].ticket_id in self.queue]
+            heapq.heapify(self._preempt_at)
+        order = {tid: self.queue.sort_key(tid) for tid in self._due}
+        for tid in [tid for tid, key in order.items() if key is None]:
+            del self._due[tid], order[tid]
+        if not order:
+            return
+        most_urgent = min(t.priority for t in self._due.values())
+        if not any(self.view.preemptible(rid, most_urgent) > 0 for rid in self.view.ids()):
+            return
+        nowhere: int | None = None  # no replica has work less urgent than this priority
+        for tid in sorted(order, key=order.__getitem__):
+            ticket = self._due[tid]
+            if nowhere is not None and ticket.priority >= nowhere:
                 continue
             replica_id = preemption_target(ticket, self.view)
-            if replica_id is not None:
-                self._grant(ticket, replica_id, preempt=True)
+            if replica_id is None:
+                nowhere = ticket.priority if nowhere is None else min(nowhere, ticket.priority)
+                continue
+            del self._due[tid]
+            self._grant(ticket, replica_id, preempt=True)
 
     def _expected_rate(self) -> float | None:
         """Requests per second the live replicas should complete: batch slots over service time."""
@@ -173,6 +242,10 @@ class Controller:
         service = sum(times) / len(times) if times else DEFAULT_SERVICE_TIME_S
         policy = PlacementPolicy(service_time_s=service, hot_share=self.settings.hot_share)
         self._placement = policy.targets(self.demand.rates(), replicas)
+        self._by_replica = {}
+        for adapter_id, replica_ids in self._placement.items():
+            for rid in replica_ids:
+                self._by_replica.setdefault(rid, []).append(adapter_id)
 
     # ----- the view -------------------------------------------------------------------------
 

@@ -28,35 +28,42 @@ MIN_RATE = 1e-3  # requests per second below which an adapter's demand is forgot
 
 
 class DemandTracker:
-    """Request rate per adapter (EWMA over `window_s`), bounded to the `max_adapters` busiest."""
+    """Request rate per adapter (EWMA over `window_s`), bounded to the `max_adapters` busiest.
+
+    Decay is lazy, so a record costs O(adapters in it), not O(adapters tracked): values are kept
+    scaled to a reference time (`rate(now) = value x exp(-(now - ref) / window_s)`), and the
+    reference moves forward, with one pass over the values, only every few windows or when the
+    table is read."""
 
     def __init__(self, *, window_s: float, clock: Callable[[], float], max_adapters: int = 1024):
         self.window_s, self.max_adapters, self._clock = window_s, max_adapters, clock
-        self._rate: dict[str, float] = {}
-        self._last = clock()
+        self._value: dict[str, float] = {}
+        self._ref = clock()
 
     def record(self, counts: Mapping[str, int]) -> None:
         """Requests per adapter observed since the previous call (from one replica's report)."""
         now = self._clock()
-        self._decay(now)
+        if now - self._ref > 8 * self.window_s:
+            self._rebase(now)
+        scale = math.exp((now - self._ref) / self.window_s) / self.window_s
         for adapter_id, n in counts.items():
-            self._rate[adapter_id] = self._rate.get(adapter_id, 0.0) + n / self.window_s
-        if len(self._rate) > self.max_adapters:
-            keep = sorted(self._rate.items(), key=lambda kv: -kv[1])[: self.max_adapters]
-            self._rate = dict(keep)
+            self._value[adapter_id] = self._value.get(adapter_id, 0.0) + n * scale
+        if len(self._value) > 2 * self.max_adapters:
+            self._rebase(now)
 
-    def _decay(self, now: float) -> None:
-        dt = now - self._last
-        if dt <= 0:
-            return
-        self._last = now
-        factor = math.exp(-dt / self.window_s)
-        self._rate = {a: r * factor for a, r in self._rate.items() if r * factor > MIN_RATE}
+    def _rebase(self, now: float) -> None:
+        """Move the reference time to `now`, forget rates under MIN_RATE, keep the busiest."""
+        factor = math.exp(-(now - self._ref) / self.window_s) if now > self._ref else 1.0
+        self._ref = max(now, self._ref)
+        rates = {a: v * factor for a, v in self._value.items() if v * factor > MIN_RATE}
+        if len(rates) > self.max_adapters:
+            rates = dict(sorted(rates.items(), key=lambda kv: -kv[1])[: self.max_adapters])
+        self._value = rates
 
     def rates(self) -> dict[str, float]:
         """Requests per second per adapter, now."""
-        self._decay(self._clock())
-        return dict(self._rate)
+        self._rebase(self._clock())
+        return dict(self._value)
 
 
 @dataclass(frozen=True)
@@ -82,12 +89,13 @@ class PlacementPolicy:
             if need < 2:
                 continue
             holders = [r for r in live if adapter_id in r.resident or adapter_id in r.loading]
-            others = [r for r in live if r not in holders
+            held = {r.replica_id for r in holders}
+            others = [r for r in live if r.replica_id not in held
                       and r.free_adapter_slots - planned_new[r.replica_id] > 0]
             others.sort(key=lambda r: (r.ongoing / max(r.capacity, 1), r.replica_id))
             chosen = [*holders, *others][:need]
             for r in chosen:
-                if r not in holders:
+                if r.replica_id not in held:
                     planned_new[r.replica_id] += 1
             if len(chosen) > 1:
                 out[adapter_id] = tuple(sorted(r.replica_id for r in chosen))

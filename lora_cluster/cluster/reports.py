@@ -110,18 +110,28 @@ class ClusterView:
         self._seen: dict[str, _Seen] = {}
         # ingress -> (when, its requests in flight per replica, its requests on their way)
         self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
+        # the room of every replica (max(0, free)) and its sum, kept up to date incrementally: a
+        # replica's room changes only with its report, a grant to it, or a claim naming it
+        self._room: dict[str, int] = {}
+        self._room_sum = 0
+        self._dirty: set[str] = set()
 
     def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int) -> None:
         """An ingress's requests in flight per replica, and those on their way to an unknown one."""
-        self._claims.pop(ingress_id, None)
-        self._claims[ingress_id] = (self._clock(), dict(inflight), max(0, int(unassigned)))
+        old = self._claims.pop(ingress_id, None)
+        new = dict(inflight)
+        if old is not None:
+            self._dirty.update(rid for rid in old[1].keys() | new.keys() if old[1].get(rid) != new.get(rid))
+        else:
+            self._dirty.update(new)
+        self._claims[ingress_id] = (self._clock(), new, max(0, int(unassigned)))
         while len(self._claims) > self.max_ingresses:
-            self._claims.pop(next(iter(self._claims)))
+            self._dirty.update(self._claims.pop(next(iter(self._claims)))[1])
 
     def _fresh_claims(self) -> list[tuple[Mapping[str, int], int]]:
         now = self._clock()
         for ingress in [i for i, (at, _, _) in self._claims.items() if now - at > self.claim_ttl_s]:
-            del self._claims[ingress]
+            self._dirty.update(self._claims.pop(ingress)[1])
         return [(inflight, unassigned) for _, inflight, unassigned in self._claims.values()]
 
     def unassigned(self) -> int:
@@ -138,16 +148,19 @@ class ClusterView:
                                 if t not in arrived and now - at < self.grant_ttl_s}
             seen.preempting = old.preempting & set(seen.outstanding)
         self._seen[report.replica_id] = seen
+        self._dirty.add(report.replica_id)
 
     def forget(self, replica_id: str) -> None:
         self._seen.pop(replica_id, None)
+        self._room_sum -= self._room.pop(replica_id, 0)
+        self._dirty.discard(replica_id)
 
     def prune(self) -> list[str]:
         """Forget replicas silent for `stale_after_s`; returns their ids."""
         now = self._clock()
         gone = [rid for rid, s in self._seen.items() if now - s.at > self.stale_after_s]
         for rid in gone:
-            del self._seen[rid]
+            self.forget(rid)
         return gone
 
     def replicas(self) -> list[ReplicaReport]:
@@ -160,8 +173,23 @@ class ClusterView:
     def free(self, replica_id: str) -> int:
         """Requests the replica can still be given: capacity - in flight - grants on their way (in
         flight: the larger of its report and what the ingresses claim there)."""
-        s = self._seen[replica_id]
-        claimed = sum(inflight.get(replica_id, 0) for inflight, _ in self._fresh_claims())
+        return self._free(replica_id, self._seen[replica_id], self._fresh_claims())
+
+    def total_free(self) -> int:
+        """The sum of `free` over the replicas with room: O(replicas changed since the last call)."""
+        claims = self._fresh_claims()
+        for rid in self._dirty:
+            seen = self._seen.get(rid)
+            if seen is not None:
+                room = max(0, self._free(rid, seen, claims))
+                self._room_sum += room - self._room.get(rid, 0)
+                self._room[rid] = room
+        self._dirty.clear()
+        return self._room_sum
+
+    @staticmethod
+    def _free(replica_id: str, s: _Seen, claims: list[tuple[Mapping[str, int], int]]) -> int:
+        claimed = sum(inflight.get(replica_id, 0) for inflight, _ in claims)
         return s.report.capacity - max(s.report.ongoing + len(s.outstanding), claimed)
 
     def preemptible(self, replica_id: str, priority: int) -> int:
@@ -172,6 +200,7 @@ class ClusterView:
     def granted(self, replica_id: str, ticket_id: str, *, preempting: bool = False) -> None:
         s = self._seen.get(replica_id)
         if s is not None:
+            self._dirty.add(replica_id)
             s.outstanding[ticket_id] = self._clock()
             if preempting:
                 s.preempting.add(ticket_id)

@@ -12,7 +12,11 @@ Preemption: when no replica has room, an urgent ticket that has waited at least
 `preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
 running work strictly less urgent than it (the replica's engine then preempts its least urgent
 sequences; see `engine.scheduler`): one that holds its adapter if any has such work, else the one
-with the most of it. Tickets without a TTFT target never preempt. Pure functions.
+with the most of it. A hit by preemption beats a miss: an urgent ticket whose adapter a replica
+with less urgent running work holds preempts there at once (`holder_preemption_target`), rather
+than waiting for room or going where its adapter must first be loaded, which on a loaded cluster
+costs a load plus a wait for an adapter slot. Tickets without a TTFT target never preempt. Pure
+functions.
 """
 
 from __future__ import annotations
@@ -70,6 +74,15 @@ def should_preempt(ticket: Ticket, now: float, preempt_after_fraction: float) ->
     if ticket.ttft_s is None:
         return False
     return now - ticket.enqueued_at >= preempt_after_fraction * ticket.ttft_s
+
+
+def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:
+    """A holder of the ticket's adapter with running work strictly less urgent than it (None: no
+    such holder, or the base model, which every replica holds)."""
+    if ticket.adapter_id is None:
+        return None
+    holders = [rid for rid in view.ids() if holds(view, rid, ticket.adapter_id)]
+    return preemption_target(ticket, view, holders) if holders else None
 
 
 def preemption_target(ticket: Ticket, view: ClusterView,

@@ -27,6 +27,9 @@ from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.loader import SlotPolicy
 from lora_cluster.errors import AdapterCapacityError
 
+# fused projections of one input: the LoRA layer runs one shrink per group (see `AdapterPool.a_fused`)
+FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
 
 class AdapterPool:
     def __init__(
@@ -43,10 +46,23 @@ class AdapterPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.policy = policy
         n = shapes.num_layers
-        self.a = {
-            m: torch.zeros((n, num_slots, max_rank, i), dtype=dtype, device=device)
-            for m, (i, _) in shapes.modules.items()
-        }
+        # Fused groups (q/k/v, gate/up: one input) store A rank-major, [layers, slots, rank, member, in]:
+        # `a_fused[g]` [layers, slots, rank * members, in] has the ranks < r of every member in its first
+        # members * r rows (one shrink for the group, see engine.lora_layer); `a[m]` is member m's view.
+        self.groups = {
+            g: ms for g, ms in FUSED_GROUPS.items()
+            if all(m in shapes.modules for m in ms) and len({shapes.modules[m][0] for m in ms}) == 1
+        }  # fmt: skip
+        self.a_fused: dict[str, torch.Tensor] = {}
+        self.a: dict[str, torch.Tensor] = {}
+        for g, ms in self.groups.items():
+            shape = (n, num_slots, max_rank, len(ms), shapes.modules[ms[0]][0])
+            stacked = torch.zeros(shape, dtype=dtype, device=device)
+            self.a_fused[g] = stacked.flatten(2, 3)
+            self.a.update({m: stacked[:, :, :, j] for j, m in enumerate(ms)})
+        for m, (i, _) in shapes.modules.items():
+            if m not in self.a:
+                self.a[m] = torch.zeros((n, num_slots, max_rank, i), dtype=dtype, device=device)
         # B is stored [layers, slots, max_rank, out] and exposed transposed: a slot's [r, out] block is
         # then contiguous, which makes the expand GEMM's weight a plain (non-transposed) operand.
         self.b = {
@@ -100,6 +116,14 @@ class AdapterPool:
     def allocate(self, weights: LoraWeights) -> int:
         """Copy `weights` into a slot (evicting the LRU idle adapter if needed) and return the slot.
         The adapter must not be resident (evict or retire its old version first)."""
+        slot = self.reserve(weights)
+        self.write(slot, weights)
+        self.commit(slot, weights)
+        return slot
+
+    def reserve(self, weights: LoraWeights) -> int:
+        """Take a slot for `weights` (evicting a victim) without copying yet: the adapter maps to the
+        slot, which holds one reference for the copy and runs nothing (ranks 0) until `commit`."""
         if weights.adapter_id in self._slot_of:
             raise RuntimeError(f"adapter {weights.adapter_id!r} is already resident (evict or retire it)")
         if weights.rank > self.max_rank:
@@ -114,23 +138,49 @@ class AdapterPool:
             del self._slot_of[old]
             if self.policy is not None:
                 self.policy.on_device(old, False)
+        for m in self.module_ranks:
+            self.module_ranks[m][slot] = 0
+        self._owner[slot] = weights.adapter_id
+        self._version[slot] = weights.version
+        self._retired[slot] = False
+        self._slot_of[weights.adapter_id] = slot
+        self._refs[slot] += 1
+        self._last_used[slot] = self._clock()
+        return slot
+
+    def write(self, slot: int, weights: LoraWeights) -> None:
+        """Copy `weights` into a slot reserved for them; touches no other slot (safe on a copy thread
+        while a forward pass reads the others)."""
         for m in self.a:
-            stale = self._written[m][slot]
+            stale, rank = self._written[m][slot], weights.module_rank(m)
+            self._written[m][slot] = max(stale, rank)
             if stale:
                 self.a[m][:, slot, :stale].zero_()
                 self.b[m][:, slot, :, :stale].zero_()
-            self.module_ranks[m][slot] = self._written[m][slot] = weights.module_rank(m)
         for (layer, m), wa in weights.a.items():
-            r = wa.shape[0]
-            self.a[m][layer, slot, :r].copy_(wa)
-            self.b[m][layer, slot, :, :r].copy_(weights.b[(layer, m)] * weights.scaling[m])
-        self._owner[slot] = weights.adapter_id
-        self._version[slot] = weights.version
-        self._slot_of[weights.adapter_id] = slot
-        self._last_used[slot] = self._clock()
-        if self.policy is not None:
+            r, scaling = wa.shape[0], weights.scaling[m]
+            wb = weights.b[(layer, m)]
+            self.a[m][layer, slot, :r].copy_(wa, non_blocking=True)
+            self.b[m][layer, slot, :, :r].copy_(wb * scaling if scaling != 1 else wb, non_blocking=True)
+        for m in self.a:
+            self._written[m][slot] = weights.module_rank(m)
+
+    def commit(self, slot: int, weights: LoraWeights) -> None:
+        """The copy into a reserved slot is complete: its ranks go live and the copy's reference is
+        dropped (a slot retired meanwhile is freed then)."""
+        for m in self.module_ranks:
+            self.module_ranks[m][slot] = weights.module_rank(m)
+        if not self._retired[slot] and self.policy is not None:
             self.policy.on_device(weights.adapter_id, True)
-        return slot
+        self.release(slot)
+
+    def abandon(self, slot: int) -> None:
+        """A copy into a reserved slot failed: free the slot (its stale rows are cleared on reuse)."""
+        owner = self._owner[slot]
+        if owner is not None and self._slot_of.get(owner) == slot:
+            del self._slot_of[owner]
+        self._retired[slot] = True
+        self.release(slot)
 
     def acquire(self, adapter_id: str) -> int:
         """Take a reference on a resident adapter (a running sequence uses it)."""
@@ -181,6 +231,21 @@ class AdapterPool:
         slot = self._slot_of.get(adapter_id)
         return 0 if slot is None else self._refs[slot]
 
+    def fragmentation(self) -> float:
+        """Internal fragmentation of the slots in use: the share of their bytes that holds padding,
+        because every slot is sized for `max_rank` on every projection while an adapter uses its own
+        rank and only the projections it targets. 1 - (bytes the live adapters need) / (bytes of their
+        slots); 0.0 when no slot holds a live adapter. Empty slots are free memory, not fragmentation."""
+        row_bytes = {m: a.shape[0] * (a.shape[-1] + self.b[m].shape[-2]) * a.element_size()
+                     for m, a in self.a.items()}  # one rank row of one slot, over every layer
+        live = [s for s in range(self.num_slots) if any(r[s] for r in self.module_ranks.values())]
+        if not live:
+            return 0.0
+        needed = sum(self.module_ranks[m][s] * b for m, b in row_bytes.items() for s in live)
+        return 1.0 - needed / (len(live) * self.max_rank * sum(row_bytes.values()))
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        fused = {m for ms in self.groups.values() for m in ms}
+        a = [*self.a_fused.values(), *(t for m, t in self.a.items() if m not in fused)]
+        return sum(t.numel() * t.element_size() for t in (*a, *self.b.values()))

@@ -4,12 +4,29 @@ The engine's scheduler asks `acquire(seq, may_claim_slot)` for each waiting sequ
 
 - base-model sequences and adapters whose current version is in a device slot are READY (a
   reference is taken);
-- otherwise the adapter's host weights are fetched by the loader on a small thread pool (one
-  fetch per adapter however many sequences wait for it) and the sequence is PENDING meanwhile;
+- otherwise the adapter's host weights are fetched by the loader on a few workers (`fetch_queue`:
+  one fetch per adapter however many sequences wait for it, most urgent request first, prefetches
+  last) and the sequence is PENDING meanwhile;
 - once fetched, the weights go into a free or evictable slot (READY), or the sequence is BLOCKED
-  while every slot is held by running sequences (or while an earlier sequence is blocked);
+  while every slot is held by running sequences or kept for queued requests (or while an earlier
+  sequence is blocked);
 - a failed fetch fails every sequence waiting for that adapter in the same step (FAILED, with
-  the adapter's error); the next request for it tries again.
+  the adapter's error); the next request for it tries again;
+- while an adapter breaker (`adapter_guard`: switch rate, load latency) is open, fetched weights
+  are not placed and the sequence stays PENDING (the others go on);
+- weights of at least `adapter_async_copy_bytes` are copied into their reserved slot off the step
+  thread (`adapter_copier`): the sequence is PENDING until the copy is committed.
+
+Rotation (`adapter_rotation`, when given): after each step the waiting queue is planned. Adapters
+with an unfinished request keep their slot (the pool's victim policy becomes a
+`RotationSlotPolicy`), except *draining* ones: their new requests are PENDING (not admitted), and
+once their running requests finish their slot goes to an adapter past its fairness bound. The next
+adapters of the waiting queue are prefetched: their host fetch runs and, once fetched, they are
+copied into a free or idle slot while the batch runs.
+
+Urgency (`adapter_urgency`): a sequence that would be BLOCKED takes an idle slot whose adapter only
+strictly less urgent requests want (its fetch is queued again), and `slot_to_preempt` names the slot
+whose running sequences the scheduler preempts for it. Pinned adapters (`pinned`) are never taken.
 
 Versions: the loader's `version(adapter_id)` changes when what the id names changes (re-registered,
 unregistered). A slot or a finished fetch of an older version is never used for a new request: an
@@ -27,43 +44,72 @@ flight, never by every id a client ever asked for.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
 
 from lora_cluster.adapter_format import LoraWeights
+from lora_cluster.engine.adapter_copier import AdapterCopier
+from lora_cluster.engine.adapter_guard import AdapterGuard
 from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapter_rotation import AdapterRotation, Resident, RotationSlotPolicy
+from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.engine.counters import EngineCounters
+from lora_cluster.engine.fetch_queue import PREFETCH, FetchQueue
 from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.scheduler import Gate
 from lora_cluster.engine.sequence import Sequence
-from lora_cluster.errors import AdapterError
+from lora_cluster.errors import AdapterError, EngineOverloadedError
 
 log = logging.getLogger(__name__)
+MAX_QUEUED_PREFETCHES = 64  # prefetches (start_load, rotation) waiting for a loader worker at once
 
 
 class AdapterResidency:
-    def __init__(self, loader: AdapterLoader, pool: AdapterPool, workers: int):
-        self.loader, self.pool = loader, pool
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="adapter-load")
+    def __init__(self, loader: AdapterLoader, pool: AdapterPool, workers: int,
+                 guard: AdapterGuard | None = None, *, rotation: AdapterRotation | None = None,
+                 copier: AdapterCopier | None = None, pinned: Iterable[str] = (),
+                 counters: EngineCounters | None = None):
+        self.loader, self.pool, self.guard = loader, pool, guard
+        self.counters = counters or EngineCounters()  # placements and switches, for metrics
+        self.rotation, self._pinned = rotation, frozenset(pinned)
+        self.copier = copier or AdapterCopier.inline(pool)
+        self._draining: frozenset[str] = frozenset()
+        self._queue = FetchQueue(workers, max_prefetches=MAX_QUEUED_PREFETCHES)
         self._loads: dict[str, Future[LoraWeights]] = {}  # host fetches in flight or done, not yet on device
-        self._requests: dict[str, int] = {}  # unfinished requests per adapter
+        self._requests: dict[str, dict[int, int]] = {}  # adapter -> priority -> unfinished requests
         self._explicit: set[str] = set()  # fetches started by `start_load` (an admin call awaits them)
         self._failed: dict[str, AdapterError] = {}  # failures seen during the current step
+        if rotation is not None:
+            pool.policy = RotationSlotPolicy(pool.policy, rotation, self._requests.__contains__,
+                                             self._draining_now)
 
     # ----- fetches --------------------------------------------------------------------------
 
-    def fetch(self, adapter_id: str) -> Future[LoraWeights]:
-        """The adapter's host fetch of its current version, started now unless one is in flight or done."""
+    def fetch(self, adapter_id: str, priority: int = PREFETCH) -> Future[LoraWeights]:
+        """The adapter's host fetch of its current version, queued now at `priority` (a request's, or
+        `PREFETCH`) unless one is in flight or done; a queued one moves up to `priority` if more urgent."""
         future = self._loads.get(adapter_id)
         if future is not None and self._is_stale(adapter_id, future):
             future = None
         if future is None:
-            future = self._executor.submit(self.loader.load, adapter_id)
+            future = self._queue.submit(self.loader.load, adapter_id, priority)
             self._loads[adapter_id] = future
+        elif not future.done():
+            self._queue.raise_priority(future, priority)
         return future
 
     def start_load(self, adapter_id: str) -> Future[LoraWeights]:
-        """`fetch` for a caller that awaits the result without a request (kept until the next step)."""
+        """`fetch` for a caller that awaits the result without a request (kept until the next step),
+        queued as a prefetch; EngineOverloadedError when too many prefetches wait already."""
+        future = self.fetch(adapter_id)
         self._explicit.add(adapter_id)
-        return self.fetch(adapter_id)
+        return future
+
+    def most_urgent(self, adapter_id: str) -> int:
+        """The priority of the most urgent unfinished request of the adapter (`PREFETCH`: none)."""
+        wanted = self._requests.get(adapter_id)
+        return min(wanted) if wanted else PREFETCH
 
     def _is_stale(self, adapter_id: str, future: Future[LoraWeights]) -> bool:
         if not future.done() or future.exception() is not None:
@@ -83,15 +129,21 @@ class AdapterResidency:
         if aid is None:
             seq.lora_slot = -1
             return Gate.READY
+        if self.copier.copying(aid):
+            self._settle_copies()
+            if self.copier.copying(aid):
+                return Gate.PENDING
         if self.pool.slot_of(aid) is not None:
             if self.pool.version_of(aid) == self.loader.version(aid):
+                if aid in self._draining:
+                    return Gate.PENDING  # its slot is being handed over; it comes back in its turn
                 seq.lora_slot = self.pool.acquire(aid)
                 return Gate.READY
             self._drop_stale_slot(aid)
         if aid in self._failed:
             seq.error = self._failed[aid]
             return Gate.FAILED
-        future = self.fetch(aid)
+        future = self.fetch(aid, seq.priority)
         if not future.done():
             return Gate.PENDING
         try:
@@ -105,13 +157,67 @@ class AdapterResidency:
             log.error("the loader failed on adapter %r", aid, exc_info=e)
             self._failed[aid] = seq.error = AdapterError(aid, f"loading failed ({type(e).__name__})")
             return Gate.FAILED
-        if not may_claim_slot or not self.pool.can_allocate():
+        if not may_claim_slot:
             return Gate.BLOCKED
-        self.pool.allocate(weights)
+        if not self.pool.can_allocate() and not self._evict_for(seq.priority):
+            return Gate.BLOCKED
+        if not self._place(weights):
+            return Gate.PENDING  # a breaker holds cold placements: wait, without holding up the others
         del self._loads[aid]
         self._explicit.discard(aid)
+        if self.copier.copying(aid):
+            return Gate.PENDING  # copied off the step thread; live once `end_step` commits it
         seq.lora_slot = self.pool.acquire(aid)
         return Gate.READY
+
+    def _holders(self) -> list[SlotHolder]:
+        """Adapters in device slots that a more urgent request may take (`adapter_urgency`)."""
+        return [SlotHolder(a, self.pool.refs(a), self.most_urgent(a)) for a in self.pool.resident()
+                if a in self._requests and a not in self._pinned and not self.copier.copying(a)]
+
+    def _evict_for(self, priority: int) -> bool:
+        """Evict the idle slot `idle_victim` names for a sequence of `priority`; its adapter's fetch is
+        queued again for the requests that want it (back to the fetch path, not stuck)."""
+        victim = idle_victim(self._holders(), priority)
+        if victim is None or not self.pool.evict(victim):
+            return False
+        self.counters.slot_taken()
+        self.fetch(victim, self.most_urgent(victim))
+        return True
+
+    def slot_to_preempt(self, priority: int) -> int | None:
+        """The device slot (`busy_victim`) whose running sequences the scheduler may preempt for a
+        sequence of `priority`; `acquire` then evicts it. None when there is none."""
+        victim = busy_victim(self._holders(), priority)
+        return None if victim is None else self.pool.slot_of(victim)
+
+    def _place(self, weights: LoraWeights) -> bool:
+        """Put fetched weights into a slot, if the adapter breakers (`guard`) allow it now."""
+        if self.guard is None:
+            self._copy(weights)
+            return True
+        evicts = len(self.pool.resident()) >= self.pool.num_slots
+        if not self.guard.may_place(evicts):
+            return False
+        start = time.perf_counter()
+        try:
+            self._copy(weights)
+        except BaseException:
+            self.guard.not_placed(evicts)
+            raise
+        self.guard.placed(time.perf_counter() - start, evicts)
+        return True
+
+    def _copy(self, weights: LoraWeights) -> None:
+        """`copier.place(weights)`, counted in `counters` (a switch when it takes another adapter's slot)."""
+        evicts = len(self.pool.resident()) >= self.pool.num_slots
+        start = time.perf_counter()
+        try:
+            self.copier.place(weights)
+        except BaseException:
+            self.counters.placement_failed()
+            raise
+        self.counters.placed(time.perf_counter() - start, evicted=evicts)
 
     def release(self, seq: Sequence) -> None:
         if seq.adapter_id is not None and seq.lora_slot >= 0:
@@ -124,23 +230,28 @@ class AdapterResidency:
 
     # ----- request bookkeeping --------------------------------------------------------------
 
-    def request_started(self, adapter_id: str | None) -> None:
-        """A request for `adapter_id` was queued: start its fetch unless its current version is resident."""
+    def request_started(self, adapter_id: str | None, priority: int = 0) -> None:
+        """A request of `priority` for `adapter_id` was queued: queue its fetch at that priority
+        unless its current version is resident."""
         if adapter_id is None:
             return
-        self._requests[adapter_id] = self._requests.get(adapter_id, 0) + 1
+        wanted = self._requests.setdefault(adapter_id, {})
+        wanted[priority] = wanted.get(priority, 0) + 1
         self.loader.request_started(adapter_id)
         if self.pool.version_of(adapter_id) != self.loader.version(adapter_id):
-            self.fetch(adapter_id)
+            self.fetch(adapter_id, priority)
 
-    def request_finished(self, adapter_id: str | None) -> None:
-        """Once per `request_started`; the adapter's last request gone, its fetch is let go."""
+    def request_finished(self, adapter_id: str | None, priority: int = 0) -> None:
+        """Once per `request_started` (same priority); the last request gone, its fetch is let go."""
         if adapter_id is None:
             return
-        n = self._requests.get(adapter_id, 0) - 1
+        wanted = self._requests.get(adapter_id, {})
+        n = wanted.get(priority, 0) - 1
         if n > 0:
-            self._requests[adapter_id] = n
+            wanted[priority] = n
         else:
+            wanted.pop(priority, None)
+        if not wanted:
             self._requests.pop(adapter_id, None)
             self._let_go(adapter_id)
         self.loader.request_finished(adapter_id)
@@ -152,18 +263,58 @@ class AdapterResidency:
         future = self._loads.get(adapter_id)
         if future is None:
             return
-        if not future.done() and not future.cancel():
+        if not future.done() and not self._queue.cancel(future):
             return  # running now: dropped by `end_step` once it finishes
         del self._loads[adapter_id]
         if not future.cancelled() and future.exception() is None:
             self.loader.load_abandoned(adapter_id)
 
-    def end_step(self) -> None:
-        """Forget this step's failures and let go of finished fetches that nobody waits for."""
+    def end_step(self, waiting: Iterable[Sequence] = ()) -> None:
+        """Forget this step's failures, commit finished device copies, let go of finished fetches
+        that nobody waits for, then plan rotation over `waiting` (the queue, in urgency order)."""
         self._failed.clear()
+        self._settle_copies()
         self._explicit = {a for a in self._explicit if a in self._loads and not self._loads[a].done()}
         for adapter_id in [a for a, f in self._loads.items() if f.done()]:
             self._let_go(adapter_id)
+        if self.rotation is not None:
+            self._rotate(waiting)
+
+    def _settle_copies(self) -> None:
+        for adapter_id, error in self.copier.settle().items():
+            log.error("copying adapter %r to the device failed", adapter_id, exc_info=error)
+            reason = f"copy to the device failed ({type(error).__name__})"
+            self._failed[adapter_id] = AdapterError(adapter_id, reason)
+
+    def _draining_now(self, adapter_id: str) -> bool:
+        return adapter_id in self._draining
+
+    def _rotate(self, waiting: Iterable[Sequence]) -> None:
+        """One rotation plan (O(waiting + slots)): drains, and device prefetch of the next adapters."""
+        assert self.rotation is not None
+        resident = {a: Resident(busy=self.pool.refs(a) > 0, pinned=a in self._pinned)
+                    for a in self.pool.resident()}
+        self.rotation.ran(a for a, r in resident.items() if r.busy and not self.copier.copying(a))
+        held_idle = sum(1 for a, r in resident.items()
+                        if not r.busy and (r.pinned or a in self._requests) and a not in self._draining)
+        plan = self.rotation.plan(waiting, resident, self.pool.num_free - held_idle)
+        self._draining = plan.draining
+        for adapter_id in plan.prefetch:
+            self._prefetch(adapter_id)
+
+    def _prefetch(self, adapter_id: str) -> None:
+        """Copy a fetched adapter into a free or idle slot now, ahead of its request's admission."""
+        if self.pool.slot_of(adapter_id) is not None or self.copier.copying(adapter_id):
+            return
+        try:
+            future = self.fetch(adapter_id)  # queued as a prefetch unless its requests' fetch exists
+        except EngineOverloadedError:
+            return  # enough prefetches wait already: its requests' own fetch brings it
+        if not future.done() or future.exception() is not None or not self.pool.can_allocate():
+            return
+        if self._place(future.result()):
+            del self._loads[adapter_id]
+            self._explicit.discard(adapter_id)
 
     # ----- queries and commands -------------------------------------------------------------
 
@@ -172,25 +323,27 @@ class AdapterResidency:
         if adapter_id not in self._requests:
             future = self._loads.pop(adapter_id, None)
             if future is not None:
-                future.cancel()
-        if self.pool.refs(adapter_id):
+                self._queue.cancel(future)
+        if self.pool.refs(adapter_id) or self.copier.copying(adapter_id):
             return False
         self.pool.evict(adapter_id)
         return True
 
-    def pending(self) -> list[Future[LoraWeights]]:
-        return [f for f in self._loads.values() if not f.done()]
+    def pending(self) -> list[Future]:
+        """Host fetches and device copies in flight (an idle step waits for one of them)."""
+        return [f for f in self._loads.values() if not f.done()] + self.copier.pending()
 
     def has_fetches(self) -> bool:
-        """Fetches in flight or finished and not yet placed or let go."""
-        return bool(self._loads)
+        """Fetches in flight or finished and not yet placed or let go, or device copies to commit."""
+        return bool(self._loads) or bool(self.copier.in_flight())
 
     def loading(self) -> tuple[str, ...]:
-        return tuple(a for a, f in self._loads.items() if not f.done())
+        return tuple(a for a, f in self._loads.items() if not f.done()) + self.copier.in_flight()
 
     def held(self) -> int:
         """Fetches this object holds (in flight or finished, not yet on the device or let go)."""
         return len(self._loads)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
+        self.copier.close()

@@ -31,6 +31,7 @@ from lora_cluster.engine.llm_engine import Engine, EngineStats
 from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.sequence import RequestOutput
 from lora_cluster.errors import EngineUnavailableError
+from lora_cluster.store.merge import MergeSpec
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,10 @@ class AsyncEngine:
     async def list_adapters(self) -> list[str]:
         self._check_open()
         return await asyncio.to_thread(self.engine.list_adapters)
+
+    def define_merge(self, spec: MergeSpec) -> str:
+        """Remember a merge of adapters; returns its adapter id (thread-safe, no I/O)."""
+        return self.engine.define_merge(spec)
 
     def adapter_store_stats(self) -> dict[str, Any]:
         """The adapter loader's counters (thread-safe, no I/O)."""

@@ -1,9 +1,14 @@
 """Metadata of one engine step, built by a small pure function from the scheduler's decision.
 
-Token order: scheduled sequences are sorted by adapter slot (stable), each sequence's tokens kept
-contiguous, so that the tokens of one adapter form one segment for the SGMV kernels. Decoding
-sequences (one token each) attend together over the KV slot range; prefill chunks attend one
-sequence at a time.
+Token order: decoding sequences (one token each) first, then prefill chunks; within each part
+sequences are sorted by adapter slot (stable), each sequence's tokens kept contiguous, so that the
+tokens of one adapter form one segment for the SGMV kernels and the decode rows [0, D) can take the
+gathered BGMV path as one block (see `engine.lora_layer`).
+
+KV: every token gets its flat index in the paged cache (`block * block_size + offset`, from its
+sequence's block table in the `BlockAllocator`); decoding sequences attend together through their
+block tables (`decode_blocks`, `decode_lens`); prefill chunks attend one sequence at a time over
+their blocks. All index tensors come from one `StepBuffers.pack` (one host-to-device copy).
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-from lora_kernels import LoraMeta, build_lora_meta, with_slot_ranks
 
+from lora_cluster.engine.kv_cache import BlockAllocator
+from lora_cluster.engine.lora_layer import StepLora, StepLoraPlan
 from lora_cluster.engine.sequence import Sequence
+from lora_cluster.engine.step_buffers import StepBuffers
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,7 @@ class PrefillSpan:
     """A prefill chunk of one sequence (its prompt, or prompt + output when recomputed after a
     preemption): batch tokens [start, end) at positions [ctx_start, ctx_start + n)."""
 
-    kv_slot: int
+    blocks: torch.Tensor  # the sequence's KV blocks that hold positions [0, ctx_start + n)
     start: int
     end: int
     ctx_start: int
@@ -32,15 +39,20 @@ class PrefillSpan:
 class StepBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    kv_slots: torch.Tensor  # [T] int64, KV slot of each token's sequence
-    lora: dict[str, LoraMeta]  # projection -> segments of adapters that target it
+    kv_index: torch.Tensor  # [T] int64, flat paged-KV index of each token (block * block_size + offset)
+    lora: StepLora  # which rows take BGMV, and the segments of the others per projection / fused group
     prefills: tuple[PrefillSpan, ...]
-    decode_rows: torch.Tensor  # [D] batch token index of each decoding sequence
-    decode_slots: torch.Tensor  # [D] its KV slot
-    decode_span: int  # attention runs over KV slots [0, decode_span)
-    decode_mask: torch.Tensor | None  # [decode_span, 1, 1, max_ctx] bool, True = attend
+    num_decodes: int  # D: rows [0, D) are the decoding sequences' tokens
+    decode_blocks: torch.Tensor  # [D, W] int64 block table of each decoding sequence (padded with 0)
+    decode_lens: torch.Tensor  # [D] int64 tokens each attends to (its own included)
+    decode_max_len: int  # max(decode_lens), 0 without decodes
     sample_rows: torch.Tensor  # [N] batch token index whose logits are sampled
     sampled: tuple[Sequence, ...]  # [N] the sequence each sampled row belongs to
+    # rows whose logits the forward returns: `sample_rows`, then the prompt-logprob rows (see below)
+    logit_rows: torch.Tensor | None = None
+    # (sequence, first prompt position, count): logits rows N.. (in this order) of prompt positions
+    # whose next prompt token's logprob the sequence asked for (SamplingParams.prompt_logprobs)
+    prompt_logprob_spans: tuple[tuple[Sequence, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -52,66 +64,83 @@ def build_step_batch(
     prefills: Seq[tuple[Sequence, int]],
     module_ranks: dict[str, list[int]],
     device: torch.device,
+    *,
+    kv_blocks: BlockAllocator,
+    buffers: StepBuffers | None = None,
+    groups: dict[str, tuple[str, ...]] | None = None,
+    decode_kernel: str = "auto",
+    ops_name: str = "cpu",
 ) -> StepBatch:
-    """Lay out the step's tokens (see module docstring) and derive every index the forward needs."""
+    """Lay out the step's tokens (see module docstring) and derive every index the forward needs.
+
+    `groups`: fused LoRA groups (the pool's, when the engine fuses shrinks); `decode_kernel` and
+    `ops_name` (the LoRA ops implementation) choose the path of decode rows (`lora_layer.use_bgmv`)."""
     work = [(s, 1, True) for s in decodes] + [(s, n, False) for s, n in prefills]
-    work.sort(key=lambda item: item[0].lora_slot)
+    work.sort(key=lambda item: (not item[2], item[0].lora_slot))
+    bs = kv_blocks.block_size
     ids: list[int] = []
     positions: list[int] = []
-    kv_slots: list[int] = []
+    kv_index: list[int] = []
     lora_slots: list[int] = []
-    spans: list[PrefillSpan] = []
-    decode_rows: list[int] = []
-    decode_slots: list[int] = []
+    spans: list[tuple[list[int], int, int, int]] = []
+    decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     sample_rows: list[int] = []
     sampled: list[Sequence] = []
+    prompt_rows: list[int] = []
+    prompt_spans: list[tuple[Sequence, int, int]] = []
     for seq, n, is_decode in work:
         start, first = len(ids), seq.num_computed
         ids.extend(seq.token_at(i) for i in range(first, first + n))
         positions.extend(range(first, first + n))
-        kv_slots.extend([seq.kv_slot] * n)
+        table = kv_blocks.table(seq.kv_slot)
+        kv_index.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
         lora_slots.extend([seq.lora_slot] * n)
         if is_decode:
-            decode_rows.append(start)
-            decode_slots.append(seq.kv_slot)
+            decode_tables.append(table)
             decode_lens.append(first + 1)
         else:
-            spans.append(PrefillSpan(seq.kv_slot, start, start + n, first))
+            spans.append((table[: -(-(first + n) // bs)], start, start + n, first))
+            lo, hi = _prompt_logprob_positions(seq, first, n)
+            if hi > lo:
+                prompt_rows.extend(range(start + lo - first, start + hi - first))
+                prompt_spans.append((seq, lo, hi - lo))
         if first + n == seq.num_tokens:  # the chunk reaches the sequence's end: sample its next token
             sample_rows.append(len(ids) - 1)
             sampled.append(seq)
-    token_slot = torch.tensor(lora_slots, dtype=torch.int64, device=device)
-    mask = None
-    span = 0
-    if decode_rows:
-        span = max(decode_slots) + 1
-        max_ctx = max(decode_lens)
-        lens = torch.ones(span, dtype=torch.int64)  # idle slots attend to position 0 (ignored) to avoid NaN
-        lens[decode_slots] = torch.tensor(decode_lens)
-        mask = (torch.arange(max_ctx)[None, :] < lens[:, None])[:, None, None, :].to(device)
+    lora = StepLoraPlan(lora_slots, len(decode_lens), module_ranks, groups or {}, decode_kernel, ops_name)
+    width = max((len(t) for t in decode_tables), default=0)
+    flat_tables = [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]
+    lists = [ids, positions, kv_index, decode_lens, flat_tables, sample_rows, *(b for b, *_ in spans)]
+    packed = (buffers or StepBuffers(device)).pack([*lists, *lora.lists()])
+    input_ids, positions_t, kv_index_t, lens_t, tables_t, sample_t, *rest = packed
+    span_blocks, lora_tensors = rest[: len(spans)], rest[len(spans) :]
 
     def _t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     return StepBatch(
-        input_ids=_t(ids),
-        positions=_t(positions),
-        kv_slots=_t(kv_slots),
-        lora=_module_metas(token_slot, module_ranks),
-        prefills=tuple(spans),
-        decode_rows=_t(decode_rows),
-        decode_slots=_t(decode_slots),
-        decode_span=span,
-        decode_mask=mask,
-        sample_rows=_t(sample_rows),
+        input_ids=input_ids,
+        positions=positions_t,
+        kv_index=kv_index_t,
+        lora=lora.build(lora_tensors),
+        prefills=tuple(PrefillSpan(b, *rest) for b, (_, *rest) in zip(span_blocks, spans, strict=True)),
+        num_decodes=len(decode_lens),
+        decode_blocks=tables_t.view(len(decode_lens), width),
+        decode_lens=lens_t,
+        decode_max_len=max(decode_lens, default=0),
+        sample_rows=sample_t,
         sampled=tuple(sampled),
+        logit_rows=_t(sample_rows + prompt_rows) if prompt_rows else None,
+        prompt_logprob_spans=tuple(prompt_spans),
     )
 
 
-def _module_metas(token_slot: torch.Tensor, module_ranks: dict[str, list[int]]) -> dict[str, LoraMeta]:
-    """One segment layout per step (one read of `token_slot`), with each projection's slot ranks."""
-    ranks = iter(module_ranks.items())
-    first, first_ranks = next(ranks)
-    meta = build_lora_meta(token_slot, first_ranks)
-    return {first: meta, **{m: with_slot_ranks(meta, r) for m, r in ranks}}
+def _prompt_logprob_positions(seq: Sequence, first: int, n: int) -> tuple[int, int]:
+    """Positions [lo, hi) of a prefill chunk [first, first + n) whose logits give prompt-token logprobs
+    the sequence still lacks (position j gives prompt token j + 1's; recomputed chunks give none)."""
+    have = seq.prompt_logprobs
+    if have is None:
+        return 0, 0
+    return max(first, len(have) - 1), min(first + n, len(seq.prompt_ids) - 1)
+

@@ -1,8 +1,11 @@
 """The Llama-family forward pass over a mixed batch, with per-token LoRA from the adapter pool.
 
 One step runs every scheduled token (prefill chunks and decodes together) through the base
-weights once; each projection then adds its LoRA delta through the kernel interface, segment by
-segment, so that any mix of adapters and base-only rows shares the pass. Math follows
+weights once; each projection (or fused q/k/v, gate/up group) then adds its LoRA delta through
+`engine.lora_layer` (gathered BGMV for decode rows, SGMV segments for the others), so that any mix
+of adapters and base-only rows shares the pass. Attention reads the paged KV cache: decodes through
+the block tables (the Triton kernel in place on CUDA, a gather + SDPA otherwise), prefill chunks
+over their sequence's gathered blocks. Math follows
 transformers' LlamaForCausalLM (RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP), which the
 parity tests use as the oracle.
 """
@@ -12,11 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lora_kernels import LoraOps
+from lora_kernels.paged_attention import gather_blocks, get_paged_attention
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.kv_cache import KVCache
+from lora_cluster.engine.kv_cache import PagedKVCache
+from lora_cluster.engine.lora_layer import LoraLayer
 from lora_cluster.engine.model_loader import BaseModel
 from lora_cluster.errors import ConfigError
 
@@ -59,8 +64,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaRunner:
     """Runs steps of one base model against the engine's KV cache and adapter pool."""
 
-    def __init__(self, model: BaseModel, kv: KVCache, pool: AdapterPool, ops: LoraOps, device: torch.device):
+    def __init__(
+        self,
+        model: BaseModel,
+        kv: PagedKVCache,
+        pool: AdapterPool,
+        ops: LoraOps,
+        device: torch.device,
+        *,
+        fused_lora: bool = True,
+    ):
         self.model, self.kv, self.pool, self.ops = model, kv, pool, ops
+        self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
         self.cos, self.sin = rope_tables(model, kv.max_len, device)
         d = model.dims
         self._splits = {  # projection -> (fused output tensor key, column range)
@@ -70,23 +85,12 @@ class LlamaRunner:
             "gate_proj": ("gate_up", 0, d.intermediate),
             "up_proj": ("gate_up", d.intermediate, 2 * d.intermediate),
         }
-
-    def _lora(self, batch: StepBatch, layer: int, module: str, out: torch.Tensor, x: torch.Tensor) -> None:
-        meta = batch.lora[module]
-        if meta.max_rank == 0:
-            return
-        self.ops.add_lora(out, x, self.pool.a[module][layer], self.pool.b[module][layer], meta)
-
-    def _lora_fused(
-        self, batch: StepBatch, layer: int, fused: str, out: torch.Tensor, x: torch.Tensor
-    ) -> None:
-        for module, (key, lo, hi) in self._splits.items():
-            if key == fused:
-                self._lora(batch, layer, module, out[:, lo:hi], x)
+        self.lora = LoraLayer(pool, ops, self._splits, fused_lora)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Run the step; returns float32 logits [N, vocab] of `batch.sample_rows`."""
+        """Run the step; returns float32 logits [N, vocab] of `batch.sample_rows` (followed by the
+        prompt-logprob rows when `batch.logit_rows` is set)."""
         m, d = self.model, self.model.dims
         eps = d.rms_norm_eps
         h = F.embedding(batch.input_ids, m.embed)
@@ -94,46 +98,42 @@ class LlamaRunner:
         for i, layer in enumerate(m.layers):
             x = _rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            self._lora_fused(batch, i, "qkv", qkv, x)
+            self.lora.add(batch.lora, i, "qkv", qkv, x)
             q = qkv[:, : d.q_dim].view(-1, d.num_heads, d.head_dim)
             k = qkv[:, d.q_dim : d.q_dim + d.kv_dim].view(-1, d.num_kv_heads, d.head_dim)
             v = qkv[:, d.q_dim + d.kv_dim :].view(-1, d.num_kv_heads, d.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            self.kv.write(i, batch.kv_slots, batch.positions, k, v)
+            self.kv.write(i, batch.kv_index, k, v)
             attn = self._attention(batch, i, q).reshape(-1, d.q_dim)
             o = F.linear(attn, layer.o, layer.o_bias)
-            self._lora(batch, i, "o_proj", o, attn)
+            self.lora.add(batch.lora, i, "o_proj", o, attn)
             h = h + o
             x = _rms_norm(h, layer.post_norm, eps)
             gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
-            self._lora_fused(batch, i, "gate_up", gu, x)
+            self.lora.add(batch.lora, i, "gate_up", gu, x)
             act = F.silu(gu[:, : d.intermediate]) * gu[:, d.intermediate :]
             down = F.linear(act, layer.down, layer.down_bias)
-            self._lora(batch, i, "down_proj", down, act)
+            self.lora.add(batch.lora, i, "down_proj", down, act)
             h = h + down
-        last = _rms_norm(h[batch.sample_rows], m.norm, eps)
+        rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
+        last = _rms_norm(h[rows], m.norm, eps)
         return F.linear(last, m.lm_head).float()
 
     def _attention(self, batch: StepBatch, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, heads, head_dim] -> attention output [T, heads, head_dim]."""
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         out = torch.empty_like(q)
-        if batch.decode_span:
-            span, max_ctx = batch.decode_span, batch.decode_mask.shape[-1]
-            qd = q.new_zeros((span, q.shape[1], 1, q.shape[2]))
-            qd[batch.decode_slots, :, 0] = q[batch.decode_rows]
-            o = F.scaled_dot_product_attention(
-                qd,
-                k_cache[:span, :, :max_ctx],
-                v_cache[:span, :, :max_ctx],
-                attn_mask=batch.decode_mask,
-                enable_gqa=True,
-            )
-            out[batch.decode_rows] = o[batch.decode_slots, :, 0]
+        d = batch.num_decodes
+        if d:
+            scale = q.shape[-1] ** -0.5
+            self.paged_attention(
+                out[:d], q[:d], k_cache, v_cache, batch.decode_blocks, batch.decode_lens,
+                batch.decode_max_len, scale,
+            )  # fmt: skip
         for p in batch.prefills:
             n, ctx = p.end - p.start, p.ctx_start + p.end - p.start
             qp = q[p.start : p.end].transpose(0, 1)[None]
-            kp, vp = k_cache[p.kv_slot : p.kv_slot + 1, :, :ctx], v_cache[p.kv_slot : p.kv_slot + 1, :, :ctx]
+            kp, vp = gather_blocks(k_cache, p.blocks[None], ctx), gather_blocks(v_cache, p.blocks[None], ctx)
             if p.ctx_start == 0:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:

@@ -8,8 +8,10 @@ Adapter I/O never runs on the step thread: loads are submitted to a small thread
 waits in the queue, while the others keep decoding, until its adapter's host weights are ready and
 a device slot is free.
 
-Priorities: a request's int `priority` (lower is more urgent) orders admission, and an urgent request
-preempts less urgent running ones when every KV slot is taken (`engine.scheduler` has the policy).
+Priorities: a request's int `priority` (lower is more urgent) orders admission and its adapter's
+fetch (`engine.fetch_queue`), and an urgent request preempts less urgent running ones when every KV
+slot is taken, or takes the adapter slot of an adapter only less urgent requests want
+(`engine.scheduler` and `engine.adapter_residency` have the policy).
 
 Failures: a step that raises (forward pass, sampling, detokenization, scheduling) ends the requests
 it was running with an `EngineStepError`; a request whose own detokenization fails ends alone. The
@@ -34,22 +36,31 @@ from lora_kernels import get_lora_ops
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
+from lora_cluster.engine.adapter_copier import AdapterCopier
+from lora_cluster.engine.adapter_guard import AdapterGuard
 from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.adapter_residency import AdapterResidency
+from lora_cluster.engine.adapter_rotation import rotation_from_config
 from lora_cluster.engine.batch import build_step_batch
+from lora_cluster.engine.counters import EngineCounters
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.kv_cache import KVCache
+from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
 from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.loader import AdapterLoader
+from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
+from lora_cluster.engine.memory_plan import plan_engine_memory
 from lora_cluster.engine.model_loader import load_base_model, resolve_device
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Scheduler, check_priority
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
+from lora_cluster.engine.step_buffers import StepBuffers
 from lora_cluster.engine.stopping import eos_token_ids, stop_reason
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
 from lora_cluster.store import build_adapter_loader
+from lora_cluster.store.merge import MergeSpec
 
 log = logging.getLogger(__name__)
+BREAKER_WAIT_S = 0.01  # an empty step while an adapter breaker holds the waiting requests sleeps this long
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,11 @@ class EngineStats:
     consecutive_step_failures: int = 0
     failed_steps: int = 0  # since start
     num_preemptions: int = 0  # since start
+    num_adapter_preemptions: int = 0  # since start: of those, preempted to free an adapter slot
     running_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> running requests
     waiting_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> waiting requests
+    takes_cold: bool = True  # False while an adapter breaker (switch rate, load latency) is open
+    breakers: dict[str, dict[str, object]] = field(default_factory=dict)  # name -> state, level, trips
 
 
 # builds the engine's loader once the base model's shapes and device are known
@@ -114,30 +128,42 @@ class Engine:
         window = getattr(self.model.config, "sliding_window", None)
         if window and getattr(self.model.config, "use_sliding_window", True):
             self.max_model_len = min(self.max_model_len, window)
-        self.kv = KVCache(
+        # paged KV cache and adapter slots, sized from the device's free memory on a GPU (memory_plan)
+        self.memory = plan_engine_memory(config, dims, self.dtype, self.device, self.max_model_len)
+        self.kv = PagedKVCache(
             num_layers=dims.num_layers,
-            num_slots=config.max_num_seqs,
+            num_blocks=self.memory.num_kv_blocks,
+            block_size=config.kv_block_size,
             kv_heads=dims.num_kv_heads,
-            max_len=self.max_model_len,
             head_dim=dims.head_dim,
+            max_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,
         )
+        self.step_buffers = StepBuffers(self.device)
         wiring = build_adapter_loader if adapter_loader is None else adapter_loader
         self.loader: AdapterLoader = (
             wiring(config, self.shapes, self.device) if callable(wiring) else wiring
         )
         self.pool = AdapterPool(
             self.shapes,
-            num_slots=config.max_loras,
+            num_slots=self.memory.num_adapter_slots,
             max_rank=config.max_lora_rank,
             dtype=self.dtype,
             device=self.device,
             policy=self.loader.slot_policy(),
         )
-        self.adapters = AdapterResidency(self.loader, self.pool, config.adapter_load_workers)
+        self.adapter_guard = AdapterGuard(config)
+        self.counters = EngineCounters()  # steps, batch sizes, tokens, adapter placements (metrics)
+        self.adapters = AdapterResidency(
+            self.loader, self.pool, config.adapter_load_workers, guard=self.adapter_guard,
+            rotation=rotation_from_config(config), pinned=config.pinned,
+            copier=AdapterCopier(self.pool, self.device, config.adapter_async_copy_bytes),
+            counters=self.counters,
+        )
         self.runner = LlamaRunner(
-            self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device
+            self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device,
+            fused_lora=config.lora_fused_shrink,
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
@@ -145,6 +171,10 @@ class Engine:
             max_waiting=config.max_waiting,
             acquire=self.adapters.acquire,
             release=self.adapters.release,
+            slot_to_preempt=self.adapters.slot_to_preempt,
+            kv_blocks=BlockAllocator(
+                num_blocks=self.kv.num_blocks, block_size=self.kv.block_size, num_slots=config.max_num_seqs
+            ),
         )
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -194,6 +224,11 @@ class Engine:
         """Adapters the sources offer. Thread-safe, may list remote sources."""
         return self.loader.list_adapters()
 
+    def define_merge(self, spec: MergeSpec) -> str:
+        """Remember a merge of adapters (`lora_cluster.store.merge`); returns the merged adapter's id,
+        which requests then name as their adapter. Thread-safe, no I/O."""
+        return self.loader.define_merge(spec)
+
     def adapter_store_stats(self) -> dict[str, Any]:
         """The loader's counters (per tier, for metrics). Thread-safe."""
         return self.loader.snapshot()
@@ -231,6 +266,11 @@ class Engine:
         if adapter_id is not None:
             check_adapter_id(adapter_id)
         sampling = sampling or SamplingParams()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sampling, name)
+            limit = self.config.max_logprobs
+            if k is not None and k > limit:
+                raise RequestError(f"{name}={k} exceeds the limit of {limit} (max_logprobs)")
         seq = Sequence(
             request_id=request_id,
             adapter_id=adapter_id,
@@ -239,10 +279,11 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer),
             generator=make_generator(sampling, self.device),
             priority=priority,
+            prompt_logprobs=None if sampling.prompt_logprobs is None else [None],
         )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
-        self.adapters.request_started(adapter_id)  # starts its fetch now, off the step loop
+        self.adapters.request_started(adapter_id, priority)  # queues its fetch now, off the step loop
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; frees its slot at once. Returns its final output, or None if unknown."""
@@ -251,7 +292,7 @@ class Engine:
             return None
         seq.finish_reason = FinishReason.ABORT
         self.scheduler.finish(seq)
-        self.adapters.request_finished(seq.adapter_id)
+        self.adapters.request_finished(seq.adapter_id, seq.priority)
         return snapshot(seq)
 
     def has_unfinished(self) -> bool:
@@ -260,6 +301,11 @@ class Engine:
     def has_fetches(self) -> bool:
         """Adapter fetches are held (a `step` lets go of those nobody waits for any more)."""
         return self.adapters.has_fetches()
+
+    def counters_snapshot(self) -> dict[str, Any]:
+        """The engine's cumulative counters (`engine.counters`) and the adapter pool's fragmentation
+        (`AdapterPool.fragmentation`), for metrics. Call on the step loop's thread."""
+        return {**self.counters.snapshot(), "adapter_pool_fragmentation": self.pool.fragmentation()}
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -273,8 +319,11 @@ class Engine:
             consecutive_step_failures=self.consecutive_step_failures,
             failed_steps=self.failed_steps,
             num_preemptions=self.scheduler.num_preemptions,
+            num_adapter_preemptions=self.scheduler.num_adapter_preemptions,
             running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
+            takes_cold=self.adapter_guard.takes_cold(),
+            breakers=self.adapter_guard.snapshot(),
         )
 
     # ----- the step -------------------------------------------------------------------------
@@ -287,7 +336,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         try:
             plan = self.scheduler.schedule()
-            self.adapters.end_step()
+            self.adapters.end_step(self.scheduler.waiting)
         except Exception as e:  # the queues themselves are broken: nothing can run
             log.exception("scheduling failed")
             return self._fail(list(self._seqs.values()), "scheduling", e)
@@ -298,11 +347,21 @@ class Engine:
             pending = self.adapters.pending()
             if pending and self.scheduler.waiting:
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+            elif self.scheduler.waiting:  # held by an adapter breaker: do not spin the loop
+                time.sleep(BREAKER_WAIT_S)
             return outputs
-        batch = build_step_batch(plan.decodes, plan.prefills, self.pool.module_ranks, self.device)
+        batch = build_step_batch(
+            plan.decodes, plan.prefills, self.pool.module_ranks, self.device,
+            kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
+            decode_kernel=self.config.lora_decode_kernel, ops_name=self.runner.ops.name,
+        )  # fmt: skip
         try:
             logits = self.runner.forward(batch)
-            tokens = sample(logits, [s.sampling for s in batch.sampled], [s.generator for s in batch.sampled])
+            num_sampled = len(batch.sampled)  # the rows after them are prompt-logprob rows
+            params = [s.sampling for s in batch.sampled]
+            tokens = sample(logits[:num_sampled], params, [s.generator for s in batch.sampled])
+            logprobs = token_logprobs(logits[:num_sampled], tokens, [p.logprobs for p in params])
+            record_prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans)
         except Exception as e:
             log.exception("engine step failed")
             return outputs + self._fail([*plan.decodes, *(s for s, _ in plan.prefills)], "step", e)
@@ -311,14 +370,17 @@ class Engine:
         for seq, n in plan.prefills:
             seq.num_computed += n
         failed = False
-        for seq, token in zip(batch.sampled, tokens, strict=True):
+        for seq, token, logprob in zip(batch.sampled, tokens, logprobs, strict=True):
             try:
+                if logprob is not None:
+                    seq.output_logprobs.append(logprob)
                 self._append(seq, token)
             except Exception as e:  # e.g. the detokenizer: this request alone ends
                 log.exception("request %r failed after its step", seq.request_id)
                 seq.error, failed = EngineStepError(f"engine step failed: {e!r}"), True
                 self._finish(seq, FinishReason.ERROR)
             outputs.append(snapshot(seq))
+        self.counters.step(len(plan.decodes) + len(plan.prefills), len(batch.sampled))
         self._count_step(failed)
         return outputs
 
@@ -336,7 +398,7 @@ class Engine:
                 log.exception("could not release request %r", seq.request_id)
                 seq.status = SeqStatus.FINISHED
                 if self._seqs.pop(seq.request_id, None) is not None:
-                    self.adapters.request_finished(seq.adapter_id)
+                    self.adapters.request_finished(seq.adapter_id, seq.priority)
             outputs.append(snapshot(seq))
         return outputs
 
@@ -359,7 +421,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         if self._seqs.pop(seq.request_id, None) is not None:  # once per request
-            self.adapters.request_finished(seq.adapter_id)
+            self.adapters.request_finished(seq.adapter_id, seq.priority)
 
     # ----- offline API ----------------------------------------------------------------------
 

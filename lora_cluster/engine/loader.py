@@ -13,6 +13,8 @@ Contract:
   invalidated). The engine compares it with the version of the weights in a device slot or a
   finished host fetch, and never serves an older version to a new request.
 * `slot_policy()` is the device pool's victim policy (None: plain LRU).
+* `define_merge(spec)` remembers a merged adapter (`lora_cluster.store.merge.MergeSpec`) and returns
+  its id, which `load` and `version` then serve like any other id (thread-safe, no I/O).
 * `request_started` / `request_finished` bracket each request of an adapter (so no tier evicts what
   a queued or running request needs); `load_abandoned` says that weights returned by `load` will
   not be placed (their request went away), so the loader can count them against its budgets again.
@@ -20,9 +22,12 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lora_cluster.adapter_format import LoraWeights
+
+if TYPE_CHECKING:
+    from lora_cluster.store.merge import MergeSpec
 
 
 class SlotPolicy(Protocol):
@@ -60,6 +65,10 @@ class AdapterLoader(Protocol):
 
     def unregister(self, adapter_id: str) -> bool:
         """Forget a registered adapter id; False when it was not registered."""
+        ...
+
+    def define_merge(self, spec: MergeSpec) -> str:
+        """Remember a merge of adapters; returns its adapter id (thread-safe, no I/O)."""
         ...
 
     def slot_policy(self) -> SlotPolicy | None:

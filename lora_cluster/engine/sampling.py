@@ -1,6 +1,8 @@
 """Sampling parameters and the sampler.
 
-Policy: temperature 0 is greedy (argmax, deterministic). Otherwise logits are divided by the
+Policy: temperature 0 is greedy (argmax, deterministic), and so is a temperature below
+`GREEDY_BELOW` (dividing logits by 1e-145 overflows them to inf, whose softmax is NaN; vLLM uses the
+same threshold). Otherwise logits are divided by the
 temperature, cut to the `top_k` most likely tokens and then to the smallest set whose probability
 reaches `top_p`, and one token is drawn with the request's own generator, so that a request with a
 `seed` gives the same tokens whatever else shares its batch.
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_cluster.errors import RequestError
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the division would overflow the logits
 
 
 @dataclass
@@ -27,6 +31,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings; excluded from the text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # per generated token: its logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the same for prompt tokens (see engine.logprobs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,10 +50,14 @@ class SamplingParams:
             raise RequestError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > 16:
             raise RequestError(f"at most 16 stop strings are allowed, got {len(self.stop)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+                raise RequestError(f"{name} must be None or an integer >= 0, got {k!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -69,9 +79,11 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens before it already reach top_p (the first one always stays)
-        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p; the first one always stays
+        # (explicitly: with a tiny top_p, rounding in cumsum would otherwise drop every token)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 

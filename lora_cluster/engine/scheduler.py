@@ -19,6 +19,21 @@ up the others; but once an earlier (more urgent) sequence is BLOCKED, later ones
 new adapter slot (they may still join with adapters already resident), so a rare adapter is not
 starved by a stream of other newcomers.
 
+KV blocks (optional `kv_blocks`, a `BlockAllocator`): a sequence holds the blocks of the tokens it
+has computed or is about to compute this step, taken as it grows. Each step first gives the running
+sequences, most urgent first, the blocks of their planned tokens: a prefill chunk shrinks to the
+blocks there are, and a sequence that gets none preempts the least urgent running sequence (itself
+if it is that one) until it does; so a running sequence is preempted, never failed, when blocks run
+out. A waiting sequence is admitted only while a block beyond a small watermark (kept for the
+running sequences' next tokens) is free, its first chunk cut to the free blocks; when none is free
+it may preempt a less urgent sequence as for a slot (below).
+
+Adapter slots (optional `slot_to_preempt`, the engine's `AdapterResidency.slot_to_preempt`): when a
+waiting sequence's adapter is fetched but BLOCKED (every adapter slot has running sequences) while a
+KV slot is free, and the slot it names holds an adapter that only strictly less urgent sequences
+want, that adapter's running sequences are preempted as below and `acquire` is asked again (it then
+evicts the idle slot for the urgent sequence). Counted in `num_adapter_preemptions` (sequences).
+
 Preemption (recompute): when a waiting sequence finds no free KV slot and the least urgent running
 sequence (largest priority, then latest arrival) has a strictly larger priority value, that one is
 preempted for it: it gives back its KV slot and its adapter reference, returns to the waiting queue
@@ -40,6 +55,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lora_cluster.engine.kv_cache import BlockAllocator
 from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import EngineOverloadedError, RequestError
 
@@ -53,6 +69,8 @@ class Gate(enum.Enum):
 
 # acquire(seq, may_claim_slot) -> Gate; on READY the engine has set seq.lora_slot and holds a reference
 AcquireFn = Callable[[Sequence, bool], Gate]
+# slot_to_preempt(priority) -> adapter slot whose running sequences may be preempted for it, or None
+SlotToPreemptFn = Callable[[int], "int | None"]
 ReleaseFn = Callable[[Sequence], None]
 
 
@@ -91,8 +109,11 @@ class Scheduler:
         max_waiting: int,
         acquire: AcquireFn,
         release: ReleaseFn,
+        kv_blocks: BlockAllocator | None = None,
+        slot_to_preempt: SlotToPreemptFn | None = None,
     ):
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_blocks = kv_blocks  # None: KV memory is not limited beyond the slots (see KV blocks)
         self.max_waiting = max_waiting
         self._acquire, self._release = acquire, release
         self._free_slots = list(range(max_num_seqs))
@@ -101,6 +122,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start
+        self._slot_to_preempt = slot_to_preempt
+        self.num_adapter_preemptions = 0  # since start: sequences preempted for an adapter slot
 
     def can_add(self) -> bool:
         return len(self.waiting) < self.max_waiting
@@ -120,16 +143,21 @@ class Scheduler:
         waiting queue when it returns."""
         out = SchedulerOutput()
         planned = self._plan_running()
+        self._reserve_blocks(planned, out)
         budget = self.max_num_batched_tokens - sum(planned.values())
         blocked = False
         still_waiting: list[Sequence] = []
         for i, seq in enumerate(self.waiting):
-            victim = None if self._free_slots else self._victim_for(seq)
+            room = self._has_room()
+            victim = None if room else self._victim_for(seq)
             refund = planned.get(victim.request_id, 0) if victim is not None else 0
-            if (not self._free_slots and victim is None) or budget + refund <= 0:
+            if (not room and victim is None) or budget + refund <= 0:
                 still_waiting.extend(self.waiting[i:])  # the rest are no more urgent: no room for them either
                 break
             gate = self._acquire(seq, not blocked)
+            if gate is Gate.BLOCKED and not blocked and victim is None and self._slot_to_preempt is not None:
+                budget += self._preempt_slot(self._slot_to_preempt(seq.priority), planned, out)
+                gate = self._acquire(seq, True)
             if gate is Gate.FAILED:
                 seq.status = SeqStatus.FINISHED
                 out.failed.append(seq)
@@ -143,7 +171,7 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
             self._admit(seq)
-            n = min(seq.num_tokens, budget)
+            n = self._take_blocks(seq, min(seq.num_tokens, budget), watermark=victim is None)
             planned[seq.request_id] = n
             budget -= n
         self.waiting = still_waiting
@@ -174,6 +202,63 @@ class Scheduler:
                 budget -= n
         return planned
 
+    def _reserve_blocks(self, planned: dict[str, int], out: SchedulerOutput) -> None:
+        """Give running sequences, most urgent first, the KV blocks of their planned tokens. A prefill
+        chunk shrinks to the blocks there are; a sequence that gets none preempts the least urgent running
+        sequence (itself, if it is that one) until it does."""
+        blocks = self.kv_blocks
+        if blocks is None:
+            return
+        for seq in sorted(self.running, key=urgency):
+            n = planned.get(seq.request_id)
+            while n is not None and not blocks.grow(seq.kv_slot, seq.num_computed + n):
+                fit = blocks.tokens_fit(seq.kv_slot, seq.num_computed + n) - seq.num_computed
+                if seq.in_prefill and fit > 0:
+                    n = planned[seq.request_id] = fit
+                    continue
+                victim = max(self.running, key=urgency)
+                planned.pop(victim.request_id, None)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    n = None
+
+    def _has_room(self) -> bool:
+        """A sequence slot and a KV block beyond the watermark are free."""
+        blocks = self.kv_blocks
+        return bool(self._free_slots) and (blocks is None or blocks.num_free_blocks > self._watermark())
+
+    def _watermark(self, others: int | None = None) -> int:
+        """KV blocks kept free for the `others` running sequences' next tokens (default: all running)
+        when admitting a new one: 1% of the blocks, at least one; none when nothing else runs."""
+        blocks = self.kv_blocks
+        others = len(self.running) if others is None else others
+        return 0 if blocks is None or not others else max(1, blocks.num_blocks // 100)
+
+    def _take_blocks(self, seq: Sequence, n: int, *, watermark: bool) -> int:
+        """Blocks for the first `n` tokens of a sequence just admitted, or for as many as fit (>= 1);
+        the watermark is kept unless the sequence preempted another for room."""
+        blocks = self.kv_blocks
+        if blocks is None:
+            return n
+        keep = self._watermark(len(self.running) - 1) if watermark else 0  # others than `seq`
+        n = min(n, blocks.capacity(seq.kv_slot) + (blocks.num_free_blocks - keep) * blocks.block_size)
+        blocks.grow(seq.kv_slot, n)
+        return n
+
+    def _preempt_slot(self, slot: int | None, planned: dict[str, int], out: SchedulerOutput) -> int:
+        """Preempt the running sequences of adapter slot `slot` (named by `slot_to_preempt`: all less
+        urgent than the sequence it is freed for); returns the step budget they gave back."""
+        if slot is None:
+            return 0
+        refund = 0
+        for victim in [s for s in self.running if s.adapter_id is not None and s.lora_slot == slot]:
+            refund += planned.pop(victim.request_id, 0)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            self.num_adapter_preemptions += 1
+        return refund
+
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """The least urgent running sequence, if its priority is strictly less urgent than `seq`'s."""
         victim = max(self.running, key=urgency, default=None)
@@ -189,6 +274,8 @@ class Scheduler:
     def _stop_running(self, seq: Sequence) -> None:
         """Return a running sequence's KV slot and adapter reference."""
         self.running.remove(seq)
+        if self.kv_blocks is not None:
+            self.kv_blocks.free(seq.kv_slot)
         heapq.heappush(self._free_slots, seq.kv_slot)
         seq.kv_slot = None
         self._release(seq)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.logprobs import TokenLogprob
 from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.errors import LoraClusterError
 
@@ -62,6 +63,8 @@ class Sequence:
     priority: int = 0  # lower is more urgent
     arrival_order: int = 0  # stamped by the scheduler when queued; kept across preemptions
     num_preemptions: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt id (first None), if asked
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +99,9 @@ class RequestOutput:
     error: LoraClusterError | None = None
     time_to_first_token: float | None = None
     num_preemptions: int = 0  # times the request was preempted (and recomputed)
+    logprobs: list[TokenLogprob] | None = None  # one per token id (asked with SamplingParams.logprobs)
+    delta_logprobs: list[TokenLogprob] | None = None  # one per delta token id
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt id, first None; once prefilled
 
     @property
     def prompt_tokens(self) -> int:
@@ -126,5 +132,10 @@ def snapshot(seq: Sequence) -> RequestOutput:
         time_to_first_token=(seq.first_token_time - seq.arrival) if seq.first_token_time else None,
         num_preemptions=seq.num_preemptions,
     )
+    if seq.sampling.logprobs is not None:
+        out.logprobs = list(seq.output_logprobs)
+        out.delta_logprobs = seq.output_logprobs[seq.emitted_ids :]
+    if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == len(seq.prompt_ids):
+        out.prompt_logprobs = seq.prompt_logprobs
     seq.emitted_text, seq.emitted_ids = len(text), len(seq.output_ids)
     return out

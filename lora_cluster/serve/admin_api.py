@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lora_cluster.adapter_format import check_adapter_id
 from lora_cluster.errors import AdapterError, ControllerOffError, LoraClusterError
-from lora_cluster.serve import metrics
+from lora_cluster.serve import metrics, openapi
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, not_found
 from lora_cluster.serve.registrations import RegistrationConflict
@@ -30,7 +30,7 @@ def admin_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
     dispatcher = ctx.dispatcher
 
-    @router.post("/v1/load_lora_adapter")
+    @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=openapi.ADMIN_ACTION)
     async def load_lora_adapter(req: LoadLoraAdapterRequest) -> Any:
         """Register on every replica. The name is reserved before the broadcast's first await (a
         concurrent load of it gets a 400) and released if the load fails."""
@@ -58,7 +58,8 @@ def admin_router(ctx: ApiContext) -> APIRouter:
                 ctx.registrations.release(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @router.post("/v1/unload_lora_adapter")
+    @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                 responses=openapi.ADMIN_ACTION)
     async def unload_lora_adapter(req: UnloadLoraAdapterRequest) -> Any:
         """Unregister at once (new requests for it get a 404); the name stays reserved until every
         replica has dropped it, so that a load of the same name cannot interleave."""
@@ -71,7 +72,7 @@ def admin_router(ctx: ApiContext) -> APIRouter:
             ctx.registrations.release(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    @router.get("/health")
+    @router.get("/health", responses=openapi.HEALTH)
     async def health() -> Any:
         """200 when at least one LoRA replica is running and answers; 503 otherwise."""
         try:
@@ -81,23 +82,23 @@ def admin_router(ctx: ApiContext) -> APIRouter:
         stats = dispatcher.replica_stats() or {}
         return {"status": "ok", "replicas": max(len(stats), 1), "answered": replica}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
 
-    @router.get("/v1/cluster")
+    @router.get("/v1/cluster", responses=openapi.ADMIN_VIEW)
     async def cluster() -> dict[str, Any]:
         """The cluster controller's view: nodes -> replicas -> adapters, queues, memory, placement;
         503 when the controller is off or cannot be reached."""
         try:
-            return await dispatcher.admission.cluster_view()
+            return await dispatcher.cluster_view()
         except LoraClusterError:
             raise
         except Exception as exc:
             reason = f"the cluster controller cannot be reached: {type(exc).__name__}"
             raise ControllerOffError(reason) from exc
 
-    @router.get("/debug/replicas")
+    @router.get("/debug/replicas", responses=openapi.ADMIN_VIEW)
     async def debug_replicas(fresh: bool = True) -> dict[str, Any]:
         """Every replica's engine state: fresh from each replica, or the router's last reports."""
         stats = await dispatcher.broadcast("stats") if fresh else (dispatcher.replica_stats() or {})

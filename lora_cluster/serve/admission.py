@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
+from lora_cluster.serve.logs import detached
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class ClusterAdmission:
         if self._controller is None or self._placement_sink is None:
             return
         if self._placement_task is None or self._placement_task.done():
-            self._placement_task = asyncio.get_running_loop().create_task(self._placement_loop())
+            self._placement_task = asyncio.get_running_loop().create_task(self._placement_loop(),
+                                                                          context=detached())
 
     async def _placement_loop(self) -> None:
         while True:

@@ -6,7 +6,10 @@ would wait": a replica's *queue excess* is how many requests would be ahead of t
 free batch slots (`ongoing + 1 - max_num_seqs`, at least 0). A replica without A pays `miss_cost`
 on top (the load of A), and that again when it has no free adapter slot (A would evict another
 adapter, which then misses later). So a hot adapter stays on its replica until that replica's queue
-excess exceeds `miss_cost`, and then spills to a second replica, where it becomes a hit too.
+excess exceeds `miss_cost`, and then spills to a second replica, where it becomes a hit too. A
+replica whose adapter breaker is open (`takes_cold: false` in its report: switch rate or load latency,
+see `engine.adapter_guard`) places no cold adapter for now: a miss there costs
+`BREAKER_MISS_FACTOR * miss_cost` more, so misses go to other replicas while any has room.
 Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
 adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
 and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
@@ -25,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+BREAKER_MISS_FACTOR = 4  # a miss on a replica whose adapter breaker is open costs this many miss_costs more
+
 
 @dataclass(frozen=True)
 class ReplicaView:
@@ -39,6 +44,7 @@ class ReplicaView:
     confirmed: frozenset[str] = frozenset()  # adapters its last report shows on the device or loading
     working_set: int = 0  # distinct adapters recently sent to it
     max_loras: int = 1 << 30  # its adapter slots
+    takes_cold: bool = True  # False: an adapter breaker is open there (a cold adapter would wait)
 
     @property
     def oversubscribed(self) -> int:
@@ -54,6 +60,8 @@ def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float)
             cost += miss_cost
         if not replica.can_allocate:  # waits until a running request releases a slot
             cost += miss_cost
+        if not replica.takes_cold:  # waits until its switch-rate / load-latency breaker closes
+            cost += BREAKER_MISS_FACTOR * miss_cost
     return cost
 
 
@@ -120,6 +128,7 @@ class PlacementTracker:
             confirmed=reported,
             working_set=len(recent),
             max_loras=int(stats.get("max_loras", 1 << 30)),
+            takes_cold=bool(stats.get("takes_cold", True)),
         )
 
 

@@ -8,7 +8,10 @@
 `args` are `ServeConfig` fields (every `EngineConfig` field passes through to the engines); a field
 not given is read from `LORA_CLUSTER_<FIELD>`, else its default. The graph is one ingress
 deployment (`LoraIngress`) holding a handle to the LoRA replicas (`LoraReplica`), whose requests
-are placed by `LoraAffinityRouter`.
+are placed by `LoraAffinityRouter`. With `replica_groups`, each group is its own LoRA replica
+deployment (`LoraReplica-<name>`) with its own cluster controller (`ClusterController-<name>`); the
+ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). With a `tenants_file`,
+a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.quotas`).
 """
 
 from __future__ import annotations
@@ -16,21 +19,41 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from lora_cluster.cluster.actor import ClusterController
-from lora_cluster.config import ServeConfig
+from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.errors import ConfigError
 from lora_cluster.serve.ingress import LoraIngress
 from lora_cluster.serve.model import load_config, resolve_model
+from lora_cluster.serve.quotas import QuotaLedger
 from lora_cluster.serve.replica import LoraReplica
+from lora_cluster.serve.replica_groups import ReplicaGroup, replica_groups
 from lora_cluster.serve.request_router import LoraAffinityRouter
+from lora_cluster.tenancy.watch import read_tenants
 
 
-def replica_options(config: ServeConfig) -> dict[str, Any]:
-    """Deployment options of the LoRA replicas (resources, concurrency, the request router)."""
+def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
+    """`{"num_replicas": n}`, or with `autoscaling_config` set `{"autoscaling_config": ...}` (Ray Serve
+    then adds and removes LoRA replicas of every group between min_replicas and max_replicas, to keep
+    about target_ongoing_requests per replica). Raises ConfigError for an invalid autoscaling_config."""
+    if config.autoscaling_config is None:
+        return {"num_replicas": group.num_replicas}
+    try:
+        autoscaling = AutoscalingConfig(**config.autoscaling_config)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid autoscaling_config: {exc}") from exc
+    return {"autoscaling_config": autoscaling.model_dump(exclude_unset=True)}
+
+
+def replica_options(config: ServeConfig, group: ReplicaGroup | None = None) -> dict[str, Any]:
+    """Deployment options of one group's LoRA replicas (name, resources and node labels, concurrency,
+    the request router); `group` None: the first group of `config`."""
+    group = group or replica_groups(config)[0]
     return {
-        "num_replicas": config.num_replicas,
-        "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+        "name": group.deployment,
+        **replica_count(config, group),
+        "ray_actor_options": group.ray_actor_options(),
         "max_ongoing_requests": config.max_ongoing_requests,
         "max_queued_requests": config.max_queued_requests,
         "request_router_config": RequestRouterConfig(
@@ -48,14 +71,24 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     config = load_config(args)
     resolve_model(config)  # build the demo zoo now (once), not in every replica at the same time
     fields = config.model_dump(exclude_unset=False)
-    controller = None
-    if config.controller:  # every waiting request holds one call to it: room for the whole queue
-        room = config.cluster_queue_size + 4096
-        controller = ClusterController.options(max_ongoing_requests=room).bind(fields)
-    replicas = LoraReplica.options(**replica_options(config)).bind(fields, controller)
+    replicas: dict[str, Application] = {}
+    controllers: dict[str, Application | None] = {}
+    for group in replica_groups(config):  # each group: its own replicas and cluster controller
+        controller = None
+        if config.controller:  # every waiting request holds one call to it: room for the whole queue
+            room = config.cluster_queue_size + 4096
+            controller = ClusterController.options(name=group.controller,
+                                                   max_ongoing_requests=room).bind(fields)
+        replicas[group.name] = LoraReplica.options(**replica_options(config, group)).bind(
+            fields, controller, group.name)
+        controllers[group.name] = controller
     ingress = LoraIngress.options(
         num_replicas=config.ingress_num_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
-    return ingress.bind(replicas, fields, controller)
+    ledger = None
+    if config.tenants_file is not None:  # check the file now (a broken one stops the start here)
+        read_tenants(config.tenants_file, build_sla_classes(config).names)
+        ledger = QuotaLedger.bind(config.quota_ticket_ttl_s)
+    return ingress.bind(replicas, fields, controllers, ledger)

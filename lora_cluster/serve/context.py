@@ -15,6 +15,7 @@ events (`token_text`) is cheap and stays on the loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,10 +27,19 @@ from fastapi import Header
 
 from lora_cluster.cluster.sla import SlaClass, SlaClasses
 from lora_cluster.config import ServeConfig, build_sla_classes
-from lora_cluster.errors import ConfigError, PromptTooLongError, RequestAbortedError, RequestError
+from lora_cluster.errors import (
+    AdapterNotFoundError,
+    ConfigError,
+    PromptTooLongError,
+    RequestAbortedError,
+    RequestError,
+)
+from lora_cluster.serve.auth import Authenticator, Caller, TenantsSource
 from lora_cluster.serve.dispatch import Dispatcher, Generation
+from lora_cluster.serve.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.model import served_name
+from lora_cluster.serve.quotas import Quotas
 from lora_cluster.serve.registrations import AdapterRegistrations
 
 _END = object()
@@ -47,16 +57,20 @@ class ApiContext:
 
     config: ServeConfig
     tokenizer: Any
-    dispatcher: Dispatcher
+    dispatcher: Dispatcher | GroupedDispatcher
     registrations: AdapterRegistrations = field(default_factory=AdapterRegistrations)
     encode_threads: int = ENCODE_THREADS
+    tenants: TenantsSource | None = None  # None: no tenants file, every route is open
+    quotas: Quotas | None = None  # the tenants' quota ledger (None: quotas are not enforced)
     sla: SlaClasses = field(init=False, repr=False)
+    authenticate: Authenticator = field(init=False, repr=False)  # THE auth dependency (see serve.auth)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.encode_threads < 1:
             raise ConfigError(f"encode_threads must be at least 1, got {self.encode_threads}")
         self.sla = build_sla_classes(self.config)
+        self.authenticate = Authenticator(self.tenants, self.quotas)
         self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="lora-ingress-encode")
 
     def close(self) -> None:
@@ -67,28 +81,43 @@ class ApiContext:
     def base_name(self) -> str:
         return served_name(self.config)
 
-    def adapter_for(self, model: str | None) -> str | None:
-        """The adapter id a request's `model` names (None: the base model)."""
-        if model is None or model in (self.base_name, self.config.model):
-            return None
-        return model
+    def adapter_for(self, model: str | None, caller: Caller) -> str | None:
+        """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
+        unknown adapter when the caller's tenant may not use it (existence does not leak)."""
+        adapter = None if model is None or model in (self.base_name, self.config.model) else model
+        if not caller.may_use(adapter):
+            raise ApiException(describe(AdapterNotFoundError(model or self.base_name, "not accessible")))
+        return adapter
 
     def adapter_path(self, adapter_id: str | None) -> str | None:
         """The path of an adapter registered through vLLM's load_lora_adapter (None: not registered)."""
         return None if adapter_id is None else self.registrations.path(adapter_id)
 
-    def priority_class(self, header: str | None, priority: int | None = None) -> SlaClass:
+    def priority_class(self, header: str | None, priority: int | None = None,
+                       caller: Caller | None = None) -> SlaClass:
         """The request's SLA class: the `x-lora-priority` header's class (400 naming the known classes
-        when there is no such class), else the class of the body's integer `priority`, else the default."""
+        when there is no such class), else the class of the body's integer `priority`, else the
+        caller's tenant's `priority_class`, else the default. A tenant's class is also the most urgent
+        it gets: a more urgent class asked for is lowered to the tenant's (the response's
+        `x-lora-priority-class` says which class served)."""
+        tenant = None if caller is None else caller.principal.tenant
+        floor = None if tenant is None else self.sla.by_name.get(tenant.priority_class or "")
         try:
-            return self.sla.resolve(name=None if header is None else header.strip(), priority=priority)
+            asked = self.sla.resolve(name=None if header is None else header.strip(), priority=priority)
         except RequestError as exc:
             raise ApiException(describe(RequestError(f"{HEADER_PRIORITY}: {exc}"))) from exc
+        if floor is None:
+            return asked
+        if header is None and priority is None:
+            return floor
+        return floor if asked.priority < floor.priority else asked
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)` on the tokenizer threads; the loop serves other requests meanwhile."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        # the thread runs in a copy of this context, so its log lines keep the request id
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await loop.run_in_executor(self._pool, call)
 
     async def encode(self, prompt: str | list[int], *, special: bool = True) -> list[int]:
         """Prompt token ids (as the engine would tokenize the text), checked against max_prompt_tokens.
@@ -121,6 +150,10 @@ class ApiContext:
         if limit is not None and len(ids) > limit:
             raise ApiException(describe(PromptTooLongError(len(ids), limit)))
         return ids
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of token ids (completions' `echo` of a token prompt), on the tokenizer threads."""
+        return await self._off_loop(self.tokenizer.decode, ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -4,6 +4,12 @@
 and waits for its first item, so that the HTTP status and the routing headers are known before any
 byte is sent: a failure before the first token (unknown adapter, prompt too long, overload)
 becomes a proper error response even for `stream: true`.
+
+Faults: a job whose replica dies or is unreachable before the first item is sent again (the router
+then picks another replica; a cluster-queue grant is dropped), up to `MAX_ATTEMPTS` tries; a
+non-streaming job's first item is its whole result, so it is retried whole. A stream whose replica
+dies after the first item ends with that error (an SSE error event). Every outcome feeds the
+routing-error breaker (`routing_guard`), which sheds new requests with 503 while it is open.
 """
 
 from __future__ import annotations
@@ -11,17 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lora_cluster.errors import RoutingUnavailableError
 from lora_cluster.serve import metrics
 from lora_cluster.serve.admission import ClusterAdmission
 from lora_cluster.serve.affinity import replica_stats
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob, ToReplica
 from lora_cluster.serve.ray_internals import own_request_id
+from lora_cluster.serve.routing_guard import RoutingGuard, is_routing_error
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 3  # tries of a job whose replica fails before its first item (see `Dispatcher.start`)
+RETRY_PAUSE_S = 0.2  # times the attempt number, before a retry (Serve drops a dead replica meanwhile)
 
 HEADER_REPLICA = "x-lora-replica"
 HEADER_HIT = "x-lora-adapter-hit"
@@ -46,6 +59,8 @@ class Generation:
     tokens: int = 0
     finished: bool = field(default=False)
     on_done: Callable[[], None] | None = None  # called once when the generation ends, however it ends
+    on_routing_error: Callable[[], None] | None = None  # its replica died or went away mid-stream
+    meter: metrics.GenerationMetrics | None = None  # its request metrics (labels: adapter, tenant, class)
 
     def _done(self) -> None:
         callback, self.on_done = self.on_done, None
@@ -59,12 +74,15 @@ class Generation:
             while item is not None:
                 if "error" in item:
                     self.finished = True  # the replica ended the stream: nothing to cancel
+                    self._meter_failed()
                     raise ApiException(ApiError.from_dict(item["error"]))
-                metrics.GENERATED_TOKENS.inc(len(item["delta_token_ids"]))
+                if self.meter is not None:  # by the cumulative count: a non-streaming item has one delta
+                    self.meter.tokens(item["completion_tokens"] - self.tokens)
                 self.tokens = item["completion_tokens"]
                 if item["finished"]:
                     self.finished = True
-                    metrics.PROMPT_TOKENS.inc(item["prompt_tokens"])
+                    if self.meter is not None:
+                        self.meter.finished(item["prompt_tokens"], item["completion_tokens"])
                 yield item
                 if item["finished"]:
                     return
@@ -73,6 +91,11 @@ class Generation:
                 except StopAsyncIteration:
                     return
                 except Exception as exc:
+                    if is_routing_error(exc):
+                        metrics.ROUTING_ERRORS.inc()
+                        if self.on_routing_error is not None:
+                            self.on_routing_error()  # the replica died mid-stream
+                    self._meter_failed()
                     raise ApiException(describe(exc)) from exc
         finally:
             if not self.finished:
@@ -86,11 +109,17 @@ class Generation:
             last = item
         return last
 
+    def _meter_failed(self) -> None:
+        if self.meter is not None:
+            self.meter.failed()
+
     def cancel(self) -> None:
         """Abort the request on its replica (frees its batch slot)."""
         if not self.finished:
             self.finished = True
             metrics.CANCELLED.inc()
+            if self.meter is not None:
+                self.meter.cancelled()
             cancel_call(self.stream)
         self._done()
 
@@ -99,8 +128,10 @@ class Dispatcher:
     """Sends jobs to the replicas. With a cluster controller, `admission` decides per job whether it
     goes at once (a replica has room) or waits in the cluster queue for a granted replica."""
 
-    def __init__(self, handle: Any, app_name: str, admission: ClusterAdmission | None = None):
+    def __init__(self, handle: Any, app_name: str, admission: ClusterAdmission | None = None,
+                 guard: RoutingGuard | None = None):
         self._handle = handle
+        self.guard = guard or RoutingGuard(enabled=False)
         self._stream = handle.options(stream=True)
         self._key = (app_name, handle.deployment_name)
         self.admission = admission or ClusterAdmission(None, capacity=None, replica_stats=self.replica_stats,
@@ -110,18 +141,68 @@ class Dispatcher:
         """Last reports of the running replicas (None until the first call creates the router)."""
         return replica_stats(*self._key)
 
+    async def cluster_view(self) -> dict[str, Any]:
+        """The cluster controller's view of these replicas (GET /v1/cluster); see `ClusterAdmission`."""
+        return await self.admission.cluster_view()
+
     def _check_replicas(self) -> None:
         stats = self.replica_stats()
         if stats is not None and not stats:
+            metrics.ROUTING_ERRORS.inc()
             raise ApiException(describe(NoReplicaError("no LoRA replica is running")))
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         """Send `job` (at once, or once the cluster queue grants it a replica) and wait for its first
-        item; raises ApiException with the request's error (429/503 from the cluster queue too)."""
+        item; raises ApiException with the request's error (429/503 from the cluster queue too, 503
+        while the routing-error breaker sheds). A routing error before the first item (the replica
+        died or is unreachable: nothing was sent to the client yet, and a non-streaming job's first
+        item is its whole result) is retried on another replica, `MAX_ATTEMPTS` tries in all."""
         self._check_replicas()
         t0 = time.monotonic()
-        granted = await self.admission.admit(sla_class=job.priority_class, adapter_id=job.adapter_id,
-                                             arrived_at=t0)
+        try:
+            self.guard.admit()
+        except RoutingUnavailableError as exc:
+            raise ApiException(describe(exc)) from None
+        outcome_told = False
+        try:
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                try:
+                    generation = await self._start_once(job, route, t0)
+                except ApiException as exc:
+                    routing = isinstance(exc.__cause__, BaseException) and is_routing_error(exc.__cause__)
+                    if routing:
+                        metrics.ROUTING_ERRORS.inc()
+                    if not routing or attempt == MAX_ATTEMPTS:
+                        if routing:
+                            self.guard.outcome(True)
+                            outcome_told = True
+                        raise
+                    metrics.RETRIES.inc()
+                    log.warning("request %s: replica failed before its first item (%s); retrying on "
+                                "another replica", job.request_id, exc.error.message)
+                    job = dataclasses.replace(job, replica_id=None, ticket_id=None)
+                    await asyncio.sleep(RETRY_PAUSE_S * attempt)
+                    continue
+                self.guard.outcome(False)
+                outcome_told = True
+                generation.on_routing_error = lambda: self.guard.outcome(True)
+                return generation
+            raise AssertionError("unreachable")
+        finally:
+            if not outcome_told:
+                self.guard.abandoned()
+
+    async def _start_once(self, job: GenerateJob, route: str, t0: float) -> Generation:
+        meter = metrics.GenerationMetrics(job.adapter_id, job.tenant, job.priority_class, arrived_at=t0)
+        parked = metrics.QUEUE_DEPTH.labels(job.priority_class)
+        parked.inc()  # seen by a scrape only while the request actually waits (the fast path awaits nothing)
+        try:
+            granted = await self.admission.admit(sla_class=job.priority_class, adapter_id=job.adapter_id,
+                                                 arrived_at=t0)
+        finally:
+            parked.dec()
+        meter.admitted()
+        sent_at = time.monotonic()
         if granted is not None:
             job = dataclasses.replace(job, replica_id=granted.replica_id, ticket_id=granted.ticket_id)
         pinned = granted is not None
@@ -135,11 +216,12 @@ class Dispatcher:
         if "error" in first:
             self.admission.finished(replica)
             raise ApiException(ApiError.from_dict(first["error"]))
-        if job.stream:
-            metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - t0)
+        engine_ttft = first.get("ttft_s")  # a non-streaming job's first item is its last one
+        meter.started(None if job.stream or engine_ttft is None else sent_at - t0 + engine_ttft)
+        metrics.routing_decision(job.adapter_id, replica, first["hit"], self.replica_stats())
         (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
         return Generation(job=job, replica=replica, hit=first["hit"], first=first, stream=stream,
-                          on_done=lambda: self.admission.finished(replica))
+                          on_done=lambda: self.admission.finished(replica), meter=meter)
 
     async def _first_item(self, job: GenerateJob) -> tuple[dict[str, Any], Any]:
         with own_request_id():
@@ -147,8 +229,8 @@ class Dispatcher:
         try:
             return await stream.__anext__(), stream
         except StopAsyncIteration:
-            error = RuntimeError("the replica ended the stream without output")
-            raise ApiException(describe(error)) from None
+            error = NoReplicaError("the replica ended the stream without output")
+            raise ApiException(describe(error)) from error
         except asyncio.CancelledError:
             cancel_call(stream)
             raise

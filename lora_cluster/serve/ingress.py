@@ -3,8 +3,9 @@
 It parses and validates requests, tokenizes prompts (the same tokenizer as the engines, so limits
 are checked before a replica is bothered; on the context's tokenizer threads, never on the event
 loop: see `context`), and sends each generation to the LoRA replicas through a deployment handle
-whose request router is `LoraAffinityRouter`. Responses carry `x-lora-replica` and
-`x-lora-adapter-hit`, as reported by the replica that served them.
+whose request router is `LoraAffinityRouter`: the handle of the request's replica group
+(`group_dispatch`). Responses carry `x-lora-replica` and `x-lora-adapter-hit`, as reported by the
+replica that served them.
 """
 
 from __future__ import annotations
@@ -12,21 +13,34 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from ray import serve
 
+from lora_cluster.config import build_sla_classes
 from lora_cluster.serve import metrics
 from lora_cluster.serve.admin_api import admin_router
 from lora_cluster.serve.admission import ClusterAdmission
 from lora_cluster.serve.affinity import publish_placement, replica_stats
+from lora_cluster.serve.auth import CallerMiddleware
+from lora_cluster.serve.body_limits import BodyLimitsMiddleware
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.dispatch import Dispatcher
+from lora_cluster.serve.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.http_errors import install_handlers
+from lora_cluster.serve.logs import RequestIdMiddleware, configure_logging
 from lora_cluster.serve.lorax_api import lorax_router
-from lora_cluster.serve.model import load_config, load_tokenizer, resolve_model
+from lora_cluster.serve.model import DEMO, load_config, load_tokenizer, resolve_model, served_name
 from lora_cluster.serve.openai_api import openai_router
+from lora_cluster.serve.openapi import install_openapi
+from lora_cluster.serve.quotas import RemoteQuotas
+from lora_cluster.serve.ray_internals import serve_root_url
+from lora_cluster.serve.ready import ready_line, watch_in_background
+from lora_cluster.serve.replica_groups import replica_groups
+from lora_cluster.serve.routing_guard import RoutingGuard
+from lora_cluster.tenancy.watch import TenantsWatcher
 
 
 class MetricsMiddleware:
@@ -60,37 +74,71 @@ class MetricsMiddleware:
             metrics.REQUEST_LATENCY.labels(route).observe(time.monotonic() - start)
 
 
-def build_fastapi(ctx: ApiContext) -> FastAPI:
-    app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.")
+def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
+    """The API app; `echo_request_id=False` under Ray Serve, whose proxy already echoes `x-request-id`."""
+    app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.",
+                  dependencies=[Depends(ctx.authenticate)])  # THE auth dependency, every route (serve.auth)
     install_handlers(app)
+    app.add_middleware(CallerMiddleware)  # closes each request's Caller once its response is over
+    app.add_middleware(BodyLimitsMiddleware, max_bytes=ctx.config.max_body_bytes,
+                       max_depth=ctx.config.max_json_depth)
     app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RequestIdMiddleware, echo=echo_request_id)  # outermost: every line has the id
     app.include_router(openai_router(ctx))
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
+    # the schema declares every status, body and content type, and the SLA classes (serve.openapi)
+    install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes])
     return app
 
 
 @serve.deployment(name="LoraIngress")
 @serve.ingress()
 class LoraIngress:
-    def __init__(self, replicas: Any, config: dict[str, Any], controller: Any | None = None):
-        resolved = resolve_model(load_config(config))
+    def __init__(self, replicas: dict[str, Any], config: dict[str, Any],
+                 controllers: dict[str, Any | None] | None = None, quota_ledger: Any | None = None):
+        """`replicas`: each replica group's deployment handle by group name (`replica_groups`);
+        `controllers`: each group's cluster controller (None or absent: controller off);
+        `quota_ledger`: the tenants' `QuotaLedger` (None: no tenants file)."""
+        requested = load_config(config)
+        resolved = resolve_model(requested)
+        configure_logging(resolved.log_format)
         app_name = serve.get_replica_context().app_name
-        admission = ClusterAdmission(
-            controller, capacity=resolved.admission_capacity,
-            replica_stats=functools.partial(replica_stats, app_name, replicas.deployment_name),
-            timeout_s=resolved.cluster_queue_timeout_s,
-            placement_sink=functools.partial(publish_placement, app_name, replicas.deployment_name),
-            placement_period_s=resolved.controller_report_period_s,
-            report_lag_s=2 * resolved.routing_stats_period_s)
-        dispatcher = Dispatcher(replicas, app_name, admission)
-        self.ctx = ApiContext(config=resolved, tokenizer=load_tokenizer(resolved), dispatcher=dispatcher)
+        groups = []
+        for group in replica_groups(resolved):  # one admission per group, keyed by its deployment
+            handle = replicas[group.name]
+            admission = ClusterAdmission(
+                (controllers or {}).get(group.name), capacity=resolved.admission_capacity,
+                replica_stats=functools.partial(replica_stats, app_name, handle.deployment_name),
+                timeout_s=resolved.cluster_queue_timeout_s,
+                placement_sink=functools.partial(publish_placement, app_name, handle.deployment_name),
+                placement_period_s=resolved.controller_report_period_s,
+                report_lag_s=2 * resolved.routing_stats_period_s)
+            guard = RoutingGuard.from_config(resolved)  # routing-error breaker, one per group
+            groups.append((group, Dispatcher(handle, app_name, admission, guard)))
+        dispatcher = GroupedDispatcher(groups)
+        self.tenants = None if resolved.tenants_file is None else TenantsWatcher(
+            resolved.tenants_file, build_sla_classes(resolved).names, resolved.tenants_reload_period_s)
+        quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.quota_lease_s)
+        self.ctx = ApiContext(config=resolved, tokenizer=load_tokenizer(resolved), dispatcher=dispatcher,
+                              tenants=self.tenants, quotas=quotas)
+        metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
         metrics.set_replica_stats_source(dispatcher.replica_stats)
+        demo_folder = str(Path(resolved.model).parent) if requested.model == DEMO else None
+        self._ready_watch = watch_in_background(serve_root_url, functools.partial(
+            ready_line, model=served_name(resolved), adapter_source=resolved.adapter_source,
+            demo_folder=demo_folder))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi(self.ctx)
+        return build_fastapi(self.ctx, echo_request_id=False)
 
     def __del__(self) -> None:
+        watch = getattr(self, "_ready_watch", None)
+        if watch is not None:
+            watch.set()
         ctx = getattr(self, "ctx", None)
         if ctx is not None:
             ctx.close()
+        tenants = getattr(self, "tenants", None)
+        if tenants is not None:
+            tenants.close()

@@ -4,8 +4,11 @@ Request `{"inputs", "parameters": {"adapter_id", ...}, "stream"}`; response `{"g
 "details": {"finish_reason", "prompt_tokens", "generated_tokens", "seed", "prefill", "tokens"}}`
 (`POST /` without stream answers a one-element list, as TGI does). Stream events are TGI's:
 `{"token": {"id", "text", "logprob", "special"}, "generated_text": null, "details": null}`, the last
-one with `generated_text` and `details`. The engine does not compute log-probabilities, so
-`logprob` is always 0.0 (the LoRAX client requires a number there). `adapter_source` may be
+one with `generated_text` and `details`. Every token's `logprob` is computed by the engine (of the raw
+model distribution: see `engine.logprobs`); `return_k_alternatives` adds `alternative_tokens` to each
+token, `decoder_input_details` the prompt tokens as `prefill` (non-streaming; the first logprob is
+null). A stream event that carries several tokens (a slow reader) names its last token and that
+token's logprob. `adapter_source` may be
 absent, "hub", "local" or "s3": adapters are looked up in the server's configured sources either way.
 The SLA class is the `x-lora-priority` header's, else the default (LoRAX's schema has no priority
 field); the response names it in `x-lora-priority-class`.
@@ -20,68 +23,94 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.serve import openapi
+from lora_cluster.serve.auth import Caller, CallerDep
 from lora_cluster.serve.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader
 from lora_cluster.serve.dispatch import Generation, routing_headers
 from lora_cluster.serve.http_errors import ApiException
+from lora_cluster.serve.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.schemas import LORAX_FINISH, LoraxRequest
+from lora_cluster.serve.schemas import LORAX_FINISH, LoraxRequest, merge_of
 from lora_cluster.serve.sse import EventStream, event
 
 
 def lorax_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
 
-    def token(token_id: int, text: str | None = None) -> dict[str, Any]:
-        return {"id": token_id, "text": ctx.token_text(token_id) if text is None else text, "logprob": 0.0,
-                "special": ctx.is_special(token_id)}
+    def token(token_id: int, lp: Any, alternatives: bool, texts: TokenTexts,
+              text: str | None = None) -> dict[str, Any]:
+        out = {"id": token_id, "text": texts(token_id) if text is None else text,
+               "logprob": 0.0 if lp is None else lp.logprob, "special": ctx.is_special(token_id)}
+        if alternatives and lp is not None:
+            out["alternative_tokens"] = lorax_alternatives(lp, texts)
+        return out
 
     async def start(body: LoraxRequest, stream: bool, route: str,
-                    sla: SlaClass) -> tuple[Generation, int | None]:
+                    sla: SlaClass, caller: Caller) -> tuple[Generation, int | None, list[int]]:
         p = body.parameters
         p.check()
+        adapter = ctx.adapter_for(p.adapter_id, caller)  # 404 when the tenant may not use it
+        merge = merge_of(p.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
+        path = ctx.adapter_path(adapter)
+        adapter = merge.adapter_id if merge is not None else adapter
         sampling, seed = p.sampling(ctx.config)
-        adapter = ctx.adapter_for(p.adapter_id)
         prompt = await ctx.encode(body.inputs)
+        await caller.admit(len(prompt))  # the tenant's quota: 429 naming the limit
         job = GenerateJob(request_id=ctx.new_id("lorax"), prompt=prompt, adapter_id=adapter,
-                          sampling=sampling, stream=stream, adapter_path=ctx.adapter_path(adapter),
-                          priority_class=sla.name, priority=sla.priority)
-        return (await ctx.dispatcher.start(job, route)), seed
+                          sampling=sampling, stream=stream, adapter_path=path,
+                          priority_class=sla.name, priority=sla.priority, merge=merge, tenant=caller.tenant)
+        generation = await ctx.dispatcher.start(job, route)
+        caller.track([generation])
+        return generation, seed, prompt
 
     def headers_of(generation: Generation, sla: SlaClass) -> dict[str, str]:
         return {**routing_headers([generation]), HEADER_PRIORITY_CLASS: sla.name}
 
-    async def generate(body: LoraxRequest, route: str,
-                       sla: SlaClass) -> tuple[dict[str, Any], dict[str, str]]:
-        generation, seed = await start(body, False, route, sla)
+    async def generate(body: LoraxRequest, route: str, sla: SlaClass,
+                       caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
+        generation, seed, prompt = await start(body, False, route, sla, caller)
         final = await generation.final()
         p = body.parameters
         text = (body.inputs + final["text"]) if p.return_full_text else final["text"]
         details = None
         if p.details:
-            details = {**_details(final, seed), "prefill": [],
-                       "tokens": [token(t) for t in final["token_ids"]], "best_of_sequences": None}
+            texts = TokenTexts(ctx.token_text)
+            lps = final.get("logprobs") or [None] * len(final["token_ids"])
+            prefill = []
+            if p.decoder_input_details:
+                prefill = lorax_prefill(prompt, final.get("prompt_logprobs"), texts)
+            tokens = [token(t, lp, p.return_k_alternatives is not None, texts)
+                      for t, lp in zip(final["token_ids"], lps, strict=True)]
+            details = {**_details(final, seed), "prefill": prefill, "tokens": tokens,
+                       "best_of_sequences": None}
         return {"generated_text": text, "details": details}, headers_of(generation, sla)
 
-    async def generate_stream(body: LoraxRequest, route: str, sla: SlaClass) -> EventStream:
-        generation, seed = await start(body, True, route, sla)
+    async def generate_stream(body: LoraxRequest, route: str, sla: SlaClass, caller: Caller) -> EventStream:
+        generation, seed, _ = await start(body, True, route, sla, caller)
         return EventStream(_events(ctx, generation, body, seed, token), headers_of(generation, sla),
                            on_close=generation.cancel)
 
-    @router.post("/generate")
-    async def generate_route(body: LoraxRequest, x_lora_priority: PriorityHeader = None) -> Any:
-        result, headers = await generate(body, "/generate", ctx.priority_class(x_lora_priority))
+    @router.post("/generate", responses=openapi.GENERATION_JSON)
+    async def generate_route(body: LoraxRequest, caller: CallerDep,
+                             x_lora_priority: PriorityHeader = None) -> Any:
+        sla = ctx.priority_class(x_lora_priority, caller=caller)
+        result, headers = await generate(body, "/generate", sla, caller)
         return JSONResponse(result, headers=headers)
 
-    @router.post("/generate_stream")
-    async def generate_stream_route(body: LoraxRequest, x_lora_priority: PriorityHeader = None) -> Any:
-        return await generate_stream(body, "/generate_stream", ctx.priority_class(x_lora_priority))
+    @router.post("/generate_stream", status_code=200, response_class=EventStream,
+                 responses=openapi.GENERATION_STREAM)
+    async def generate_stream_route(body: LoraxRequest, caller: CallerDep,
+                                    x_lora_priority: PriorityHeader = None) -> Any:
+        sla = ctx.priority_class(x_lora_priority, caller=caller)
+        return await generate_stream(body, "/generate_stream", sla, caller)
 
-    @router.post("/")
-    async def compat_route(body: LoraxRequest, x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.priority_class(x_lora_priority)
+    @router.post("/", responses=openapi.GENERATION)
+    async def compat_route(body: LoraxRequest, caller: CallerDep,
+                           x_lora_priority: PriorityHeader = None) -> Any:
+        sla = ctx.priority_class(x_lora_priority, caller=caller)
         if body.stream:
-            return await generate_stream(body, "/", sla)
-        result, headers = await generate(body, "/", sla)
+            return await generate_stream(body, "/", sla, caller)
+        result, headers = await generate(body, "/", sla, caller)
         return JSONResponse([result], headers=headers)
 
     return router
@@ -96,22 +125,24 @@ def _details(final: dict[str, Any], seed: int | None) -> dict[str, Any]:
 async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, seed: int | None,
                   token: Any) -> AsyncIterator[bytes]:
     p = body.parameters
-    last_id = None
+    last_id, last_lp = None, None
+    texts, alternatives = TokenTexts(ctx.token_text), p.return_k_alternatives is not None
     try:
         async for item in generation.items():
-            ids = item["delta_token_ids"]
+            ids, lps = item["delta_token_ids"], item.get("delta_logprobs")
             last_id = ids[-1] if ids else last_id
+            last_lp = lps[-1] if lps else last_lp
             if not item["finished"]:
                 if ids:
-                    yield event({"token": token(last_id, item["delta_text"]), "generated_text": None,
-                                 "details": None})
+                    yield event({"token": token(last_id, last_lp, alternatives, texts, item["delta_text"]),
+                                 "generated_text": None, "details": None})
                 continue
             text = (body.inputs + item["text"]) if p.return_full_text else item["text"]
             details = None
             if p.details:
                 details = _details(item, seed)
             final_id = last_id if last_id is not None else (item["token_ids"] or [0])[-1]
-            yield event({"token": token(final_id, item["delta_text"]), "generated_text": text,
-                         "details": details})
+            yield event({"token": token(final_id, last_lp, alternatives, texts, item["delta_text"]),
+                         "generated_text": text, "details": details})
     except ApiException as exc:
         yield event(exc.error.body())

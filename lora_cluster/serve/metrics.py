@@ -10,20 +10,45 @@ transport is needed. (`ray.util.metrics` would export through Ray's per-node met
 another port, with its own delay; prometheus_client's multiprocess mode needs a shared folder and
 one host.) With several ingress replicas each exports its own counters: scrape them all (or keep one).
 
-The adapter store's per-tier counters travel the same way (the `store` part of each report).
+The adapter store's per-tier counters travel the same way (the `store` part of each report), and so
+do each replica's engine counters (steps, batch sizes, tokens, preemptions, adapter placements and
+switches), its device memory by use and the node it runs on: one scrape of the ingress shows the
+whole cluster. Names are prefixed `lora_cluster_` and end in their unit (`_seconds`, `_bytes`,
+`_ratio`, `_total` for counters).
 
 Labels are bounded: `route` is a route template, `status` an HTTP status code, `replica` a replica
-id (bounded by the replica count), `tier` one of device/host/disk/source. Never the adapter id.
+id and `node` a Ray node id (bounded by the cluster), `tier` one of device/host/disk/source,
+`priority_class` a configured SLA class (at most 16), `outcome`, `decision` and `use` fixed sets.
+`adapter` and `tenant` are bounded by `metrics_max_adapter_labels` / `metrics_max_tenant_labels`:
+the busiest ones over `metrics_label_window_s` keep their own label, every other one is "other"
+(`serve.top_labels`; a demoted adapter's series are dropped). Base-model requests are
+adapter="_base" and requests without a tenant tenant="_none" (an adapter id or tenant name cannot
+start with "_", so these never collide with one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.serve.top_labels import OTHER, TopLabels
+from lora_cluster.store.stats import LOAD_BUCKETS_S
 
 disable_created_metrics()  # no `_created` series next to every counter
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -44,19 +69,6 @@ REQUEST_LATENCY = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-TIME_TO_FIRST_TOKEN = Histogram(
-    "lora_cluster_time_to_first_token_seconds",
-    "Streaming requests: time from dispatch to the first token at the ingress.",
-    ["route"],
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
-PROMPT_TOKENS = Counter(
-    "lora_cluster_prompt_tokens_total", "Prompt tokens of finished generations.", registry=REGISTRY
-)
-GENERATED_TOKENS = Counter(
-    "lora_cluster_generated_tokens_total", "Tokens generated (finished or not).", registry=REGISTRY
-)
 ADAPTER_HITS = Counter(
     "lora_cluster_adapter_hits_total",
     "Generations whose adapter was already on the replica's device.",
@@ -72,6 +84,224 @@ CANCELLED = Counter(
     "Generations cancelled before they finished (client gone, or another choice failed).",
     registry=REGISTRY,
 )
+RETRIES = Counter(  # overload protection (issue 10 part 3)
+    "lora_cluster_generation_retries_total",
+    "Generations sent again to another replica because theirs died or was unreachable before the "
+    "first item.",
+    registry=REGISTRY,
+)
+
+# ----- generations by adapter, tenant and SLA class (issue 11; bounded labels: serve.top_labels) -----
+BASE_ADAPTER = "_base"  # adapter label of base-model requests
+NO_TENANT = "_none"  # tenant label of requests without a tenant
+ROUTING_DECISION_VALUES = ("hit", "miss", "spill")
+_GEN = ["adapter", "tenant", "priority_class"]
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    "lora_cluster_time_to_first_token_seconds",
+    "Time from dispatch (before the cluster queue) to the first token: at the ingress for streams, "
+    "queue wait + the engine's TTFT otherwise.", _GEN, buckets=_TTFT_BUCKETS, registry=REGISTRY)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "lora_cluster_time_per_output_token_seconds",
+    "(end - first token) / (completion tokens - 1) of finished generations with two tokens or more.",
+    _GEN, buckets=_TPOT_BUCKETS, registry=REGISTRY)
+E2E_LATENCY = Histogram(
+    "lora_cluster_e2e_request_latency_seconds",
+    "Time from dispatch (before the cluster queue) to the last token of finished generations.",
+    _GEN, buckets=_E2E_BUCKETS, registry=REGISTRY)
+GENERATIONS = Counter(
+    "lora_cluster_generations_total",
+    "Generations (one per choice) that reached a replica, by how they ended: ok, error, cancelled.",
+    [*_GEN, "outcome"], registry=REGISTRY)
+PROMPT_TOKENS = Counter("lora_cluster_prompt_tokens_total", "Prompt tokens of finished generations.",
+                        _GEN, registry=REGISTRY)
+GENERATED_TOKENS = Counter("lora_cluster_generated_tokens_total", "Tokens generated (finished or not).",
+                           _GEN, registry=REGISTRY)
+SLO_REQUESTS = Counter(
+    "lora_cluster_slo_requests_total",
+    "Finished or failed generations by whether they met their SLA class's TTFT and TPOT targets "
+    "(met, missed; an error is missed; a class without targets is always met).",
+    ["tenant", "priority_class", "outcome"], registry=REGISTRY)
+QUEUE_WAIT = Histogram(
+    "lora_cluster_queue_wait_seconds",
+    "Time a generation waited for admission (the cluster queue; about 0 on the fast path).",
+    ["priority_class"], buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+QUEUE_DEPTH = Gauge("lora_cluster_queue_depth",
+                    "Generations of this ingress waiting in the cluster queue now.",
+                    ["priority_class"], registry=REGISTRY)
+ROUTING_DECISIONS = Counter(
+    "lora_cluster_routing_decisions_total",
+    "Generations by where they ran: hit (adapter resident there), spill (resident on another "
+    "replica only), miss (resident nowhere).", ["decision"], registry=REGISTRY)
+ROUTING_ERRORS = Counter(
+    "lora_cluster_routing_errors_total",
+    "Sends that failed for the routing's sake: no replica, a replica that died, was unreachable or "
+    "ended a stream without output (before or after the first item).", registry=REGISTRY)
+for _decision in ROUTING_DECISION_VALUES:
+    ROUTING_DECISIONS.labels(_decision)
+
+
+class _Labels:
+    """This process's bounded adapter and tenant labels, and the series created under each one (so
+    that a demoted adapter's or tenant's series can be dropped). The index holds only live series."""
+
+    def __init__(self, max_adapters: int, max_tenants: int, window_s: float, sla: SlaClasses,
+                 clock: Callable[[], float] = time.monotonic):
+        self.adapters = TopLabels(max_adapters, window_s, clock=clock)
+        self.tenants = TopLabels(max_tenants, window_s, clock=clock)
+        self.sla = sla
+        # (kind, label) -> {(metric, label values, adapter label or None, tenant label)}
+        self._series: dict[tuple[str, str], set[tuple[Any, tuple[str, ...], str | None, str]]] = {}
+
+    def resolve(self, adapter_id: str | None, tenant: str | None) -> tuple[str, str]:
+        """(adapter label, tenant label) of one generation; counts a use of each."""
+        adapter = BASE_ADAPTER if adapter_id is None else self.adapters.label(adapter_id)
+        who = NO_TENANT if tenant is None else self.tenants.label(tenant)
+        for value in self.adapters.take_demoted():
+            self._drop("adapter", value)
+        for value in self.tenants.take_demoted():
+            self._drop("tenant", value)
+        return adapter, who
+
+    def current(self, adapter: str, tenant: str) -> tuple[str, str]:
+        """Labels chosen earlier, as they are now: a generation that started before its adapter (or
+        tenant) was demoted ends under "other", so no series of a demoted value comes back."""
+        if adapter != BASE_ADAPTER and not self.adapters.is_label(adapter):
+            adapter = OTHER
+        if tenant != NO_TENANT and not self.tenants.is_label(tenant):
+            tenant = OTHER
+        return adapter, tenant
+
+    def child(self, metric: Any, values: tuple[str, ...], adapter: str | None, tenant: str) -> Any:
+        entry = (metric, values, adapter, tenant)
+        if adapter is not None:
+            self._series.setdefault(("adapter", adapter), set()).add(entry)
+        self._series.setdefault(("tenant", tenant), set()).add(entry)
+        return metric.labels(*values)
+
+    def _drop(self, kind: str, value: str) -> None:
+        for entry in self._series.pop((kind, value), ()):
+            metric, values, adapter, tenant = entry
+            with contextlib.suppress(KeyError):
+                metric.remove(*values)
+            other = ("tenant", tenant) if kind == "adapter" else ("adapter", adapter)
+            if other[1] is not None:
+                self._series.get(other, set()).discard(entry)
+
+    def series(self) -> int:
+        """Label combinations in use (for tests and the cardinality measurement)."""
+        return len({(id(m), v) for entries in self._series.values() for m, v, _, _ in entries})
+
+
+_labels = _Labels(50, 50, 300.0, SlaClasses())  # ServeConfig's defaults until `configure`
+
+
+def configure(config: ServeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    """Bound the adapter and tenant labels as `config` says and learn its SLA classes (the ingress
+    calls this once); every class gets its queue-depth series at 0."""
+    global _labels
+    _labels = _Labels(config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
+                      config.metrics_label_window_s, build_sla_classes(config), clock)
+    for metric in (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, GENERATIONS, PROMPT_TOKENS,
+                   GENERATED_TOKENS, SLO_REQUESTS):
+        metric.clear()  # series of an earlier configuration are not in the new index
+    for name in _labels.sla.names:
+        QUEUE_DEPTH.labels(name).set(0)
+
+
+def label_series() -> int:
+    return _labels.series()
+
+
+class GenerationMetrics:
+    """The metrics of one generation (one choice of a request), from its dispatch to its end.
+
+    `tenant` is the request's tenant name (None: no tenant). The adapter and tenant labels are chosen
+    once, when the generation reaches a replica (`started`), so an unknown adapter never takes a
+    label; a generation that never starts is counted only by the HTTP and routing counters. Call
+    `started`, `tokens` as they arrive, then exactly one of `finished`, `failed`, `cancelled` (later
+    calls are ignored)."""
+
+    def __init__(self, adapter_id: str | None, tenant: str | None, priority_class: str,
+                 arrived_at: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.adapter_id, self.tenant, self.priority_class = adapter_id, tenant, priority_class
+        self._clock = clock
+        self.arrived_at = clock() if arrived_at is None else arrived_at
+        self._first_at: float | None = None
+        self._labels: tuple[str, str] | None = None
+        self._ended = False
+
+    def admitted(self) -> None:
+        """Admission answered (at once, or after a wait in the cluster queue)."""
+        QUEUE_WAIT.labels(self.priority_class).observe(self._clock() - self.arrived_at)
+
+    def started(self, ttft_s: float | None = None) -> None:
+        """The first item came: `ttft_s` from dispatch (None: now, the first token arrived)."""
+        if self._labels is not None:
+            return
+        self._labels = _labels.resolve(self.adapter_id, self.tenant)
+        ttft = self._clock() - self.arrived_at if ttft_s is None else ttft_s
+        self._first_at = self.arrived_at + ttft
+        self._child(TIME_TO_FIRST_TOKEN).observe(ttft)
+
+    def tokens(self, n: int) -> None:
+        if n and self._labels is not None:
+            self._child(GENERATED_TOKENS).inc(n)
+
+    def finished(self, prompt_tokens: int, completion_tokens: int) -> None:
+        if not self._end("ok"):
+            return
+        now = self._clock()
+        self._child(E2E_LATENCY).observe(now - self.arrived_at)
+        self._child(PROMPT_TOKENS).inc(prompt_tokens)
+        first = self._first_at if self._first_at is not None else now
+        tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else None
+        if tpot is not None:
+            self._child(TIME_PER_OUTPUT_TOKEN).observe(tpot)
+        sla = _labels.sla.by_name.get(self.priority_class)
+        met = sla is None or sla.met(first - self.arrived_at, tpot)
+        self._slo("met" if met else "missed")
+
+    def failed(self) -> None:
+        if self._end("error"):
+            self._slo("missed")
+
+    def cancelled(self) -> None:
+        self._end("cancelled")
+
+    def _end(self, outcome: str) -> bool:
+        if self._ended or self._labels is None:
+            return False
+        self._ended = True
+        adapter, tenant = _labels.current(*self._labels)
+        _labels.child(GENERATIONS, (adapter, tenant, self.priority_class, outcome), adapter, tenant).inc()
+        return True
+
+    def _child(self, metric: Any) -> Any:
+        assert self._labels is not None
+        adapter, tenant = _labels.current(*self._labels)
+        return _labels.child(metric, (adapter, tenant, self.priority_class), adapter, tenant)
+
+    def _slo(self, outcome: str) -> None:
+        assert self._labels is not None
+        tenant = _labels.current(*self._labels)[1]
+        _labels.child(SLO_REQUESTS, (tenant, self.priority_class, outcome), None, tenant).inc()
+
+
+def routing_decision(adapter_id: str | None, replica: str, hit: bool,
+                     stats: Mapping[str, Mapping[str, Any]] | None) -> str:
+    """Count where a generation ran (see ROUTING_DECISIONS) and return the decision; `stats`: the
+    replicas' last routing reports."""
+    held_elsewhere = adapter_id is not None and any(
+        adapter_id in (report.get("resident") or ()) or adapter_id in (report.get("loading") or ())
+        for rid, report in (stats or {}).items() if rid != replica)
+    decision = "hit" if hit else "spill" if held_elsewhere else "miss"
+    ROUTING_DECISIONS.labels(decision).inc()
+    return decision
+
 
 _ENGINE_GAUGES = {
     # name: (help, function of one replica's routing stats)
@@ -124,8 +354,105 @@ def _store_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[GaugeMet
         yield family
 
 
+# Each replica's engine counters (the `engine` part of its report): name, help, field; label replica.
+_ENGINE_COUNTERS = (
+    ("lora_cluster_engine_steps", "Engine steps that ran a batch.", "steps"),
+    ("lora_cluster_engine_batched_sequences",
+     "Sequences in those steps (mean batch size: its rate over the steps' rate).", "batched_seqs"),
+    ("lora_cluster_engine_sampled_tokens", "Tokens sampled (its rate: the replica's tokens/s).",
+     "sampled_tokens"),
+    ("lora_cluster_engine_preemptions", "Running requests preempted for more urgent ones.", "preemptions"),
+    ("lora_cluster_engine_failed_steps", "Engine steps that failed (their requests ended with an error).",
+     "failed_steps"),
+    ("lora_cluster_adapter_switches",
+     "Adapters placed into a device slot that held another adapter (seed 001's adapter switch).", "switches"),
+)
+MEMORY_USES = ("base_weights", "kv_cache", "adapter_pool", "free")
+
+
+def _tier_loads(report: Mapping[str, Any]) -> dict[str, tuple[float, float, Any, float]]:
+    """tier -> (loads, failed loads, latency buckets, seconds) of one replica: device = placements
+    into a slot (the engine's counters), host/disk/source = fills of the store's tiers."""
+    out = {tier: (c.get("loads", 0), c.get("failures", 0), c.get("load_buckets"),
+                  c.get("load_seconds_total", 0.0))
+           for tier, c in (report.get("store") or {}).items() if tier != "device"}
+    engine = report.get("engine") or {}
+    if "placements" in engine:
+        out["device"] = (engine["placements"], engine.get("placement_failures", 0),
+                         engine.get("placement_buckets"), engine.get("placement_seconds_total", 0.0))
+    return out
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus buckets (le, cumulative count) of per-bucket counts over LOAD_BUCKETS_S and +Inf."""
+    total, buckets = 0, []
+    for bound, n in zip((*LOAD_BUCKETS_S, float("inf")), counts, strict=True):
+        total += n
+        buckets.append((floatToGoString(bound), float(total)))
+    return buckets
+
+
+def _replica_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[Any]:
+    """Adapter loads, memory, fragmentation, engine counters and class gauges from {replica: report}."""
+    loads = CounterMetricFamily(
+        "lora_cluster_adapter_loads", "Adapter loads by tier (device: placements into a slot; host, disk: "
+        "fills from the next tier; source: fetches) and outcome (ok, failed).",
+        labels=["replica", "tier", "outcome"])
+    latency = HistogramMetricFamily(
+        "lora_cluster_adapter_load_duration_seconds", "Latency of the adapter loads of each tier (device: "
+        "the placement into a slot, as the switch-rate and load-latency breakers see it).",
+        labels=["replica", "tier"])
+    hit_ratio = GaugeMetricFamily("lora_cluster_adapter_cache_hit_ratio",
+                                  "hits / (hits + misses) of the tier since the replica started.",
+                                  labels=["replica", "tier"])
+    memory = GaugeMetricFamily(
+        "lora_cluster_device_memory_bytes", "Device memory of each replica by use: base_weights, kv_cache, "
+        "adapter_pool as allocated, free as the device reports it (CUDA only; shared by the replicas "
+        "of one device).", labels=["node", "replica", "use"])
+    fragmentation = GaugeMetricFamily(
+        "lora_cluster_adapter_pool_fragmentation_ratio", "Share of the bytes of the adapter slots in use "
+        "that holds rank padding (slots are sized for max_lora_rank on every projection).",
+        labels=["replica"])
+    classes = GaugeMetricFamily("lora_cluster_replica_requests",
+                                "Requests on the replica by SLA class and state (running, waiting).",
+                                labels=["replica", "priority_class", "state"])
+    attainment = GaugeMetricFamily("lora_cluster_replica_slo_attainment_ratio",
+                                   "Share of the class's requests that met its targets on the replica over "
+                                   "the last minute (engine-measured).", labels=["replica", "priority_class"])
+    engine_families = [(CounterMetricFamily(n, h, labels=["replica"]), f) for n, h, f in _ENGINE_COUNTERS]
+    for rid, report in sorted(stats.items()):
+        for tier, (ok, failed, buckets, seconds) in sorted(_tier_loads(report).items()):
+            loads.add_metric([rid, tier, "ok"], float(ok))
+            loads.add_metric([rid, tier, "failed"], float(failed))
+            if buckets and len(buckets) == len(LOAD_BUCKETS_S) + 1:
+                latency.add_metric([rid, tier], _cumulative(buckets), float(seconds))
+        for tier, c in sorted((report.get("store") or {}).items()):
+            seen = c.get("hits", 0) + c.get("misses", 0)
+            if seen:
+                hit_ratio.add_metric([rid, tier], c.get("hits", 0) / seen)
+        mem, node = report.get("memory") or {}, str(report.get("node_id") or "")
+        for use in MEMORY_USES:
+            if mem.get(use) is not None:
+                memory.add_metric([node, rid, use], float(mem[use]))
+        engine = report.get("engine") or {}
+        if engine.get("adapter_pool_fragmentation") is not None:
+            fragmentation.add_metric([rid], float(engine["adapter_pool_fragmentation"]))
+        for family, field in engine_families:
+            if field in engine:
+                family.add_metric([rid], float(engine[field]))
+        for name, c in sorted((report.get("classes") or {}).items()):
+            for state in ("running", "waiting"):
+                if state in c:
+                    classes.add_metric([rid, name, state], float(c[state]))
+            if c.get("slo_attainment") is not None:
+                attainment.add_metric([rid, name], float(c["slo_attainment"]))
+    yield from (loads, latency, hit_ratio, memory, fragmentation, classes, attainment)
+    yield from (family for family, _ in engine_families)
+
+
 class ReplicaStatsCollector(Collector):
-    """Engine gauges, one sample per replica, from `source()` -> {replica id: routing stats}."""
+    """Replica metrics, one sample per replica (and tier, class, ...), from `source()` -> {replica id:
+    routing stats}: engine gauges and counters, adapter store tiers, loads, memory."""
 
     def __init__(self, source: Callable[[], Mapping[str, Mapping[str, Any]] | None]):
         self._source = source
@@ -146,6 +473,7 @@ class ReplicaStatsCollector(Collector):
                     family.add_metric([replica_id], float(v))
             yield family
         yield from _store_families(stats)
+        yield from _replica_families(stats)
 
 
 _replica_collector: ReplicaStatsCollector | None = None

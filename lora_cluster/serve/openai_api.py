@@ -5,7 +5,11 @@ engine requests (choice i of a seeded request uses seed + i). `stream: true` sen
 ends with `data: [DONE]`; `stream_options.include_usage` adds a last chunk with the usage. An error
 after the first token arrives as a `data: {"error": ...}` event before `[DONE]`. The SLA class is the
 `x-lora-priority` header's, else vLLM's integer `priority` field's, else the default (see `context`);
-every choice's job runs in it, and the response names it in `x-lora-priority-class`.
+every choice's job runs in it, and the response names it in `x-lora-priority-class`. Log-probabilities
+(completions `logprobs: k`, chat `logprobs: true` + `top_logprobs: k`) come in each choice's `logprobs`,
+streamed chunks included, in OpenAI's shapes (`logprob_format`); they are of the raw model
+distribution, whatever the temperature (see `engine.logprobs`). Completions' `echo` prepends each
+prompt to its choices' text and, with `logprobs`, its tokens' logprobs (the first null); not with `stream`.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.serve import openapi
+from lora_cluster.serve.auth import Caller, CallerDep
 from lora_cluster.serve.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
 from lora_cluster.serve.dispatch import Generation, routing_headers
 from lora_cluster.serve.http_errors import ApiException
+from lora_cluster.serve.logprob_format import TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
+from lora_cluster.serve.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest, merge_of
 from lora_cluster.serve.sse import DONE, EventStream, event
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -37,86 +44,134 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
 
     def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
-                 sla: SlaClass) -> list[GenerateJob]:
-        adapter = ctx.adapter_for(body.model)
+                 sla: SlaClass, caller: Caller) -> list[GenerateJob]:
+        adapter = ctx.adapter_for(body.model, caller)
+        merge = merge_of(body.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
+        path = ctx.adapter_path(adapter)
+        adapter = merge.adapter_id if merge is not None else adapter
         jobs = []
         for prompt in prompts:
             for choice in range(body.n):
                 jobs.append(GenerateJob(
                     request_id=f"{request_id}-{len(jobs)}", prompt=prompt, adapter_id=adapter,
                     sampling=body.sampling(ctx.config, default_max, choice), stream=body.stream,
-                    adapter_path=ctx.adapter_path(adapter), priority_class=sla.name, priority=sla.priority))
+                    adapter_path=path, priority_class=sla.name, priority=sla.priority, merge=merge,
+                    tenant=caller.tenant))
         return jobs
 
     async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str,
-                  sla: SlaClass) -> Any:
+                  sla: SlaClass, caller: Caller, echoes: list[str] | None = None) -> Any:
+        """Start the jobs and answer; `echoes` (completions' `echo`): each prompt's text, prepended."""
         request_id = ctx.new_id("cmpl" if kind == "text" else "chatcmpl")
         created = int(time.time())
-        jobs = jobs_for(body, prompts, default_max, request_id, sla)
-        generations = await ctx.dispatcher.start_all(jobs, route)
-        headers = {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
+        jobs = jobs_for(body, prompts, default_max, request_id, sla, caller)
         prompt_tokens = sum(len(p) for p in prompts)
+        await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
+        generations = await ctx.dispatcher.start_all(jobs, route)
+        caller.track(generations)
+        headers = {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
+        texts = TokenTexts(ctx.token_text)
         if not body.stream:
             done = await finals(generations)
             choices = []
             for index, item in enumerate(done):
                 finish = OPENAI_FINISH.get(item["finish_reason"], item["finish_reason"])
+                logprobs = _logprobs(kind, item.get("logprobs"), texts)
                 if kind == "text":
-                    choices.append({"index": index, "text": item["text"], "logprobs": None,
+                    text = item["text"]
+                    if echoes is not None:
+                        prompt_index = index // body.n
+                        text = echoes[prompt_index] + text
+                        logprobs = _echoed(prompts[prompt_index], item, texts)
+                    choices.append({"index": index, "text": text, "logprobs": logprobs,
                                     "finish_reason": finish})
                 else:
                     choices.append({"index": index, "message": {"role": "assistant", "content": item["text"]},
-                                    "logprobs": None, "finish_reason": finish})
+                                    "logprobs": logprobs, "finish_reason": finish})
             completion_tokens = sum(item["completion_tokens"] for item in done)
             return JSONResponse({
                 "id": request_id, "object": "text_completion" if kind == "text" else "chat.completion",
                 "created": created, "model": body.model, "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens)}, headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage)
+        events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
+                         texts)
         return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
 
-    @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, x_lora_priority: PriorityHeader = None) -> Any:
+    @router.post("/v1/completions", responses=openapi.GENERATION)
+    async def completions(body: CompletionRequest, caller: CallerDep,
+                          x_lora_priority: PriorityHeader = None) -> Any:
         body.check(ctx.config)
-        sla = ctx.priority_class(x_lora_priority, body.priority)
-        prompts = [await ctx.encode(p) for p in body.prompts()]  # in turn: one pool job per request
-        return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla)
+        ctx.adapter_for(body.model, caller)  # before any work: 404 when the tenant may not use it
+        sla = ctx.priority_class(x_lora_priority, body.priority, caller)
+        raw = body.prompts()
+        prompts = [await ctx.encode(p) for p in raw]  # in turn: one pool job per request
+        echoes = [p if isinstance(p, str) else await ctx.decode(p) for p in raw] if body.echo else None
+        return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
+                         caller, echoes)
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, x_lora_priority: PriorityHeader = None) -> Any:
+    @router.post("/v1/chat/completions", responses=openapi.GENERATION)
+    async def chat_completions(body: ChatCompletionRequest, caller: CallerDep,
+                               x_lora_priority: PriorityHeader = None) -> Any:
         body.check(ctx.config)
-        sla = ctx.priority_class(x_lora_priority, body.priority)
+        ctx.adapter_for(body.model, caller)  # before any work: 404 when the tenant may not use it
+        sla = ctx.priority_class(x_lora_priority, body.priority, caller)
         prompt = await ctx.encode_chat(body.conversation())
-        return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla)
+        return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
+                         caller)
 
-    @router.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    @router.get("/v1/models", responses=openapi.LISTING)
+    async def models(caller: CallerDep) -> dict[str, Any]:
+        """The base model and the adapters, those the caller's tenant may use only. `root` is where
+        a registered adapter was loaded from (as vLLM reports it) for an admin caller only (or on an
+        open server): a tenant sees the adapter's id there, never a server path."""
         adapters = await ctx.dispatcher.any_replica("list_adapters")
         created = int(time.time())
-        base = {"id": ctx.base_name, "object": "model", "created": created, "owned_by": "lora-cluster",
-                "root": ctx.config.model, "parent": None}
+        base = [{"id": ctx.base_name, "object": "model", "created": created, "owned_by": "lora-cluster",
+                 "root": ctx.config.model, "parent": None}] if caller.may_use(None) else []
         registered = ctx.registrations.snapshot()
-        ids = list(dict.fromkeys([*registered, *adapters]))
-        return {"object": "list", "data": [base, *(
+        ids = [a for a in dict.fromkeys([*registered, *adapters]) if caller.may_use(a)]
+        return {"object": "list", "data": [*base, *(
             {"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
-             "root": registered.get(a, a), "parent": ctx.base_name} for a in ids)]}
+             "root": registered.get(a, a) if caller.principal.admin else a, "parent": ctx.base_name}
+            for a in ids)]}
 
     return router
 
 
-async def _stream(generations: list[Generation], request_id: str, created: int, model: str, kind: str,
-                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
-    obj = "text_completion" if kind == "text" else "chat.completion.chunk"
+def _logprobs(kind: str, lps: list[Any] | None, texts: TokenTexts, offset: int = 0) -> dict[str, Any] | None:
+    """A choice's `logprobs` (None when the request did not ask for them)."""
+    if lps is None:
+        return None
+    return completion_logprobs(lps, texts, offset) if kind == "text" else chat_logprobs(lps, texts)
 
-    def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> bytes:
+
+def _echoed(prompt: list[int], item: dict[str, Any], texts: TokenTexts) -> dict[str, Any] | None:
+    """Completions `logprobs` of an echoed choice: the prompt's tokens, then the generated ones."""
+    if item.get("logprobs") is None:
+        return None
+    head = echo_logprobs(prompt, item.get("prompt_logprobs"), texts)
+    tail = completion_logprobs(item["logprobs"], texts, sum(len(t) for t in head["tokens"]))
+    return {key: head[key] + tail[key] for key in head}
+
+
+async def _stream(generations: list[Generation], request_id: str, created: int, model: str, kind: str,
+                  prompt_tokens: int, include_usage: bool, texts: TokenTexts) -> AsyncIterator[bytes]:
+    obj = "text_completion" if kind == "text" else "chat.completion.chunk"
+    offsets = [0] * len(generations)  # completions: text offset of each choice's next token
+
+    def chunk(index: int, text: str | None, finish: str | None, first: bool = False,
+              lps: list[Any] | None = None) -> bytes:
+        logprobs = _logprobs(kind, lps, texts, offsets[index])
         if kind == "text":
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            if logprobs is not None:
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
         else:
             delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return event({"id": request_id, "object": obj, "created": created, "model": model,
                       "choices": [choice]})
 
@@ -128,8 +183,9 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
         async for index, item in merge(generations):
             completion_tokens[index] = item["completion_tokens"]
             finish = OPENAI_FINISH.get(item["finish_reason"]) if item["finished"] else None
-            if item["delta_text"] or finish:
-                yield chunk(index, item["delta_text"], finish)
+            lps = item.get("delta_logprobs")
+            if item["delta_text"] or finish or lps:
+                yield chunk(index, item["delta_text"], finish, lps=lps)
         if include_usage:
             yield event({"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
                          "usage": _usage(prompt_tokens, sum(completion_tokens))})

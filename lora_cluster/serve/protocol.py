@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.engine import RequestOutput, SamplingParams
 from lora_cluster.errors import RequestAbortedError
+from lora_cluster.serve.logs import request_id
+from lora_cluster.store.merge import MergeSpec
 
 T = TypeVar("T")
 _END = object()
@@ -45,6 +47,11 @@ class GenerateJob:
     priority: int = _DEFAULT_CLASS.priority
     replica_id: str | None = None  # granted by the cluster controller: run there (None: router's choice)
     ticket_id: str | None = None  # the cluster queue ticket it was granted with (the replica reports it)
+    merge: MergeSpec | None = None  # a merged adapter (then `adapter_id` is `merge.adapter_id`)
+    tenant: str | None = None  # the request's tenant (None: open server); picks its replica group
+    # the `x-request-id` of the HTTP request that built the job (set by default from `logs.request_id()`):
+    # the replica logs the job's lines with it
+    http_request_id: str | None = field(default_factory=request_id)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,9 @@ def output_item(out: RequestOutput, *, full: bool) -> dict[str, Any]:
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
         "ttft_s": out.time_to_first_token,
+        "delta_logprobs": out.delta_logprobs,  # engine.logprobs.TokenLogprob per delta id (None: not asked)
+        "logprobs": out.logprobs if full else None,
+        "prompt_logprobs": out.prompt_logprobs if full else None,
     }
 
 

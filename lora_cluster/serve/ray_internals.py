@@ -61,3 +61,17 @@ def own_request_id() -> Iterator[None]:
         yield
     finally:
         serve_context._serve_request_context.reset(token)
+
+
+def serve_root_url() -> str | None:
+    """Ray Serve's HTTP address (`http://host:port[root_path]`), None when HTTP is off or unknown.
+
+    Reads `ray.serve.context._get_global_client().root_url` (the controller's `get_root_url`, which
+    `serve run` prints itself). No public API tells a replica the address its proxy serves; the ingress
+    uses it for its "ready" line. Blocking (it may call the controller): call it off the event loop.
+    """
+    from ray.serve import context as serve_context
+
+    client = serve_context._get_global_client(raise_if_no_controller_running=False)
+    url = None if client is None else client.root_url
+    return url or None

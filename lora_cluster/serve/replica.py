@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,8 +35,10 @@ from lora_cluster.config import build_sla_classes
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
+from lora_cluster.serve.logs import configure_logging, set_request_id
 from lora_cluster.serve.model import load_config, resolve_model
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
+from lora_cluster.serve.replica_groups import DEFAULT_GROUP
 from lora_cluster.serve.replica_report import ServiceTime, build_report, memory_split
 from lora_cluster.serve.reporter import AdapterDemand, ControllerReporter
 from lora_cluster.store import build_adapter_loader
@@ -54,6 +57,8 @@ async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[
         if len(group) > 1:
             item["delta_text"] = "".join(o.delta_text for o in group)
             item["delta_token_ids"] = [t for o in group for t in o.delta_token_ids]
+            if last.delta_logprobs is not None:
+                item["delta_logprobs"] = [lp for o in group for lp in o.delta_logprobs or ()]
         yield item
         if last.finished:
             return
@@ -72,8 +77,10 @@ async def tracked(outputs: AsyncIterator[RequestOutput],
 
 @serve.deployment(name="LoraReplica")
 class LoraReplica:
-    def __init__(self, config: dict[str, Any], controller: Any | None = None):
+    def __init__(self, config: dict[str, Any], controller: Any | None = None, group: str = DEFAULT_GROUP):
         self.config = resolve_model(load_config(config))
+        self.group = group  # its replica group (`replica_groups`), reported in the routing stats
+        configure_logging(self.config.log_format)
         self.engine = Engine(config=self.config, adapter_loader=build_adapter_loader)
         self.aengine = AsyncEngine(self.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -95,7 +102,8 @@ class LoraReplica:
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict[str, Any]]:
         """Run `job` at its class's priority; its class's stats count it (an error is a missed SLO, a
-        caller that goes away is no sample)."""
+        caller that goes away is no sample). The call's task logs with the job's `x-request-id`."""
+        set_request_id(job.http_request_id)  # this call's own task (context): nothing to reset
         aid = job.adapter_id
         hit = aid is None or aid in self.aengine.stats.resident_adapters
         self.counts["requests"] += 1
@@ -112,6 +120,8 @@ class LoraReplica:
         try:
             if job.adapter_path is not None and aid is not None:
                 await self._ensure_registered(aid, job.adapter_path)
+            if job.merge is not None:  # a merged adapter: its recipe first, then its id like any other
+                aid = self.aengine.define_merge(job.merge)
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                                     priority=job.priority), tracker)
             if not job.stream:
@@ -155,8 +165,9 @@ class LoraReplica:
             self.reporter.start()  # Serve polls this from the start: the reports begin with it
         # fresh from the loop thread: `AsyncEngine.stats` is refreshed only by engine steps, so it
         # would still show an aborted request as running while the engine idles
-        s = await self.aengine.call(lambda engine: engine.stats())
+        s, counters = await self.aengine.call(lambda engine: (engine.stats(), engine.counters_snapshot()))
         held = set(s.resident_adapters) | set(s.loading_adapters)
+        store = self._store_tiers()
         return {
             "resident": sorted(s.resident_adapters),
             "loading": sorted(s.loading_adapters),
@@ -167,9 +178,16 @@ class LoraReplica:
             "num_waiting": s.num_waiting,
             "free_seq_slots": s.free_seq_slots,
             "max_num_seqs": self.config.max_num_seqs,
+            "takes_cold": s.takes_cold,  # False while an adapter breaker is open (the router avoids misses)
+            "breakers": {**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
+            "group": self.group,
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
-            "store": self._store_tiers(),
+            "store": store,
             "classes": self.class_stats.snapshot(),
+            # for /metrics (serve.metrics): engine counters, device memory by use, where it runs
+            "engine": {**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps},
+            "memory": dataclasses.asdict(memory_split(self.engine, store)),
+            "node_id": self.node_id,
         }
 
     # ----- the cluster controller ---------------------------------------------------------

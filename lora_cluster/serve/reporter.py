@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lora_cluster.cluster.reports import MAX_REPORTED_ADAPTERS
+from lora_cluster.serve.logs import detached
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class ControllerReporter:
 
     def start(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run(), context=detached())
 
     def request_finished(self) -> None:
         """Report now if requests are queued in the cluster (a slot just freed here)."""

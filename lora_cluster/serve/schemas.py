@@ -2,31 +2,85 @@
 
 Field names follow the APIs they imitate: OpenAI (plus vLLM's `top_k`, `ignore_eos`,
 `stop_token_ids`), LoRAX/TGI, and vLLM's adapter admin routes. Parameters the engine cannot honour
-(log-probabilities, penalties, `best_of`, tools...) are refused with a 400 naming them rather than
-silently ignored; unknown extra fields are ignored, as OpenAI-compatible servers do.
+(penalties, `best_of`, tools...) are refused with a 400 naming them rather than silently ignored.
+Unknown fields: the OpenAI bodies (completions, chat) refuse an unknown top-level field with a 400
+naming it, as the OpenAI API does ("Unrecognized request argument supplied"), so that a typo or a
+parameter this server does not implement is never silently dropped; their nested objects (messages,
+stream_options) and the LoRAX and vLLM admin bodies ignore unknown fields, as LoRAX/TGI and vLLM do.
+Input limits (400 naming the limit): `max_new_tokens`, `max_n`, `max_prompts` (prompts in one
+completions request), `max_stop_sequences` and `max_stop_length` (stop strings). Log-probabilities (OpenAI
+`logprobs` / `top_logprobs`, LoRAX `details`, `decoder_input_details`, `return_k_alternatives`)
+ask for at most `max_logprobs` alternatives per token (400 above). Values are validated strictly
+(a boolean must be a JSON boolean, an integer a JSON integer), as the OpenAPI schema states them.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lora_cluster.adapter_format import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.http_errors import bad_request
+from lora_cluster.store.merge import MergeSpec
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+T = TypeVar("T")
+NonEmpty = Annotated[T, Field(min_length=1)]
+
+
+def _json_integers(value: Any) -> Any:
+    """`value` with integral floats as ints: JSON Schema's integers include 2.0 (the body's depth is
+    bounded before it is parsed, see `max_json_depth`)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_json_integers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_integers(v) for k, v in value.items()}
+    return value
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value must have the type the OpenAPI schema states (no `"stream": 0` or `"n": "2"`,
+    # which lax pydantic would coerce while the schema promises a 400); an int is still a number,
+    # and an integral number (2.0) an integer, as in JSON Schema
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        return _json_integers(data)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class MergedAdaptersBody(_Body):
+    """LoRAX's `merged_adapters` (lorax-client's `MergedAdapters`): merge these adapters for the request
+    (see `lora_cluster.store.merge`)."""
+
+    ids: list[str] = Field(description="Adapters to merge (at most max_merged_adapter_ids).")
+    weights: list[float] = Field(description="One weight per adapter.")
+    merge_strategy: str | None = Field(None, description="linear (default), ties, dare_linear or dare_ties.")
+    density: float = Field(1.0, description="Fraction of entries kept by ties and dare, in [0, 1].")
+    majority_sign_method: str | None = Field(None, description="total (default) or frequency.")
+
+    def spec(self, limits: ServeConfig) -> MergeSpec:
+        """The validated merge (RequestError naming the field: a 400)."""
+        return MergeSpec.parse(self.ids, self.weights, self.merge_strategy, self.density,
+                               self.majority_sign_method, max_ids=limits.max_merged_adapter_ids)
+
+
 class _OpenAISampling(_Body):
+    model_config = ConfigDict(extra="forbid")  # as the OpenAI API: unknown top-level fields are a 400
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -44,13 +98,15 @@ class _OpenAISampling(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    merged_adapters: MergedAdaptersBody | None = Field(
+        None, description="LoRAX extension: merge these adapters for the request; `model` then names the "
+        "base model.")
     priority: int | None = Field(
         None, description="vLLM extension: lower is more urgent; picks the SLA class with that priority "
         "(see SlaClasses.resolve) unless the x-lora-priority header names one.")
 
-    def _refuse_unsupported(self, logprobs: object) -> None:
+    def _refuse_unsupported(self) -> None:
         unsupported = {
-            "logprobs": logprobs not in (None, False, 0),
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "logit_bias": bool(self.logit_bias),
@@ -67,16 +123,35 @@ class _OpenAISampling(_Body):
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return SamplingParams(
             max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=max(self.top_k, 0), seed=seed, stop=_stops(self.stop),
+            top_k=max(self.top_k, 0), seed=seed, stop=check_stops(_stops(self.stop), limits),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
         )
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per generated token the request asks for (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives per prompt token the request asks for (None: no prompt logprobs)."""
+        return None
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    model_config = ConfigDict(json_schema_extra={"examples": [  # the README's quickstart (demo zoo)
+        {"model": "a3", "prompt": "the river", "max_tokens": 16, "temperature": 0},
+        {"model": "demo", "prompt": "the river", "max_tokens": 4, "stream": True}]})
+
+    prompt: NonEmptyStr | NonEmpty[list[NonEmptyStr]] | NonEmptyIds | NonEmpty[list[NonEmptyIds]] = Field(
+        description="A prompt, prompts, token ids, or lists of token ids; none of them empty.")
+    echo: bool = Field(False, description="Prepend the prompt to each choice's text (and, with logprobs, "
+                       "its tokens' logprobs, the first null); not with stream.")
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob and this many "
+                                 "alternatives per token (at most max_logprobs).")
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -90,11 +165,20 @@ class CompletionRequest(_OpenAISampling):
             raise bad_request("prompt must not be empty")
         return out
 
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def check(self, limits: ServeConfig) -> None:
-        self._refuse_unsupported(self.logprobs)
-        if self.echo or self.suffix:
-            raise bad_request("unsupported parameter(s): echo/suffix", code="unsupported_parameter")
+        self._refuse_unsupported()
+        check_logprobs(self.logprobs, limits, "logprobs")
+        if self.suffix:
+            raise bad_request("unsupported parameter(s): suffix", code="unsupported_parameter")
+        if self.echo and self.stream:
+            raise bad_request("unsupported parameter(s): echo with stream", code="unsupported_parameter")
         check_n(self.n, limits)
+        count = len(self.prompts())
+        if count > limits.max_prompts:
+            raise bad_request(f"{count} prompts exceed the limit of max_prompts={limits.max_prompts}")
 
 
 class ChatMessage(_Body):
@@ -113,14 +197,27 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_OpenAISampling):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "a3", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
+        {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+         "stream": True, "stream_options": {"include_usage": True}}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, description="Alternatives per token with logprobs: "
+                                     "true (at most max_logprobs; OpenAI allows 0-20).")
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check(self, limits: ServeConfig) -> None:
-        self._refuse_unsupported(self.logprobs)
+        self._refuse_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true")
+        check_logprobs(self.top_logprobs, limits, "top_logprobs")
         if self.tools:
             raise bad_request("unsupported parameter(s): tools", code="unsupported_parameter")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -137,7 +234,7 @@ class LoraxParameters(_Body):
     adapter_id: str | None = None
     adapter_source: str | None = None
     api_token: str | None = None
-    merged_adapters: dict[str, Any] | None = None
+    merged_adapters: MergedAdaptersBody | None = None
     do_sample: bool = False
     max_new_tokens: int | None = Field(None, ge=1)
     ignore_eos_token: bool = False
@@ -159,13 +256,11 @@ class LoraxParameters(_Body):
 
     def check(self) -> None:
         unsupported = {
-            "merged_adapters": self.merged_adapters is not None,
             "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "truncate": self.truncate is not None,
             "typical_p": self.typical_p not in (None, 1.0),
             "best_of": self.best_of not in (None, 1),
             "watermark": self.watermark,
-            "return_k_alternatives": self.return_k_alternatives is not None,
             "response_format": self.response_format is not None,
             "adapter_source": self.adapter_source not in (None, "hub", "local", "s3"),
         }
@@ -187,22 +282,31 @@ class LoraxParameters(_Body):
         max_new = self.max_new_tokens if self.max_new_tokens is not None else limits.default_max_tokens
         check_max_tokens(max_new, limits, "max_new_tokens")
         seed = (self.seed if self.seed is not None else random.randrange(2**63)) if self.sampled else None
+        if self.return_k_alternatives is not None and self.return_k_alternatives < 1:
+            raise bad_request("return_k_alternatives must be strictly positive")
+        check_logprobs(self.return_k_alternatives, limits, "return_k_alternatives")
         params = SamplingParams(
             max_new_tokens=max_new, temperature=(self.temperature or 1.0) if self.sampled else 0.0,
-            top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=seed, stop=list(self.stop),
-            ignore_eos=self.ignore_eos_token,
+            top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=seed,
+            stop=check_stops(list(self.stop), limits),
+            ignore_eos=self.ignore_eos_token, logprobs=self.return_k_alternatives or 0,
+            prompt_logprobs=0 if self.decoder_input_details else None,
         )
         return params, seed
 
 
 class LoraxRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"inputs": "the river", "parameters": {"adapter_id": "a3", "max_new_tokens": 16}}]})
+
     inputs: str = Field(min_length=1)
     parameters: LoraxParameters = Field(default_factory=LoraxParameters)
     stream: bool = False
 
 
 class LoadLoraAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_ID_LEN, pattern=ADAPTER_ID_PATTERN,
+                           description="The adapter id to serve it as (letters, digits, '._-/').")
     lora_path: str = Field(min_length=1)
 
 
@@ -220,6 +324,40 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 def check_max_tokens(value: int, limits: ServeConfig, field: str) -> None:
     if value > limits.max_new_tokens:
         raise bad_request(f"{field}={value} exceeds the limit of {limits.max_new_tokens} new tokens")
+
+
+def merge_of(merged: MergedAdaptersBody | None, named: str | None, limits: ServeConfig,
+             admit: Callable[[str], object]) -> MergeSpec | None:
+    """The request's merge (None: it asks for none). `named` is the adapter the request names otherwise
+    (both at once are refused); `admit(id)` is the API's one adapter check point
+    (`ApiContext.adapter_for`: unknown ids and tenants' access), run on every merged id."""
+    if merged is None:
+        return None
+    if named is not None:
+        raise bad_request(f"name at most one of an adapter ({named!r}) and merged_adapters (which then "
+                          "merges onto the base model)")
+    spec = merged.spec(limits)
+    for adapter_id in spec.ids:
+        admit(adapter_id)
+    return spec
+
+
+def check_logprobs(value: int | None, limits: ServeConfig, field: str) -> None:
+    if value is not None and value > limits.max_logprobs:
+        raise bad_request(f"{field}={value} exceeds the limit of {limits.max_logprobs} (max_logprobs)")
+
+
+def check_stops(stops: list[str], limits: ServeConfig) -> list[str]:
+    """`stops`, refused (400 naming the limit) when there are more than `max_stop_sequences` or one
+    is longer than `max_stop_length` characters."""
+    if len(stops) > limits.max_stop_sequences:
+        raise bad_request(f"{len(stops)} stop sequences exceed the limit of "
+                          f"max_stop_sequences={limits.max_stop_sequences}")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_length:
+        raise bad_request(f"a stop sequence of {longest} characters exceeds the limit of "
+                          f"max_stop_length={limits.max_stop_length}")
+    return stops
 
 
 def check_n(n: int, limits: ServeConfig) -> None:

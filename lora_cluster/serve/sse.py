@@ -27,6 +27,8 @@ class EventStream(StreamingResponse):
     """An SSE response; events that queue up while the previous write is in flight go out as one
     body chunk (still separate events), which saves per-message costs of the Serve proxy hop."""
 
+    media_type = "text/event-stream"  # what a route with `response_class=EventStream` declares
+
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], on_close: Callable[[], None]):
         async def guarded() -> AsyncIterator[bytes]:
             try:

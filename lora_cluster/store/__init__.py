@@ -26,7 +26,9 @@ def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torc
     if config.adapter_store == "folder":
         from lora_cluster.store.folder_loader import FolderAdapterLoader
 
-        return FolderAdapterLoader(config.adapter_source, shapes, config.max_lora_rank)
+        return FolderAdapterLoader(config.adapter_source, shapes, config.max_lora_rank,
+                                   max_merged_adapters=config.max_merged_adapters,
+                                   merge_seed=config.merge_seed)
     return TieredAdapterStore.from_config(config, shapes, device)
 
 

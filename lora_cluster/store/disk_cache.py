@@ -82,6 +82,7 @@ class DiskCache:
         self._clock = clock
         self.index = TierIndex(budget_bytes, protected=protected, priority=priority, clock=clock)
         self._meta: dict[str, DiskEntry] = {}
+        self._keys_of: dict[str, frozenset[str]] = {}  # adapter id -> its keys (replaced, never mutated)
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self.stats = stats or StoreStats()
@@ -101,9 +102,26 @@ class DiskCache:
             return list(self._meta)
 
     def adapter_keys(self, adapter_id: str) -> list[str]:
-        """Keys of the adapter's entries. Lock-free (a dict copy is atomic under the GIL), so the
-        engine thread never waits behind a commit's file operations."""
-        return [k for k, e in self._meta.copy().items() if e.adapter_id == adapter_id]
+        """Keys of the adapter's entries. Lock-free and O(1) in the number of entries (an index
+        whose values are replaced, never mutated), so the engine thread never waits behind a
+        commit's file operations nor scans thousands of entries."""
+        return list(self._keys_of.get(adapter_id, ()))
+
+    def _put_meta(self, entry: DiskEntry) -> None:
+        """`_meta[entry.key] = entry`, indexed by adapter (lock held)."""
+        self._meta[entry.key] = entry
+        self._keys_of[entry.adapter_id] = self._keys_of.get(entry.adapter_id, frozenset()) | {entry.key}
+
+    def _pop_meta(self, key: str) -> DiskEntry | None:
+        """`_meta.pop(key)`, unindexed (lock held)."""
+        entry = self._meta.pop(key, None)
+        if entry is not None:
+            keys = self._keys_of.get(entry.adapter_id, frozenset()) - {key}
+            if keys:
+                self._keys_of[entry.adapter_id] = keys
+            else:
+                self._keys_of.pop(entry.adapter_id, None)
+        return entry
 
     @property
     def bytes(self) -> int:
@@ -139,7 +157,7 @@ class DiskCache:
             if self.index.admit(entry.key, entry.adapter_id, entry.nbytes, 0.0, last_access) is None:
                 self._delete(entry.path)  # the budget shrank since the last run
             else:
-                self._meta[entry.key] = entry
+                self._put_meta(entry)
         self._gauges(0)
 
     # ----- use ------------------------------------------------------------------------------
@@ -202,18 +220,18 @@ class DiskCache:
                 self.stats.add("disk", "rejected")
                 return None
             for victim in evicted:
-                old = self._meta.pop(victim.key, None)
+                old = self._pop_meta(victim.key)
                 if old is not None:
                     trash.append(old)
             final = self.entries_dir / key
             if key in self._meta:  # replaced
-                trash.append(self._meta.pop(key))
+                trash.append(self._pop_meta(key))
             bins = [self._move_to_trash(old.path) for old in trash]
             if final.exists():
                 bins.append(self._move_to_trash(final))
             os.rename(staging, final)
             entry = DiskEntry(key, adapter_id, final, digests, nbytes)
-            self._meta[key] = entry
+            self._put_meta(entry)
             self.index.lease(key)
             self._gauges(len(evicted))
         _fsync_dir(self.entries_dir)
@@ -226,7 +244,7 @@ class DiskCache:
     def remove(self, key: str) -> bool:
         """Drop an entry (e.g. it failed its integrity check); True when it existed."""
         with self._lock:
-            entry = self._meta.pop(key, None)
+            entry = self._pop_meta(key)
             self.index.remove(key)
             bin_ = self._move_to_trash(entry.path) if entry is not None else None
             self._gauges(0)

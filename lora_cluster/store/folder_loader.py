@@ -2,7 +2,8 @@
 
 No caches, no budgets: `adapter_store="folder"` selects it, for debugging and for tests that want
 the engine without the tiered store. The first folder holding an id wins; `register` maps an id to
-a folder of its own (vLLM's load_lora_adapter) and bumps the id's version.
+a folder of its own (vLLM's load_lora_adapter) and bumps the id's version. Merged adapters
+(`define_merge`) are built from their adapters on every load.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id, load_peft_adapter
 from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.store.merge import MergeSpec
+from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
@@ -22,15 +25,28 @@ if TYPE_CHECKING:
 class FolderAdapterLoader:
     """An `AdapterLoader` over local folders (see the module docstring)."""
 
-    def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int):
+    def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int, *,
+                 max_merged_adapters: int = 256, merge_seed: int = 0):
         self.folders = [Path(s.removeprefix("file://")).expanduser() for s in sources]
         self.shapes, self.max_rank = shapes, max_rank
         self._registered: dict[str, Path] = {}
         self._versions = Versions()
         self._lock = threading.Lock()
+        self.merged = MergedAdapters(max_entries=max_merged_adapters, load=self._load_plain,
+                                     version=self._versions.get, versions=self._versions,
+                                     in_use=lambda adapter_id: False, module_order=list(shapes.modules),
+                                     max_rank=max_rank, seed=merge_seed)
+
+    def define_merge(self, spec: MergeSpec) -> str:
+        return self.merged.define(spec)
 
     def load(self, adapter_id: str) -> LoraWeights:
         check_adapter_id(adapter_id)
+        if self.merged.spec(adapter_id) is not None:
+            return self.merged.build(adapter_id)
+        return self._load_plain(adapter_id)
+
+    def _load_plain(self, adapter_id: str) -> LoraWeights:
         version = self._versions.get(adapter_id)
         with self._lock:
             folder = self._registered.get(adapter_id)
@@ -43,6 +59,8 @@ class FolderAdapterLoader:
         return weights
 
     def version(self, adapter_id: str) -> int:
+        if self.merged.spec(adapter_id) is not None:
+            return self.merged.version(adapter_id)
         return self._versions.get(adapter_id)
 
     def register(self, adapter_id: str, location: str) -> None:

@@ -16,6 +16,10 @@ that no source offers is remembered as missing for `negative_cache_ttl_s` in a b
 (`NegativeCache`), answered at once meanwhile, and leaves no other record (access history,
 lifecycle): every structure keyed by adapter id holds only adapters that exist, or is bounded.
 
+Merged adapters (`define_merge`, see `merge` and `merged`): a merge's id `merged/<hash>` loads by
+merging its adapters' weights, each fetched through the tiers as above; the result is kept in the
+host tier under the merged id (its version follows its adapters' versions) and never on disk.
+
 Versions (`version(adapter_id)`, see `versions.Versions`): `register`, `unregister` and
 `invalidate` bump the id's version; weights carry the version current when their load began, so
 the engine never serves a changed adapter from an older copy in a device slot.
@@ -29,9 +33,11 @@ fetched will not be placed, so they count as an ordinary host-tier entry again. 
 copy is copied back to host memory in the background, so that losing its device slot costs a
 host-to-device copy rather than a disk read. Adapters are treated as immutable per version: to
 change one, register it again (or call `invalidate`), which drops its cached copies and bumps its
-version. CPU policy: parsing, validating and quantizing an adapter run with one intra-op thread in
-the calling thread (`torch.set_num_threads` is per thread with OpenMP), so a load in a loader
-thread never competes with the step loop's parallel kernels for the cores.
+version. Each remote source has a circuit breaker (`source_breaker`): while it is open, cold loads
+from that source fail at once with a 503 naming it, and cached adapters keep serving. CPU policy:
+parsing, validating and quantizing an adapter run with one intra-op thread in the calling thread
+(`torch.set_num_threads` is per thread with OpenMP), so a load in a loader thread never competes
+with the step loop's parallel kernels for the cores.
 """
 
 from __future__ import annotations
@@ -44,20 +50,24 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.errors import AdapterError, AdapterLoadError, AdapterNotFoundError
+from lora_cluster.progress import track_futures
 from lora_cluster.store.admission import AdmissionPolicy, admit_folder
 from lora_cluster.store.crypto import load_key
 from lora_cluster.store.disk_cache import DiskCache
 from lora_cluster.store.host_cache import HostCache
 from lora_cluster.store.lifecycle import AdapterState, Lifecycle, LifecycleError
+from lora_cluster.store.merge import MergeSpec
+from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.negative_cache import NegativeCache
 from lora_cluster.store.policy import AccessTracker
 from lora_cluster.store.single_flight import SingleFlight
+from lora_cluster.store.source_breaker import SourceBreaker
 from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located, open_source
 from lora_cluster.store.stats import StoreStats
 from lora_cluster.store.usage import AdapterUsage
@@ -69,6 +79,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -107,6 +118,10 @@ class TieredAdapterStore:
         fetch_backoff_s: float = 0.5,
         fetch_timeout_s: float = 60.0,
         negative_cache_ttl_s: float = 5.0,
+        source_breaker_failures: int | None = 3,
+        source_breaker_cooldown_s: float = 10.0,
+        max_merged_adapters: int = 256,
+        merge_seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
@@ -129,6 +144,11 @@ class TieredAdapterStore:
                         "sleep": sleep, "on_retry": self._count_retry}
         self.source_uris = list(sources)
         self.sources: list[AdapterSource] = [open_source(uri, **self._remote) for uri in self.source_uris]
+        self.source_breakers: dict[str, SourceBreaker] = {}  # remote source uri -> its breaker
+        if source_breaker_failures is not None:
+            self.source_breakers = {
+                s.uri: SourceBreaker(s.uri, source_breaker_failures, source_breaker_cooldown_s, clock)
+                for s in self.sources if s.remote}
         self._registered: dict[str, tuple[AdapterSource, Located]] = {}
         self._flight: SingleFlight[LoraWeights] = SingleFlight()
         self._lock = threading.Lock()
@@ -136,8 +156,12 @@ class TieredAdapterStore:
         self._in_place: set[str] = set()  # read in place from a local folder or the hub cache
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
         self._prefetches: dict[str, Future[None]] = {}
-        for adapter_id in dict.fromkeys([*pinned, *preload]):
-            self.prefetch(adapter_id)
+        self.merged = MergedAdapters(
+            max_entries=max_merged_adapters, load=self._fetch, version=self.versions.get,
+            versions=self.versions, in_use=self.usage.protected, module_order=list(policy.shapes.modules),
+            max_rank=policy.max_rank, seed=merge_seed)
+        warming = [self.prefetch(adapter_id) for adapter_id in dict.fromkeys([*pinned, *preload])]
+        track_futures(warming, desc="preloading adapters", unit="adapter")  # a bar on a terminal only
 
     def _count_retry(self, error: BaseException, attempt: int) -> None:
         self.stats.add("source", "retries")
@@ -161,6 +185,9 @@ class TieredAdapterStore:
             prefetch_window_s=config.prefetch_window_s, prefetch_min_requests=config.prefetch_min_requests,
             fetch_retries=config.fetch_retries, fetch_backoff_s=config.fetch_backoff_s,
             fetch_timeout_s=config.fetch_timeout_s, negative_cache_ttl_s=config.negative_cache_ttl_s,
+            source_breaker_failures=config.breaker_source_failures if config.breakers else None,
+            source_breaker_cooldown_s=config.breaker_source_cooldown_s,
+            max_merged_adapters=config.max_merged_adapters, merge_seed=config.merge_seed,
         )
 
     @property
@@ -178,18 +205,26 @@ class TieredAdapterStore:
     def load(self, adapter_id: str) -> LoraWeights:
         """Validated host weights of `adapter_id` (see the module docstring); raises AdapterError."""
         check_adapter_id(adapter_id)
-        self.missing.check(adapter_id)
+        merged = self.merged.spec(adapter_id) is not None
+        if not merged:
+            self.missing.check(adapter_id)
         with self._lock:  # before the flight lands, so no eviction in between reads as "gone from host"
             self._unplaced.add(adapter_id)
         try:
-            return self._fetch(adapter_id)
+            return self._load_merged(adapter_id) if merged else self._fetch(adapter_id)
         except BaseException:
             with self._lock:
                 self._unplaced.discard(adapter_id)
             raise
 
     def version(self, adapter_id: str) -> int:
+        if self.merged.spec(adapter_id) is not None:
+            return self.merged.version(adapter_id)
         return self.versions.get(adapter_id)
+
+    def define_merge(self, spec: MergeSpec) -> str:
+        """Remember a merge (see `merged.MergedAdapters`); returns its adapter id. No I/O."""
+        return self.merged.define(spec)
 
     def slot_policy(self) -> SlotPolicy:
         return self.usage
@@ -207,9 +242,18 @@ class TieredAdapterStore:
         self._settle(adapter_id)
 
     def list_adapters(self) -> list[str]:
+        """Registered ids, then what the sources offer (first source wins), from listings alone: no
+        config is read, so listing thousands of adapters on S3 costs its paginated key listing."""
         ids: dict[str, None] = dict.fromkeys(self._registered)
-        for info in self.describe_adapters():
-            ids.setdefault(info.adapter_id, None)
+        for source in self.sources:
+            try:
+                found = source.adapter_ids()
+            except Exception as e:
+                self.stats.add("source", "failures")
+                log.warning("cannot list adapters of %s: %s", source.uri, e)
+                continue
+            for adapter_id in found:
+                ids.setdefault(adapter_id, None)
         return list(ids)
 
     def register(self, adapter_id: str, location: str) -> None:
@@ -295,7 +339,8 @@ class TieredAdapterStore:
         tracked = {"access_history": len(self.usage.tracker), "lifecycle": len(self.lifecycle),
                    "unplaced": unplaced, "missing": len(self.missing), "versions": len(self.versions),
                    "in_use": self.usage.num_in_use()}
-        return {"tiers": self.stats.snapshot(), "states": states, "tracked": tracked}
+        breakers = {b.name: b.snapshot() for b in self.source_breakers.values()}
+        return {"tiers": self.stats.snapshot(), "states": states, "tracked": tracked, "breakers": breakers}
 
     def wait_prefetches(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -315,6 +360,29 @@ class TieredAdapterStore:
             self.stats.add("host", "hits")
             return weights
         weights, joined = self._flight.do(adapter_id, lambda: self._load_cold(adapter_id))
+        if joined:
+            self.stats.add("host", "coalesced")
+        return weights
+
+    def _load_merged(self, merged_id: str) -> LoraWeights:
+        """A merged adapter: its host copy if current, else built from its adapters' copies (one flight
+        per merge) and kept in the host tier. Merged adapters have no lifecycle entry (no source tier)."""
+        weights = self._host_get(merged_id)
+        if weights is not None and weights.version == self.version(merged_id):
+            self.stats.add("host", "hits")
+            return weights
+        if weights is not None:
+            self.host.remove(merged_id)
+
+        def build() -> LoraWeights:
+            start = time.monotonic()
+            with single_threaded():
+                built = self.merged.build(merged_id)
+                self.host.put(built, time.monotonic() - start)
+            return built
+
+        self.stats.add("host", "misses")
+        weights, joined = self._flight.do(merged_id, build)
         if joined:
             self.stats.add("host", "coalesced")
         return weights
@@ -378,11 +446,16 @@ class TieredAdapterStore:
         for source in self.sources:
             if hasattr(source, "fetch") and self._disk_key(source, adapter_id) in self.disk:
                 return source, Located(adapter_id)  # cached: no network round trip
-            located = source.locate(adapter_id, adapter_id)
+            located = self._guarded(source, adapter_id, lambda s=source: s.locate(adapter_id, adapter_id))
             if located is not None:
                 return source, located
         where = "the configured adapter sources" if self.source_uris else "any source (none is configured)"
         raise AdapterNotFoundError(adapter_id, f"not found in {where}")
+
+    def _guarded(self, source: AdapterSource, adapter_id: str, call: Callable[[], T]) -> T:
+        """`call()` (a network call to `source`) through the source's breaker, if it has one."""
+        breaker = self.source_breakers.get(source.uri)
+        return call() if breaker is None else breaker.call(adapter_id, call)
 
     @staticmethod
     def _disk_key(source: AdapterSource, subpath: str) -> str:
@@ -417,10 +490,16 @@ class TieredAdapterStore:
                     self._settle(adapter_id)
         self.stats.add("disk", "misses")
         if not located.files:
-            located = source.locate(adapter_id, located.subpath) or _not_found(adapter_id, source)
+            subpath = located.subpath
+            located = (self._guarded(source, adapter_id, lambda: source.locate(adapter_id, subpath))
+                       or _not_found(adapter_id, source))
         start = time.monotonic()
+
+        def fetch(dest: Path) -> dict[str, str]:
+            return self._guarded(source, adapter_id, lambda: source.fetch(adapter_id, located, dest))
+
         try:
-            with disk.fill(key, adapter_id, lambda dest: source.fetch(adapter_id, located, dest)) as entry:
+            with disk.fill(key, adapter_id, fetch) as entry:
                 seconds = time.monotonic() - start
                 self.stats.record_load("source", seconds, entry.nbytes)
                 if not entry.transient:

@@ -57,6 +57,8 @@ class TierIndex:
         """Victims to evict so that `nbytes` more fit; None when they cannot fit."""
         if nbytes > self.budget:
             return None
+        if self.bytes + nbytes <= self.budget:
+            return []  # fits: no victim, and no O(entries) scoring of every entry
         candidates = [
             Candidate(e.key, e.nbytes, e.reload_cost_s, self._priority(e.adapter_id), e.last_access,
                       protected=e.leases > 0 or e.key == exclude or self._protected(e.adapter_id))

@@ -4,14 +4,23 @@ Modelled on `engine.adapter_residency` and `engine.adapter_pool`:
 
 * A request's adapter is fetched into host memory when the request reaches the replica (unless it
   is in a device slot), from the node store's highest tier that holds it, on `workers` load workers
-  (one fetch per adapter however many requests want it). The fetch takes the profile's time for
-  that tier and the adapter's size; it is counted as a load from that tier (prefetches too).
+  (one fetch per adapter however many requests want it); fetches wait for a worker in the order of
+  the most urgent request that wants them (then submission order), prefetches after every
+  request. The fetch takes the profile's time for that tier and the adapter's size; it is counted
+  as a load from that tier (prefetches too).
 * `acquire` (the scheduler's gate) answers READY (in a slot: a reference is taken; or fetched and
   a slot is free or evictable: the host -> device copy is charged to the current step), PENDING
   (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
   or `may_claim` is false).
 * Eviction: an empty slot first, else the least recently released slot without references whose
-  adapter no queued request of this replica wants.
+  adapter no queued request of this replica wants; for a request of priority p (`acquire(...,
+  priority=p)`), else a slot without references whose adapter only strictly less urgent requests
+  want, the least urgent first (they fetch it again, from host memory). When every slot is
+  referenced, `slot_to_preempt(p)` names the adapter whose requests are all strictly less urgent
+  than p, with the fewest running: the replica preempts those (recompute) and the slot frees. Both
+  choices are the engine's own functions (`engine.adapter_urgency`). So an
+  urgent request never waits behind less urgent ones for an adapter slot, as it never does for a
+  KV slot (`engine.scheduler` with `engine.adapter_residency`).
 * Fetched weights are dropped when the last request that wanted them ends before they got a slot.
 * `prefetch` (placement): a fetch into host memory only, as the live replica's `_prefetch` does;
   at most `MAX_PREFETCHES` at once.
@@ -19,15 +28,19 @@ Modelled on `engine.adapter_residency` and `engine.adapter_pool`:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 
 from lora_cluster.cluster.sim.events import EventLoop
 from lora_cluster.cluster.sim.profile import ReplicaProfile
 from lora_cluster.cluster.sim.store import NodeStore
+from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
 
 READY, PENDING, BLOCKED = 0, 1, 2
 MAX_PREFETCHES = 4  # as serve.replica.MAX_PREFETCHES
+PREFETCH_PRIORITY = 1 << 30  # prefetches wait behind every request's fetch
 
 
 class DeviceAdapters:
@@ -39,29 +52,33 @@ class DeviceAdapters:
         self.refs: dict[str, int] = {}  # adapters in device slots -> running requests using them
         self.idle: OrderedDict[str, None] = OrderedDict()  # slots without references, least recent first
         self.active = 0  # adapters with references (distinct adapters in the running batch)
-        self.wanted: dict[str, int] = {}  # unfinished requests of this replica per adapter
+        self.wanted: dict[str, dict[int, int]] = {}  # adapter -> priority -> unfinished requests here
         self.loading: dict[str, bool] = {}  # queued, fetching or fetched (not on the device) -> explicit
         self.fetched: set[str] = set()
-        self._queue: deque[str] = deque()
+        self._queue: list[tuple[int, int, str]] = []  # (priority, seq, adapter) waiting for a worker
+        self._seq = itertools.count()
         self._busy = 0
         self._prefetches = 0
         self.copy_s = 0.0  # host -> device copies charged to the step being planned
 
     # ----- requests -------------------------------------------------------------------------
 
-    def request_started(self, adapter_id: str) -> bool:
+    def request_started(self, adapter_id: str, priority: int = 0) -> bool:
         """A request for `adapter_id` reached the replica; returns whether it is a device hit."""
-        self.wanted[adapter_id] = self.wanted.get(adapter_id, 0) + 1
+        by_priority = self.wanted.setdefault(adapter_id, {})
+        by_priority[priority] = by_priority.get(priority, 0) + 1
         if adapter_id in self.refs:
             return True
         if adapter_id not in self.loading:
-            self._submit(adapter_id, explicit=False)
+            self._submit(adapter_id, explicit=False, priority=priority)
         return False
 
-    def request_finished(self, adapter_id: str) -> None:
-        left = self.wanted[adapter_id] - 1
-        if left:
-            self.wanted[adapter_id] = left
+    def request_finished(self, adapter_id: str, priority: int = 0) -> None:
+        by_priority = self.wanted[adapter_id]
+        by_priority[priority] -= 1
+        if not by_priority[priority]:
+            del by_priority[priority]
+        if by_priority:
             return
         del self.wanted[adapter_id]
         if adapter_id in self.fetched:  # nobody waits for these weights any more
@@ -72,11 +89,11 @@ class DeviceAdapters:
         if self._prefetches >= MAX_PREFETCHES or adapter_id in self.refs or adapter_id in self.loading:
             return
         self._prefetches += 1
-        self._submit(adapter_id, explicit=True)
+        self._submit(adapter_id, explicit=True, priority=PREFETCH_PRIORITY)
 
     # ----- the scheduler's gate -------------------------------------------------------------
 
-    def acquire(self, adapter_id: str, may_claim: bool) -> int:
+    def acquire(self, adapter_id: str, may_claim: bool, priority: int | None = None) -> int:
         refs = self.refs.get(adapter_id)
         if refs is not None:
             if refs == 0:
@@ -86,7 +103,7 @@ class DeviceAdapters:
             return READY
         if adapter_id not in self.fetched:
             return PENDING
-        if not may_claim or not self._make_room():
+        if not may_claim or not self._make_room(priority):
             return BLOCKED
         self.fetched.discard(adapter_id)
         del self.loading[adapter_id]
@@ -102,7 +119,7 @@ class DeviceAdapters:
             self.active -= 1
             self.idle[adapter_id] = None
 
-    def _make_room(self) -> bool:
+    def _make_room(self, priority: int | None) -> bool:
         if len(self.refs) < self.max_loras:
             return True
         for victim in self.idle:
@@ -110,16 +127,33 @@ class DeviceAdapters:
                 del self.idle[victim]
                 del self.refs[victim]
                 return True
-        return False
+        if priority is None:
+            return False
+        victim = idle_victim(self._holders(), priority)
+        if victim is None:
+            return False
+        del self.idle[victim]
+        del self.refs[victim]
+        self._submit(victim, explicit=False, priority=min(self.wanted[victim]))  # fetched again
+        return True
+
+    def slot_to_preempt(self, priority: int) -> str | None:
+        """The adapter in a referenced slot that only requests strictly less urgent than `priority`
+        want, with the fewest running requests (None: none): the engine's `busy_victim`."""
+        return busy_victim(self._holders(), priority)
+
+    def _holders(self) -> list[SlotHolder]:
+        """The adapters in device slots that some request wants, as `engine.adapter_urgency` sees them."""
+        return [SlotHolder(a, refs, min(self.wanted[a])) for a, refs in self.refs.items() if a in self.wanted]
 
     # ----- fetches --------------------------------------------------------------------------
 
-    def _submit(self, adapter_id: str, *, explicit: bool) -> None:
+    def _submit(self, adapter_id: str, *, explicit: bool, priority: int) -> None:
         self.loading[adapter_id] = explicit
         if self._busy < self.workers:
             self._start(adapter_id)
         else:
-            self._queue.append(adapter_id)
+            heapq.heappush(self._queue, (priority, next(self._seq), adapter_id))
 
     def _start(self, adapter_id: str) -> None:
         self._busy += 1
@@ -139,7 +173,7 @@ class DeviceAdapters:
             self.loading[adapter_id] = False
             self.fetched.add(adapter_id)
         while self._queue and self._busy < self.workers:
-            self._start(self._queue.popleft())
+            self._start(heapq.heappop(self._queue)[2])
         self._on_ready()
 
     # ----- what reports show ----------------------------------------------------------------

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.cluster.controller import Controller, Grant
+from lora_cluster.cluster.controller import Controller, Grant, Refusal
 from lora_cluster.cluster.sim.context import SimContext
 from lora_cluster.cluster.sim.replica import SimReplica
 from lora_cluster.cluster.sim.routing import AffinityRouting
@@ -158,9 +158,12 @@ class LoraClusterPolicy:
         self._free_total += free - self._free[replica_id]
         self._free[replica_id] = free
 
-    def _grant(self, ticket_id: str, grant: Grant) -> None:
+    def _grant(self, ticket_id: str, grant: Grant | Refusal) -> None:
         req = self._tickets.pop(ticket_id, None)
         if req is None:
+            return
+        if isinstance(grant, Refusal):
+            self.metrics.rejected(req, "bumped from the full queue")
             return
         self.preempting += grant.preempt
         req.ticket = ticket_id

@@ -38,11 +38,8 @@ class ServeSettings:
     placement_hot_share: float = _default("placement_hot_share")  # type: ignore[assignment]
 
     def controller_settings(self) -> ControllerSettings:
-        """As `cluster.actor.controller_settings` maps a ServeConfig (that module imports Ray)."""
-        return ControllerSettings(
-            queue_size=self.cluster_queue_size, aging_s=self.cluster_queue_aging_s,
-            preempt_after_fraction=self.preempt_after_fraction,
-            stale_after_s=max(2.0, 4 * self.controller_report_period_s), hot_share=self.placement_hot_share)
+        """As `cluster.actor` maps a ServeConfig."""
+        return ControllerSettings.from_config(self)
 
 
 @dataclass

@@ -8,7 +8,9 @@ The schedule follows `engine.scheduler` step for step:
    and their adapter is READY (`adapters.DeviceAdapters.acquire`); once one is BLOCKED, later
    ones may not claim a new adapter slot; when no KV slot is free, the least urgent running
    sequence is preempted for a strictly more urgent one (recompute: it returns to the waiting
-   queue and re-prefills its prompt and the tokens it had produced).
+   queue and re-prefills its prompt and the tokens it had produced); when no adapter slot is free,
+   the running sequences of an adapter that only strictly less urgent requests want are
+   preempted the same way, and its slot goes to the urgent request.
 
 A step takes `profile.step_s(prefill tokens, decode tokens, distinct adapters)` plus the host ->
 device copies of adapters placed in it. The step that completes a prefill samples a token (the
@@ -74,7 +76,7 @@ class SimReplica:
 
     def add(self, req: SimRequest, now: float) -> None:
         req.order, req.replica, req.reached_at = next(self._orders), self.replica_id, now
-        req.hit = self.adapters.request_started(req.adapter)
+        req.hit = self.adapters.request_started(req.adapter, req.priority)
         self.demand.record(req.adapter)
         self.ongoing += 1
         bisect.insort(self.waiting, req, key=_urgency)
@@ -143,7 +145,13 @@ class SimReplica:
             if budget + refund <= 0:
                 keep.extend(waiting[i:])
                 break
-            gate = self.adapters.acquire(req.adapter, not blocked)
+            gate = self.adapters.acquire(req.adapter, not blocked, req.priority)
+            if gate == BLOCKED and not blocked:
+                freed = self._free_adapter_slot(req.priority, chunks, preempted)
+                if freed is not None:  # the preempted sequences also gave back their KV slots
+                    budget += freed
+                    victim, refund = None, 0
+                    gate = self.adapters.acquire(req.adapter, True, req.priority)
             if gate != READY:
                 blocked = blocked or gate == BLOCKED
                 keep.append(req)
@@ -165,6 +173,25 @@ class SimReplica:
         for req in preempted:
             bisect.insort(self.waiting, req, key=_urgency)
         return budget
+
+    def _free_adapter_slot(self, priority: int, chunks: list[tuple[SimRequest, int]],
+                           preempted: list[SimRequest]) -> int | None:
+        """Preempt the running requests of the adapter `slot_to_preempt(priority)` names (all less
+        urgent than `priority`), so that its slot can go to a more urgent request; returns the step
+        budget they gave back (None: no such adapter, nothing preempted)."""
+        adapter_id = self.adapters.slot_to_preempt(priority)
+        if adapter_id is None:
+            return None
+        refund = 0
+        for victim in [r for r in self.running.values() if r.adapter == adapter_id]:
+            if victim.finish_mark >= 0:
+                refund += 1
+            else:
+                refund += next((n for r, n in chunks if r is victim), 0)
+                chunks[:] = [(r, n) for r, n in chunks if r is not victim]
+            self._preempt(victim)
+            preempted.append(victim)
+        return refund
 
     def _victim(self, priority: int) -> SimRequest | None:
         """The least urgent running request if it is strictly less urgent than `priority`."""
@@ -234,7 +261,7 @@ class SimReplica:
         req.finish_mark = -1
         req.finish_at = now
         self.ongoing -= 1
-        self.adapters.request_finished(req.adapter)
+        self.adapters.request_finished(req.adapter, req.priority)
         held = now - req.reached_at
         mean = self.service_time_s
         self.service_time_s = held if mean is None else mean + SERVICE_TIME_WEIGHT * (held - mean)

@@ -14,10 +14,10 @@ for every request, which would cost O(replicas) per request at 256 replicas:
 * The winner is the first of `rank_replicas(A, holders of A + the best non-holder)`.
   `tests/test_cluster_sim.py` checks this against `rank_replicas` over all replicas.
 
-Views are rebuilt lazily: a replica whose ongoing count, routing stats or placements changed is
-marked, and its view is rebuilt at the next decision (the live router rebuilds them all per call;
-the only difference is that a placement older than the tracker's ttl is dropped at the replica's
-next change or routing-stats refresh, at most `routing_stats_period_s` late).
+Views are rebuilt lazily: a replica whose ongoing count, routing stats or placements changed, or
+one of whose placements reached the tracker's ttl (a heap of expiry times), is marked, and its
+view is rebuilt at the next decision, so every decision reads the views the live router would
+build at that instant.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class AffinityRouting:
         self._heap: list[tuple[tuple[float, int, bool, int, int, str], int, str]] = []
         self._version: dict[str, int] = {}
         self._dirty: dict[str, None] = dict.fromkeys(replicas)
+        self._expiry: list[tuple[float, str]] = []  # (when a recorded placement expires, replica)
         self.decisions = 0
 
     def changed(self, replica_id: str) -> None:
@@ -59,7 +60,9 @@ class AffinityRouting:
 
     def record(self, replica_id: str, adapter_id: str) -> None:
         """A request of `adapter_id` was sent to `replica_id` (`on_request_routed`)."""
-        self.tracker.record(replica_id, adapter_id, self._clock())
+        now = self._clock()
+        self.tracker.record(replica_id, adapter_id, now)
+        heapq.heappush(self._expiry, (now + self.tracker.ttl_s, replica_id))
         self._dirty[replica_id] = None
 
     def view(self, replica_id: str, placed: str | None = None) -> ReplicaView:
@@ -82,6 +85,9 @@ class AffinityRouting:
         return choice
 
     def _rebuild(self) -> None:
+        now = self._clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            self._dirty[heapq.heappop(self._expiry)[1]] = None
         if not self._dirty:
             return
         for rid in self._dirty:

@@ -72,6 +72,10 @@ class AdapterSource(Protocol):
         """Every adapter this source offers, from configs and metadata only."""
         ...
 
+    def adapter_ids(self) -> list[str]:
+        """The ids `adapters()` would describe, without reading any config (a listing only)."""
+        ...
+
 
 def wanted_files(names: set[str] | dict[str, object]) -> list[str]:
     """Files of an adapter folder the store needs: config, weights (plain and/or encrypted),

@@ -106,6 +106,9 @@ class HfSource:
                 digests[path.name] = blob
         return folder, digests
 
+    def adapter_ids(self) -> list[str]:
+        return [info.adapter_id for info in self.adapters()]  # the local hub cache: no network
+
     def adapters(self) -> list[AdapterInfo]:
         snapshot = self._snapshot("*", [f"*{CONFIG_FILE}", f"*{CHECKSUMS_FILE}"])
         if snapshot is None:

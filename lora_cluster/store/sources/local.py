@@ -37,6 +37,13 @@ class LocalSource:
         """The adapter's folder, read in place (no digests known beyond those it declares)."""
         return self.folder(located.subpath), {}
 
+    def adapter_ids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        configs = self.root.glob(f"**/{CONFIG_FILE}")
+        ids = (config.parent.relative_to(self.root).as_posix() for config in configs)
+        return sorted(self.root.name if i == "." else i for i in ids)
+
     def adapters(self) -> list[AdapterInfo]:
         if not self.root.is_dir():
             return []

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                     "InternalError", "ServiceUnavailable", "503", "500", "502", "504"}
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
+CONFIG_READERS = 8  # concurrent GETs of adapter configs when describing thousands of adapters
 
 
 class _ShortRead(Exception):
@@ -99,7 +101,7 @@ class S3Source:
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
         self._sleep, self._on_retry = sleep, on_retry
         self._client, self._client_lock = client, threading.Lock()
-        self._configs: dict[tuple[str, str], bytes] = {}  # (key, etag) -> adapter_config.json bytes
+        self._configs: dict[tuple[str, str], bytes] = {}  # (key, etag) -> config / checksums file bytes
 
     def __repr__(self) -> str:
         return f"S3Source({self.uri})"
@@ -205,13 +207,31 @@ class S3Source:
         base = self._key(subpath)
         return f"s3://{self.bucket}/{base}" if base else f"s3://{self.bucket}"
 
-    def adapters(self) -> list[AdapterInfo]:
+    def _folders(self) -> tuple[str, dict[str, dict[str, dict]]]:
+        """The key prefix and, per folder under it, its objects by file name (one paginated listing)."""
         base = self._key()
         prefix = f"{base}/" if base else ""
         folders: dict[str, dict[str, dict]] = {}
         for o in self._list("*", prefix, None):
             folder, _, name = o["Key"][len(prefix):].rpartition("/")
             folders.setdefault(folder, {})[name] = o
+        return prefix, folders
+
+    def adapter_ids(self) -> list[str]:
+        """Folders holding a config, from the key listing alone (no object is read)."""
+        _, folders = self._folders()
+        return sorted(f for f, objects in folders.items() if f and CONFIG_FILE in objects)
+
+    def adapters(self) -> list[AdapterInfo]:
+        _, folders = self._folders()
+        configs = {f: objs[CONFIG_FILE] for f, objs in folders.items() if f and CONFIG_FILE in objs}
+        missing = {(o["Key"], o.get("ETag", "")): f for f, o in configs.items()
+                   if (o["Key"], o.get("ETag", "")) not in self._configs}
+        if missing:  # configs not read yet (by ETag): read them concurrently, not one round trip at a time
+            with ThreadPoolExecutor(CONFIG_READERS, thread_name_prefix="s3-configs") as pool:
+                bodies = pool.map(lambda item: self._get_small(item[1], item[0][0]), missing.items())
+                for cache_key, body in zip(missing, bodies, strict=True):
+                    self._configs[cache_key] = body
         infos = []
         for folder in sorted(folders):
             objects = folders[folder]
@@ -224,7 +244,11 @@ class S3Source:
             weights = weights_name(objects)
             sha = None
             if CHECKSUMS_FILE in objects and weights:
-                text = self._get_small(folder, objects[CHECKSUMS_FILE]["Key"]).decode(errors="replace")
+                sums = objects[CHECKSUMS_FILE]
+                sums_key = (sums["Key"], sums.get("ETag", ""))
+                if sums_key not in self._configs:
+                    self._configs[sums_key] = self._get_small(folder, sums["Key"])
+                text = self._configs[sums_key].decode(errors="replace")
                 sha = parse_checksums(folder, text).get(weights)
             etag = objects[weights].get("ETag", "").strip('"') if weights else None
             infos.append(info_from_config(folder, self._location(folder), self.uri, self._configs[cache_key],

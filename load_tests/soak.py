@@ -1,0 +1,213 @@
+"""Soak test (not a pytest test): N minutes at the rated load against a running server, reporting the
+Ray processes' RSS and open file descriptors and the request latency over time.
+
+    RAY_AUTH_MODE=disabled .venv/bin/serve run serve_config.yaml &      # or any running server
+    .venv/bin/python load_tests/soak.py --url http://127.0.0.1:8000 --minutes 10 --ray-root-pid $!
+
+Rated load: unless `--qps` is given, the script first measures it: `--concurrency` closed-loop
+clients for `--calibrate-s` seconds (each sends its next request when the last one is answered);
+the requests per second they complete is the rated QPS. Then it sends requests open-loop at that
+rate (Poisson arrivals, fixed seed) for `--minutes`, whatever the answers, with at most
+`--max-in-flight` outstanding (more are counted as `skipped`, so a stuck server cannot grow the
+client without bound). Requests: `/v1/completions`, `--max-tokens` tokens, adapters a0..a{N-1}
+with Zipf(1.1) popularity plus the base model, one in four streamed.
+
+Every `--interval-s` it prints one row: answers by status, latency p50/p99 of that interval, the RSS
+and open fds summed over the Ray processes on this machine (by role: replicas, ingress, other Ray
+processes), so that leaks show as drift. It must run on the server's machine to see the processes;
+`--ray-root-pid` restricts them to one server's process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+PROMPT = "the river runs through the old town and"
+
+
+@dataclass
+class Interval:
+    statuses: Counter = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+
+
+def ray_processes(root_pid: int | None) -> dict[str, list[psutil.Process]]:
+    """Ray processes by role (from their process titles, `ray::<actor class>`): the descendants of
+    `root_pid` (the `serve run` process, which started Ray), else every Ray process on this machine."""
+    roles: dict[str, list[psutil.Process]] = {"replicas": [], "ingress": [], "ray": []}
+    procs = psutil.Process(root_pid).children(recursive=True) if root_pid else list(psutil.process_iter())
+    for proc in procs:
+        try:
+            title = " ".join(proc.cmdline()) or proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "LoraReplica" in title:
+            roles["replicas"].append(proc)
+        elif "LoraIngress" in title:
+            roles["ingress"].append(proc)
+        elif title.startswith("ray::") or any(k in title for k in ("raylet", "gcs_server", "ray/_private",
+                                                                     "dashboard", "ray.serve")):
+            roles["ray"].append(proc)
+    return roles
+
+
+def resources(root_pid: int | None) -> dict[str, tuple[float, int, int]]:
+    """role -> (RSS MiB, open fds, processes)."""
+    out = {}
+    for role, procs in ray_processes(root_pid).items():
+        rss, fds, n = 0, 0, 0
+        for proc in procs:
+            try:
+                rss += proc.memory_info().rss
+                fds += proc.num_fds()
+                n += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        out[role] = (rss / (1 << 20), fds, n)
+    return out
+
+
+def zipf_models(n: int, base: str, rng: random.Random) -> list[str]:
+    """Model names of successive requests: adapters a0..a{n-1} by Zipf(1.1), and the base model as
+    often as the most popular adapter."""
+    weights = [1 / (k + 1) ** 1.1 for k in range(n)]
+    return rng.choices([*(f"a{k}" for k in range(n)), base], weights=[*weights, weights[0]], k=100_000)
+
+
+async def one(client: httpx.AsyncClient, model: str, stream: bool,
+              max_tokens: int) -> tuple[str, float]:
+    body: dict = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                  "stream": stream}
+    start = time.monotonic()
+    try:
+        if stream:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    pass
+                status = r.status_code
+        else:
+            status = (await client.post("/v1/completions", json=body)).status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__, time.monotonic() - start
+    return str(status), time.monotonic() - start
+
+
+async def calibrate(client: httpx.AsyncClient, models: list, args: argparse.Namespace) -> float:
+    done, stop = 0, time.monotonic() + args.calibrate_s
+
+    async def worker(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.monotonic() < stop:
+            status, _ = await one(client, models[i % len(models)], False, args.max_tokens)
+            done += status == "200"
+            i += args.concurrency
+    start = time.monotonic()
+    await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
+    return done / (time.monotonic() - start)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+async def soak(args: argparse.Namespace) -> list[str]:
+    rng = random.Random(args.seed)
+    models = zipf_models(args.adapters, args.base_model, rng)
+    limits = httpx.Limits(max_connections=args.max_in_flight, max_keepalive_connections=args.max_in_flight)
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
+        qps = args.qps or await calibrate(client, models, args)
+        lines = [f"rated load: {qps:.2f} req/s ({'given' if args.qps else 'measured'}), "
+                 f"{args.minutes:g} min, max_tokens {args.max_tokens}, {args.adapters} adapters (Zipf 1.1)",
+                 "", "| t (s) | sent | 200 | 429 | 503 | other | skipped | p50 ms | p99 ms | "
+                 "RSS replicas MiB | RSS ingress MiB | RSS other Ray MiB | open fds (all Ray) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for line in lines:
+            print(line, flush=True)
+        current, in_flight, tasks, others = Interval(), 0, set(), Counter()
+        start = time.monotonic()
+        end = start + args.minutes * 60
+        next_report, next_send, i, sent, skipped = start + args.interval_s, start, 0, 0, 0
+
+        async def run(model: str, stream: bool) -> None:
+            nonlocal in_flight
+            status, latency = await one(client, model, stream, args.max_tokens)
+            in_flight -= 1
+            current.statuses[status] += 1
+            if status == "200":
+                current.latencies.append(latency)
+
+        while time.monotonic() < end:
+            now = time.monotonic()
+            while next_send <= now:
+                if in_flight >= args.max_in_flight:
+                    skipped += 1
+                else:
+                    in_flight += 1
+                    sent += 1
+                    task = asyncio.create_task(run(models[i % len(models)], i % 4 == 0))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                i += 1
+                next_send += rng.expovariate(qps)
+            if now >= next_report:
+                res = await asyncio.to_thread(resources, args.ray_root_pid)
+                s = current.statuses
+                other = sum(v for k, v in s.items() if k not in ("200", "429", "503"))
+                row = (f"| {now - start:.0f} | {sent} | {s['200']} | {s['429']} | {s['503']} | {other} "
+                       f"| {skipped} "
+                       f"| {1000 * percentile(current.latencies, 50):.0f} "
+                       f"| {1000 * percentile(current.latencies, 99):.0f} "
+                       f"| {res['replicas'][0]:.0f} | {res['ingress'][0]:.0f} | {res['ray'][0]:.0f} "
+                       f"| {sum(r[1] for r in res.values())} |")
+                print(row, flush=True)
+                lines.append(row)
+                others.update({k: v for k, v in s.items() if k not in ("200", "429", "503")})
+                current, sent, skipped = Interval(), 0, 0
+                next_report += args.interval_s
+            await asyncio.sleep(min(next_send, next_report) - time.monotonic())
+        await asyncio.gather(*tasks, return_exceptions=True)
+    tail = ["", f"other answers (status or client exception: count): {dict(others) or 'none'}"]
+    print("\n".join(tail), flush=True)
+    return lines + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--qps", type=float, default=None, help="rated load; default: measured first")
+    p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients of the calibration")
+    p.add_argument("--calibrate-s", type=float, default=30.0)
+    p.add_argument("--interval-s", type=float, default=30.0)
+    p.add_argument("--adapters", type=int, default=16)
+    p.add_argument("--base-model", default="demo", help="the base model's name in the API")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    p.add_argument("--ray-root-pid", type=int, default=None,
+                   help="count only the descendants of this process (e.g. `serve run`'s pid)")
+    args = p.parse_args(argv)
+    lines = asyncio.run(soak(args))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

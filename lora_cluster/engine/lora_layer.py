@@ -1,0 +1,169 @@
+"""The engine's LoRA layer: which kernel path each token takes, and the fused shrinks.
+
+Per step (`plan_step_lora`, host-side, no device reads):
+* Decode tokens come first in the batch (see `engine.batch`). When `decode_kernel` says so, they
+  go through the gathered BGMV path (one launch over per-token weights instead of one matmul per
+  adapter segment); the remaining rows (prefill chunks, or every row when BGMV is off) go through
+  SGMV over their segments. `auto` (`use_bgmv`): BGMV with the Triton kernels, which read each
+  token's weights in place, when the decode tokens' adapter runs are short; SGMV with the CPU ops,
+  whose BGMV must copy the gathered weights: measured slower there for every mix, 0.6-0.7x with 32
+  distinct adapters (benchmarks/bench_lora_layer.py, docs/bench_lora_layer.md).
+* Fused groups (q/k/v, gate/up) share one shrink over stacked A (the pool stores A rank-major,
+  [rank, group member, in], so the first G*r rows are ranks < r of all members): the shrink
+  writes [rows, G*r] and each member's expand reads its strided column slice `h[:, j::G]`, as
+  vLLM's stacked LoRA does. Ranks beyond an adapter's own are zero rows, so results are unchanged.
+
+`LoraLayer.add` then runs the chosen ops for one projection (or fused group) of one layer; the
+shrink's intermediate lives in a workspace allocated once and grown when needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from lora_kernels import LoraMeta, LoraOps
+
+from lora_cluster.engine.adapter_pool import AdapterPool
+
+# auto mode: BGMV for decode tokens (Triton only) when their adapter runs average at most this many
+# tokens: a 16-row SGMV tile then computes >= 14 masked rows per segment (not measured on a GPU here)
+BGMV_MAX_MEAN_RUN = 2.0
+
+
+def use_bgmv(mode: str, decode_slots: Sequence[int], ops_name: str = "triton") -> bool:
+    """Whether the decode tokens (slots in batch order) take the BGMV path (see the module docstring)."""
+    if mode == "sgmv" or not decode_slots:
+        return False
+    if mode == "bgmv":
+        return True
+    if ops_name != "triton":
+        return False
+    runs = sum(1 for _ in itertools.groupby(decode_slots))
+    return len(decode_slots) >= 2 and len(decode_slots) / runs <= BGMV_MAX_MEAN_RUN
+
+
+@dataclass(frozen=True)
+class StepLora:
+    """LoRA metadata of one step: rows [0, bgmv_rows) by BGMV, rows [bgmv_rows, T) by SGMV."""
+
+    bgmv_rows: int
+    token_slot: torch.Tensor  # [bgmv_rows] slot of each BGMV row (-1 = base)
+    bgmv_rank: dict[str, int]  # projection or group -> width of its BGMV shrink (0 = skip)
+    metas: dict[str, LoraMeta]  # projection or group -> segments of rows [bgmv_rows, T)
+
+
+def seg_ranks(key: str, seg_slots: Sequence[int], module_ranks: dict[str, list[int]],
+              groups: dict[str, tuple[str, ...]]) -> list[int]:  # fmt: skip
+    """Rank of each segment for a projection, or for a fused group: G x its members' largest rank."""
+    if key in groups:
+        members = groups[key]
+        return [len(members) * max(module_ranks[m][s] for m in members) if s >= 0 else 0 for s in seg_slots]
+    ranks = module_ranks[key]
+    return [ranks[s] if s >= 0 else 0 for s in seg_slots]
+
+
+def runs_of(slots: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Maximal runs of equal slot: (slot of each run, its length)."""
+    pairs = [(s, sum(1 for _ in g)) for s, g in itertools.groupby(slots)]
+    return [s for s, _ in pairs], [n for _, n in pairs]
+
+
+class StepLoraPlan:
+    """The host side of a step's `StepLora`: its index lists (`lists`, packed by the caller into
+    device tensors) and `build`, which wraps the packed tensors."""
+
+    def __init__(self, token_slots: Sequence[int], num_decodes: int, module_ranks: dict[str, list[int]],
+                 groups: dict[str, tuple[str, ...]], mode: str, ops_name: str = "triton"):  # fmt: skip
+        d = num_decodes if use_bgmv(mode, token_slots[:num_decodes], ops_name) else 0
+        self.bgmv_rows = d
+        self.bgmv_slots, rest = list(token_slots[:d]), list(token_slots[d:])
+        keys = [*module_ranks, *groups]
+        used = sorted({s for s in self.bgmv_slots if s >= 0})
+        self.bgmv_rank = {k: max(seg_ranks(k, used, module_ranks, groups), default=0) for k in keys}
+        self.rest_slots = rest
+        self.seg_slot, self.seg_len = runs_of(rest)
+        self.indptr = [0, *itertools.accumulate(self.seg_len)]
+        self.ranks = {k: seg_ranks(k, self.seg_slot, module_ranks, groups) for k in keys}
+
+    def lists(self) -> list[list[int]]:
+        return [self.bgmv_slots, self.rest_slots, self.indptr, self.seg_slot, *self.ranks.values()]
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> StepLora:
+        bgmv_slot, rest_slot, indptr, seg_slot, *ranks = tensors
+        common = {
+            "token_slot": rest_slot, "seg_indptr": indptr, "seg_slot": seg_slot,
+            "seg_indptr_list": tuple(self.indptr), "seg_slot_list": tuple(self.seg_slot),
+            "seg_len_list": tuple(self.seg_len), "max_seg_len": max(self.seg_len, default=0),
+        }  # fmt: skip
+        metas = {
+            k: LoraMeta(seg_rank=t, seg_rank_list=tuple(r), max_rank=max(r, default=0), **common)
+            for (k, r), t in zip(self.ranks.items(), ranks, strict=True)
+        }
+        return StepLora(self.bgmv_rows, bgmv_slot, self.bgmv_rank, metas)
+
+
+class LoraLayer:
+    """Adds the LoRA deltas of a step (see the module docstring)."""
+
+    def __init__(self, pool: AdapterPool, ops: LoraOps, splits: dict[str, tuple[str, int, int]], fused: bool):
+        self.pool, self.ops = pool, ops
+        self.groups = pool.groups if fused else {}
+        # fused output key ("qkv", "gate_up") -> [(member, column range)] in output column order
+        self.members: dict[str, list[tuple[str, int, int]]] = {}
+        for m, (key, lo, hi) in splits.items():
+            self.members.setdefault(key, []).append((m, lo, hi))
+        self._work = torch.empty(0)
+
+    def _buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, cols] view of the workspace: float32 for triton (its shrink accumulates and stores
+        float32, as its add_lora does), else `like`'s dtype (BLAS `out=` needs one dtype)."""
+        dtype = torch.float32 if self.ops.name == "triton" else like.dtype
+        work = self._work
+        if work.numel() < rows * cols or work.dtype != dtype or work.device != like.device:
+            size = max(rows * cols, 2 * work.numel())
+            work = self._work = torch.empty(size, dtype=dtype, device=like.device)
+        return work[: rows * cols].view(rows, cols)
+
+    def add(self, step: StepLora, layer: int, key: str, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out += LoRA(x) for projection `key` ("o_proj", "down_proj") or fused output `key` ("qkv",
+        "gate_up", whose members write their column ranges of `out`)."""
+        if key in self.groups:
+            self._fused(step, layer, key, out, x)
+            return
+        for m, lo, hi in self.members.get(key, [(key, 0, out.shape[1])]):
+            self._single(step, layer, m, out[:, lo:hi], x)
+
+    def _single(self, step: StepLora, layer: int, m: str, out: torch.Tensor, x: torch.Tensor) -> None:
+        a, b = self.pool.a[m][layer], self.pool.b[m][layer]
+        d = step.bgmv_rows
+        r = step.bgmv_rank.get(m, 0)
+        if r:
+            h = self._buffer(d, r, x)
+            self.ops.bgmv_shrink(h, x[:d], a, step.token_slot)
+            self.ops.bgmv_expand(out[:d], h, b, step.token_slot, add=True)
+        meta = step.metas[m]
+        if meta.max_rank:
+            self.ops.add_lora(out[d:], x[d:], a, b, meta)
+
+    def _fused(self, step: StepLora, layer: int, g: str, out: torch.Tensor, x: torch.Tensor) -> None:
+        members, n = self.members[g], len(self.members[g])
+        a = self.pool.a_fused[g][layer]
+        d = step.bgmv_rows
+        width = step.bgmv_rank.get(g, 0)
+        if width:
+            h = self._buffer(d, width, x)
+            self.ops.bgmv_shrink(h, x[:d], a, step.token_slot)
+            for j, (m, lo, hi) in enumerate(members):
+                if step.bgmv_rank[m]:
+                    b = self.pool.b[m][layer]
+                    self.ops.bgmv_expand(out[:d, lo:hi], h[:, j::n], b, step.token_slot)
+        meta = step.metas[g]
+        if meta.max_rank:
+            h = self._buffer(x.shape[0] - d, meta.max_rank, x)
+            self.ops.sgmv_shrink(h, x[d:], a, meta)
+            for j, (m, lo, hi) in enumerate(members):
+                if step.metas[m].max_rank:
+                    self.ops.sgmv_expand(out[d:, lo:hi], h[:, j::n], self.pool.b[m][layer], step.metas[m])

@@ -1,0 +1,167 @@
+"""Who is calling: the ONE authentication dependency of the API, and the per-request `Caller`.
+
+Without a tenants file (`tenants_file` unset) every route is open, as before. With one, every route
+is in one of three kinds, by its path template (default deny: a route not listed is admin-only):
+
+* open (`OPEN_ROUTES`): `/health` (probes) and `/metrics` (Prometheus; it names adapters, so keep it
+  on the cluster network), no key needed;
+* tenant (`TENANT_ROUTES`): the generation routes and `/v1/models`: any known key (a tenant's or
+  an admin's); a tenant reaches only the adapters its patterns match (see `ApiContext.adapter_for`);
+* admin: everything else (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/cluster`,
+  `/debug/replicas`, ...): an admin key; a tenant key gets 403.
+
+The key comes from `Authorization: Bearer <key>` (what the `openai` client sends) or `x-api-key`;
+none is 401 `missing_api_key`, an unknown one 401 `invalid_api_key`. Keys are never logged or
+echoed; the lookup is constant-time per stored digest (`tenancy.tenants.Directory.lookup`).
+
+`Authenticator` is installed as an app-wide FastAPI dependency (it runs before any route's own
+parameters); routes that need the caller declare a `caller: CallerDep` parameter, which reads it.
+The `Caller` it returns charges the tenant's quota (`admit`, once the prompt is tokenized), tracks
+the request's generations, and is closed by `CallerMiddleware` when the response has been sent in
+full (streams included, and however the request ended), which reports the completion tokens and
+frees the tenant's concurrency slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, Request
+
+from lora_cluster.errors import AuthenticationError, PermissionDeniedError, QuotaExceededError
+from lora_cluster.serve.quotas import Quotas
+from lora_cluster.tenancy.tenants import OPEN, Directory, Principal
+
+log = logging.getLogger(__name__)
+
+HEADER_API_KEY = "x-api-key"
+OPEN_ROUTES = frozenset({"/health", "/metrics"})
+TENANT_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
+                           "/generate_stream", "/"})
+_SLOT = "lora_cluster.callers"  # ASGI scope key: CallerMiddleware's list of the request's Callers
+_CALLER = "lora_cluster.caller"  # ASGI scope key: the request's Caller (set by the Authenticator)
+ANONYMOUS = Principal(tenant=None, admin=False)  # an open route's caller when keys are required
+
+
+class TenantsSource(Protocol):
+    """The tenants file in force (`tenancy.watch.TenantsWatcher`)."""
+
+    def current(self) -> Directory: ...
+
+
+def api_key(request: Request) -> str | None:
+    """The key of `Authorization: Bearer <key>`, else of `x-api-key`; None when neither is given."""
+    authorization = request.headers.get("authorization")
+    if authorization:
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = request.headers.get(HEADER_API_KEY)
+    return key.strip() if key and key.strip() else None
+
+
+@dataclass
+class Caller:
+    """One request's caller: who it is, its quota ticket and the generations it started."""
+
+    principal: Principal
+    quotas: Quotas | None = None
+    ticket: int | None = None
+    generations: list[Any] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def tenant(self) -> str | None:
+        return self.principal.tenant_name
+
+    def may_use(self, adapter_id: str | None) -> bool:
+        return self.principal.may_use(adapter_id)
+
+    async def admit(self, prompt_tokens: int) -> None:
+        """Charge the tenant's quota for one request with `prompt_tokens` (once per request);
+        QuotaExceededError naming the limit when it refuses. No-op without tenant limits."""
+        tenant = self.principal.tenant
+        if tenant is None or tenant.limits.unlimited or self.quotas is None or self.ticket is not None:
+            return
+        admission = await self.quotas.admit(tenant.name, tenant.limits, prompt_tokens)
+        if not admission.admitted:
+            raise QuotaExceededError(tenant.name, admission.limit or "quota", admission.limit_value or 0,
+                                     admission.retry_after_s)
+        self.ticket = admission.ticket
+
+    def track(self, generations: list[Any]) -> None:
+        """Generations whose completion tokens are charged when the request ends (their `tokens`)."""
+        self.generations.extend(generations)
+
+    def close(self) -> None:
+        """The response is over: report its completion tokens and free the concurrency slot."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.ticket is not None and self.quotas is not None and self.tenant is not None:
+            completion = sum(int(getattr(g, "tokens", 0) or 0) for g in self.generations)
+            self.quotas.finish(self.tenant, self.ticket, completion)
+
+
+class Authenticator:
+    """The app-wide dependency: the request's `Caller`, or 401/403 (see the module docstring)."""
+
+    def __init__(self, tenants: TenantsSource | None, quotas: Quotas | None = None):
+        self.tenants, self.quotas = tenants, quotas
+
+    async def __call__(self, request: Request) -> Caller:
+        caller = Caller(self._principal(request), self.quotas)
+        request.scope[_CALLER] = caller
+        slot = request.scope.get(_SLOT)
+        if slot is not None:
+            slot.append(caller)
+        return caller
+
+    def _principal(self, request: Request) -> Principal:
+        if self.tenants is None:
+            return OPEN
+        path = getattr(request.scope.get("route"), "path", None)
+        if path in OPEN_ROUTES:
+            return ANONYMOUS
+        key = api_key(request)
+        if key is None:
+            raise AuthenticationError("no API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
+                                      "missing_api_key")
+        principal = self.tenants.current().lookup(key)
+        if principal is None:
+            raise AuthenticationError("invalid API key", "invalid_api_key")
+        if path not in TENANT_ROUTES and not principal.admin:
+            raise PermissionDeniedError("this route needs an admin API key")
+        return principal
+
+
+def current_caller(request: Request) -> Caller:
+    """The request's `Caller`, as the app-wide `Authenticator` found it."""
+    caller = request.scope.get(_CALLER)
+    if caller is None:
+        raise RuntimeError("no Authenticator ran for this request (install it app-wide: build_fastapi)")
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(current_caller)]
+
+
+class CallerMiddleware:
+    """Closes the request's `Caller` once the response is over (see the module docstring)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        slot: list[Caller] = []
+        scope[_SLOT] = slot
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for caller in slot:
+                caller.close()

@@ -1,0 +1,95 @@
+"""Replica groups: which named group of LoRA replicas serves a request (pure policy, no Ray).
+
+Seed 001's layered routing: business lines share the cluster, but finance traffic runs on finance
+nodes. `ServeConfig.replica_groups` names groups of LoRA replicas; each group is its own Ray Serve
+deployment (`LoraReplica-<name>`, with its own replica count, resources and node labels) with its
+own cluster controller (`ClusterController-<name>`), so the request router and the cluster queue of a
+group only ever see that group's replicas: a group's traffic never leaves it.
+
+Selection (`select_group`), for a request's adapter id and tenant name:
+1. the first group, in configuration order, whose `adapters` glob patterns match the adapter id
+   or whose `tenants` list the tenant;
+2. else the first catch-all group (one listing neither adapters nor tenants);
+3. else, for the base model (no adapter), the first group (every replica serves the base model);
+   for an adapter, no group: the adapter is not served here (the caller answers 404).
+
+Without `replica_groups`, there is one catch-all group, `default`, made of the `num_replicas`,
+`num_cpus` and `num_gpus` fields, deployed under the historical names `LoraReplica` and
+`ClusterController`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from lora_cluster.config import ServeConfig
+
+DEFAULT_GROUP = "default"
+REPLICA_DEPLOYMENT = "LoraReplica"
+CONTROLLER_DEPLOYMENT = "ClusterController"
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """One group as deployed: names, resources, and what it serves."""
+
+    name: str
+    deployment: str  # the Ray Serve deployment of its LoRA replicas
+    controller: str  # the Ray Serve deployment of its cluster controller
+    num_replicas: int
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float] = field(default_factory=dict)
+    node_labels: dict[str, str] = field(default_factory=dict)
+    adapters: tuple[str, ...] = ()
+    tenants: frozenset[str] = frozenset()
+
+    @property
+    def catch_all(self) -> bool:
+        return not self.adapters and not self.tenants
+
+    def matches(self, adapter_id: str | None, tenant: str | None) -> bool:
+        """The group names this adapter (by a pattern) or this tenant."""
+        if tenant is not None and tenant in self.tenants:
+            return True
+        return adapter_id is not None and any(fnmatchcase(adapter_id, p) for p in self.adapters)
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """`ray_actor_options` of the group's replicas: CPUs, GPUs, custom resources, node labels."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        if self.node_labels:
+            options["label_selector"] = dict(self.node_labels)
+        return options
+
+
+def replica_groups(config: ServeConfig) -> list[ReplicaGroup]:
+    """The groups of `config`, in order (one catch-all `default` group when none is configured)."""
+    if not config.replica_groups:
+        return [ReplicaGroup(DEFAULT_GROUP, REPLICA_DEPLOYMENT, CONTROLLER_DEPLOYMENT, config.num_replicas,
+                             config.num_cpus, config.num_gpus)]
+    return [ReplicaGroup(
+        name=g.name, deployment=f"{REPLICA_DEPLOYMENT}-{g.name}",
+        controller=f"{CONTROLLER_DEPLOYMENT}-{g.name}",
+        num_replicas=g.num_replicas, num_cpus=config.num_cpus if g.num_cpus is None else g.num_cpus,
+        num_gpus=config.num_gpus if g.num_gpus is None else g.num_gpus, resources=dict(g.resources),
+        node_labels=dict(g.node_labels), adapters=tuple(g.adapters), tenants=frozenset(g.tenants),
+    ) for g in config.replica_groups]
+
+
+def select_group(groups: Sequence[ReplicaGroup], adapter_id: str | None,
+                 tenant: str | None = None) -> ReplicaGroup | None:
+    """The group that serves a request (see the module docstring); None: no group serves the adapter."""
+    for group in groups:
+        if group.matches(adapter_id, tenant):
+            return group
+    for group in groups:
+        if group.catch_all:
+            return group
+    if adapter_id is None and groups:
+        return groups[0]
+    return None

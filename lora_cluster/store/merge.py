@@ -1,0 +1,178 @@
+"""Merged adapters: one LoRA adapter made per request from several, in LoRAX's `merged_adapters` schema.
+
+A merge names adapters `ids` with `weights`, a `merge_strategy`, a `density` and a
+`majority_sign_method` (`MergeSpec`). Every strategy works one (layer, projection) at a time, over
+the adapters that target it, with each adapter's LoRA scaling `s_i` (alpha / r) folded in; the
+merged adapter's own scaling is 1. The strategies follow PEFT's `add_weighted_adapter`
+(peft/tuners/lora/model.py and peft/utils/merge_utils.py), which the tests check token for token:
+
+- `linear`: the exact weighted sum of the adapters' deltas, `sum_i w_i * s_i * B_i A_i`, as a LoRA of
+  rank `sum_i r_i`: A stacks the rows `w_i * s_i * A_i`, B the columns `B_i` (PEFT's
+  `combination_type="cat"`). The merged rank may exceed `max_lora_rank`; such a merge is refused.
+- `ties` (TIES-merging): A and B are merged separately. Each adapter's matrix keeps its `density`
+  fraction of entries of largest magnitude (the rest set to 0); a sign is elected per entry (the sign
+  of the sum of the kept values, `total`, or of the count of their signs, `frequency`); the kept
+  entries that agree with it are weighted (A by `sign(w_i s_i) sqrt|w_i s_i|`, B by `sqrt|w_i s_i|`)
+  and averaged over the adapters that contributed an entry there.
+- `dare_linear` (DARE): A and B are merged separately: each matrix keeps each entry with probability
+  `density` and is divided by `density` (random pruning with rescale), then the weighted matrices
+  (weights as for ties) are summed.
+- `dare_ties`: DARE's random pruning, then TIES' sign election and disjoint mean.
+
+`ties` and `dare_*` need every adapter targeting a projection to have the same rank there (PEFT:
+"All adapters must have the same r value"); the merged rank is that rank. DARE's random masks come
+from a generator seeded with `EngineConfig.merge_seed`, drawn in PEFT's order (layer by layer,
+projections in the model's order, A then B, adapters in request order), so a merge is deterministic
+and equal to PEFT's after `torch.manual_seed(merge_seed)`. A merge of one adapter is its weighted
+delta whatever the strategy (PEFT switches to linear then).
+
+A merged adapter's id is `merged/<hash of its spec>`: requests for the same merge share it (routing
+affinity, the device slot and the host tier); what it is cached under also counts the versions of
+its adapters (see `store.merged`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lora_cluster.adapter_format import LoraWeights, check_adapter_id
+from lora_cluster.errors import AdapterMergeError, RequestError
+
+STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
+SIGN_METHODS = ("total", "frequency")
+MERGED_PREFIX = "merged/"
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """What to merge (see the module docstring). Build it with `MergeSpec.parse` (validated)."""
+
+    ids: tuple[str, ...]
+    weights: tuple[float, ...]
+    strategy: str = "linear"
+    density: float = 1.0
+    majority_sign_method: str = "total"
+
+    @classmethod
+    def parse(cls, ids: Sequence[str], weights: Sequence[float], strategy: str | None = None,
+              density: float | None = None, majority_sign_method: str | None = None, *,
+              max_ids: int) -> MergeSpec:
+        """A validated spec (LoRAX's defaults: linear, density 1, total); RequestError names the field."""
+        ids, weights = list(ids or []), list(weights or [])
+        if not ids:
+            raise RequestError("merged_adapters.ids must not be empty")
+        if len(ids) > max_ids:
+            raise RequestError(f"merged_adapters.ids has {len(ids)} adapters; the limit is {max_ids} "
+                               "(max_merged_adapter_ids)")
+        if len(weights) != len(ids):
+            raise RequestError(f"merged_adapters has {len(ids)} ids but {len(weights)} weights")
+        numbers = all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights)
+        if not numbers or not all(math.isfinite(w) for w in weights):
+            raise RequestError("merged_adapters.weights must be finite numbers")
+        for aid in ids:
+            check_adapter_id(aid)
+            if aid.startswith(MERGED_PREFIX):
+                raise RequestError(f"merged_adapters.ids cannot name a merged adapter ({aid!r})")
+        strategy = strategy or "linear"
+        if strategy not in STRATEGIES:
+            raise RequestError(f"merged_adapters.merge_strategy must be one of {', '.join(STRATEGIES)}, "
+                               f"got {strategy!r}")
+        sign = majority_sign_method or "total"
+        if sign not in SIGN_METHODS:
+            raise RequestError("merged_adapters.majority_sign_method must be one of "
+                               f"{', '.join(SIGN_METHODS)}, got {sign!r}")
+        density = 1.0 if density is None else float(density)
+        if not 0.0 <= density <= 1.0:
+            raise RequestError(f"merged_adapters.density must be in [0, 1], got {density!r}")
+        if strategy.startswith("dare") and density == 0.0:
+            raise RequestError("merged_adapters.density must be > 0 for dare merges (kept entries are "
+                               "divided by it)")
+        return cls(tuple(ids), tuple(float(w) for w in weights), strategy, density, sign)
+
+    @property
+    def adapter_id(self) -> str:
+        """`merged/<32 hex digits>`: the same for every request with this spec."""
+        canonical = json.dumps([self.ids, self.weights, self.strategy, self.density,
+                                self.majority_sign_method])
+        return MERGED_PREFIX + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def is_merged_id(adapter_id: str) -> bool:
+    return adapter_id.startswith(MERGED_PREFIX)
+
+
+def merge(spec: MergeSpec, adapters: Sequence[LoraWeights], module_order: Sequence[str], *, adapter_id: str,
+          max_rank: int, seed: int) -> LoraWeights:
+    """The merged adapter of `adapters` (one per `spec.ids`, same order), named `adapter_id`.
+    `module_order` is the model's projection order (PEFT's merge order). Raises AdapterMergeError
+    (ranks that differ for ties/dare, a merged rank above `max_rank`)."""
+    strategy = "linear" if len(adapters) == 1 else spec.strategy
+    generator = torch.Generator().manual_seed(seed)
+    order = {m: i for i, m in enumerate(module_order)}
+    keys = sorted({k for w in adapters for k in w.a}, key=lambda k: (k[0], order[k[1]]))
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    for key in keys:
+        parts = [(w, weight * w.scaling[key[1]]) for w, weight in zip(adapters, spec.weights, strict=True)
+                 if key in w.a]
+        if strategy == "linear":
+            a[key] = torch.cat([w.a[key] * ws for w, ws in parts], dim=0)
+            b[key] = torch.cat([w.b[key] for w, _ in parts], dim=1)
+        else:
+            ranks = {w.a[key].shape[0] for w, _ in parts}
+            if len(ranks) > 1:
+                raise AdapterMergeError(adapter_id, f"{strategy} needs equal ranks, but layer {key[0]} "
+                                        f"{key[1]} has ranks {sorted(ranks)} (use linear)")
+            scale_a = torch.tensor([math.copysign(math.sqrt(abs(ws)), ws) for _, ws in parts])
+            scale_b = torch.tensor([math.sqrt(abs(ws)) for _, ws in parts])
+            a[key] = _combine(strategy, [w.a[key] for w, _ in parts], scale_a, spec, generator)
+            b[key] = _combine(strategy, [w.b[key] for w, _ in parts], scale_b, spec, generator)
+        rank = a[key].shape[0]
+        if rank > max_rank:
+            raise AdapterMergeError(adapter_id, f"merged rank {rank} at layer {key[0]} {key[1]} exceeds "
+                                    f"max_lora_rank={max_rank} (linear: the sum of the adapters' ranks)")
+    modules = frozenset(m for _, m in a)
+    rank = max(t.shape[0] for t in a.values())
+    return LoraWeights(adapter_id=adapter_id, rank=rank, target_modules=modules,
+                       scaling=dict.fromkeys(modules, 1.0), a=a, b=b)
+
+
+def _combine(strategy: str, tensors: list[torch.Tensor], weights: torch.Tensor, spec: MergeSpec,
+             generator: torch.Generator) -> torch.Tensor:
+    """One matrix of a ties / dare_linear / dare_ties merge (PEFT's merge_utils, seeded)."""
+    if strategy == "ties":
+        pruned = [_magnitude_prune(t, spec.density) for t in tensors]
+    else:
+        pruned = [_random_prune(t, spec.density, generator) for t in tensors]
+    stacked = torch.stack(pruned, dim=0)
+    weighted = stacked * weights.view((-1,) + (1,) * (stacked.dim() - 1))
+    if strategy == "dare_linear":
+        return weighted.sum(dim=0)
+    sign = stacked.sign()
+    magnitude = stacked.sum(dim=0) if spec.majority_sign_method == "total" else sign.sum(dim=0)
+    agree = sign == torch.where(magnitude >= 0, 1, -1)
+    return (weighted * agree).sum(dim=0) / torch.clamp(agree.sum(dim=0), min=1.0)
+
+
+def _magnitude_prune(tensor: torch.Tensor, density: float) -> torch.Tensor:
+    """Keep the `density` fraction of entries of largest magnitude."""
+    if density >= 1:
+        return tensor
+    mask = torch.zeros_like(tensor).reshape(-1)
+    k = int(density * tensor.numel())
+    mask[torch.topk(tensor.abs().reshape(-1), k=k, largest=True)[1]] = 1
+    return tensor * mask.reshape(tensor.shape)
+
+
+def _random_prune(tensor: torch.Tensor, density: float, generator: torch.Generator) -> torch.Tensor:
+    """Keep each entry with probability `density`, rescaled by 1 / density."""
+    if density >= 1:
+        return tensor
+    mask = torch.bernoulli(torch.full_like(tensor, density), generator=generator)
+    return tensor * mask / density

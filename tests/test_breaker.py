@@ -1,0 +1,322 @@
+"""The breaker state machine (lora_cluster.breaker) and the engine's adapter breakers, without Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from lora_cluster.breaker import Breaker, BreakerState, BreakerThresholds, ErrorRatio, EventRate
+from lora_cluster.config import EngineConfig
+from lora_cluster.engine.adapter_guard import AdapterGuard
+from lora_cluster.errors import ConfigError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SWITCH = BreakerThresholds(warn=3, trip=5, recover_below=2, recover_for_s=30, cooldown_s=5)
+LATENCY = BreakerThresholds(warn=50, trip=100, recover_below=30, recover_samples=10, cooldown_s=5)
+
+
+def test_levels_move_a_closed_breaker_between_closed_warn_and_open() -> None:
+    b = Breaker("x", LATENCY, Clock())
+    assert b.record(10) is BreakerState.CLOSED, "below warn: closed"
+    assert b.record(60) is BreakerState.WARN, "warn <= level < trip: warn"
+    assert b.allow(), "a warning breaker still lets calls through"
+    assert b.record(20) is BreakerState.CLOSED, "back below warn: closed again"
+    assert b.record(100) is BreakerState.OPEN, "level at trip: open"
+    assert not b.allow(), "an open breaker refuses"
+    assert b.trips == 1, "one trip counted"
+
+
+def test_open_breaker_turns_half_open_after_the_cooldown_and_rearms_on_trip_levels() -> None:
+    clock = Clock()
+    b = Breaker("x", LATENCY, clock)
+    b.record(150)
+    clock.now += 4
+    assert b.retry_after_s() == pytest.approx(1.0), "retry after = cool-down left"
+    b.record(150)  # still failing while open: the cool-down starts again
+    clock.now += 4
+    assert b.state is BreakerState.OPEN, "a trip-level measurement while open re-arms the cool-down"
+    clock.now += 1
+    assert b.state is BreakerState.HALF_OPEN, "cool-down over: half-open"
+    assert b.retry_after_s() == 0.0, "nothing to wait for once half-open"
+
+
+def test_half_open_lets_one_probe_through_at_a_time() -> None:
+    clock = Clock()
+    b = Breaker("x", LATENCY, clock)
+    b.record(150)
+    clock.now += 5
+    assert b.allow(), "the first probe passes"
+    assert not b.allow(), "a second one waits while the first is out"
+    b.release()
+    assert b.allow(), "a released probe frees its place"
+
+
+def test_latency_breaker_closes_after_ten_fast_probes_and_reopens_on_a_slow_one() -> None:
+    clock = Clock()
+    b = Breaker("x", LATENCY, clock)
+    b.record(150)
+    clock.now += 5
+    for i in range(9):
+        assert b.allow(), f"probe {i} passes"
+        assert b.record(20) is BreakerState.HALF_OPEN, f"{i + 1} fast probes are not yet 10"
+    assert b.allow(), "probe 10 passes"
+    assert b.record(20) is BreakerState.CLOSED, "10 probes under 30 ms in a row close it"
+    b.record(150)
+    clock.now += 5
+    b.allow()
+    assert b.record(40) is BreakerState.OPEN, "a probe at or above recover_below opens it again"
+    assert b.trips == 3, "every opening counts as a trip"
+
+
+def test_a_breaker_that_reopens_at_its_trip_level_only_restarts_its_streak_below_it() -> None:
+    clock = Clock()
+    b = Breaker("x", dataclasses.replace(LATENCY, reopen_at=LATENCY.trip), clock)
+    b.record(150)
+    clock.now += 5
+    for _ in range(5):
+        b.allow()
+        b.record(20)
+    b.allow()
+    assert b.record(60) is BreakerState.HALF_OPEN, "a probe between recover_below and trip does not reopen it"
+    for i in range(9):
+        b.allow()
+        assert b.record(20) is BreakerState.HALF_OPEN, f"the streak started again: {i + 1} fast probes"
+    b.allow()
+    assert b.record(20) is BreakerState.CLOSED, "10 fast probes after the slow one close it"
+    b.record(150)
+    clock.now += 5
+    b.allow()
+    assert b.record(100) is BreakerState.OPEN, "a probe at the trip level opens it again"
+
+
+def test_switch_rate_breaker_recovers_only_after_thirty_quiet_seconds() -> None:
+    clock = Clock()
+    b = Breaker("x", SWITCH, clock)
+    b.record(5)
+    clock.now += 5
+    b.record(1.0)
+    clock.now += 29
+    assert b.record(0.0) is BreakerState.HALF_OPEN, "29 s below 2/s is not enough"
+    clock.now += 1
+    assert b.record(0.0) is BreakerState.CLOSED, "30 s below 2/s closes it"
+
+
+def test_switch_rate_breaker_reopens_when_the_rate_reaches_the_recovery_bound() -> None:
+    clock = Clock()
+    b = Breaker("x", SWITCH, clock)
+    b.record(6)
+    clock.now += 5
+    b.record(1.0)
+    clock.now += 20
+    assert b.record(2.0) is BreakerState.OPEN, "2/s is not below 2/s: the probe fails"
+
+
+def test_thresholds_are_checked() -> None:
+    with pytest.raises(ConfigError, match="warn"):
+        BreakerThresholds(warn=5, trip=3, recover_below=1)
+    with pytest.raises(ConfigError, match="recover_below"):
+        BreakerThresholds(warn=1, trip=3, recover_below=4)
+
+
+def test_event_rate_counts_events_in_its_window_only() -> None:
+    clock = Clock()
+    rate = EventRate(1.0, clock)
+    for _ in range(4):
+        rate.add()
+    assert rate.rate() == 4.0, "4 events within 1 s: 4/s"
+    clock.now += 1.0
+    assert rate.rate() == 0.0, "events older than the window are forgotten"
+
+
+def test_error_ratio_is_errors_among_the_last_outcomes() -> None:
+    ratio = ErrorRatio(100)
+    assert ratio.add(True) == 0.01, "one error among (up to) 100 outcomes: 1%"
+    for _ in range(99):
+        ratio.add(False)
+    assert ratio.ratio() == 0.01, "the error is still among the last 100"
+    assert ratio.add(False) == 0.0, "101 outcomes later the error has left the window"
+    ratio.add(True)
+    ratio.reset()
+    assert ratio.ratio() == 0.0, "reset forgets every outcome"
+
+
+def _guard(clock: Clock, **overrides: object) -> AdapterGuard:
+    config = EngineConfig(model="unused", **overrides)  # type: ignore[arg-type]
+    return AdapterGuard(config, clock)
+
+
+def test_guard_stops_switches_at_five_per_second_but_fills_empty_slots() -> None:
+    clock = Clock()
+    guard = _guard(clock)
+    for i in range(5):
+        assert guard.may_place(evicts=True), f"switch {i} allowed below 5/s"
+        guard.placed(0.001, evicted=True)
+    assert not guard.may_place(evicts=True), "the 6th switch within a second is refused"
+    assert guard.may_place(evicts=False), "placing into an empty slot is no switch"
+    guard.placed(0.001, evicted=False)
+    assert not guard.takes_cold(), "the replica reports that it takes no cold adapters"
+    assert guard.snapshot()["adapter_switch_rate"]["state"] == "open", "the snapshot shows the state"
+
+
+def test_guard_switch_breaker_probes_after_the_cooldown_and_closes_after_the_quiet_period() -> None:
+    clock = Clock()
+    guard = _guard(clock)
+    for _ in range(5):
+        guard.may_place(evicts=True)
+        guard.placed(0.001, evicted=True)
+    clock.now += 5
+    assert guard.may_place(evicts=True), "half-open: one switch may probe"
+    guard.placed(0.001, evicted=True)
+    assert guard.switches.state is BreakerState.HALF_OPEN, "one switch per second keeps it half-open"
+    clock.now += 31
+    assert guard.takes_cold(), "a quiet replica takes cold adapters again"
+    assert guard.switches.state is BreakerState.CLOSED, "after 30 s under 2/s the breaker closes"
+
+
+def test_guard_load_latency_breaker_stops_every_cold_placement() -> None:
+    clock = Clock()
+    guard = _guard(clock)
+    assert guard.may_place(evicts=False), "closed: a cold placement is allowed"
+    guard.placed(0.12, evicted=False)
+    assert not guard.may_place(evicts=False), "a 120 ms load opens it: no cold placement at all"
+    clock.now += 5
+    assert guard.may_place(evicts=False), "after the cool-down a probe load passes"
+    assert not guard.may_place(evicts=False), "only one probe at a time"
+    guard.not_placed(evicts=False)
+    assert guard.may_place(evicts=False), "a probe that did not happen gives its place back"
+
+
+def test_guard_off_allows_everything() -> None:
+    guard = _guard(Clock(), breakers=False)
+    for _ in range(20):
+        assert guard.may_place(evicts=True), "breakers: false never refuses"
+        guard.placed(1.0, evicted=True)
+    assert guard.takes_cold(), "and always takes cold adapters"
+
+
+# ----- the adapter breakers in a real engine (tiny demo model, CPU) ---------------------------------
+
+PROMPT = "the quick brown fox"
+
+
+def _run_until(engine, request_id: str, bound_s: float = 20.0) -> list:
+    """Step the engine until `request_id` finishes; every output seen on the way."""
+    seen, deadline = [], time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        outs = engine.step()
+        seen += outs
+        if any(o.request_id == request_id and o.finished for o in outs):
+            return seen
+    raise AssertionError(f"{request_id} did not finish within {bound_s} s")
+
+
+def _engine(demo_zoo, **breakers: object):
+    from lora_cluster.engine import Engine
+
+    return Engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
+                  max_lora_rank=32, breaker_cooldown_s=3.0, **breakers)
+
+
+def test_engine_switch_breaker_holds_cold_adapters_while_resident_ones_serve(demo_zoo) -> None:
+    from lora_cluster.engine import SamplingParams
+
+    engine = _engine(demo_zoo, breaker_switch_warn_per_s=1, breaker_switch_trip_per_s=1,
+                     breaker_switch_recover_per_s=1, breaker_switch_recover_s=0.0)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate([PROMPT] * 3, adapter_ids=["a0", "a1", "a3"], sampling=sp)  # a3 evicts: 1 switch/s
+    assert engine.stats().breakers["adapter_switch_rate"]["trips"] == 1, "1 switch/s reaches trip=1"
+    engine.add_request("cold", PROMPT, "a4", sp)
+    engine.add_request("hot", PROMPT, "a3", sp)
+    seen = _run_until(engine, "hot")
+    assert not any(o.request_id == "cold" and o.token_ids for o in seen), \
+        "the cold adapter (it would evict) waits while the breaker is open"
+    assert not engine.stats().takes_cold, "the engine reports that it takes no cold adapters"
+    _run_until(engine, "cold")
+    assert "a4" in engine.stats().resident_adapters, "after the cool-down a probe switch places it"
+    engine.close()
+
+
+def test_engine_load_latency_breaker_stops_cold_loads_until_a_probe(demo_zoo) -> None:
+    from lora_cluster.engine import SamplingParams
+
+    tiny = 1e-6  # every placement is slower than this: the first one opens the breaker
+    engine = _engine(demo_zoo, breaker_load_warn_ms=tiny, breaker_load_trip_ms=tiny,
+                     breaker_load_recover_ms=tiny)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate([PROMPT], adapter_ids=["a0"], sampling=sp)
+    assert engine.stats().breakers["adapter_load_latency"]["trips"] == 1, "a slow load opens it"
+    engine.add_request("cold", PROMPT, "a1", sp)  # an empty slot is free, but no cold load runs now
+    engine.add_request("hot", PROMPT, "a0", sp)
+    seen = _run_until(engine, "hot")
+    assert not any(o.request_id == "cold" and o.token_ids for o in seen), "the cold load waits"
+    _run_until(engine, "cold")
+    assert engine.stats().breakers["adapter_load_latency"]["trips"] >= 2, "the slow probe opened it again"
+    engine.close()
+
+
+# ----- the routing-error breaker and the source breaker's names ------------------------------------
+
+
+def test_routing_guard_sheds_at_three_percent_and_closes_after_a_hundred_clean_probes() -> None:
+    from lora_cluster.errors import RoutingUnavailableError
+    from lora_cluster.serve.http_errors import describe
+    from lora_cluster.serve.routing_guard import RoutingGuard
+
+    clock = Clock()
+    guard = RoutingGuard(clock=clock)
+    for i in range(50):
+        guard.admit()
+        guard.outcome(error=i in (10, 20))
+    assert guard.breaker.state is BreakerState.WARN, "2 routing errors in the last 100 requests: warn"
+    guard.admit()
+    guard.outcome(error=True)
+    with pytest.raises(RoutingUnavailableError) as shed:
+        guard.admit()
+    error = describe(shed.value)
+    assert (error.status, error.code) == (503, "routing_unavailable"), f"shed as 503: {error}"
+    assert error.retry_after_header() == {"retry-after": "5"}, "Retry-After: the cool-down left"
+    clock.now += 5
+    probes = 0
+    while True:
+        try:
+            guard.admit()
+        except RoutingUnavailableError:
+            break
+        probes += 1
+    assert probes == 4, "half-open: 4 probe requests at a time"
+    for _ in range(100):
+        guard.outcome(error=False)
+        guard.admit()
+    assert guard.breaker.state is BreakerState.CLOSED, "100 requests without a routing error close it"
+
+
+def test_routing_errors_are_the_replicas_failures_not_the_requests() -> None:
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import BackPressureError
+
+    from lora_cluster.errors import AdapterNotFoundError
+    from lora_cluster.serve.http_errors import NoReplicaError
+    from lora_cluster.serve.routing_guard import is_routing_error
+
+    assert is_routing_error(ActorDiedError()), "a dead replica is a routing error"
+    assert is_routing_error(NoReplicaError("none")), "no replica is a routing error"
+    assert not is_routing_error(BackPressureError(num_queued_requests=1, max_queued_requests=1)), \
+        "overload is not a routing error"
+    assert not is_routing_error(AdapterNotFoundError("x", "missing")), "a request's own error is not"
+
+
+def test_source_names_in_errors_keep_only_scheme_and_bucket_or_repository() -> None:
+    from lora_cluster.store.source_breaker import public_name
+
+    assert public_name("s3://bucket/some/prefix") == "s3://bucket", "S3: the bucket only"
+    assert public_name("hf://org/name@rev/sub") == "hf://org/name", "hub: the repository only"

@@ -1,0 +1,342 @@
+"""Fuzzing: schemathesis over the HTTP API's OpenAPI schema, hypothesis over the engine's public API.
+
+The HTTP fuzzer runs every operation of `/openapi.json` with every schemathesis check (no 5xx,
+status codes, content types, headers, bodies and SSE events as documented, invalid data rejected,
+undeclared methods answered 405 with `Allow`, valid data accepted: there a 400 is allowed only on the
+routes whose rules go beyond JSON Schema, see `RULES_BEYOND_SCHEMA`) against the real ingress app
+(`build_fastapi`, in process through ASGI as in test_serve_app) whose dispatcher runs a real engine
+on the tiny demo zoo, the way a replica does: generated prompts, token ids and parameters reach the
+engine. The engine fuzzer calls
+`SamplingParams`, `Engine.add_request`/`step` and `Engine.generate` with random parameters, token ids
+and adapter ids: only domain errors (`LoraClusterError`) may come out, and a valid request still
+succeeds afterwards. Both print how many requests they tried and what they answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from lora_cluster.cluster.controller import Controller
+from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
+from lora_cluster.errors import LoraClusterError
+from lora_cluster.serve.admission import ClusterAdmission
+from lora_cluster.serve.context import ApiContext
+from lora_cluster.serve.dispatch import Generation
+from lora_cluster.serve.http_errors import ApiError, ApiException, describe
+from lora_cluster.serve.ingress import build_fastapi
+from lora_cluster.serve.model import load_tokenizer
+from lora_cluster.serve.protocol import GenerateJob, output_item
+from lora_cluster.serve.replica import coalesce
+
+HTTP_EXAMPLES = 15  # per operation and phase: about a minute for all operations on an idle machine
+ENGINE_EXAMPLES = 150
+MAX_MODEL_LEN = 64  # bounds every generation the fuzzers start
+ENGINE_SETTINGS = dict(max_loras=4, max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=256,
+                       max_model_len=MAX_MODEL_LEN)
+
+
+def _engine(demo_zoo: Any) -> Engine:
+    return Engine(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
+                  **ENGINE_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_zoo) -> Any:
+    """An engine stepped by the test itself (the HTTP app's engine is stepped by its AsyncEngine)."""
+    engine = _engine(demo_zoo)
+    yield engine
+    engine.close()
+
+
+def _report(request: pytest.FixtureRequest, title: str, counts: collections.Counter) -> None:
+    """Print the fuzzer's figures: requests tried and what they answered (also with -q, after the tests)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{title}: {sum(counts.values())} tried"]
+    lines += [f"  {key}: {n}" for key, n in sorted(counts.items(), key=lambda kv: str(kv[0]))]
+    if reporter is not None:
+        request.config.add_cleanup(lambda: [reporter.write_line(line) for line in lines])
+
+
+# ----- schemathesis over the HTTP API ---------------------------------------------------------------------
+
+
+class _Stream:
+    """The rest of an output stream, as the ingress reads a replica's (`__anext__`, `cancel`)."""
+
+    def __init__(self, items: AsyncIterator[dict[str, Any]]):
+        self._items = items
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await self._items.__anext__()
+
+    def cancel(self) -> None:
+        """Close the stream, which aborts the engine request (as Ray cancels a replica call)."""
+        asyncio.get_running_loop().create_task(self._items.aclose())
+
+
+class _Method:
+    """`handle.method.remote(*args)` of a deployment handle, answered in process."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        async def call() -> Any:
+            return self.fn(*args)
+
+        return call()
+
+
+class LocalController:
+    """The cluster controller's policy core (`cluster.controller.Controller`) behind the calls of its
+    deployment handle that the ingress makes (`snapshot`, `placement`)."""
+
+    def __init__(self, config: ServeConfig):
+        core = Controller(build_sla_classes(config))
+        self.snapshot = _Method(core.snapshot)
+        self.placement = _Method(lambda: {a: list(r) for a, r in core.placement().items()})
+
+
+class EngineDispatcher:
+    """The ingress's dispatcher calls answered by one in-process engine, as one replica "local" would:
+    the same wire items (`coalesce`, `output_item`), errors reported as `describe` maps them."""
+
+    def __init__(self, aengine: AsyncEngine, config: ServeConfig):
+        self.aengine = aengine
+        self.admission = ClusterAdmission(LocalController(config), capacity=None,
+                                          replica_stats=self.replica_stats, timeout_s=1.0)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        return {"local": {}}
+
+    async def cluster_view(self) -> dict[str, Any]:
+        return await self.admission.cluster_view()
+
+    async def _items(self, job: GenerateJob) -> AsyncIterator[dict[str, Any]]:
+        head: dict[str, Any] = {"replica": "local", "hit": True}
+        try:
+            aid = job.adapter_id
+            if job.adapter_path is not None and aid is not None:
+                await self.aengine.register_adapter(aid, job.adapter_path)
+            if job.merge is not None:
+                aid = self.aengine.define_merge(job.merge)
+            outputs = self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
+                                            priority=job.priority)
+            if not job.stream:
+                async for out in outputs:
+                    if out.finished:
+                        yield {**head, **output_item(out, full=True)}
+                return
+            async for item in coalesce(outputs):
+                yield {**head, **item}
+                head = {}
+        except LoraClusterError as exc:
+            yield {**head, "error": describe(exc).to_dict()}
+
+    async def start(self, job: GenerateJob, route: str) -> Generation:
+        items = self._items(job)
+        first = await items.__anext__()
+        if "error" in first:
+            raise ApiException(ApiError.from_dict(first["error"]))
+        return Generation(job=job, replica="local", hit=True, first=first, stream=_Stream(items))
+
+    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
+        started: list[Generation] = []
+        try:
+            for job in jobs:
+                started.append(await self.start(job, route))
+        except BaseException:
+            for generation in started:
+                generation.cancel()
+            raise
+        return started
+
+    async def any_replica(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        return await self.aengine.list_adapters() if method == "list_adapters" else "local"
+
+    async def call(self, replica_id: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        return (await self.broadcast(method, *args))["local"]
+
+    async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
+        if method == "register_adapter":
+            try:
+                await self.aengine.register_adapter(*args)
+            except LoraClusterError as exc:
+                return {"local": {"error": describe(exc).to_dict()}}
+        elif method == "unregister_adapter":
+            await self.aengine.unregister_adapter(*args)
+        return {"local": {"replica": "local", "ok": True}}
+
+
+HTTP_STATUSES: collections.Counter = collections.Counter()
+
+
+class AppSlot:
+    """An ASGI app that forwards to `app`: schemathesis loads the schema when this module is imported
+    (to parametrize the test), before the fixtures that build the real app exist; the routes, and so
+    the schema, do not depend on the model, so a context without one serves the schema until then."""
+
+    def __init__(self) -> None:
+        ctx = ApiContext(config=ServeConfig(model="schema-only"), tokenizer=None, dispatcher=None)
+        self.app: Any = build_fastapi(ctx)
+        ctx.close()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+SLOT = AppSlot()
+schema = schemathesis.openapi.from_asgi("/openapi.json", SLOT)
+
+
+@pytest.fixture(scope="module")
+def fuzzed_app(request, demo_zoo) -> Any:
+    config = ServeConfig(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
+                         max_new_tokens=16, default_max_tokens=8, max_n=2, max_prompt_tokens=48,
+                         served_model_name="demo",
+                         **ENGINE_SETTINGS)
+    aengine = AsyncEngine(_engine(demo_zoo))
+    dispatcher = EngineDispatcher(aengine, config)
+    ctx = ApiContext(config=config, tokenizer=load_tokenizer(config), dispatcher=dispatcher)
+    schema_only, SLOT.app = SLOT.app, build_fastapi(ctx)
+    yield SLOT.app
+    SLOT.app = schema_only
+    if HTTP_STATUSES:
+        _report(request, "schemathesis over the HTTP API", HTTP_STATUSES)
+    ctx.close()
+    aengine.shutdown()
+
+
+# Request bodies whose rules go beyond what JSON Schema states: configured limits (max_tokens, n,
+# stop strings, prompts), the prompt's token count, cross-field rules (top_logprobs needs logprobs,
+# an adapter or merged_adapters), adapter files read at load time, a name already loaded. A
+# schema-valid body may get a 400 there (naming the rule); anywhere else it must be accepted.
+RULES_BEYOND_SCHEMA = {"/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/",
+                       "/v1/load_lora_adapter"}
+
+
+def valid_data_accepted(ctx: Any, response: Any, case: Any) -> bool | None:
+    """schemathesis's positive_data_acceptance, except a 400 on `RULES_BEYOND_SCHEMA` routes."""
+    if response.status_code == 400 and case.path in RULES_BEYOND_SCHEMA:
+        return None
+    return positive_data_acceptance(ctx, response, case)
+
+
+@schema.parametrize()
+@settings(max_examples=HTTP_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_every_endpoint_passes_every_schemathesis_check(fuzzed_app, case) -> None:
+    response = case.call()
+    HTTP_STATUSES[f"{case.method} {case.path} -> {response.status_code}"] += 1
+    case.validate_response(response, excluded_checks=[positive_data_acceptance],
+                           additional_checks=[valid_data_accepted])
+
+
+# ----- hypothesis over the engine's public API -------------------------------------------------------------
+
+ENGINE_OUTCOMES: collections.Counter = collections.Counter()
+_ids = itertools.count()
+_ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70))
+_floats = st.one_of(st.floats(-2, 120), st.floats(allow_nan=True, allow_infinity=True))
+sampling_kwargs = st.fixed_dictionaries({}, optional={
+    "max_new_tokens": st.one_of(st.integers(-2, 8), st.just(10**9)),
+    "temperature": _floats, "top_p": _floats, "top_k": _ints, "seed": _ints,
+    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=20)),
+    "stop_token_ids": st.lists(_ints, max_size=4), "ignore_eos": st.booleans(),
+    "logprobs": st.one_of(st.none(), _ints), "prompt_logprobs": st.one_of(st.none(), _ints),
+})
+prompts = st.one_of(st.text(max_size=40), st.lists(_ints, max_size=70))
+adapters = st.one_of(st.none(), st.sampled_from(["a0", "a1", "a15", "missing", "../a1", "", "a0/../a1"]),
+                     st.text(max_size=12))
+
+
+def _run(engine: Engine, request_id: str, prompt: Any, adapter: Any, sampling: SamplingParams,
+         priority: int) -> str:
+    """Add one request and step the engine until it finishes; its finish reason or domain error."""
+    engine.add_request(request_id, prompt, adapter, sampling, priority=priority)
+    for _ in range(4 * MAX_MODEL_LEN):
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return type(out.error).__name__ if out.error is not None else f"finished:{out.finish_reason}"
+    engine.abort(request_id)
+    raise AssertionError(f"request {request_id} did not finish within {4 * MAX_MODEL_LEN} steps")
+
+
+def _still_serves(engine: Engine) -> None:
+    out = engine.generate(["the river"], adapter_ids=["a1"], sampling=SamplingParams(max_new_tokens=2,
+                                                                                      temperature=0.0))[0]
+    assert out.finish_reason == "length" and out.completion_tokens == 2, (
+        f"a valid request still succeeds after the fuzzed one: {out}")
+
+
+@settings(max_examples=ENGINE_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(kwargs=sampling_kwargs, prompt=prompts, adapter=adapters, priority=_ints)
+def test_the_engine_raises_only_domain_errors_and_keeps_serving(engine, kwargs, prompt, adapter, priority):
+    request_id = f"fuzz-{next(_ids)}"
+    try:
+        outcome = _run(engine, request_id, prompt, adapter, SamplingParams(**kwargs), priority)
+    except LoraClusterError as exc:
+        outcome = type(exc).__name__
+    ENGINE_OUTCOMES[f"add_request -> {outcome}"] += 1
+    _still_serves(engine)
+
+
+@settings(max_examples=ENGINE_EXAMPLES // 3, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(st.tuples(prompts, adapters, sampling_kwargs), min_size=1, max_size=4))
+def test_offline_generate_raises_only_domain_errors_and_keeps_serving(engine, batch):
+    try:
+        params = [SamplingParams(**kwargs) for _, _, kwargs in batch]
+        outs = engine.generate([p for p, _, _ in batch], adapter_ids=[a for _, a, _ in batch],
+                               sampling=params)
+        outcome = "finished" if all(o.finished for o in outs) else "unfinished"
+    except LoraClusterError as exc:
+        outcome = type(exc).__name__
+    ENGINE_OUTCOMES[f"generate -> {outcome}"] += 1
+    _still_serves(engine)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_report(request) -> Any:
+    yield
+    if ENGINE_OUTCOMES:
+        _report(request, "hypothesis over the engine API", ENGINE_OUTCOMES)
+
+
+# ----- what the fuzzers found, pinned -----------------------------------------------------------------------
+
+
+def test_a_tiny_temperature_or_top_p_samples_the_most_likely_token():
+    import torch
+
+    from lora_cluster.engine.sampling import make_generator, sample
+
+    logits = torch.tensor([[0.5, 3.0, 1.0, 2.9]])
+    for params in (SamplingParams(temperature=1e-145, seed=1), SamplingParams(top_p=1e-145, seed=1)):
+        token = sample(logits, [params], [make_generator(params, torch.device("cpu"))])
+        assert token == [1], f"{params}: the most likely token, not a NaN probability crash"
+
+
+def test_schema_types_are_enforced_and_405_names_the_allowed_method(fuzzed_app):
+    from starlette.testclient import TestClient
+
+    with TestClient(fuzzed_app) as client:
+        coerced = client.post("/generate", json={"inputs": "x", "stream": 0})
+        integral = client.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2.0})
+        wrong_method = client.delete("/v1/completions")
+    assert coerced.status_code == 400, f"0 is not the boolean the schema asks for: {coerced.text}"
+    assert integral.status_code == 200, f"2.0 is an integer, as in JSON Schema: {integral.text}"
+    assert wrong_method.status_code == 405, "an undeclared method is a 405"
+    assert wrong_method.headers.get("allow") == "POST", "the 405 names the allowed method (RFC 9110)"
