@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,18 @@ def _real_cache_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
     if after != before:
         changed = sorted(set(after) ^ set(before))[:5]
         pytest.fail(f"{request.node.nodeid} wrote into {REAL_CACHE}: {changed}", pytrace=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    """A function that returns a TCP port free on 127.0.0.1 now (for a Serve app or a test server)."""
+    return _free_port
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ HTTP client's errors and headers. (`status` and `adapters` against a running ser
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,13 +13,6 @@ from typing import ClassVar
 import pytest
 
 from lora_cluster.cli import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # ----- lora-cluster demo: an existing zoo built with other arguments is not silently replaced ------------
 
@@ -59,8 +51,8 @@ def test_demo_progress_bar_on_request_and_not_in_a_pipe(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["status"], ["adapters", "list"], ["adapters", "load", "x", "/p"],
                                   ["adapters", "unload", "x"]])
-def test_an_unreachable_server_is_one_clear_line(argv, capsys):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+def test_an_unreachable_server_is_one_clear_line(free_port, argv, capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert main([*argv, "--url", url, "--timeout", "5"]) == 1, f"{argv}: exit status 1"
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import time
 
 import httpx
@@ -29,12 +28,6 @@ pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox"
 BATCH_TOKENS = 300
 BOUND_S = 120.0  # every wait in this module is bounded
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +45,7 @@ def app_config(demo_zoo):
 
 
 @pytest.fixture(scope="module")
-def base_url(app_config):
+def base_url(free_port, app_config):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -64,7 +57,7 @@ def base_url(app_config):
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_config), name="lora", route_prefix="/")

@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -42,12 +41,6 @@ pytestmark = pytest.mark.slow
 BOUND_S = 60.0  # no request or wait in this module takes longer
 BIG = "a2"  # rank 32, ~262 KB of weights: a download the proxy can cut in the middle
 PROMPT = "the quick brown fox"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----- the store's source breaker (no Ray) ----------------------------------------------------
@@ -119,7 +112,7 @@ def proxy(moto_endpoint):
 
 
 @pytest.fixture(scope="module")
-def server(demo_zoo, bucket, proxy, tmp_path_factory):
+def server(free_port, demo_zoo, bucket, proxy, tmp_path_factory):
     import ray
     from ray import serve
 
@@ -139,7 +132,7 @@ def server(demo_zoo, bucket, proxy, tmp_path_factory):
     }
     ray.init(num_cpus=4, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": env})
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="lora", route_prefix="/")

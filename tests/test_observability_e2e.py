@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import threading
 import time
 from pathlib import Path
@@ -31,14 +30,8 @@ CLASSES = ("interactive", "batch")
 APP = "obs"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url(demo_zoo):
+def base_url(free_port, demo_zoo):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -54,7 +47,7 @@ def base_url(demo_zoo):
                                "upscale_delay_s": 0.5, "downscale_delay_s": 3.0, "look_back_period_s": 1.0,
                                "metrics_interval_s": 0.5},
     }
-    port = _free_port()
+    port = free_port()
     # a Ray of its own, even while another test's cluster runs on this machine
     ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
              log_to_driver=False)

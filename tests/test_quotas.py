@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -273,14 +272,8 @@ async def test_a_request_refused_before_it_runs_releases_its_slot(tmp_path):
 RPM = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def two_ingresses(demo_zoo, tmp_path_factory):
+def two_ingresses(free_port, demo_zoo, tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -303,7 +296,7 @@ tenants:
               "num_replicas": 1, "num_cpus": 1, "max_loras": 2, "max_lora_rank": 32, "max_num_seqs": 8,
               "max_num_batched_tokens": 128, "ingress_num_replicas": 2, "controller": False,
               "tenants_file": str(path)}
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

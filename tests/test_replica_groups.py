@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
 import statistics
 import time
 from typing import Any
@@ -164,14 +163,8 @@ OPS = ["a8", "a9"]
 PROMPT = "the quick brown fox"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def grouped_app(demo_zoo):
+def grouped_app(free_port, demo_zoo):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -184,7 +177,7 @@ def grouped_app(demo_zoo):
         "max_ongoing_requests": 8, "routing_stats_period_s": 0.5, "controller_report_period_s": 0.25,
         "replica_groups": [{"name": "fin", "adapters": ["a[0-3]"]}, {"name": "ops"}],
     }
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

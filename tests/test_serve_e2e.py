@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 
 import httpx
@@ -26,12 +25,6 @@ PROMPT = "the quick brown fox"
 MAX_PROMPT_TOKENS = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_config(demo_zoo, tmp_path_factory):
     return {
@@ -44,14 +37,14 @@ def app_config(demo_zoo, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_url(app_config):
+def base_url(free_port, app_config):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
 
     from lora_cluster.serve.app import build_app
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
