@@ -7,6 +7,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import statistics
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import httpx
 import pytest
 from test_serve_app import BOUND_S, FakeDispatcher, FakeTokenizer
 
-from lora_cluster.config import ServeConfig
+from lora_cluster.config import ServeConfig, build_sla_classes
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
@@ -317,9 +319,17 @@ def test_two_ingress_replicas_share_one_quota(two_ingresses, tmp_path):
         with httpx.Client(base_url=two_ingresses, timeout=60) as client:
             return client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
 
+    def timed(key: str) -> tuple[httpx.Response, float]:
+        start = time.perf_counter()
+        return post(key), time.perf_counter() - start
+
+    post(HR_KEY)  # warm: the adapter is loaded, the ingresses have their leases
+    idle = [timed(HR_KEY)[1] for _ in range(6)]  # the other tenant's latency before the burst
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        fin = list(pool.map(post, [FIN_KEY] * (3 * RPM)))
-        hr = list(pool.map(post, [HR_KEY] * 6))
+        burst = [pool.submit(post, FIN_KEY) for _ in range(3 * RPM)]
+        during = [timed(HR_KEY) for _ in range(6)]  # ... and while finance runs at 3x its quota
+        fin = [f.result() for f in burst]
+    hr = [r for r, _ in during]
     status = serve.status().applications["quota"].deployments["LoraIngress"]
     running = sum(n for state, n in status.replica_states.items() if str(state).endswith("RUNNING"))
     assert running == 2, f"two ingress replicas serve the app: {status.replica_states}"
@@ -332,6 +342,12 @@ def test_two_ingress_replicas_share_one_quota(two_ingresses, tmp_path):
     assert refused and all("retry-after" in r.headers for r in refused), "every 429 carries Retry-After"
     assert all("requests_per_minute" in r.json()["error"]["message"] for r in refused), "each names the limit"
     assert [r.status_code for r in hr] == [200] * 6, "the other tenant is served meanwhile"
+    target = build_sla_classes(ServeConfig()).default  # hr's class: its file names none
+    slowest, p50 = max(t for _, t in during), statistics.median(t for _, t in during)
+    assert slowest <= target.ttft_s, (
+        f"the other tenant's requests (1 token) stay within the {target.name} class's {target.ttft_s:g} s "
+        f"target while finance is throttled: slowest {slowest * 1e3:.0f} ms, p50 {p50 * 1e3:.0f} ms "
+        f"(idle p50 {statistics.median(idle) * 1e3:.0f} ms)")
     with httpx.Client(base_url=two_ingresses, timeout=60) as client:
         missing = tmp_path / "no-such-adapter"
         load = client.post("/v1/load_lora_adapter", headers={"x-api-key": "sk-admin"},

@@ -124,9 +124,9 @@ def shapes(demo_model_dir: Path) -> ModelShapes:
        disk_budget=st.sampled_from([0, 150_000, 400_000]))
 def test_store_budgets_in_use_pinned_and_lifecycle(demo_adapters_dir, shapes, ops, host_budget, disk_budget):
     with tempfile.TemporaryDirectory() as tmp:
-        store = TieredAdapterStore([], AdmissionPolicy(shapes, 64), host_cache_bytes=host_budget,
-                                   disk_cache_dir=tmp, disk_cache_bytes=disk_budget, pinned=[PINNED])
-        store.sources = [FolderAsRemote(demo_adapters_dir)]
+        store = TieredAdapterStore([FolderAsRemote(demo_adapters_dir)], AdmissionPolicy(shapes, 64),
+                                   host_cache_bytes=host_budget, disk_cache_dir=tmp,
+                                   disk_cache_bytes=disk_budget, pinned=[PINNED])
         store.wait_prefetches()
         placed: set[str] = set()
         for op, adapter_id in ops:

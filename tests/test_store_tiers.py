@@ -278,15 +278,13 @@ def test_disk_cache_is_atomic_bounded_and_survives_restart(demo_zoo, tmp_path):
 
 def test_tampered_disk_copy_is_refetched(demo_zoo, shapes, tmp_path):
     source = FolderAsRemote(demo_zoo.adapters_dir)
-    store = store_for([], shapes, disk_cache_dir=tmp_path / "disk")
-    store.sources = [source]
+    store = store_for([source], shapes, disk_cache_dir=tmp_path / "disk")
     store.load("a1")
     entry = next((tmp_path / "disk" / "entries").iterdir()) / "adapter_model.safetensors"
     data = bytearray(entry.read_bytes())
     data[200] ^= 0x10  # bit rot in the cache, same size
     entry.write_bytes(bytes(data))
-    again = store_for([], shapes, disk_cache_dir=tmp_path / "disk")
-    again.sources = [source]
+    again = store_for([source], shapes, disk_cache_dir=tmp_path / "disk")
     want = load_peft_adapter("a1", demo_zoo.adapters_dir / "a1", shapes, 64)
     assert torch.equal(again.load("a1").a[(0, "k_proj")], want.a[(0, "k_proj")]), \
         "the tampered disk copy is not served"

@@ -102,7 +102,7 @@ def default_disk_cache_dir() -> Path:
 class TieredAdapterStore:
     def __init__(
         self,
-        sources: Iterable[str],
+        sources: Iterable[str | AdapterSource],
         policy: AdmissionPolicy,
         *,
         host_cache_bytes: int = 4 * GiB,
@@ -142,8 +142,10 @@ class TieredAdapterStore:
         self._disk_bytes = disk_cache_bytes
         self._remote = {"retries": fetch_retries, "backoff_s": fetch_backoff_s, "timeout_s": fetch_timeout_s,
                         "sleep": sleep, "on_retry": self._count_retry}
-        self.source_uris = list(sources)
-        self.sources: list[AdapterSource] = [open_source(uri, **self._remote) for uri in self.source_uris]
+        # a source is a URI (opened here) or an opened `AdapterSource` (wired by the caller)
+        self.sources: list[AdapterSource] = [
+            open_source(s, **self._remote) if isinstance(s, str) else s for s in sources]
+        self.source_uris = [s.uri for s in self.sources]
         self.source_breakers: dict[str, SourceBreaker] = {}  # remote source uri -> its breaker
         if source_breaker_failures is not None:
             self.source_breakers = {
