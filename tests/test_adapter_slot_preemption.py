@@ -5,6 +5,7 @@ evicted, or their running sequences are preempted by recompute) with every outpu
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
@@ -41,8 +42,9 @@ LOWS = (
 # ----- rule 1: the fetch queue ------------------------------------------------------------------
 
 
-def test_fetches_run_most_urgent_first_then_in_submission_order_prefetches_last():
-    queue = FetchQueue(1, max_prefetches=4)
+def blocking_loader() -> tuple[threading.Event, threading.Event, list[str], Callable[[str], str]]:
+    """A fetch function that records what ran; the fetch "busy" holds its worker until `gate` is set
+    (`started` says it got there)."""
     gate, started, ran = threading.Event(), threading.Event(), []
 
     def load(key: str) -> str:
@@ -51,6 +53,13 @@ def test_fetches_run_most_urgent_first_then_in_submission_order_prefetches_last(
             gate.wait(10)
         ran.append(key)
         return key
+
+    return gate, started, ran, load
+
+
+def test_fetches_run_most_urgent_first_then_in_submission_order_prefetches_last():
+    queue = FetchQueue(1, max_prefetches=4)
+    gate, started, ran, load = blocking_loader()
 
     try:
         busy = queue.submit(load, "busy", 0)  # holds the only worker while the others queue
@@ -74,14 +83,7 @@ def test_fetches_run_most_urgent_first_then_in_submission_order_prefetches_last(
 
 def test_prefetches_are_bounded_and_a_cancelled_fetch_never_runs():
     queue = FetchQueue(1, max_prefetches=1)
-    gate, started, ran = threading.Event(), threading.Event(), []
-
-    def load(key: str) -> str:
-        if key == "busy":
-            started.set()
-            gate.wait(10)
-        ran.append(key)
-        return key
+    gate, started, ran, load = blocking_loader()
 
     try:
         queue.submit(load, "busy", 0)

@@ -247,16 +247,22 @@ class TieredAdapterStore:
         """Registered ids, then what the sources offer (first source wins), from listings alone: no
         config is read, so listing thousands of adapters on S3 costs its paginated key listing."""
         ids: dict[str, None] = dict.fromkeys(self._registered)
+        for found in self._listings(lambda source: source.adapter_ids()):
+            for adapter_id in found:
+                ids.setdefault(adapter_id, None)
+        return list(ids)
+
+    def _listings(self, list_one: Callable[[AdapterSource], Iterable[T]]) -> Iterator[Iterable[T]]:
+        """`list_one(source)` for each source in order; a source that cannot be listed is counted,
+        logged and skipped."""
         for source in self.sources:
             try:
-                found = source.adapter_ids()
+                found = list_one(source)
             except Exception as e:
                 self.stats.add("source", "failures")
                 log.warning("cannot list adapters of %s: %s", source.uri, e)
                 continue
-            for adapter_id in found:
-                ids.setdefault(adapter_id, None)
-        return list(ids)
+            yield found
 
     def register(self, adapter_id: str, location: str) -> None:
         """Serve `adapter_id` from `location` (a folder, file://, s3:// or hf:// URI of the adapter
@@ -295,13 +301,7 @@ class TieredAdapterStore:
         """What the sources offer (rank, target modules, size, checksum), first source wins, without
         reading weights. A source that cannot be listed is logged and skipped."""
         infos: dict[str, AdapterInfo] = {}
-        for source in self.sources:
-            try:
-                found = source.adapters()
-            except Exception as e:
-                self.stats.add("source", "failures")
-                log.warning("cannot list adapters of %s: %s", source.uri, e)
-                continue
+        for found in self._listings(lambda source: source.adapters()):
             for info in found:
                 infos.setdefault(info.adapter_id, info)
         return list(infos.values())
