@@ -17,10 +17,14 @@ machine's run-to-run noise is several seconds); the PEFT baselines run once (the
 `--scenario distinct-decode`: one batch of 32 requests, each with its own rank-8 adapter (a0, a3,
 ..., a93 of a 96-adapter zoo: the demo's rank-8 adapters, whose target projections vary), short
 prompts and 64 output tokens, so decoding dominates. Systems: `engine` (as configured by default),
-`engine-unfused` (one LoRA shrink per projection: the engine before the fused shrink), `engine-base`
+`engine-unfused` or `engine-fused` (the other setting of `lora_fused_shrink`: one LoRA shrink per
+projection, or one for q/k/v and one for gate/up; the default is fused with Triton, unfused on
+CPU), `engine-base`
 (the same requests on the base model) and `peft-static` (PEFT, the 32 adapters in one mixed batch).
 Besides wall time it reports the process's CPU time, which the other jobs of a shared machine
-disturb less than wall time.
+disturb less than wall time. `--threads 1` runs every system on one torch thread: with two threads
+on a 2-core machine that other jobs also load, each parallel matmul waits for whichever thread is
+descheduled, and both wall and CPU time swing by 2-5x from run to run (docs/bench_decode.md).
 
 Run: python benchmarks/bench_engine.py [--requests 128] [--out docs/bench_engine.md]
      python benchmarks/bench_engine.py --scenario distinct-decode [--out docs/bench_decode.md]
@@ -154,12 +158,14 @@ def distinct_decode(args: argparse.Namespace) -> str:
     jobs = [(" ".join(rng.choice(WORDS) for _ in range(8)), a, 64) for a in adapters]
     common = {"model": str(zoo.model_dir), "adapter_source": str(zoo.adapters_dir), "max_loras": 32,
               "max_lora_rank": 8, "max_num_seqs": 32, "max_num_batched_tokens": 2048}  # fmt: skip
-    engines = {"engine": Engine(**common), "engine-unfused": Engine(**common, lora_fused_shrink=False)}
+    default = Engine(**common)
+    fused = bool(default.runner.lora.groups)  # the default is per device (engine.lora_layer.fused_shrink)
+    other = "engine-unfused" if fused else "engine-fused"
+    engines = {"engine": default, other: Engine(**common, lora_fused_shrink=not fused)}
     warm = SamplingParams(max_new_tokens=2, temperature=0.0)
     for e in engines.values():
         e.generate(["warm up"] * 33, adapter_ids=[*adapters, None], sampling=warm)
-    runs = {"engine": (engines["engine"], True), "engine-unfused": (engines["engine-unfused"], True),
-            "engine-base": (engines["engine"], False)}  # fmt: skip
+    runs = {"engine": (default, True), other: (engines[other], True), "engine-base": (default, False)}
     best = {name: (float("inf"), float("inf")) for name in runs}
     for _ in range(args.reps):  # alternate the engine workloads; keep each one's best wall and CPU time
         for name, (engine, use) in runs.items():
@@ -181,15 +187,16 @@ def distinct_decode(args: argparse.Namespace) -> str:
     for name, (wall, cpu) in best.items():
         lines.append(f"| {name} | {wall:.2f} | {tokens / wall:.1f} | {cpu:.2f} | {wall / eng[0]:.2f}x | "
                      f"{cpu / eng[1]:.2f}x |")  # fmt: skip
-    base, unfused, peft = best["engine-base"], best["engine-unfused"], best["peft-static"]
+    base, peft = best["engine-base"], best["peft-static"]
+    unfused, fused_run = (best[other], eng) if fused else (eng, best[other])
     lines += [
         "",
         f"- distinct-adapter decode / base-only: wall {base[0] / eng[0]:.3f}, CPU {base[1] / eng[1]:.3f} "
         "(target >= 0.92)",
         f"- engine / PEFT mixed batch: wall {peft[0] / eng[0]:.2f}x, CPU {peft[1] / eng[1]:.2f}x "
         "(target >= 1.5x)",
-        f"- fused shrink / one shrink per projection: wall {unfused[0] / eng[0]:.3f}, CPU "
-        f"{unfused[1] / eng[1]:.3f}",
+        f"- fused shrink / one shrink per projection: wall {unfused[0] / fused_run[0]:.3f}, CPU "
+        f"{unfused[1] / fused_run[1]:.3f} (the engine's default here: {'fused' if fused else 'unfused'})",
     ]
     return "\n".join(lines)
 
@@ -205,7 +212,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs of each engine workload (best kept)")
     ap.add_argument("--skip-peft-single", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's, one per core); on a machine shared "
+        "with other jobs, 1 avoids intra-op threads waiting for a descheduled peer",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.scenario == "distinct-decode":
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
         text = "\n".join([

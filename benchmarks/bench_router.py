@@ -6,9 +6,9 @@ every path once, interleaved, so that load changes on a shared machine hit all p
 
   engine          Engine.generate([prompt]) in this process: the model's own time
   async-engine    AsyncEngine.generate in this process: plus the loop thread and asyncio hand-off
-  handle          LoraReplica through a deployment handle with LoraAffinityRouter (driver -> replica,
-                  Ray streaming generator), no HTTP; the final output only
-  handle-stream   the same, one streamed item per token
+  handle          LoraReplica through a deployment handle with LoraAffinityRouter (driver -> replica),
+                  no HTTP; the unary `complete` call the ingress sends a non-streaming job as
+  handle-stream   the same through the `generate` Ray streaming generator, one item per token
   http            POST /v1/completions on the Serve HTTP proxy: proxy -> ingress (FastAPI, parsing,
                   tokenization) -> router -> replica -> back
   http-stream     the same with stream=true, time to the first SSE token and to [DONE]
@@ -72,7 +72,8 @@ def main() -> int:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({**cfg, "num_replicas": 1}), name="bench", route_prefix="/")
-    handle = serve.get_deployment_handle("LoraReplica", app_name="bench").options(stream=True)
+    unary = serve.get_deployment_handle("LoraReplica", app_name="bench")
+    handle = unary.options(stream=True)
     engine = Engine(**cfg)  # two engines: Engine is single-threaded and AsyncEngine owns its own
     aengine = AsyncEngine(Engine(**cfg))
     ids = engine.tokenize(PROMPT)
@@ -91,6 +92,9 @@ def main() -> int:
     async def via_handle(stream: bool = False) -> None:
         job = GenerateJob(request_id=os.urandom(8).hex(), prompt=ids, adapter_id=ADAPTER, sampling=sampling,
                           stream=stream)
+        if not stream:
+            await unary.complete.remote(job)
+            return
         async for _ in handle.generate.remote(job):
             pass
 
@@ -191,7 +195,8 @@ def _report(args: argparse.Namespace, results: dict[str, list[float]], ttft: lis
         "",
         "Paths: `engine` = `Engine.generate` in-process; `async-engine` = `AsyncEngine` in-process (loop "
         "thread); `handle` = a Serve deployment handle to the replica through `LoraAffinityRouter` (no "
-        "HTTP; one item back), `handle-stream` = the same with one item per token; `http` = "
+        "HTTP; the unary `complete` call, as the ingress sends a non-streaming job), `handle-stream` = the "
+        "same through the `generate` streaming generator, one item per token; `http` = "
         "`POST /v1/completions` via the Serve proxy and the FastAPI ingress; "
         "`http-stream` = the same with `stream: true`.",
         "",

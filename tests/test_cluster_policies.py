@@ -12,7 +12,7 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Refusal
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
-from lora_cluster.cluster.scheduling import choose_replica, preemption_target, should_preempt
+from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target, should_preempt
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.errors import ClusterOverloadedError
 
@@ -133,7 +133,9 @@ def test_a_ticket_goes_to_a_holder_of_its_adapter_with_room():
     view.update(report("r1", running=0))
     view.update(report("r2", running=1, resident=("x",)))
     assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == "r2", "the holder wins"
-    assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {}) == "r1", "else the most room"
+    home = max(("r1", "r2"), key=lambda rid: home_score("y", rid))
+    assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {}) == home, (
+        "else the adapter's home among the replicas with room")
     assert choose_replica(ticket("t", "standard", 100.0, "y"), view, {"y": ("r2",)}) == "r2", (
         "else a replica the placement table names")
     view.granted("r2", "t0")
@@ -290,7 +292,7 @@ def test_the_expected_drain_rate_of_the_replicas_avoids_refusals_a_slow_measurem
 
 def test_a_hit_a_few_tickets_back_is_granted_before_a_miss_at_the_head():
     clock = Clock()
-    ctl = Controller(CLASSES, ControllerSettings(affinity_lookahead=4), clock=clock)
+    ctl = Controller(CLASSES, ControllerSettings(), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
     ctl.park(ticket("miss", "standard", 100.0, "y"))
     ctl.park(ticket("hit", "standard", 100.1, "x"))
@@ -308,8 +310,9 @@ def test_a_preempting_grant_prefers_a_holder_of_the_adapter():
     view.update(report("r2", running=2, by_priority={2: 1, 0: 1}, resident=("x",)))
     assert preemption_target(ticket("t", "interactive", 100.0, "x"), view) == "r2", (
         "a holder with less urgent work wins over more less urgent work elsewhere")
-    assert preemption_target(ticket("t", "interactive", 100.0, "y"), view) == "r1", (
-        "without a holder, the most less urgent work")
+    home = max(("r1", "r2"), key=lambda rid: home_score("y", rid))
+    assert preemption_target(ticket("t", "interactive", 100.0, "y"), view) == home, (
+        "without a holder, the adapter's home among the replicas with less urgent work")
 
 
 def test_an_urgent_ticket_whose_adapter_is_held_preempts_its_holder_at_once():
@@ -326,18 +329,19 @@ def test_an_urgent_ticket_whose_adapter_is_held_preempts_its_holder_at_once():
 
 def test_a_holder_with_less_urgent_work_beats_a_miss_on_a_replica_with_room():
     clock = Clock()
-    ctl = Controller(CLASSES, ControllerSettings(affinity_lookahead=4), clock=clock)
+    ctl = Controller(CLASSES, ControllerSettings(), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}, resident=("x",)))
     ctl.report(report("r2", capacity=2, running=2, by_priority={2: 2}))
     ctl.park(ticket("b", "batch", 99.0, "y"))
     ctl.park(ticket("s", "standard", 100.0, "x"))
     assert ctl.take_grants() == {}, "no room anywhere yet, and the holder runs urgent work"
     ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
-    assert ctl.take_grants() == {}, "the ticket has not waited its fraction of the target yet"
-    ctl.report(report("r2", capacity=2, running=1, by_priority={2: 1}))
     grants = ctl.take_grants()
     assert grants["s"].replica_id == "r1" and grants["s"].preempt, (
-        "the urgent ticket preempts the holder of its adapter instead of missing on r2")
+        "once the holder runs less urgent work, the ticket preempts there at once, before it is due")
+    ctl.report(report("r2", capacity=2, running=1, by_priority={2: 1}))
+    grants = ctl.take_grants()
+    assert "s" not in grants, "the urgent ticket does not also miss on r2"
     assert grants["b"].replica_id == "r2" and not grants["b"].preempt, "r2's room goes to the next ticket"
 
 
@@ -390,3 +394,134 @@ def test_the_incremental_room_total_equals_the_sum_of_every_replica_s_room():
             view.prune()
         expected = sum(max(0, view.free(r)) for r in list(view.ids()))
         assert view.total_free() == expected, f"step {step}: the running total drifted from the room"
+
+
+# ----- affinity under overload: hits first within a class, homes for misses ---------------------
+
+
+def test_the_queue_finds_the_most_urgent_ticket_of_an_adapter_and_class():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock)
+    for i in range(5):
+        q.park(ticket(f"y{i}", "standard", 100.0 + i, "y"))
+    q.park(ticket("x-batch", "batch", 99.0, "x"))
+    q.park(ticket("x-late", "standard", 101.0, "x"))
+    q.park(ticket("x-early", "standard", 100.5, "x"))
+    assert q.best_for("x", 1).ticket_id == "x-early", "the earliest standard ticket for x"
+    assert q.best_for("x", 2).ticket_id == "x-batch", "the classes are kept apart"
+    q.remove("x-early")
+    assert q.best_for("x", 1).ticket_id == "x-late", "a removed ticket is never offered"
+    q.remove("x-late")
+    assert q.best_for("x", 1) is None, "no standard ticket for x is left"
+    assert q.best_for("z", 1) is None, "an adapter without tickets has none"
+
+
+def test_a_hit_far_back_in_its_class_gets_the_room_before_a_miss_at_the_head():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
+    for i in range(20):
+        ctl.park(ticket(f"miss{i}", "standard", 100.0, f"y{i}"))
+    ctl.park(ticket("hit", "standard", 100.0, "x"))
+    ctl.report(report("r1", capacity=1, running=0, resident=("x",)))
+    assert list(ctl.take_grants()) == ["hit"], "the hit 20 tickets back goes first to the slot that holds x"
+
+
+def test_only_hits_that_arrived_soon_after_a_miss_may_pass_it():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(affinity_wait_fraction=0.25), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
+    ctl.park(ticket("miss", "standard", 100.0, "y"))
+    ctl.park(ticket("late-hit", "standard", 101.3, "x"))
+    clock.now = 101.3
+    ctl.report(report("r1", capacity=1, running=0, resident=("x",)))
+    assert list(ctl.take_grants()) == ["miss"], (
+        "a hit that arrived more than 1.25 s (a quarter of the 5 s target) after the miss does not pass it")
+    ctl = Controller(CLASSES, ControllerSettings(affinity_wait_fraction=0.25), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
+    ctl.park(ticket("miss", "standard", 101.3, "y"))
+    ctl.park(ticket("soon-hit", "standard", 102.0, "x"))
+    clock.now = 103.0
+    ctl.report(report("r1", capacity=1, running=0, resident=("x",)))
+    assert list(ctl.take_grants()) == ["soon-hit"], (
+        "a hit that arrived 0.7 s after the miss passes it, though the miss has waited 1.7 s")
+
+
+def test_misses_of_one_adapter_go_to_the_same_replica_whatever_the_order_of_the_replicas():
+    clock = Clock()
+    homes = set()
+    for order in (["r1", "r2", "r3", "r4"], ["r4", "r3", "r2", "r1"], ["r2", "r4", "r1", "r3"]):
+        view = ClusterView(stale_after_s=5, clock=clock)
+        for rid in order:
+            view.update(report(rid, capacity=2))
+        homes.add(choose_replica(ticket("t", "standard", 100.0, "x"), view, {}))
+    assert len(homes) == 1, f"one home for x, however the replicas reported: {homes}"
+    spread = set()
+    view = ClusterView(stale_after_s=5, clock=clock)
+    for rid in ("r1", "r2", "r3", "r4"):
+        view.update(report(rid, capacity=2))
+    for i in range(40):
+        spread.add(choose_replica(ticket("t", "standard", 100.0, f"a{i}"), view, {}))
+    assert spread == {"r1", "r2", "r3", "r4"}, "different adapters have different homes"
+
+
+def test_a_replica_that_leaves_moves_only_the_adapters_whose_home_it_was():
+    clock = Clock()
+    view = ClusterView(stale_after_s=5, clock=clock)
+    for rid in ("r1", "r2", "r3", "r4"):
+        view.update(report(rid, capacity=2))
+    before = {f"a{i}": choose_replica(ticket("t", "standard", 100.0, f"a{i}"), view, {}) for i in range(60)}
+    view.forget("r2")
+    after = {a: choose_replica(ticket("t", "standard", 100.0, a), view, {}) for a in before}
+    moved = {a for a in before if before[a] != after[a]}
+    assert moved == {a for a, home in before.items() if home == "r2"}, "only r2's adapters found a new home"
+
+
+def test_due_tickets_that_a_holder_can_take_preempt_first_within_their_class():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))
+    ctl.park(ticket("s-miss", "standard", 100.0, "y"))
+    ctl.park(ticket("s-hit", "standard", 100.1, "x"))
+    clock.now = 103.0  # both have waited half their 5 s target
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
+    grants = ctl.take_grants()
+    assert list(grants) == ["s-hit"], "the later ticket whose adapter r1 holds preempts there, not the miss"
+    assert grants["s-hit"].preempt, "it is a preempting grant"
+
+
+def test_a_hit_of_a_less_urgent_class_never_preempts_before_a_due_miss_of_a_more_urgent_one():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))
+    ctl.park(ticket("s-hit", "standard", 100.0, "x"))
+    clock.now = 102.6
+    ctl.park(ticket("i-miss", "interactive", 102.6, "y"))
+    clock.now = 103.2  # s-hit waited 3.2 s of 5, i-miss 0.6 s of 1: both due
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
+    assert list(ctl.take_grants()) == ["i-miss"], "the interactive ticket preempts first, hit or not"
+
+
+def test_a_miss_goes_where_an_adapter_slot_is_free_before_its_home():
+    view = ClusterView(stale_after_s=5, clock=Clock())
+    home = max(("r1", "r2"), key=lambda rid: home_score("y", rid))
+    other = "r2" if home == "r1" else "r1"
+    view.update(report(home, capacity=4, running=1, free_slots=0))
+    view.update(report(other, capacity=4, running=1, free_slots=1))
+    assert choose_replica(ticket("t", "interactive", 100.0, "y"), view, {}) == other, (
+        "the home's adapter slots are all busy: the miss would wait there for one")
+    view.update(report(home, capacity=4, running=1, free_slots=1))
+    assert choose_replica(ticket("t", "interactive", 100.0, "y"), view, {}) == home, (
+        "with a free slot at both, the miss goes home")
+
+
+def test_a_ticket_preempts_as_soon_as_a_replica_with_less_urgent_work_reports_its_adapter():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("y",)))
+    ctl.park(ticket("s", "standard", 100.0, "x"))
+    assert ctl.take_grants() == {}, "nobody holds x, and the ticket is not due before 2.5 s"
+    clock.now = 100.5
+    ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
+    grants = ctl.take_grants()
+    assert "s" in grants and grants["s"].preempt, "r1 now holds x: the ticket preempts there, 2 s early"

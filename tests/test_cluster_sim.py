@@ -186,6 +186,32 @@ def test_a_busy_slot_is_never_evicted() -> None:
     assert other.first_token_at > first.finish_at, "a1 got the slot once a0's request ended"
 
 
+def test_an_idle_slot_goes_by_load_priority_not_by_recency() -> None:
+    loop, done = EventLoop(), []
+    sizes = {a: 1 << 20 for a in ("a0", "a1", "a2")}
+    replica = SimReplica("r0", profile=PROFILE, max_num_seqs=4, max_loras=2, loop=loop, sizes=sizes,
+                         on_finish=lambda _, r: done.append(r), on_load=lambda _: None)
+    std = CLASSES.get("standard")
+    for i in range(3):
+        replica.add(SimRequest(i, "a0", std, prompt=10, output=2, arrival=0.0, measured=True), 0.0)
+    loop.run(until=5.0)
+    replica.add(SimRequest(3, "a1", std, prompt=10, output=2, arrival=5.0, measured=True), 5.0)
+    loop.run(until=10.0)
+    assert set(replica.adapters.refs) == {"a0", "a1"}, "both idle in their slots, a0 released first"
+    replica.add(SimRequest(4, "a2", std, prompt=10, output=2, arrival=10.0, measured=True), 10.0)
+    loop.run(until=20.0)
+    assert set(replica.adapters.refs) == {"a0", "a2"}, (
+        "a1 (1 request) gave its slot, not a0 (3 requests), though a0 was released longer ago")
+
+
+def test_preloaded_adapters_are_never_fetched_from_s3() -> None:
+    cold = run(SimConfig(**SMALL, load=0.6), PROFILE)
+    warm = run(SimConfig(**SMALL, load=0.6, preload=60), PROFILE)
+    assert cold.adapter_loads["s3"] > 0, "without preload, first uses come from S3"
+    assert warm.adapter_loads["s3"] == 0, "with every adapter preloaded, none comes from S3"
+    assert warm.adapter_loads["host"] > 0, "they are copied from host memory"
+
+
 # ----- whole runs -------------------------------------------------------------------------------
 
 SMALL = dict(nodes=4, adapters=60, duration=20, warmup=5, max_loras=4)

@@ -185,6 +185,30 @@ async def test_a_slow_chat_template_does_not_stall_other_requests_streams(fake_d
                                               f"{chat_response.text}"
 
 
+class ThreadRecordingTokenizer(FakeTokenizer):
+    """Records the name of the thread each `encode` ran on."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text, add_special_tokens)
+
+
+async def test_every_text_prompt_short_or_long_is_tokenized_off_the_event_loop(fake_dispatcher):
+    tokenizer = ThreadRecordingTokenizer()
+    async with serving(tokenizer, fake_dispatcher) as client:
+        short = await client.post("/v1/completions", json={"model": "a1", "prompt": "hello", "max_tokens": 1})
+        long = await client.post("/v1/completions",
+                                 json={"model": "a1", "prompt": "x" * 4000, "max_tokens": 1})
+    assert short.status_code == 200 and long.status_code == 200, f"both requests succeed: {long.text}"
+    assert short.json()["usage"]["prompt_tokens"] == len("hello"), "the short prompt is tokenized alike"
+    for thread in tokenizer.threads:
+        assert thread.startswith("lora-ingress-encode"), (
+            f"tokenized on the tokenizer threads, not the loop: {thread}")
+
+
 async def test_chat_and_completion_prompts_are_tokenized_with_the_tokenizer(fake_dispatcher):
     async with serving(FakeTokenizer(), fake_dispatcher) as client:
         completion = await client.post("/v1/completions", json={

@@ -7,10 +7,12 @@ which Ray 2.60 would otherwise require). Clients: the real `openai` SDK, `lorax-
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
 import shutil
+import socket
 import time
 
 import httpx
@@ -299,6 +301,46 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
         pytest.fail(f"the request was not aborted: {list(stats)}")
     assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (
         "every batch slot is free again after the disconnect")
+
+
+def test_a_non_streaming_requests_client_going_away_aborts_it(base_url, http):
+    before = sum(s["cancelled"] for s in _replicas(http).values())
+    body = json.dumps({"model": "a6", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        deadline, running = time.monotonic() + 20, 0
+        while time.monotonic() < deadline and not running:
+            running = sum(s["num_running"] for s in _replicas(http).values())
+    assert running == 1, "the non-streaming request was generating when its client went away"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = _replicas(http).values()
+        if sum(s["cancelled"] for s in stats) > before and all(s["num_running"] == 0 for s in stats):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the non-streaming request was not aborted: {list(stats)}")
+
+
+def test_a_non_streaming_job_gets_the_same_item_from_the_unary_call_as_from_the_stream(base_url):
+    from ray import serve
+
+    from lora_cluster.serve.protocol import GenerateJob
+
+    handle = serve.get_deployment_handle("LoraReplica", app_name="lora")
+    job = GenerateJob(request_id="unary-1", prompt=PROMPT, adapter_id="a5", stream=False,
+                      sampling=SamplingParams(max_new_tokens=6, temperature=0.0))
+    unary = handle.complete.remote(job).result(timeout_s=60)
+    streamed = list(handle.options(stream=True).generate.remote(
+        dataclasses.replace(job, request_id="unary-2")))
+    assert len(streamed) == 1, "a non-streaming job's stream has one item"
+    assert unary.keys() == streamed[0].keys(), "the unary reply has the streamed item's keys"
+    same = {k: v for k, v in unary.items() if k not in ("ttft_s", "replica", "hit")}
+    assert same == {k: streamed[0][k] for k in same}, "the unary reply's output is the streamed item's"
+    assert unary["finished"] and unary["text"] and len(unary["token_ids"]) == 6, (
+        "the unary reply is the final item, with the cumulative text and token ids")
 
 
 def _finished_by_class(http) -> dict[str, int]:

@@ -276,6 +276,24 @@ def test_build_app_graph_without_starting_ray(tmp_path):
     assert json.dumps(router.request_router_kwargs), "the router kwargs are JSON-serialisable, as Serve needs"
 
 
+def test_the_ingress_and_replicas_run_on_serves_main_loop_unless_the_environment_says_otherwise(monkeypatch):
+    from lora_cluster.serve.app import SINGLE_LOOP_ENV, single_loop
+
+    for name in SINGLE_LOOP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    options = single_loop({"num_cpus": 1, "runtime_env": {"env_vars": {"A": "1"}, "pip": ["x"]}})
+    assert options["runtime_env"]["env_vars"] == {"A": "1", **SINGLE_LOOP_ENV}, (
+        "the actor's environment gets Serve's single-loop switches, beside its own variables")
+    assert options["runtime_env"]["pip"] == ["x"] and options["num_cpus"] == 1, "the other options are kept"
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")
+    kept = single_loop({"num_cpus": 1})["runtime_env"]["env_vars"]
+    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in kept, (
+        "a switch the deploying environment sets itself is left to that environment")
+    assert kept == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}, "the other switch is still set"
+    own = {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}}
+    assert single_loop({"runtime_env": own})["runtime_env"] == own, "the options' own value of a switch wins"
+
+
 # ----- the replica's stream coalescing -------------------------------------------------------------
 
 

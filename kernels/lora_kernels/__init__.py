@@ -29,7 +29,8 @@ q/k/v and gate/up groups (``out`` and ``y`` then strided column slices), and the
 the decode rows of a step when it takes the gathered path (Triton; see ``use_bgmv`` there).
 ``paged_attention`` / ``triton_paged``: decode attention over the engine's paged KV cache.
 
-Implementations: ``reference`` (plain torch, float32, slow), ``cpu`` (per-segment BLAS; BGMV as
+Implementations: ``reference`` (plain torch, float32, slow), ``cpu`` (per-segment BLAS, or one
+``bmm`` over the pool's slots in place for many short segments, see ``slot_batch``; BGMV as
 batched matmuls over gathered weights), ``triton`` (GPU kernels; CPU tensors only under
 ``TRITON_INTERPRET=1``). ``auto`` picks triton on a CUDA device when triton is importable, else cpu.
 """

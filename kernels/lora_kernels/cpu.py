@@ -16,6 +16,10 @@ Same signatures, shapes and semantics as :mod:`lora_kernels.reference` (see ther
   bfloat16 work and accumulate as CPU BLAS does (the ``add_lora`` intermediate is in ``x``'s dtype).
 * A batch without any adapter token (``meta.max_rank == 0``) is a no-op for ``add_lora`` (and
   for ``sgmv_expand`` with ``add=True``); ``sgmv_shrink`` then just zeroes ``out``.
+* The SGMV functions and ``add_lora`` take the slot-batched path of :mod:`lora_kernels.slot_batch`
+  (one ``bmm`` over the pool's slots in place instead of the segment loop) when its policy says it
+  pays: many short segments, as a decode step of many distinct adapters has. ``batched=True`` /
+  ``False`` forces a path (tests, benchmarks); results are the same either way.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import slot_batch
 from .meta import LoraMeta
 
 __all__ = ["add_lora", "bgmv_expand", "bgmv_shrink", "sgmv_expand", "sgmv_shrink"]
@@ -67,11 +72,26 @@ def bgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, token_slot: Tensor, add:
             o.copy_(torch.where(m, o, d))
 
 
-def sgmv_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scale: float = 1.0) -> None:
+def _batch(meta: LoraMeta, x: Tensor, batched: bool | None) -> slot_batch.SlotBatch | None:
+    """The slot layout when the slot-batched path runs (forced by ``batched``, else by its policy)."""
+    if batched is False:
+        return None
+    sb = slot_batch.slot_batch(meta, x.device)
+    return sb if batched or slot_batch.use_slot_batch(meta, sb) else None
+
+
+def sgmv_shrink(
+    out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scale: float = 1.0, *, batched: bool | None = None
+) -> None:
     """out[T, R_out] = scale * x[T, K] @ lora_a[s, :R_out].T per segment; base rows = 0."""
-    out.zero_()
     if meta.max_rank == 0:
+        out.zero_()
         return
+    sb = _batch(meta, x, batched)
+    if sb is not None:
+        slot_batch.shrink(out, x, lora_a, sb, scale)
+        return
+    out.zero_()
     r_full, r_out = lora_a.shape[1], out.shape[1]
     a_t = lora_a.mT  # [L, K, R] view: a_t[slot] is a BLAS-ready transposed operand
     lens = meta.seg_len_list
@@ -87,9 +107,15 @@ def sgmv_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scale: f
         out.mul_(scale)
 
 
-def sgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, meta: LoraMeta, add: bool = True) -> None:
+def sgmv_expand(
+    out: Tensor, y: Tensor, lora_b: Tensor, meta: LoraMeta, add: bool = True, *, batched: bool | None = None
+) -> None:
     """out[T, N] (+)= y[T, R_in] @ lora_b[s, :, :R_in].T per segment with s >= 0; base rows untouched."""
     if add and meta.max_rank == 0:
+        return
+    sb = _batch(meta, y, batched) if meta.max_rank else None
+    if sb is not None:
+        slot_batch.expand(out, y, lora_b, sb, add)
         return
     r_full = lora_b.shape[2]
     r_in = min(y.shape[1], r_full)
@@ -115,7 +141,9 @@ def sgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, meta: LoraMeta, add: boo
             torch.mm(ys, w, out=os)
 
 
-def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta) -> None:
+def add_lora(
+    out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta, *, batched: bool | None = None
+) -> None:
     """out[T, N] += (x[T, K] @ lora_a[s].T) @ lora_b[s].T per token with s >= 0; base rows untouched.
 
     One [T, max_rank] intermediate buffer for the whole call; per adapter segment one ``mm`` into
@@ -124,6 +152,10 @@ def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraM
     r_full = lora_a.shape[1]
     max_rank = min(meta.max_rank, r_full)
     if max_rank == 0:
+        return
+    sb = _batch(meta, x, batched)
+    if sb is not None:
+        slot_batch.add_lora(out, x, lora_a, lora_b, sb, max_rank)
         return
     lens = meta.seg_len_list
     buf = torch.empty(x.shape[0], max_rank, dtype=x.dtype, device=x.device)

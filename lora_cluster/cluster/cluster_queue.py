@@ -104,6 +104,9 @@ class ClusterQueue:
         self._heap: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
         self._ranks: list[tuple[int, float, int, str]] = []  # (tier, urgency key, seq, id), sorted
+        # (adapter, priority) -> heap of its entries, removed ones dropped lazily (see `best_for`)
+        self._by_adapter: dict[tuple[str | None, int], list[_Entry]] = {}
+        self._indexed = 0  # entries in `_by_adapter`, removed ones included
         self._seq = itertools.count()
         self.drain = DrainMeter(drain_window_s, clock)
 
@@ -173,6 +176,8 @@ class ClusterQueue:
         entry = _Entry(self.key(ticket), ticket)
         self._entries[ticket.ticket_id] = entry
         heapq.heappush(self._heap, entry)
+        heapq.heappush(self._by_adapter.setdefault((ticket.adapter_id, ticket.priority), []), entry)
+        self._indexed += 1
         bisect.insort(self._ranks, (*entry.key[:2], entry.key[4], ticket.ticket_id))
         return bump
 
@@ -211,6 +216,19 @@ class ClusterQueue:
             self.remove(ticket.ticket_id)
         return ticket
 
+    def best_for(self, adapter_id: str | None, priority: int) -> Ticket | None:
+        """The most urgent queued ticket of `priority` for `adapter_id` (None: none), in O(log n)
+        amortized: each (adapter, priority) keeps a heap of its entries."""
+        key = (adapter_id, priority)
+        heap = self._by_adapter.get(key)
+        while heap and heap[0].removed:
+            heapq.heappop(heap)
+            self._indexed -= 1
+        if not heap:
+            self._by_adapter.pop(key, None)
+            return None
+        return heap[0].ticket
+
     def first(self, n: int) -> list[Ticket]:
         """The `n` most urgent tickets, most urgent first: a best-first walk down the heap's tree,
         O((n + removed entries met) log n), not O(size)."""
@@ -234,6 +252,14 @@ class ClusterQueue:
         if len(self._heap) > 2 * len(self._entries) + 64:
             self._heap = [e for e in self._heap if not e.removed]
             heapq.heapify(self._heap)
+        if self._indexed > 2 * len(self._entries) + 64:  # bounded: rebuilt from the live entries
+            self._by_adapter = {}
+            for entry in self._entries.values():
+                t = entry.ticket
+                self._by_adapter.setdefault((t.adapter_id, t.priority), []).append(entry)
+            for heap in self._by_adapter.values():
+                heapq.heapify(heap)
+            self._indexed = len(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)

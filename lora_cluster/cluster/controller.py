@@ -28,8 +28,9 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import (
-    affinity_pick,
+    affinity_hit,
     choose_replica,
+    hit_window_s,
     holder_preemption_target,
     holds,
     preemption_target,
@@ -49,7 +50,7 @@ class ControllerSettings:
     stale_after_s: float = 5.0  # a replica silent this long is forgotten
     hot_share: float = 0.5
     demand_window_s: float = 30.0
-    affinity_lookahead: int = 8  # tickets of one class a hit may overtake (see `scheduling`)
+    affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
 
     @classmethod
@@ -91,7 +92,8 @@ class Controller:
         self._by_replica: dict[str, list[str]] = {}  # the placement table by replica
         # tickets with a TTFT target by when they may preempt: (time, seq, ticket); then those due
         self._preempt_at: list[tuple[float, int, Ticket]] = []
-        self._due: dict[str, Ticket] = {}
+        self._due: dict[int, list[tuple[Any, Ticket]]] = {}  # priority -> heap of (queue order, ticket)
+        self._changed: set[str] = set()  # replicas that reported since the last look for preempting hits
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
@@ -104,6 +106,7 @@ class Controller:
         self.counts["reports"] += 1
         joined = self.view.get(report.replica_id) is None
         self.view.update(report)
+        self._changed.add(report.replica_id)
         self.demand.record(report.adapter_requests)
         if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
             self._replan()
@@ -184,9 +187,10 @@ class Controller:
             replica_id = choose_replica(ticket, self.view, self._placement)
             if replica_id is None:
                 break
-            if not holds(self.view, replica_id, ticket.adapter_id):  # a miss: a hit a little later first?
-                lookahead = self.settings.affinity_lookahead
-                hit = affinity_pick(self.queue.first(lookahead), self.view, lookahead)
+            if not holds(self.view, replica_id, ticket.adapter_id):  # a miss: a hit of its class first?
+                window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
+                hit = affinity_hit(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
+                                   self.view.with_room(), ticket.enqueued_at + window)
                 if hit is not None:
                     ticket, replica_id = hit
                 elif ticket.ttft_s is not None and (holder := holder_preemption_target(ticket, self.view)):
@@ -198,37 +202,55 @@ class Controller:
             self._preempt()
 
     def _preempt(self) -> None:
-        """Send the tickets that have waited `preempt_after_fraction` of their TTFT target, most
-        urgent first, over capacity to replicas running less urgent work. Only the tickets due are
-        looked at (a heap by due time), and once no replica has work less urgent than priority p,
-        tickets of priority p or less urgent are skipped: O(due x replicas), not O(queue)."""
+        """Send urgent tickets over capacity to replicas running less urgent work, most urgent
+        class first. Within a class: first every ticket, due or not, whose adapter a replica that
+        reported since the last look holds while running less urgent work (a hit by preemption;
+        found through the queue's per-adapter index, and a new ticket's hit is found at park),
+        then the tickets that have waited `preempt_after_fraction` of their TTFT target (due), in
+        queue order, wherever less urgent work runs (`preemption_target`). Only the tickets due are
+        looked at (a heap by due time, then a heap per class in queue order), and once no replica
+        has work less urgent than priority p, tickets of priority p or less urgent are skipped:
+        O((grants + 1) x replicas + reported replicas x their adapters) per call, not O(queue)."""
         now = self._clock()
         while self._preempt_at and self._preempt_at[0][0] <= now:
             _, _, ticket = heapq.heappop(self._preempt_at)
-            if ticket.ticket_id in self.queue:
-                self._due[ticket.ticket_id] = ticket
+            key = self.queue.sort_key(ticket.ticket_id)
+            if key is not None:
+                heapq.heappush(self._due.setdefault(ticket.priority, []), (key, ticket))
         if len(self._preempt_at) > 2 * len(self.queue) + 64:
             self._preempt_at = [e for e in self._preempt_at if e[2].ticket_id in self.queue]
             heapq.heapify(self._preempt_at)
-        order = {tid: self.queue.sort_key(tid) for tid in self._due}
-        for tid in [tid for tid, key in order.items() if key is None]:
-            del self._due[tid], order[tid]
-        if not order:
-            return
-        most_urgent = min(t.priority for t in self._due.values())
-        if not any(self.view.preemptible(rid, most_urgent) > 0 for rid in self.view.ids()):
-            return
-        nowhere: int | None = None  # no replica has work less urgent than this priority
-        for tid in sorted(order, key=order.__getitem__):
-            ticket = self._due[tid]
-            if nowhere is not None and ticket.priority >= nowhere:
+        # hits can only have appeared where a replica reported (a new ticket's hit is found at park)
+        changed = [rid for rid in sorted(self._changed) if self.view.get(rid) is not None]
+        self._changed.clear()
+        urgent = {c.priority for c in self.classes.classes if c.ttft_s is not None} | set(self._due)
+        for priority in sorted(urgent):
+            while (hit := self._preempting_hit(priority, changed)) is not None:  # hits first, due or not
+                self._grant(hit[0], hit[1], preempt=True)
+            due = self._due.get(priority)
+            while due and due[0][1].ticket_id not in self.queue:  # granted or gone since
+                heapq.heappop(due)
+            if not due:
                 continue
-            replica_id = preemption_target(ticket, self.view)
-            if replica_id is None:
-                nowhere = ticket.priority if nowhere is None else min(nowhere, ticket.priority)
-                continue
-            del self._due[tid]
-            self._grant(ticket, replica_id, preempt=True)
+            if len(due) > 2 * len(self.queue) + 64:  # bounded: drop what left the queue
+                due[:] = [e for e in due if e[1].ticket_id in self.queue]
+                heapq.heapify(due)
+            if not any(self.view.preemptible(rid, priority) > 0 for rid in self.view.ids()):
+                return  # no work less urgent than this anywhere, so none less urgent than the next
+            while due:  # then the due misses, in queue order
+                ticket = due[0][1]
+                if ticket.ticket_id in self.queue:
+                    replica_id = preemption_target(ticket, self.view)
+                    if replica_id is None:
+                        return  # all taken: none is left for this or a less urgent class
+                    self._grant(ticket, replica_id, preempt=True)
+                heapq.heappop(due)
+
+    def _preempting_hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:
+        """The most urgent queued ticket of `priority`, due or not, whose adapter one of
+        `replica_ids` holds while running less urgent work there, and that replica (None: none)."""
+        room = [rid for rid in replica_ids if self.view.preemptible(rid, priority) > 0]
+        return affinity_hit(priority, self.queue.best_for, self.queue.sort_key, self.view, room)
 
     def _expected_rate(self) -> float | None:
         """Requests per second the live replicas should complete: batch slots over service time."""

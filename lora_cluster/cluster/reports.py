@@ -187,6 +187,11 @@ class ClusterView:
         self._dirty.clear()
         return self._room_sum
 
+    def with_room(self) -> list[str]:
+        """The replicas with room (`free` > 0), in id order."""
+        self.total_free()
+        return sorted(rid for rid, room in self._room.items() if room > 0)
+
     @staticmethod
     def _free(replica_id: str, s: _Seen, claims: list[tuple[Mapping[str, int], int]]) -> int:
         claimed = sum(inflight.get(replica_id, 0) for inflight, _ in claims)

@@ -1,27 +1,36 @@
 """Where the controller sends queued requests: grants by affinity, and cross-replica preemption.
 
 Grant: a ticket goes to a replica with room (`ClusterView.free > 0`), preferring, in order, one
-that holds its adapter (resident or loading), one the placement table names for it, and then the
-one with the most room (ties by id, so that decisions are deterministic). The base model (no
-adapter) goes by room alone. When the most urgent ticket would miss its adapter wherever it goes,
-the controller first looks a bounded number of tickets further (`affinity_pick`, within the same
-class) for one whose adapter a replica with room holds: a hit now instead of a miss that waits
-for an adapter slot, at the price of at most `lookahead` tickets of reordering within a class.
+that holds its adapter (resident or loading), one the placement table names for it, one with a
+free adapter slot (elsewhere a miss waits for a slot), and then the adapter's home (`home_score`:
+rendezvous hashing, so that one adapter's misses go to one replica, where the next request finds
+it). The base model (no adapter) goes to the replica with the most room (ties by id: decisions are
+deterministic). When the most urgent ticket would miss its adapter wherever it goes, the room goes
+first to the most urgent ticket of the same class whose adapter a replica with room holds
+(`affinity_hit`, from the queue's per-adapter index): a hit instead of a load, which keeps each
+replica's adapters serving the requests that want them, and the hit rate up under overload. Only
+hits that arrived within a window after the miss may pass it (`hit_window_s`: a share of its TTFT
+target, or the aging period for a class without one), so a miss waits for a bounded number of
+hits, however long it has already waited.
 
 Preemption: when no replica has room, an urgent ticket that has waited at least
 `preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
 running work strictly less urgent than it (the replica's engine then preempts its least urgent
-sequences; see `engine.scheduler`): one that holds its adapter if any has such work, else the one
-with the most of it. A hit by preemption beats a miss: an urgent ticket whose adapter a replica
-with less urgent running work holds preempts there at once (`holder_preemption_target`), rather
-than waiting for room or going where its adapter must first be loaded, which on a loaded cluster
-costs a load plus a wait for an adapter slot. Tickets without a TTFT target never preempt. Pure
-functions.
+sequences; see `engine.scheduler`): one that holds its adapter if any has such work, else the
+adapter's home among those that have some. A hit by preemption beats a miss: an urgent ticket
+whose adapter a replica with less urgent running work holds preempts there at once
+(`holder_preemption_target`, and the controller's look at each reporting replica's adapters),
+rather than waiting for room or going where its adapter must first be loaded, which on a loaded
+cluster costs a load plus a wait for an adapter slot. Tickets without a TTFT target never
+preempt. Pure functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.reports import ClusterView
@@ -33,14 +42,25 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
     if not candidates:
         return None
     aid = ticket.adapter_id
-    placed = set(placement.get(aid, ())) if aid is not None else set()
+    if aid is None:
+        return min(candidates, key=lambda rid: (-view.free(rid), rid))
+    placed = set(placement.get(aid, ()))
 
-    def key(rid: str) -> tuple[bool, bool, int, str]:
+    def key(rid: str) -> tuple[bool, bool, bool, int, str]:
         report = view.get(rid)
-        holds = aid is not None and report is not None and (aid in report.resident or aid in report.loading)
-        return (not holds, rid not in placed, -view.free(rid), rid)
+        no_slot = report is None or report.free_adapter_slots <= 0
+        return (not holds(view, rid, aid), rid not in placed, no_slot, -home_score(aid, rid), rid)
 
     return min(candidates, key=key)
+
+
+def home_score(adapter_id: str, replica_id: str) -> int:
+    """Rendezvous (highest random weight) hashing: the replica with the highest score among the
+    candidates is the adapter's home there. Misses of one adapter thus go to the same replica while
+    it can take them, where the next request finds the adapter loaded, instead of loading it on
+    every replica in turn; when a replica comes or goes, only its own adapters move. Stable across
+    processes (crc32, not Python's salted `hash`)."""
+    return zlib.crc32(f"{adapter_id}\0{replica_id}".encode())
 
 
 def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
@@ -51,22 +71,33 @@ def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
     return report is not None and (adapter_id in report.resident or adapter_id in report.loading)
 
 
-def affinity_pick(tickets: Iterable[Ticket], view: ClusterView, lookahead: int) -> tuple[Ticket, str] | None:
-    """Among the first `lookahead` tickets of the most urgent one's class, the first whose adapter
-    a replica with room holds, and that replica (None: no such hit)."""
-    room = [rid for rid in sorted(view.ids()) if view.free(rid) > 0]
-    first_priority = None
-    for i, ticket in enumerate(tickets):
-        if i >= lookahead:
-            break
-        if first_priority is None:
-            first_priority = ticket.priority
-        if ticket.priority != first_priority:
-            break
-        holder = next((rid for rid in room if holds(view, rid, ticket.adapter_id)), None)
-        if holder is not None:
-            return ticket, holder
-    return None
+def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
+                 view: ClusterView, replica_ids: Iterable[str],
+                 latest: float = math.inf) -> tuple[Ticket, str] | None:
+    """The most urgent queued ticket of `priority` that arrived at `latest` or before and whose
+    adapter one of `replica_ids` holds, and that replica (None: no such hit). `best_for(adapter,
+    priority)` gives an adapter's most urgent ticket of that priority (`ClusterQueue.best_for`),
+    `order(ticket_id)` the queue's order of a ticket. O(replicas x adapters each holds), whatever
+    the queue's length."""
+    best: tuple[Any, Ticket, str] | None = None
+    for rid in replica_ids:
+        report = view.get(rid)
+        if report is None:
+            continue
+        for adapter_id in (*report.resident, *report.loading):
+            ticket = best_for(adapter_id, priority)
+            if ticket is None or ticket.enqueued_at > latest:
+                continue
+            key = order(ticket.ticket_id)
+            if best is None or key < best[0]:
+                best = (key, ticket, rid)
+    return None if best is None else (best[1], best[2])
+
+
+def hit_window_s(ticket: Ticket, wait_fraction: float, aging_s: float) -> float:
+    """How much later than `ticket` a hit of its class may have arrived and still pass it:
+    `wait_fraction` of its TTFT target, or `aging_s` for a class without one."""
+    return aging_s if ticket.ttft_s is None else wait_fraction * ticket.ttft_s
 
 
 def should_preempt(ticket: Ticket, now: float, preempt_after_fraction: float) -> bool:
@@ -87,14 +118,16 @@ def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:
 
 def preemption_target(ticket: Ticket, view: ClusterView,
                       replica_ids: Iterable[str] | None = None) -> str | None:
-    """A replica with running work strictly less urgent than `ticket`: a holder of its adapter with
-    the most such work, else any replica with the most (None: nowhere)."""
+    """A replica with running work strictly less urgent than `ticket`: a holder of its adapter, else
+    the adapter's home among them (`home_score`); for the base model, the one with the most such
+    work (None: nowhere)."""
     best, most = None, (False, 0)
+    aid = ticket.adapter_id
     for rid in sorted(view.ids() if replica_ids is None else replica_ids):
         n = view.preemptible(rid, ticket.priority)
         if n <= 0:
             continue
-        score = (holds(view, rid, ticket.adapter_id), n)
+        score = (holds(view, rid, aid), n if aid is None else home_score(aid, rid))
         if score > most:
             best, most = rid, score
     return best

@@ -48,6 +48,7 @@ from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
 from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
+from lora_cluster.engine.lora_layer import fused_shrink
 from lora_cluster.engine.memory_plan import plan_engine_memory
 from lora_cluster.engine.model_loader import load_base_model, resolve_device
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
@@ -161,9 +162,10 @@ class Engine:
             copier=AdapterCopier(self.pool, self.device, config.adapter_async_copy_bytes),
             counters=self.counters,
         )
+        ops = get_lora_ops(config.kernel, self.device)
         self.runner = LlamaRunner(
-            self.model, self.kv, self.pool, get_lora_ops(config.kernel, self.device), self.device,
-            fused_lora=config.lora_fused_shrink,
+            self.model, self.kv, self.pool, ops, self.device,
+            fused_lora=fused_shrink(config.lora_fused_shrink, ops.name),
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

@@ -7,7 +7,9 @@ Per step (`plan_step_lora`, host-side, no device reads):
   SGMV over their segments. `auto` (`use_bgmv`): BGMV with the Triton kernels, which read each
   token's weights in place, when the decode tokens' adapter runs are short; SGMV with the CPU ops,
   whose BGMV must copy the gathered weights: measured slower there for every mix, 0.6-0.7x with 32
-  distinct adapters (benchmarks/bench_lora_layer.py, docs/bench_lora_layer.md).
+  distinct adapters (benchmarks/bench_lora_layer.py, docs/bench_lora_layer.md). The CPU SGMV ops
+  themselves run many short segments as one bmm over the pool's slots read in place
+  (`lora_kernels.slot_batch`; docs/bench_decode.md).
 * Fused groups (q/k/v, gate/up) share one shrink over stacked A (the pool stores A rank-major,
   [rank, group member, in], so the first G*r rows are ranks < r of all members): the shrink
   writes [rows, G*r] and each member's expand reads its strided column slice `h[:, j::G]`, as
@@ -31,6 +33,14 @@ from lora_cluster.engine.adapter_pool import AdapterPool
 # auto mode: BGMV for decode tokens (Triton only) when their adapter runs average at most this many
 # tokens: a 16-row SGMV tile then computes >= 14 masked rows per segment (not measured on a GPU here)
 BGMV_MAX_MEAN_RUN = 2.0
+
+
+def fused_shrink(setting: bool | None, ops_name: str) -> bool:
+    """Whether q/k/v and gate/up share one shrink: as configured, else with the Triton kernels only
+    (one launch instead of up to three; on CPU whole runs of the distinct-decode benchmark measured
+    the unfused layer 3-5% faster, the fused one reading every member's rank rows for every adapter
+    segment, docs/bench_decode.md)."""
+    return setting if setting is not None else ops_name == "triton"
 
 
 def use_bgmv(mode: str, decode_slots: Sequence[int], ops_name: str = "triton") -> bool:

@@ -12,10 +12,19 @@ are placed by `LoraAffinityRouter`. With `replica_groups`, each group is its own
 deployment (`LoraReplica-<name>`) with its own cluster controller (`ClusterController-<name>`); the
 ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). With a `tenants_file`,
 a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.quotas`).
+
+Event loops: Ray Serve runs a replica's code, and the request router of the handles it holds, on
+event loops of their own threads by default, so every request crosses threads on each hop (the
+proxy's call into the ingress, the ingress's call through its router, the replica's call into its
+code, and the way back). The ingress and the LoRA replicas keep blocking work off their loop
+(tokenizer threads, the engine's loop thread), so both run on Serve's main loop instead
+(`SINGLE_LOOP_ENV` in their actors' environment); measured in docs/bench_router.md. An environment
+that sets either variable itself (`serve run`'s, the cluster's) keeps its value.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -31,6 +40,22 @@ from lora_cluster.serve.replica import LoraReplica
 from lora_cluster.serve.replica_groups import ReplicaGroup, replica_groups
 from lora_cluster.serve.request_router import LoraAffinityRouter
 from lora_cluster.tenancy.watch import read_tenants
+
+# Ray Serve 2.60's switches (public environment variables) for running replica code and a handle's
+# router on the replica's main event loop (see the module docstring)
+SINGLE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def single_loop(ray_actor_options: dict[str, Any]) -> dict[str, Any]:
+    """`ray_actor_options` whose `runtime_env` also sets `SINGLE_LOOP_ENV`'s variables, those that
+    neither this process's environment nor the options' own `env_vars` set."""
+    runtime_env = dict(ray_actor_options.get("runtime_env") or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    added = {k: v for k, v in SINGLE_LOOP_ENV.items() if k not in os.environ and k not in env_vars}
+    if not added:
+        return ray_actor_options
+    return {**ray_actor_options, "runtime_env": {**runtime_env, "env_vars": {**env_vars, **added}}}
 
 
 def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
@@ -79,12 +104,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             room = config.cluster_queue_size + 4096
             controller = ClusterController.options(name=group.controller,
                                                    max_ongoing_requests=room).bind(fields)
-        replicas[group.name] = LoraReplica.options(**replica_options(config, group)).bind(
-            fields, controller, group.name)
+        options = replica_options(config, group)
+        options["ray_actor_options"] = single_loop(options["ray_actor_options"])
+        replicas[group.name] = LoraReplica.options(**options).bind(fields, controller, group.name)
         controllers[group.name] = controller
     ingress = LoraIngress.options(
         num_replicas=config.ingress_num_replicas,
-        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        ray_actor_options=single_loop({"num_cpus": config.ingress_num_cpus}),
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
     ledger = None

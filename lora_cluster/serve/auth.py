@@ -137,8 +137,9 @@ class Authenticator:
         return principal
 
 
-def current_caller(request: Request) -> Caller:
-    """The request's `Caller`, as the app-wide `Authenticator` found it."""
+async def current_caller(request: Request) -> Caller:
+    """The request's `Caller`, as the app-wide `Authenticator` found it. A coroutine: FastAPI runs a
+    plain function dependency on its thread pool, a hop per request for a dictionary lookup."""
     caller = request.scope.get(_CALLER)
     if caller is None:
         raise RuntimeError("no Authenticator ran for this request (install it app-wide: build_fastapi)")

@@ -55,7 +55,7 @@ class Generation:
     replica: str
     hit: bool
     first: dict[str, Any]
-    stream: Any  # ray.serve.handle.DeploymentResponseGenerator
+    stream: Any  # ray.serve.handle.DeploymentResponseGenerator (a DeploymentResponse: non-streaming job)
     tokens: int = 0
     finished: bool = field(default=False)
     on_done: Callable[[], None] | None = None  # called once when the generation ends, however it ends
@@ -224,19 +224,24 @@ class Dispatcher:
                           on_done=lambda: self.admission.finished(replica), meter=meter)
 
     async def _first_item(self, job: GenerateJob) -> tuple[dict[str, Any], Any]:
+        """The job's first item and its call: a streaming job's stream (`LoraReplica.generate`), a
+        non-streaming job's unary call (`LoraReplica.complete`), whose reply is its only item."""
         with own_request_id():
-            stream = self._stream.generate.remote(job)
+            call = self._stream.generate.remote(job) if job.stream else self._handle.complete.remote(job)
         try:
-            return await stream.__anext__(), stream
+            first = await call.__anext__() if job.stream else await call
         except StopAsyncIteration:
-            error = NoReplicaError("the replica ended the stream without output")
-            raise ApiException(describe(error)) from error
+            first = None
         except asyncio.CancelledError:
-            cancel_call(stream)
+            cancel_call(call)
             raise
         except Exception as exc:
-            cancel_call(stream)
+            cancel_call(call)
             raise ApiException(describe(exc)) from exc
+        if first is None:
+            error = NoReplicaError("the replica ended the stream without output")
+            raise ApiException(describe(error)) from error
+        return first, call
 
     async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
         """Start every job; if one fails, cancel the others and raise its error."""

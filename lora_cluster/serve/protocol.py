@@ -7,7 +7,8 @@ one particular replica pass `ToReplica(replica_id)` as their first argument inst
 The replica yields dicts. The first one carries `replica` (its id) and `hit` (whether the adapter
 was already on its device when the request arrived). An item is either an output (`OUTPUT_KEYS`),
 or `{"error": ApiError dict}` after which the stream ends. A job with `stream=False` gets a single
-output item, the final one.
+output item, the final one; the ingress sends such a job as the unary call `LoraReplica.complete(job)`,
+whose reply is that item (the router reads the job there the same way).
 """
 
 from __future__ import annotations

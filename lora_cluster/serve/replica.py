@@ -3,7 +3,8 @@
 Each replica runs an `AsyncEngine` (a loop thread that steps the engine: requests of any adapter
 join the running batch at the next step, so Ray Serve's `@serve.batch`, which splits batches by
 model id, is not used). `generate` is a streaming method: the ingress calls it through
-`handle.options(stream=True)` and gets one item per engine output (see `protocol`). When the
+`handle.options(stream=True)` and gets one item per engine output (see `protocol`); a job with
+`stream=False` goes to `complete`, the same run as a unary call (its one item is the reply). When the
 caller goes away (client disconnect), Ray cancels the generator, which aborts the request in the
 engine and frees its batch slot.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -103,6 +105,21 @@ class LoraReplica:
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict[str, Any]]:
         """Run `job` at its class's priority; its class's stats count it (an error is a missed SLO, a
         caller that goes away is no sample). The call's task logs with the job's `x-request-id`."""
+        async with contextlib.aclosing(self._run(job, stream=job.stream)) as items:
+            async for item in items:
+                yield item
+
+    async def complete(self, job: GenerateJob) -> dict[str, Any] | None:
+        """`generate` as a unary call for a non-streaming job (its `stream` is not read): the one item
+        `generate` would yield for it (None: the engine ended without a final output). The ingress
+        sends `stream: false` jobs here, one reply instead of a streamed item and the stream's end."""
+        last = None
+        async with contextlib.aclosing(self._run(job, stream=False)) as items:
+            async for item in items:
+                last = item
+        return last
+
+    async def _run(self, job: GenerateJob, *, stream: bool) -> AsyncIterator[dict[str, Any]]:
         set_request_id(job.http_request_id)  # this call's own task (context): nothing to reset
         aid = job.adapter_id
         hit = aid is None or aid in self.aengine.stats.resident_adapters
@@ -124,7 +141,7 @@ class LoraReplica:
                 aid = self.aengine.define_merge(job.merge)
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                                     priority=job.priority), tracker)
-            if not job.stream:
+            if not stream:
                 async for out in outputs:
                     if out.finished:
                         yield {**head, **output_item(out, full=True)}

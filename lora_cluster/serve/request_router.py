@@ -3,8 +3,9 @@
 Ray creates one `LoraAffinityRouter` per deployment handle, in the process that holds the handle
 (the ingress), and calls `choose_replicas` for every call. The router learns
 
-* the request's adapter from the call itself: the first positional argument of `generate` is a
-  `GenerateJob` (`protocol.routing_key`); a `ToReplica` argument pins an admin call to one replica;
+* the request's adapter from the call itself: the first positional argument of `generate` (and of
+  its unary twin `complete`) is a `GenerateJob` (`protocol.routing_key`); a `ToReplica` argument
+  pins an admin call to one replica;
 * each replica's state from its `record_routing_stats` report, which the Serve controller polls every
   `request_routing_stats_period_s` and broadcasts with the replica list (`RunningReplica.routing_stats`);
 * its own recent decisions (at choice time, then `on_request_routed`), so that requests for a new

@@ -1,7 +1,8 @@
 """`python -m lora_cluster.cluster.sim`: run one simulation and print its result.
 
     python -m lora_cluster.cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
-        --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile cpu|gpu|PATH] [--json]
+        --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile cpu|gpu|PATH] [--preload N] \
+        [--json]
 
 `--json` prints one object: completed, rejected, hit_rate, adapter_loads (by tier), classes (per
 class: ttft_p50_s, ttft_p99_s, slo_attainment) and wall_s. Without it, the same figures and the
@@ -33,13 +34,18 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--policy", choices=sorted(POLICIES), default="lora-cluster")
     ap.add_argument("--profile", default="cpu",
                     help="replica profile: cpu (measured here), gpu (from papers) or a JSON path")
+    ap.add_argument("--preload", type=int, default=0,
+                    help="the N most popular adapters are in every node's store at start, as after the "
+                    "engine's `preload` listed them (0: every adapter only in S3)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
-    if a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1:
-        ap.error("--nodes, --adapters, --max-loras must be >= 1; --load and --duration > 0; --warmup >= 0")
+    if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
+            or a.preload < 0):
+        ap.error("--nodes, --adapters, --max-loras must be >= 1; --load and --duration > 0; "
+                 "--warmup and --preload >= 0")
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
-                       profile=a.profile)
+                       profile=a.profile, preload=a.preload)
     return config, a.json
 
 

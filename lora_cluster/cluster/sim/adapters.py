@@ -12,8 +12,10 @@ Modelled on `engine.adapter_residency` and `engine.adapter_pool`:
   a slot is free or evictable: the host -> device copy is charged to the current step), PENDING
   (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
   or `may_claim` is false).
-* Eviction: an empty slot first, else the least recently released slot without references whose
-  adapter no queued request of this replica wants; for a request of priority p (`acquire(...,
+* Eviction: an empty slot first, else, among the slots without references whose adapter no queued
+  request of this replica wants, the one of lowest load priority (`store.policy.AccessTracker`,
+  0.7 frequency + 0.3 recency over the engine's default window, as the engine's `AdapterUsage`
+  gives its device pool), then the least recently released; for a request of priority p (`acquire(...,
   priority=p)`), else a slot without references whose adapter only strictly less urgent requests
   want, the least urgent first (they fetch it again, from host memory). When every slot is
   referenced, `slot_to_preempt(p)` names the adapter whose requests are all strictly less urgent
@@ -32,15 +34,22 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from lora_cluster.cluster.sim.events import EventLoop
 from lora_cluster.cluster.sim.profile import ReplicaProfile
 from lora_cluster.cluster.sim.store import NodeStore
+from lora_cluster.config import EngineConfig
 from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.store.policy import AccessTracker
 
 READY, PENDING, BLOCKED = 0, 1, 2
 MAX_PREFETCHES = 4  # as serve.replica.MAX_PREFETCHES
 PREFETCH_PRIORITY = 1 << 30  # prefetches wait behind every request's fetch
+
+
+def _engine_default(name: str) -> Any:
+    return EngineConfig.model_fields[name].default
 
 
 class DeviceAdapters:
@@ -60,11 +69,15 @@ class DeviceAdapters:
         self._busy = 0
         self._prefetches = 0
         self.copy_s = 0.0  # host -> device copies charged to the step being planned
+        # the engine's eviction order (`store.policy`): its window and hot count at their defaults
+        self.tracker = AccessTracker(_engine_default("prefetch_window_s"),
+                                     _engine_default("prefetch_min_requests"), loop.clock)
 
     # ----- requests -------------------------------------------------------------------------
 
     def request_started(self, adapter_id: str, priority: int = 0) -> bool:
         """A request for `adapter_id` reached the replica; returns whether it is a device hit."""
+        self.tracker.record(adapter_id)
         by_priority = self.wanted.setdefault(adapter_id, {})
         by_priority[priority] = by_priority.get(priority, 0) + 1
         if adapter_id in self.refs:
@@ -122,11 +135,12 @@ class DeviceAdapters:
     def _make_room(self, priority: int | None) -> bool:
         if len(self.refs) < self.max_loras:
             return True
-        for victim in self.idle:
-            if victim not in self.wanted:
-                del self.idle[victim]
-                del self.refs[victim]
-                return True
+        unwanted = [(self.tracker.priority(a), i, a) for i, a in enumerate(self.idle) if a not in self.wanted]
+        if unwanted:
+            victim = min(unwanted)[2]
+            del self.idle[victim]
+            del self.refs[victim]
+            return True
         if priority is None:
             return False
         victim = idle_victim(self._holders(), priority)

@@ -43,7 +43,7 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             config = SimConfig(nodes=args.nodes, adapters=args.adapters, zipf=args.zipf, load=load,
                                duration=args.duration, warmup=args.warmup, seed=args.seed,
                                max_loras=args.max_loras, policy=policy, profile=args.profile,
-                               serve=serve_settings(args.set))
+                               preload=args.preload, serve=serve_settings(args.set))
             result = run(config)
             print(f"# {policy} load {load:g}: wall {result.wall_s:.1f} s", file=sys.stderr, flush=True)
             runs.append({"config": {k: v for k, v in asdict(config).items() if k != "serve"},
@@ -127,8 +127,9 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     axes[0].legend(loc="lower left", fontsize=8)
     axes[2].legend(loc="lower left", fontsize=8)
     c = runs[0]["config"]
+    start = f"{c['preload']} adapters preloaded" if c.get("preload") else "every adapter in S3 at start"
     fig.suptitle(f"{c['nodes']} nodes x {c['adapters']} adapters, Zipf {c['zipf']:g}, "
-                 f"max_loras {c['max_loras']}, profile {runs[0]['details']['profile']} (simulated)",
+                 f"max_loras {c['max_loras']}, profile {runs[0]['details']['profile']}, {start} (simulated)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--preload", type=int, default=0,
+                    help="the N most popular adapters are in every node's store at start (`preload`)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a ServeConfig setting the policies read (repeatable), e.g. admission_capacity=64")
     ap.add_argument("--save", help="JSON file of the runs (written by table/sweep, read by render)")

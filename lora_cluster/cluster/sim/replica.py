@@ -52,7 +52,8 @@ class SimReplica:
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
         self.budget = profile.max_num_batched_tokens
         self._on_finish, self._on_first_token = on_finish, on_first_token
-        store = NodeStore(host_bytes=profile.host_cache_bytes, disk_bytes=profile.disk_cache_bytes)
+        self.store = store = NodeStore(host_bytes=profile.host_cache_bytes,
+                                       disk_bytes=profile.disk_cache_bytes)
         self.adapters = DeviceAdapters(max_loras=max_loras, profile=profile, store=store, loop=loop,
                                        sizes=sizes, on_ready=self._kick_now, on_load=on_load)
         self.waiting: list[SimRequest] = []
@@ -84,6 +85,10 @@ class SimReplica:
 
     def prefetch(self, adapter_id: str) -> None:
         self.adapters.prefetch(adapter_id)
+
+    def preload(self, adapter_ids: list[str]) -> None:
+        """Start as after the engine's `preload` setting fetched `adapter_ids` (see `NodeStore.preload`)."""
+        self.store.preload(adapter_ids, self.adapters.sizes)
 
     def _kick_now(self) -> None:
         self._kick(self.loop.now)

@@ -1,6 +1,8 @@
 """One simulation run: a cluster of simulated replicas, a workload, a routing policy.
 
-A run lasts `warmup + duration` simulated seconds of arrivals, then drains (no new arrivals) until
+A run starts with every adapter only in S3, or, with `preload` N, with the N most popular in every
+node's store, as after the engine's `preload` setting listed them. A run lasts `warmup + duration`
+simulated seconds of arrivals, then drains (no new arrivals) until
 every request has ended or `drain_limit_s` passed. Requests that arrive during the warm-up load the
 cluster but are not measured. Each node runs one replica (one GPU, or one CPU engine for the
 measured profile), with its own host and disk tiers.
@@ -44,6 +46,7 @@ class SimConfig:
     policy: str = "lora-cluster"
     profile: str = "cpu"
     warmup: float = 30.0
+    preload: int = 0  # the most popular adapters every node's store holds at start (see `NodeStore.preload`)
     mix: tuple[tuple[str, float], ...] = DEFAULT_MIX
     drain_limit_s: float = 600.0
     serve: ServeSettings = field(default_factory=ServeSettings)
@@ -83,6 +86,9 @@ class Simulation:
                                     on_first_token=self._first_token)
             for i in range(config.nodes)
         }
+        preload = self.workload.names[:config.preload]
+        for replica in self.replicas.values():
+            replica.preload(preload)
         self.ctx = SimContext(loop=loop, replicas=self.replicas, metrics=self.metrics, classes=classes,
                               serve=config.serve, rng=random.Random(config.seed + 2))
         self.policy: Policy = POLICIES[config.policy](self.ctx)

@@ -4,12 +4,13 @@ An adapter is in the highest tier that holds it: host, else disk, else only in S
 Fetching it to host memory puts it in the host tier, and, when it came from S3, in the disk tier
 too. Each tier evicts its least recently used adapters to stay within its budget (the real store
 weighs size, reload cost, frequency and recency; LRU is the simulator's simplification). A run
-starts with every adapter in S3 only.
+starts with every adapter in S3 only, unless it preloads some (`preload`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 
 
 class _LruBytes:
@@ -50,6 +51,13 @@ class NodeStore:
         if adapter_id in self.host:
             return "host"
         return "disk" if adapter_id in self.disk else "s3"
+
+    def preload(self, adapter_ids: Sequence[str], sizes: Mapping[str, int]) -> None:
+        """The store as after the engine's `preload` fetched `adapter_ids` (most popular first) from
+        S3 at start: on disk, and in host memory as far as its budget goes; fetched least popular
+        first, so that LRU keeps the most popular in host memory."""
+        for adapter_id in reversed(adapter_ids):
+            self.fetched(adapter_id, sizes[adapter_id], "s3")
 
     def fetched(self, adapter_id: str, nbytes: int, tier: str) -> None:
         """A fetch from `tier` completed: the adapter is now in host memory (and on disk if from S3)."""

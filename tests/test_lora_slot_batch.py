@@ -1,0 +1,243 @@
+"""The CPU ops' slot-batched path (lora_kernels.slot_batch): the same results as the reference on
+every adapter mix, batch size and rank, whichever path runs; the layout it builds; and the policy
+that picks it (pinned: a decode step of many distinct adapters takes it, one adapter does not)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from lora_kernels import LoraMeta, build_lora_meta, cpu, get_lora_ops, slot_batch
+from lora_kernels import reference as ref
+from torch import Tensor
+
+from lora_cluster.config import EngineConfig
+from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine.batch import StepBatch
+from lora_cluster.engine.lora_layer import LoraLayer, fused_shrink, use_bgmv
+
+MIXES = ("distinct", "uniform", "zipf", "identical", "skewed")
+N_SLOTS = 40  # the last slot is empty (rank 0)
+K, N = 40, 56
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _slots(mix: str, n_tok: int, gen: torch.Generator) -> list[int]:
+    """Decode-like slots (one token per sequence, sorted by slot as the engine does; -1 = base)."""
+    if mix == "distinct":
+        seq = torch.randperm(N_SLOTS - 1, generator=gen)[:n_tok].tolist()
+    elif mix == "uniform":
+        seq = torch.randint(0, N_SLOTS, (n_tok,), generator=gen).tolist()
+    elif mix == "zipf":
+        popularity = 1.0 / torch.arange(1, N_SLOTS, dtype=torch.float64) ** 1.2
+        seq = torch.multinomial(popularity, n_tok, True, generator=gen).tolist()
+    elif mix == "identical":
+        seq = [7] * n_tok
+    else:  # skewed: 90% one adapter
+        spread = torch.randint(0, N_SLOTS - 1, (n_tok,), generator=gen)
+        seq = torch.where(torch.rand(n_tok, generator=gen) < 0.9, 7, spread).tolist()
+    if n_tok > 2:
+        seq[int(torch.randint(0, n_tok, (1,), generator=gen))] = -1
+    return sorted(seq)
+
+
+def _ranks(max_rank: int) -> list[int]:
+    cycle = [max_rank, max_rank // 2, 0, max(1, max_rank // 4)]  # 0: a projection the adapter skips
+    return [cycle[s % 4] for s in range(N_SLOTS - 1)] + [0]
+
+
+def _pool(max_rank: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """lora_a [L, R, K], lora_b [L, N, R], zero beyond each slot's rank (the pool's invariant)."""
+    a = torch.randn(N_SLOTS, max_rank, K, generator=gen) / K**0.5
+    b = torch.randn(N_SLOTS, N, max_rank, generator=gen)
+    for s, r in enumerate(_ranks(max_rank)):
+        a[s, r:], b[s, :, r:] = 0, 0
+    return a, b
+
+
+def _run(
+    ops_mod: ModuleType, op: str, out: Tensor, x: Tensor, y: Tensor, a: Tensor, b: Tensor, meta: LoraMeta,
+    **kw: bool | None,
+) -> Tensor:
+    if op == "shrink":
+        ops_mod.sgmv_shrink(out, x, a, meta, 0.5, **kw)
+    elif op == "expand_add":
+        ops_mod.sgmv_expand(out, y, b, meta, add=True, **kw)
+    elif op == "expand_set":
+        ops_mod.sgmv_expand(out, y, b, meta, add=False, **kw)
+    else:
+        ops_mod.add_lora(out, x, a, b, meta, **kw)
+    return out
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand_add", "expand_set", "add_lora"])
+@pytest.mark.parametrize("max_rank", [8, 16])
+@pytest.mark.parametrize("n_tok", [1, 5, 32])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("path", [True, False, None], ids=["batched", "loop", "policy"])
+def test_cpu_paths_match_reference(mix: str, n_tok: int, max_rank: int, op: str, path: bool | None) -> None:
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((mix, n_tok, max_rank, op)).encode()))
+    a, b = _pool(max_rank, gen)
+    meta = build_lora_meta(torch.tensor(_slots(mix, n_tok, gen)), _ranks(max_rank))
+    x, y = torch.randn(n_tok, K, generator=gen), torch.randn(n_tok, max_rank, generator=gen)
+    width = max_rank if op == "shrink" else N
+    big = torch.randn(n_tok, width + 9, generator=gen)  # out is a strided column slice of it
+    want, got = big.clone(), big.clone()
+    _run(ref, op, want[:, 4 : 4 + width], x, y, a, b, meta)
+    _run(cpu, op, got[:, 4 : 4 + width], x, y, a, b, meta, batched=path)
+    torch.testing.assert_close(
+        got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"cpu {op} (batched={path}) != reference on {mix}: {m}"
+    )
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand_add", "add_lora"])
+def test_identity_layout_writes_in_place(op: str) -> None:
+    """Slots lo..lo+T-1, one token each (the distinct-decode step): no index tensors; exact results."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = _pool(8, gen)
+    slots = list(range(5, 37))
+    meta = build_lora_meta(torch.tensor(slots), [8] * N_SLOTS)
+    sb = slot_batch.slot_batch(meta, torch.device("cpu"))
+    assert sb is not None and sb.rows is None and (sb.lo, sb.span, sb.depth) == (5, 32, 1), (
+        f"consecutive distinct slots lay out as the batch itself, got {sb}"
+    )
+    x, y = torch.randn(32, K, generator=gen), torch.randn(32, 8, generator=gen)
+    width = 8 if op == "shrink" else N
+    want = torch.randn(32, width, generator=gen)
+    got = want.clone()
+    _run(ref, op, want, x, y, a, b, meta)
+    _run(cpu, op, got, x, y, a, b, meta, batched=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"identity layout {op}: {m}")
+
+
+def test_layout_places_tokens_by_slot() -> None:
+    meta = build_lora_meta(torch.tensor([-1, 2, 2, 4, 5, 5, 5, 2]), [8] * 6)
+    sb = slot_batch.slot_batch(meta, torch.device("cpu"))
+    assert (sb.lo, sb.span, sb.depth, sb.num_tokens) == (2, 4, 3, 7), f"span 2..5, slot 2 has 3 tokens: {sb}"
+    assert sb.rows.tolist() == [1, 2, 3, 4, 5, 6, 7], "adapter rows, base row 0 left out"
+    assert sb.pos.tolist() == [0, 1, 6, 9, 10, 11, 2], "row k of slot s sits at (s - lo) * depth + k"
+    assert sb.row_range == (1, 8), "consecutive adapter rows are written through one slice"
+    assert slot_batch.slot_batch(build_lora_meta(torch.tensor([-1, -1]), [8]), "cpu") is None, (
+        "a batch without adapter tokens has no layout"
+    )
+
+
+def _decode_meta(slots: list[int], ranks: list[int]) -> tuple[LoraMeta, slot_batch.SlotBatch | None]:
+    meta = build_lora_meta(torch.tensor(slots), ranks)
+    return meta, slot_batch.slot_batch(meta, torch.device("cpu"))
+
+
+def test_policy_pins_the_path_per_mix() -> None:
+    """The measured choice (docs/bench_decode.md): batched for many short segments, else the loop."""
+    ranks = [8] * 64
+    distinct = _decode_meta(list(range(32)), ranks)
+    assert slot_batch.use_slot_batch(*distinct), "32 distinct adapters in one decode batch: batched"
+    sparse = _decode_meta([-1] * 8 + list(range(0, 48, 2)), ranks)
+    assert slot_batch.use_slot_batch(*sparse), "24 adapters every other slot, some base rows: batched"
+    pairs = _decode_meta([i // 2 for i in range(32)], ranks)
+    assert slot_batch.use_slot_batch(*pairs), "runs of 2 tokens per adapter: batched"
+    fours = _decode_meta([i // 4 for i in range(32)], ranks)
+    assert not slot_batch.use_slot_batch(*fours), "runs of 4: the loop's matmuls amortise their calls"
+    one = _decode_meta([3] * 32, ranks)
+    assert not slot_batch.use_slot_batch(*one), "one adapter: one segment, the loop"
+    far = _decode_meta([0, 1, 2, 3, 60, 61, 62, 63], ranks)
+    assert not slot_batch.use_slot_batch(*far), "8 adapters spread over 64 slots: too many idle slots read"
+    untargeted = _decode_meta(list(range(32)), [8 if s < 3 else 0 for s in range(64)])
+    assert not slot_batch.use_slot_batch(*untargeted), "3 of 32 adapters target the projection: the loop"
+
+
+def test_cpu_engine_defaults_take_the_sgmv_ops() -> None:
+    """On CPU the engine's auto decode kernel keeps decode rows on the SGMV ops (the gathered CPU
+    BGMV copies every token's weights: measured 0.3-0.7x), where the slot-batched path applies."""
+    distinct = list(range(32))
+    assert get_lora_ops("auto", "cpu").name == "cpu", "auto picks the cpu ops on a CPU device"
+    assert not use_bgmv("auto", distinct, "cpu"), "auto: no gathered BGMV with the cpu ops"
+    assert use_bgmv("auto", distinct, "triton"), "auto: BGMV with triton for distinct decode adapters"
+
+
+def _step_logits(engine: Engine, layer: LoraLayer | None = None) -> tuple[list[Tensor], list[bool]]:
+    """Sampled-row logits of every step of a greedy run of 8 distinct adapters (and one base
+    request), and whether each step's q_proj LoRA took the slot-batched path."""
+    if layer is not None:
+        engine.runner.lora = layer
+    forward, logits, batched = engine.runner.forward, [], []
+
+    def spy(batch: StepBatch) -> Tensor:
+        out = forward(batch)
+        logits.append(out[: len(batch.sampled)].clone())
+        meta = batch.lora.metas["q_proj"]
+        batched.append(slot_batch.use_slot_batch(meta, slot_batch.slot_batch(meta, "cpu")))
+        return out
+
+    engine.runner.forward = spy
+    prompts = [f"the story number {i} begins" for i in range(9)]
+    engine.generate(prompts, [f"a{i}" for i in range(8)] + [None],
+                    SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))  # fmt: skip
+    return logits, batched
+
+
+def test_engine_batched_decode_gives_the_loop_logits(demo_model_dir: Path, demo_adapters_dir: Path) -> None:
+    """The engine's default (decode steps of distinct adapters slot-batched) against the same engine
+    whose CPU ops always loop over segments: the same logits at every step."""
+    def engine() -> Engine:
+        return Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=10,
+                      max_lora_rank=32, max_num_seqs=16)  # fmt: skip
+
+    default, took = _step_logits(engine())
+    loop_engine = engine()
+    dims = loop_engine.model.dims
+    kv = dims.q_dim + dims.kv_dim
+    splits = {"q_proj": ("qkv", 0, dims.q_dim), "k_proj": ("qkv", dims.q_dim, kv),
+              "v_proj": ("qkv", kv, kv + dims.kv_dim), "gate_proj": ("gate_up", 0, dims.intermediate),
+              "up_proj": ("gate_up", dims.intermediate, 2 * dims.intermediate)}  # fmt: skip
+    ops = loop_engine.runner.ops
+    loop_ops = dataclasses.replace(
+        ops, sgmv_shrink=functools.partial(cpu.sgmv_shrink, batched=False),
+        sgmv_expand=functools.partial(cpu.sgmv_expand, batched=False),
+        add_lora=functools.partial(cpu.add_lora, batched=False),
+    )  # fmt: skip
+    loop, _ = _step_logits(loop_engine, LoraLayer(loop_engine.pool, loop_ops, splits, fused=False))
+    assert took[0] is False and all(took[1:]), f"prefill: the loop; decode steps: batched, got {took}"
+    assert len(default) == len(loop), "the same steps ran"
+    for i, (a, b) in enumerate(zip(default, loop, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+
+
+def test_policy_counts_the_segments_of_the_op() -> None:
+    """An op that 13 of 32 distinct adapters target (the demo zoo's gate/up) is still batched: runs
+    are counted over the segments it computes, not over every adapter token of the batch."""
+    ranks = [8 if s % 5 in (2, 4) or s == 0 else 0 for s in range(32)]
+    meta, sb = _decode_meta(list(range(32)), ranks)
+    assert sum(1 for r in ranks if r) == 13, "13 of 32 slots target the op"
+    assert slot_batch.use_slot_batch(meta, sb), "13 runs of one token over a span of 32 slots: batched"
+
+
+def test_fused_shrink_default_follows_the_ops() -> None:
+    """Measured on CPU (docs/bench_decode.md): whole runs 3-5% faster unfused (decode steps equal);
+    with Triton the fused shrink saves launches. The default picks per ops; a setting wins."""
+    config = EngineConfig(model="demo")
+    assert config.lora_fused_shrink is None, "no fixed default: chosen by the ops"
+    assert fused_shrink(None, "cpu") is False, "CPU ops: one shrink per projection"
+    assert fused_shrink(None, "triton") is True, "Triton: one shrink for q/k/v and one for gate/up"
+    assert fused_shrink(True, "cpu") is True, "an explicit setting is kept"
+    assert fused_shrink(False, "triton") is False, "an explicit setting is kept"
+    assert config.lora_decode_kernel == "auto", "the decode path is chosen per device and mix"
+
+
+def test_cpu_engine_runs_unfused_by_default(demo_model_dir: Path, demo_adapters_dir: Path) -> None:
+    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2)
+    assert engine.runner.ops.name == "cpu", "a CPU engine uses the cpu ops"
+    assert engine.runner.lora.groups == {}, "a CPU engine's LoRA layer runs one shrink per projection"
