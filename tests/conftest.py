@@ -285,3 +285,15 @@ class FolderAsRemote:
 
     def adapter_ids(self) -> list:
         return []
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    """One torch intra-op thread for a module of tiny matmuls: more threads only add contention on a
+    small shared machine. Use with `pytestmark = pytest.mark.usefixtures("torch_one_thread")`."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -44,13 +43,7 @@ N_SLOTS = 70  # >= 64 so that "distinct" can give every token its own adapter; l
 SCALE = 0.5  # shrink scale used in the tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny matmuls: intra-op threads only add contention on a small shared machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 # ----------------------------------------------------------------------------- case generation

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -27,12 +26,7 @@ N_SLOTS = 40  # the last slot is empty (rank 0)
 K, N = 40, 56
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _slots(mix: str, n_tok: int, gen: torch.Generator) -> list[int]:

@@ -281,6 +281,17 @@ def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(htt
     assert text("a5") == own_a5, "after the unload, a5 is the source adapter again"
 
 
+def _wait_until_aborted(http, before: int, what: str) -> None:
+    """Wait (20 s at most) until the replicas counted more than `before` cancelled requests and none runs."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = _replicas(http).values()
+        if sum(s["cancelled"] for s in stats) > before and all(s["num_running"] == 0 for s in stats):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{what} was not aborted: {list(stats)}")
+
+
 def test_client_disconnect_frees_the_batch_slot(base_url, http):
     before = sum(s["cancelled"] for s in _replicas(http).values())
     body = {"model": "a7", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -291,14 +302,7 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
         assert next(lines).startswith("data: "), "the first SSE event arrives"
         running = sum(s["num_running"] for s in _replicas(http).values())
         assert running == 1, "the request is still generating when the client goes away"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stats = _replicas(http).values()
-        if sum(s["cancelled"] for s in stats) > before and all(s["num_running"] == 0 for s in stats):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the request was not aborted: {list(stats)}")
+    _wait_until_aborted(http, before, "the request")
     assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (
         "every batch slot is free again after the disconnect")
 
@@ -314,14 +318,7 @@ def test_a_non_streaming_requests_client_going_away_aborts_it(base_url, http):
         while time.monotonic() < deadline and not running:
             running = sum(s["num_running"] for s in _replicas(http).values())
     assert running == 1, "the non-streaming request was generating when its client went away"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stats = _replicas(http).values()
-        if sum(s["cancelled"] for s in stats) > before and all(s["num_running"] == 0 for s in stats):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the non-streaming request was not aborted: {list(stats)}")
+    _wait_until_aborted(http, before, "the non-streaming request")
 
 
 def test_a_non_streaming_job_gets_the_same_item_from_the_unary_call_as_from_the_stream(base_url):
