@@ -15,8 +15,14 @@ every path once, interleaved, so that load changes on a shared machine hit all p
 
 The router's overhead is `http - engine` (and `handle - async-engine` for the Ray hop alone).
 
+--serve-mode picks how Ray Serve runs the app: `default` (Serve's proxy actor on the port), or
+`throughput` (Ray Serve's throughput-optimized mode with HAProxy, `throughput_mode_env` in
+lora_cluster/serve/serve_mode.py, with HAProxy's files and side ports private to the run).
+--compare-modes N runs the whole benchmark 2N times in child processes, default and throughput in
+turn, each on a fresh Ray, and reports every run and the best run of each mode.
+
 Run: RAY_AUTH_MODE=disabled python benchmarks/bench_router.py [--requests 200] [--max-tokens 8]
-     [--out docs/bench_router.md]
+     [--serve-mode default|throughput] [--compare-modes N] [--out docs/bench_router.md [--append]]
 """
 
 from __future__ import annotations
@@ -24,14 +30,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import platform
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 PROMPT = "the river runs past a quiet town where people trade bread"
 ADAPTER = "a3"
@@ -49,8 +59,20 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--zoo", type=Path, default=Path(tempfile.gettempdir()) / "lora-cluster-bench-zoo")
     ap.add_argument("--out", type=Path, default=None, help="write a markdown report here")
+    ap.add_argument("--append", action="store_true", help="append the report to --out")
+    ap.add_argument("--serve-mode", choices=("default", "throughput"), default="default")
+    ap.add_argument("--compare-modes", type=int, default=0, metavar="N",
+                    help="run default and throughput in turn, N times each, and compare")
+    ap.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)  # a child's samples
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.compare_modes:
+        return _compare(args)
+    if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
+        from lora_cluster.serve.serve_mode import throughput_mode_env
+
+        haproxy_dir = Path(tempfile.mkdtemp(prefix="hap-"))
+        os.environ.update(throughput_mode_env(haproxy_dir))
 
     import httpx
     import ray
@@ -66,14 +88,11 @@ def main() -> int:
            "max_lora_rank": 32, "max_num_seqs": 8}
     sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({**cfg, "num_replicas": 1}), name="bench", route_prefix="/")
-    unary = serve.get_deployment_handle("LoraReplica", app_name="bench")
-    handle = unary.options(stream=True)
+    handles: dict[str, Any] = {}  # made in the event loop: in throughput mode they route on the caller's
     engine = Engine(**cfg)  # two engines: Engine is single-threaded and AsyncEngine owns its own
     aengine = AsyncEngine(Engine(**cfg))
     ids = engine.tokenize(PROMPT)
@@ -92,10 +111,13 @@ def main() -> int:
     async def via_handle(stream: bool = False) -> None:
         job = GenerateJob(request_id=os.urandom(8).hex(), prompt=ids, adapter_id=ADAPTER, sampling=sampling,
                           stream=stream)
+        if not handles:
+            handles["unary"] = serve.get_deployment_handle("LoraReplica", app_name="bench")
+            handles["stream"] = handles["unary"].options(stream=True)
         if not stream:
-            await unary.complete.remote(job)
+            await handles["unary"].complete.remote(job)
             return
-        async for _ in handle.generate.remote(job):
+        async for _ in handles["stream"].generate.remote(job):
             pass
 
     def via_http() -> None:
@@ -127,19 +149,94 @@ def main() -> int:
                     results[name].append(time.perf_counter() - t0)
             if i == 9:
                 ttft.clear()  # warm-up done
+        await serve.shutdown_async()  # on the loop the handles' routers run on
 
     asyncio.run(rounds())
     client.close()
-    serve.shutdown()
     ray.shutdown()
+    if args.serve_mode == "throughput":
+        shutil.rmtree(haproxy_dir, ignore_errors=True)
     aengine.shutdown()
     engine.close()
 
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "ttft": ttft, "load": os.getloadavg()}))
+        return 0
     report = _report(args, results, ttft)
     print(report)
-    if args.out:
-        args.out.write_text(report)
+    _write(args, report)
     return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write(args: argparse.Namespace, report: str) -> None:
+    if args.out:
+        with args.out.open("a" if args.append else "w") as f:
+            f.write(("\n" if args.append else "") + report)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Run the benchmark in child processes, default and throughput in turn, `args.compare_modes` times
+    each; report every run's p50s and the full table of each mode's best run (lowest http - engine)."""
+    runs: list[tuple[str, dict]] = []
+    folder = Path(tempfile.mkdtemp(prefix="bench-router-modes-"))
+    for i in range(args.compare_modes):
+        for mode in ("default", "throughput"):
+            out = folder / f"{i}-{mode}.json"
+            cmd = [sys.executable, __file__, "--requests", str(args.requests), "--max-tokens",
+                   str(args.max_tokens), "--zoo", str(args.zoo), "--serve-mode", mode, "--json", str(out)]
+            subprocess.run(cmd, check=True)
+            runs.append((mode, json.loads(out.read_text())))
+            print(f"run {len(runs)} ({mode}) done", file=sys.stderr)
+    report = _compare_report(args, runs)
+    print(report)
+    _write(args, report)
+    return 0
+
+
+def _compare_report(args: argparse.Namespace, runs: list[tuple[str, dict]]) -> str:
+    ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
+    p50 = lambda run, path: _percentiles(run["results"][path])["p50"]  # noqa: E731
+    over = lambda run: p50(run, "http") - p50(run, "engine")  # noqa: E731
+    lines = [
+        "## Serve modes: default vs throughput-optimized (alternating runs)",
+        "",
+        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- machine: {_machine()}",
+        f"- command: `RAY_AUTH_MODE=disabled python benchmarks/bench_router.py --requests {args.requests} "
+        f"--max-tokens {args.max_tokens} --compare-modes {args.compare_modes}`",
+        "- each run: the benchmark above on a fresh Ray in a child process, modes in turn "
+        "(default, throughput, default, ...); `throughput` = `THROUGHPUT_MODE_ENV` "
+        "(`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, `RAY_SERVE_ENABLE_HA_PROXY=1`, serve/serve_mode.py)",
+        "",
+        "| run | mode | load (1 min) | engine p50 | async-engine p50 | handle p50 | http p50 "
+        "| http-stream p50 | http - engine |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, (mode, run) in enumerate(runs, 1):
+        lines.append(f"| {i} | {mode} | {run['load'][0]:.1f} | {ms(p50(run, 'engine'))} | "
+                     f"{ms(p50(run, 'async-engine'))} | {ms(p50(run, 'handle'))} | {ms(p50(run, 'http'))} | "
+                     f"{ms(p50(run, 'http-stream'))} | +{ms(over(run))} |")
+    for mode in ("default", "throughput"):
+        best = min((run for m, run in runs if m == mode), key=over)
+        lines += ["", f"Best `{mode}` run (lowest `http` - `engine`):", "",
+                  "| path | mean ms | p50 ms | p90 ms | p99 ms | p50 over engine ms |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        engine_p50 = p50(best, "engine")
+        for name, samples in best["results"].items():
+            p = _percentiles(samples)
+            lines.append(f"| {name} | {ms(p['mean'])} | {ms(p['p50'])} | {ms(p['p90'])} | {ms(p['p99'])} | "
+                         f"{ms(p['p50'] - engine_p50)} |")
+        if best["ttft"]:
+            p = _percentiles(best["ttft"])
+            lines.append(f"| http-stream, first token | {ms(p['mean'])} | {ms(p['p50'])} | {ms(p['p90'])} | "
+                         f"{ms(p['p99'])} | |")
+    return "\n".join(lines) + "\n"
 
 
 def _machine() -> str:
@@ -174,7 +271,8 @@ def _report(args: argparse.Namespace, results: dict[str, list[float]], ttft: lis
         f"- machine: {_machine()}",
         f"- software: Python {sys.version.split()[0]}, torch {torch.__version__}, Ray {ray.__version__}",
         f"- command: `RAY_AUTH_MODE=disabled python benchmarks/bench_router.py --requests {args.requests} "
-        f"--max-tokens {args.max_tokens}{' --out ' + str(args.out) if args.out else ''}`",
+        f"--max-tokens {args.max_tokens} --serve-mode {args.serve_mode}"
+        f"{' --out ' + str(args.out) if args.out else ''}`",
         f"- workload: the tiny demo model, adapter {ADAPTER} (resident), a {len(PROMPT.split())}-word "
         "prompt, "
         f"{args.max_tokens} greedy tokens (EOS ignored), one request at a time, {args.requests} requests per "

@@ -1,7 +1,8 @@
 """SLA classes under overload: the cluster controller against Ray Serve's own FIFO queue, on real Serve.
 
 What is measured (project issue 8), on this machine, with the demo zoo's base model (~88M Llama,
-float32, CPU) served by 2 LoRA replicas (1 CPU each, `max_num_seqs` 4, so 8 batch slots in all):
+float32, CPU) served by 2 LoRA replicas (1 CPU each, `max_num_seqs` 4, so 8 batch slots in all;
+`less_urgent_prefill_chunk` 32 in every mode, so that a step that an interactive request waits for is short):
 
 1. Rated load: closed loop at full concurrency (as many clients as batch slots, each sending its
    next request when the previous one ends) on the controller-off app; the completion rate over the
@@ -17,9 +18,10 @@ float32, CPU) served by 2 LoRA replicas (1 CPU each, `max_num_seqs` 4, so 8 batc
 
      on      `controller: true`, the default config: admission capacity = `max_num_seqs`; a request
              no replica has room for is parked in the cluster queue (class, then deadline order,
-             aging) and granted to a replica when one frees a slot; urgent tickets that waited half
-             their TTFT target preempt less urgent work; the controller may refuse a ticket whose
-             target it predicts cannot be met (429, Retry-After).
+             aging) and granted to a replica when one frees a slot; `interactive` tickets preempt
+             less urgent work at once (top_class_preempt_after_fraction 0), `standard` ones after
+             half their TTFT target; the controller may refuse a ticket whose target it predicts
+             cannot be met (429, Retry-After).
      off     `controller: false` and `max_ongoing_requests` = `max_num_seqs`: requests beyond the
              batch slots wait in Ray Serve's own router queue, first come first served.
      engine  (optional) `controller: false` with the default `max_ongoing_requests` (64): requests
@@ -49,6 +51,10 @@ float32, CPU) served by 2 LoRA replicas (1 CPU each, `max_num_seqs` 4, so 8 batc
 
 Run: RAY_AUTH_MODE=disabled python benchmarks/bench_sla.py [--duration 50] [--drain 30]
      [--loads 1,2,3] [--modes on,off] [--phases sla,slow,fast] [--rated R] [--out docs/bench_sla.md]
+     [--dump requests.jsonl]
+`--dump` writes every SLA-run request as a JSON line (class, adapter, status, completion id, serving
+replica, adapter hit, and its send / first token / end times on the machine's monotonic clock), to
+line up with server-side timestamps when looking for where a request's time went.
 Every load loop is bounded in requests and time; all traffic goes to 127.0.0.1.
 """
 
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import math
@@ -111,6 +118,9 @@ class Outcome:
     done: float | None = None
     error: str | None = None
     cut_off: float | None = None  # when it was cancelled (perf_counter), None: it ended on its own
+    response_id: str | None = None  # the completion's `id` (its first event), for --dump
+    replica: str | None = None  # the `x-lora-replica` header
+    hit: str | None = None  # the `x-lora-adapter-hit` header
 
     @property
     def completed(self) -> bool:
@@ -165,6 +175,7 @@ async def stream_one(session: Any, base: str, out: Outcome) -> Outcome:
         async with session.post(f"{base}/v1/completions", json=body(out.req),
                                 headers={"x-lora-priority": out.req.cls}) as r:
             out.status, out.retry_after = r.status, r.headers.get("Retry-After")
+            out.replica, out.hit = r.headers.get("x-lora-replica"), r.headers.get("x-lora-adapter-hit")
             if r.status != 200:
                 await r.read()
                 return out
@@ -179,6 +190,8 @@ async def stream_one(session: Any, base: str, out: Outcome) -> Outcome:
                     continue
                 if out.first is None:
                     out.first = time.perf_counter()
+                    with contextlib.suppress(ValueError):
+                        out.response_id = json.loads(line[6:]).get("id")
     except asyncio.CancelledError:
         out.cut_off = time.perf_counter()
         raise
@@ -577,7 +590,7 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
         f"lora-cluster at {meta['code']}",
         f"- command: `{cmd.strip()}` ({meta['wall_min']:.1f} min)",
         f"- served: demo zoo `{args.size}` model, {NUM_REPLICAS} LoRA replicas x 1 CPU, max_num_seqs "
-        f"{MAX_NUM_SEQS} ({SLOTS} batch slots), max_loras 8; modes: "
+        f"{MAX_NUM_SEQS} ({SLOTS} batch slots), max_loras 8, less_urgent_prefill_chunk 32; modes: "
         + "; ".join(f"`{m}` {json.dumps(MODE_CONFIG[m])}" for m in args.modes),
         f"- workload: prompts of {PROMPT_WORDS[0]}-{PROMPT_WORDS[1]} words, {OUTPUT_TOKENS[0]}-"
         f"{OUTPUT_TOKENS[1]} output tokens (greedy, EOS ignored), adapters Zipf({ZIPF_S}) over "
@@ -681,6 +694,21 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
     return "\n".join(lines) + "\n"
 
 
+def dump_outcomes(path: Path, runs: list[RunResult]) -> None:
+    """One JSON line per SLA-run request: mode, load, class, adapter, max_tokens, HTTP status, the
+    completion id, the serving replica and hit headers, and its times in seconds on the machine's
+    monotonic clock (`time.perf_counter` is CLOCK_MONOTONIC on Linux, as the servers' `time.monotonic`,
+    so they line up with server-side timestamps): sent, first token, done, cut off (null: none)."""
+    with path.open("w") as f:
+        for run in runs:
+            for o in run.outcomes:
+                f.write(json.dumps({
+                    "mode": run.mode, "load": run.load, "cls": o.req.cls, "adapter": o.req.adapter,
+                    "max_tokens": o.req.max_tokens, "status": o.status, "id": o.response_id,
+                    "replica": o.replica, "hit": o.hit, "sent": o.sent, "first": o.first, "done": o.done,
+                    "cut_off": o.cut_off, "error": o.error}) + "\n")
+
+
 def bootstrap_median_ci(values: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(reps))
@@ -705,7 +733,8 @@ def uses_controller(mode: str) -> bool:
 def app_config(zoo: Any, mode: str, classes: list[dict[str, Any]]) -> dict[str, Any]:
     return {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)],
             "num_replicas": NUM_REPLICAS, "num_cpus": 1, "max_loras": 8, "max_lora_rank": 32,
-            "max_num_seqs": MAX_NUM_SEQS, "sla_classes": classes, **MODE_CONFIG[mode]}
+            "max_num_seqs": MAX_NUM_SEQS, "sla_classes": classes, "less_urgent_prefill_chunk": 32,
+            **MODE_CONFIG[mode]}
 
 
 def free_port() -> int:
@@ -772,6 +801,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zoo-dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+    ap.add_argument("--dump", type=Path, default=None,
+                    help="write every SLA-run request here, one JSON object a line (see `dump_outcomes`)")
     args = ap.parse_args()
     unknown = set(args.modes) - set(MODE_CONFIG)
     if unknown or ("fast" in args.phases and not {"on", "off"} <= set(args.modes)):
@@ -876,6 +907,8 @@ async def run(args: argparse.Namespace) -> int:
     print(text)
     if args.out:
         args.out.write_text(text)
+    if args.dump:
+        dump_outcomes(args.dump, runs)
     return 0
 
 

@@ -17,7 +17,13 @@ file of its own, and the script prints the p50 and mean of every step between co
   ingress after the reply              JSON body, headers, middlewares
   response -> client                   Serve's way back through the proxy to the client
 
+`--serve-mode throughput` runs the app in Ray Serve's throughput-optimized mode (HAProxy, direct
+ingress, gRPC between deployments: lora_cluster/serve/serve_mode.py). There the first step is httpx,
+HAProxy and the ingress replica's own HTTP server, the body is read in the ingress itself, and the
+call into the replica and the reply travel over gRPC.
+
 Run: RAY_AUTH_MODE=disabled python benchmarks/profile_http.py [--requests 150] [--max-tokens 8]
+     [--serve-mode default|throughput]
 """
 
 from __future__ import annotations
@@ -145,8 +151,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=150)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--zoo", type=Path, default=Path(tempfile.gettempdir()) / "lora-cluster-bench-zoo")
+    ap.add_argument("--serve-mode", choices=("default", "throughput"), default="default")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
+        from lora_cluster.serve.serve_mode import throughput_mode_env
+
+        os.environ.update(throughput_mode_env(Path(tempfile.mkdtemp(prefix="hap-"))))
 
     import httpx
     import ray
@@ -182,7 +193,8 @@ def main() -> int:
     serve.shutdown()
     ray.shutdown()
 
-    print(f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; {args.requests} requests")
+    print(f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; {args.requests} requests; "
+          f"serve mode {args.serve_mode}")
     print("| step | p50 ms | mean ms |\n|---|---:|---:|")
     for (a, b), ms in steps(folder, skip).items():
         print(f"| {a} -> {b} | {statistics.median(ms):.2f} | {statistics.fmean(ms):.2f} |")

@@ -100,6 +100,14 @@ class EngineConfig(BaseSettings):
         "engine reports itself unhealthy, so that Ray Serve restarts the replica.",
     )
 
+    # ----- SLA classes in the engine's steps (engine.prefill_plan; issue 8) -----
+    less_urgent_prefill_chunk: int | None = Field(
+        None, ge=1, description="Prefill tokens that sequences less urgent than priority 0 (the interactive "
+        "class) may take in one engine step in all: an urgent request that arrives during a step waits for "
+        "a short one, at the cost of slower prefills of long prompts (like vLLM's "
+        "long_prefill_token_threshold). null (default): only max_num_batched_tokens bounds them."
+    )
+
     # ----- paged KV cache, memory sizing, LoRA fast paths (engine.kv_cache, memory_plan; issue 12) -----
     kv_block_size: int = Field(
         16, ge=1, le=256, description="Tokens per KV cache block (a power of two); sequences take "
@@ -527,6 +535,12 @@ class ServeConfig(EngineConfig):
         le=1,
         description="An urgent queued request that has waited this fraction of its class's TTFT "
         "target is sent to the replica with the most less-urgent work, which preempts some of it.",
+    )
+    # the most urgent class preempts at once (issue 8's interactive target; cluster.controller)
+    top_class_preempt_after_fraction: float | None = Field(
+        0.0, ge=0, le=1, description="preempt_after_fraction of the most urgent SLA class (null: "
+        "preempt_after_fraction): by default its queued requests preempt less urgent work as soon as no "
+        "replica has room, since the engine's own prefill under load takes much of a 1 s TTFT target."
     )
     controller_report_period_s: float = Field(
         0.5, gt=0, description="How often each replica reports its memory, adapters and queues."

@@ -10,11 +10,13 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -286,6 +288,30 @@ class FolderAsRemote:
     def adapter_ids(self) -> list:
         return []
 
+
+
+def adapter_hits(http: Any, adapters: list[str], prompt: str, rounds: int) -> list[str]:
+    """Adapter affinity as a client sees it: one completion per adapter (each is placed once), a
+    pause for the replicas' reports to reach the router, then `rounds` completions over `adapters`
+    in a fixed interleaved order from 4 threads; returns each answer's `x-lora-adapter-hit` and
+    `x-lora-replica` headers ("true r1"), in the order sent."""
+    def complete(adapter: str) -> str:
+        r = http.post("/v1/completions", json={"model": adapter, "prompt": prompt, "max_tokens": 4,
+                                               "temperature": 0})
+        assert r.status_code == 200, f"{adapter}: the completion succeeds: {r.text}"
+        return r.headers["x-lora-adapter-hit"] + " " + r.headers["x-lora-replica"]
+
+    for adapter in adapters:  # warm-up: every adapter is placed once
+        complete(adapter)
+    time.sleep(1.5)  # let the replicas' reports reach the router
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(complete, adapter_order(adapters, rounds)))
+
+
+def adapter_order(adapters: list[str], rounds: int) -> list[str]:
+    """The order in which `adapter_hits` sends its `rounds` completions."""
+    n = len(adapters)
+    return [adapters[(i * 5 + i // n) % n] for i in range(rounds)]
 
 @pytest.fixture(scope="module")
 def torch_one_thread() -> Iterator[None]:

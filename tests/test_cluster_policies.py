@@ -14,7 +14,9 @@ from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target, should_preempt
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError
+from lora_cluster.serve.replica_report import projected_batch
 
 CLASSES = SlaClasses()  # interactive 0 / 1 s, standard 1 / 5 s, batch 2 / none
 
@@ -525,3 +527,114 @@ def test_a_ticket_preempts_as_soon_as_a_replica_with_less_urgent_work_reports_it
     ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
     grants = ctl.take_grants()
     assert "s" in grants and grants["s"].preempt, "r1 now holds x: the ticket preempts there, 2 s early"
+
+
+def holder_runs_standard_work_other_runs_batch(cls: str) -> tuple[Clock, Controller]:
+    """`holder` holds adapter x and runs standard work; `other` runs batch work; a ticket "t" of
+    class `cls` for x is parked at 100.0 (preempt_after_fraction 0.5, holder_wait_fraction 0.8)."""
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5, holder_wait_fraction=0.8),
+                     clock=clock)
+    ctl.report(report("holder", capacity=1, running=1, by_priority={1: 1}, resident=("x",)))
+    ctl.report(report("other", capacity=1, running=1, by_priority={2: 1}))
+    ctl.park(ticket("t", cls, 100.0, "x"))
+    return clock, ctl
+
+
+def test_a_due_miss_waits_for_a_holder_of_its_adapter_then_preempts_where_it_can():
+    clock, ctl = holder_runs_standard_work_other_runs_batch("standard")
+    clock.now = 103.0  # due (2.5 s of its 5 s target), but only `other` runs batch work
+    ctl.tick()
+    assert ctl.take_grants() == {}, "holder runs standard work only: the ticket waits for it, not a miss"
+    clock.now = 103.5
+    ctl.report(report("holder", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
+    grants = ctl.take_grants()
+    assert grants.get("t") is not None and grants["t"].replica_id == "holder", (
+        "once the holder runs batch work, the ticket preempts there: a hit")
+
+
+def test_a_due_miss_stops_waiting_for_the_holder_at_its_share_of_the_target():
+    clock, ctl = holder_runs_standard_work_other_runs_batch("standard")
+    clock.now = 103.9
+    ctl.tick()
+    assert ctl.take_grants() == {}, "still within 80% of the 5 s target"
+    clock.now = 104.0
+    ctl.tick()
+    grants = ctl.take_grants()
+    assert grants.get("t") is not None and grants["t"].replica_id == "other", (
+        "at 4 s it preempts where batch work runs, though its adapter must load there")
+    nobody = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
+    nobody.report(report("other", capacity=1, running=1, by_priority={2: 1}))
+    nobody.park(ticket("y", "standard", clock.now, "y"))
+    clock.now += 2.5
+    nobody.tick()
+    assert "y" in nobody.take_grants(), "no replica holds y: nothing to wait for, it preempts when due"
+
+
+def test_a_due_miss_of_the_most_urgent_class_never_waits_for_a_holder():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5, holder_wait_fraction=0.8),
+                     clock=clock)
+    ctl.report(report("holder", capacity=1, running=1, by_priority={0: 1}, resident=("x",)))
+    ctl.report(report("other", capacity=1, running=1, by_priority={2: 1}))
+    ctl.park(ticket("i", "interactive", 100.0, "x"))
+    clock.now = 100.5  # due: half of its 1 s target
+    ctl.tick()
+    grants = ctl.take_grants()
+    assert grants.get("i") is not None and grants["i"].replica_id == "other", (
+        "an interactive ticket preempts where it can as soon as it is due, though its adapter must load")
+
+
+# ----- the most urgent class preempts at once; reports count what waiting requests will take -----
+
+def full_replica(rid: str, by_priority: dict[int, int]) -> ReplicaReport:
+    n = sum(by_priority.values())
+    return ReplicaReport(rid, "n1", capacity=n, max_num_seqs=n, max_loras=4, running=n, waiting=0,
+                         free_adapter_slots=0, running_by_priority=by_priority)
+
+
+def test_the_top_class_preempts_as_soon_as_no_replica_has_room():
+    clock = Clock()
+    settings = ControllerSettings(preempt_after_fraction=0.5, top_class_preempt_after_fraction=0.0)
+    ctl = Controller(CLASSES, settings, clock=clock)
+    ctl.report(full_replica("r1", {2: 2}))
+    grant = ctl.park(ticket("i", "interactive", 100.0, "nobody-holds-it"))
+    assert grant is not None and grant.preempt and grant.replica_id == "r1", (
+        "an interactive request whose adapter no replica holds preempts at once, not after 0.5 s")
+    assert ctl.park(ticket("s", "standard", 100.0, "nobody-holds-it")) is None, (
+        "a standard request still waits its fraction of its target")
+    clock.now = 102.6
+    ctl.tick()
+    assert ctl.take_grants()["s"].preempt, "after 2.5 s of its 5 s target it preempts too"
+
+
+def test_without_a_top_class_fraction_every_class_waits_its_fraction():
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=Clock())
+    ctl.report(full_replica("r1", {2: 2}))
+    assert ctl.park(ticket("i", "interactive", 100.0, "nobody-holds-it")) is None, (
+        "with top_class_preempt_after_fraction unset, the interactive request waits half its target")
+
+
+def test_the_served_configuration_lets_the_top_class_preempt_at_once():
+    settings = ControllerSettings.from_config(ServeConfig(model="m"))
+    assert settings.top_class_preempt_after_fraction == 0.0, "the default: the top class preempts at once"
+    assert settings.preempt_after_fraction == 0.5, "the other classes keep preempt_after_fraction"
+
+
+def test_the_reported_batch_counts_waiting_requests_that_will_preempt():
+    batch = projected_batch({0: 1, 1: 2, 2: 1}, {0: 3, 1: 1, 2: 2}, slots=4)
+    assert batch == {0: 4}, (
+        "three urgent requests waiting on a full replica take the slots of its three less urgent ones")
+    assert projected_batch({1: 2}, {2: 3}, slots=4) == {1: 2, 2: 2}, "waiting requests fill free slots"
+    assert projected_batch({2: 4}, {}, slots=4) == {2: 4}, "nothing waits: the batch is what runs"
+
+
+def test_urgent_requests_go_only_where_preemptible_work_is_left():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(top_class_preempt_after_fraction=0.0), clock=clock)
+    # r1 received two urgent requests (reported arrived) that its engine has not admitted yet
+    ctl.report(full_replica("r1", projected_batch({2: 2}, {0: 2}, slots=2)))
+    ctl.report(full_replica("r2", {1: 2}))
+    grant = ctl.park(ticket("i", "interactive", 100.0))
+    assert grant is not None and grant.replica_id == "r2", (
+        "r1's less urgent work is already taken by the urgent requests waiting there: preempt on r2")

@@ -39,9 +39,9 @@ PROFILE = ReplicaProfile(
 
 @pytest.fixture(scope="module")
 def paused() -> Simulation:
-    """A lora-cluster simulation overloaded (2x) and stopped mid-run: replicas full, tickets queued,
+    """A lora-cluster simulation overloaded (2.5x) and stopped mid-run: replicas full, tickets queued,
     adapters resident and loading, placements recorded."""
-    sim = Simulation(SimConfig(nodes=6, adapters=40, zipf=1.0, load=2.0, duration=30, warmup=0, seed=3,
+    sim = Simulation(SimConfig(nodes=6, adapters=40, zipf=1.0, load=2.5, duration=30, warmup=0, seed=3,
                                max_loras=4, policy="lora-cluster"), PROFILE)
     sim.advance(12.0)
     return sim
@@ -173,6 +173,23 @@ def test_an_urgent_request_preempts_the_least_urgent_one_which_recomputes() -> N
         "the batch request kept its first token time and finished after recomputing"
 
 
+def test_an_urgent_prompt_gets_a_step_of_its_own_while_a_long_prompt_waits_a_step() -> None:
+    loop, replica, _ = one_replica()
+    long = SimRequest(0, "a0", CLASSES.get("standard"), prompt=600, output=2, arrival=0.0, measured=True)
+    replica.add(long, 0.0)
+    fetched = PROFILE.fetch_s("s3", 1 << 20)
+    first_step_end = fetched + PROFILE.step_s(256, 0, 1) + PROFILE.host_to_device.seconds(1 << 20)
+    loop.run(until=fetched + 0.01)  # during the long prompt's first 256-token chunk
+    urgent = SimRequest(1, "a0", CLASSES.get("interactive"), prompt=10, output=2, arrival=loop.now,
+                        measured=True)
+    replica.add(urgent, loop.now)
+    loop.run(until=100.0)
+    assert urgent.first_token_at == pytest.approx(first_step_end + PROFILE.step_s(10, 0, 1)), (
+        "the next step computes the interactive prompt alone (engine.prefill_plan), not 246 more "
+        "tokens of the long prompt with it")
+    assert long.first_token_at > urgent.first_token_at, "the long prompt resumes after it"
+
+
 def test_a_busy_slot_is_never_evicted() -> None:
     loop, replica, _ = one_replica()
     replica.adapters.max_loras = 1
@@ -228,6 +245,22 @@ def test_a_small_run_completes_with_sane_numbers(policy: str) -> None:
     for name, c in result.classes.items():
         assert 0.0 <= c["slo_attainment"] <= 1.0, f"{name}: attainment is a share"
         assert 0.0 < c["ttft_p50_s"] <= c["ttft_p99_s"], f"{name}: p50 <= p99"
+
+
+def test_the_slot_census_accounts_for_every_slot_by_rank_and_state() -> None:
+    result = run(SimConfig(**SMALL, load=1.5), PROFILE)
+    census = result.details["slot_census"]
+    assert census["slots"] == SMALL["nodes"] * SMALL["max_loras"], "every replica's slots are counted"
+    assert census["samples"] >= SMALL["duration"] - 1, "one sample per second of the measured period"
+    assert list(census["by_rank"]) == ["1-1", "2-4", "5-16", "17+"], (
+        "rank buckets end at 1/32, 1/4 and all of the 16 slots, hottest first")
+    used = sum(c["running"] + c["cached"] for c in census["by_rank"].values())
+    assert 0 < used <= census["slots"], "slots in use, never more than there are"
+    assert census["by_rank"]["1-1"]["running"] + census["by_rank"]["1-1"]["cached"] <= SMALL["nodes"], (
+        "one adapter holds at most one slot per replica")
+    assert census["by_rank"]["17+"]["running"] > 0, "adapters beyond the slots' count still run, in slots"
+    joined = result.details["joined_load_rate"]
+    assert 0.0 <= joined <= 1.0 - result.hit_rate, "a request that joined a fetch under way is no hit"
 
 
 def test_a_seed_gives_the_same_run() -> None:

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from conftest import adapter_hits, adapter_order
 
 from lora_cluster.engine import Engine, SamplingParams
 
@@ -168,18 +169,8 @@ def test_lorax_client_matches_the_engine(base_url, offline):
 
 
 def test_adapter_affinity(http):
-    def complete(adapter: str) -> str:
-        r = http.post("/v1/completions", json={"model": adapter, "prompt": PROMPT, "max_tokens": 4,
-                                               "temperature": 0})
-        assert r.status_code == 200, f"{adapter}: the completion succeeds: {r.text}"
-        return r.headers["x-lora-adapter-hit"] + " " + r.headers["x-lora-replica"]
-
-    for adapter in ADAPTERS:  # warm-up: every adapter is placed once
-        complete(adapter)
-    time.sleep(1.5)  # let the replicas' reports reach the router
-    order = [ADAPTERS[(i * 5 + i // 8) % 8] for i in range(200)]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        hits = list(pool.map(complete, order))
+    hits = adapter_hits(http, ADAPTERS, PROMPT, rounds=200)
+    order = adapter_order(ADAPTERS, 200)
     rate = sum(h.startswith("true") for h in hits) / len(hits)
     placed = {rid: set(s["resident"]) for rid, s in _replicas(http).items()}
     misses = [(a, h) for a, h in zip(order, hits, strict=True) if not h.startswith("true")]
@@ -300,7 +291,9 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
         assert r.status_code == 200, "the streaming request starts"
         lines = r.iter_lines()
         assert next(lines).startswith("data: "), "the first SSE event arrives"
-        running = sum(s["num_running"] for s in _replicas(http).values())
+        deadline, running = time.monotonic() + 10, 0  # the replicas' stats refresh every second
+        while time.monotonic() < deadline and not running:
+            running = sum(s["num_running"] for s in _replicas(http).values())
         assert running == 1, "the request is still generating when the client goes away"
     _wait_until_aborted(http, before, "the request")
     assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (

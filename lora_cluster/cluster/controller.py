@@ -32,6 +32,7 @@ from lora_cluster.cluster.scheduling import (
     choose_replica,
     hit_window_s,
     holder_preemption_target,
+    holder_wait_until,
     holds,
     preemption_target,
 )
@@ -47,11 +48,20 @@ class ControllerSettings:
     queue_size: int = 4096
     aging_s: float = 10.0
     preempt_after_fraction: float = 0.5
+    top_class_preempt_after_fraction: float | None = None  # the most urgent class's (None: the above)
     stale_after_s: float = 5.0  # a replica silent this long is forgotten
     hot_share: float = 0.5
     demand_window_s: float = 30.0
     affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
+    holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
+    # (not one of the most urgent class, which goes at once)
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
+
+    def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
+        """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
+        top = self.top_class_preempt_after_fraction
+        fraction = top if top is not None and ticket.priority == top_priority else self.preempt_after_fraction
+        return fraction * (ticket.ttft_s or 0.0)
 
     @classmethod
     def from_config(cls, config: Any) -> ControllerSettings:
@@ -59,6 +69,7 @@ class ControllerSettings:
         return cls(
             queue_size=config.cluster_queue_size, aging_s=config.cluster_queue_aging_s,
             preempt_after_fraction=config.preempt_after_fraction,
+            top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
             stale_after_s=max(2.0, 4 * config.controller_report_period_s),
             hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
         )
@@ -136,7 +147,7 @@ class Controller:
             self._grants[bumped.ticket_id] = Refusal(str(error), error.retry_after_s)
             self.counts["bumped"] += 1
         if ticket.ttft_s is not None:
-            at = ticket.enqueued_at + self.settings.preempt_after_fraction * ticket.ttft_s
+            at = ticket.enqueued_at + self.settings.preempt_wait_s(ticket, self.queue.top_priority)
             if holder_preemption_target(ticket, self.view) is not None:
                 at = ticket.enqueued_at  # a hit by preemption now beats a miss later
             heapq.heappush(self._preempt_at, (at, next(self._seq), ticket))
@@ -243,7 +254,11 @@ class Controller:
                     replica_id = preemption_target(ticket, self.view)
                     if replica_id is None:
                         return  # all taken: none is left for this or a less urgent class
-                    self._grant(ticket, replica_id, preempt=True)
+                    wait = 0.0 if priority == self.queue.top_priority else self.settings.holder_wait_fraction
+                    if (until := holder_wait_until(ticket, replica_id, self.view, wait)) > now:  # a hit later
+                        heapq.heappush(self._preempt_at, (until, next(self._seq), ticket))
+                    else:
+                        self._grant(ticket, replica_id, preempt=True)
                 heapq.heappop(due)
 
     def _preempting_hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:

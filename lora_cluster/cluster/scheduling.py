@@ -17,12 +17,14 @@ Preemption: when no replica has room, an urgent ticket that has waited at least
 `preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
 running work strictly less urgent than it (the replica's engine then preempts its least urgent
 sequences; see `engine.scheduler`): one that holds its adapter if any has such work, else the
-adapter's home among those that have some. A hit by preemption beats a miss: an urgent ticket
-whose adapter a replica with less urgent running work holds preempts there at once
-(`holder_preemption_target`, and the controller's look at each reporting replica's adapters),
-rather than waiting for room or going where its adapter must first be loaded, which on a loaded
-cluster costs a load plus a wait for an adapter slot. Tickets without a TTFT target never
-preempt. Pure functions.
+adapter's home among those that have some; but when another replica holds its adapter, the ticket
+first waits for that holder until `holder_wait_fraction` of its TTFT target (`holder_wait_until`;
+not a ticket of the most urgent class, which preempts at once).
+A hit by preemption beats a miss: an urgent ticket whose adapter a replica with less urgent running
+work holds preempts there at once (`holder_preemption_target`, and the controller's look at each
+reporting replica's adapters), rather than waiting for room or going where its adapter must first
+be loaded, which on a loaded cluster costs a load plus a wait for an adapter slot. Tickets without
+a TTFT target never preempt. Pure functions.
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ def should_preempt(ticket: Ticket, now: float, preempt_after_fraction: float) ->
     if ticket.ttft_s is None:
         return False
     return now - ticket.enqueued_at >= preempt_after_fraction * ticket.ttft_s
+
+
+def holder_wait_until(ticket: Ticket, target: str, view: ClusterView, wait_fraction: float) -> float:
+    """Until when a due ticket that would preempt at `target`, where its adapter is not held, should
+    rather wait for a replica that holds it (to take it when room frees there, or to preempt there
+    once it runs less urgent work): `wait_fraction` of its TTFT target after it arrived, when some
+    replica holds its adapter; else -inf (no reason to wait: preempt now). A miss then costs a load
+    and a slot, and evicts another adapter on a full replica, where a hit costs nothing."""
+    if (ticket.ttft_s is None or ticket.adapter_id is None or holds(view, target, ticket.adapter_id)
+            or not any(holds(view, rid, ticket.adapter_id) for rid in view.ids())):
+        return -math.inf
+    return ticket.enqueued_at + wait_fraction * ticket.ttft_s
 
 
 def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:

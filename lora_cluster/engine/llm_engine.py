@@ -51,6 +51,7 @@ from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
 from lora_cluster.engine.lora_layer import fused_shrink
 from lora_cluster.engine.memory_plan import plan_engine_memory
 from lora_cluster.engine.model_loader import load_base_model, resolve_device
+from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Scheduler, check_priority
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
@@ -174,6 +175,7 @@ class Engine:
             acquire=self.adapters.acquire,
             release=self.adapters.release,
             slot_to_preempt=self.adapters.slot_to_preempt,
+            less_urgent_chunk=config.less_urgent_prefill_chunk, urgent_priority=URGENT_PRIORITY,
             kv_blocks=BlockAllocator(
                 num_blocks=self.kv.num_blocks, block_size=self.kv.block_size, num_slots=config.max_num_seqs
             ),

@@ -6,7 +6,9 @@ Pure policy, no tensors and no Ray. Every step:
 3. waiting sequences are admitted in urgency order while a KV slot and token budget remain,
    preempting less urgent running sequences when every KV slot is taken (see Preemption).
 The step's token budget is `max_num_batched_tokens`, so long prefills are split across steps and
-decodes are never starved by a prefill.
+decodes are never starved by a prefill. Prefill chunks go most urgent first; with an
+`urgent_priority` (the engine's: 0), a step with an urgent chunk carries no less urgent one, and less
+urgent chunks share at most `less_urgent_chunk` tokens of a step: see `engine.prefill_plan`.
 
 Urgency: a sequence's `priority` is an int, lower is more urgent (vLLM's convention). Sequences are
 ordered by (priority, arrival): the waiting queue is kept sorted by that key, and arrival is the
@@ -56,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_cluster.engine.kv_cache import BlockAllocator
+from lora_cluster.engine.prefill_plan import ChunkShare, drop_less_urgent, prefills_in_order, urgency
 from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import EngineOverloadedError, RequestError
 
@@ -79,11 +82,6 @@ def check_priority(priority: object) -> int:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise RequestError(f"priority must be an integer (lower is more urgent), got {priority!r}")
     return priority
-
-
-def urgency(seq: Sequence) -> tuple[int, int]:
-    """Order key of sequences: smaller is more urgent (priority, then arrival order)."""
-    return seq.priority, seq.arrival_order
 
 
 @dataclass
@@ -111,6 +109,8 @@ class Scheduler:
         release: ReleaseFn,
         kv_blocks: BlockAllocator | None = None,
         slot_to_preempt: SlotToPreemptFn | None = None,
+        less_urgent_chunk: int | None = None,
+        urgent_priority: int | None = None,
     ):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_blocks = kv_blocks  # None: KV memory is not limited beyond the slots (see KV blocks)
@@ -124,6 +124,7 @@ class Scheduler:
         self.num_preemptions = 0  # since start
         self._slot_to_preempt = slot_to_preempt
         self.num_adapter_preemptions = 0  # since start: sequences preempted for an adapter slot
+        self.less_urgent_chunk, self.urgent_priority = less_urgent_chunk, urgent_priority  # prefill_plan
 
     def can_add(self) -> bool:
         return len(self.waiting) < self.max_waiting
@@ -142,7 +143,8 @@ class Scheduler:
         """The next step's work (see the module docstring); preempted sequences are back in the
         waiting queue when it returns."""
         out = SchedulerOutput()
-        planned = self._plan_running()
+        share = ChunkShare(self.less_urgent_chunk, self.urgent_priority)
+        planned = self._plan_running(share)
         self._reserve_blocks(planned, out)
         budget = self.max_num_batched_tokens - sum(planned.values())
         blocked = False
@@ -151,7 +153,7 @@ class Scheduler:
             room = self._has_room()
             victim = None if room else self._victim_for(seq)
             refund = planned.get(victim.request_id, 0) if victim is not None else 0
-            if (not room and victim is None) or budget + refund <= 0:
+            if (not room and victim is None) or budget + refund <= 0 or not share.allows(seq):
                 still_waiting.extend(self.waiting[i:])  # the rest are no more urgent: no room for them either
                 break
             gate = self._acquire(seq, not blocked)
@@ -171,10 +173,18 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
             self._admit(seq)
-            n = self._take_blocks(seq, min(seq.num_tokens, budget), watermark=victim is None)
-            planned[seq.request_id] = n
+            n = self._take_blocks(seq, share.take(seq, min(seq.num_tokens, budget)), watermark=victim is None)
+            if n:
+                planned[seq.request_id] = n
             budget -= n
         self.waiting = still_waiting
+        for seq in share.deferred:  # less urgent prompts than the waiting ones: what the share has left
+            if seq.status is SeqStatus.RUNNING and budget > 0:
+                n = self._fit_blocks(seq, share.take(seq, min(seq.num_tokens - seq.num_computed, budget)))
+                if n:
+                    planned[seq.request_id] = n
+                    budget -= n
+        drop_less_urgent(planned, self.running, self.urgent_priority)
         for seq in out.preempted:
             bisect.insort(self.waiting, seq, key=urgency)
         for seq in self.running:
@@ -187,17 +197,21 @@ class Scheduler:
                 out.decodes.append(seq)
         return out
 
-    def _plan_running(self) -> dict[str, int]:
-        """Tokens of each running sequence this step: decodes first (one each), then prefill chunks."""
+    def _plan_running(self, share: ChunkShare) -> dict[str, int]:
+        """Tokens of each running sequence this step: decodes first (one each), then prefill chunks,
+        most urgent first, less urgent ones within `share` (see `engine.prefill_plan`)."""
         planned: dict[str, int] = {}
         budget = self.max_num_batched_tokens
         for seq in self.running:
             if not seq.in_prefill:
                 planned[seq.request_id] = 1
                 budget -= 1
-        for seq in self.running:
-            if seq.in_prefill and budget > 0:
-                n = min(seq.num_tokens - seq.num_computed, budget)
+        head = self.waiting[0] if self.waiting else None
+        for seq in prefills_in_order(self.running):
+            if share.defer(seq, head):
+                continue
+            n = share.take(seq, min(seq.num_tokens - seq.num_computed, budget)) if budget > 0 else 0
+            if n:
                 planned[seq.request_id] = n
                 budget -= n
         return planned
@@ -222,6 +236,16 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is seq:
                     n = None
+
+    def _fit_blocks(self, seq: Sequence, n: int) -> int:
+        """Blocks for `n` more tokens of a running sequence, or for as many as fit, without preempting."""
+        blocks = self.kv_blocks
+        if blocks is None or n <= 0:
+            return n
+        n = min(n, blocks.tokens_fit(seq.kv_slot, seq.num_computed + n) - seq.num_computed)
+        if n > 0:
+            blocks.grow(seq.kv_slot, seq.num_computed + n)
+        return max(0, n)
 
     def _has_room(self) -> bool:
         """A sequence slot and a KV block beyond the watermark are free."""

@@ -9,8 +9,11 @@ too. Work handed to threads must copy the context (`contextvars.copy_context().r
 long-lived background tasks started during a request must not keep it (`detached()`).
 
 Policy of `configure_logging`: one handler on the `lora_cluster` logger (not the root logger, which
-Ray and other libraries configure for themselves), writing to stderr (a Ray worker's stderr is its log
-file, streamed to `serve run`'s console). Calling it again replaces that handler, never adds a second.
+Ray and other libraries configure for themselves), writing to the process's own stderr,
+`sys.__stderr__` (a Ray worker's stderr is its log file, streamed to `serve run`'s console; Ray
+Serve's throughput-optimized mode replaces a replica's `sys.stderr` by a proxy into Serve's own
+buffered log file, which would hide the ready line). Calling it again replaces that handler, never
+adds a second.
 Every line carries `request_id` (`-` outside a request). JSON lines are one object per line:
 `ts` (ISO 8601, UTC), `level`, `logger`, `message`, `request_id`, and `exc_info` when there is one.
 """
@@ -105,7 +108,7 @@ def configure_logging(log_format: LogFormat = "text", level: int | str = logging
     logger = logging.getLogger(LOGGER)
     for old in [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]:
         logger.removeHandler(old)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream if stream is not None else sys.__stderr__)
     handler.set_name(_HANDLER_NAME)
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(make_formatter(log_format))

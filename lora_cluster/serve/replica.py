@@ -210,9 +210,12 @@ class LoraReplica:
     # ----- the cluster controller ---------------------------------------------------------
 
     async def _report(self) -> dict[str, Any]:
-        s = await self.aengine.call(lambda engine: engine.stats())
+        # the tickets first, then the stats: a ticket reported as arrived must be in the engine's
+        # counts (its request joins the engine from its own task, which the pause lets run first)
         arrived = tuple(self._arrived)
         self._arrived.clear()
+        await asyncio.sleep(0)
+        s = await self.aengine.call(lambda engine: engine.stats())
         return build_report(
             active=self.active, arrived_tickets=arrived,
             replica_id=self.replica_id, node_id=self.node_id,

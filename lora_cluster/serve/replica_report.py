@@ -5,6 +5,14 @@ engine allocated them, the device's free memory (CUDA only; None on CPU), and th
 host tier (bytes held and budget). Requests: running and waiting (all, per priority, per SLA class),
 the replica's busiest adapters since its last report, and the mean time a request held the replica
 recently (an exponentially weighted average), which the controller's placement uses.
+
+Running per priority is the batch the engine runs once it has admitted the waiting requests it has
+slots for, more urgent ones preempting less urgent running ones (`projected_batch`): the controller
+reads it as the work a preemption there can still free. A request the controller sent over capacity
+to preempt is reported as arrived as soon as it reaches the replica, while the engine preempts for it
+only at its next step, and a step under load can take a second: counted as running until then, its
+victim would look preemptible twice, and further urgent requests would be sent where nothing is
+left to preempt, to wait there for a slot.
 """
 
 from __future__ import annotations
@@ -50,6 +58,19 @@ class ServiceTime:
         self.mean = seconds if self.mean is None else (1 - self.weight) * self.mean + self.weight * seconds
 
 
+def projected_batch(running: dict[int, int], waiting: dict[int, int], slots: int) -> dict[int, int]:
+    """Priority -> requests among the `slots` most urgent of the running and waiting ones (running
+    first within a priority): the batch once the engine has admitted and preempted for the waiting."""
+    batch: dict[int, int] = {}
+    left = slots
+    for priority in sorted(running.keys() | waiting.keys()):
+        n = min(left, running.get(priority, 0) + waiting.get(priority, 0))
+        if n:
+            batch[priority] = n
+        left -= n
+    return batch
+
+
 def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineStats, max_num_seqs: int,
                  max_loras: int, classes: dict[str, Any], adapter_requests: dict[str, int],
                  memory: MemorySplit, service_time_s: float | None, sent_at: float, active: int,
@@ -59,7 +80,9 @@ def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineS
         replica_id=replica_id, node_id=node_id, capacity=capacity, max_num_seqs=max_num_seqs,
         max_loras=max_loras, running=stats.num_running, waiting=stats.num_waiting,
         free_adapter_slots=stats.free_adapter_slots, resident=tuple(stats.resident_adapters),
-        loading=tuple(stats.loading_adapters), running_by_priority=dict(stats.running_by_priority),
+        loading=tuple(stats.loading_adapters),
+        running_by_priority=projected_batch(stats.running_by_priority, stats.waiting_by_priority,
+                                            max_num_seqs),
         classes=classes, adapter_requests=adapter_requests, memory=memory, service_time_s=service_time_s,
         active=active, arrived_tickets=arrived_tickets, sent_at=sent_at,
     ).to_dict()

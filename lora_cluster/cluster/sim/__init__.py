@@ -7,8 +7,9 @@ the live system runs, imported unchanged: `cluster.controller.Controller` (with 
 What is simulated is everything around them: time (`events`), the workload (`workload`), the
 replicas' engines (`replica`, `adapters`, `store`), calibrated by a profile (`profile`), the wiring
 of the live deployments (`cluster_policy`), the baselines (`baselines`) and the measurements
-(`metrics`). `simulation.run(SimConfig(...))` runs one; `python -m lora_cluster.cluster.sim` is its
-command line, `python -m lora_cluster.cluster.sim.experiments` writes docs/scale.md's figures.
+(`metrics`, and `census` of the device slots). `simulation.run(SimConfig(...))` runs one;
+`python -m lora_cluster.cluster.sim` is its command line, `python -m lora_cluster.cluster.sim.experiments`
+writes docs/scale.md's figures.
 """
 
 from lora_cluster.cluster.sim.metrics import SimResult

@@ -34,6 +34,8 @@ class ServeSettings:
     cluster_queue_aging_s: float = _default("cluster_queue_aging_s")  # type: ignore[assignment]
     cluster_queue_timeout_s: float = _default("cluster_queue_timeout_s")  # type: ignore[assignment]
     preempt_after_fraction: float = _default("preempt_after_fraction")  # type: ignore[assignment]
+    top_class_preempt_after_fraction: float | None = _default(  # type: ignore[assignment]
+        "top_class_preempt_after_fraction")
     controller_report_period_s: float = _default("controller_report_period_s")  # type: ignore[assignment]
     placement_hot_share: float = _default("placement_hot_share")  # type: ignore[assignment]
 

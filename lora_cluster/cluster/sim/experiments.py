@@ -10,7 +10,8 @@
 `router-cost` times the live router's per-request work (`PlacementTracker.view` for every replica,
 then `rank_replicas` over them, as `LoraAffinityRouter.choose_replicas` does) at 32 to 1024 replicas.
 
-`table` prints a markdown table (one row per policy and load); `sweep` runs the same grid and plots
+`table` prints a markdown table (one row per policy and load), then where the adapter slots went
+(`census.SlotCensus`); `sweep` runs the same grid and plots
 SLO attainment (interactive, standard) and hit rate against load (needs matplotlib, which the
 project does not depend on: `pip install matplotlib`); `--save` keeps every run's result as JSON so
 that `render` can redraw without running again. Each run is `simulation.run`, one after another.
@@ -93,6 +94,25 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"| {_pct(res['hit_rate'])} ({_pct(d['hit_rate_ceiling'])}) "
             f"| {loads['host']} / {loads['disk']} / {loads['s3']} | {' | '.join(classes)} "
             f"| {controller} | {res['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def census_markdown(runs: list[dict[str, Any]]) -> str:
+    """Each run's slot census (`census.SlotCensus`): mean slots by the popularity rank of their
+    adapter, running (pinned by requests) / cached (evictable)."""
+    with_census = [r for r in runs if r["details"].get("slot_census")]
+    if not with_census:
+        return ""
+    labels = list(with_census[0]["details"]["slot_census"]["by_rank"])
+    cols = " | ".join(f"ranks {label} running / cached" for label in labels)
+    lines = [f"| policy | load | hit rate + joined a load under way | slots | {cols} |",
+             "|" + "---|" * (4 + len(labels))]
+    for r in sorted(with_census, key=lambda r: (r["config"]["load"], ORDER.index(r["config"]["policy"]))):
+        census = r["details"]["slot_census"]
+        cells = [f"{c['running']:.0f} / {c['cached']:.0f}" for c in census["by_rank"].values()]
+        hits = f"{_pct(r['result']['hit_rate'])} + {_pct(r['details'].get('joined_load_rate'))}"
+        lines.append(f"| {r['config']['policy']} | {r['config']['load']:g}x | {hits} | {census['slots']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -191,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.save:
             Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
     print(markdown(runs))
+    if census := census_markdown(runs):
+        print("\nAdapter slots by the popularity rank of their adapter, mean over the run (running: "
+              "pinned by running requests; cached: evictable)\n")
+        print(census)
     if args.plot:
         plot(runs, args.plot)
     return 0

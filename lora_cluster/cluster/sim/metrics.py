@@ -10,7 +10,9 @@ Only requests that arrive after the warm-up (`measured`) count. Per SLA class:
 
 Overall: `completed`, `rejected` (refused by the cluster queue or Serve's queue, or timed out in the
 cluster queue), `hit_rate` (completed requests whose adapter was on the device of the replica that
-ran them when they reached it) and `adapter_loads` (fetches by the tier they started from, after
+ran them when they reached it; `details["joined_load_rate"]`: those whose adapter was not there
+yet but already being fetched there for an earlier request, which cost no load of their own) and
+`adapter_loads` (fetches by the tier they started from, after
 the warm-up, prefetches included).
 """
 
@@ -56,7 +58,7 @@ class Metrics:
         self.classes = {c.name: _ClassTally() for c in classes.classes}
         self.loads: Counter[str] = Counter({t: 0 for t in TIERS})
         self.rejections: Counter[str] = Counter()
-        self.hits = self.completed = self.preempted_requests = 0
+        self.hits = self.joined = self.completed = self.preempted_requests = 0
         self.outstanding = 0  # requests arrived and not yet ended (all, measured or not)
 
     def arrived(self) -> None:
@@ -70,6 +72,7 @@ class Metrics:
         tally.completed += 1
         self.completed += 1
         self.hits += req.hit
+        self.joined += req.joined
         self.preempted_requests += req.preemptions > 0
         ttft = req.first_token_at - req.arrival  # type: ignore[operator]
         tally.ttfts.append(ttft)
@@ -98,6 +101,7 @@ class Metrics:
         details = {**details, "rejections": dict(self.rejections),
                    "unfinished": sum(t.unfinished for t in self.classes.values()),
                    "preempted_requests": self.preempted_requests,
+                   "joined_load_rate": self.joined / self.completed if self.completed else None,
                    "by_class": {n: {"offered": t.completed + t.rejected + t.unfinished,
                                     "completed": t.completed, "rejected": t.rejected, "met": t.met}
                                 for n, t in self.classes.items()}}

@@ -3,14 +3,19 @@
 The schedule follows `engine.scheduler` step for step:
 
 1. every running sequence past its prefill decodes one token;
-2. running sequences still in their prefill get the next chunk of the step's token budget;
+2. running sequences still in their prefill get the next chunk of the step's token budget, most
+   urgent first; one less urgent than the most urgent waiting request only after the waiting
+   requests were admitted (`engine.prefill_plan`);
 3. waiting sequences are admitted in (priority, arrival) order while a KV slot and budget remain
    and their adapter is READY (`adapters.DeviceAdapters.acquire`); once one is BLOCKED, later
    ones may not claim a new adapter slot; when no KV slot is free, the least urgent running
    sequence is preempted for a strictly more urgent one (recompute: it returns to the waiting
    queue and re-prefills its prompt and the tokens it had produced); when no adapter slot is free,
    the running sequences of an adapter that only strictly less urgent requests want are
-   preempted the same way, and its slot goes to the urgent request.
+   preempted the same way, and its slot goes to the urgent request;
+4. a step that carries the prefill chunk of an urgent request (`prefill_plan.URGENT_PRIORITY`)
+   carries no less urgent one (they continue at the next step). The engine's
+   `less_urgent_prefill_chunk` is not modelled: it is off by default.
 
 A step takes `profile.step_s(prefill tokens, decode tokens, distinct adapters)` plus the host ->
 device copies of adapters placed in it. The step that completes a prefill samples a token (the
@@ -26,6 +31,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable
 
 from lora_cluster.cluster.reports import ReplicaReport
@@ -34,6 +40,8 @@ from lora_cluster.cluster.sim.events import EventLoop
 from lora_cluster.cluster.sim.profile import ReplicaProfile
 from lora_cluster.cluster.sim.store import NodeStore
 from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
+from lora_cluster.serve.replica_report import projected_batch
 from lora_cluster.serve.reporter import AdapterDemand
 
 SERVICE_TIME_WEIGHT = 0.05  # as serve.replica_report.ServiceTime
@@ -77,6 +85,7 @@ class SimReplica:
 
     def add(self, req: SimRequest, now: float) -> None:
         req.order, req.replica, req.reached_at = next(self._orders), self.replica_id, now
+        req.joined = req.adapter in self.adapters.loading
         req.hit = self.adapters.request_started(req.adapter, req.priority)
         self.demand.record(req.adapter)
         self.ongoing += 1
@@ -113,16 +122,26 @@ class SimReplica:
     def _plan(self, now: float) -> None:
         budget = self.budget - self.n_decoding
         chunks: list[tuple[SimRequest, int]] = []
-        for r in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(r.prefill_left, budget)
-            chunks.append((r, n))
-            budget -= n
+        head = self.waiting[0] if self.waiting else None
+        deferred: list[SimRequest] = []
+        for r in sorted(self.prefilling, key=_urgency):  # most urgent first (`engine.prefill_plan`)
+            if head is not None and r.priority > URGENT_PRIORITY and _urgency(head) < _urgency(r):
+                deferred.append(r)  # after the more urgent waiting requests are admitted
+            elif budget > 0:
+                n = min(r.prefill_left, budget)
+                chunks.append((r, n))
+                budget -= n
         adapters = self.adapters
         adapters.copy_s = 0.0
         if self.waiting:
             budget = self._admit(chunks, budget)
+        for r in deferred:
+            if r.rid in self.running and budget > 0:
+                n = min(r.prefill_left, budget)
+                chunks.append((r, n))
+                budget -= n
+        if any(r.priority <= URGENT_PRIORITY for r, _ in chunks):  # an urgent prompt goes alone
+            chunks = [(r, n) for r, n in chunks if r.priority <= URGENT_PRIORITY]
         if not chunks and not self.n_decoding:
             self._busy = False
             return
@@ -283,7 +302,8 @@ class SimReplica:
                 "max_num_seqs": self.max_num_seqs}
 
     def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
-        """The controller report (`serve.replica_report.build_report` without memory and class stats);
+        """The controller report (`serve.replica_report.build_report` without memory and class stats;
+        the batch per priority as `projected_batch` gives it);
         `active` (generate calls in progress) is the ongoing count."""
         a = self.adapters
         return ReplicaReport(
@@ -291,6 +311,8 @@ class SimReplica:
             max_num_seqs=self.max_num_seqs,
             max_loras=a.max_loras, running=len(self.running), waiting=len(self.waiting),
             free_adapter_slots=a.free_slots, resident=tuple(a.refs), loading=tuple(a.loading),
-            running_by_priority={p: n for p, n in self.running_by_priority.items() if n},
+            running_by_priority=projected_batch({p: n for p, n in self.running_by_priority.items() if n},
+                                                dict(Counter(r.priority for r in self.waiting)),
+                                                self.max_num_seqs),
             adapter_requests=self.demand.take(), service_time_s=self.service_time_s, sent_at=now,
             active=self.ongoing, arrived_tickets=arrived_tickets)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from lora_cluster.cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
+from lora_cluster.cluster.sim.census import SlotCensus
 from lora_cluster.cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.cluster.sim.context import Policy, ServeSettings, SimContext
 from lora_cluster.cluster.sim.events import EventLoop
@@ -94,6 +95,11 @@ class Simulation:
         self.policy: Policy = POLICIES[config.policy](self.ctx)
         self.end = config.warmup + config.duration
         self.arrivals = 0
+        ranks = {name: k + 1 for k, name in enumerate(self.workload.names)}
+        slots = config.nodes * config.max_loras
+        self.census = SlotCensus(self.replicas, ranks.__getitem__, loop=loop, start=config.warmup,
+                                 end=self.end, period_s=max(1.0, config.duration / 120),
+                                 edges=(max(1, slots // 32), max(2, slots // 4), slots))
         self.policy.start()
         loop.at(self.workload.next_at, self._arrive)
 
@@ -129,6 +135,7 @@ class Simulation:
             "events": self.loop.events, "simulated_s": self.loop.now,
             "engine_preemptions": sum(r.preemptions for r in self.replicas.values()),
             "hit_rate_ceiling": zipf_share(c.adapters, c.zipf, c.nodes * c.max_loras),
+            "slot_census": self.census.result(),
             **self.policy.details(),
         }
         return self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details)

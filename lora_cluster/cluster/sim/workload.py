@@ -30,7 +30,7 @@ class SimRequest:
     """One request, from arrival to its end. Mutated by the replica that runs it."""
 
     __slots__ = ("adapter", "arrival", "finish_at", "finish_mark", "first_token_at", "generated", "hit",
-                 "measured", "order", "output", "preemptions", "prefill_left", "priority", "prompt",
+                 "joined", "measured", "order", "output", "preemptions", "prefill_left", "priority", "prompt",
                  "reached_at", "replica", "rid", "sla", "ticket")
 
     def __init__(self, rid: int, adapter: str, sla: SlaClass, prompt: int, output: int, arrival: float,
@@ -42,6 +42,7 @@ class SimRequest:
         self.order = 0  # arrival order at its replica (the engine's tie-break after priority)
         self.reached_at = 0.0  # when it reached its replica
         self.hit = False  # its adapter was on its replica's device when it got there
+        self.joined = False  # not a hit, but a fetch of its adapter there was under way (a delayed hit)
         self.first_token_at: float | None = None
         self.finish_at: float | None = None
         self.generated = 0  # output tokens produced so far

@@ -1,0 +1,54 @@
+"""Where the cluster's adapter slots go: a periodic census of every replica's device slots.
+
+The hit-rate ceiling of docs/scale.md (`zipf_share` of `nodes x max_loras` slots) assumes every slot
+caches one of the most popular adapters. A slot whose adapter has running requests cannot be
+given to another adapter, however unpopular its own adapter is: each running request pins its
+adapter's slot until it ends. The census shows how the slots split, by the popularity rank of the
+adapter in them (rank 1 is the hottest; a run's buckets end at 1/32, 1/4 and all of its slots) and
+by state: `running` (requests of it run there) or `cached` (held without references, so
+evictable). Averaged over samples taken every `period_s` of the measured period; it reads the
+replicas' slots and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from lora_cluster.cluster.sim.events import EventLoop
+from lora_cluster.cluster.sim.replica import SimReplica
+
+DEFAULT_EDGES = (16, 128, 512)  # rank buckets: 1-16, 17-128, 129-512, 513+ (a run passes its own)
+
+
+class SlotCensus:
+    def __init__(self, replicas: Mapping[str, SimReplica], rank: Callable[[str], int], *, loop: EventLoop,
+                 start: float, end: float, period_s: float = 1.0, edges: Sequence[int] = DEFAULT_EDGES):
+        self.replicas, self.rank, self.loop, self.end, self.period_s = replicas, rank, loop, end, period_s
+        self.edges = tuple(edges)
+        bounds = (0, *self.edges)
+        self.labels = [f"{lo + 1}-{hi}" for lo, hi in zip(bounds, self.edges, strict=False)]
+        self.labels.append(f"{self.edges[-1] + 1}+")
+        self.totals = {label: {"running": 0, "cached": 0} for label in self.labels}
+        self.samples = 0
+        loop.at(start, self._sample)
+
+    def _bucket(self, adapter_id: str) -> str:
+        r = self.rank(adapter_id)
+        return next((label for label, edge in zip(self.labels, self.edges, strict=False) if r <= edge),
+                    self.labels[-1])
+
+    def _sample(self) -> None:
+        self.samples += 1
+        for replica in self.replicas.values():
+            for adapter_id, refs in replica.adapters.refs.items():
+                self.totals[self._bucket(adapter_id)]["running" if refs else "cached"] += 1
+        if self.loop.now + self.period_s < self.end:
+            self.loop.after(self.period_s, self._sample)
+
+    def result(self) -> dict[str, object]:
+        """Mean slots per sample by rank bucket and state, and the total of slots."""
+        n = max(self.samples, 1)
+        slots = sum(r.adapters.max_loras for r in self.replicas.values())
+        return {"slots": slots, "samples": self.samples,
+                "by_rank": {label: {state: round(v / n, 1) for state, v in counts.items()}
+                            for label, counts in self.totals.items()}}
