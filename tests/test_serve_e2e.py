@@ -291,10 +291,9 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
         assert r.status_code == 200, "the streaming request starts"
         lines = r.iter_lines()
         assert next(lines).startswith("data: "), "the first SSE event arrives"
-        deadline, running = time.monotonic() + 10, 0  # the replicas' stats refresh every second
-        while time.monotonic() < deadline and not running:
-            running = sum(s["num_running"] for s in _replicas(http).values())
-        assert running == 1, "the request is still generating when the client goes away"
+        # the client goes away at once, while its 400 tokens are generating (a request that ended
+        # would not count as cancelled below); the replicas' stats lag by up to a period, so they
+        # cannot tell here whether it runs
     _wait_until_aborted(http, before, "the request")
     assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (
         "every batch slot is free again after the disconnect")
