@@ -54,7 +54,6 @@ class ControllerSettings:
     demand_window_s: float = 30.0
     affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
     holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
-    # (not one of the most urgent class, which goes at once)
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
 
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
@@ -62,6 +61,11 @@ class ControllerSettings:
         top = self.top_class_preempt_after_fraction
         fraction = top if top is not None and ticket.priority == top_priority else self.preempt_after_fraction
         return fraction * (ticket.ttft_s or 0.0)
+
+    def holder_wait(self, ticket: Ticket, top_priority: int | None) -> float:
+        """The share of its TTFT target a due miss waits for a holder of its adapter
+        (`scheduling.holder_wait_until`): none for the most urgent class, whose tickets go at once."""
+        return 0.0 if ticket.priority == top_priority else self.holder_wait_fraction
 
     @classmethod
     def from_config(cls, config: Any) -> ControllerSettings:
@@ -254,7 +258,7 @@ class Controller:
                     replica_id = preemption_target(ticket, self.view)
                     if replica_id is None:
                         return  # all taken: none is left for this or a less urgent class
-                    wait = 0.0 if priority == self.queue.top_priority else self.settings.holder_wait_fraction
+                    wait = self.settings.holder_wait(ticket, self.queue.top_priority)
                     if (until := holder_wait_until(ticket, replica_id, self.view, wait)) > now:  # a hit later
                         heapq.heappush(self._preempt_at, (until, next(self._seq), ticket))
                     else:
