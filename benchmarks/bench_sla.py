@@ -69,6 +69,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -82,6 +83,7 @@ from typing import Any
 
 MAX_NUM_SEQS = 4
 NUM_REPLICAS = 2
+SERVE_MODE_NOTE = {"default": "its HTTP proxy", "throughput": "direct ingress behind HAProxy"}
 SLOTS = MAX_NUM_SEQS * NUM_REPLICAS
 ADAPTERS = [f"a{i}" for i in range(8)]
 ZIPF_S = 1.1
@@ -590,7 +592,8 @@ def report(args: argparse.Namespace, meta: dict[str, Any], runs: list[RunResult]
         f"lora-cluster at {meta['code']}",
         f"- command: `{cmd.strip()}` ({meta['wall_min']:.1f} min)",
         f"- served: demo zoo `{args.size}` model, {NUM_REPLICAS} LoRA replicas x 1 CPU, max_num_seqs "
-        f"{MAX_NUM_SEQS} ({SLOTS} batch slots), max_loras 8, less_urgent_prefill_chunk 32; modes: "
+        f"{MAX_NUM_SEQS} ({SLOTS} batch slots), max_loras 8, less_urgent_prefill_chunk 32; Ray Serve "
+        f"{args.serve_mode} mode ({SERVE_MODE_NOTE[args.serve_mode]}); modes: "
         + "; ".join(f"`{m}` {json.dumps(MODE_CONFIG[m])}" for m in args.modes),
         f"- workload: prompts of {PROMPT_WORDS[0]}-{PROMPT_WORDS[1]} words, {OUTPUT_TOKENS[0]}-"
         f"{OUTPUT_TOKENS[1]} output tokens (greedy, EOS ignored), adapters Zipf({ZIPF_S}) over "
@@ -803,6 +806,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     ap.add_argument("--dump", type=Path, default=None,
                     help="write every SLA-run request here, one JSON object a line (see `dump_outcomes`)")
+    ap.add_argument("--serve-mode", choices=("default", "throughput"), default="default",
+                    help="`throughput`: Ray Serve's throughput-optimized mode (direct ingress behind "
+                    "HAProxy, `THROUGHPUT_MODE_ENV` of serve/serve_mode.py) instead of its HTTP proxy")
     args = ap.parse_args()
     unknown = set(args.modes) - set(MODE_CONFIG)
     if unknown or ("fast" in args.phases and not {"on", "off"} <= set(args.modes)):
@@ -810,6 +816,15 @@ def main() -> int:
     if not args.rated and "off" not in args.modes and "sla" in args.phases:
         ap.error("the rated load is measured on `off`: include it or give --rated")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
+        from lora_cluster.serve.serve_mode import throughput_mode_env
+
+        haproxy_dir = Path(tempfile.mkdtemp(prefix="hap-"))
+        os.environ.update(throughput_mode_env(haproxy_dir))
+        try:
+            return asyncio.run(run(args))
+        finally:
+            shutil.rmtree(haproxy_dir, ignore_errors=True)
     return asyncio.run(run(args))
 
 

@@ -14,9 +14,12 @@ never arrives, its request gone, is dropped after `grant_ttl_s`). Requests an in
 direct way (its fast path) reach a replica before the replica reports them; each ingress therefore
 states, with every ticket it parks, its requests in flight per replica and those on their way to
 a replica not known yet (`claim`). A claim counts for `claim_ttl_s`, after which the replicas'
-reports, which include those requests, are the truth again. A restarted controller starts
-empty and is whole again once every replica has reported, within one report period. Pure:
-injected clock, no Ray.
+reports, which include those requests, are the truth again; for one replica, a claim is
+superseded sooner by that replica's first report received `claim_superseded_after_s` after it (a
+report built after the claim shows the claimed requests that still run, and not those that ended:
+a stale claim would hide a slot freed since, and keep a parked ticket waiting for its TTL). A
+restarted controller starts empty and is whole again once every replica has reported, within one
+report period. Pure: injected clock, no Ray.
 """
 
 from __future__ import annotations
@@ -104,9 +107,10 @@ class ClusterView:
     """The latest report of every live replica, plus grants on their way to each."""
 
     def __init__(self, *, stale_after_s: float, clock: Callable[[], float], grant_ttl_s: float = 10.0,
-                 claim_ttl_s: float = 1.0, max_ingresses: int = 1024):
+                 claim_ttl_s: float = 1.0, claim_superseded_after_s: float = 0.1, max_ingresses: int = 1024):
         self.stale_after_s, self.grant_ttl_s, self._clock = stale_after_s, grant_ttl_s, clock
         self.claim_ttl_s, self.max_ingresses = claim_ttl_s, max_ingresses
+        self.claim_superseded_after_s = claim_superseded_after_s
         self._seen: dict[str, _Seen] = {}
         # ingress -> (when, its requests in flight per replica, its requests on their way)
         self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
@@ -128,15 +132,15 @@ class ClusterView:
         while len(self._claims) > self.max_ingresses:
             self._dirty.update(self._claims.pop(next(iter(self._claims)))[1])
 
-    def _fresh_claims(self) -> list[tuple[Mapping[str, int], int]]:
+    def _fresh_claims(self) -> list[tuple[float, Mapping[str, int], int]]:
         now = self._clock()
         for ingress in [i for i, (at, _, _) in self._claims.items() if now - at > self.claim_ttl_s]:
             self._dirty.update(self._claims.pop(ingress)[1])
-        return [(inflight, unassigned) for _, inflight, unassigned in self._claims.values()]
+        return list(self._claims.values())
 
     def unassigned(self) -> int:
         """Requests the ingresses sent the direct way that no replica has answered yet."""
-        return sum(n for _, n in self._fresh_claims())
+        return sum(n for _, _, n in self._fresh_claims())
 
     def update(self, report: ReplicaReport) -> None:
         now = self._clock()
@@ -192,9 +196,9 @@ class ClusterView:
         self.total_free()
         return sorted(rid for rid, room in self._room.items() if room > 0)
 
-    @staticmethod
-    def _free(replica_id: str, s: _Seen, claims: list[tuple[Mapping[str, int], int]]) -> int:
-        claimed = sum(inflight.get(replica_id, 0) for inflight, _ in claims)
+    def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
+        since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report
+        claimed = sum(inflight.get(replica_id, 0) for at, inflight, _ in claims if at > since)
         return s.report.capacity - max(s.report.ongoing + len(s.outstanding), claimed)
 
     def preemptible(self, replica_id: str, priority: int) -> int:

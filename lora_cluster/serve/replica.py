@@ -95,6 +95,7 @@ class LoraReplica:
         self.service_time = ServiceTime()
         self._prefetching: set[str] = set()
         self.active = 0  # generate calls in progress: what the controller counts against capacity
+        self._capacity = self.config.admission_capacity or self.config.max_num_seqs
         self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
             controller, self._report, self._on_reply, self.config.controller_report_period_s)
@@ -165,7 +166,7 @@ class LoraReplica:
             self.active -= 1
             self.service_time.record(time.monotonic() - started)
             if self.reporter is not None:
-                self.reporter.request_finished()
+                self.reporter.request_finished(self.active + 1, self._capacity)
 
     async def _ensure_registered(self, adapter_id: str, path: str) -> None:
         if self._registered.get(adapter_id) == path:
@@ -219,7 +220,7 @@ class LoraReplica:
         return build_report(
             active=self.active, arrived_tickets=arrived,
             replica_id=self.replica_id, node_id=self.node_id,
-            capacity=self.config.admission_capacity or self.config.max_num_seqs, stats=s,
+            capacity=self._capacity, stats=s,
             max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,
             classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
             memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,

@@ -1,7 +1,9 @@
 """A LoRA replica's reports to the cluster controller.
 
 Every `period_s`, and at once when one of its requests finishes while the controller said requests
-are queued (so a freed slot is granted without waiting for the period), the replica sends a
+are queued or while the replica was full (`report_on_finish`: a freed slot is then granted without
+waiting for the period; a full replica cannot know whether a ticket was parked since its last
+report, so it tells the controller of every slot it frees), the replica sends a
 `ReplicaReport` (built by the replica: engine stats, memory split, per-class stats, requests per
 adapter since the last report). The reply names adapters to prefetch (placement chose this replica
 for them) and how many requests are queued. A controller that cannot be reached is retried at the
@@ -24,6 +26,14 @@ log = logging.getLogger(__name__)
 
 MIN_GAP_S = 0.02  # reports triggered by finishing requests are at least this far apart
 MAX_TRACKED_ADAPTERS = 4 * MAX_REPORTED_ADAPTERS
+
+
+def report_on_finish(queue_depth: int, ongoing_before: int, capacity: int) -> bool:
+    """Whether a replica reports at once when one of its requests finishes: the controller's last
+    reply said tickets were queued (`queue_depth`), or the replica was full before it finished
+    (`ongoing_before` >= `capacity`), so that a ticket parked since that reply is granted the freed
+    slot now rather than a report period later. A replica with room reports on its period only."""
+    return queue_depth > 0 or ongoing_before >= capacity
 
 
 class AdapterDemand:
@@ -56,9 +66,10 @@ class ControllerReporter:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), context=detached())
 
-    def request_finished(self) -> None:
-        """Report now if requests are queued in the cluster (a slot just freed here)."""
-        if self.queue_depth > 0:
+    def request_finished(self, ongoing_before: int, capacity: int) -> None:
+        """A request ended here (`ongoing_before` requests ran before it ended, of `capacity`):
+        report now when `report_on_finish` says so."""
+        if report_on_finish(self.queue_depth, ongoing_before, capacity):
             self._wake.set()
 
     async def _run(self) -> None:

@@ -14,8 +14,9 @@ wired to simulated replicas the way the live deployments are wired to each other
 * Replicas report to the controller (`Controller.report` with a `ReplicaReport`) every
   `controller_report_period_s` and, as `serve.reporter.ControllerReporter` does, at once (at
   least `MIN_GAP_S` after the previous report) when a request finishes while their last reply
-  said tickets are queued; a report lists the granted tickets that arrived since the previous
-  one. The reply's `prefetch` list is fetched into host memory.
+  said tickets are queued or while the replica was full (`report_on_finish`); a report lists
+  the granted tickets that arrived since the previous one.
+  The reply's `prefetch` list is fetched into host memory.
 * The controller ticks every `TICK_S` (stale replicas, preemption of long-waiting urgent tickets);
   grants are delivered after every controller call. The ingress fetches the placement table for
   its router every `controller_report_period_s`; each replica's routing stats refresh every
@@ -42,7 +43,7 @@ from lora_cluster.cluster.sim.replica import SimReplica
 from lora_cluster.cluster.sim.routing import AffinityRouting
 from lora_cluster.cluster.sim.workload import SimRequest
 from lora_cluster.errors import ClusterOverloadedError
-from lora_cluster.serve.reporter import MIN_GAP_S
+from lora_cluster.serve.reporter import MIN_GAP_S, report_on_finish
 
 TICK_S = 0.05  # as cluster.actor.TICK_S (that module imports Ray)
 INGRESS_ID = "sim-ingress"
@@ -147,7 +148,7 @@ class LoraClusterPolicy:
         self._inflight[rid] -= 1
         self._refree(rid)
         self.routing.changed(rid)
-        if self._queue_depth[rid] > 0:
+        if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self.capacity[rid]):
             self._schedule_report(rid, max(self.loop.now, self._last_report[rid] + MIN_GAP_S))
 
     def _send(self, req: SimRequest, replica_id: str) -> None:
