@@ -4,7 +4,8 @@ It is part of the application graph (started with it; if its actor dies, Serve s
 which rebuilds its view from the next replica reports, see `controller`). Calls:
 
 * `report(report)` from each LoRA replica, every `controller_report_period_s` and when a request
-  finishes while requests are queued; the reply says how many are queued and what to prefetch;
+  finishes while requests are queued or the replica was full (`serve.reporter.report_on_finish`);
+  the reply says how many are queued and what to prefetch;
 * `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
   returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
   at once or later, when more urgent tickets bump it out of a full queue) or timed out
