@@ -11,12 +11,20 @@ Variants: `base` (the base-model batch), and for the adapter batch the LoRA laye
 for q/k/v and for gate/up) or unfused, with the CPU ops' segment loop (`loop`), their slot-batched
 path (`batched`, lora_kernels.slot_batch) or their own choice (`auto`, the engine's default).
 
+On CUDA the LoRA path is the Triton kernels', and the variants are fused or unfused with the decode
+tokens through gathered BGMV (`bgmv`, the engine's choice for distinct adapters) or one SGMV
+segment per adapter (`sgmv`); each timing is `--iters` forwards between two device synchronizations,
+divided by `--iters`. `--size 1b` serves a ~1.0B model of Llama-3.2-1B's dims instead of the ~88M
+demo model (the overhead of a LoRA path depends on the base model's size: a GPU needs that one),
+with 32 rank-8 adapters on all seven projections written next to it.
+
 `--qv-only` adds the same measurement on 32 rank-8 adapters that target q_proj and v_proj only
 (PEFT's default target_modules for Llama): the demo zoo has just 7 such rank-8 adapters in 96, so
 the script writes 32 of them next to the zoo (random weights drawn as the demo draws them, PEFT's
 file format).
 
 Run: python benchmarks/bench_decode_step.py [--zoo .demo/base96] [--threads 2] [--reps 15] [--qv-only]
+     python benchmarks/bench_decode_step.py --size 1b --zoo .demo/1b --iters 20   (on a GPU)
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 from lora_kernels import LoraOps, cpu
 from safetensors.torch import save_file
 
-from lora_cluster.demo import build_demo_zoo
+from lora_cluster.demo import DemoZoo, build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.lora_layer import LoraLayer
@@ -44,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import WORDS
 
 ADAPTERS = [f"a{i}" for i in range(0, 96, 3)]  # the demo zoo's 32 rank-8 adapters
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def forced(ops: LoraOps, batched: bool | None) -> LoraOps:
@@ -55,68 +64,114 @@ def forced(ops: LoraOps, batched: bool | None) -> LoraOps:
     )  # fmt: skip
 
 
-def write_qv_adapters(zoo_adapters: Path, out: Path) -> None:
-    """32 rank-8 q_proj/v_proj adapters (a0 ... a93's configs, their weights redrawn for q and v)."""
+def write_adapters(model_dir: Path, out: Path, targets: tuple[str, ...], seed: int) -> None:
+    """32 rank-8 PEFT adapters named as ADAPTERS on `targets` of the model at `model_dir`, with random
+    weights drawn as the demo draws them (A ~ N(0, 1/in), B ~ N(0, 0.08^2))."""
     if (out / ADAPTERS[-1] / "adapter_model.safetensors").exists():
         return
-    gen = torch.Generator().manual_seed(12)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    shapes = {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+              "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
+              "r": 8, "lora_alpha": 16, "use_rslora": False, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted(targets)}  # fmt: skip
     for aid in ADAPTERS:
-        config = json.loads((zoo_adapters / aid / "adapter_config.json").read_text())
-        config.update(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16, use_rslora=False)
         weights = {}
-        for layer in range(12):
-            for name, n_out in (("q_proj", 768), ("v_proj", 256)):
-                prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-                weights[f"{prefix}.lora_A.weight"] = torch.randn(8, 768, generator=gen) / 768**0.5
+        for layer in range(layers):
+            for name in targets:
+                kind = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                prefix, (n_out, n_in) = f"base_model.model.model.layers.{layer}.{kind}.{name}", shapes[name]
+                weights[f"{prefix}.lora_A.weight"] = torch.randn(8, n_in, generator=gen) / n_in**0.5
                 weights[f"{prefix}.lora_B.weight"] = torch.randn(n_out, 8, generator=gen) * 0.08
         (out / aid).mkdir(parents=True, exist_ok=True)
         (out / aid / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         save_file(weights, out / aid / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
-def decode_batches(engine: Engine, prompts: list[str]) -> dict[str, StepBatch]:
-    """A 32-token decode batch with the adapters and one without, from short generations."""
-    batches: dict[str, StepBatch] = {}
-    forward = engine.runner.forward
-    for key, adapters in (("lora", ADAPTERS), ("base", None)):
-        def keep(batch: StepBatch, key: str = key) -> torch.Tensor:
-            if batch.num_tokens == len(prompts) and batch.num_decodes == len(prompts):
-                batches.setdefault(key, batch)
-            return forward(batch)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-        engine.runner.forward = keep
+
+def decode_batch(engine: Engine, prompts: list[str], adapters: list[str] | None, layer: LoraLayer,
+                 kernel: str) -> StepBatch:  # fmt: skip
+    """A 32-token decode batch of a short generation, planned for `layer` (its fused groups) with the
+    decode tokens' path `kernel` (engine.lora_layer.use_bgmv)."""
+    kept: list[StepBatch] = []
+    runner, config = engine.runner, engine.config
+    forward, default = runner.forward, runner.lora
+
+    def keep(batch: StepBatch) -> torch.Tensor:
+        if not kept and batch.num_tokens == len(prompts) and batch.num_decodes == len(prompts):
+            kept.append(batch)
+        return forward(batch)
+
+    runner.forward, runner.lora = keep, layer
+    engine.config = config.model_copy(update={"lora_decode_kernel": kernel})
+    try:
         params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         engine.generate(prompts, adapter_ids=adapters, sampling=params)
-    engine.runner.forward = forward
-    return batches
+    finally:
+        runner.forward, runner.lora, engine.config = forward, default, config
+    return kept[0]
 
 
-def measure(engine: Engine, reps: int) -> dict[str, tuple[float, float]]:
-    """Least (wall, process CPU) seconds of one forward of the kept decode batch per variant."""
+def measure(engine: Engine, reps: int, iters: int) -> dict[str, tuple[float, float]]:
+    """Least (wall, process CPU) seconds of one forward of the kept decode batch per variant (the mean
+    over `iters` forwards between two device synchronizations)."""
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(8)) for _ in ADAPTERS]
-    batches = decode_batches(engine, prompts)
     dims = engine.model.dims
     kv = dims.q_dim + dims.kv_dim
     splits = {"q_proj": ("qkv", 0, dims.q_dim), "k_proj": ("qkv", dims.q_dim, kv),
               "v_proj": ("qkv", kv, kv + dims.kv_dim), "gate_proj": ("gate_up", 0, dims.intermediate),
               "up_proj": ("gate_up", dims.intermediate, 2 * dims.intermediate)}  # fmt: skip
     runner, default = engine.runner, engine.runner.lora
-    variants: dict[str, tuple[str, LoraLayer]] = {"base": ("base", default)}
+    variants = {"base": (default, decode_batch(engine, prompts, None, default, "auto"))}
     for fused in (True, False):
+        prefix = "fused" if fused else "unfused"
+        if runner.ops.name == "triton":
+            for kernel in ("bgmv", "sgmv"):
+                layer = LoraLayer(engine.pool, runner.ops, splits, fused)
+                batch = decode_batch(engine, prompts, ADAPTERS, layer, kernel)
+                variants[f"{prefix}, {kernel}"] = (layer, batch)
+            continue
         for path, batched in (("auto", None), ("loop", False), ("batched", True)):
             layer = LoraLayer(engine.pool, forced(runner.ops, batched), splits, fused)
-            variants[f"{'fused' if fused else 'unfused'}, {path}"] = ("lora", layer)
+            variants[f"{prefix}, {path}"] = (layer, decode_batch(engine, prompts, ADAPTERS, layer, "auto"))
     best = dict.fromkeys(variants, (float("inf"), float("inf")))
+    device = engine.device
     for _ in range(reps):
-        for name, (batch, layer) in variants.items():
+        for name, (layer, batch) in variants.items():
             runner.lora = layer
+            synchronize(device)
             wall, cpu_s = time.perf_counter(), time.process_time()
-            runner.forward(batches[batch])
-            wall, cpu_s = time.perf_counter() - wall, time.process_time() - cpu_s
+            for _ in range(iters):
+                runner.forward(batch)
+            synchronize(device)
+            wall, cpu_s = (time.perf_counter() - wall) / iters, (time.process_time() - cpu_s) / iters
             best[name] = (min(best[name][0], wall), min(best[name][1], cpu_s))
     runner.lora = default
     return best
+
+
+def adapter_sources(zoo: DemoZoo, folder: Path, size: str, qv_only: bool) -> dict[str, Path]:
+    """Title -> adapter folder of each measurement (writing the adapters the zoo lacks)."""
+    if size == "base":
+        sources = {"32 distinct rank-8 adapters of the demo zoo (targets vary, see docs/bench_decode.md)":
+                   zoo.adapters_dir}  # fmt: skip
+    else:
+        full = folder.parent / f"{folder.name}-adapters"
+        write_adapters(zoo.model_dir, full, ALL_PROJECTIONS, seed=11)
+        sources = {"~1.0B model (Llama-3.2-1B's dims), 32 distinct rank-8 adapters on all projections": full}
+    if qv_only:
+        qv = folder.parent / f"{folder.name}-qv-adapters"
+        write_adapters(zoo.model_dir, qv, ("q_proj", "v_proj"), seed=12)
+        sources["32 distinct rank-8 adapters on q_proj and v_proj only"] = qv
+    return sources
 
 
 def table(title: str, best: dict[str, tuple[float, float]]) -> list[str]:
@@ -135,23 +190,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--qv-only", action="store_true")
+    ap.add_argument("--iters", type=int, default=1, help="forwards per timing (use 10-20 on a GPU)")
+    ap.add_argument("--size", choices=("base", "1b"), default="base", help="base: the ~88M demo model "
+                    "and its adapters; 1b: ~1.0B parameters and 32 all-projection rank-8 adapters")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    zoo = build_demo_zoo(args.zoo, num_adapters=96, size="base", seed=0)
-    common = {"model": str(zoo.model_dir), "max_loras": 32, "max_lora_rank": 8, "max_num_seqs": 32}
-    sources = {"32 distinct rank-8 adapters of the demo zoo (targets vary, see docs/bench_decode.md)":
-               zoo.adapters_dir}  # fmt: skip
-    if args.qv_only:
-        qv = args.zoo.parent / f"{args.zoo.name}-qv-adapters"
-        write_qv_adapters(zoo.adapters_dir, qv)
-        sources["32 distinct rank-8 adapters on q_proj and v_proj only"] = qv
+    zoo = build_demo_zoo(args.zoo, num_adapters=96 if args.size == "base" else 0, size=args.size, seed=0)
+    common = {"model": str(zoo.model_dir), "max_loras": 32, "max_lora_rank": 8, "max_num_seqs": 32,
+              "num_kv_blocks": 256}  # fmt: skip
+    sources = adapter_sources(zoo, args.zoo, args.size, args.qv_only)
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     lines = [
-        f"- machine: {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; "
+        f"- machine: {os.cpu_count()} cores{gpu}, torch {torch.__version__}, {args.threads} threads; "
         f"command: `python benchmarks/bench_decode_step.py {' '.join(sys.argv[1:])}`",
     ]
     for title, source in sources.items():
-        best = measure(Engine(**common, adapter_source=str(source)), args.reps)
+        best = measure(Engine(**common, adapter_source=str(source)), args.reps, args.iters)
         lines += ["", *table(title, best)]
     lines.append(f"- 1-minute load average at the end: {os.getloadavg()[0]:.1f}")
     text = "\n".join(lines)

@@ -31,7 +31,8 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="folder to write the zoo into")
     p.add_argument("--num-adapters", type=int, default=64, help="number of adapters a0..a{N-1} (default 64)")
-    p.add_argument("--size", choices=["tiny", "base"], default="tiny", help="tiny (~0.1M) or base (~88M)")
+    p.add_argument("--size", choices=["tiny", "base", "1b"], default="tiny",
+                   help="tiny (~0.1M), base (~88M) or 1b (~1.0B parameters, Llama-3.2-1B's dims; for GPUs)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.add_argument("--force", action="store_true",
                    help="replace a zoo at --out that was built with other arguments (default: refuse)")

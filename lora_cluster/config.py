@@ -115,7 +115,9 @@ class EngineConfig(BaseSettings):
     )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV cache blocks. Default: on a GPU, what gpu_memory_utilization leaves "
-        "after the base model, the adapter pool and the buffer; on CPU, max_num_seqs full-length sequences."
+        "after the base model, the adapter pool and the buffer; on CPU, max_num_seqs full-length sequences. "
+        "Set on a GPU, the blocks and the pool need only fit in the memory free there (several engines, "
+        "or an engine beside other work, can then share one device)."
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of the GPU's total memory this engine may use (base model, "
@@ -456,7 +458,9 @@ class ServeConfig(EngineConfig):
     )
     demo_dir: str = Field(default_factory=_default_demo_dir, description="Cache folder of the demo zoo.")
     demo_num_adapters: int = Field(64, ge=1, le=4096, description="Adapters a0..a{N-1} of the demo zoo.")
-    demo_size: Literal["tiny", "base"] = Field("tiny", description="Demo model size: tiny or base (~88M).")
+    demo_size: Literal["tiny", "base", "1b"] = Field(
+        "tiny", description="Demo model size: tiny, base (~88M) or 1b (~1.0B parameters, for a GPU)."
+    )
     served_model_name: str | None = Field(
         None, description="Name of the base model in the API (`model` field, /v1/models); default: `model`."
     )

@@ -270,6 +270,15 @@ def test_gpu_plan_refuses_what_cannot_fit() -> None:
         _plan(80, 66, slot_bytes=40 * GIB)
 
 
+def test_gpu_plan_with_explicit_blocks_needs_only_free_memory() -> None:
+    # another engine already holds 70 of 80 GiB: the budget is spent, but 8 GiB are free
+    plan = _plan(80, 8, num_kv_blocks=1000, max_loras=8)
+    assert plan.num_kv_blocks == 1000, "the explicit block count is kept"
+    assert plan.num_adapter_slots == 8, "the pool is sized as without it"
+    with pytest.raises(ConfigError, match=r"need more than the 8\.00 GiB free"):
+        _plan(80, 8, num_kv_blocks=4000, max_loras=8)  # 7.8 GiB of blocks + 2 GiB of slots
+
+
 def test_cpu_plan_keeps_a_full_reservation_per_sequence() -> None:
     plan = cpu_plan(max_num_seqs=4, max_model_len=100, block_size=16, block_bytes=10, slot_bytes=7,
                     max_loras=3, num_kv_blocks=None)  # fmt: skip

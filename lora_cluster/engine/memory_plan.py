@@ -8,6 +8,10 @@ pool, 10% buffer; here the base model takes what it actually uses, the adapter p
 
     kv = budget - used_now - buffer - slots * slot_bytes,    blocks = kv // block_bytes
 
+An explicit `num_kv_blocks` replaces that rest (as vLLM's `num_gpu_blocks_override`): those blocks
+and the pool must then fit in the memory free now, whatever the budget (so that several engines, or
+an engine beside other work, can share one device at sizes their owner chose).
+
 `used_now` is total - free when the plan is made (the base weights and anything else on the
 device). What the pool does not need of its share goes to the KV cache. Too little memory for one
 adapter slot or for one `max_model_len` sequence is a `ConfigError` naming the numbers.
@@ -18,7 +22,7 @@ On CPU there is no device budget: `cpu_plan` keeps the sizes of a fixed per-sequ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -55,6 +59,7 @@ def plan_device_memory(
     slot_bytes: int,
     max_loras: int,
     min_kv_blocks: int,
+    num_kv_blocks: int | None = None,
 ) -> MemoryPlan:
     """The GPU plan of the module docstring."""
     budget = int(device.total_bytes * gpu_memory_utilization)
@@ -66,6 +71,15 @@ def plan_device_memory(
             f"adapter pool: {adapter_pool_share:.0%} of {budget / GIB:.2f} GiB holds no adapter slot of "
             f"{slot_bytes / GIB:.3f} GiB (lower max_lora_rank or raise adapter_pool_share)"
         )
+    if num_kv_blocks is not None:
+        need = num_kv_blocks * block_bytes + slots * slot_bytes
+        if need > device.free_bytes:
+            raise ConfigError(
+                f"num_kv_blocks={num_kv_blocks} ({num_kv_blocks * block_bytes / GIB:.2f} GiB) and {slots} "
+                f"adapter slots ({slots * slot_bytes / GIB:.2f} GiB) need more than the "
+                f"{device.free_bytes / GIB:.2f} GiB free on the device"
+            )
+        return MemoryPlan(num_kv_blocks, slots, num_kv_blocks * block_bytes, slots * slot_bytes, buffer)
     kv = budget - used - buffer - slots * slot_bytes
     blocks = max(0, kv) // block_bytes
     if blocks < min_kv_blocks:
@@ -111,11 +125,8 @@ def plan_engine_memory(config: EngineConfig, dims: ModelDims, dtype: torch.dtype
             DeviceMemory(total, free), gpu_memory_utilization=config.gpu_memory_utilization,
             adapter_pool_share=config.adapter_pool_share, buffer_share=config.memory_buffer_share,
             block_bytes=block_bytes, slot_bytes=slot_bytes, max_loras=config.max_loras,
-            min_kv_blocks=min_blocks,
+            min_kv_blocks=min_blocks, num_kv_blocks=config.num_kv_blocks,
         )  # fmt: skip
-        if config.num_kv_blocks is not None:
-            blocks = config.num_kv_blocks
-            plan = replace(plan, num_kv_blocks=blocks, kv_bytes=blocks * block_bytes)
     else:
         plan = cpu_plan(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, block_size=block_size,
