@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
 import platform
-import shutil
 import socket
 import statistics
 import subprocess
@@ -68,11 +68,11 @@ def main() -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if args.compare_modes:
         return _compare(args)
+    mode = contextlib.ExitStack()
     if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
-        from lora_cluster.serve.serve_mode import throughput_mode_env
+        from lora_cluster.serve.serve_mode import private_throughput_mode
 
-        haproxy_dir = Path(tempfile.mkdtemp(prefix="hap-"))
-        os.environ.update(throughput_mode_env(haproxy_dir))
+        mode.enter_context(private_throughput_mode())
 
     import httpx
     import ray
@@ -154,8 +154,7 @@ def main() -> int:
     asyncio.run(rounds())
     client.close()
     ray.shutdown()
-    if args.serve_mode == "throughput":
-        shutil.rmtree(haproxy_dir, ignore_errors=True)
+    mode.close()
     aengine.shutdown()
     engine.close()
 

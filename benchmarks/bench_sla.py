@@ -69,7 +69,6 @@ import math
 import os
 import platform
 import random
-import shutil
 import socket
 import statistics
 import subprocess
@@ -817,14 +816,10 @@ def main() -> int:
         ap.error("the rated load is measured on `off`: include it or give --rated")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
-        from lora_cluster.serve.serve_mode import throughput_mode_env
+        from lora_cluster.serve.serve_mode import private_throughput_mode
 
-        haproxy_dir = Path(tempfile.mkdtemp(prefix="hap-"))
-        os.environ.update(throughput_mode_env(haproxy_dir))
-        try:
+        with private_throughput_mode():
             return asyncio.run(run(args))
-        finally:
-            shutil.rmtree(haproxy_dir, ignore_errors=True)
     return asyncio.run(run(args))
 
 

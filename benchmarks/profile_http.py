@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import itertools
 import os
 import socket
@@ -154,10 +155,11 @@ def main() -> int:
     ap.add_argument("--serve-mode", choices=("default", "throughput"), default="default")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    mode = contextlib.ExitStack()
     if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
-        from lora_cluster.serve.serve_mode import throughput_mode_env
+        from lora_cluster.serve.serve_mode import private_throughput_mode
 
-        os.environ.update(throughput_mode_env(Path(tempfile.mkdtemp(prefix="hap-"))))
+        mode.enter_context(private_throughput_mode())
 
     import httpx
     import ray
@@ -192,6 +194,7 @@ def main() -> int:
                 raise SystemExit(f"request {rid} failed: {r.status_code} {r.text}")
     serve.shutdown()
     ray.shutdown()
+    mode.close()
 
     print(f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; {args.requests} requests; "
           f"serve mode {args.serve_mode}")

@@ -12,7 +12,7 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Refusal
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
-from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target, should_preempt
+from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError
@@ -156,9 +156,10 @@ def test_preemption_waits_for_its_fraction_and_picks_the_most_less_urgent_work()
     view.update(report("r2", running=2, by_priority={2: 2}))
     view.update(report("r3", running=2, by_priority={0: 2}))
     urgent = ticket("t", "interactive", 100.0)
-    assert not should_preempt(urgent, 100.2, 0.5), "not before half of the 1 s TTFT target"
-    assert should_preempt(urgent, 100.5, 0.5), "after half of it"
-    assert not should_preempt(ticket("b", "batch", 100.0), 1000.0, 0.5), "no target, no preemption"
+    settings = ControllerSettings(preempt_after_fraction=0.5, top_class_preempt_after_fraction=0.0)
+    assert settings.preempt_wait_s(ticket("s", "standard", 100.0), top_priority=0) == 2.5, (
+        "a standard request waits half of its 5 s TTFT target before it may preempt")
+    assert settings.preempt_wait_s(urgent, top_priority=0) == 0.0, "the most urgent class at once"
     assert preemption_target(urgent, view) == "r1", "the replica with the most less urgent running work"
     assert preemption_target(ticket("s", "standard", 100.0), view) == "r2", (
         "work as urgent as the ticket does not count")

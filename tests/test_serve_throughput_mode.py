@@ -25,7 +25,7 @@ import pytest
 from conftest import adapter_hits
 
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.serve.serve_mode import throughput_mode_env
+from lora_cluster.serve.serve_mode import private_throughput_mode, throughput_mode_env
 from lora_cluster.tenancy.tenants import hash_key
 
 KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-0123456789"
@@ -212,3 +212,14 @@ def test_the_environment_of_the_mode_and_of_a_private_haproxy(tmp_path):
     assert not ports & {"8404", "9101"}, f"HAProxy's side ports are not the machine-wide defaults: {ports}"
     with pytest.raises(ValueError, match="too long"):
         throughput_mode_env(tmp_path / "a-folder-whose-path-is-long")
+
+
+def test_private_throughput_mode_restores_the_environment(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    with private_throughput_mode() as folder:
+        assert os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1", "the mode is on inside the block"
+        socket_path = os.environ["RAY_SERVE_HAPROXY_SOCKET_PATH"]
+        assert socket_path.startswith(str(folder)), "HAProxy's files are private"
+        assert folder.is_dir(), "the private folder exists inside the block"
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ, "the environment is restored after it"
+    assert not folder.exists(), "the private folder is removed after it"

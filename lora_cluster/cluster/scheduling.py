@@ -102,13 +102,6 @@ def hit_window_s(ticket: Ticket, wait_fraction: float, aging_s: float) -> float:
     return aging_s if ticket.ttft_s is None else wait_fraction * ticket.ttft_s
 
 
-def should_preempt(ticket: Ticket, now: float, preempt_after_fraction: float) -> bool:
-    """Whether `ticket` has waited long enough, against its TTFT target, to preempt other work."""
-    if ticket.ttft_s is None:
-        return False
-    return now - ticket.enqueued_at >= preempt_after_fraction * ticket.ttft_s
-
-
 def holder_wait_until(ticket: Ticket, target: str, view: ClusterView, wait_fraction: float) -> float:
     """Until when a due ticket that would preempt at `target`, where its adapter is not held, should
     rather wait for a replica that holds it (to take it when room frees there, or to preempt there

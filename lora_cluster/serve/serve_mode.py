@@ -23,7 +23,12 @@ nothing from Ray, so that a caller can set them before Ray is imported.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 THROUGHPUT_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -53,6 +58,22 @@ def throughput_mode_env(private_dir: Path | None = None) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
             "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": "5",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
+@contextlib.contextmanager
+def private_throughput_mode() -> Iterator[Path]:
+    """This process's environment in throughput mode with a private HAProxy folder (a new temporary
+    one, yielded) for a Ray cluster it starts inside the block; the environment is restored and the
+    folder removed after it. Enter it before Ray starts (tests, benchmarks)."""
+    folder = Path(tempfile.mkdtemp(prefix="hap-"))
+    saved = dict(os.environ)
+    try:
+        os.environ.update(throughput_mode_env(folder))
+        yield folder
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _free_port() -> int:
