@@ -16,7 +16,7 @@ every path once, interleaved, so that load changes on a shared machine hit all p
 The router's overhead is `http - engine` (and `handle - async-engine` for the Ray hop alone).
 
 --serve-mode picks how Ray Serve runs the app: `default` (Serve's proxy actor on the port), or
-`throughput` (Ray Serve's throughput-optimized mode with HAProxy, `throughput_mode_env` in
+`throughput` (Ray Serve's throughput-optimized mode with HAProxy, `private_throughput_mode` in
 lora_cluster/serve/serve_mode.py, with HAProxy's files and side ports private to the run).
 --compare-modes N runs the whole benchmark 2N times in child processes, default and throughput in
 turn, each on a fresh Ray, and reports every run and the best run of each mode.
