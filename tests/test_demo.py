@@ -234,3 +234,16 @@ def test_base_size_has_about_100m_parameters() -> None:
         model = LlamaForCausalLM(demo.model_config("base", vocab))
     params = sum(p.numel() for p in model.parameters())
     assert 80e6 < params < 110e6, f"the base model has 80M-110M parameters, not {params}"
+
+
+def test_1b_size_has_llama_3_2_1b_decoder_dims() -> None:
+    from transformers import LlamaForCausalLM
+
+    config = demo.model_config("1b", 8000)
+    dims = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size)  # fmt: skip
+    assert dims == (2048, 16, 32, 8, 8192), f"Llama-3.2-1B's decoder dims, not {dims}"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.95e9 < params < 1.1e9, f"the 1b model has about 1.0B parameters, not {params}"
