@@ -322,10 +322,15 @@ async def _open_loop(base_url: str, qps: float, n: int) -> list[int | str]:
 
 def test_three_times_rated_qps_is_answered_without_hangs_or_5xx(http, server) -> None:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # rated: 8 clients, one per batch slot
-        start = time.monotonic()
-        rated = list(pool.map(lambda i: _complete(http, f"a{i % 4}"), range(32)))
-        rated_qps = len(rated) / (time.monotonic() - start)
-    assert all(r.status_code == 200 for r in rated), "at the rated load every request is served"
+        # the first pass warms the adapters and the paths up; a rate taken with it counted once in CI
+        # so low that 3x of it was all served. The faster of two timed passes is the rated load.
+        warm = list(pool.map(lambda i: _complete(http, f"a{i % 4}"), range(8)))
+        rated, rated_qps = [], 0.0
+        for _ in range(2):
+            start = time.monotonic()
+            rated += list(pool.map(lambda i: _complete(http, f"a{i % 4}"), range(32)))
+            rated_qps = max(rated_qps, 32 / (time.monotonic() - start))
+    assert all(r.status_code == 200 for r in warm + rated), "at the rated load every request is served"
     qps = 3 * rated_qps
     n = min(300, int(qps * 6))
     rounds, rss = [], [_ray_rss_mib()]
