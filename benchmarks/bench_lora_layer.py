@@ -63,7 +63,8 @@ def make_pool(num_slots: int, rank: int) -> AdapterPool:
 def time_variant(pool: AdapterPool, slots: list[int], decode_kernel: str, fused: bool, iters: int) -> float:
     """Least CPU seconds of one layer's LoRA (all projections) over the batch."""
     layer = LoraLayer(pool, get_lora_ops("cpu"), SPLITS, fused)
-    step = StepLoraPlan(slots, len(slots), pool.module_ranks, layer.groups, decode_kernel)
+    rows = {k: list(range(pool.num_slots)) for k in pool.rows}  # make_pool fills every slot's own row
+    step = StepLoraPlan(slots, len(slots), pool.module_ranks, rows, layer.groups, decode_kernel)
     lora = step.build(StepBuffers(torch.device("cpu")).pack(step.lists()))
     t = len(slots)
     x = torch.randn(t, HIDDEN)

@@ -21,7 +21,7 @@ from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.lora_layer import LoraLayer, fused_shrink, use_bgmv
 
-MIXES = ("distinct", "uniform", "zipf", "identical", "skewed")
+MIXES = ("distinct", "uniform", "zipf", "identical", "skewed", "pool-rows")
 N_SLOTS = 40  # the last slot is empty (rank 0)
 K, N = 40, 56
 
@@ -30,7 +30,12 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _slots(mix: str, n_tok: int, gen: torch.Generator) -> list[int]:
-    """Decode-like slots (one token per sequence, sorted by slot as the engine does; -1 = base)."""
+    """Decode-like slots (one token per sequence, sorted by slot as the engine does; -1 = base).
+    `pool-rows`: what the engine passes for one projection, the pool rows of distinct adapters in
+    slot order, which is not row order, and -1 for the adapters that do not target it."""
+    if mix == "pool-rows":
+        seq = torch.randperm(N_SLOTS - 1, generator=gen)[:n_tok]
+        return torch.where(torch.rand(n_tok, generator=gen) < 0.3, -1, seq).tolist()
     if mix == "distinct":
         seq = torch.randperm(N_SLOTS - 1, generator=gen)[:n_tok].tolist()
     elif mix == "uniform":
@@ -127,6 +132,25 @@ def test_layout_places_tokens_by_slot() -> None:
     assert slot_batch.slot_batch(build_lora_meta(torch.tensor([-1, -1]), [8]), "cpu") is None, (
         "a batch without adapter tokens has no layout"
     )
+
+
+def test_dense_layout_gathers_by_position() -> None:
+    """Pool rows 3, 1, 2, 0 for batch rows 1-4 (row 0 a base token): every position of the span is
+    filled, so the layout lists the batch row of each position and needs no padding."""
+    meta = build_lora_meta(torch.tensor([-1, 3, 1, 2, 0]), [8] * 4)
+    sb = slot_batch.slot_batch(meta, torch.device("cpu"))
+    assert (sb.lo, sb.span, sb.depth) == (0, 4, 1), f"rows 0..3, one token each: {sb}"
+    assert sb.pos is None and sb.rows.tolist() == [4, 2, 3, 1], "position i holds the token of pool row i"
+    assert sb.row_range is None, "the rows by position are not a slice of the batch"
+    gen = torch.Generator().manual_seed(5)
+    a, b = _pool(8, gen)
+    x, y = torch.randn(5, K, generator=gen), torch.randn(5, 8, generator=gen)
+    for op in ("shrink", "expand_add", "expand_set", "add_lora"):
+        want = torch.randn(5, 8 if op == "shrink" else N, generator=gen)
+        got = want.clone()
+        _run(ref, op, want, x, y, a, b, meta)
+        _run(cpu, op, got, x, y, a, b, meta, batched=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, op=op: f"dense {op}: {m}")
 
 
 def _decode_meta(slots: list[int], ranks: list[int]) -> tuple[LoraMeta, slot_batch.SlotBatch | None]:

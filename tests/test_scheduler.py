@@ -150,8 +150,9 @@ def test_pool_refcounts_lru_and_capacity():
     )
     s0 = pool.allocate(_weights("x", 2))
     assert pool.module_ranks == {"q_proj": [2, 0], "v_proj": [0, 0]}, "ranks per module and slot"
-    assert torch.equal(pool.b["q_proj"][0, s0, :, :2], torch.full((6, 2), 2.0)), "scaling is folded into B"
-    assert pool.b["q_proj"][0, s0, :, 2:].abs().sum() == 0, "columns past the rank are zero"
+    row = pool.rows["q_proj"][s0]
+    assert torch.equal(pool.b["q_proj"][0, row, :, :2], torch.full((6, 2), 2.0)), "scaling is folded into B"
+    assert pool.b["q_proj"][0, row, :, 2:].abs().sum() == 0, "columns past the rank are zero"
     x_slot = pool.acquire("x")
     now[0] = 1.0
     pool.allocate(_weights("y", 4))
@@ -196,10 +197,36 @@ def test_pool_reused_slot_clears_the_previous_adapters_rows():
     )
     pool.allocate(_weights("big", 4))
     assert pool.evict("big"), "precondition: an unreferenced adapter can be evicted"
-    slot = pool.allocate(_weights("small", 2))
-    assert pool.a["q_proj"][0, slot, 2:].abs().sum() == 0, "A rows of the previous adapter are cleared"
-    assert pool.b["q_proj"][0, slot, :, 2:].abs().sum() == 0, "B columns of the previous adapter are cleared"
-    assert pool.a["q_proj"][0, slot, :2].abs().sum() > 0, "the new adapter's rows are written"
+    row = pool.rows["q_proj"][pool.allocate(_weights("small", 2))]
+    assert pool.a["q_proj"][0, row, 2:].abs().sum() == 0, "A rows of the previous adapter are cleared"
+    assert pool.b["q_proj"][0, row, :, 2:].abs().sum() == 0, "B columns of the previous adapter are cleared"
+    assert pool.a["q_proj"][0, row, :2].abs().sum() > 0, "the new adapter's rows are written"
+
+
+def _targeting(aid: str, modules: tuple[str, ...], value: float) -> LoraWeights:
+    a = {(0, m): torch.full((2, 4), value) for m in modules}
+    b = {(0, m): torch.full((6, 2), value) for m in modules}
+    return LoraWeights(aid, 2, frozenset(modules), dict.fromkeys(modules, 1.0), a, b)
+
+
+def test_pool_gives_a_projections_rows_only_to_the_adapters_that_target_it():
+    """Rows per storage unit (docs/bench_decode.md): the adapters of a projection sit in its lowest
+    rows, so a batched matmul over them reads no other adapter's zero padding."""
+    shapes = ModelShapes(1, {m: (4, 6) for m in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    pool = AdapterPool(shapes, num_slots=4, max_rank=2, dtype=torch.float32, device=torch.device("cpu"))
+    qv = pool.allocate(_targeting("qv", ("q_proj", "v_proj"), 1.0))
+    o1 = pool.allocate(_targeting("o1", ("o_proj",), 2.0))
+    o2 = pool.allocate(_targeting("o2", ("o_proj",), 3.0))
+    assert (pool.rows["o_proj"][o1], pool.rows["o_proj"][o2]) == (0, 1), "o_proj's adapters take rows 0, 1"
+    assert pool.rows["o_proj"][qv] == -1, "an adapter has no row in a projection it does not target"
+    assert (pool.rows["q_proj"][o1], pool.rows["q_proj"][qv]) == (-1, 0), "q/k/v rows: q/v adapters only"
+    assert pool.rows["k_proj"] is pool.rows["qkv"], "the members of a fused group share the group's rows"
+    assert float(pool.a["o_proj"][0, 1, 0, 0]) == 3.0, "o2's weights are in its row, not in its slot"
+    assert pool.evict("o1"), "precondition: an unreferenced adapter can be evicted"
+    assert pool.rows["o_proj"][o1] == -1, "an evicted adapter's rows are freed"
+    o3 = pool.allocate(_targeting("o3", ("o_proj",), 4.0))
+    assert pool.rows["o_proj"][o3] == 0, "the lowest free row is reused"
+    assert float(pool.a["o_proj"][0, 0].abs().sum()) == 4.0 * 8, "the reused row holds only the new weights"
 
 
 def test_waiting_sequences_are_admitted_by_priority_then_arrival():

@@ -11,13 +11,15 @@ batch entry ``s - lo`` of a zero-padded [span, depth, K] input, ``k`` counting t
 before it and ``depth`` the most tokens any slot has.
 
 Costs and the policy (:func:`use_slot_batch`): the bmm reads the whole span's weights at the
-op's full width, also slots no token uses and projections an adapter does not target (their rows
-are zero in the pool, so results are unchanged), and computes ``span * depth`` rows; the loop reads
-only each segment's own rank rows but pays Python and dispatch per segment. Measured in the engine
-on the distinct-decode step (docs/bench_decode.md): a decode step's LoRA is bound by streaming
-the weights from memory, so the two cost about the same on one thread (the bmm reads ~2x the bytes
-of the demo zoo's adapters, the loop makes ~20x the calls), and the bmm is faster on two (it splits
-the batch over threads; the loop's small matmuls run on one). The policy takes it when segments are
+op's full width, also slots no token uses (and rank rows past an adapter's own, zero in the pool,
+so results are unchanged), and computes ``span * depth`` rows; the loop reads only each segment's
+own rank rows but pays Python and dispatch per segment. The engine's pool gives each projection's
+rows only to the adapters that target it (``AdapterPool.rows``, passed here as the "slots"), so a
+span does not cover adapters that skip the projection. Measured in the engine on the
+distinct-decode step (docs/bench_decode.md): a decode step's LoRA is bound by streaming the
+weights from memory and by the per-op gathers, scatters and Python around them; the bmm is faster
+than the loop (~20x its calls), most on two threads (it splits the batch over threads; the loop's
+small matmuls run on one). The policy takes it when segments are
 many and short, the layout dense: at least ``MIN_SEGMENTS`` adapter segments with a non-zero rank,
 at most ``MAX_MEAN_RUN`` tokens per segment (longer runs: the loop's matmuls get rows to amortise
 their calls, measured as fast from 4 on), at most ``MAX_SPAN_PER_SEGMENT`` slots read per such
@@ -55,9 +57,12 @@ class SlotBatch:
 
     ``rows`` [n] are the batch rows of the adapter tokens (slot >= 0) and ``pos`` [n] their flat
     index ``(slot - lo) * depth + k`` in the layout; both None when the layout is the batch itself
-    (every row an adapter token, row ``i`` of slot ``lo + i``): then no copy is made at all.
-    ``row_range`` is (first, end) when ``rows`` are consecutive (the engine puts base rows, slot -1,
-    first), so that results are written through a slice instead of a scatter.
+    (every row an adapter token, row ``i`` of slot ``lo + i``): then no copy is made at all. When
+    the layout is dense (every position holds a token: ``span * depth == n``), ``pos`` is None and
+    ``rows`` lists the batch row at each position, so the padded input is one gather and results
+    come back in ``rows`` order without a reordering copy. ``row_range`` is (first, end) when
+    ``rows`` are consecutive ascending rows (the engine puts base rows, slot -1, first), so that
+    results are written through a slice instead of a scatter.
     """
 
     lo: int
@@ -91,10 +96,16 @@ def _layout(seg_slot: tuple[int, ...], seg_len: tuple[int, ...], device: torch.d
         ks.append(filled[i])
         filled[i] += 1
     depth = max(filled)
-    pos = [i * depth + k for i, k in zip(slot_of_row, ks, strict=True)]
+    pos: list[int] | None = [i * depth + k for i, k in zip(slot_of_row, ks, strict=True)]
+    if span * depth == len(rows):  # dense: list the rows by position instead
+        by_pos = [0] * len(rows)
+        for r, p in zip(rows, pos, strict=True):
+            by_pos[p] = r
+        rows, pos = by_pos, None
     as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
-    row_range = (rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else None
-    return SlotBatch(lo, span, depth, len(rows), as_tensor(rows), as_tensor(pos), row_range)
+    row_range = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+    pos_t = None if pos is None else as_tensor(pos)
+    return SlotBatch(lo, span, depth, len(rows), as_tensor(rows), pos_t, row_range)
 
 
 def slot_batch(meta: LoraMeta, device: torch.device) -> SlotBatch | None:
@@ -125,6 +136,10 @@ def _padded(sb: SlotBatch, v: Tensor) -> Tensor:
     loop of small matmuls, several times slower)."""
     if sb.rows is None:
         return v.contiguous().unsqueeze(1)
+    if sb.pos is None:  # dense
+        if sb.row_range:
+            return v[sb.row_range[0] : sb.row_range[1]].contiguous().view(sb.span, sb.depth, v.shape[1])
+        return v.index_select(0, sb.rows).view(sb.span, sb.depth, v.shape[1])
     padded = v.new_zeros(sb.span * sb.depth, v.shape[1])
     src = v[sb.row_range[0] : sb.row_range[1]] if sb.row_range else v.index_select(0, sb.rows)
     padded.index_copy_(0, sb.pos, src)
@@ -150,7 +165,7 @@ def _write(out: Tensor, sb: SlotBatch, d: Tensor, add: bool) -> None:
 def _unpadded(sb: SlotBatch, p: Tensor) -> Tensor:
     """[n, C] rows of the layout ``p`` [span, depth, C] of the adapter tokens, in ``sb.rows`` order."""
     flat = p.view(sb.span * sb.depth, p.shape[2])
-    return flat if sb.rows is None else flat.index_select(0, sb.pos)
+    return flat if sb.pos is None else flat.index_select(0, sb.pos)
 
 
 def shrink(out: Tensor, x: Tensor, lora_a: Tensor, sb: SlotBatch, scale: float = 1.0) -> None:

@@ -1,10 +1,15 @@
 """Device-resident adapter slots, allocated once at start with fixed addresses.
 
-For each projection `m`, `a[m]` is [num_layers, num_slots, max_rank, in_features] and `b[m]` is
-[num_layers, num_slots, out_features, max_rank] (a transposed view, see below). Loading an adapter
-copies its weights into a slot (scaling folded into B, rows/columns past its rank and projections
-it does not target zeroed); nothing is allocated per switch, so the tensors the forward pass reads
-never move.
+For each projection `m`, `a[m]` is [num_layers, num_slots rows, max_rank, in_features] and `b[m]`
+is [num_layers, num_slots rows, out_features, max_rank] (a transposed view, see below), indexed by *row*,
+not by slot: `rows[m][slot]` is the row of the slot's adapter in m's tensors, -1 when the adapter
+does not target m. Each storage unit (a fused group, whose members share one stacked A, or a single
+projection) gives rows only to the adapters that target it, the lowest free row first, so the
+adapters of a projection sit in few consecutive rows and a batched matmul over a span of rows reads
+no other adapter's zero padding (`lora_kernels.slot_batch`: the demo zoo's adapters target 2 to 7
+of the 7 projections; docs/bench_decode.md). Loading an adapter copies its weights into its rows
+(scaling folded into B, rows/columns past its rank zeroed); nothing is allocated per switch, so the
+tensors the forward pass reads never move.
 
 Invariants: a slot holds at most one adapter version; an adapter id maps to at most one slot (its
 current version); a slot with references (running sequences) is never overwritten; eviction picks
@@ -46,8 +51,8 @@ class AdapterPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.policy = policy
         n = shapes.num_layers
-        # Fused groups (q/k/v, gate/up: one input) store A rank-major, [layers, slots, rank, member, in]:
-        # `a_fused[g]` [layers, slots, rank * members, in] has the ranks < r of every member in its first
+        # Fused groups (q/k/v, gate/up: one input) store A rank-major, [layers, rows, rank, member, in]:
+        # `a_fused[g]` [layers, rows, rank * members, in] has the ranks < r of every member in its first
         # members * r rows (one shrink for the group, see engine.lora_layer); `a[m]` is member m's view.
         self.groups = {
             g: ms for g, ms in FUSED_GROUPS.items()
@@ -63,7 +68,16 @@ class AdapterPool:
         for m, (i, _) in shapes.modules.items():
             if m not in self.a:
                 self.a[m] = torch.zeros((n, num_slots, max_rank, i), dtype=dtype, device=device)
-        # B is stored [layers, slots, max_rank, out] and exposed transposed: a slot's [r, out] block is
+        grouped = {m for ms in self.groups.values() for m in ms}
+        self.units = {**self.groups, **{m: (m,) for m in shapes.modules if m not in grouped}}
+        # projection or group -> row of each slot (-1: none); the members of a unit share one list
+        self.rows: dict[str, list[int]] = {}
+        self._row_slot: dict[str, list[int]] = {}  # unit -> slot of each row (-1: free)
+        for u, ms in self.units.items():
+            self._row_slot[u] = [-1] * num_slots
+            shared = [-1] * num_slots
+            self.rows.update({k: shared for k in (u, *ms)})
+        # B is stored [layers, rows, max_rank, out] and exposed transposed: a row's [r, out] block is
         # then contiguous, which makes the expand GEMM's weight a plain (non-transposed) operand.
         self.b = {
             m: torch.zeros((n, num_slots, max_rank, o), dtype=dtype, device=device).mT
@@ -71,8 +85,8 @@ class AdapterPool:
         }
         # module -> rank of that projection in each slot (0: not targeted / empty)
         self.module_ranks = {m: [0] * num_slots for m in shapes.modules}
-        # module -> rank rows that may be non-zero in each slot (>= module_ranks; an evicted adapter's
-        # rows stay until the slot is reused, and only they are cleared then)
+        # module -> rank rows that may be non-zero in each row of its tensors (an evicted adapter's rows
+        # stay until the row is reused, and only they are cleared then)
         self._written = {m: [0] * num_slots for m in shapes.modules}
         self._owner: list[str | None] = [None] * num_slots  # current or retired adapter of each slot
         self._version = [0] * num_slots
@@ -140,6 +154,12 @@ class AdapterPool:
                 self.policy.on_device(old, False)
         for m in self.module_ranks:
             self.module_ranks[m][slot] = 0
+        self._free_rows(slot)
+        for u, ms in self.units.items():
+            if any(weights.module_rank(m) for m in ms):
+                row = self._row_slot[u].index(-1)  # a unit has a row per slot: one is free
+                self._row_slot[u][row] = slot
+                self.rows[u][slot] = row
         self._owner[slot] = weights.adapter_id
         self._version[slot] = weights.version
         self._retired[slot] = False
@@ -149,21 +169,26 @@ class AdapterPool:
         return slot
 
     def write(self, slot: int, weights: LoraWeights) -> None:
-        """Copy `weights` into a slot reserved for them; touches no other slot (safe on a copy thread
-        while a forward pass reads the others)."""
+        """Copy `weights` into the rows of a slot reserved for them; touches no other slot's rows (safe
+        on a copy thread while a forward pass reads the others)."""
         for m in self.a:
-            stale, rank = self._written[m][slot], weights.module_rank(m)
-            self._written[m][slot] = max(stale, rank)
+            row = self.rows[m][slot]
+            if row < 0:
+                continue
+            stale, rank = self._written[m][row], weights.module_rank(m)
+            self._written[m][row] = max(stale, rank)
             if stale:
-                self.a[m][:, slot, :stale].zero_()
-                self.b[m][:, slot, :, :stale].zero_()
+                self.a[m][:, row, :stale].zero_()
+                self.b[m][:, row, :, :stale].zero_()
         for (layer, m), wa in weights.a.items():
-            r, scaling = wa.shape[0], weights.scaling[m]
+            r, scaling, row = wa.shape[0], weights.scaling[m], self.rows[m][slot]
             wb = weights.b[(layer, m)]
-            self.a[m][layer, slot, :r].copy_(wa, non_blocking=True)
-            self.b[m][layer, slot, :, :r].copy_(wb * scaling if scaling != 1 else wb, non_blocking=True)
+            self.a[m][layer, row, :r].copy_(wa, non_blocking=True)
+            self.b[m][layer, row, :, :r].copy_(wb * scaling if scaling != 1 else wb, non_blocking=True)
         for m in self.a:
-            self._written[m][slot] = weights.module_rank(m)
+            row = self.rows[m][slot]
+            if row >= 0:
+                self._written[m][row] = weights.module_rank(m)
 
     def commit(self, slot: int, weights: LoraWeights) -> None:
         """The copy into a reserved slot is complete: its ranks go live and the copy's reference is
@@ -215,6 +240,15 @@ class AdapterPool:
         self._retired[slot] = False
         for m in self.module_ranks:
             self.module_ranks[m][slot] = 0
+        self._free_rows(slot)
+
+    def _free_rows(self, slot: int) -> None:
+        """Return the slot's rows to their units (their stale contents are cleared on reuse)."""
+        for u in self.units:
+            row = self.rows[u][slot]
+            if row >= 0:
+                self._row_slot[u][row] = -1
+                self.rows[u][slot] = -1
 
     def evict(self, adapter_id: str) -> bool:
         """Drop an unreferenced adapter from its slot; False when it is in use or not resident."""

@@ -65,6 +65,7 @@ def build_step_batch(
     module_ranks: dict[str, list[int]],
     device: torch.device,
     *,
+    rows: dict[str, list[int]],
     kv_blocks: BlockAllocator,
     buffers: StepBuffers | None = None,
     groups: dict[str, tuple[str, ...]] | None = None,
@@ -73,7 +74,8 @@ def build_step_batch(
 ) -> StepBatch:
     """Lay out the step's tokens (see module docstring) and derive every index the forward needs.
 
-    `groups`: fused LoRA groups (the pool's, when the engine fuses shrinks); `decode_kernel` and
+    `rows`: the pool row of each slot per projection and group (`AdapterPool.rows`); `groups`: fused
+    LoRA groups (the pool's, when the engine fuses shrinks); `decode_kernel` and
     `ops_name` (the LoRA ops implementation) choose the path of decode rows (`lora_layer.use_bgmv`)."""
     work = [(s, 1, True) for s in decodes] + [(s, n, False) for s, n in prefills]
     work.sort(key=lambda item: (not item[2], item[0].lora_slot))
@@ -108,7 +110,9 @@ def build_step_batch(
         if first + n == seq.num_tokens:  # the chunk reaches the sequence's end: sample its next token
             sample_rows.append(len(ids) - 1)
             sampled.append(seq)
-    lora = StepLoraPlan(lora_slots, len(decode_lens), module_ranks, groups or {}, decode_kernel, ops_name)
+    lora = StepLoraPlan(
+        lora_slots, len(decode_lens), module_ranks, rows, groups or {}, decode_kernel, ops_name
+    )
     width = max((len(t) for t in decode_tables), default=0)
     flat_tables = [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]
     lists = [ids, positions, kv_index, decode_lens, flat_tables, sample_rows, *(b for b, *_ in spans)]

@@ -355,7 +355,7 @@ class Engine:
                 time.sleep(BREAKER_WAIT_S)
             return outputs
         batch = build_step_batch(
-            plan.decodes, plan.prefills, self.pool.module_ranks, self.device,
+            plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
             kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
             decode_kernel=self.config.lora_decode_kernel, ops_name=self.runner.ops.name,
         )  # fmt: skip

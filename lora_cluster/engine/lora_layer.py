@@ -1,6 +1,10 @@
 """The engine's LoRA layer: which kernel path each token takes, and the fused shrinks.
 
-Per step (`plan_step_lora`, host-side, no device reads):
+Per step (`StepLoraPlan`, host-side, no device reads):
+* Every index handed to the ops is a row of the projection's pool tensors (`AdapterPool.rows`: the
+  adapters that target a projection hold its lowest rows), -1 for tokens whose adapter does not
+  target it, which the ops treat as base tokens; so each projection's segments, and the span of rows
+  a batched CPU matmul reads, cover only the adapters that target it.
 * Decode tokens come first in the batch (see `engine.batch`). When `decode_kernel` says so, they
   go through the gathered BGMV path (one launch over per-token weights instead of one matmul per
   adapter segment); the remaining rows (prefill chunks, or every row when BGMV is off) go through
@@ -8,7 +12,7 @@ Per step (`plan_step_lora`, host-side, no device reads):
   token's weights in place, when the decode tokens' adapter runs are short; SGMV with the CPU ops,
   whose BGMV must copy the gathered weights: measured slower there for every mix, 0.6-0.7x with 32
   distinct adapters (benchmarks/bench_lora_layer.py, docs/bench_lora_layer.md). The CPU SGMV ops
-  themselves run many short segments as one bmm over the pool's slots read in place
+  themselves run many short segments as one bmm over the pool's rows read in place
   (`lora_kernels.slot_batch`; docs/bench_decode.md).
 * Fused groups (q/k/v, gate/up) share one shrink over stacked A (the pool stores A rank-major,
   [rank, group member, in], so the first G*r rows are ranks < r of all members): the shrink
@@ -57,12 +61,14 @@ def use_bgmv(mode: str, decode_slots: Sequence[int], ops_name: str = "triton") -
 
 @dataclass(frozen=True)
 class StepLora:
-    """LoRA metadata of one step: rows [0, bgmv_rows) by BGMV, rows [bgmv_rows, T) by SGMV."""
+    """LoRA metadata of one step: rows [0, bgmv_rows) by BGMV, rows [bgmv_rows, T) by SGMV. Its
+    indices are rows of each projection's pool tensors (`AdapterPool.rows`), -1 where a token's
+    adapter does not target the projection (or it has none)."""
 
     bgmv_rows: int
-    token_slot: torch.Tensor  # [bgmv_rows] slot of each BGMV row (-1 = base)
+    token_row: dict[str, torch.Tensor]  # projection or group -> [bgmv_rows] pool row of each BGMV row
     bgmv_rank: dict[str, int]  # projection or group -> width of its BGMV shrink (0 = skip)
-    metas: dict[str, LoraMeta]  # projection or group -> segments of rows [bgmv_rows, T)
+    metas: dict[str, LoraMeta]  # projection or group -> segments of rows [bgmv_rows, T) (pool rows)
 
 
 def seg_ranks(key: str, seg_slots: Sequence[int], module_ranks: dict[str, list[int]],
@@ -81,38 +87,58 @@ def runs_of(slots: Sequence[int]) -> tuple[list[int], list[int]]:
     return [s for s, _ in pairs], [n for _, n in pairs]
 
 
+def pool_rows(slots: Sequence[int], ranks: Sequence[int], rows: Sequence[int]) -> list[int]:
+    """The pool row of each slot for one projection (`rows`: slot -> row), -1 where its rank is 0."""
+    return [rows[s] if r else -1 for s, r in zip(slots, ranks, strict=True)]
+
+
 class StepLoraPlan:
     """The host side of a step's `StepLora`: its index lists (`lists`, packed by the caller into
-    device tensors) and `build`, which wraps the packed tensors."""
+    device tensors) and `build`, which wraps the packed tensors. `rows` maps each projection and
+    group to the pool row of each slot (`AdapterPool.rows`)."""
 
     def __init__(self, token_slots: Sequence[int], num_decodes: int, module_ranks: dict[str, list[int]],
-                 groups: dict[str, tuple[str, ...]], mode: str, ops_name: str = "triton"):  # fmt: skip
+                 rows: dict[str, list[int]], groups: dict[str, tuple[str, ...]], mode: str,
+                 ops_name: str = "triton"):  # fmt: skip
         d = num_decodes if use_bgmv(mode, token_slots[:num_decodes], ops_name) else 0
         self.bgmv_rows = d
-        self.bgmv_slots, rest = list(token_slots[:d]), list(token_slots[d:])
-        keys = [*module_ranks, *groups]
-        used = sorted({s for s in self.bgmv_slots if s >= 0})
-        self.bgmv_rank = {k: max(seg_ranks(k, used, module_ranks, groups), default=0) for k in keys}
-        self.rest_slots = rest
-        self.seg_slot, self.seg_len = runs_of(rest)
+        bgmv_slots, rest = list(token_slots[:d]), list(token_slots[d:])
+        self.keys = [*module_ranks, *groups]
+        used = sorted({s for s in bgmv_slots if s >= 0})
+        self.bgmv_rank = {k: max(seg_ranks(k, used, module_ranks, groups), default=0) for k in self.keys}
+        self.token_row = {
+            k: pool_rows(bgmv_slots, seg_ranks(k, bgmv_slots, module_ranks, groups), rows[k])
+            for k in self.keys
+        }
+        seg_slot, self.seg_len = runs_of(rest)
         self.indptr = [0, *itertools.accumulate(self.seg_len)]
-        self.ranks = {k: seg_ranks(k, self.seg_slot, module_ranks, groups) for k in keys}
+        self.ranks = {k: seg_ranks(k, seg_slot, module_ranks, groups) for k in self.keys}
+        self.seg_row = {k: pool_rows(seg_slot, self.ranks[k], rows[k]) for k in self.keys}
+
+    def _rest_rows(self, key: str) -> list[int]:
+        """The pool row of each SGMV token for `key`."""
+        pairs = zip(self.seg_row[key], self.seg_len, strict=True)
+        return list(itertools.chain.from_iterable([r] * n for r, n in pairs))
 
     def lists(self) -> list[list[int]]:
-        return [self.bgmv_slots, self.rest_slots, self.indptr, self.seg_slot, *self.ranks.values()]
+        return [*self.token_row.values(), *(self._rest_rows(k) for k in self.keys), self.indptr,
+                *self.seg_row.values(), *self.ranks.values()]  # fmt: skip
 
     def build(self, tensors: Sequence[torch.Tensor]) -> StepLora:
-        bgmv_slot, rest_slot, indptr, seg_slot, *ranks = tensors
+        n = len(self.keys)
+        token_row, rest_row = tensors[:n], tensors[n : 2 * n]
+        indptr, seg_row, ranks = tensors[2 * n], tensors[2 * n + 1 : 3 * n + 1], tensors[3 * n + 1 :]
         common = {
-            "token_slot": rest_slot, "seg_indptr": indptr, "seg_slot": seg_slot,
-            "seg_indptr_list": tuple(self.indptr), "seg_slot_list": tuple(self.seg_slot),
-            "seg_len_list": tuple(self.seg_len), "max_seg_len": max(self.seg_len, default=0),
+            "seg_indptr": indptr, "seg_indptr_list": tuple(self.indptr), "seg_len_list": tuple(self.seg_len),
+            "max_seg_len": max(self.seg_len, default=0),
         }  # fmt: skip
         metas = {
-            k: LoraMeta(seg_rank=t, seg_rank_list=tuple(r), max_rank=max(r, default=0), **common)
-            for (k, r), t in zip(self.ranks.items(), ranks, strict=True)
-        }
-        return StepLora(self.bgmv_rows, bgmv_slot, self.bgmv_rank, metas)
+            k: LoraMeta(token_slot=rest_row[i], seg_slot=seg_row[i], seg_slot_list=tuple(self.seg_row[k]),
+                        seg_rank=ranks[i], seg_rank_list=tuple(self.ranks[k]),
+                        max_rank=max(self.ranks[k], default=0), **common)
+            for i, k in enumerate(self.keys)
+        }  # fmt: skip
+        return StepLora(self.bgmv_rows, dict(zip(self.keys, token_row, strict=True)), self.bgmv_rank, metas)
 
 
 class LoraLayer:
@@ -152,8 +178,8 @@ class LoraLayer:
         r = step.bgmv_rank.get(m, 0)
         if r:
             h = self._buffer(d, r, x)
-            self.ops.bgmv_shrink(h, x[:d], a, step.token_slot)
-            self.ops.bgmv_expand(out[:d], h, b, step.token_slot, add=True)
+            self.ops.bgmv_shrink(h, x[:d], a, step.token_row[m])
+            self.ops.bgmv_expand(out[:d], h, b, step.token_row[m], add=True)
         meta = step.metas[m]
         if meta.max_rank:
             self.ops.add_lora(out[d:], x[d:], a, b, meta)
@@ -165,11 +191,11 @@ class LoraLayer:
         width = step.bgmv_rank.get(g, 0)
         if width:
             h = self._buffer(d, width, x)
-            self.ops.bgmv_shrink(h, x[:d], a, step.token_slot)
+            self.ops.bgmv_shrink(h, x[:d], a, step.token_row[g])
             for j, (m, lo, hi) in enumerate(members):
                 if step.bgmv_rank[m]:
                     b = self.pool.b[m][layer]
-                    self.ops.bgmv_expand(out[:d, lo:hi], h[:, j::n], b, step.token_slot)
+                    self.ops.bgmv_expand(out[:d, lo:hi], h[:, j::n], b, step.token_row[m])
         meta = step.metas[g]
         if meta.max_rank:
             h = self._buffer(x.shape[0] - d, meta.max_rank, x)
