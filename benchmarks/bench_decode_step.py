@@ -9,7 +9,9 @@ batch again and again, alternating the variants, keeping each one's least wall t
 process CPU time over `--reps` (on a shared machine, the run other jobs disturbed least).
 Variants: `base` (the base-model batch), and for the adapter batch the LoRA layer fused (one shrink
 for q/k/v and for gate/up) or unfused, with the CPU ops' segment loop (`loop`), their slot-batched
-path (`batched`, lora_kernels.slot_batch) or their own choice (`auto`, the engine's default).
+torch path (`batched`, lora_kernels.slot_batch), their own choice (`auto`, the engine's default:
+decode-like batches of the unfused layer through the C++ kernel of lora_kernels.native) or that
+choice without the C++ kernel (`torch`, as with `lora_cpu_native: false`).
 
 On CUDA the LoRA path is the Triton kernels', and the variants are fused or unfused with the decode
 tokens through gathered BGMV (`bgmv`, the engine's choice for distinct adapters) or one SGMV
@@ -55,12 +57,13 @@ ADAPTERS = [f"a{i}" for i in range(0, 96, 3)]  # the demo zoo's 32 rank-8 adapte
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def forced(ops: LoraOps, batched: bool | None) -> LoraOps:
-    """The CPU ops with the slot-batched path forced on (True), off (False) or left to them (None)."""
+def forced(ops: LoraOps, batched: bool | None, native: bool) -> LoraOps:
+    """The CPU ops with the slot-batched path forced on (True), off (False) or left to them (None),
+    and `add_lora`'s C++ kernel allowed or not."""
     return dataclasses.replace(
         ops, sgmv_shrink=functools.partial(cpu.sgmv_shrink, batched=batched),
         sgmv_expand=functools.partial(cpu.sgmv_expand, batched=batched),
-        add_lora=functools.partial(cpu.add_lora, batched=batched),
+        add_lora=functools.partial(cpu.add_lora, batched=batched, native=native),
     )  # fmt: skip
 
 
@@ -139,8 +142,9 @@ def measure(engine: Engine, reps: int, iters: int) -> dict[str, tuple[float, flo
                 batch = decode_batch(engine, prompts, ADAPTERS, layer, kernel)
                 variants[f"{prefix}, {kernel}"] = (layer, batch)
             continue
-        for path, batched in (("auto", None), ("loop", False), ("batched", True)):
-            layer = LoraLayer(engine.pool, forced(runner.ops, batched), splits, fused)
+        for path, batched, native in (("auto", None, True), ("torch", None, False), ("loop", False, False),
+                                      ("batched", True, False)):  # fmt: skip
+            layer = LoraLayer(engine.pool, forced(runner.ops, batched, native), splits, fused)
             variants[f"{prefix}, {path}"] = (layer, decode_batch(engine, prompts, ADAPTERS, layer, "auto"))
     best = dict.fromkeys(variants, (float("inf"), float("inf")))
     device = engine.device

@@ -138,6 +138,11 @@ class EngineConfig(BaseSettings):
         None, description="One LoRA shrink for q/k/v and one for gate/up over stacked A weights. Default: "
         "on with the Triton kernels (fewer launches), off with the CPU ops (measured 3-5% faster there)."
     )
+    lora_cpu_native: bool = Field(
+        True, description="With the CPU ops, build (once, ~30 s, cached by torch under TORCH_EXTENSIONS_DIR) "
+        "and use a C++ kernel for decode-like LoRA batches (each token's adapter weights read in place); "
+        "without a C++ compiler the engine logs why and keeps the torch ops. Results are the same."
+    )
 
     @field_validator("kv_block_size")
     @classmethod

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from lora_kernels import LoraMeta, build_lora_meta, cpu, get_lora_ops, slot_batch
+from lora_kernels import LoraMeta, build_lora_meta, cpu, get_lora_ops, native, slot_batch
 from lora_kernels import reference as ref
 from torch import Tensor
 
@@ -61,7 +61,7 @@ def _ranks(max_rank: int) -> list[int]:
 def _pool(max_rank: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """lora_a [L, R, K], lora_b [L, N, R], zero beyond each slot's rank (the pool's invariant)."""
     a = torch.randn(N_SLOTS, max_rank, K, generator=gen) / K**0.5
-    b = torch.randn(N_SLOTS, N, max_rank, generator=gen)
+    b = torch.randn(N_SLOTS, max_rank, N, generator=gen).mT  # stored rank-major, as the engine's pool
     for s, r in enumerate(_ranks(max_rank)):
         a[s, r:], b[s, :, r:] = 0, 0
     return a, b
@@ -77,6 +77,8 @@ def _run(
         ops_mod.sgmv_expand(out, y, b, meta, add=True, **kw)
     elif op == "expand_set":
         ops_mod.sgmv_expand(out, y, b, meta, add=False, **kw)
+    elif ops_mod is cpu:  # the torch paths (lora_kernels.native has its own tests)
+        ops_mod.add_lora(out, x, a, b, meta, native=False, **kw)
     else:
         ops_mod.add_lora(out, x, a, b, meta, **kw)
     return out
@@ -208,13 +210,16 @@ def _step_logits(engine: Engine, layer: LoraLayer | None = None) -> tuple[list[T
 
 
 def test_engine_batched_decode_gives_the_loop_logits(demo_model_dir: Path, demo_adapters_dir: Path) -> None:
-    """The engine's default (decode steps of distinct adapters slot-batched) against the same engine
-    whose CPU ops always loop over segments: the same logits at every step."""
-    def engine() -> Engine:
+    """The engine's default (decode steps of distinct adapters through the native kernel), the same
+    without it (`lora_cpu_native: false`: slot-batched torch ops) and the same engine whose CPU ops
+    always loop over segments: the same logits at every step."""
+    def engine(**kw: bool) -> Engine:
         return Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=10,
-                      max_lora_rank=32, max_num_seqs=16)  # fmt: skip
+                      max_lora_rank=32, max_num_seqs=16, **kw)  # fmt: skip
 
     default, took = _step_logits(engine())
+    assert native.loaded(), f"the engine built the native kernel: {native.load_error()}"
+    torch_ops, _ = _step_logits(engine(lora_cpu_native=False))
     loop_engine = engine()
     dims = loop_engine.model.dims
     kv = dims.q_dim + dims.kv_dim
@@ -230,8 +235,9 @@ def test_engine_batched_decode_gives_the_loop_logits(demo_model_dir: Path, demo_
     loop, _ = _step_logits(loop_engine, LoraLayer(loop_engine.pool, loop_ops, splits, fused=False))
     assert took[0] is False and all(took[1:]), f"prefill: the loop; decode steps: batched, got {took}"
     assert len(default) == len(loop), "the same steps ran"
-    for i, (a, b) in enumerate(zip(default, loop, strict=True)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+    for i, (a, b, c) in enumerate(zip(default, loop, torch_ops, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"native, step {i}: {m}")
+        torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"batched, step {i}: {m}")
 
 
 def test_policy_counts_the_segments_of_the_op() -> None:
@@ -259,3 +265,45 @@ def test_cpu_engine_runs_unfused_by_default(demo_model_dir: Path, demo_adapters_
     engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2)
     assert engine.runner.ops.name == "cpu", "a CPU engine uses the cpu ops"
     assert engine.runner.lora.groups == {}, "a CPU engine's LoRA layer runs one shrink per projection"
+
+
+@pytest.fixture(scope="module")
+def native_kernel() -> None:
+    assert native.load(), f"the native CPU LoRA kernel builds here (g++ and ninja): {native.load_error()}"
+
+
+@pytest.mark.parametrize("max_rank", [8, 16])
+@pytest.mark.parametrize("n_tok", [1, 5, 32])
+@pytest.mark.parametrize("mix", MIXES)
+def test_native_add_lora_matches_reference(native_kernel: None, mix: str, n_tok: int, max_rank: int) -> None:
+    """lora_kernels.native.add_lora against the reference, `out` a strided column slice, both straight
+    and through the cpu ops' policy (which hands it decode-like batches)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("native", mix, n_tok, max_rank)).encode()))
+    a, b = _pool(max_rank, gen)
+    meta = build_lora_meta(torch.tensor(_slots(mix, n_tok, gen)), _ranks(max_rank))
+    x = torch.randn(n_tok, K, generator=gen)
+    big = torch.randn(n_tok, N + 9, generator=gen)
+    want, got, via_cpu = big.clone(), big.clone(), big.clone()
+    ref.add_lora(want[:, 4 : 4 + N], x, a, b, meta)
+    native.add_lora(got[:, 4 : 4 + N], x, a, b, meta)
+    cpu.add_lora(via_cpu[:, 4 : 4 + N], x, a, b, meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"native on {mix}: {m}")
+    torch.testing.assert_close(via_cpu, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"cpu ops on {mix}: {m}")
+
+
+def test_native_kernel_takes_float32_with_unit_last_stride_only(native_kernel: None) -> None:
+    """Other tensors stay on the torch paths (same results); the kernel itself refuses them."""
+    gen = torch.Generator().manual_seed(9)
+    a, b = _pool(8, gen)
+    meta = build_lora_meta(torch.tensor(list(range(32))), _ranks(8))
+    x = torch.randn(32, K, generator=gen)
+    assert native.supports(torch.zeros(32, N), x, a, b), "float32, unit last strides: taken"
+    assert not native.supports(torch.zeros(32, N, dtype=torch.bfloat16), x.bfloat16(), a.bfloat16(),
+                               b.bfloat16()), "bfloat16: the torch ops"  # fmt: skip
+    assert not native.supports(torch.zeros(N, 32).T, x, a, b), "a transposed out: the torch ops"
+    want, got = torch.zeros(N, 32).T, torch.zeros(N, 32).T
+    ref.add_lora(want, x, a, b, meta)
+    cpu.add_lora(got, x, a, b, meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"transposed out: {m}")
+    with pytest.raises(RuntimeError, match="unit last stride"):
+        native.add_lora(torch.zeros(N, 32).T, x, a, b, meta)

@@ -30,8 +30,9 @@ the decode rows of a step when it takes the gathered path (Triton; see ``use_bgm
 ``paged_attention`` / ``triton_paged``: decode attention over the engine's paged KV cache.
 
 Implementations: ``reference`` (plain torch, float32, slow), ``cpu`` (per-segment BLAS, or one
-``bmm`` over the pool's slots in place for many short segments, see ``slot_batch``; BGMV as
-batched matmuls over gathered weights), ``triton`` (GPU kernels; CPU tensors only under
+``bmm`` over the pool's slots in place for many short segments, see ``slot_batch``, whose
+``add_lora`` batches go to the C++ kernel of ``native`` once it is built; BGMV as batched matmuls
+over gathered weights), ``triton`` (GPU kernels; CPU tensors only under
 ``TRITON_INTERPRET=1``). ``auto`` picks triton on a CUDA device when triton is importable, else cpu.
 """
 

@@ -20,6 +20,9 @@ Same signatures, shapes and semantics as :mod:`lora_kernels.reference` (see ther
   (one ``bmm`` over the pool's slots in place instead of the segment loop) when its policy says it
   pays: many short segments, as a decode step of many distinct adapters has. ``batched=True`` /
   ``False`` forces a path (tests, benchmarks); results are the same either way.
+* ``add_lora`` runs those batches through the C++ kernel of :mod:`lora_kernels.native` instead,
+  once ``native.load()`` has built it (the engine does at start) and it takes the tensors;
+  ``native=False`` keeps the torch path (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import native as native_kernel
 from . import slot_batch
 from .meta import LoraMeta
 
@@ -142,7 +146,8 @@ def sgmv_expand(
 
 
 def add_lora(
-    out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta, *, batched: bool | None = None
+    out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta, *, batched: bool | None = None,
+    native: bool = True,
 ) -> None:
     """out[T, N] += (x[T, K] @ lora_a[s].T) @ lora_b[s].T per token with s >= 0; base rows untouched.
 
@@ -155,7 +160,10 @@ def add_lora(
         return
     sb = _batch(meta, x, batched)
     if sb is not None:
-        slot_batch.add_lora(out, x, lora_a, lora_b, sb, max_rank)
+        if native and native_kernel.supports(out, x, lora_a, lora_b):
+            native_kernel.add_lora(out, x, lora_a, lora_b, meta)
+        else:
+            slot_batch.add_lora(out, x, lora_a, lora_b, sb, max_rank)
         return
     lens = meta.seg_len_list
     buf = torch.empty(x.shape[0], max_rank, dtype=x.dtype, device=x.device)

@@ -22,6 +22,8 @@ of looping on a broken device.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 from lora_kernels import get_lora_ops
+from lora_kernels import native as native_kernel
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
@@ -164,6 +167,11 @@ class Engine:
             counters=self.counters,
         )
         ops = get_lora_ops(config.kernel, self.device)
+        if ops.name == "cpu":
+            if not config.lora_cpu_native:
+                ops = dataclasses.replace(ops, add_lora=functools.partial(ops.add_lora, native=False))
+            elif not native_kernel.load():
+                log.warning("no native CPU LoRA kernel, the torch ops run: %s", native_kernel.load_error())
         self.runner = LlamaRunner(
             self.model, self.kv, self.pool, ops, self.device,
             fused_lora=fused_shrink(config.lora_fused_shrink, ops.name),

@@ -1,0 +1,76 @@
+// lora_kernels.native: add_lora for decode-like batches on CPU, each token's weights read in place.
+// Semantics, shapes and the policy that calls it: kernels/lora_kernels/native.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+void check_rows(const torch::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == dims && t.stride(dims - 1) == 1, name, " must be ", dims, "-D with unit last stride");
+}
+
+// out[t] += (x[t] @ a[s, :r].T) @ b_t[s, :r] for every token t of a segment with slot s >= 0 and rank
+// r = min(seg_rank, R) > 0; other rows of out untouched. a: [L, R, K], b_t: [L, R, N] (the pool's B
+// stored rank-major), x: [T, K], out: [T, N]; any row strides, unit last stride.
+void add_lora(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b_t,
+              torch::Tensor seg_indptr, torch::Tensor seg_slot, torch::Tensor seg_rank) {
+  check_rows(out, "out", 2);
+  check_rows(x, "x", 2);
+  check_rows(a, "lora_a", 3);
+  check_rows(b_t, "lora_b.mT", 3);
+  const int64_t T = x.size(0), K = x.size(1), N = out.size(1), L = a.size(0), R = a.size(1);
+  TORCH_CHECK(out.size(0) == T && a.size(2) == K && b_t.size(0) == L && b_t.size(1) == R && b_t.size(2) == N,
+              "add_lora: shapes do not match");
+  const int64_t S = seg_slot.size(0);
+  const int64_t* ip = seg_indptr.data_ptr<int64_t>();
+  const int64_t* ss = seg_slot.data_ptr<int64_t>();
+  const int64_t* sr = seg_rank.data_ptr<int64_t>();
+  TORCH_CHECK(seg_indptr.size(0) == S + 1 && ip[S] == T, "add_lora: segments do not cover the tokens");
+  std::vector<int64_t> slot(T, -1), rank(T, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ss[s] >= -1 && ss[s] < L, "add_lora: slot ", ss[s], " outside [-1, ", L, ")");
+    for (int64_t t = ip[s]; t < ip[s + 1]; ++t) {
+      slot[t] = ss[s];
+      rank[t] = std::min(sr[s], R);
+    }
+  }
+  float* O = out.data_ptr<float>();
+  const float* X = x.data_ptr<float>();
+  const float* A = a.data_ptr<float>();
+  const float* B = b_t.data_ptr<float>();
+  const int64_t os = out.stride(0), xs = x.stride(0), as0 = a.stride(0), as1 = a.stride(1);
+  const int64_t bs0 = b_t.stride(0), bs1 = b_t.stride(1);
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(R);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = slot[t], r = rank[t];
+      if (s < 0 || r <= 0) continue;
+      const float* xt = X + t * xs;
+      for (int64_t j = 0; j < r; ++j) {
+        const float* aj = A + s * as0 + j * as1;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; ++k) acc += aj[k] * xt[k];
+        h[j] = acc;
+      }
+      float* ot = O + t * os;
+      for (int64_t j = 0; j < r; ++j) {
+        const float* bj = B + s * bs0 + j * bs1;
+        const float hj = h[j];
+#pragma omp simd
+        for (int64_t n = 0; n < N; ++n) ot[n] += hj * bj[n];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_lora", &add_lora, "LoRA of a decode-like batch, weights read in place",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}

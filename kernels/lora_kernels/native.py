@@ -1,0 +1,91 @@
+"""A C++ kernel for decode-like LoRA batches on CPU: each token's adapter weights read in place.
+
+``add_lora(out, x, lora_a, lora_b, meta)`` has the semantics of every ``add_lora`` of this package
+(see :mod:`lora_kernels`): ``out[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T`` for the tokens of each
+segment with slot ``s >= 0``, sliced to the segment's rank; other rows untouched.
+
+Why: a decode step of many distinct adapters is bound by reading each adapter's weights once from
+memory. The torch ops cannot read them per token in place: the slot-batched ``bmm``
+(:mod:`lora_kernels.slot_batch`) gathers each projection's input rows into a padded layout and
+scatters its results back (zero-fill, copy, add), and the gathered BGMV copies the weights. Those
+copies and the ~8 torch calls around each projection cost as much as the weight reads themselves
+(docs/bench_decode.md). The kernel makes one pass per token, split over torch's intra-op threads:
+``h = A[s, :r] x`` (r dot products), then ``out[t] += h B[s, :r]`` (r axpys), reading nothing but
+the token's input, its adapter's rank rows and its output row.
+
+Policy: :func:`lora_kernels.cpu.add_lora` calls it for the batches its slot-batched path would take
+(many short segments: decode), when :func:`load` has built it, and the tensors are float32 with a
+unit last stride (``out`` may be a column slice of a fused output); longer segments (prefill) keep
+BLAS, which amortises each adapter's weights over many rows.
+
+Built by :func:`load` with ``torch.utils.cpp_extension`` from ``cpu_native.cpp`` beside this file:
+it needs a C++ compiler and ninja, takes ~30 s once, and is cached by torch (in
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Compiled with ``-O3`` and no
+``-march`` flag, so that a cached build runs on any CPU of the architecture. Without a compiler,
+:func:`load` returns False with the reason in :func:`load_error`, and the torch ops are used.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from .meta import LoraMeta
+
+__all__ = ["add_lora", "load", "load_error", "loaded", "supports"]
+
+SOURCE = Path(__file__).with_name("cpu_native.cpp")
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+def load() -> bool:
+    """Build (once per source version; torch caches it) and load the kernel; True when it is ready.
+    Thread-safe; a failed build is not retried in this process."""
+    global _module, _error
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                from torch.utils import cpp_extension
+
+                _module = cpp_extension.load(
+                    name="lora_cluster_cpu_lora", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-fopenmp-simd"], verbose=False,
+                )  # fmt: skip
+            except Exception as e:  # no compiler, no ninja, a failed build: the torch ops stay
+                last = (str(e).strip().splitlines() or [""])[-1]
+                _error = f"{type(e).__name__}: {last}"
+        return _module is not None
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has built the kernel in this process."""
+    return _module is not None
+
+
+def load_error() -> str | None:
+    """Why :func:`load` failed (None: it did not, or was not called)."""
+    return _error
+
+
+def supports(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
+    """Whether the kernel is loaded and takes these tensors (float32 CPU, unit last strides)."""
+    tensors = (out, x, lora_a, lora_b.mT)
+    return _module is not None and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors
+    )
+
+
+def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta) -> None:
+    """out[T, N] += (x[T, K] @ lora_a[s].T) @ lora_b[s].T per token with slot s >= 0 (see the module
+    docstring); ``lora_a`` [L, R, K], ``lora_b`` [L, N, R] (as the pool exposes them). Call
+    :func:`supports` first; raises RuntimeError when the kernel is not loaded or rejects a shape."""
+    if _module is None:
+        raise RuntimeError("the native CPU LoRA kernel is not loaded (lora_kernels.native.load)")
+    indices = [t.contiguous() for t in (meta.seg_indptr, meta.seg_slot, meta.seg_rank)]
+    _module.add_lora(out, x, lora_a, lora_b.mT, *indices)
