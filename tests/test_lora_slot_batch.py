@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+import time
 import zlib
 from pathlib import Path
 from types import ModuleType
@@ -307,3 +311,29 @@ def test_native_kernel_takes_float32_with_unit_last_stride_only(native_kernel: N
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"transposed out: {m}")
     with pytest.raises(RuntimeError, match="unit last stride"):
         native.add_lora(torch.zeros(N, 32).T, x, a, b, meta)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
+    """Torch waits for its build lock without a time limit; a process killed while building leaves
+    it behind, and every later engine start would hang on it."""
+    lock = tmp_path / "lock"
+    assert native.clear_stale_lock(tmp_path) is False, "no lock: nothing to remove"
+    lock.touch()
+    assert native.clear_stale_lock(tmp_path) is False and lock.exists(), "a lock of a build under way stays"
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert native.clear_stale_lock(tmp_path) is True and not lock.exists(), "a stale lock is removed"
+
+
+def test_native_load_does_not_hang_on_a_stale_lock(native_kernel: None) -> None:
+    """A new process loads the cached kernel although a killed build left its lock behind."""
+    lock = native.build_folder() / "lock"
+    lock.touch()
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    code = "from lora_kernels import native; print(native.load(), native.load_error())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert done.stdout.split() == ["True", "None"], f"the kernel loads: {done.stdout} {done.stderr[-500:]}"

@@ -20,14 +20,20 @@ BLAS, which amortises each adapter's weights over many rows.
 
 Built by :func:`load` with ``torch.utils.cpp_extension`` from ``cpu_native.cpp`` beside this file:
 it needs a C++ compiler and ninja, takes ~30 s once, and is cached by torch (in
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Compiled with ``-O3`` and no
-``-march`` flag, so that a cached build runs on any CPU of the architecture. Without a compiler,
-:func:`load` returns False with the reason in :func:`load_error`, and the torch ops are used.
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, see :func:`build_folder`). Compiled
+with ``-O3`` and no ``-march`` flag, so that a cached build runs on any CPU of the architecture.
+Without a compiler, :func:`load` returns False with the reason in :func:`load_error`, and the
+torch ops are used. Torch guards the build folder with a lock file that every load, cached or not,
+waits for without a time limit; a process killed while building leaves it behind, so :func:`load`
+first removes a lock older than ``STALE_LOCK_S`` (no build takes that long).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -36,9 +42,11 @@ from torch import Tensor
 
 from .meta import LoraMeta
 
-__all__ = ["add_lora", "load", "load_error", "loaded", "supports"]
+__all__ = ["add_lora", "build_folder", "clear_stale_lock", "load", "load_error", "loaded", "supports"]
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
+NAME = "lora_cluster_cpu_lora"
+STALE_LOCK_S = 600.0
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
@@ -53,14 +61,39 @@ def load() -> bool:
             try:
                 from torch.utils import cpp_extension
 
+                folder = build_folder()
+                folder.mkdir(parents=True, exist_ok=True)
+                clear_stale_lock(folder)
                 _module = cpp_extension.load(
-                    name="lora_cluster_cpu_lora", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-fopenmp-simd"], verbose=False,
+                    name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"],
+                    build_directory=str(folder), verbose=False,
                 )  # fmt: skip
             except Exception as e:  # no compiler, no ninja, a failed build: the torch ops stay
                 last = (str(e).strip().splitlines() or [""])[-1]
                 _error = f"{type(e).__name__}: {last}"
         return _module is not None
+
+
+def build_folder() -> Path:
+    """Where :func:`load` builds and caches the kernel: one folder per Python version under
+    ``TORCH_EXTENSIONS_DIR``, else under torch's default build root."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"{NAME}_py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def clear_stale_lock(folder: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in `folder` when it is older than `max_age_s` (left by a process
+    killed while building); True when one was removed."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime <= max_age_s:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def loaded() -> bool:
