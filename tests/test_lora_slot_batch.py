@@ -313,6 +313,24 @@ def test_native_kernel_takes_float32_with_unit_last_stride_only(native_kernel: N
         native.add_lora(torch.zeros(N, 32).T, x, a, b, meta)
 
 
+def test_native_kernel_refuses_malformed_segments(native_kernel: None) -> None:
+    """A bad index is a RuntimeError naming the problem, never a write out of bounds."""
+    gen = torch.Generator().manual_seed(4)
+    a, b = _pool(8, gen)
+    meta = build_lora_meta(torch.tensor([0, 1, 2, 3]), _ranks(8))
+    x, out = torch.randn(4, K, generator=gen), torch.zeros(4, N)
+    far = dataclasses.replace(meta, seg_slot=torch.tensor([0, 1, 2, N_SLOTS]))
+    with pytest.raises(RuntimeError, match="outside"):
+        native.add_lora(out, x, a, b, far)
+    short = dataclasses.replace(meta, seg_indptr=torch.tensor([0, 1, 2, 3, 3]))
+    with pytest.raises(RuntimeError, match="do not cover"):
+        native.add_lora(out, x, a, b, short)
+    crossed = dataclasses.replace(meta, seg_indptr=torch.tensor([0, 3, 1, 2, 4]))
+    with pytest.raises(RuntimeError, match="out of order"):
+        native.add_lora(out, x, a, b, crossed)
+    assert out.abs().sum() == 0, "a refused call writes nothing"
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
     """Torch waits for its build lock without a time limit; a process killed while building leaves
     it behind, and every later engine start would hang on it."""

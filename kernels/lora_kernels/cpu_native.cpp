@@ -25,13 +25,18 @@ void add_lora(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
   const int64_t T = x.size(0), K = x.size(1), N = out.size(1), L = a.size(0), R = a.size(1);
   TORCH_CHECK(out.size(0) == T && a.size(2) == K && b_t.size(0) == L && b_t.size(1) == R && b_t.size(2) == N,
               "add_lora: shapes do not match");
+  for (const auto* t : {&seg_indptr, &seg_slot, &seg_rank})
+    TORCH_CHECK(t->dim() == 1 && t->is_contiguous() && t->scalar_type() == torch::kInt64,
+                "add_lora: segment tensors must be contiguous 1-D int64");
   const int64_t S = seg_slot.size(0);
   const int64_t* ip = seg_indptr.data_ptr<int64_t>();
   const int64_t* ss = seg_slot.data_ptr<int64_t>();
   const int64_t* sr = seg_rank.data_ptr<int64_t>();
-  TORCH_CHECK(seg_indptr.size(0) == S + 1 && ip[S] == T, "add_lora: segments do not cover the tokens");
+  TORCH_CHECK(seg_indptr.size(0) == S + 1 && seg_rank.size(0) == S && ip[0] == 0 && ip[S] == T,
+              "add_lora: segments do not cover the tokens");
   std::vector<int64_t> slot(T, -1), rank(T, 0);
   for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ip[s] <= ip[s + 1] && ip[s + 1] <= T, "add_lora: segment boundaries out of order");
     TORCH_CHECK(ss[s] >= -1 && ss[s] < L, "add_lora: slot ", ss[s], " outside [-1, ", L, ")");
     for (int64_t t = ip[s]; t < ip[s + 1]; ++t) {
       slot[t] = ss[s];
