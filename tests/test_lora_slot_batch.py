@@ -313,6 +313,17 @@ def test_native_kernel_takes_float32_with_unit_last_stride_only(native_kernel: N
         native.add_lora(torch.zeros(N, 32).T, x, a, b, meta)
 
 
+def test_native_kernel_takes_decode_batches_whatever_their_span(native_kernel: None) -> None:
+    """It reads no padding, so 8 adapters spread over 64 slots (refused by the slot-batched path)
+    still go to it; a prefill-like batch (runs of 16) keeps BLAS."""
+    ranks = [8] * 64
+    far = build_lora_meta(torch.tensor([0, 1, 2, 3, 60, 61, 62, 63]), ranks)
+    assert slot_batch.decode_like(far), "8 one-token segments: decode-like"
+    assert not slot_batch.use_slot_batch(far, slot_batch.slot_batch(far, "cpu")), "too sparse for the bmm"
+    prefill = build_lora_meta(torch.tensor([i // 16 for i in range(64)]), ranks)
+    assert not slot_batch.decode_like(prefill), "4 segments of 16 tokens: the segment loop"
+
+
 def test_native_kernel_refuses_malformed_segments(native_kernel: None) -> None:
     """A bad index is a RuntimeError naming the problem, never a write out of bounds."""
     gen = torch.Generator().manual_seed(4)

@@ -20,9 +20,10 @@ Same signatures, shapes and semantics as :mod:`lora_kernels.reference` (see ther
   (one ``bmm`` over the pool's slots in place instead of the segment loop) when its policy says it
   pays: many short segments, as a decode step of many distinct adapters has. ``batched=True`` /
   ``False`` forces a path (tests, benchmarks); results are the same either way.
-* ``add_lora`` runs those batches through the C++ kernel of :mod:`lora_kernels.native` instead,
-  once ``native.load()`` has built it (the engine does at start) and it takes the tensors;
-  ``native=False`` keeps the torch path (tests, benchmarks).
+* ``add_lora`` runs decode-like batches (``slot_batch.decode_like``: many short segments, whatever
+  their span) through the C++ kernel of :mod:`lora_kernels.native` instead, once ``native.load()``
+  has built it (the engine does at start) and it takes the tensors; ``native=False`` keeps the
+  torch paths (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -158,12 +159,15 @@ def add_lora(
     max_rank = min(meta.max_rank, r_full)
     if max_rank == 0:
         return
+    if (
+        native and batched is not False and native_kernel.supports(out, x, lora_a, lora_b)
+        and (batched or slot_batch.decode_like(meta))
+    ):  # fmt: skip
+        native_kernel.add_lora(out, x, lora_a, lora_b, meta)
+        return
     sb = _batch(meta, x, batched)
     if sb is not None:
-        if native and native_kernel.supports(out, x, lora_a, lora_b):
-            native_kernel.add_lora(out, x, lora_a, lora_b, meta)
-        else:
-            slot_batch.add_lora(out, x, lora_a, lora_b, sb, max_rank)
+        slot_batch.add_lora(out, x, lora_a, lora_b, sb, max_rank)
         return
     lens = meta.seg_len_list
     buf = torch.empty(x.shape[0], max_rank, dtype=x.dtype, device=x.device)

@@ -13,8 +13,9 @@ copies and the ~8 torch calls around each projection cost as much as the weight 
 ``h = A[s, :r] x`` (r dot products), then ``out[t] += h B[s, :r]`` (r axpys), reading nothing but
 the token's input, its adapter's rank rows and its output row.
 
-Policy: :func:`lora_kernels.cpu.add_lora` calls it for the batches its slot-batched path would take
-(many short segments: decode), when :func:`load` has built it, and the tensors are float32 with a
+Policy: :func:`lora_kernels.cpu.add_lora` calls it for decode-like batches (many short segments,
+``slot_batch.decode_like``; the span of slots does not matter, no padding is read), when :func:`load`
+has built it, and the tensors are float32 with a
 unit last stride (``out`` may be a column slice of a fused output); longer segments (prefill) keep
 BLAS, which amortises each adapter's weights over many rows.
 
@@ -108,10 +109,12 @@ def load_error() -> str | None:
 
 def supports(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
     """Whether the kernel is loaded and takes these tensors (float32 CPU, unit last strides)."""
-    tensors = (out, x, lora_a, lora_b.mT)
-    return _module is not None and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors
-    )
+    f32 = torch.float32
+    return (
+        _module is not None and out.dtype == f32 and x.dtype == f32 and lora_a.dtype == f32
+        and lora_b.dtype == f32 and out.is_cpu and x.is_cpu and lora_a.is_cpu and lora_b.is_cpu
+        and out.stride(-1) == 1 and x.stride(-1) == 1 and lora_a.stride(-1) == 1 and lora_b.stride(-2) == 1
+    )  # fmt: skip
 
 
 def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta) -> None:

@@ -42,7 +42,7 @@ from .meta import LoraMeta
 
 __all__ = [
     "MAX_MEAN_RUN", "MAX_PAD_PER_TOKEN", "MAX_SPAN_PER_SEGMENT", "MIN_SEGMENTS", "SlotBatch", "add_lora",
-    "expand", "shrink", "slot_batch", "use_slot_batch",
+    "decode_like", "expand", "shrink", "slot_batch", "use_slot_batch",
 ]  # fmt: skip
 
 MIN_SEGMENTS = 4  # fewer adapter segments: the loop's few calls cost no more than the batched one
@@ -114,14 +114,28 @@ def slot_batch(meta: LoraMeta, device: torch.device) -> SlotBatch | None:
     return _layout(meta.seg_slot_list, meta.seg_len_list, torch.device(device))
 
 
+def _active(meta: LoraMeta) -> tuple[int, int]:
+    """Adapter segments with a non-zero rank for this op, and their tokens."""
+    active = tokens = 0
+    for s, r, n in zip(meta.seg_slot_list, meta.seg_rank_list, meta.seg_len_list, strict=True):
+        if s >= 0 and r:
+            active, tokens = active + 1, tokens + n
+    return active, tokens
+
+
+def decode_like(meta: LoraMeta) -> bool:
+    """Many short adapter segments: at least ``MIN_SEGMENTS`` with a non-zero rank, at most
+    ``MAX_MEAN_RUN`` tokens each on average (the part of the policy that does not depend on the
+    layout; the native kernel, which reads no padding, takes such batches whatever their span)."""
+    active, tokens = _active(meta)
+    return active >= MIN_SEGMENTS and tokens <= MAX_MEAN_RUN * active
+
+
 def use_slot_batch(meta: LoraMeta, sb: SlotBatch | None) -> bool:
     """Whether the batched path runs for ``meta`` (the policy of the module docstring)."""
     if sb is None:
         return False
-    active = tokens = 0  # adapter segments with a non-zero rank for this op, and their tokens
-    for s, r, n in zip(meta.seg_slot_list, meta.seg_rank_list, meta.seg_len_list, strict=True):
-        if s >= 0 and r:
-            active, tokens = active + 1, tokens + n
+    active, tokens = _active(meta)
     return (
         active >= MIN_SEGMENTS
         and tokens <= MAX_MEAN_RUN * active

@@ -152,6 +152,10 @@ class LoraLayer:
         for m, (key, lo, hi) in splits.items():
             self.members.setdefault(key, []).append((m, lo, hi))
         self._work = torch.empty(0)
+        # per-layer views of the pool's tensors, made once (they never move: see AdapterPool)
+        self._a = {m: t.unbind(0) for m, t in pool.a.items()}
+        self._b = {m: t.unbind(0) for m, t in pool.b.items()}
+        self._a_fused = {g: t.unbind(0) for g, t in pool.a_fused.items()}
 
     def _buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
         """A [rows, cols] view of the workspace: float32 for triton (its shrink accumulates and stores
@@ -173,7 +177,7 @@ class LoraLayer:
             self._single(step, layer, m, out[:, lo:hi], x)
 
     def _single(self, step: StepLora, layer: int, m: str, out: torch.Tensor, x: torch.Tensor) -> None:
-        a, b = self.pool.a[m][layer], self.pool.b[m][layer]
+        a, b = self._a[m][layer], self._b[m][layer]
         d = step.bgmv_rows
         r = step.bgmv_rank.get(m, 0)
         if r:
@@ -182,11 +186,11 @@ class LoraLayer:
             self.ops.bgmv_expand(out[:d], h, b, step.token_row[m], add=True)
         meta = step.metas[m]
         if meta.max_rank:
-            self.ops.add_lora(out[d:], x[d:], a, b, meta)
+            self.ops.add_lora(out[d:] if d else out, x[d:] if d else x, a, b, meta)
 
     def _fused(self, step: StepLora, layer: int, g: str, out: torch.Tensor, x: torch.Tensor) -> None:
         members, n = self.members[g], len(self.members[g])
-        a = self.pool.a_fused[g][layer]
+        a = self._a_fused[g][layer]
         d = step.bgmv_rows
         width = step.bgmv_rank.get(g, 0)
         if width:
@@ -194,7 +198,7 @@ class LoraLayer:
             self.ops.bgmv_shrink(h, x[:d], a, step.token_row[g])
             for j, (m, lo, hi) in enumerate(members):
                 if step.bgmv_rank[m]:
-                    b = self.pool.b[m][layer]
+                    b = self._b[m][layer]
                     self.ops.bgmv_expand(out[:d, lo:hi], h[:, j::n], b, step.token_row[m])
         meta = step.metas[g]
         if meta.max_rank:
@@ -202,4 +206,4 @@ class LoraLayer:
             self.ops.sgmv_shrink(h, x[d:], a, meta)
             for j, (m, lo, hi) in enumerate(members):
                 if step.metas[m].max_rank:
-                    self.ops.sgmv_expand(out[d:, lo:hi], h[:, j::n], self.pool.b[m][layer], step.metas[m])
+                    self.ops.sgmv_expand(out[d:, lo:hi], h[:, j::n], self._b[m][layer], step.metas[m])
