@@ -26,12 +26,10 @@ __all__ = ["LoraMeta", "build_lora_meta", "with_slot_ranks"]
 class LoraMeta:
     """Segment metadata of one batch; build it with :func:`build_lora_meta`.
 
-    Tensor fields live on the device of ``token_slot``; the ``*_list`` tuples are the same
-    values as plain Python ints so that CPU-side loops and launch-grid computations never need a
-    device synchronisation.
+    Tensor fields live on one device; the ``*_list`` tuples are the same values as plain Python
+    ints so that CPU-side loops and launch-grid computations never need a device synchronisation.
     """
 
-    token_slot: Tensor  # [T] int64, slot of each token, -1 = base model only
     seg_indptr: Tensor  # [S+1] int64, segment i covers tokens seg_indptr[i] : seg_indptr[i+1]
     seg_slot: Tensor  # [S] int64, slot of each segment (-1 for base segments)
     seg_rank: Tensor  # [S] int64, rank of the adapter in that slot (0 for base segments)
@@ -41,6 +39,13 @@ class LoraMeta:
     seg_len_list: tuple[int, ...]  # len S, tokens per segment (for Tensor.split_with_sizes)
     max_rank: int  # max(seg_rank_list), 0 when no token uses an adapter of rank > 0
     max_seg_len: int  # longest segment in tokens (0 for an empty batch)
+
+    @property
+    def token_slot(self) -> Tensor:
+        """[T] int64 slot of each token, -1 = base model only, rebuilt from the segments on their
+        device (no kernel needs it; no synchronisation)."""
+        lengths = self.seg_indptr[1:] - self.seg_indptr[:-1]
+        return torch.repeat_interleave(self.seg_slot, lengths, output_size=self.num_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +98,6 @@ def build_lora_meta(token_slot: Tensor, slot_ranks: Sequence[int] | Tensor) -> L
     if packed.device != device:
         packed = packed.to(device)
     return LoraMeta(
-        token_slot=token_slot,
         seg_indptr=packed[: n + 1],
         seg_slot=packed[n + 1 : 2 * n + 1],
         seg_rank=packed[2 * n + 1 :],
@@ -112,7 +116,7 @@ def with_slot_ranks(meta: LoraMeta, slot_ranks: Sequence[int]) -> LoraMeta:
     seg_rank = [slot_ranks[s] if s >= 0 else 0 for s in meta.seg_slot_list]
     return replace(
         meta,
-        seg_rank=torch.tensor(seg_rank, dtype=torch.int64, device=meta.token_slot.device),
+        seg_rank=torch.tensor(seg_rank, dtype=torch.int64, device=meta.seg_indptr.device),
         seg_rank_list=tuple(seg_rank),
         max_rank=max(seg_rank, default=0),
     )

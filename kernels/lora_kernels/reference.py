@@ -30,12 +30,6 @@ from .meta import LoraMeta
 __all__ = ["add_lora", "bgmv_expand", "bgmv_shrink", "sgmv_expand", "sgmv_shrink"]
 
 
-def _slots_from_meta(meta: LoraMeta) -> Tensor:
-    """[T] int64 slot of every token, rebuilt from the segments of ``meta``."""
-    lengths = meta.seg_indptr[1:] - meta.seg_indptr[:-1]
-    return torch.repeat_interleave(meta.seg_slot, lengths)
-
-
 def _shrink_f32(x: Tensor, lora_a: Tensor, slots: Tensor, r_out: int) -> Tensor:
     """[T, r_out] float32 ``x[t] @ lora_a[s, :r_out].T``, zero rows for base tokens."""
     a = lora_a[slots.clamp(min=0), :r_out].float()  # [T, r_out, K]
@@ -64,16 +58,16 @@ def bgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, token_slot: Tensor, add:
 
 def sgmv_shrink(out: Tensor, x: Tensor, lora_a: Tensor, meta: LoraMeta, scale: float = 1.0) -> None:
     """Segmented shrink; same result as :func:`bgmv_shrink` with ``meta``'s per-token slots."""
-    out.copy_(_shrink_f32(x, lora_a, _slots_from_meta(meta), out.shape[1]) * scale)
+    out.copy_(_shrink_f32(x, lora_a, meta.token_slot, out.shape[1]) * scale)
 
 
 def sgmv_expand(out: Tensor, y: Tensor, lora_b: Tensor, meta: LoraMeta, add: bool = True) -> None:
     """Segmented expand; same result as :func:`bgmv_expand` with ``meta``'s per-token slots."""
-    _expand_into(out, y.float(), lora_b, _slots_from_meta(meta), add)
+    _expand_into(out, y.float(), lora_b, meta.token_slot, add)
 
 
 def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta) -> None:
     """out[T, N] += (x @ lora_a[s].T) @ lora_b[s].T per token with s >= 0 (fp32 intermediate)."""
-    slots = _slots_from_meta(meta)
+    slots = meta.token_slot
     h = _shrink_f32(x, lora_a, slots, lora_a.shape[1])
     _expand_into(out, h, lora_b, slots, add=True)

@@ -114,31 +114,27 @@ def slot_batch(meta: LoraMeta, device: torch.device) -> SlotBatch | None:
     return _layout(meta.seg_slot_list, meta.seg_len_list, torch.device(device))
 
 
-def _active(meta: LoraMeta) -> tuple[int, int]:
-    """Adapter segments with a non-zero rank for this op, and their tokens."""
+def _active(meta: LoraMeta) -> int | None:
+    """Adapter segments with a non-zero rank for this op when they are many and short (at least
+    ``MIN_SEGMENTS``, at most ``MAX_MEAN_RUN`` tokens each on average), else None."""
     active = tokens = 0
     for s, r, n in zip(meta.seg_slot_list, meta.seg_rank_list, meta.seg_len_list, strict=True):
         if s >= 0 and r:
             active, tokens = active + 1, tokens + n
-    return active, tokens
+    return active if active >= MIN_SEGMENTS and tokens <= MAX_MEAN_RUN * active else None
 
 
 def decode_like(meta: LoraMeta) -> bool:
-    """Many short adapter segments: at least ``MIN_SEGMENTS`` with a non-zero rank, at most
-    ``MAX_MEAN_RUN`` tokens each on average (the part of the policy that does not depend on the
-    layout; the native kernel, which reads no padding, takes such batches whatever their span)."""
-    active, tokens = _active(meta)
-    return active >= MIN_SEGMENTS and tokens <= MAX_MEAN_RUN * active
+    """Many short adapter segments: the part of the policy that does not depend on the layout (the
+    native kernel, which reads no padding, takes such batches whatever their span)."""
+    return _active(meta) is not None
 
 
 def use_slot_batch(meta: LoraMeta, sb: SlotBatch | None) -> bool:
     """Whether the batched path runs for ``meta`` (the policy of the module docstring)."""
-    if sb is None:
-        return False
-    active, tokens = _active(meta)
+    active = None if sb is None else _active(meta)
     return (
-        active >= MIN_SEGMENTS
-        and tokens <= MAX_MEAN_RUN * active
+        active is not None
         and sb.span <= MAX_SPAN_PER_SEGMENT * active
         and sb.span * sb.depth <= MAX_PAD_PER_TOKEN * sb.num_tokens
     )

@@ -115,25 +115,19 @@ class StepLoraPlan:
         self.ranks = {k: seg_ranks(k, seg_slot, module_ranks, groups) for k in self.keys}
         self.seg_row = {k: pool_rows(seg_slot, self.ranks[k], rows[k]) for k in self.keys}
 
-    def _rest_rows(self, key: str) -> list[int]:
-        """The pool row of each SGMV token for `key`."""
-        pairs = zip(self.seg_row[key], self.seg_len, strict=True)
-        return list(itertools.chain.from_iterable([r] * n for r, n in pairs))
-
     def lists(self) -> list[list[int]]:
-        return [*self.token_row.values(), *(self._rest_rows(k) for k in self.keys), self.indptr,
-                *self.seg_row.values(), *self.ranks.values()]  # fmt: skip
+        return [*self.token_row.values(), self.indptr, *self.seg_row.values(), *self.ranks.values()]
 
     def build(self, tensors: Sequence[torch.Tensor]) -> StepLora:
         n = len(self.keys)
-        token_row, rest_row = tensors[:n], tensors[n : 2 * n]
-        indptr, seg_row, ranks = tensors[2 * n], tensors[2 * n + 1 : 3 * n + 1], tensors[3 * n + 1 :]
+        token_row, indptr = tensors[:n], tensors[n]
+        seg_row, ranks = tensors[n + 1 : 2 * n + 1], tensors[2 * n + 1 :]
         common = {
             "seg_indptr": indptr, "seg_indptr_list": tuple(self.indptr), "seg_len_list": tuple(self.seg_len),
             "max_seg_len": max(self.seg_len, default=0),
         }  # fmt: skip
         metas = {
-            k: LoraMeta(token_slot=rest_row[i], seg_slot=seg_row[i], seg_slot_list=tuple(self.seg_row[k]),
+            k: LoraMeta(seg_slot=seg_row[i], seg_slot_list=tuple(self.seg_row[k]),
                         seg_rank=ranks[i], seg_rank_list=tuple(self.ranks[k]),
                         max_rank=max(self.ranks[k], default=0), **common)
             for i, k in enumerate(self.keys)
