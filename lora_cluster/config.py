@@ -538,6 +538,13 @@ class ServeConfig(EngineConfig):
     cluster_queue_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503)."
     )
+    cold_shed_window_s: float = Field(
+        1.0,
+        ge=0,
+        description="While a class sheds load (one of its requests was refused for its TTFT target within "
+        "this many seconds), its requests whose adapter no replica holds are refused first (429): they "
+        "would cost a load and an adapter slot. Not the most urgent class. 0 turns it off.",
+    )
     preempt_after_fraction: float = Field(
         0.5,
         ge=0,

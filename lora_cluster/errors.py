@@ -116,6 +116,16 @@ class ClusterOverloadedError(LoraClusterError):
         super().__init__(message)
 
 
+class DeadlineOutOfReachError(ClusterOverloadedError):
+    """The cluster queue refused a request because its predicted wait would miss its class's TTFT
+    target (429). Its class is then shedding load (`cluster.shedding`)."""
+
+
+class ColdAdapterShedError(ClusterOverloadedError):
+    """A request refused while its class sheds load, because no replica holds its adapter (429;
+    `cluster.shedding`)."""
+
+
 class RoutingUnavailableError(LoraClusterError):
     """The ingress's routing-error breaker is open: the request is shed (503, `retry_after_s`)."""
 

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from lora_cluster.errors import ClusterOverloadedError, RequestError
+from lora_cluster.errors import ClusterOverloadedError, DeadlineOutOfReachError, RequestError
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class ClusterQueue:
         now = self._clock()
         wait = self.predicted_wait_s(ticket, expected_rate) if deadline_at_risk else None
         if ticket.deadline is not None and wait is not None and now + wait > ticket.deadline:
-            raise ClusterOverloadedError(
+            raise DeadlineOutOfReachError(
                 f"the {ticket.sla_class} class's time-to-first-token target of {ticket.ttft_s:g} s cannot be "
                 f"met: about {wait:.1f} s of queued work is ahead",
                 retry_after_s=wait,

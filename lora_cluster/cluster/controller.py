@@ -8,8 +8,9 @@ Outputs: grants (`take_grants`: ticket -> replica, and whether it preempts), eac
 adapters to prefetch because placement chose that replica for them), and `snapshot` (the cluster
 view served at `GET /v1/cluster`).
 
-Policies (each in its own module): `cluster_queue` orders and admits tickets, `scheduling` picks
-the replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
+Policies (each in its own module): `cluster_queue` orders and admits tickets, `shedding` refuses
+first the requests that would load an adapter while their class sheds load, `scheduling` picks the
+replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
 holds no request bodies and no Ray objects; the actor (`cluster.actor`) wraps it. Its state is
 soft: a restarted controller starts empty, rebuilds its view from the next reports, and the
 ingresses park their waiting requests again. Pure: injected clock.
@@ -36,7 +37,9 @@ from lora_cluster.cluster.scheduling import (
     holds,
     preemption_target,
 )
+from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.errors import DeadlineOutOfReachError
 
 DEFAULT_SERVICE_TIME_S = 1.0
 REPLAN_EVERY_S = 1.0  # placement is recomputed this often, and when a replica joins or goes away
@@ -55,6 +58,7 @@ class ControllerSettings:
     affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
     holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
+    cold_shed_window_s: float = 1.0  # a class sheds cold misses this long after a deadline refusal (0: off)
 
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
         """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
@@ -76,6 +80,7 @@ class ControllerSettings:
             top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
             stale_after_s=max(2.0, 4 * config.controller_report_period_s),
             hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
+            cold_shed_window_s=config.cold_shed_window_s,
         )
 
 
@@ -101,6 +106,7 @@ class Controller:
                                   top_priority=classes.classes[0].priority)
         self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
         self.demand = DemandTracker(window_s=settings.demand_window_s, clock=clock)
+        self.shedding = ColdShedding(settings.cold_shed_window_s, clock)
         self._placement: dict[str, tuple[str, ...]] = {}
         self._planned_at = -float("inf")
         self._grants: dict[str, Grant | Refusal] = {}
@@ -112,7 +118,7 @@ class Controller:
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
-                       "bumped": 0, "reports": 0}
+                       "bumped": 0, "shed_cold": 0, "reports": 0}
 
     # ----- inputs ---------------------------------------------------------------------------
 
@@ -134,14 +140,23 @@ class Controller:
         """Queue a request that no replica can take now; returns its grant if one is decided at once
         (it still waits its turn behind more urgent tickets). `claims`: the parking ingress's
         requests in flight (`{"inflight": {replica: n}, "unassigned": n}`, see `ClusterView.claim`).
-        Raises ClusterOverloadedError."""
+        Raises ClusterOverloadedError (a `ColdAdapterShedError` while its class sheds load and no
+        replica holds its adapter: `cluster.shedding`)."""
         if claims is not None:
             self.view.claim(ticket.ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
+        if self.shedding.refuses(ticket, self.view, self.queue.top_priority):
+            self.counts["rejected"] += 1
+            self.counts["shed_cold"] += 1
+            raise self.shedding.error(ticket, self.queue.predicted_wait_s(ticket, self._expected_rate()))
         can_preempt = ticket.ttft_s is not None and preemption_target(ticket, self.view) is not None
         try:
             bumped = self.queue.park(
                 ticket, deadline_at_risk=not can_preempt, expected_rate=self._expected_rate(),
                 max_wait_s=self.settings.queue_timeout_s)
+        except DeadlineOutOfReachError:
+            self.counts["rejected"] += 1
+            self.shedding.record(ticket.priority)
+            raise
         except Exception:
             self.counts["rejected"] += 1
             raise

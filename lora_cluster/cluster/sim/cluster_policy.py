@@ -42,12 +42,21 @@ from lora_cluster.cluster.sim.context import SimContext
 from lora_cluster.cluster.sim.replica import SimReplica
 from lora_cluster.cluster.sim.routing import AffinityRouting
 from lora_cluster.cluster.sim.workload import SimRequest
-from lora_cluster.errors import ClusterOverloadedError
+from lora_cluster.errors import ClusterOverloadedError, ColdAdapterShedError, DeadlineOutOfReachError
 from lora_cluster.serve.reporter import MIN_GAP_S, report_on_finish
 
 TICK_S = 0.05  # as cluster.actor.TICK_S (that module imports Ray)
 INGRESS_ID = "sim-ingress"
 T = TypeVar("T")
+
+
+def _refusal_reason(error: ClusterOverloadedError, queue_was_full: bool) -> str:
+    """The reason a parked request was refused, as the result's `rejections` count it."""
+    if isinstance(error, ColdAdapterShedError):
+        return "adapter on no replica while its class sheds"
+    if isinstance(error, DeadlineOutOfReachError):
+        return "deadline out of reach"
+    return "cluster queue full" if queue_was_full else "wait over the queue timeout"
 
 
 class LoraClusterPolicy:
@@ -125,8 +134,8 @@ class LoraClusterPolicy:
                   "unassigned": self._unassigned}
         try:
             grant = self._call("park", self.controller.park, ticket, claims)
-        except ClusterOverloadedError:
-            self.metrics.rejected(req, "cluster queue full" if full else "deadline out of reach")
+        except ClusterOverloadedError as e:
+            self.metrics.rejected(req, _refusal_reason(e, full))
             return
         self._tickets[tid] = req
         if grant is not None:

@@ -1,0 +1,71 @@
+"""Which requests a class over capacity sheds first: those whose adapter is on no replica.
+
+When a class with a TTFT target is over capacity, the cluster queue refuses some of its requests
+(`DeadlineOutOfReachError`: the predicted wait would miss the target). Which ones it refuses decides
+what the cluster spends its capacity on. A request whose adapter no replica holds (resident or
+loading) costs more than its tokens: a fetch, a device slot taken from an idle adapter that a later
+request of another adapter would have found (a miss later), and on a replica whose slots are all
+pinned by running requests, a wait for one. A request whose adapter some replica holds costs its
+tokens only. So while a class sheds load (one of its requests was refused for its deadline within
+the last `window_s` seconds), a new request of that class whose adapter no replica holds is refused
+at once (429 with Retry-After), and the class's share of the capacity goes to requests that find
+their adapter: more of them are served, and each replica's idle adapters stay for the requests
+that want them.
+
+Exempt: the most urgent class (its requests preempt less urgent work rather than being refused),
+classes without a TTFT target (never refused for a deadline; the queue timeout bounds them), and the
+base model (every replica holds it). Nothing changes while no class sheds: under load the cluster
+can carry, every request is queued as before. `window_s` 0 turns the rule off.
+
+Trade-off (measured in docs/scale.md): under sustained overload the adapters that are rarely used
+(the tail of the popularity curve) get more of their class's 429s than the popular ones, as with a
+cost-aware admission; their requests of the most urgent class are still served.
+Pure: injected clock; O(classes) state, O(replicas) per checked ticket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.reports import ClusterView
+from lora_cluster.cluster.scheduling import holds
+from lora_cluster.errors import ColdAdapterShedError
+
+
+class ColdShedding:
+    """Remembers when each class last shed a request for its deadline; refuses cold requests of a
+    class while it sheds (`refuses`, then `error`)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float]):
+        self.window_s, self._clock = window_s, clock
+        self._shed_at: dict[int, float] = {}  # priority -> last deadline refusal (one per SLA class)
+
+    def record(self, priority: int) -> None:
+        """A request of `priority` was refused because its deadline was out of reach."""
+        self._shed_at[priority] = self._clock()
+
+    def shedding(self, priority: int) -> bool:
+        """The class of `priority` refused a request for its deadline within the window."""
+        at = self._shed_at.get(priority)
+        return self.window_s > 0 and at is not None and self._clock() - at < self.window_s
+
+    def refuses(self, ticket: Ticket, view: ClusterView, top_priority: int | None) -> bool:
+        """`ticket` should be refused now: its class sheds load and no replica holds its adapter."""
+        if ticket.ttft_s is None or ticket.adapter_id is None or ticket.priority == top_priority:
+            return False
+        if not self.shedding(ticket.priority):
+            return False
+        return not any(holds(view, rid, ticket.adapter_id) for rid in view.ids())
+
+    def error(self, ticket: Ticket, retry_after_s: float | None) -> ColdAdapterShedError:
+        """The refusal of a ticket that `refuses` names: which class, which adapter, which setting."""
+        return ColdAdapterShedError(
+            f"the {ticket.sla_class} class is over capacity and adapter {ticket.adapter_id!r} is loaded on "
+            f"no replica: while a class sheds load, its requests that need their adapter loaded are refused "
+            f"first (cold_shed_window_s)",
+            retry_after_s=max(1.0, self.window_s, retry_after_s or 0.0),
+        )
+
+
+__all__ = ["ColdShedding"]

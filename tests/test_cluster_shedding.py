@@ -1,0 +1,109 @@
+"""Load shedding by adapter residency (`cluster.shedding`), through the controller's `park`, with a fake
+clock and no Ray: while a class refuses requests for its TTFT target, its requests whose adapter no
+replica holds are refused first."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.controller import Controller, ControllerSettings
+from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.shedding import ColdShedding
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import ServeConfig
+from lora_cluster.errors import ClusterOverloadedError, ColdAdapterShedError, DeadlineOutOfReachError
+
+CLASSES = SlaClasses()  # interactive 0 / 1 s, standard 1 / 5 s, batch 2 / none
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ticket(tid: str, cls: str, adapter: str | None, at: float = 100.0) -> Ticket:
+    sla = CLASSES.get(cls)
+    return Ticket(tid, "ingress-1", sla.name, sla.priority, adapter, at,
+                  None if sla.ttft_s is None else at + sla.ttft_s, sla.ttft_s)
+
+
+def shedding_controller(window_s: float = 1.0) -> tuple[Clock, Controller]:
+    """One replica, full of `standard` work, holding `held` and loading `warming`; a slow measured
+    drain (0.4 requests/s), so that the third queued `standard` ticket is refused for its 5 s target.
+    Returned after that refusal, with the two queued tickets cancelled again (the queue is empty)."""
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(cold_shed_window_s=window_s), clock=clock)
+    ctl.report(ReplicaReport("r1", "n1", capacity=1, max_num_seqs=1, max_loras=4, running=1, waiting=0,
+                             free_adapter_slots=0, resident=("held",), loading=("warming",),
+                             running_by_priority={1: 1}))
+    ctl.queue.drain.record(1)
+    ctl.park(ticket("s0", "standard", "held"))
+    ctl.park(ticket("s1", "standard", "held"))
+    with pytest.raises(DeadlineOutOfReachError):
+        ctl.park(ticket("s2", "standard", "held"))
+    ctl.cancel("s0")
+    ctl.cancel("s1")
+    return clock, ctl
+
+
+def test_a_shedding_class_refuses_a_request_whose_adapter_no_replica_holds():
+    _, ctl = shedding_controller()
+    with pytest.raises(ColdAdapterShedError) as info:
+        ctl.park(ticket("cold", "standard", "rare"))
+    assert "'rare'" in str(info.value), f"the refusal names the adapter: {info.value}"
+    assert "standard" in str(info.value), f"the refusal names the class: {info.value}"
+    assert "cold_shed_window_s" in str(info.value), f"the refusal names the setting: {info.value}"
+    assert info.value.retry_after_s >= 1.0, "the refusal says when to retry"
+    assert isinstance(info.value, ClusterOverloadedError), "it is an overload refusal (429 with Retry-After)"
+    assert ctl.counts["shed_cold"] == 1, f"the controller counts it: {ctl.counts}"
+
+
+def test_a_shedding_class_still_queues_requests_whose_adapter_a_replica_holds_or_loads():
+    _, ctl = shedding_controller()
+    ctl.park(ticket("hit", "standard", "held"))
+    ctl.park(ticket("loading", "standard", "warming"))
+    assert "hit" in ctl.queue, "an adapter resident on a replica: queued"
+    assert "loading" in ctl.queue, "an adapter a replica is loading: queued"
+
+
+def test_the_most_urgent_class_batch_and_the_base_model_are_never_shed():
+    _, ctl = shedding_controller()
+    ctl.shedding.record(CLASSES.get("interactive").priority)  # as if the top class shed too
+    ctl.park(ticket("urgent", "interactive", "rare"))
+    ctl.park(ticket("patient", "batch", "rare"))
+    ctl.park(ticket("base", "standard", None))
+    assert "urgent" in ctl.queue, "the most urgent class preempts instead: queued"
+    assert "patient" in ctl.queue, "a class without a TTFT target: queued"
+    assert "base" in ctl.queue, "the base model, which every replica holds: queued"
+
+
+def test_shedding_ends_with_its_window():
+    clock, ctl = shedding_controller(window_s=1.0)
+    clock.now += 1.0
+    ctl.park(ticket("cold", "standard", "rare", at=clock.now))
+    assert "cold" in ctl.queue, "a second after the last refusal for a deadline, a cold request is queued"
+
+
+def test_a_window_of_zero_turns_shedding_off():
+    _, ctl = shedding_controller(window_s=0.0)
+    ctl.park(ticket("cold", "standard", "rare"))
+    assert "cold" in ctl.queue, "with cold_shed_window_s 0 a cold request is queued as any other"
+
+
+def test_one_class_shedding_does_not_shed_another():
+    clock = Clock()
+    shedding = ColdShedding(1.0, clock)
+    shedding.record(CLASSES.get("standard").priority)
+    assert shedding.shedding(1), "the class that refused for its deadline sheds"
+    assert not shedding.shedding(2), "another class does not"
+
+
+def test_the_served_configuration_sheds_for_one_second(monkeypatch):
+    assert ControllerSettings.from_config(ServeConfig()).cold_shed_window_s == 1.0, "default: 1 s"
+    monkeypatch.setenv("LORA_CLUSTER_COLD_SHED_WINDOW_S", "0")
+    assert ControllerSettings.from_config(ServeConfig()).cold_shed_window_s == 0.0, (
+        "LORA_CLUSTER_COLD_SHED_WINDOW_S overrides it")
