@@ -1,4 +1,5 @@
-"""Pure parts of the serving layer, without Ray: routing policy, request mapping, errors, SSE, metrics."""
+"""Pure parts of the serving layer, without Ray: routing policy, request mapping, errors, SSE, metrics; a
+replica (on the tiny engine, outside Serve) whose caller goes away."""
 
 from __future__ import annotations
 
@@ -388,6 +389,90 @@ async def test_leaving_a_coalesced_stream_closes_the_engine_stream():
     await stream.__anext__()
     await stream.aclose()
     await asyncio.wait_for(closed.wait(), 20)  # bounded: fails (TimeoutError) if the source stays open
+
+
+# ----- the replica: a caller going away ------------------------------------------------------------
+
+
+@pytest.fixture
+def replica(demo_zoo, monkeypatch):
+    """A `LoraReplica` outside Ray Serve (its Serve and Ray context faked, the test process's logging
+    left alone) on the tiny demo model, its engine steps slowed to 5 ms at least: a 400-token request
+    runs for 2 s or more, so it is still running when the test's caller goes away."""
+    import time
+    from types import SimpleNamespace
+
+    from lora_cluster.serve import replica as replica_module
+
+    monkeypatch.setattr(replica_module.serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
+    monkeypatch.setattr(replica_module.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=str))
+    monkeypatch.setattr(replica_module, "configure_logging", lambda *args, **kwargs: None)
+    made = replica_module.LoraReplica.func_or_class({
+        "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)], "max_loras": 2,
+        "max_num_seqs": 4, "lora_cpu_native": False})
+    step = made.engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(made.engine, "step", slow_step)
+    yield made
+    made.aengine.shutdown()
+
+
+def _long_job(max_new_tokens: int = 400) -> GenerateJob:
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    return GenerateJob(request_id="gone", prompt="the quick brown fox", adapter_id="a1", sampling=sampling)
+
+
+async def _running(replica) -> int:
+    """Requests the engine runs, asked on its loop after every command already sent to it."""
+    return await replica.aengine.call(lambda engine: engine.stats().num_running)
+
+
+@pytest.mark.parametrize("leave", ["task cancelled", "CancelledError at the yield", "closed at the yield"])
+async def test_a_caller_going_away_aborts_the_request_and_counts_it_as_cancelled(replica, leave):
+    """However the cancellation reaches `generate`: Ray cancels the task that awaits its next item
+    (Serve's default mode), or, while it waits at its `yield`, Serve throws `CancelledError` there or
+    closes it (Serve running user code on its own loop, as in throughput mode). Regression: the two
+    ways at the `yield` were not counted as cancelled, and the abort was left to garbage collection."""
+    import asyncio
+
+    stream = replica.generate(_long_job())
+    first = await asyncio.wait_for(stream.__anext__(), 20)
+    assert not first["finished"], "the request has more tokens to generate"
+    assert await _running(replica) == 1, "the request is generating when its caller goes away"
+    if leave == "task cancelled":
+        async def consume() -> None:
+            async for _ in stream:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    elif leave == "CancelledError at the yield":
+        with pytest.raises(asyncio.CancelledError):
+            await stream.athrow(asyncio.CancelledError())
+    else:
+        await stream.aclose()
+    assert await _running(replica) == 0, "the abort reached the engine before the call ended"
+    assert replica.counts["cancelled"] == 1, "the replica counts the request as cancelled"
+
+
+async def test_a_caller_closing_the_stream_after_its_last_item_cancels_nothing(replica):
+    stream = replica.generate(_long_job(max_new_tokens=4))
+    items = []
+    async for item in stream:
+        items.append(item)
+        if item["finished"]:
+            break  # the caller stops at the last item, before the stream's end
+    await stream.aclose()
+    assert items[-1]["finished"], "the request ran to its end"
+    assert replica.counts["cancelled"] == 0, "a request that ended is not counted as cancelled"
 
 
 def test_an_oversubscribed_replica_loses_ties_so_thrashing_stops():

@@ -5,8 +5,11 @@ join the running batch at the next step, so Ray Serve's `@serve.batch`, which sp
 model id, is not used). `generate` is a streaming method: the ingress calls it through
 `handle.options(stream=True)` and gets one item per engine output (see `protocol`); a job with
 `stream=False` goes to `complete`, the same run as a unary call (its one item is the reply). When the
-caller goes away (client disconnect), Ray cancels the generator, which aborts the request in the
-engine and frees its batch slot.
+caller goes away (client disconnect), Ray cancels the call, which aborts the request in the engine
+and frees its batch slot before the call ends; the replica counts it as `cancelled`. The cancellation
+reaches `generate` in one of two ways: a `CancelledError` where it awaits the engine, or, while it
+waits at a `yield` (Serve running user code on its own loop, as in throughput mode, throws
+`CancelledError` there or closes the generator), a close of the generator (`GeneratorExit`).
 
 `record_routing_stats` reports what the router needs: adapters on the device and loading, free
 adapter and batch slots, running and waiting requests; and, under `classes`, per SLA class: requests
@@ -53,28 +56,31 @@ MAX_PREFETCHES = 4  # adapter prefetches (placement) in flight at once on one re
 async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
     """Wire items of an engine output stream: one per output while the caller keeps up, else the
     outputs that queued up merged into one item (deltas joined). Closing it aborts the request."""
-    async for group in batches(outputs):
-        last = group[-1]
-        item = output_item(last, full=last.finished)
-        if len(group) > 1:
-            item["delta_text"] = "".join(o.delta_text for o in group)
-            item["delta_token_ids"] = [t for o in group for t in o.delta_token_ids]
-            if last.delta_logprobs is not None:
-                item["delta_logprobs"] = [lp for o in group for lp in o.delta_logprobs or ()]
-        yield item
-        if last.finished:
-            return
+    async with contextlib.aclosing(batches(outputs)) as groups:  # closed here, not when collected
+        async for group in groups:
+            last = group[-1]
+            item = output_item(last, full=last.finished)
+            if len(group) > 1:
+                item["delta_text"] = "".join(o.delta_text for o in group)
+                item["delta_token_ids"] = [t for o in group for t in o.delta_token_ids]
+                if last.delta_logprobs is not None:
+                    item["delta_logprobs"] = [lp for o in group for lp in o.delta_logprobs or ()]
+            yield item
+            if last.finished:
+                return
 
 
 async def tracked(outputs: AsyncIterator[RequestOutput],
                   tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
-    """`outputs`, telling `tracker` when the first token and the final output arrive."""
-    async for out in outputs:
-        if out.completion_tokens:
-            tracker.first_token()
-        if out.finished:
-            tracker.finished(out.time_to_first_token, out.completion_tokens)
-        yield out
+    """`outputs`, telling `tracker` when the first token and the final output arrive; closing it
+    closes `outputs` (aborts the request)."""
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            if out.completion_tokens:
+                tracker.first_token()
+            if out.finished:
+                tracker.finished(out.time_to_first_token, out.completion_tokens)
+            yield out
 
 
 @serve.deployment(name="LoraReplica")
@@ -135,6 +141,7 @@ class LoraReplica:
         started = time.monotonic()
         if self.reporter is not None:
             self.reporter.start()
+        ended = False  # the request's final item was produced: a close after it cancels nothing
         try:
             if job.adapter_path is not None and aid is not None:
                 await self._ensure_registered(aid, job.adapter_path)
@@ -143,15 +150,21 @@ class LoraReplica:
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                                     priority=job.priority), tracker)
             if not stream:
-                async for out in outputs:
-                    if out.finished:
-                        yield {**head, **output_item(out, full=True)}
+                async with contextlib.aclosing(outputs):  # a close aborts the request at once
+                    async for out in outputs:
+                        if out.finished:
+                            ended = True
+                            yield {**head, **output_item(out, full=True)}
                 return
-            async for item in coalesce(outputs):
-                yield {**head, **item}
-                head = {}
-        except asyncio.CancelledError:
-            self.counts["cancelled"] += 1
+            async with contextlib.aclosing(coalesce(outputs)) as items:  # a close aborts the request at once
+                async for item in items:
+                    ended = item["finished"]
+                    yield {**head, **item}
+                    head = {}
+        except (asyncio.CancelledError, GeneratorExit):
+            # the caller went away: cancelled where this awaits, or closed at a `yield` (module doc)
+            if not ended:
+                self.counts["cancelled"] += 1
             tracker.cancelled()
             raise
         except LoraClusterError as exc:
