@@ -263,6 +263,18 @@ def test_the_slot_census_accounts_for_every_slot_by_rank_and_state() -> None:
     assert 0.0 <= joined <= 1.0 - result.hit_rate, "a request that joined a fetch under way is no hit"
 
 
+def test_completions_by_rank_account_for_every_measured_request_of_each_class() -> None:
+    result = run(SimConfig(**SMALL, load=2.0, profile="gpu"), PROFILE)
+    by_rank = result.details["completed_by_rank"]
+    for name, tally in result.details["by_class"].items():
+        cells = by_rank[name]
+        assert list(cells) == ["1-1", "2-4", "5-16", "17+"], f"{name}: the census's buckets"
+        assert sum(c["offered"] for c in cells.values()) == tally["offered"], f"{name}: every request offered"
+        assert sum(c["completed"] for c in cells.values()) == tally["completed"], f"{name}: every completion"
+        assert all(c["completed"] <= c["offered"] for c in cells.values()), f"{name}: completed <= offered"
+    assert result.rejected > 0, "at twice the rated load some requests are refused"
+
+
 def test_a_seed_gives_the_same_run() -> None:
     a = run(SimConfig(**SMALL, load=1.5, seed=11), PROFILE)
     b = run(SimConfig(**SMALL, load=1.5, seed=11), PROFILE)

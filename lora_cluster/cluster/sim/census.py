@@ -20,28 +20,35 @@ from lora_cluster.cluster.sim.replica import SimReplica
 DEFAULT_EDGES = (16, 128, 512)  # rank buckets: 1-16, 17-128, 129-512, 513+ (a run passes its own)
 
 
-class SlotCensus:
-    def __init__(self, replicas: Mapping[str, SimReplica], rank: Callable[[str], int], *, loop: EventLoop,
-                 start: float, end: float, period_s: float = 1.0, edges: Sequence[int] = DEFAULT_EDGES):
-        self.replicas, self.rank, self.loop, self.end, self.period_s = replicas, rank, loop, end, period_s
-        self.edges = tuple(edges)
+class RankBuckets:
+    """Adapters by popularity rank: `labels` ("1-16", ..., "513+"), and the label of an adapter."""
+
+    def __init__(self, rank: Callable[[str], int], edges: Sequence[int] = DEFAULT_EDGES):
+        self.rank, self.edges = rank, tuple(edges)
         bounds = (0, *self.edges)
         self.labels = [f"{lo + 1}-{hi}" for lo, hi in zip(bounds, self.edges, strict=False)]
         self.labels.append(f"{self.edges[-1] + 1}+")
-        self.totals = {label: {"running": 0, "cached": 0} for label in self.labels}
-        self.samples = 0
-        loop.at(start, self._sample)
 
-    def _bucket(self, adapter_id: str) -> str:
+    def __call__(self, adapter_id: str) -> str:
         r = self.rank(adapter_id)
         return next((label for label, edge in zip(self.labels, self.edges, strict=False) if r <= edge),
                     self.labels[-1])
+
+
+class SlotCensus:
+    def __init__(self, replicas: Mapping[str, SimReplica], buckets: RankBuckets, *, loop: EventLoop,
+                 start: float, end: float, period_s: float = 1.0):
+        self.replicas, self.buckets, self.loop = replicas, buckets, loop
+        self.end, self.period_s = end, period_s
+        self.totals = {label: {"running": 0, "cached": 0} for label in buckets.labels}
+        self.samples = 0
+        loop.at(start, self._sample)
 
     def _sample(self) -> None:
         self.samples += 1
         for replica in self.replicas.values():
             for adapter_id, refs in replica.adapters.refs.items():
-                self.totals[self._bucket(adapter_id)]["running" if refs else "cached"] += 1
+                self.totals[self.buckets(adapter_id)]["running" if refs else "cached"] += 1
         if self.loop.now + self.period_s < self.end:
             self.loop.after(self.period_s, self._sample)
 

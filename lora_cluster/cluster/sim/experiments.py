@@ -11,7 +11,8 @@
 then `rank_replicas` over them, as `LoraAffinityRouter.choose_replicas` does) at 32 to 1024 replicas.
 
 `table` prints a markdown table (one row per policy and load), then where the adapter slots went
-(`census.SlotCensus`); `sweep` runs the same grid and plots
+(`census.SlotCensus`) and which requests each class completed by the popularity rank of their
+adapter; `sweep` runs the same grid and plots
 SLO attainment (interactive, standard) and hit rate against load (needs matplotlib, which the
 project does not depend on: `pip install matplotlib`); `--save` keeps every run's result as JSON so
 that `render` can redraw without running again. Each run is `simulation.run`, one after another.
@@ -116,6 +117,24 @@ def census_markdown(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def served_markdown(runs: list[dict[str, Any]]) -> str:
+    """Per run and class, the share of the requests completed by the popularity rank of their
+    adapter (`details["completed_by_rank"]`): whom a policy serves under overload, and whom it refuses."""
+    with_ranks = [r for r in runs if r["details"].get("completed_by_rank")]
+    if not with_ranks:
+        return ""
+    labels = list(next(iter(with_ranks[0]["details"]["completed_by_rank"].values())))
+    cols = " | ".join(f"ranks {label}" for label in labels)
+    lines = [f"| policy | load | class | {cols} |", "|" + "---|" * (3 + len(labels))]
+    for r in sorted(with_ranks, key=lambda r: (r["config"]["load"], ORDER.index(r["config"]["policy"]))):
+        for name, cells in r["details"]["completed_by_rank"].items():
+            shares = [f"{_pct(c['completed'] / c['offered'] if c['offered'] else None)} of {c['offered']}"
+                      for c in cells.values()]
+            lines.append(f"| {r['config']['policy']} | {r['config']['load']:g}x | {name} | "
+                         + " | ".join(shares) + " |")
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -215,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nAdapter slots by the popularity rank of their adapter, mean over the run (running: "
               "pinned by running requests; cached: evictable)\n")
         print(census)
+    if served := served_markdown(runs):
+        print("\nShare of each class's requests completed, by the popularity rank of their adapter\n")
+        print(served)
     if args.plot:
         plot(runs, args.plot)
     return 0

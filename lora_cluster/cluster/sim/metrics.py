@@ -13,7 +13,9 @@ cluster queue), `hit_rate` (completed requests whose adapter was on the device o
 ran them when they reached it; `details["joined_load_rate"]`: those whose adapter was not there
 yet but already being fetched there for an earlier request, which cost no load of their own) and
 `adapter_loads` (fetches by the tier they started from, after
-the warm-up, prefetches included).
+the warm-up, prefetches included). With `buckets` (adapters by popularity rank),
+`details["completed_by_rank"]` gives, per class and rank bucket, the requests offered and
+completed: whom a policy serves and whom it refuses, by how popular their adapter is.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_cluster.cluster.class_stats import percentile
 from lora_cluster.cluster.sim.workload import SimRequest
 from lora_cluster.cluster.sla import SlaClasses
+
+if TYPE_CHECKING:
+    from lora_cluster.cluster.sim.census import RankBuckets
 
 TIERS = ("host", "disk", "s3")
 
@@ -53,8 +58,11 @@ class _ClassTally:
 
 
 class Metrics:
-    def __init__(self, classes: SlaClasses, *, measure_from: float, clock: Callable[[], float]):
-        self.measure_from, self._clock = measure_from, clock
+    def __init__(self, classes: SlaClasses, *, measure_from: float, clock: Callable[[], float],
+                 buckets: RankBuckets | None = None):
+        self.measure_from, self._clock, self._buckets = measure_from, clock, buckets
+        # (class, rank bucket) -> [offered, completed]: bounded by classes x buckets
+        self.by_rank: dict[tuple[str, str], list[int]] = {}
         self.classes = {c.name: _ClassTally() for c in classes.classes}
         self.loads: Counter[str] = Counter({t: 0 for t in TIERS})
         self.rejections: Counter[str] = Counter()
@@ -70,6 +78,7 @@ class Metrics:
             return
         tally = self.classes[req.sla.name]
         tally.completed += 1
+        self._count(req, completed=True)
         self.completed += 1
         self.hits += req.hit
         self.joined += req.joined
@@ -83,15 +92,31 @@ class Metrics:
         if req.measured:
             self.classes[req.sla.name].rejected += 1
             self.rejections[reason] += 1
+            self._count(req, completed=False)
+
+    def _count(self, req: SimRequest, *, completed: bool) -> None:
+        if self._buckets is not None:
+            cell = self.by_rank.setdefault((req.sla.name, self._buckets(req.adapter)), [0, 0])
+            cell[0] += 1
+            cell[1] += completed
 
     def load(self, tier: str) -> None:
         if self._clock() >= self.measure_from:
             self.loads[tier] += 1
 
+    def _completed_by_rank(self) -> dict[str, dict[str, dict[str, int]]]:
+        if self._buckets is None:
+            return {}
+        return {name: {label: dict(zip(("offered", "completed"), self.by_rank.get((name, label), (0, 0)),
+                                       strict=True))
+                       for label in self._buckets.labels}
+                for name in self.classes}
+
     def result(self, unfinished: Iterable[SimRequest], wall_s: float, details: dict[str, Any]) -> SimResult:
         for req in unfinished:
             if req.measured:
                 self.classes[req.sla.name].unfinished += 1
+                self._count(req, completed=False)
         out: dict[str, dict[str, float | None]] = {}
         for name, t in self.classes.items():
             offered = t.completed + t.rejected + t.unfinished
@@ -104,7 +129,8 @@ class Metrics:
                    "joined_load_rate": self.joined / self.completed if self.completed else None,
                    "by_class": {n: {"offered": t.completed + t.rejected + t.unfinished,
                                     "completed": t.completed, "rejected": t.rejected, "met": t.met}
-                                for n, t in self.classes.items()}}
+                                for n, t in self.classes.items()},
+                   "completed_by_rank": self._completed_by_rank()}
         return SimResult(completed=self.completed, rejected=rejected,
                          hit_rate=self.hits / self.completed if self.completed else None,
                          adapter_loads={t: self.loads[t] for t in TIERS}, classes=out, wall_s=wall_s,

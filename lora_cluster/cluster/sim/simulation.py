@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from lora_cluster.cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
-from lora_cluster.cluster.sim.census import SlotCensus
+from lora_cluster.cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.cluster.sim.context import Policy, ServeSettings, SimContext
 from lora_cluster.cluster.sim.events import EventLoop
@@ -79,7 +79,10 @@ class Simulation:
                                  classes=[(classes.get(name), share) for name, share in config.mix],
                                  adapter_sizes=profile.adapter_sizes, seed=config.seed,
                                  measure_from=config.warmup)
-        self.metrics = Metrics(classes, measure_from=config.warmup, clock=loop.clock)
+        ranks = {name: k + 1 for k, name in enumerate(self.workload.names)}
+        slots = config.nodes * config.max_loras
+        buckets = RankBuckets(ranks.__getitem__, (max(1, slots // 32), max(2, slots // 4), slots))
+        self.metrics = Metrics(classes, measure_from=config.warmup, clock=loop.clock, buckets=buckets)
         self.replicas = {
             f"r{i:04d}": SimReplica(f"r{i:04d}", profile=profile, max_num_seqs=profile.max_num_seqs,
                                     max_loras=config.max_loras, loop=loop, sizes=self.workload.sizes,
@@ -95,11 +98,8 @@ class Simulation:
         self.policy: Policy = POLICIES[config.policy](self.ctx)
         self.end = config.warmup + config.duration
         self.arrivals = 0
-        ranks = {name: k + 1 for k, name in enumerate(self.workload.names)}
-        slots = config.nodes * config.max_loras
-        self.census = SlotCensus(self.replicas, ranks.__getitem__, loop=loop, start=config.warmup,
-                                 end=self.end, period_s=max(1.0, config.duration / 120),
-                                 edges=(max(1, slots // 32), max(2, slots // 4), slots))
+        self.census = SlotCensus(self.replicas, buckets, loop=loop, start=config.warmup,
+                                 end=self.end, period_s=max(1.0, config.duration / 120))
         self.policy.start()
         loop.at(self.workload.next_at, self._arrive)
 
