@@ -9,9 +9,13 @@ memory. The torch ops cannot read them per token in place: the slot-batched ``bm
 (:mod:`lora_kernels.slot_batch`) gathers each projection's input rows into a padded layout and
 scatters its results back (zero-fill, copy, add), and the gathered BGMV copies the weights. Those
 copies and the ~8 torch calls around each projection cost as much as the weight reads themselves
-(docs/bench_decode.md). The kernel makes one pass per token, split over torch's intra-op threads:
+(docs/bench_decode.md). The kernel makes one pass per token, on the calling thread (OpenMP over
+tokens measured no faster on two cores, which share the memory bandwidth):
 ``h = A[s, :r] x`` (r dot products), then ``out[t] += h B[s, :r]`` (r axpys), reading nothing but
-the token's input, its adapter's rank rows and its output row.
+the token's input, its adapter's rank rows and its output row. Rank rows go four at a time (four
+independent sums per load of the input, one load and store of the output row per four rows), and
+the start of the next token's rows is prefetched while the current one is summed: 1.2-1.3x faster
+per step's weights than one row at a time (``benchmarks/bench_native_kernel.py``).
 
 Policy: :func:`lora_kernels.cpu.add_lora` calls it for decode-like batches (many short segments,
 ``slot_batch.decode_like``; the span of slots does not matter, no padding is read), when :func:`load`
@@ -22,7 +26,9 @@ BLAS, which amortises each adapter's weights over many rows.
 Built by :func:`load` with ``torch.utils.cpp_extension`` from ``cpu_native.cpp`` beside this file:
 it needs a C++ compiler and ninja, takes ~30 s once, and is cached by torch (in
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, see :func:`build_folder`). Compiled
-with ``-O3`` and no ``-march`` flag, so that a cached build runs on any CPU of the architecture.
+with ``-O3`` and no ``-march`` flag, so that a cached build runs on any CPU of the architecture; on
+x86-64 with GCC the per-token function is cloned for x86-64-v4 (AVX-512) and v3 (AVX2, FMA) and
+the clone for the CPU at hand is chosen when the module loads (``target_clones``).
 Without a compiler, :func:`load` returns False with the reason in :func:`load_error`, and the
 torch ops are used. Torch guards the build folder with a lock file that every load, cached or not,
 waits for without a time limit; a process killed while building leaves it behind, so :func:`load`
