@@ -5,30 +5,13 @@ replica holds are refused first."""
 from __future__ import annotations
 
 import pytest
+from test_cluster_policies import CLASSES, Clock, ticket
 
-from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import Controller, ControllerSettings
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.shedding import ColdShedding
-from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError, ColdAdapterShedError, DeadlineOutOfReachError
-
-CLASSES = SlaClasses()  # interactive 0 / 1 s, standard 1 / 5 s, batch 2 / none
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def ticket(tid: str, cls: str, adapter: str | None, at: float = 100.0) -> Ticket:
-    sla = CLASSES.get(cls)
-    return Ticket(tid, "ingress-1", sla.name, sla.priority, adapter, at,
-                  None if sla.ttft_s is None else at + sla.ttft_s, sla.ttft_s)
 
 
 def shedding_controller(window_s: float = 1.0) -> tuple[Clock, Controller]:
@@ -41,10 +24,10 @@ def shedding_controller(window_s: float = 1.0) -> tuple[Clock, Controller]:
                              free_adapter_slots=0, resident=("held",), loading=("warming",),
                              running_by_priority={1: 1}))
     ctl.queue.drain.record(1)
-    ctl.park(ticket("s0", "standard", "held"))
-    ctl.park(ticket("s1", "standard", "held"))
+    ctl.park(ticket("s0", "standard", 100.0, "held"))
+    ctl.park(ticket("s1", "standard", 100.0, "held"))
     with pytest.raises(DeadlineOutOfReachError):
-        ctl.park(ticket("s2", "standard", "held"))
+        ctl.park(ticket("s2", "standard", 100.0, "held"))
     ctl.cancel("s0")
     ctl.cancel("s1")
     return clock, ctl
@@ -53,7 +36,7 @@ def shedding_controller(window_s: float = 1.0) -> tuple[Clock, Controller]:
 def test_a_shedding_class_refuses_a_request_whose_adapter_no_replica_holds():
     _, ctl = shedding_controller()
     with pytest.raises(ColdAdapterShedError) as info:
-        ctl.park(ticket("cold", "standard", "rare"))
+        ctl.park(ticket("cold", "standard", 100.0, "rare"))
     assert "'rare'" in str(info.value), f"the refusal names the adapter: {info.value}"
     assert "standard" in str(info.value), f"the refusal names the class: {info.value}"
     assert "cold_shed_window_s" in str(info.value), f"the refusal names the setting: {info.value}"
@@ -64,8 +47,8 @@ def test_a_shedding_class_refuses_a_request_whose_adapter_no_replica_holds():
 
 def test_a_shedding_class_still_queues_requests_whose_adapter_a_replica_holds_or_loads():
     _, ctl = shedding_controller()
-    ctl.park(ticket("hit", "standard", "held"))
-    ctl.park(ticket("loading", "standard", "warming"))
+    ctl.park(ticket("hit", "standard", 100.0, "held"))
+    ctl.park(ticket("loading", "standard", 100.0, "warming"))
     assert "hit" in ctl.queue, "an adapter resident on a replica: queued"
     assert "loading" in ctl.queue, "an adapter a replica is loading: queued"
 
@@ -73,9 +56,9 @@ def test_a_shedding_class_still_queues_requests_whose_adapter_a_replica_holds_or
 def test_the_most_urgent_class_batch_and_the_base_model_are_never_shed():
     _, ctl = shedding_controller()
     ctl.shedding.record(CLASSES.get("interactive").priority)  # as if the top class shed too
-    ctl.park(ticket("urgent", "interactive", "rare"))
-    ctl.park(ticket("patient", "batch", "rare"))
-    ctl.park(ticket("base", "standard", None))
+    ctl.park(ticket("urgent", "interactive", 100.0, "rare"))
+    ctl.park(ticket("patient", "batch", 100.0, "rare"))
+    ctl.park(ticket("base", "standard", 100.0, None))
     assert "urgent" in ctl.queue, "the most urgent class preempts instead: queued"
     assert "patient" in ctl.queue, "a class without a TTFT target: queued"
     assert "base" in ctl.queue, "the base model, which every replica holds: queued"
@@ -84,13 +67,13 @@ def test_the_most_urgent_class_batch_and_the_base_model_are_never_shed():
 def test_shedding_ends_with_its_window():
     clock, ctl = shedding_controller(window_s=1.0)
     clock.now += 1.0
-    ctl.park(ticket("cold", "standard", "rare", at=clock.now))
+    ctl.park(ticket("cold", "standard", clock.now, "rare"))
     assert "cold" in ctl.queue, "a second after the last refusal for a deadline, a cold request is queued"
 
 
 def test_a_window_of_zero_turns_shedding_off():
     _, ctl = shedding_controller(window_s=0.0)
-    ctl.park(ticket("cold", "standard", "rare"))
+    ctl.park(ticket("cold", "standard", 100.0, "rare"))
     assert "cold" in ctl.queue, "with cold_shed_window_s 0 a cold request is queued as any other"
 
 
