@@ -324,6 +324,32 @@ def test_native_kernel_takes_decode_batches_whatever_their_span(native_kernel: N
     assert not slot_batch.decode_like(prefill), "4 segments of 16 tokens: the segment loop"
 
 
+def test_native_kernel_shares_torch_s_openmp_runtime(native_kernel: None) -> None:
+    """Built with OpenMP only where torch's own libgomp.so.1 is loaded, so that no second runtime
+    enters the process; its tokens then split over torch's threads with the same result."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "gomp" in line}
+    assert len(runtimes) <= 1, f"one OpenMP runtime in the process at most: {sorted(runtimes)}"
+    if runtimes:
+        assert native.openmp_flags() == ["-fopenmp"], "torch's libgomp.so.1 is loaded: the kernel uses it"
+    gen = torch.Generator().manual_seed(5)
+    a, b = _pool(8, gen)
+    meta = build_lora_meta(torch.tensor(list(range(N_SLOTS - 1)) * 2), _ranks(8))
+    x = torch.randn(2 * (N_SLOTS - 1), K, generator=gen)
+    want = torch.zeros(x.shape[0], N)
+    ref.add_lora(want, x, a, b, meta)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = torch.zeros_like(want)
+            native.add_lora(got, x, a, b, meta)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, n=n: f"{n} threads: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_kernel_refuses_malformed_segments(native_kernel: None) -> None:
     """A bad index is a RuntimeError naming the problem, never a write out of bounds."""
     gen = torch.Generator().manual_seed(4)

@@ -93,7 +93,10 @@ void add_lora(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
   const float* B = b_t.data_ptr<float>();
   const int64_t os = out.stride(0), xs = x.stride(0), as0 = a.stride(0), as1 = a.stride(1);
   const int64_t bs0 = b_t.stride(0), bs1 = b_t.stride(1);
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+  // tokens split over torch's intra-op threads when built with OpenMP (native.py), in blocks of at
+  // least GRAIN tokens: a token's work (~2 us) is about the cost of waking a thread
+  constexpr int64_t GRAIN = 4;
+  at::parallel_for(0, T, GRAIN, [&](int64_t begin, int64_t end) {
     std::vector<float> h(R);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t s = slot[t], r = rank[t];

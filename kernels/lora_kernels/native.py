@@ -9,8 +9,8 @@ memory. The torch ops cannot read them per token in place: the slot-batched ``bm
 (:mod:`lora_kernels.slot_batch`) gathers each projection's input rows into a padded layout and
 scatters its results back (zero-fill, copy, add), and the gathered BGMV copies the weights. Those
 copies and the ~8 torch calls around each projection cost as much as the weight reads themselves
-(docs/bench_decode.md). The kernel makes one pass per token, on the calling thread (OpenMP over
-tokens measured no faster on two cores, which share the memory bandwidth):
+(docs/bench_decode.md). The kernel makes one pass per token, the tokens split over torch's
+intra-op threads (:func:`openmp_flags`):
 ``h = A[s, :r] x`` (r dot products), then ``out[t] += h B[s, :r]`` (r axpys), reading nothing but
 the token's input, its adapter's rank rows and its output row. Rank rows go four at a time (four
 independent sums per load of the input, one load and store of the output row per four rows), and
@@ -49,7 +49,10 @@ from torch import Tensor
 
 from .meta import LoraMeta
 
-__all__ = ["add_lora", "build_folder", "clear_stale_lock", "load", "load_error", "loaded", "supports"]
+__all__ = [
+    "add_lora", "build_folder", "clear_stale_lock", "load", "load_error", "loaded", "openmp_flags",
+    "supports",
+]
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 NAME = "lora_cluster_cpu_lora"
@@ -71,14 +74,31 @@ def load() -> bool:
                 folder = build_folder()
                 folder.mkdir(parents=True, exist_ok=True)
                 clear_stale_lock(folder)
+                omp = openmp_flags()
                 _module = cpp_extension.load(
-                    name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"],
-                    build_directory=str(folder), verbose=False,
+                    name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", *(omp or ["-fopenmp-simd"])],
+                    extra_ldflags=omp, build_directory=str(folder), verbose=False,
                 )  # fmt: skip
             except Exception as e:  # no compiler, no ninja, a failed build: the torch ops stay
                 last = (str(e).strip().splitlines() or [""])[-1]
                 _error = f"{type(e).__name__}: {last}"
         return _module is not None
+
+
+def openmp_flags() -> list[str]:
+    """``["-fopenmp"]`` when this process has GNU OpenMP loaded as ``libgomp.so.1`` (torch's own
+    runtime, which torch loads with itself), else ``[]``. The kernel built with it links
+    ``libgomp.so.1``, which the loader then finds already loaded: its tokens are split over the
+    threads of torch's own OpenMP runtime, the ones torch's matmuls use, and no second runtime
+    enters the process. Elsewhere (another runtime, another platform) it is built without OpenMP
+    and runs on the calling thread. Two threads read a step's weights 1.6x faster than one here
+    (``benchmarks/bench_native_kernel.py --threads 2``)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    loaded = {Path(line.split()[-1]).name for line in maps.splitlines() if "gomp" in line}
+    return ["-fopenmp"] if loaded == {"libgomp.so.1"} else []
 
 
 def build_folder() -> Path:
