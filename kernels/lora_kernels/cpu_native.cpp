@@ -106,10 +106,11 @@ void add_lora(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
       if (t + 1 < end && slot[t + 1] >= 0) {
         const char* na = reinterpret_cast<const char*>(A + slot[t + 1] * as0);
         const char* nb = reinterpret_cast<const char*>(B + slot[t + 1] * bs0);
-        const int64_t nr = rank[t + 1];
+        const int64_t nr = rank[t + 1], na_bytes = std::min<int64_t>(512, K * 4);
+        const int64_t nb_bytes = std::min<int64_t>(512, N * 4);  // within the row
         for (int64_t j = 0; j < nr; ++j) {
-          for (int64_t off = 0; off < 512; off += 64) __builtin_prefetch(na + j * as1 * 4 + off);
-          for (int64_t off = 0; off < 512; off += 64) __builtin_prefetch(nb + j * bs1 * 4 + off);
+          for (int64_t off = 0; off < na_bytes; off += 64) __builtin_prefetch(na + j * as1 * 4 + off);
+          for (int64_t off = 0; off < nb_bytes; off += 64) __builtin_prefetch(nb + j * bs1 * 4 + off);
         }
       }
       token_lora(O + t * os, X + t * xs, A + s * as0, as1, B + s * bs0, bs1, K, N, r, h.data());
