@@ -19,12 +19,15 @@ It returns every replica as its own rank, best first; Serve takes the first one 
 
 The latest reports are also published in-process (`affinity.replica_stats`) for /metrics and /debug.
 Ray pickles this module *by value* into every process that routes, so it keeps no module state.
+Placement ages are measured on a monotonic clock (`time.monotonic` unless `initialize_state` is given
+another): a wall-clock step, back or forward, neither keeps a placement alive nor expires it early.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -48,15 +51,18 @@ class LoraAffinityRouter(RequestRouter):
         super().__init__(*args, **kwargs)
         self.initialize_state()
 
-    def initialize_state(self, miss_cost: float = 4.0, placement_ttl_s: float = 5.0, **_: Any) -> None:
-        """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* fields)."""
+    def initialize_state(self, miss_cost: float = 4.0, placement_ttl_s: float = 5.0,
+                         clock: Callable[[], float] = time.monotonic, **_: Any) -> None:
+        """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* fields).
+        `clock`: seconds on a monotonic clock, for placement ages (a test injects its own)."""
         self._miss_cost = float(miss_cost)
+        self._clock = clock
         self._placements = PlacementTracker(ttl_s=float(placement_ttl_s))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         stats = {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
-        self._placements.prune(stats, time.time())
+        self._placements.prune(stats, self._clock())
         publish_replica_stats(*deployment_key(self), stats)
 
     def _ongoing(self, replica: RunningReplica) -> int:
@@ -79,7 +85,7 @@ class LoraAffinityRouter(RequestRouter):
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             if pinned or isinstance(pending_request.args[0], ToReplica):
                 return [pinned]  # an admin call waits for its replica; a granted job is not stranded
-        now = time.time()
+        now = self._clock()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         placed = set(placement_table(*deployment_key(self)).get(adapter_id, ())) if adapter_id else set()
         views = [self._placements.view(rid, r.routing_stats or {}, self._ongoing(r), now,
@@ -92,4 +98,4 @@ class LoraAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         adapter_id, _ = routing_key(pending_request.args)
-        self._placements.record(replica_id.unique_id, adapter_id, time.time())
+        self._placements.record(replica_id.unique_id, adapter_id, self._clock())
