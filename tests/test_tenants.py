@@ -64,10 +64,11 @@ class ZooDispatcher(FakeDispatcher):
 
 @contextlib.asynccontextmanager
 async def tenant_app(tenants_file: Path, dispatcher: Any, period_s: float = 60.0,
-                     ) -> AsyncIterator[httpx.AsyncClient]:
-    """The app with `tenants_file` in force (re-read every `period_s`)."""
+                     watcher: TenantsWatcher | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with `tenants_file` in force (re-read every `period_s`), or `watcher`'s when given."""
     config = ServeConfig(model="base")
-    watcher = TenantsWatcher(str(tenants_file), ("interactive", "standard", "batch"), period_s)
+    if watcher is None:
+        watcher = TenantsWatcher(str(tenants_file), ("interactive", "standard", "batch"), period_s)
     ctx = ApiContext(config=config, tokenizer=FakeTokenizer(), dispatcher=dispatcher, tenants=watcher)
     transport = httpx.ASGITransport(app=build_fastapi(ctx))
     try:
@@ -288,7 +289,8 @@ async def test_the_tenants_class_is_its_default_and_its_most_urgent(tenants_file
 
 async def test_a_key_rotated_by_editing_the_file_takes_effect_without_a_restart(tenants_file):
     body = {**COMPLETION, "model": "fin-a"}
-    async with tenant_app(tenants_file, ZooDispatcher(), period_s=0.05) as client:
+    watcher = TenantsWatcher(str(tenants_file), ("interactive", "standard", "batch"), 0.05)
+    async with tenant_app(tenants_file, ZooDispatcher(), watcher=watcher) as client:
         before = await client.post("/v1/completions", json=body, headers=bearer(FIN_KEY))
         tenants_file.write_text(tenants_yaml(fin_key="sk-fin-rotated"))
         deadline = time.monotonic() + BOUND_S
@@ -298,11 +300,16 @@ async def test_a_key_rotated_by_editing_the_file_takes_effect_without_a_restart(
             rotated = await client.post("/v1/completions", json=body, headers=bearer("sk-fin-rotated"))
         old = await client.post("/v1/completions", json=body, headers=bearer(FIN_KEY))
         tenants_file.write_text("tenants: [{broken")  # a broken edit keeps the last good file
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + BOUND_S
+        while watcher.errors == 0 and time.monotonic() < deadline:  # until the watcher has read it
+            await asyncio.sleep(0.05)
         still = await client.post("/v1/completions", json=body, headers=bearer("sk-fin-rotated"))
     assert before.status_code == 200, f"the first key works: {before.text}"
     assert rotated.status_code == 200, f"the new key works once the file changed: {rotated.text}"
     assert old.status_code == 401, f"the old key no longer works: {old.text}"
+    assert (watcher.reloads, watcher.errors) == (1, 1), (
+        f"the watcher took the rotated file and refused the broken one: {watcher.reloads} reloads, "
+        f"{watcher.errors} errors")
     assert still.status_code == 200, f"a broken edit leaves the last good file in force: {still.text}"
 
 
