@@ -1,4 +1,7 @@
-"""Deployment manifests: serve_config.yaml and the KubeRay RayService carry valid application args."""
+"""Deployment manifests: serve_config.yaml and the KubeRay RayService carry valid application args,
+and every manifest of deploy/k8s validates against the KubeRay and Prometheus Operator CRDs (the
+team's `validate_k8s.py` and the CRDs it reads, vendored in `tools/` and `specs/`, so that the check
+runs on every clone)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import yaml
 from lora_cluster.config import ServeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-VALIDATOR = ROOT.parent / "shared" / "tools" / "validate_k8s.py"
+VALIDATOR = ROOT / "tools" / "validate_k8s.py"
 
 
 def _apps(serve_config: dict) -> list[dict]:
@@ -40,17 +43,30 @@ def test_rayservice_args_are_serve_config_fields() -> None:
     )
 
 
-@pytest.mark.skipif(not VALIDATOR.exists(), reason="shared/tools/validate_k8s.py is not beside the checkout")
+def _validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(VALIDATOR), str(path)], capture_output=True, text=True,
+                          check=False, timeout=300)
+
+
 def test_rayservice_manifest_validates_against_kuberay_crd() -> None:
-    result = subprocess.run(
-        [sys.executable, str(VALIDATOR), str(ROOT / "deploy/k8s")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = _validate(ROOT / "deploy/k8s")
     assert result.returncode == 0, (
         f"deploy/k8s validates against the KubeRay CRD:\n{result.stdout}{result.stderr}"
     )
+    checked = [line for line in result.stdout.splitlines() if " CRD " in line]
+    assert any("RayService/lora-cluster " in line for line in checked), f"RayService checked: {checked}"
+    assert any("PodMonitor/" in line for line in checked), f"the PodMonitor was checked: {checked}"
+
+
+def test_the_validator_refuses_a_field_the_crd_does_not_declare(tmp_path: Path) -> None:
+    docs = _docs("deploy/k8s/rayservice.yaml")
+    service = next(d for d in docs if d["kind"] == "RayService")
+    service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParamz"] = {}
+    manifest = tmp_path / "rayservice.yaml"
+    manifest.write_text(yaml.safe_dump(service))
+    result = _validate(manifest)
+    assert result.returncode == 1, f"an undeclared field fails validation: {result.stdout}{result.stderr}"
+    assert "rayStartParamz" in result.stdout, f"the failure names the field: {result.stdout}"
 
 
 # ----- observability and autoscaling (issue 11) -------------------------------------------------
@@ -110,6 +126,21 @@ def test_the_pod_monitor_scrapes_the_ingress_once_and_every_ray_pod():
     assert (keep["action"], keep["regex"]) == ("keep", "head"), "the ingress is scraped through the head only"
     ports = [{p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])} for t in templates]
     assert all("metrics" in p for p in ports), "every Ray pod exposes Ray's metrics port"
+
+
+def test_metrics_stay_off_the_public_port_and_the_pod_monitor_sends_a_key():
+    service = next(d for d in _docs("deploy/k8s/rayservice.yaml") if d["kind"] == "RayService")
+    (app,) = _apps(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    open_routes = ServeConfig(**app["args"]).open_routes
+    assert open_routes == ["/health"], f"only the probes' route answers without a key: {open_routes}"
+    assert ServeConfig(model="m").open_routes == ["/health"], "and so does the default"
+    docs = _docs("deploy/k8s/monitoring.yaml")
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    serve = next(e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "serve")
+    credentials = serve["authorization"]["credentials"]
+    assert serve["authorization"]["type"] == "Bearer", "Prometheus sends `Authorization: Bearer <key>`"
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    assert credentials["key"] in secrets[credentials["name"]]["stringData"], "the key is in a Secret"
 
 
 def test_rayservice_autoscales_replicas_and_gpu_workers():
