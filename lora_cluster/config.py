@@ -643,6 +643,15 @@ class ServeConfig(EngineConfig):
     tenants_reload_period_s: float = Field(
         2.0, gt=0, description="How often the ingress looks for a changed tenants file (in a thread)."
     )
+    open_routes: list[str] = Field(
+        default_factory=lambda: ["/health"],
+        description="Routes (path templates, e.g. /health) answered without an API key while a tenants "
+        "file is in force. Default: /health only (probes), safe behind a public ingress. Every other "
+        "route needs a key: /openapi.json, /docs and /redoc any known key, /metrics an admin key (its "
+        "`adapter` and `tenant` labels name every tenant's adapters). List one here only when the "
+        "port is not public. A name that is not a route of the API stops the ingress from starting. "
+        "Without a tenants file every route is open. Environment: a JSON list.",
+    )
     quota_lease_s: float = Field(
         1.0,
         gt=0,
@@ -671,6 +680,14 @@ class ServeConfig(EngineConfig):
     max_prompts: int = Field(
         16, ge=1, le=4096, description="Most prompts in one /v1/completions request (400 above)."
     )
+
+    @field_validator("open_routes")
+    @classmethod
+    def _open_routes_are_paths(cls, value: list[str]) -> list[str]:
+        bad = [route for route in value if not route.startswith("/")]
+        if bad:
+            raise ValueError(f"open_routes lists {bad[0]!r}, which is not a path (it starts with '/')")
+        return value
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod

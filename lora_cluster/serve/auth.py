@@ -3,12 +3,17 @@
 Without a tenants file (`tenants_file` unset) every route is open, as before. With one, every route
 is in one of three kinds, by its path template (default deny: a route not listed is admin-only):
 
-* open (`OPEN_ROUTES`): `/health` (probes) and `/metrics` (Prometheus; it names adapters, so keep it
-  on the cluster network), no key needed;
-* tenant (`TENANT_ROUTES`): the generation routes and `/v1/models`: any known key (a tenant's or
-  an admin's); a tenant reaches only the adapters its patterns match (see `ApiContext.adapter_for`);
+* open: the routes of the `open_routes` setting (default `/health` only, for probes), no key needed;
+* tenant (`TENANT_ROUTES`): the generation routes, `/v1/models`, and the API's description
+  (`/openapi.json`, `/docs`, `/redoc`): any known key (a tenant's or an admin's); a tenant reaches
+  only the adapters its patterns match (see `ApiContext.adapter_for`);
 * admin: everything else (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/cluster`,
-  `/debug/replicas`, ...): an admin key; a tenant key gets 403.
+  `/debug/replicas`, `/metrics`, whose `adapter` and `tenant` labels name every tenant's adapters
+  and tenants, ...): an admin key; a tenant key gets 403.
+
+The description routes are the app's own routes (`serve.openapi.install_openapi`), so the app-wide
+dependency covers them like any other; a route Starlette serves outside FastAPI's routing would
+escape it, which is why FastAPI's built-in ones are turned off.
 
 The key comes from `Authorization: Bearer <key>` (what the `openai` client sends) or `x-api-key`;
 none is 401 `missing_api_key`, an unknown one 401 `invalid_api_key`. Keys are never logged or
@@ -25,6 +30,7 @@ frees the tenant's concurrency slot.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -37,9 +43,8 @@ from lora_cluster.tenancy.tenants import OPEN, Directory, Principal
 log = logging.getLogger(__name__)
 
 HEADER_API_KEY = "x-api-key"
-OPEN_ROUTES = frozenset({"/health", "/metrics"})
 TENANT_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
-                           "/generate_stream", "/"})
+                           "/generate_stream", "/", "/openapi.json", "/docs", "/redoc"})
 _SLOT = "lora_cluster.callers"  # ASGI scope key: CallerMiddleware's list of the request's Callers
 _CALLER = "lora_cluster.caller"  # ASGI scope key: the request's Caller (set by the Authenticator)
 ANONYMOUS = Principal(tenant=None, admin=False)  # an open route's caller when keys are required
@@ -108,8 +113,19 @@ class Caller:
 class Authenticator:
     """The app-wide dependency: the request's `Caller`, or 401/403 (see the module docstring)."""
 
-    def __init__(self, tenants: TenantsSource | None, quotas: Quotas | None = None):
+    def __init__(self, tenants: TenantsSource | None, quotas: Quotas | None = None,
+                 open_routes: Collection[str] = ("/health",)):
         self.tenants, self.quotas = tenants, quotas
+        self.open_routes = frozenset(open_routes)
+
+    @property
+    def secured(self) -> bool:
+        """Whether API keys are required (on every route but the open ones)."""
+        return self.tenants is not None
+
+    def is_open(self, path: str) -> bool:
+        """Whether the route with this path template answers without a key."""
+        return not self.secured or path in self.open_routes
 
     async def __call__(self, request: Request) -> Caller:
         caller = Caller(self._principal(request), self.quotas)
@@ -123,7 +139,7 @@ class Authenticator:
         if self.tenants is None:
             return OPEN
         path = getattr(request.scope.get("route"), "path", None)
-        if path in OPEN_ROUTES:
+        if path in self.open_routes:
             return ANONYMOUS
         key = api_key(request)
         if key is None:

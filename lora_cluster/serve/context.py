@@ -70,7 +70,7 @@ class ApiContext:
         if self.encode_threads < 1:
             raise ConfigError(f"encode_threads must be at least 1, got {self.encode_threads}")
         self.sla = build_sla_classes(self.config)
-        self.authenticate = Authenticator(self.tenants, self.quotas)
+        self.authenticate = Authenticator(self.tenants, self.quotas, self.config.open_routes)
         self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="lora-ingress-encode")
 
     def close(self) -> None:

@@ -77,7 +77,8 @@ class MetricsMiddleware:
 def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     """The API app; `echo_request_id=False` under Ray Serve, whose proxy already echoes `x-request-id`."""
     app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.",
-                  dependencies=[Depends(ctx.authenticate)])  # THE auth dependency, every route (serve.auth)
+                  dependencies=[Depends(ctx.authenticate)],  # THE auth dependency, every route (serve.auth)
+                  openapi_url=None, docs_url=None, redoc_url=None)  # served as app routes (serve.openapi)
     install_handlers(app)
     app.add_middleware(CallerMiddleware)  # closes each request's Caller once its response is over
     app.add_middleware(BodyLimitsMiddleware, max_bytes=ctx.config.max_body_bytes,
@@ -88,7 +89,7 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
     # the schema declares every status, body and content type, and the SLA classes (serve.openapi)
-    install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes])
+    install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate)
     return app
 
 

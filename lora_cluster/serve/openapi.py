@@ -9,7 +9,12 @@ removes FastAPI's automatic 422 entries: validation errors are answered 400 (`ht
 
 Which status means what is `http_errors`'s table; here is only which route can answer which.
 Authentication (401) and admin-only routes (403) apply when a tenants file is configured; the
-body limit (413) to every request with a body.
+body limit (413) to every request with a body. With a tenants file the schema also declares the two
+ways to send a key (`securitySchemes`: bearer and `x-api-key`), required on every route except
+the `open_routes`, which declare none; every route that needs a key lists 401 and 403.
+
+The schema and its pages (`/openapi.json`, `/docs`, `/redoc`) are served by routes of the app
+itself (`install_openapi`), not by FastAPI's built-in ones, so that authentication covers them.
 """
 
 from __future__ import annotations
@@ -18,8 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
+from lora_cluster.errors import ConfigError
+from lora_cluster.serve.auth import HEADER_API_KEY, Authenticator
 from lora_cluster.serve.context import HEADER_PRIORITY
 
 
@@ -100,18 +109,71 @@ ADMIN_VIEW = errors(400, 401, 403, 503)
 HEALTH = errors(503)
 
 
-def install_openapi(app: FastAPI, priority_classes: Sequence[str] = ()) -> None:
-    """Serve the schema without FastAPI's automatic 422 entries (validation errors are 400 here), with
+SCHEMA_URL = "/openapi.json"
+DESCRIPTION_ROUTES = (SCHEMA_URL, "/docs", "/redoc")
+SECURITY_SCHEMES = {
+    "bearer": {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer <key>`."},
+    "apiKey": {"type": "apiKey", "in": "header", "name": HEADER_API_KEY,
+               "description": "`x-api-key: <key>`."},
+}
+_KEY_REQUIRED = [{"bearer": []}, {"apiKey": []}]  # either header
+
+
+def _describe_routes(app: FastAPI, schema: Any) -> None:
+    """`/openapi.json`, `/docs` and `/redoc` as the app's own routes (not in the schema)."""
+
+    @app.get(SCHEMA_URL, include_in_schema=False)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(schema())
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=SCHEMA_URL, title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url=SCHEMA_URL, title=f"{app.title} - ReDoc")
+
+
+def _check_open_routes(app: FastAPI, auth: Authenticator) -> None:
+    """Every open route is a route of the app (a typo would otherwise leave nothing open, silently)."""
+    paths = {*app.openapi().get("paths", {}), *DESCRIPTION_ROUTES}
+    unknown = sorted(auth.open_routes - paths)
+    if unknown:
+        raise ConfigError(f"open_routes lists {', '.join(unknown)}, which is not a route of the API "
+                          f"(routes: {', '.join(sorted(paths))})")
+
+
+def _declare_auth(path: str, operation: dict[str, Any], auth: Authenticator | None) -> None:
+    if auth is None or auth.is_open(path):
+        return
+    operation["security"] = _KEY_REQUIRED
+    responses = operation.setdefault("responses", {})
+    for status, entry in errors(401, 403).items():
+        if str(status) not in responses:
+            responses[str(status)] = {"description": entry["description"], "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+
+
+def install_openapi(app: FastAPI, priority_classes: Sequence[str] = (), auth: Authenticator | None = None,
+                    ) -> None:
+    """Serve the schema (`/openapi.json`, `/docs`, `/redoc`: build the app with FastAPI's own turned
+    off) without FastAPI's automatic 422 entries (validation errors are 400 here), with
     every error body as application/json (FastAPI files an error model under the route's own media
-    type, e.g. text/event-stream for /generate_stream), and with the configured SLA class names as
-    the values the `x-lora-priority` header may take (another name is a 400)."""
+    type, e.g. text/event-stream for /generate_stream), with the configured SLA class names as
+    the values the `x-lora-priority` header may take (another name is a 400), and, when `auth`
+    requires keys, the key headers on every route but the open ones. ConfigError when an open
+    route is not a route of the app."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
-            for path in schema.get("paths", {}).values():
+            if auth is not None and auth.secured:
+                schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+            for route, path in schema.get("paths", {}).items():
                 for operation in path.values():
+                    _declare_auth(route, operation, auth if auth is not None and auth.secured else None)
                     for parameter in operation.get("parameters", ()):
                         if parameter.get("name") == HEADER_PRIORITY and priority_classes:
                             parameter["schema"] = {"type": "string", "enum": list(priority_classes)}
@@ -130,3 +192,6 @@ def install_openapi(app: FastAPI, priority_classes: Sequence[str] = ()) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    _describe_routes(app, openapi)
+    if auth is not None:
+        _check_open_routes(app, auth)
