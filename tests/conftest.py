@@ -131,6 +131,7 @@ class TcpProxy:
         self.port = self.listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
         self.dead = False
+        self.connections = 0  # connections accepted, over restarts
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -143,6 +144,7 @@ class TcpProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            self.connections += 1
             upstream = socket.create_connection(self.target)
             self._sockets += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
