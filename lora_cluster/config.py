@@ -260,16 +260,19 @@ class EngineConfig(BaseSettings):
 
     # ----- overload protection: circuit breakers (lora_cluster.breaker, docs/serving.md#breakers) -----
     breakers: bool = Field(
-        True, description="Run the circuit breakers (adapter switch rate, device load latency, "
-        "adapter sources, routing errors); false turns every one of them off."
+        True, description="Run overload protection: the adapter protection that chooses without idling "
+        "(victims by recent demand, one-off cold loads behind repeated ones, the thrash miss penalty the "
+        "router weighs) with seed 001's switch-rate and load-latency alerts, and the adapter-source and "
+        "routing-error breakers; false turns every one of them off (plain LRU placement)."
     )
     breaker_switch_warn_per_s: float = Field(
-        3.0, gt=0, description="Adapter switches (adapters placed into a device slot) per second on one "
-        "replica at which its switch-rate breaker warns."
+        3.0, gt=0, description="Adapter switches (adapters placed into a device slot that held another) "
+        "per second on one replica at which its switch-rate alert warns (an alert only: work goes on)."
     )
     breaker_switch_trip_per_s: float = Field(
-        5.0, gt=0, description="Switches per second at which it opens: the replica stops placing cold "
-        "adapters (their requests wait; the router sends misses to other replicas)."
+        5.0, gt=0, description="Switches per second at which the switch-rate alert turns critical (state "
+        "open in metrics and logs). An alert only: cold adapters are still placed; thrash is judged by its "
+        "measured cost (docs/serving.md#adapter-protection)."
     )
     breaker_switch_recover_per_s: float = Field(
         2.0, gt=0, description="Switch rate below which the breaker recovers, once it held "
@@ -283,11 +286,11 @@ class EngineConfig(BaseSettings):
     )
     breaker_load_warn_ms: float = Field(
         50.0, gt=0, description="Latency of placing one adapter's weights into a device slot at which "
-        "the replica's load-latency breaker warns."
+        "the replica's load-latency alert warns (an alert only: work goes on)."
     )
     breaker_load_trip_ms: float = Field(
-        100.0, gt=0, description="Load latency at which it opens: the replica places no cold adapters "
-        "until a probe load after the cool-down is fast again."
+        100.0, gt=0, description="Load latency at which the load-latency alert turns critical (state open) "
+        "until loads after the cool-down are fast again. An alert only: cold adapters are still placed."
     )
     breaker_load_recover_ms: float = Field(
         30.0, gt=0, description="Load latency below which a probe load counts towards recovery."
@@ -304,8 +307,8 @@ class EngineConfig(BaseSettings):
         10.0, ge=0, description="How long a source's breaker stays open before one probe load may try it."
     )
     breaker_cooldown_s: float = Field(
-        5.0, ge=0, description="How long the switch-rate, load-latency and routing-error breakers stay "
-        "open before they probe (half-open)."
+        5.0, ge=0, description="How long the routing-error breaker stays open before it probes (half-open), "
+        "and the switch-rate and load-latency alerts stay critical before they may clear."
     )
 
     # ----- adapter rotation and prefetch (lora_cluster.engine.adapter_rotation, issue 12 part 1) -----

@@ -155,56 +155,92 @@ def _guard(clock: Clock, **overrides: object) -> AdapterGuard:
     return AdapterGuard(config, clock)
 
 
-def test_guard_stops_switches_at_five_per_second_but_fills_empty_slots() -> None:
+def test_switch_rate_alert_warns_at_three_and_opens_at_five_per_second() -> None:
     clock = Clock()
     guard = _guard(clock)
-    for i in range(5):
-        assert guard.may_place(evicts=True), f"switch {i} allowed below 5/s"
+    for _ in range(3):
         guard.placed(0.001, evicted=True)
-    assert not guard.may_place(evicts=True), "the 6th switch within a second is refused"
-    assert guard.may_place(evicts=False), "placing into an empty slot is no switch"
+    assert guard.alerting()["adapter_switch_rate"] is BreakerState.WARN, "3 switches within 1 s: warning"
     guard.placed(0.001, evicted=False)
-    assert not guard.takes_cold(), "the replica reports that it takes no cold adapters"
-    assert guard.snapshot()["adapter_switch_rate"]["state"] == "open", "the snapshot shows the state"
+    assert guard.alerting()["adapter_switch_rate"] is BreakerState.WARN, "filling an empty slot is no switch"
+    for _ in range(2):
+        guard.placed(0.001, evicted=True)
+    assert guard.alerting()["adapter_switch_rate"] is BreakerState.OPEN, "5 switches within 1 s: critical"
+    assert guard.snapshot()["adapter_switch_rate"]["state"] == "open", "the snapshot shows the alert"
+    assert guard.snapshot()["adapter_switch_rate"]["trips"] == 1, "the alert counts one trip"
 
 
-def test_guard_switch_breaker_probes_after_the_cooldown_and_closes_after_the_quiet_period() -> None:
+def test_switch_rate_alert_clears_after_the_quiet_period() -> None:
     clock = Clock()
     guard = _guard(clock)
     for _ in range(5):
-        guard.may_place(evicts=True)
         guard.placed(0.001, evicted=True)
     clock.now += 5
-    assert guard.may_place(evicts=True), "half-open: one switch may probe"
-    guard.placed(0.001, evicted=True)
-    assert guard.switches.state is BreakerState.HALF_OPEN, "one switch per second keeps it half-open"
-    clock.now += 31
-    assert guard.takes_cold(), "a quiet replica takes cold adapters again"
-    assert guard.switches.state is BreakerState.CLOSED, "after 30 s under 2/s the breaker closes"
+    assert guard.alerting()["adapter_switch_rate"] is BreakerState.HALF_OPEN, "cool-down over: recovering"
+    clock.now += 30
+    assert guard.alerting()["adapter_switch_rate"] is BreakerState.CLOSED, "30 s under 2/s clears it"
 
 
-def test_guard_load_latency_breaker_stops_every_cold_placement() -> None:
+def test_load_latency_alert_warns_at_fifty_and_opens_at_a_hundred_ms() -> None:
     clock = Clock()
     guard = _guard(clock)
-    assert guard.may_place(evicts=False), "closed: a cold placement is allowed"
-    guard.placed(0.12, evicted=False)
-    assert not guard.may_place(evicts=False), "a 120 ms load opens it: no cold placement at all"
+    guard.placed(0.049, evicted=False)
+    assert guard.alerting()["adapter_load_latency"] is BreakerState.CLOSED, "49 ms: no alert"
+    guard.placed(0.050, evicted=False)
+    assert guard.alerting()["adapter_load_latency"] is BreakerState.WARN, "50 ms: warning"
+    guard.placed(0.100, evicted=False)
+    assert guard.alerting()["adapter_load_latency"] is BreakerState.OPEN, "100 ms: critical"
     clock.now += 5
-    assert guard.may_place(evicts=False), "after the cool-down a probe load passes"
-    assert not guard.may_place(evicts=False), "only one probe at a time"
-    guard.not_placed(evicts=False)
-    assert guard.may_place(evicts=False), "a probe that did not happen gives its place back"
+    for _ in range(10):
+        guard.placed(0.010, evicted=False)
+    assert guard.alerting()["adapter_load_latency"] is BreakerState.CLOSED, "10 loads under 30 ms clear it"
 
 
-def test_guard_off_allows_everything() -> None:
+def test_alerts_log_every_state_change(caplog: pytest.LogCaptureFixture) -> None:
+    guard = _guard(Clock())
+    with caplog.at_level("WARNING", logger="lora_cluster.engine.adapter_guard"):
+        guard.placed(0.120, evicted=False)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("adapter_load_latency" in m and "open" in m for m in messages), "the alert's opening is logged"
+
+
+def test_thrash_is_judged_by_the_measured_cost_of_switches() -> None:
+    clock = Clock()
+    guard = _guard(clock)  # 2 loader workers: thrash at 0.5 * 2 / load time switches per second
+    for _ in range(20):
+        guard.stepped(0.05)
+    guard.placed(0.001, evicted=False, fetch_s=0.199)
+    assert guard.thrash.switch_budget_per_s() == pytest.approx(5.0), "200 ms loads: thrash from 5 switches/s"
+    assert guard.miss_penalty() == 0.0, "one load into an empty slot is no thrash"
+    for _ in range(50):  # 5 switches/s over the 10 s window
+        guard.placed(0.001, evicted=True, fetch_s=0.199)
+    assert guard.miss_penalty() == 1.0, "switches that take half the loaders' time: misses better elsewhere"
+    clock.now += 11
+    assert guard.miss_penalty() == 0.0, "the window passed: no thrash"
+
+
+def test_fast_switches_are_no_thrash_although_the_switch_rate_alert_fires() -> None:
+    clock = Clock()
+    guard = _guard(clock)
+    for _ in range(20):
+        guard.stepped(0.05)
+    for _ in range(60):  # 6 switches/s of 1 ms loads
+        guard.placed(0.0005, evicted=True, fetch_s=0.0005)
+        clock.now += 0.1
+    assert guard.alerting()["adapter_switch_rate"] is not BreakerState.CLOSED, "the seed 001 alert fires"
+    assert guard.miss_penalty() == 0.0, "1 ms switches cost the replica almost nothing: no miss penalty"
+
+
+def test_breakers_off_turns_alerts_and_thrash_off() -> None:
     guard = _guard(Clock(), breakers=False)
     for _ in range(20):
-        assert guard.may_place(evicts=True), "breakers: false never refuses"
-        guard.placed(1.0, evicted=True)
-    assert guard.takes_cold(), "and always takes cold adapters"
+        guard.placed(1.0, evicted=True, fetch_s=1.0)
+    assert guard.alerting() == {"adapter_switch_rate": BreakerState.CLOSED,
+                                "adapter_load_latency": BreakerState.CLOSED}, "breakers: false: no alert"
+    assert guard.miss_penalty() == 0.0, "and no miss penalty"
 
 
-# ----- the adapter breakers in a real engine (tiny demo model, CPU) ---------------------------------
+# ----- the adapter alerts in a real engine (tiny demo model, CPU) -----------------------------------
 
 PROMPT = "the quick brown fox"
 
@@ -227,7 +263,7 @@ def _engine(demo_zoo, **breakers: object):
                   max_lora_rank=32, breaker_cooldown_s=3.0, **breakers)
 
 
-def test_engine_switch_breaker_holds_cold_adapters_while_resident_ones_serve(demo_zoo) -> None:
+def test_engine_switch_rate_alert_fires_while_cold_adapters_keep_being_placed(demo_zoo) -> None:
     from lora_cluster.engine import SamplingParams
 
     engine = _engine(demo_zoo, breaker_switch_warn_per_s=1, breaker_switch_trip_per_s=1,
@@ -237,30 +273,29 @@ def test_engine_switch_breaker_holds_cold_adapters_while_resident_ones_serve(dem
     assert engine.stats().breakers["adapter_switch_rate"]["trips"] == 1, "1 switch/s reaches trip=1"
     engine.add_request("cold", PROMPT, "a4", sp)
     engine.add_request("hot", PROMPT, "a3", sp)
-    seen = _run_until(engine, "hot")
-    assert not any(o.request_id == "cold" and o.token_ids for o in seen), \
-        "the cold adapter (it would evict) waits while the breaker is open"
-    assert not engine.stats().takes_cold, "the engine reports that it takes no cold adapters"
-    _run_until(engine, "cold")
-    assert "a4" in engine.stats().resident_adapters, "after the cool-down a probe switch places it"
+    seen = _run_until(engine, "cold", bound_s=2.9)  # within the cool-down
+    assert any(o.request_id == "cold" and o.token_ids for o in seen), \
+        "the cold adapter is placed at once although the switch-rate alert is open"
+    assert engine.stats().breakers["adapter_switch_rate"]["trips"] >= 1, "the alert was reported open"
+    assert "a4" in engine.stats().resident_adapters, "the cold adapter took a slot"
     engine.close()
 
 
-def test_engine_load_latency_breaker_stops_cold_loads_until_a_probe(demo_zoo) -> None:
+def test_engine_load_latency_alert_fires_while_cold_loads_go_on(demo_zoo) -> None:
     from lora_cluster.engine import SamplingParams
 
-    tiny = 1e-6  # every placement is slower than this: the first one opens the breaker
+    tiny = 1e-6  # every placement is slower than this: the first one opens the alert
     engine = _engine(demo_zoo, breaker_load_warn_ms=tiny, breaker_load_trip_ms=tiny,
                      breaker_load_recover_ms=tiny)
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     engine.generate([PROMPT], adapter_ids=["a0"], sampling=sp)
-    assert engine.stats().breakers["adapter_load_latency"]["trips"] == 1, "a slow load opens it"
-    engine.add_request("cold", PROMPT, "a1", sp)  # an empty slot is free, but no cold load runs now
-    engine.add_request("hot", PROMPT, "a0", sp)
-    seen = _run_until(engine, "hot")
-    assert not any(o.request_id == "cold" and o.token_ids for o in seen), "the cold load waits"
-    _run_until(engine, "cold")
-    assert engine.stats().breakers["adapter_load_latency"]["trips"] >= 2, "the slow probe opened it again"
+    assert engine.stats().breakers["adapter_load_latency"]["state"] == "open", "a slow load opens the alert"
+    engine.add_request("cold", PROMPT, "a1", sp)  # an empty slot is free: the cold load runs now
+    seen = _run_until(engine, "cold", bound_s=2.9)  # within the cool-down
+    assert any(o.request_id == "cold" and o.token_ids for o in seen), "the cold load did not wait"
+    assert engine.stats().breakers["adapter_load_latency"]["state"] == "open", "the alert still reports it"
+    snap = engine.counters_snapshot()
+    assert snap["placements"] == 2, "both adapters were placed"
     engine.close()
 
 

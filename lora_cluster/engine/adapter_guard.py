@@ -1,22 +1,30 @@
-"""The engine's two adapter breakers (seed 001): adapter switch rate and device-load latency.
+"""The engine's adapter protection: seed 001's alerts, and the cost of thrash that protection acts on.
 
-* Switch rate: a *switch* is a cold adapter placed into a device slot that held another adapter
-  (an eviction; filling an empty slot is no switch). Measured as switches per second over
-  `breaker_switch_window_s`; warns at `breaker_switch_warn_per_s` (3/s), opens at
-  `breaker_switch_trip_per_s` (5/s). Open: the engine makes no switch: a request whose adapter would
-  need one waits in the engine's queue (requests of resident adapters and of empty slots go on), and
-  the replica reports `takes_cold: false`, so the router sends misses to other replicas. After
-  `breaker_cooldown_s` it probes (one switch at a time); it closes once the rate stayed below
-  `breaker_switch_recover_per_s` (2/s) for `breaker_switch_recover_s` (30 s); a probe that pushes the
-  rate back to 2/s opens it again.
-* Load latency: the wall time of copying one adapter's weights into its device slot (on CUDA this
-  includes staging from host memory; fetching from a source is guarded by the sources' breakers).
-  Warns at `breaker_load_warn_ms` (50 ms), opens at `breaker_load_trip_ms` (100 ms). Open: the
-  engine places no cold adapter at all (the same waiting and routing as above). After the cool-down
-  one probe load at a time; `breaker_load_recover_loads` (10) probes in a row under
-  `breaker_load_recover_ms` (30 ms) close it, a slower probe opens it again.
+Protection never idles the batch (docs/serving.md#adapter-protection): a cold adapter is placed as
+soon as a slot is free or held by an adapter no request wants. What protection does, it does by
+choosing (`adapter_residency`: which adapter to evict, which cold loads run first and how many at
+once; the router: which replica a miss goes to). This object measures; it refuses nothing.
 
-Called from the step loop only (no locks); pure apart from the injected clock.
+* Seed 001's figures are **alerts**: two `Breaker` state machines keep their names, levels and
+  states (metrics, routing-stats `breakers`, a log line on every change, the PrometheusRule in
+  deploy/k8s), and no longer hold work back.
+  - `adapter_switch_rate`: a *switch* is a cold adapter placed into a device slot that held another
+    adapter (filling an empty slot is no switch), per second over `breaker_switch_window_s`; warn
+    at `breaker_switch_warn_per_s` (3/s), open (alerting) at `breaker_switch_trip_per_s` (5/s); back
+    to closed once the rate stayed below `breaker_switch_recover_per_s` (2/s) for
+    `breaker_switch_recover_s` (30 s) after the cool-down.
+  - `adapter_load_latency`: the wall time of placing one adapter's weights into its device slot;
+    warn at `breaker_load_warn_ms` (50 ms), open at `breaker_load_trip_ms` (100 ms); closed again
+    after the cool-down by `breaker_load_recover_loads` (10) loads in a row under
+    `breaker_load_recover_ms` (30 ms).
+* Thrash is judged by its cost (`adapter_thrash.ThrashMeter`: the share of step time spent placing
+  adapters and of loader time spent on switches, thresholds from this replica's measured load and
+  step time). Its `miss_penalty` is reported to the router, a soft score: misses go to a replica
+  that is not thrashing when one is as good otherwise, and come here when none is.
+
+`breakers: false` turns the alerts and the protection choices off (plain LRU placement, every
+cold load in arrival order). Called from the step loop only (no locks); pure apart from the
+injected clock.
 """
 
 from __future__ import annotations
@@ -28,12 +36,13 @@ from typing import Any
 
 from lora_cluster.breaker import Breaker, BreakerState, BreakerThresholds, EventRate
 from lora_cluster.config import EngineConfig
+from lora_cluster.engine.adapter_thrash import ThrashMeter
 
 log = logging.getLogger(__name__)
 
 
 class AdapterGuard:
-    """May the engine place a cold adapter now? (see the module docstring)"""
+    """Seed 001's adapter alerts and the thrash meter (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
         self.enabled = config.breakers
@@ -46,65 +55,50 @@ class AdapterGuard:
             warn=config.breaker_load_warn_ms, trip=config.breaker_load_trip_ms,
             recover_below=config.breaker_load_recover_ms, recover_samples=config.breaker_load_recover_loads,
             cooldown_s=config.breaker_cooldown_s, reopen_at=config.breaker_load_trip_ms), clock)
+        self.thrash = ThrashMeter(config.adapter_load_workers, clock=clock)
         self._last = {b.name: BreakerState.CLOSED for b in (self.switches, self.loads)}
 
-    def may_place(self, evicts: bool) -> bool:
-        """Whether a cold adapter may be placed now (`evicts`: it takes another adapter's slot). A
-        True answer may take a half-open probe: follow it with `placed` or `not_placed`."""
-        if not self.enabled:
-            return True
-        if not self.loads.allow():
-            return False
-        if not evicts:
-            return True
-        self._observe_rate()
-        if not self.switches.allow():
-            self._release(self.loads)
-            return False
-        return True
-
-    def placed(self, seconds: float, evicted: bool) -> None:
-        """A cold adapter went into a slot in `seconds` (`evicted`: it replaced another adapter)."""
+    def placed(self, seconds: float, evicted: bool, fetch_s: float = 0.0) -> None:
+        """A cold adapter went into a slot in `seconds` (`evicted`: it replaced another adapter),
+        after a host fetch of `fetch_s` seconds."""
         if not self.enabled:
             return
+        self.thrash.loaded(fetch_s, seconds, evicted=evicted)
         self._record(self.loads, seconds * 1000.0)
         if evicted:
             self.rate.add()
-            self._observe_rate()
-
-    def not_placed(self, evicts: bool) -> None:
-        """`may_place` said yes but the placement did not happen (its probes are given back)."""
-        if self.enabled:
-            self._release(self.loads)
-            if evicts:
-                self._release(self.switches)
-
-    def takes_cold(self) -> bool:
-        """Whether cold adapters are placed here now (for the router; takes no probe)."""
-        if not self.enabled:
-            return True
         self._observe_rate()
-        return self.switches.state is not BreakerState.OPEN and self.loads.state is not BreakerState.OPEN
+
+    def stepped(self, seconds: float) -> None:
+        """The engine ran a batch for `seconds` (the step time thrash is measured against)."""
+        if self.enabled:
+            self.thrash.step(seconds)
+
+    def alerting(self) -> dict[str, BreakerState]:
+        """The state of each seed 001 alert (OPEN: at or past its trip level)."""
+        if self.enabled:
+            self._observe_rate()
+        return {b.name: b.state for b in (self.switches, self.loads)}
+
+    def miss_penalty(self) -> float:
+        """The router's soft score for sending a miss here: 0 (fine) .. 1 (in thrash, better elsewhere)."""
+        return self.thrash.miss_penalty() if self.enabled else 0.0
 
     def snapshot(self) -> dict[str, Any]:
+        if self.enabled:
+            self._observe_rate()
         return {b.name: b.snapshot() for b in (self.switches, self.loads)}
 
-    def _observe_rate(self) -> None:
-        """Feed the current switch rate (so that a quiet replica recovers). In half-open a feed is a
-        probe result: it needs no place of its own."""
-        breaker = self.switches
-        if breaker.state is BreakerState.HALF_OPEN:
-            breaker.allow()  # the measurement below settles it at once
-        self._record(breaker, self.rate.rate())
+    def thrash_snapshot(self) -> dict[str, Any]:
+        return self.thrash.snapshot() if self.enabled else {}
 
-    @staticmethod
-    def _release(breaker: Breaker) -> None:
-        if breaker.state is BreakerState.HALF_OPEN:
-            breaker.release()
+    def _observe_rate(self) -> None:
+        """Feed the current switch rate (so that a quiet replica's alert clears)."""
+        self._record(self.switches, self.rate.rate())
 
     def _record(self, breaker: Breaker, level: float) -> None:
         state = breaker.record(level)
         if state is not self._last[breaker.name]:
-            log.warning("breaker %s: %s -> %s (level %.3g)", breaker.name, self._last[breaker.name].value,
-                        state.value, level)
+            log.warning("adapter alert %s: %s -> %s (level %.3g)", breaker.name,
+                        self._last[breaker.name].value, state.value, level)
             self._last[breaker.name] = state

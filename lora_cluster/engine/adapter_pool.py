@@ -122,6 +122,12 @@ class AdapterPool:
     def can_allocate(self) -> bool:
         return self._victim() is not None
 
+    def next_victim(self) -> str | None:
+        """The adapter the next `reserve` would evict; None when an empty slot is free or no slot can
+        be taken (`can_allocate` tells which)."""
+        slot = self._victim()
+        return None if slot is None else self._owner[slot]
+
     @property
     def num_free(self) -> int:
         """Slots that an allocation could use now (empty or unreferenced)."""

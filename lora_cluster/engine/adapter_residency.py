@@ -12,8 +12,15 @@ The engine's scheduler asks `acquire(seq, may_claim_slot)` for each waiting sequ
   sequence is blocked);
 - a failed fetch fails every sequence waiting for that adapter in the same step (FAILED, with
   the adapter's error); the next request for it tries again;
-- while an adapter breaker (`adapter_guard`: switch rate, load latency) is open, fetched weights
-  are not placed and the sequence stays PENDING (the others go on);
+- adapter protection (`guard` enabled, docs/serving.md#adapter-protection) chooses and never idles:
+  fetched weights are placed at once into a free slot or one whose adapter no request wants. It
+  chooses the victim (idle one-offs before adapters with repeated demand, `adapter_demand`), the
+  order and number of cold loads (a one-off's fetch queues behind repeated adapters' fetches of the
+  same priority; at most `workers - 1` one-off fetches run at once, so a repeated adapter's reload
+  always finds a worker), and holds a one-off whose placement would evict an adapter with repeated
+  demand while a one-off's slot frees anyway (its requests all run), for at most `HOLD_SHARE` of
+  its class's adapter wait bound (PENDING: the others go on, the batch runs). Seed 001's switch
+  rate and load latency are alerts (`adapter_guard`), fed with every placement;
 - weights of at least `adapter_async_copy_bytes` are copied into their reserved slot off the step
   thread (`adapter_copier`): the sequence is PENDING until the copy is committed.
 
@@ -45,11 +52,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from lora_cluster.adapter_format import LoraWeights
 from lora_cluster.engine.adapter_copier import AdapterCopier
+from lora_cluster.engine.adapter_demand import DemandTracker
 from lora_cluster.engine.adapter_guard import AdapterGuard
 from lora_cluster.engine.adapter_pool import AdapterPool
 from lora_cluster.engine.adapter_rotation import AdapterRotation, Resident, RotationSlotPolicy
@@ -63,26 +71,33 @@ from lora_cluster.errors import AdapterError, EngineOverloadedError
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_PREFETCHES = 64  # prefetches (start_load, rotation) waiting for a loader worker at once
+HOLD_SHARE = 0.25  # share of a class's adapter wait bound a one-off may be held to spare a repeated adapter
 
 
 class AdapterResidency:
     def __init__(self, loader: AdapterLoader, pool: AdapterPool, workers: int,
                  guard: AdapterGuard | None = None, *, rotation: AdapterRotation | None = None,
                  copier: AdapterCopier | None = None, pinned: Iterable[str] = (),
-                 counters: EngineCounters | None = None):
+                 counters: EngineCounters | None = None, clock: Callable[[], float] = time.monotonic):
         self.loader, self.pool, self.guard = loader, pool, guard
+        self.protect = guard is not None and guard.enabled  # the choices of the module docstring
+        self._clock = clock
+        self.demand = DemandTracker(clock=clock)
         self.counters = counters or EngineCounters()  # placements and switches, for metrics
         self.rotation, self._pinned = rotation, frozenset(pinned)
         self.copier = copier or AdapterCopier.inline(pool)
         self._draining: frozenset[str] = frozenset()
-        self._queue = FetchQueue(workers, max_prefetches=MAX_QUEUED_PREFETCHES)
+        self._queue = FetchQueue(workers, max_prefetches=MAX_QUEUED_PREFETCHES,
+                                 max_cold_running=max(1, workers - 1) if self.protect else None)
+        self._fetch_s: dict[str, float] = {}  # seconds of each finished fetch (written by the workers)
         self._loads: dict[str, Future[LoraWeights]] = {}  # host fetches in flight or done, not yet on device
         self._requests: dict[str, dict[int, int]] = {}  # adapter -> priority -> unfinished requests
         self._explicit: set[str] = set()  # fetches started by `start_load` (an admin call awaits them)
         self._failed: dict[str, AdapterError] = {}  # failures seen during the current step
         if rotation is not None:
             pool.policy = RotationSlotPolicy(pool.policy, rotation, self._requests.__contains__,
-                                             self._draining_now)
+                                             self._draining_now,
+                                             demand=self.demand.repeated if self.protect else None)
 
     # ----- fetches --------------------------------------------------------------------------
 
@@ -92,12 +107,20 @@ class AdapterResidency:
         future = self._loads.get(adapter_id)
         if future is not None and self._is_stale(adapter_id, future):
             future = None
+        cold = self.protect and priority < PREFETCH and not self.demand.repeated(adapter_id)
         if future is None:
-            future = self._queue.submit(self.loader.load, adapter_id, priority)
+            future = self._queue.submit(self._timed_load, adapter_id, priority, cold=cold)
             self._loads[adapter_id] = future
         elif not future.done():
-            self._queue.raise_priority(future, priority)
+            self._queue.raise_priority(future, priority, cold=cold)
         return future
+
+    def _timed_load(self, adapter_id: str) -> LoraWeights:
+        """`loader.load` on a worker, its duration kept for the thrash meter."""
+        start = time.perf_counter()
+        weights = self.loader.load(adapter_id)
+        self._fetch_s[adapter_id] = time.perf_counter() - start
+        return weights
 
     def start_load(self, adapter_id: str) -> Future[LoraWeights]:
         """`fetch` for a caller that awaits the result without a request (kept until the next step),
@@ -161,8 +184,9 @@ class AdapterResidency:
             return Gate.BLOCKED
         if not self.pool.can_allocate() and not self._evict_for(seq.priority):
             return Gate.BLOCKED
-        if not self._place(weights):
-            return Gate.PENDING  # a breaker holds cold placements: wait, without holding up the others
+        if self._holds(seq):
+            return Gate.PENDING  # spares a repeated adapter while a slot frees anyway; the others go on
+        self._place(weights)
         del self._loads[aid]
         self._explicit.discard(aid)
         if self.copier.copying(aid):
@@ -191,22 +215,39 @@ class AdapterResidency:
         victim = busy_victim(self._holders(), priority)
         return None if victim is None else self.pool.slot_of(victim)
 
-    def _place(self, weights: LoraWeights) -> bool:
-        """Put fetched weights into a slot, if the adapter breakers (`guard`) allow it now."""
-        if self.guard is None:
-            self._copy(weights)
-            return True
-        evicts = len(self.pool.resident()) >= self.pool.num_slots
-        if not self.guard.may_place(evicts):
+    def hold_bound(self, priority: int) -> float:
+        """Seconds a one-off request of `priority` may be held to spare an adapter with repeated
+        demand: `HOLD_SHARE` of its class's adapter wait bound (0 without rotation)."""
+        return 0.0 if self.rotation is None else HOLD_SHARE * self.rotation.wait_bound(priority)
+
+    def _holds(self, seq: Sequence) -> bool:
+        """Whether to hold `seq` (a one-off) rather than evict an idle adapter with repeated demand:
+        only while the slot of a busy one-off that no waiting request wants frees anyway, and within
+        `hold_bound`. A free slot or an idle one-off's slot is always taken at once."""
+        if seq.adapter_id is None or not self._would_evict_repeated(seq.adapter_id):
             return False
+        if self._clock() - seq.arrival >= self.hold_bound(seq.priority):
+            return False
+        return any(self.pool.refs(a) > 0 and not self.demand.repeated(a)
+                   and sum(self._requests.get(a, {}).values()) <= self.pool.refs(a)
+                   for a in self.pool.resident())
+
+    def _would_evict_repeated(self, adapter_id: str) -> bool:
+        """Protection on, `adapter_id` is a one-off and placing it now would evict an adapter with
+        repeated demand."""
+        if not self.protect or self.demand.repeated(adapter_id):
+            return False
+        victim = self.pool.next_victim()
+        return victim is not None and self.demand.repeated(victim)
+
+    def _place(self, weights: LoraWeights) -> None:
+        """Put fetched weights into a slot; the placement feeds the alerts and the thrash meter."""
+        evicts = len(self.pool.resident()) >= self.pool.num_slots
         start = time.perf_counter()
-        try:
-            self._copy(weights)
-        except BaseException:
-            self.guard.not_placed(evicts)
-            raise
-        self.guard.placed(time.perf_counter() - start, evicts)
-        return True
+        self._copy(weights)
+        if self.guard is not None:
+            fetch_s = self._fetch_s.pop(weights.adapter_id, 0.0)
+            self.guard.placed(time.perf_counter() - start, evicts, fetch_s)
 
     def _copy(self, weights: LoraWeights) -> None:
         """`copier.place(weights)`, counted in `counters` (a switch when it takes another adapter's slot)."""
@@ -237,6 +278,7 @@ class AdapterResidency:
             return
         wanted = self._requests.setdefault(adapter_id, {})
         wanted[priority] = wanted.get(priority, 0) + 1
+        self.demand.record(adapter_id)
         self.loader.request_started(adapter_id)
         if self.pool.version_of(adapter_id) != self.loader.version(adapter_id):
             self.fetch(adapter_id, priority)
@@ -275,6 +317,8 @@ class AdapterResidency:
         self._failed.clear()
         self._settle_copies()
         self._explicit = {a for a in self._explicit if a in self._loads and not self._loads[a].done()}
+        for adapter_id in [a for a in self._fetch_s if a not in self._loads]:
+            self._fetch_s.pop(adapter_id, None)
         for adapter_id in [a for a, f in self._loads.items() if f.done()]:
             self._let_go(adapter_id)
         if self.rotation is not None:
@@ -312,9 +356,11 @@ class AdapterResidency:
             return  # enough prefetches wait already: its requests' own fetch brings it
         if not future.done() or future.exception() is not None or not self.pool.can_allocate():
             return
-        if self._place(future.result()):
-            del self._loads[adapter_id]
-            self._explicit.discard(adapter_id)
+        if self._would_evict_repeated(adapter_id):
+            return  # speculative: its request's own placement decides (`_holds`)
+        self._place(future.result())
+        del self._loads[adapter_id]
+        self._explicit.discard(adapter_id)
 
     # ----- queries and commands -------------------------------------------------------------
 

@@ -166,12 +166,15 @@ class RotationSlotPolicy:
 
     Protected: adapters with an unfinished request (`wanted`), and what the loader protects
     (pinned), unless rotation drains them; victims by the loader's priority, then least recently
-    used. Placements and removals are reported to the rotation and to the loader's policy."""
+    used; with `demand` (adapter protection: has the adapter repeated recent demand?), adapters
+    without repeated demand go first. Placements and removals are reported to the rotation and to
+    the loader's policy."""
 
     def __init__(self, inner: SlotPolicy | None, rotation: AdapterRotation,
-                 wanted: Callable[[str], bool], draining: Callable[[str], bool]):
+                 wanted: Callable[[str], bool], draining: Callable[[str], bool],
+                 demand: Callable[[str], bool] | None = None):
         self.inner, self.rotation = inner, rotation
-        self._wanted, self._draining = wanted, draining
+        self._wanted, self._draining, self._demand = wanted, draining, demand
 
     def protected(self, adapter_id: str) -> bool:
         if self._draining(adapter_id):
@@ -179,7 +182,9 @@ class RotationSlotPolicy:
         return self._wanted(adapter_id) or (self.inner is not None and self.inner.protected(adapter_id))
 
     def priority(self, adapter_id: str) -> float:
-        return 0.0 if self.inner is None else self.inner.priority(adapter_id)
+        """The loader's priority (in [0, 1]), plus 1 for repeated demand when `demand` is given."""
+        inner = 0.0 if self.inner is None else self.inner.priority(adapter_id)
+        return inner + (1.0 if self._demand is not None and self._demand(adapter_id) else 0.0)
 
     def on_device(self, adapter_id: str, resident: bool) -> None:
         (self.rotation.placed if resident else self.rotation.removed)(adapter_id)

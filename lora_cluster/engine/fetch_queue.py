@@ -6,6 +6,12 @@ prefetches (priority `PREFETCH`: placement's `start_load`, rotation's device pre
 every request's fetch. `raise_priority` moves a queued fetch up when a more urgent request wants
 it (never down). A fetch already running is never interrupted.
 
+Cold fetches (adapter protection: a one-off adapter's, see `adapter_demand`) go after the other
+fetches of the same priority, and with `max_cold_running` at most that many of them run at once:
+a worker that finds only cold fetches beyond that number waits for a warm one, so that a reload of
+an adapter with repeated demand never queues behind a storm of one-off loads. A cold fetch that a
+repeated adapter's request wants becomes warm (`raise_priority(..., cold=False)`).
+
 Futures are plain `concurrent.futures.Future`s (`wait`, `result` as usual); `cancel(future)` takes a
 queued fetch out of the queue (False once it runs).
 
@@ -34,24 +40,28 @@ class _Job:
     key: str
     priority: int
     order: int
+    cold: bool = False
     future: Future = field(default_factory=Future)
 
 
 class FetchQueue:
     """A bounded priority queue of fetches served by `workers` daemon threads (see the module docstring)."""
 
-    def __init__(self, workers: int, *, max_prefetches: int, name: str = "adapter-load"):
-        self.max_prefetches = max_prefetches
+    def __init__(self, workers: int, *, max_prefetches: int, name: str = "adapter-load",
+                 max_cold_running: int | None = None):
+        self.max_prefetches, self.max_cold_running = max_prefetches, max_cold_running
+        self._cold_running = 0
         self._cv = threading.Condition()
-        self._heap: list[tuple[int, int, _Job]] = []
+        self._heap: list[tuple[int, bool, int, _Job]] = []
         self._queued: dict[Future, _Job] = {}  # jobs in the heap
         self._orders = itertools.count()
         self._closed = False
         for i in range(workers):
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
 
-    def submit(self, fn: Callable[[str], Any], key: str, priority: int) -> Future:
-        """Queue `fn(key)` at `priority` (lower runs first; `PREFETCH` for prefetches)."""
+    def submit(self, fn: Callable[[str], Any], key: str, priority: int, *, cold: bool = False) -> Future:
+        """Queue `fn(key)` at `priority` (lower runs first; `PREFETCH` for prefetches); `cold`: after
+        the warm fetches of its priority, and within `max_cold_running`."""
         with self._cv:
             if self._closed:
                 raise RuntimeError("the fetch queue is closed")
@@ -60,34 +70,38 @@ class FetchQueue:
                     f"prefetch of adapter {key!r} refused: {self.max_prefetches} prefetches already "
                     f"wait for a loader worker"
                 )
-            job = _Job(fn, key, priority, next(self._orders))
+            job = _Job(fn, key, priority, next(self._orders), cold)
             self._queued[job.future] = job
-            heapq.heappush(self._heap, (job.priority, job.order, job))
+            heapq.heappush(self._heap, (job.priority, job.cold, job.order, job))
             self._cv.notify()
         return job.future
 
-    def raise_priority(self, future: Future, priority: int) -> None:
-        """A request of `priority` wants the queued fetch `future`: it moves up if that is more urgent."""
+    def raise_priority(self, future: Future, priority: int, *, cold: bool = True) -> None:
+        """A request of `priority` wants the queued fetch `future`: it moves up if that is more urgent
+        (a warm request makes a cold fetch warm)."""
         with self._cv:
             job = self._queued.get(future)
-            if job is None or priority >= job.priority:
+            if job is None or (priority, cold) >= (job.priority, job.cold):
                 return
-            job.priority = priority
-            self._heap = [(j.priority, j.order, j) for j in self._queued.values()]
-            heapq.heapify(self._heap)
+            job.priority, job.cold = min(priority, job.priority), job.cold and cold
+            self._reheap()
+            self._cv.notify_all()
 
     def cancel(self, future: Future) -> bool:
         """Take a queued fetch out of the queue and cancel it; False when it already runs or ran."""
         with self._cv:
             if self._queued.pop(future, None) is not None:
-                self._heap = [(j.priority, j.order, j) for j in self._queued.values()]
-                heapq.heapify(self._heap)
+                self._reheap()
         return future.cancel()
+
+    def _reheap(self) -> None:
+        self._heap = [(j.priority, j.cold, j.order, j) for j in self._queued.values()]
+        heapq.heapify(self._heap)
 
     def queued(self) -> list[str]:
         """Keys of the queued fetches in the order workers will take them (for tests and debugging)."""
         with self._cv:
-            return [j.key for _, _, j in sorted(self._heap, key=lambda e: e[:2])]
+            return [e[3].key for e in sorted(self._heap, key=lambda e: e[:3])]
 
     def close(self) -> None:
         """Cancel queued fetches and let the workers end (running fetches finish on their own)."""
@@ -102,23 +116,41 @@ class FetchQueue:
     def _num_prefetches(self) -> int:
         return sum(1 for j in self._queued.values() if j.priority >= PREFETCH)
 
+    def _next(self) -> _Job | None:
+        """The first queued job a worker may run now (a cold one only within `max_cold_running`)."""
+        if not self._heap:
+            return None
+        if self.max_cold_running is None or self._cold_running < self.max_cold_running:
+            return self._heap[0][3]
+        return next((e[3] for e in sorted(self._heap, key=lambda e: e[:3]) if not e[3].cold), None)
+
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._heap and not self._closed:
+                while (job := self._next()) is None and not self._closed:
                     self._cv.wait()
-                if self._closed:
+                if self._closed or job is None:
                     return
-                job = heapq.heappop(self._heap)[2]
                 del self._queued[job.future]
-            if not job.future.set_running_or_notify_cancel():
-                continue
+                if self._heap[0][3] is job:
+                    heapq.heappop(self._heap)
+                else:
+                    self._reheap()
+                cold = job.cold
+                self._cold_running += cold
             try:
-                result = job.fn(job.key)
-            except BaseException as e:  # delivered to whoever awaits the future
-                job.future.set_exception(e)
-            else:
-                job.future.set_result(result)
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = job.fn(job.key)
+                except BaseException as e:  # delivered to whoever awaits the future
+                    job.future.set_exception(e)
+                else:
+                    job.future.set_result(result)
+            finally:
+                with self._cv:
+                    self._cold_running -= cold
+                    self._cv.notify_all()
 
 
 __all__ = ["PREFETCH", "FetchQueue"]

@@ -65,7 +65,7 @@ from lora_cluster.store import build_adapter_loader
 from lora_cluster.store.merge import MergeSpec
 
 log = logging.getLogger(__name__)
-BREAKER_WAIT_S = 0.01  # an empty step while an adapter breaker holds the waiting requests sleeps this long
+IDLE_WAIT_S = 0.01  # an empty step with waiting requests and no load in flight sleeps this long
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,10 @@ class EngineStats:
     num_adapter_preemptions: int = 0  # since start: of those, preempted to free an adapter slot
     running_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> running requests
     waiting_by_priority: dict[int, int] = field(default_factory=dict)  # priority -> waiting requests
-    takes_cold: bool = True  # False while an adapter breaker (switch rate, load latency) is open
-    breakers: dict[str, dict[str, object]] = field(default_factory=dict)  # name -> state, level, trips
+    # 0..1, the router's soft score for a miss here (1: in adapter thrash, better sent elsewhere)
+    miss_penalty: float = 0.0
+    breakers: dict[str, dict[str, object]] = field(default_factory=dict)  # alert name -> state, level, trips
+    adapter_thrash: dict[str, object] = field(default_factory=dict)  # `adapter_thrash.ThrashMeter.snapshot`
 
 
 # builds the engine's loader once the base model's shapes and device are known
@@ -334,8 +336,9 @@ class Engine:
             num_adapter_preemptions=self.scheduler.num_adapter_preemptions,
             running_by_priority=dict(Counter(s.priority for s in self.scheduler.running)),
             waiting_by_priority=dict(Counter(s.priority for s in self.scheduler.waiting)),
-            takes_cold=self.adapter_guard.takes_cold(),
+            miss_penalty=self.adapter_guard.miss_penalty(),
             breakers=self.adapter_guard.snapshot(),
+            adapter_thrash=self.adapter_guard.thrash_snapshot(),
         )
 
     # ----- the step -------------------------------------------------------------------------
@@ -359,9 +362,10 @@ class Engine:
             pending = self.adapters.pending()
             if pending and self.scheduler.waiting:
                 wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-            elif self.scheduler.waiting:  # held by an adapter breaker: do not spin the loop
-                time.sleep(BREAKER_WAIT_S)
+            elif self.scheduler.waiting:  # e.g. a draining adapter's turn: do not spin the loop
+                time.sleep(IDLE_WAIT_S)
             return outputs
+        started = time.perf_counter()
         batch = build_step_batch(
             plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
             kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
@@ -393,6 +397,7 @@ class Engine:
                 self._finish(seq, FinishReason.ERROR)
             outputs.append(snapshot(seq))
         self.counters.step(len(plan.decodes) + len(plan.prefills), len(batch.sampled))
+        self.adapter_guard.stepped(time.perf_counter() - started)
         self._count_step(failed)
         return outputs
 

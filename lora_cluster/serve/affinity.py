@@ -7,9 +7,10 @@ free batch slots (`ongoing + 1 - max_num_seqs`, at least 0). A replica without A
 on top (the load of A), and that again when it has no free adapter slot (A would evict another
 adapter, which then misses later). So a hot adapter stays on its replica until that replica's queue
 excess exceeds `miss_cost`, and then spills to a second replica, where it becomes a hit too. A
-replica whose adapter breaker is open (`takes_cold: false` in its report: switch rate or load latency,
-see `engine.adapter_guard`) places no cold adapter for now: a miss there costs
-`BREAKER_MISS_FACTOR * miss_cost` more, so misses go to other replicas while any has room.
+replica in adapter thrash reports a `miss_penalty` from 0 to 1 (`engine.adapter_thrash`: loading
+costs it a large share of its step or loader time): a miss there costs
+`THRASH_MISS_FACTOR * miss_penalty * miss_cost` more, a soft score, so misses go to a replica that
+is not thrashing when one is as good otherwise, and still come here when none is.
 Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
 adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
 and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
@@ -28,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-BREAKER_MISS_FACTOR = 4  # a miss on a replica whose adapter breaker is open costs this many miss_costs more
+THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this many miss_costs more
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ReplicaView:
     confirmed: frozenset[str] = frozenset()  # adapters its last report shows on the device or loading
     working_set: int = 0  # distinct adapters recently sent to it
     max_loras: int = 1 << 30  # its adapter slots
-    takes_cold: bool = True  # False: an adapter breaker is open there (a cold adapter would wait)
+    miss_penalty: float = 0.0  # 0..1: the replica's adapter thrash (a miss there is better sent elsewhere)
 
     @property
     def oversubscribed(self) -> int:
@@ -60,8 +61,7 @@ def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float)
             cost += miss_cost
         if not replica.can_allocate:  # waits until a running request releases a slot
             cost += miss_cost
-        if not replica.takes_cold:  # waits until its switch-rate / load-latency breaker closes
-            cost += BREAKER_MISS_FACTOR * miss_cost
+        cost += THRASH_MISS_FACTOR * replica.miss_penalty * miss_cost  # its loads crowd out its work
     return cost
 
 
@@ -128,7 +128,7 @@ class PlacementTracker:
             confirmed=reported,
             working_set=len(recent),
             max_loras=int(stats.get("max_loras", 1 << 30)),
-            takes_cold=bool(stats.get("takes_cold", True)),
+            miss_penalty=min(1.0, max(0.0, float(stats.get("miss_penalty", 0.0)))),
         )
 
 

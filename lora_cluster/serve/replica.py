@@ -209,7 +209,8 @@ class LoraReplica:
             "num_waiting": s.num_waiting,
             "free_seq_slots": s.free_seq_slots,
             "max_num_seqs": self.config.max_num_seqs,
-            "takes_cold": s.takes_cold,  # False while an adapter breaker is open (the router avoids misses)
+            "miss_penalty": s.miss_penalty,  # 0..1: in adapter thrash, misses are better sent elsewhere
+            "adapter_thrash": s.adapter_thrash,
             "breakers": {**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
             "group": self.group,
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
