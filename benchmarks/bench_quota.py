@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
-from lora_cluster.tenancy.quota import Amounts, QuotaBook, QuotaLimits
+from lora_cluster.tenancy.quota import Account, Amounts, QuotaBook, QuotaLimits
 
 LIMITS = QuotaLimits(requests_per_minute=600, tokens_per_minute=10**9, max_concurrent=10**6)
 
@@ -35,14 +35,21 @@ class PerRequest:
 
     def __init__(self, handle: Any):
         self.handle, self.ledger_calls = handle, 0
+        self.accounts: dict[str, Account] = {}  # tenant -> the ledger's account, as last heard
+        self.paid: dict[str, int] = {}  # tenant -> completion tokens paid so far
 
     async def admit(self, tenant: str, limits: QuotaLimits, prompt_tokens: int) -> Any:
         self.ledger_calls += 1
         need = Amounts(1, prompt_tokens, 1)
-        return await self.handle.grant.remote("bench", tenant, limits, need, Amounts())
+        grant = await self.handle.grant.remote("bench", tenant, limits, need, Amounts())
+        self.accounts[tenant] = grant.account
+        return grant
 
     def finish(self, tenant: str, ticket: Any, completion_tokens: int) -> None:
-        self.handle.give_back.remote("bench", tenant, Amounts(slots=1), completion_tokens)
+        account = self.accounts[tenant]
+        self.paid[tenant] = self.paid.get(tenant, 0) + completion_tokens
+        totals = Account(account.id, account.granted, Amounts(slots=account.granted.slots), self.paid[tenant])
+        self.handle.give_back.remote("bench", tenant, LIMITS, totals)
 
 
 async def timed(quotas: Any, calls: int, tenant: str) -> tuple[list[float], int]:

@@ -22,7 +22,7 @@ from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
 from lora_cluster.tenancy.lease import TenantLease
-from lora_cluster.tenancy.quota import Amounts, Grant, QuotaBook, QuotaLimits, TokenBucket
+from lora_cluster.tenancy.quota import Amounts, QuotaBook, QuotaLimits, TokenBucket
 from lora_cluster.tenancy.tenants import hash_key
 from lora_cluster.tenancy.watch import TenantsWatcher
 
@@ -127,20 +127,32 @@ def test_a_lowered_limit_takes_effect_at_once_and_tenants_are_bounded():
 
 
 def test_a_lease_admits_from_its_credit_and_gives_back_what_it_did_not_use():
+    clock = Clock()
+    book = QuotaBook(clock)
     limits = QuotaLimits(requests_per_minute=600, tokens_per_minute=6000, max_concurrent=4)
     lease = TenantLease()
     assert lease.need(limits, 50) == Amounts(1, 50, 1), "an empty lease lacks a request, a prompt, a slot"
     assert lease.extra(limits, 1.0) == Amounts(10, 100, 0), "one lease's worth: 1 s of each rate, no slot"
-    lease.add(Grant(11, 150, 1), now=0.0)
+    lease.add(book.grant("ingress", "fin", limits, Amounts(1, 50, 1), Amounts(10, 100, 0)), now=0.0)
+    assert (lease.requests, lease.tokens, lease.slots) == (11, 150, 1), "the grant's account fills the lease"
     assert lease.take(limits, 50), "the lease covers one request"
     assert not lease.take(limits, 50), "the second needs a slot the lease does not hold"
     lease.finish(limits, 200)
     assert lease.tokens == -100, "completion tokens are charged to the lease (a debt of 100)"
-    assert lease.returnable(0.5, lease_s=1.0) == (Amounts(0, 0, 1), 100), (
+    early = lease.returnable(0.5, lease_s=1.0)
+    assert (early.returned, early.paid) == (Amounts(0, 0, 1), 100), (
         "before a lease's time: the free slot and the debt go back, the fresh credit stays")
-    assert lease.returnable(1.0, lease_s=1.0) == (Amounts(10, 0, 0), 0), (
-        "after it: the unused requests go back (no tokens were left)")
+    lease.sending(early)
+    lease.reconcile(book.give_back("ingress", "fin", limits, early))
+    late = lease.returnable(1.0, lease_s=1.0)
+    assert (late.returned, late.paid) == (Amounts(10, 0, 1), 100), (
+        "after it: the unused requests go back too (no tokens were left)")
+    lease.sending(late)
+    lease.reconcile(book.give_back("ingress", "fin", limits, late))
     assert lease.returnable(2.0, lease_s=1.0) is None, "then nothing is left to give back"
+    usage = book.usage("fin")
+    assert (usage["active"], usage["requests_charged"], usage["tokens_charged"]) == (0, 1, 250), (
+        f"the ledger charged one request and its 250 tokens, and holds no slot: {usage}")
 
 
 class InProcessHandle:

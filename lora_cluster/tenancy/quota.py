@@ -15,7 +15,20 @@ A request is admitted only when every limit allows it, and then charged on every
 refused request is charged nothing. The refusal names the limit that makes the request wait longest
 and says when a retry may succeed (`retry_after_s`; 1 s for `max_concurrent`, whose requests end at
 unknown times). Admitted requests hold a ticket; a ticket whose `finish` never comes (its ingress
-died) is reclaimed after `ticket_ttl_s`. Tenants are kept in LRU order, at most `max_tenants`.
+died) is reclaimed after `ticket_ttl_s`. A request that fails before its first token is `refund`ed:
+its request, prompt tokens and slot go back. Tenants are kept in LRU order, at most `max_tenants`.
+
+Holders (an ingress's leases, `tenancy.lease`) take credit in bulk with `grant` and settle with
+`give_back`. The ledger keeps an `Account` per holder and tenant: running totals of what it granted
+and what the holder gave back or paid, each of which only grows. Every reply carries the account,
+and a give-back states totals, not amounts: a reply that never arrived (the caller went away, the
+call timed out after the ledger granted) shows in the next reply's account, and a give-back sent
+twice takes nothing twice. Every call carries the holder's sequence number and its `floor` (every
+call of that holder numbered below it has ended or was given up on); a grant numbered below the floor
+the ledger has seen is a call its holder no longer waits for, and grants nothing. A holder's slots are
+reclaimed after `ticket_ttl_s` without a give-back from it (grants do not count: a holder that keeps
+taking and never settles is reclaimed even while its tenant has traffic). A new ledger (a restart) or
+a reclaimed account opens accounts with new ids; totals meant for another account are never applied.
 
 Pure: the clock is injected, no Ray, no I/O.
 """
@@ -23,6 +36,7 @@ Pure: the clock is injected, no Ray, no I/O.
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -108,9 +122,44 @@ class Amounts:
     slots: int = 0
 
 
+def _plus(a: Amounts, b: Amounts) -> Amounts:
+    return Amounts(a.requests + b.requests, a.tokens + b.tokens, a.slots + b.slots)
+
+
+def _most(a: Amounts, b: Amounts) -> Amounts:
+    return Amounts(max(a.requests, b.requests), max(a.tokens, b.tokens), max(a.slots, b.slots))
+
+
+@dataclass(frozen=True)
+class Account:
+    """One holder's account for one tenant at the ledger, as running totals since it was opened (each
+    only grows): what the ledger `granted`, what the holder gave back (`returned`) and the completion
+    tokens it `paid` beyond its credit. `id` names the account ("": none yet)."""
+
+    id: str = ""
+    granted: Amounts = Amounts()
+    returned: Amounts = Amounts()
+    paid: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Slots the holder holds."""
+        return self.granted.slots - self.returned.slots
+
+    def merged(self, other: Account) -> Account:
+        """The later knowledge of the same account (replies may arrive out of order)."""
+        return Account(self.id, _most(self.granted, other.granted), _most(self.returned, other.returned),
+                       max(self.paid, other.paid))
+
+    def exceeds(self, other: Account) -> bool:
+        """Whether these totals go beyond `other`'s (a give-back not yet confirmed by it)."""
+        return self.merged(other) != other
+
+
 @dataclass(frozen=True)
 class Grant:
-    """What `grant` gave (all zero and the refusing `limit` when the need could not be met)."""
+    """What `grant` gave (all zero and the refusing `limit` when the need could not be met), and the
+    holder's account after it (None: the holder has none)."""
 
     requests: int = 0
     tokens: int = 0
@@ -118,6 +167,7 @@ class Grant:
     limit: str | None = None
     limit_value: int | None = None
     retry_after_s: float = 0.0
+    account: Account | None = None
 
     @property
     def granted(self) -> bool:
@@ -125,10 +175,30 @@ class Grant:
 
 
 @dataclass
+class _Holder:
+    id: str
+    seen: float  # when the holder last settled (a give-back; its grant when opened)
+    ticket: bool = False  # one request's slot: closed when the request ends
+    granted: Amounts = Amounts()
+    returned: Amounts = Amounts()
+    paid: int = 0
+    floor: int = 0
+
+    @property
+    def slots(self) -> int:
+        return self.granted.slots - self.returned.slots
+
+    def account(self) -> Account:
+        return Account(self.id, self.granted, self.returned, self.paid)
+
+
+@dataclass
 class _Tenant:
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
-    held: dict[str, list[float]] = field(default_factory=dict)  # holder -> [slots, last heard of]
+    held: dict[str, _Holder] = field(default_factory=dict)  # holder -> its account
+    requests_charged: int = 0  # since the ledger started: taken minus given back
+    tokens_charged: int = 0
 
     def configure(self, limits: QuotaLimits, now: float) -> None:
         self.requests = _bucket(self.requests, limits.requests_per_minute, now)
@@ -136,7 +206,7 @@ class _Tenant:
 
     @property
     def slots_in_use(self) -> int:
-        return int(sum(h[0] for h in self.held.values()))
+        return sum(h.slots for h in self.held.values())
 
 
 def _bucket(bucket: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
@@ -152,16 +222,18 @@ def _bucket(bucket: TokenBucket | None, per_minute: int | None, now: float) -> T
 class QuotaBook:
     """Every tenant's buckets and concurrency slots (see the module docstring).
 
-    Two ways in: `admit`/`finish` charge one request exactly (a ticket per request), and
+    Two ways in: `admit`/`finish`/`refund` charge one request exactly (a ticket per request), and
     `grant`/`give_back` hand out and take back credit in bulk to a holder (an ingress's lease, see
-    `tenancy.lease`). Slots are held by holders (a ticket is a holder of one slot); a holder not
-    heard of for `ticket_ttl_s` loses its slots."""
+    `tenancy.lease`). Slots are held by holders (a ticket is a holder of one slot); a holder that has
+    not settled for `ticket_ttl_s` loses its slots and its account."""
 
     def __init__(self, clock: Callable[[], float], ticket_ttl_s: float = 900.0,
                  max_tenants: int = MAX_TENANTS):
         self._clock, self.ticket_ttl_s, self.max_tenants = clock, ticket_ttl_s, max_tenants
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
         self._tickets = itertools.count(1)
+        self._accounts = itertools.count(1)
+        self.epoch = uuid.uuid4().hex[:12]  # accounts of another ledger never match this one's
 
     def __len__(self) -> int:
         """Tenants remembered (at most `max_tenants`, unless more have requests in flight)."""
@@ -174,8 +246,8 @@ class QuotaBook:
             state = self._tenants[tenant] = _Tenant()
         self._tenants.move_to_end(tenant)
         state.configure(limits, now)
-        for holder, (_, seen) in list(state.held.items()):
-            if now - seen > self.ticket_ttl_s:
+        for holder, entry in list(state.held.items()):
+            if now - entry.seen > self.ticket_ttl_s:
                 del state.held[holder]
         return state
 
@@ -183,15 +255,31 @@ class QuotaBook:
         """Make room for one more tenant: forget the least recently used ones holding no slot
         (tenants with requests in flight are kept: the tenants file bounds them)."""
         excess = len(self._tenants) + 1 - self.max_tenants
-        for name in [n for n, s in self._tenants.items() if not s.held][:max(excess, 0)]:
+        for name in [n for n, s in self._tenants.items() if not s.slots_in_use][:max(excess, 0)]:
             del self._tenants[name]
 
+    def _open(self, state: _Tenant, holder: str, now: float, ticket: bool = False) -> _Holder:
+        entry = state.held[holder] = _Holder(f"{self.epoch}-{next(self._accounts)}", now, ticket)
+        return entry
+
     def grant(self, holder: str, tenant: str, limits: QuotaLimits, need: Amounts,
-              extra: Amounts = Amounts()) -> Grant:
+              extra: Amounts = Amounts(), seq: int = 0, floor: int = 0) -> Grant:
         """Give `holder` at least `need` (all of it, or nothing and the limit that refuses) and up
-        to `extra` more of each, as far as the buckets and `max_concurrent` allow."""
+        to `extra` more of each, as far as the buckets and `max_concurrent` allow. `seq`, `floor`:
+        the call's number and the holder's floor (see the module docstring; 0: not numbered)."""
+        return self._grant(holder, tenant, limits, need, extra, seq, floor)
+
+    def _grant(self, holder: str, tenant: str, limits: QuotaLimits, need: Amounts, extra: Amounts,
+               seq: int, floor: int, ticket: bool = False) -> Grant:
         now = self._clock()
         state = self._state(tenant, limits, now)
+        entry = state.held.get(holder)
+        if entry is not None:
+            stale = seq < entry.floor
+            entry.floor = max(entry.floor, floor)
+            if stale:  # its holder gave up on this call: granting would strand the credit
+                return Grant(account=entry.account())
+        account = None if entry is None else entry.account()
         waits: list[tuple[float, str, int]] = []
         in_use = state.slots_in_use
         if limits.max_concurrent is not None and need.slots and in_use + need.slots > limits.max_concurrent:
@@ -205,60 +293,113 @@ class QuotaBook:
         refusals = [w for w in waits if w[0] > 0]
         if refusals:
             wait, name, value = max(refusals)
-            return Grant(limit=name, limit_value=value, retry_after_s=wait)
+            return Grant(limit=name, limit_value=value, retry_after_s=wait, account=account)
         requests = tokens = 0
         if state.requests is not None:
             requests = need.requests + min(extra.requests, max(0, int(state.requests.level) - need.requests))
             state.requests.take(requests, now)
+            state.requests_charged += requests
         if state.tokens is not None:
             tokens = need.tokens + min(extra.tokens, max(0, int(state.tokens.level) - need.tokens))
             state.tokens.take(tokens, now)
-        room = extra.slots if limits.max_concurrent is None else limits.max_concurrent - in_use - need.slots
-        slots = need.slots + max(0, min(extra.slots, room))
-        entry = state.held.setdefault(holder, [0, now])
-        entry[0], entry[1] = entry[0] + slots, now
-        return Grant(requests, tokens, slots)
+            state.tokens_charged += tokens
+        slots = 0
+        if limits.max_concurrent is not None or ticket:
+            cap = limits.max_concurrent
+            room = extra.slots if cap is None else cap - in_use - need.slots
+            slots = need.slots + max(0, min(extra.slots, room))
+        if entry is None:
+            entry = self._open(state, holder, now, ticket)
+            entry.floor = floor
+        entry.granted = _plus(entry.granted, Amounts(requests, tokens, slots))
+        return Grant(requests, tokens, slots, account=entry.account())
 
-    def give_back(self, holder: str, tenant: str, unused: Amounts, debt_tokens: int = 0) -> None:
-        """`holder` returns credit it did not use and slots it no longer needs, and pays
-        `debt_tokens` (completion tokens charged after the fact). Also says the holder is alive."""
-        state = self._tenants.get(tenant)
-        if state is None:
-            return
+    def give_back(self, holder: str, tenant: str, limits: QuotaLimits, totals: Account, seq: int = 0,
+                  floor: int = 0) -> Account:
+        """`holder` states its account's totals: what it has given back (unused credit, slots it no
+        longer needs) and paid (completion tokens charged after the fact). What goes beyond the
+        account's totals is applied, no more than was granted; the rest was applied before. Also says
+        the holder is alive. Totals of another account are not applied (that account was reclaimed,
+        or belongs to an earlier ledger). Returns the holder's account (a new, empty one if it had
+        none)."""
         now = self._clock()
-        returns = ((state.requests, unused.requests), (state.tokens, unused.tokens - debt_tokens))
-        for bucket, amount in returns:
+        state = self._state(tenant, limits, now)
+        entry = state.held.get(holder)
+        if entry is None:
+            return self._open(state, holder, now).account()
+        if seq < entry.floor or totals.id != entry.id:
+            return entry.account()
+        entry.floor, entry.seen = max(entry.floor, floor), now
+        self._settle(state, entry, totals, now)
+        return entry.account()
+
+    def _settle(self, state: _Tenant, entry: _Holder, totals: Account, now: float) -> None:
+        paid = max(0, totals.paid - entry.paid)
+        g, r = entry.granted, entry.returned
+        back = Amounts(
+            max(0, min(totals.returned.requests, g.requests) - r.requests),
+            max(0, min(totals.returned.tokens, g.tokens + entry.paid + paid) - r.tokens),
+            max(0, min(totals.returned.slots, g.slots) - r.slots))
+        entry.paid += paid
+        entry.returned = _plus(r, back)
+        if state.requests is not None:
+            state.requests_charged -= back.requests
+        if state.tokens is not None:
+            state.tokens_charged += paid - back.tokens
+        for bucket, amount in ((state.requests, back.requests), (state.tokens, back.tokens - paid)):
             if bucket is not None and amount:
                 bucket.refill(now)
                 bucket.level = min(bucket.capacity, bucket.level + amount)
-        entry = state.held.get(holder)
-        if entry is not None:
-            entry[0], entry[1] = max(0, entry[0] - unused.slots), now
-            if not entry[0]:
-                del state.held[holder]
+
+    def check(self, tenant: str, limits: QuotaLimits) -> Admission | None:
+        """The `requests_per_minute` refusal one more request of `tenant` would get now (None: it
+        may go on). A query: charges nothing (a request is cheap to refuse before its prompt is
+        tokenized)."""
+        state = self._tenants.get(tenant)
+        if state is None or limits.requests_per_minute is None or state.requests is None:
+            return None
+        wait = state.requests.wait_s(1, self._clock())
+        if wait <= 0:
+            return None
+        return Admission(None, "requests_per_minute", limits.requests_per_minute, wait)
 
     def admit(self, tenant: str, limits: QuotaLimits, prompt_tokens: int) -> Admission:
         """Admit one request of `tenant` with `prompt_tokens` (charged now), or say which limit refuses."""
         ticket = next(self._tickets)
         need = Amounts(1 if limits.requests_per_minute else 0, prompt_tokens, 1)
-        grant = self.grant(f"#{ticket}", tenant, limits, need)
+        grant = self._grant(f"#{ticket}", tenant, limits, need, Amounts(), 0, 0, ticket=True)
         if not grant.granted:
             return Admission(None, grant.limit, grant.limit_value, grant.retry_after_s)
         return Admission(ticket)
 
     def finish(self, tenant: str, ticket: int, completion_tokens: int) -> None:
         """The request holding `ticket` ended after `completion_tokens`: charge them, free its slot."""
-        self.give_back(f"#{ticket}", tenant, Amounts(slots=1), max(completion_tokens, 0))
+        self._close(tenant, ticket, lambda e: Account(e.id, e.granted, Amounts(slots=e.granted.slots),
+                                                      max(completion_tokens, 0)))
+
+    def refund(self, tenant: str, ticket: int) -> None:
+        """The request holding `ticket` failed before its first token: give back its request, its
+        prompt tokens and its slot (nothing was served)."""
+        self._close(tenant, ticket, lambda e: Account(e.id, e.granted, e.granted))
+
+    def _close(self, tenant: str, ticket: int, totals: Callable[[_Holder], Account]) -> None:
+        state = self._tenants.get(tenant)
+        entry = None if state is None else state.held.pop(f"#{ticket}", None)
+        if state is not None and entry is not None:
+            self._settle(state, entry, totals(entry), self._clock())
 
     def usage(self, tenant: str) -> dict[str, float | int | None]:
-        """What `tenant` has left now (for tests and inspection): bucket levels and slots in use."""
+        """What `tenant` has left now (for tests and inspection): bucket levels, slots in use, and the
+        requests and tokens charged since this ledger started (taken, less what was given back)."""
         state = self._tenants.get(tenant)
         if state is None:
-            return {"requests_left": None, "tokens_left": None, "active": 0}
+            return {"requests_left": None, "tokens_left": None, "active": 0, "requests_charged": 0,
+                    "tokens_charged": 0}
         now = self._clock()
         for bucket in (state.requests, state.tokens):
             if bucket is not None:
                 bucket.refill(now)
         return {"requests_left": None if state.requests is None else state.requests.level,
                 "tokens_left": None if state.tokens is None else state.tokens.level,
-                "active": state.slots_in_use}
+                "active": state.slots_in_use, "requests_charged": state.requests_charged,
+                "tokens_charged": state.tokens_charged}
