@@ -74,6 +74,7 @@ class Caller:
     principal: Principal
     quotas: Quotas | None = None
     ticket: int | None = None
+    prompt_tokens: int = 0  # charged with the ticket
     generations: list[Any] = field(default_factory=list)
     closed: bool = False
 
@@ -83,6 +84,17 @@ class Caller:
 
     def may_use(self, adapter_id: str | None) -> bool:
         return self.principal.may_use(adapter_id)
+
+    def check(self) -> None:
+        """Before the prompt is tokenized: QuotaExceededError when the tenant's requests_per_minute
+        refuses one more request now (charges nothing). No-op without tenant limits."""
+        tenant = self.principal.tenant
+        if tenant is None or tenant.limits.unlimited or self.quotas is None or self.ticket is not None:
+            return
+        refused = self.quotas.check(tenant.name, tenant.limits)
+        if refused is not None:
+            raise QuotaExceededError(tenant.name, refused.limit or "quota", refused.limit_value or 0,
+                                     refused.retry_after_s)
 
     async def admit(self, prompt_tokens: int) -> None:
         """Charge the tenant's quota for one request with `prompt_tokens` (once per request);
@@ -94,20 +106,25 @@ class Caller:
         if not admission.admitted:
             raise QuotaExceededError(tenant.name, admission.limit or "quota", admission.limit_value or 0,
                                      admission.retry_after_s)
-        self.ticket = admission.ticket
+        self.ticket, self.prompt_tokens = admission.ticket, prompt_tokens
 
     def track(self, generations: list[Any]) -> None:
         """Generations whose completion tokens are charged when the request ends (their `tokens`)."""
         self.generations.extend(generations)
 
-    def close(self) -> None:
-        """The response is over: report its completion tokens and free the concurrency slot."""
+    def close(self, failed: bool = False) -> None:
+        """The response is over: report its completion tokens and free the concurrency slot. A
+        `failed` response (an error status, or none sent) without a single completion token is
+        refunded: its request and prompt tokens are given back (nothing was served)."""
         if self.closed:
             return
         self.closed = True
         if self.ticket is not None and self.quotas is not None and self.tenant is not None:
             completion = sum(int(getattr(g, "tokens", 0) or 0) for g in self.generations)
-            self.quotas.finish(self.tenant, self.ticket, completion)
+            if failed and completion == 0:
+                self.quotas.refund(self.tenant, self.ticket, self.prompt_tokens)
+            else:
+                self.quotas.finish(self.tenant, self.ticket, completion)
 
 
 class Authenticator:
@@ -177,8 +194,16 @@ class CallerMiddleware:
             return
         slot: list[Caller] = []
         scope[_SLOT] = slot
+        status: list[int] = []
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
         finally:
+            failed = not status or status[0] >= 400  # no response (an exception, a disconnect) or an error
             for caller in slot:
-                caller.close()
+                caller.close(failed)

@@ -54,6 +54,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         path = ctx.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter
         sampling, seed = p.sampling(ctx.config)
+        caller.check()  # the tenant's requests_per_minute, before any tokenizing
         prompt = await ctx.encode(body.inputs)
         await caller.admit(len(prompt))  # the tenant's quota: 429 naming the limit
         job = GenerateJob(request_id=ctx.new_id("lorax"), prompt=prompt, adapter_id=adapter,

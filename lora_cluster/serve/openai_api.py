@@ -104,6 +104,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         body.check(ctx.config)
         ctx.adapter_for(body.model, caller)  # before any work: 404 when the tenant may not use it
         sla = ctx.priority_class(x_lora_priority, body.priority, caller)
+        caller.check()  # the tenant's requests_per_minute, before any tokenizing
         raw = body.prompts()
         prompts = [await ctx.encode(p) for p in raw]  # in turn: one pool job per request
         echoes = [p if isinstance(p, str) else await ctx.decode(p) for p in raw] if body.echo else None
@@ -116,6 +117,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         body.check(ctx.config)
         ctx.adapter_for(body.model, caller)  # before any work: 404 when the tenant may not use it
         sla = ctx.priority_class(x_lora_priority, body.priority, caller)
+        caller.check()  # the tenant's requests_per_minute, before any tokenizing
         prompt = await ctx.encode_chat(body.conversation())
         return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
                          caller)
