@@ -120,7 +120,7 @@ class _GroupReplicas:
         self.jobs.append(job)
         return self.replica
 
-    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[str]:
+    async def start_all(self, jobs: list[GenerateJob], route: str, on_started: Any = None) -> list[str]:
         return [await self.start(job, route) for job in jobs]
 
     async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:

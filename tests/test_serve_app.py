@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import re
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -114,8 +114,14 @@ class FakeDispatcher:
         first, *rest = outputs(job)
         return Generation(job=job, replica="r1", hit=True, first=first, stream=FakeStream(rest))
 
-    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
-        return [await self.start(job, route) for job in jobs]
+    async def start_all(self, jobs: list[GenerateJob], route: str,
+                        on_started: Callable[[Generation], None] | None = None) -> list[Generation]:
+        started = []
+        for job in jobs:
+            started.append(await self.start(job, route))
+            if on_started is not None:
+                on_started(started[-1])
+        return started
 
     async def any_replica(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
         return [] if method == "list_adapters" else "r1"

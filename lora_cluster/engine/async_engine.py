@@ -177,6 +177,12 @@ class AsyncEngine:
 
         try:
             await self.call(add)
+        except asyncio.CancelledError:
+            # the caller went away while the add was queued: the loop thread still runs the add, then
+            # this abort (commands run in order), so no request generates for a caller that is gone
+            self._streams.pop(request_id, None)
+            self._post(lambda: self.engine.abort(request_id))
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -10,6 +10,14 @@ then picks another replica; a cluster-queue grant is dropped), up to `MAX_ATTEMP
 non-streaming job's first item is its whole result, so it is retried whole. A stream whose replica
 dies after the first item ends with that error (an SSE error event). Every outcome feeds the
 routing-error breaker (`routing_guard`), which sheds new requests with 503 while it is open.
+
+Fan-out (`start_all`: `n > 1`, several prompts): the choices start concurrently. However the start
+ends (a choice fails, or the caller is cancelled, e.g. the client went away, at any await), every
+choice that had started is cancelled (its replica aborts it), and its `on_done` runs (the cluster
+admission's in-flight count for its replica comes down); a choice still starting is cancelled
+before it reaches a replica or right after its first item. The caller learns of each choice as soon
+as it starts (`on_started`), so that the tokens of choices cancelled before `start_all` returns are
+charged too.
 """
 
 from __future__ import annotations
@@ -114,7 +122,9 @@ class Generation:
             self.meter.failed()
 
     def cancel(self) -> None:
-        """Abort the request on its replica (frees its batch slot)."""
+        """Abort the request on its replica (frees its batch slot). `tokens` then counts at least
+        the tokens of the first item, which the replica generated whether or not anyone read it."""
+        self.tokens = max(self.tokens, int(self.first.get("completion_tokens") or 0))
         if not self.finished:
             self.finished = True
             metrics.CANCELLED.inc()
@@ -243,15 +253,42 @@ class Dispatcher:
             raise ApiException(describe(error)) from error
         return first, call
 
-    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
-        """Start every job; if one fails, cancel the others and raise its error."""
-        results = await asyncio.gather(*(self.start(j, route) for j in jobs), return_exceptions=True)
+    async def start_all(self, jobs: list[GenerateJob], route: str,
+                        on_started: Callable[[Generation], None] | None = None) -> list[Generation]:
+        """Start every job concurrently; the generations in the jobs' order. `on_started(generation)`
+        runs as each one starts. If one fails, the others are cancelled (started or still starting)
+        and its error is raised; if the caller is cancelled, every started one is cancelled before
+        the cancellation goes on (see the module docstring)."""
+        started: list[Generation] = []
+
+        async def start_one(job: GenerateJob) -> Generation:
+            generation = await self.start(job, route)
+            started.append(generation)
+            if on_started is not None:
+                on_started(generation)
+            return generation
+
+        tasks = [asyncio.ensure_future(start_one(job)) for job in jobs]
+
+        def stop_the_rest(task: asyncio.Future[Generation]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                for other in tasks:
+                    other.cancel()
+
+        for task in tasks:
+            task.add_done_callback(stop_the_rest)
+        try:
+            # gather waits for every task to end, cancelled ones included, before it returns or raises
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:
+            for generation in started:
+                generation.cancel()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            for r in results:
-                if isinstance(r, Generation):
-                    r.cancel()
-            raise errors[0]
+            for generation in started:
+                generation.cancel()
+            raise next((r for r in errors if not isinstance(r, asyncio.CancelledError)), errors[0])
         return list(results)  # type: ignore[arg-type]
 
     async def call(self, replica_id: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:

@@ -14,7 +14,7 @@ Admin calls (adapter registration, stats, health) reach the replicas of every gr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lora_cluster.errors import AdapterNotFoundError
@@ -53,11 +53,12 @@ class GroupedDispatcher:
         """Start `job` on a replica of its group (see `Dispatcher.start`)."""
         return await self._for_job(job).start(job, route)
 
-    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
+    async def start_all(self, jobs: list[GenerateJob], route: str,
+                        on_started: Callable[[Generation], None] | None = None) -> list[Generation]:
         """Start the jobs of one request (one adapter, one tenant: one group); see `Dispatcher.start_all`."""
         if not jobs:
             return []
-        return await self._for_job(jobs[0]).start_all(jobs, route)
+        return await self._for_job(jobs[0]).start_all(jobs, route, on_started)
 
     def replica_stats(self) -> dict[str, dict[str, Any]] | None:
         """Last reports of every group's replicas (replica ids are unique across deployments); None

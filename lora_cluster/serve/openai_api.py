@@ -67,8 +67,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         jobs = jobs_for(body, prompts, default_max, request_id, sla, caller)
         prompt_tokens = sum(len(p) for p in prompts)
         await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
-        generations = await ctx.dispatcher.start_all(jobs, route)
-        caller.track(generations)
+        # each choice is charged from its start: a fan-out cancelled while starting charges what ran
+        generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
         headers = {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
         texts = TokenTexts(ctx.token_text)
         if not body.stream:
