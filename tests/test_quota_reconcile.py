@@ -407,6 +407,28 @@ async def test_a_served_request_is_charged_its_prompt_and_completion(tmp_path):
         f"one request, its 5 prompt and 3 completion tokens: {usage}")
 
 
+class SecondChoiceFails(FakeDispatcher):
+    """A fan-out whose first choice starts (its first item carries a token) and whose second fails."""
+
+    async def start_all(self, jobs: list[Any], route: str, on_started: Any = None) -> list[Any]:
+        first = await self.start(jobs[0], route)
+        if on_started is not None:
+            on_started(first)
+        raise ApiException(describe(ClusterOverloadedError("the cluster queue is full", 2.0)))
+
+
+async def test_a_failed_fan_out_whose_first_choice_produced_a_token_is_charged(tmp_path):
+    book = QuotaBook(Clock())
+    async with app(tmp_path, LocalQuotas(book), SecondChoiceFails()) as client:
+        failed = await client.post("/v1/completions", headers={"x-api-key": FIN_KEY},
+                                   json={"model": "a1", "prompt": "hello", "max_tokens": 3, "n": 2})
+    assert failed.status_code == 429, failed.text
+    usage = book.usage("finance")
+    assert (usage["requests_left"], usage["tokens_left"]) == (6 - 1, 1000 - 5 - 1), (
+        f"work was done (a token of the first choice): the request, its prompt and that token are "
+        f"charged: {usage}")
+
+
 @pytest.mark.parametrize("kind", ["local", "remote"])
 async def test_a_request_over_its_requests_per_minute_is_refused_before_its_prompt_is_tokenized(
         tmp_path, kind):

@@ -120,11 +120,18 @@ class Caller:
             return
         self.closed = True
         if self.ticket is not None and self.quotas is not None and self.tenant is not None:
-            completion = sum(int(getattr(g, "tokens", 0) or 0) for g in self.generations)
+            completion = sum(_tokens(g) for g in self.generations)
             if failed and completion == 0:
                 self.quotas.refund(self.tenant, self.ticket, self.prompt_tokens)
             else:
                 self.quotas.finish(self.tenant, self.ticket, completion)
+
+
+def _tokens(generation: Any) -> int:
+    """A generation's completion tokens: those read, at least those of its first item (the replica
+    generated them whether or not anyone read them)."""
+    first = getattr(generation, "first", None) or {}
+    return max(int(getattr(generation, "tokens", 0) or 0), int(first.get("completion_tokens") or 0))
 
 
 class Authenticator:
