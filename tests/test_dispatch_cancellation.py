@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -349,6 +350,42 @@ tenants:
     assert charged >= 3, (
         "the three choices that started each generated a token at least, charged to the tenant (with or "
         f"without the 1-token prompt): {charged} tokens charged")
+
+
+# ----- a stream whose client goes away before its first byte --------------------------------------------
+
+
+async def test_a_stream_whose_client_goes_away_before_its_first_byte_cancels_its_choices(replicas):
+    """The ingress's ASGI app called as a server calls it: the client disconnects while the response's
+    headers are on their way (a client or proxy that never takes them), so the body never starts."""
+    dispatcher, handle = dispatcher_over(replicas, random.Random(4), parked=False)
+    ctx = ApiContext(config=ServeConfig(model="base"), tokenizer=FakeTokenizer(), dispatcher=dispatcher)
+    body = json.dumps({"model": "a1", "prompt": "a", "n": 4, "max_tokens": 300, "stream": True}).encode()
+    headers_sent, requested = asyncio.Event(), [False]
+
+    async def receive() -> dict[str, Any]:
+        if not requested[0]:
+            requested[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await headers_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers_sent.set()
+            await asyncio.Event().wait()  # never taken: the disconnect ends the response here
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1")],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    try:
+        await asyncio.wait_for(build_fastapi(ctx)(scope, receive, send), BOUND_S)
+    finally:
+        ctx.close()
+    assert headers_sent.is_set(), "the request started its four choices and began its response"
+    await nothing_left(replicas, dispatcher, handle, "a stream whose client left before its first byte")
+    all_cancelled(replicas, "a stream whose client left before its first byte")
 
 
 # ----- randomized: cancelled at any point ----------------------------------------------------------------
