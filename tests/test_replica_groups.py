@@ -136,14 +136,14 @@ async def test_the_grouped_dispatcher_sends_each_job_to_its_groups_replicas_only
     fin, ops = _GroupReplicas("fin-1"), _GroupReplicas("ops-1")
     groups = _groups([{"name": "fin", "adapters": ["a[0-3]"], "tenants": ["finance"]}, {"name": "ops"}])
     dispatcher = GroupedDispatcher(list(zip(groups, [fin, ops], strict=True)))
-    merged = MergeSpec.parse(["a1", "a9"], [0.5, 0.5], max_ids=4)
+    merged = MergeSpec.parse(["a1", "a2"], [0.5, 0.5], max_ids=4)
     started = [await dispatcher.start(_job("a2"), "/"), await dispatcher.start(_job("a9"), "/"),
                await dispatcher.start(_job("a9", tenant="finance"), "/"),
                *(await dispatcher.start_all([_job(None), _job(None)], "/")),
                await dispatcher.start(_job(merged.adapter_id, merge=merged), "/")]
     assert started == ["fin-1", "ops-1", "fin-1", "ops-1", "ops-1", "fin-1"], (
         "a job runs in the group of its adapter, else its tenant, else the catch-all; a merged adapter "
-        "in the group of its first component")
+        "in the group of its components")
     assert await dispatcher.broadcast("stats") == {"fin-1": "stats", "ops-1": "stats"}, (
         "an admin broadcast reaches every group's replicas")
     assert dispatcher.group_of_replica("ops-1") == "ops", "a replica id maps to its group"
@@ -156,6 +156,49 @@ async def test_an_adapter_that_no_group_serves_is_a_404_like_an_unknown_adapter(
         await dispatcher.start(_job("b7"), "/")
     assert raised.value.error.status == 404, "no group serves b7: a 404"
     assert raised.value.error.code == "adapter_not_found", "with the code of an unknown adapter"
+
+
+def _merge(*ids: str) -> Any:
+    return MergeSpec.parse(list(ids), [1.0 / len(ids)] * len(ids), max_ids=4)
+
+
+MERGE_GROUPS = [{"name": "shared", "adapters": ["shared-*"]},
+                {"name": "finance", "adapters": ["fin-*"]},
+                {"name": "hr", "tenants": ["hr"]},
+                {"name": "ops"}]
+
+
+async def test_a_merge_runs_in_the_group_that_serves_every_adapter_of_it():
+    groups = _groups(MERGE_GROUPS)
+    replicas = {g.name: _GroupReplicas(f"{g.name}-1") for g in groups}
+    dispatcher = GroupedDispatcher([(g, replicas[g.name]) for g in groups])
+    fin = _merge("fin-a", "fin-b")
+    hr = _merge("shared-a", "hr-b")
+    assert await dispatcher.start(_job(fin.adapter_id, tenant="finance", merge=fin), "/") == "finance-1", (
+        "a merge of two finance adapters runs in the finance group")
+    assert await dispatcher.start(_job(hr.adapter_id, tenant="hr", merge=hr), "/") == "hr-1", (
+        "the hr group names the hr tenant, so it serves hr's merge of a shared adapter and its own")
+    assert [j.merge for j in replicas["shared"].jobs] == [], "no merge was sent to the shared group"
+
+
+async def test_a_merge_that_no_group_serves_whole_is_a_400_naming_each_adapters_group():
+    groups = _groups(MERGE_GROUPS)
+    replicas = {g.name: _GroupReplicas(f"{g.name}-1") for g in groups}
+    dispatcher = GroupedDispatcher([(g, replicas[g.name]) for g in groups])
+    crossing = _merge("shared-a", "fin-b")
+    with pytest.raises(ApiException) as raised:
+        await dispatcher.start_all([_job(crossing.adapter_id, tenant="finance", merge=crossing)] * 2, "/")
+    error = raised.value.error
+    assert error.status == 400, f"a merge across groups is refused as a bad request: {error}"
+    assert "'shared-a' (group 'shared')" in error.message and "'fin-b' (group 'finance')" in error.message, (
+        f"the refusal names each adapter of the merge and its group: {error.message}")
+    assert all(not r.jobs for r in replicas.values()), "nothing was sent to any group's replicas"
+    unserved = _merge("fin-a", "zz")
+    only_fin = GroupedDispatcher([(groups[1], replicas["finance"])])
+    with pytest.raises(ApiException) as raised:
+        await only_fin.start(_job(unserved.adapter_id, merge=unserved), "/")
+    assert raised.value.error.status == 404 and "zz" in raised.value.error.message, (
+        f"an adapter of a merge that no group serves is a 404 naming it: {raised.value.error}")
 
 
 # ----- two groups on Ray --------------------------------------------------------------------------------

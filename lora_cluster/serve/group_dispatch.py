@@ -7,7 +7,8 @@ call, any_replica, broadcast, replica_stats, cluster_view) over one `Dispatcher`
 deployment (whose request router only knows the group's replicas) and the group's own cluster
 admission (whose controller only knows them too), so neither the router nor a cluster-queue grant
 can send it elsewhere. An adapter that no group serves is a 404, as an unknown adapter is. A merged
-adapter (`merged_adapters`) goes to the group of its first component adapter.
+adapter (`merged_adapters`) goes to the group that serves every adapter of the merge, and is a 400
+naming each adapter's group when no group does (`replica_groups.select_merge_group`).
 Admin calls (adapter registration, stats, health) reach the replicas of every group.
 """
 
@@ -17,11 +18,11 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.errors import AdapterNotFoundError, RequestError
 from lora_cluster.serve.dispatch import Dispatcher, Generation
 from lora_cluster.serve.http_errors import ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.replica_groups import ReplicaGroup, select_group
+from lora_cluster.serve.replica_groups import ReplicaGroup, select_group, select_merge_group
 
 
 class GroupedDispatcher:
@@ -46,8 +47,13 @@ class GroupedDispatcher:
         return group
 
     def _for_job(self, job: GenerateJob) -> Dispatcher:
-        adapter = job.merge.ids[0] if job.merge is not None else job.adapter_id
-        return self._dispatchers[self.group_for(adapter, job.tenant).name]
+        if job.merge is None:
+            return self._dispatchers[self.group_for(job.adapter_id, job.tenant).name]
+        try:
+            group = select_merge_group(self.groups, job.merge.ids, job.tenant)
+        except (AdapterNotFoundError, RequestError) as exc:
+            raise ApiException(describe(exc)) from None
+        return self._dispatchers[group.name]
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         """Start `job` on a replica of its group (see `Dispatcher.start`)."""

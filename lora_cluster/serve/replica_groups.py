@@ -13,6 +13,13 @@ Selection (`select_group`), for a request's adapter id and tenant name:
 3. else, for the base model (no adapter), the first group (every replica serves the base model);
    for an adapter, no group: the adapter is not served here (the caller answers 404).
 
+A merge of adapters (`merged_adapters`) runs where every one of its adapters may run
+(`select_merge_group`): a group serves an adapter of the merge when it is the group `select_group`
+picks for that adapter and tenant, or when it names the adapter or the tenant itself. The first
+group, in configuration order, that serves every adapter of the merge runs it; when none does (a
+finance adapter merged with one only the shared group serves), the merge is refused (a 400
+naming each adapter's group), so that an adapter never leaves its group.
+
 Without `replica_groups`, there is one catch-all group, `default`, made of the `num_replicas`,
 `num_cpus` and `num_gpus` fields, deployed under the historical names `LoraReplica` and
 `ClusterController`.
@@ -26,6 +33,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from lora_cluster.config import ServeConfig
+from lora_cluster.errors import AdapterNotFoundError, RequestError
 
 DEFAULT_GROUP = "default"
 REPLICA_DEPLOYMENT = "LoraReplica"
@@ -93,3 +101,22 @@ def select_group(groups: Sequence[ReplicaGroup], adapter_id: str | None,
     if adapter_id is None and groups:
         return groups[0]
     return None
+
+
+def select_merge_group(groups: Sequence[ReplicaGroup], adapter_ids: Sequence[str],
+                       tenant: str | None = None) -> ReplicaGroup:
+    """The group that runs a merge of `adapter_ids` (see the module docstring). Raises
+    AdapterNotFoundError for an adapter no group serves, RequestError (naming each adapter's group)
+    when no group serves them all."""
+    own: dict[str, ReplicaGroup] = {}
+    for adapter_id in adapter_ids:
+        group = select_group(groups, adapter_id, tenant)
+        if group is None:
+            raise AdapterNotFoundError(adapter_id, "not found (no replica group serves it)")
+        own[adapter_id] = group
+    for group in groups:
+        if all(own[aid] is group or group.matches(aid, tenant) for aid in adapter_ids):
+            return group
+    placed = ", ".join(f"{aid!r} (group {group.name!r})" for aid, group in own.items())
+    raise RequestError(f"merged_adapters: no replica group serves every adapter of the merge: {placed}; "
+                       "merge adapters that one group serves")
