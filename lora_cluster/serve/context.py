@@ -81,11 +81,14 @@ class ApiContext:
     def base_name(self) -> str:
         return served_name(self.config)
 
-    def adapter_for(self, model: str | None, caller: Caller) -> str | None:
+    def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False) -> str | None:
         """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
-        unknown adapter when the caller's tenant may not use it (existence does not leak)."""
+        unknown adapter when the caller's tenant may not use it (existence does not leak). `merging`:
+        the request merges adapters (`merged_adapters`) onto the base model it names; the merge's own
+        adapter ids are checked then (`schemas.merge_of`), so a tenant without `base_model` access
+        may merge adapters it owns."""
         adapter = None if model is None or model in (self.base_name, self.config.model) else model
-        if not caller.may_use(adapter):
+        if not (merging and adapter is None) and not caller.may_use(adapter):
             raise ApiException(describe(AdapterNotFoundError(model or self.base_name, "not accessible")))
         return adapter
 

@@ -49,7 +49,8 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
                     sla: SlaClass, caller: Caller) -> tuple[Generation, int | None, list[int]]:
         p = body.parameters
         p.check()
-        adapter = ctx.adapter_for(p.adapter_id, caller)  # 404 when the tenant may not use it
+        # 404 when the tenant may not use it
+        adapter = ctx.adapter_for(p.adapter_id, caller, merging=p.merged_adapters is not None)
         merge = merge_of(p.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
         path = ctx.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter

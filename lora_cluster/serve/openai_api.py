@@ -45,7 +45,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
                  sla: SlaClass, caller: Caller) -> list[GenerateJob]:
-        adapter = ctx.adapter_for(body.model, caller)
+        adapter = ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
         merge = merge_of(body.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
         path = ctx.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter
@@ -102,7 +102,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     async def completions(body: CompletionRequest, caller: CallerDep,
                           x_lora_priority: PriorityHeader = None) -> Any:
         body.check(ctx.config)
-        ctx.adapter_for(body.model, caller)  # before any work: 404 when the tenant may not use it
+        # before any work: 404 when the tenant may not use it
+        ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
         sla = ctx.priority_class(x_lora_priority, body.priority, caller)
         caller.check()  # the tenant's requests_per_minute, before any tokenizing
         raw = body.prompts()
@@ -115,7 +116,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, caller: CallerDep,
                                x_lora_priority: PriorityHeader = None) -> Any:
         body.check(ctx.config)
-        ctx.adapter_for(body.model, caller)  # before any work: 404 when the tenant may not use it
+        # before any work: 404 when the tenant may not use it
+        ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
         sla = ctx.priority_class(x_lora_priority, body.priority, caller)
         caller.check()  # the tenant's requests_per_minute, before any tokenizing
         prompt = await ctx.encode_chat(body.conversation())
