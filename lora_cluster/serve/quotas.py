@@ -89,6 +89,7 @@ class RemoteQuotas:
         self._leases: dict[str, tuple[TenantLease, QuotaLimits]] = {}  # tenants of the file: bounded
         self._tickets = itertools.count(1)
         self._admitted: dict[int, str] = {}  # ticket -> the account it was charged to (requests in flight)
+        self._granting: dict[str, set[asyncio.Future]] = {}  # tenant -> its grant calls in flight
         self._flusher: asyncio.Task[None] | None = None
         self._heard: dict[str, float] = {}  # tenant -> when the ledger last heard this holder settle
         self.ledger_calls = 0
@@ -114,6 +115,9 @@ class RemoteQuotas:
                 self._admitted[ticket] = lease.account.id
                 return Admission(ticket)
             call = asyncio.ensure_future(self._grant(tenant, lease, limits, prompt_tokens))
+            calls = self._granting.setdefault(tenant, set())
+            calls.add(call)
+            call.add_done_callback(calls.discard)
             call.add_done_callback(_retrieve)
             grant = await asyncio.shield(call)  # the request may go away: the grant still lands in the lease
             if not grant.granted:
@@ -183,6 +187,9 @@ class RemoteQuotas:
 
     async def _settle(self, tenant: str) -> None:
         lease, limits = self._leases[tenant]
+        granting = self._granting.get(tenant)
+        if granting:  # what the grants in flight bring (each ends within timeout_s) goes back with the rest
+            await asyncio.wait(list(granting))
         for _ in range(2):  # a reply may show grants whose replies were lost: they go back in a second call
             now = self._clock()
             totals = lease.returnable(now, self.lease_s)

@@ -24,8 +24,9 @@ and what the holder gave back or paid, each of which only grows. Every reply car
 and a give-back states totals, not amounts: a reply that never arrived (the caller went away, the
 call timed out after the ledger granted) shows in the next reply's account, and a give-back sent
 twice takes nothing twice. Every call carries the holder's sequence number and its `floor` (every
-call of that holder numbered below it has ended or was given up on); a grant numbered below the floor
-the ledger has seen is a call its holder no longer waits for, and grants nothing. A holder's slots are
+call of that holder numbered below it has ended or was given up on), which the ledger records with
+every call it answers; a grant numbered below it is a call its holder no longer waits for, and grants
+nothing. A holder's slots are
 reclaimed after `ticket_ttl_s` without a give-back from it (grants do not count: a holder that keeps
 taking and never settles is reclaimed even while its tenant has traffic). A new ledger (a restart) or
 a reclaimed account opens accounts with new ids; totals meant for another account are never applied.
@@ -274,6 +275,8 @@ class QuotaBook:
         now = self._clock()
         state = self._state(tenant, limits, now)
         entry = state.held.get(holder)
+        if entry is None and not ticket:  # opened even to refuse: the reply's floor is recorded
+            entry = self._open(state, holder, now)
         if entry is not None:
             stale = seq < entry.floor
             entry.floor = max(entry.floor, floor)
@@ -310,7 +313,6 @@ class QuotaBook:
             slots = need.slots + max(0, min(extra.slots, room))
         if entry is None:
             entry = self._open(state, holder, now, ticket)
-            entry.floor = floor
         entry.granted = _plus(entry.granted, Amounts(requests, tokens, slots))
         return Grant(requests, tokens, slots, account=entry.account())
 
@@ -326,10 +328,13 @@ class QuotaBook:
         state = self._state(tenant, limits, now)
         entry = state.held.get(holder)
         if entry is None:
-            return self._open(state, holder, now).account()
-        if seq < entry.floor or totals.id != entry.id:
+            entry = self._open(state, holder, now)
+        if seq < entry.floor:
             return entry.account()
-        entry.floor, entry.seen = max(entry.floor, floor), now
+        entry.floor = max(entry.floor, floor)  # recorded with every reply (see the module docstring)
+        if totals.id != entry.id:
+            return entry.account()
+        entry.seen = now
         self._settle(state, entry, totals, now)
         return entry.account()
 
