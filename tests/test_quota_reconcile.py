@@ -269,7 +269,7 @@ async def one_round(handle: LedgerHandle, clock: Clock, quotas: tuple[RemoteQuot
     return served
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(48))
 async def test_randomized_the_ledger_holds_nothing_and_charged_exactly_what_was_served(seed):
     rng = random.Random(seed)
     clock = Clock()
