@@ -234,7 +234,7 @@ def test_load_and_unload_lora_adapter(http, demo_zoo, tmp_path):
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(good)})
     assert r.status_code == 200, f"a valid adapter loads (a refused name is free again): {r.text}"
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": str(good)})
-    assert again.status_code == 400, f"loading a loaded name again is a 400: {again.text}"
+    assert again.status_code == 409, f"loading a loaded name again is a 409 (conflict): {again.text}"
     assert again.json()["error"]["code"] == "already_loaded", "the refusal says the name is already loaded"
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     mine = http.post("/v1/completions", json={**body, "model": "mine"})
@@ -309,6 +309,28 @@ def test_client_disconnect_frees_the_batch_slot(base_url, http):
             assert next(r.iter_lines()).startswith("data: "), "the first SSE event arrives"
 
     _abort_counted(http, leave, "the streaming request")
+
+
+def test_a_fan_out_whose_client_goes_away_leaves_no_request_and_no_in_flight_count(base_url, http):
+    """Two prompts with n = 2: four choices (this app's handles queue at most max_queued_requests=4
+    calls while they are routed) on the two replicas; the client leaves at the first event."""
+    body = {"model": "a3", "prompt": [PROMPT, PROMPT + " jumps"], "n": 2, "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+
+    def leave() -> None:
+        with httpx.Client(base_url=base_url, timeout=60) as client, client.stream(
+                "POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, f"the fan-out starts: {r.read().decode()}"
+            assert next(r.iter_lines()).startswith("data: "), "the first SSE event arrives"
+
+    _abort_counted(http, leave, "the fan-out")
+    deadline, in_flight = time.monotonic() + 20, None
+    while time.monotonic() < deadline and in_flight != {}:
+        r = http.get("/v1/cluster")
+        assert r.status_code == 200, f"/v1/cluster answers: {r.text}"
+        in_flight = r.json()["ingress"]["in_flight"]
+        time.sleep(0.2)
+    assert in_flight == {}, f"the ingress counts no request in flight on any replica: {in_flight}"
 
 
 def test_a_non_streaming_requests_client_going_away_aborts_it(base_url, http):
