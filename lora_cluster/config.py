@@ -665,8 +665,8 @@ class ServeConfig(EngineConfig):
     quota_ticket_ttl_s: float = Field(
         900.0,
         gt=0,
-        description="Concurrency slots of a tenant held by an ingress that the quota ledger has not "
-        "heard of for this long are released (the ingress died).",
+        description="Concurrency slots of a tenant held by an ingress that has not given back to the "
+        "quota ledger for this long are released (the ingress died, or keeps taking without settling).",
     )
     max_body_bytes: int = Field(
         1 << 20, ge=1024, description="Largest request body in bytes (400 above). Accepts suffixes: 1MiB."
