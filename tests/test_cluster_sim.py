@@ -292,9 +292,76 @@ def test_the_command_line_prints_exactly_the_documented_json() -> None:
               "--warmup", "2", "--seed", "1", "--max-loras", "4", "--policy", "serve-multiplex",
               "--profile", "gpu", "--json"])
     result = json.loads(out.getvalue())
-    assert set(result) == {"completed", "rejected", "hit_rate", "adapter_loads", "classes", "wall_s"}, \
-        "top-level keys"
+    assert set(result) == {"profile", "completed", "rejected", "hit_rate", "adapter_loads", "classes",
+                           "wall_s"}, "top-level keys"
     assert set(result["adapter_loads"]) == {"host", "disk", "s3"}, "loads by tier"
     assert set(result["classes"]) == {"interactive", "standard", "batch"}, "one entry per class"
     for name, c in result["classes"].items():
         assert set(c) == {"ttft_p50_s", "ttft_p99_s", "slo_attainment"}, f"{name}: class keys"
+
+
+def test_without_a_profile_flag_the_command_line_simulates_gpu_nodes_and_says_so() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--nodes", "2", "--adapters", "10", "--load", "0.5", "--duration", "3", "--warmup", "1",
+              "--max-loras", "4", "--json"])
+    result = json.loads(out.getvalue())
+    assert result["profile"] == "gpu-papers", "the default profile is the GPU one, named in the JSON"
+    assert SimConfig().profile == "gpu", "a SimConfig without a profile plans GPU nodes too"
+
+
+def test_an_explicit_cpu_profile_is_run_and_reported() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["--nodes", "2", "--adapters", "10", "--load", "0.5", "--duration", "3", "--warmup", "1",
+              "--max-loras", "4", "--profile", "cpu", "--json"])
+    assert json.loads(out.getvalue())["profile"] == "cpu-measured", "--profile cpu runs the measured profile"
+
+
+def _grid_run(policy: str, *, load: float, hit: float, interactive: float, batch_p99: float | None) -> dict:
+    return {"cell": {"nodes": 2, "adapters": 10, "zipf": 1.0, "load": load, "seed": 0}, "policy": policy,
+            "result": {"hit_rate": hit, "classes": {"interactive": {"slo_attainment": interactive},
+                                                    "standard": {"slo_attainment": 1.0},
+                                                    "batch": {"ttft_p99_s": batch_p99}}},
+            "details": {"hit_rate_ceiling": 0.9, "profile": "gpu-papers",
+                        "by_class": {"batch": {"offered": 10, "completed": 10}}}}
+
+
+def test_a_grid_cell_passes_only_when_every_target_is_met() -> None:
+    from lora_cluster.cluster.sim.grid import verdict
+
+    base = [_grid_run("serve-multiplex", load=1.0, hit=0.3, interactive=0.5, batch_p99=10.0),
+            _grid_run("round-robin", load=1.0, hit=0.25, interactive=0.4, batch_p99=10.0)]
+    good = verdict([_grid_run("lora-cluster", load=1.0, hit=0.88, interactive=0.995, batch_p99=30.0), *base])
+    assert good["passed"], f"every target met: {good['checks']}"
+    low_hits = verdict([_grid_run("lora-cluster", load=1.0, hit=0.85, interactive=1.0, batch_p99=30.0),
+                        *base])
+    assert not low_hits["checks"]["hit_rate"], "85% hits is under 97% of a 90% ceiling"
+    late = verdict([_grid_run("lora-cluster", load=1.0, hit=0.88, interactive=1.0, batch_p99=61.0), *base])
+    assert not late["checks"]["batch_wait"], "a batch p99 wait over 60 s at 1x fails"
+    over = verdict([_grid_run("lora-cluster", load=2.0, hit=0.88, interactive=1.0, batch_p99=61.0),
+                    _grid_run("serve-multiplex", load=2.0, hit=0.3, interactive=0.5, batch_p99=1.0)])
+    assert over["checks"]["batch_wait"], "the batch wait target holds up to the rated load only"
+    behind = verdict([_grid_run("lora-cluster", load=1.0, hit=0.88, interactive=0.99, batch_p99=1.0),
+                      _grid_run("serve-multiplex", load=1.0, hit=0.3, interactive=1.0, batch_p99=1.0)])
+    assert not behind["checks"]["baselines"], "a baseline with more interactive attainment is ahead"
+
+
+def test_the_grid_command_runs_every_policy_per_cell_on_the_gpu_profile_and_judges_it(tmp_path) -> None:
+    from lora_cluster.cluster.sim.experiments import main as experiments
+
+    out, save = io.StringIO(), tmp_path / "grid.json"
+    with contextlib.redirect_stdout(out):
+        code = experiments(["grid", "--sizes", "2x10", "--zipfs", "1", "--loads", "0.5,1", "--seeds", "0",
+                            "--duration", "3", "--warmup", "1", "--max-loras", "4", "--workers", "1",
+                            "--save", str(save)])
+    text = out.getvalue()
+    assert text.startswith("profile gpu-papers (--profile gpu)"), "the table says which profile it ran"
+    rows = [line for line in text.splitlines() if line.startswith("| 2 x 10 |")]
+    assert len(rows) == 2, "one row per cell (two loads)"
+    verdicts = [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows]
+    assert all(v == "pass" or v.startswith("FAIL: ") for v in verdicts), f"each row's verdict: {verdicts}"
+    runs = json.loads(save.read_text())
+    policies = sorted(["lora-cluster", "serve-multiplex", "round-robin"] * 2)
+    assert sorted(r["policy"] for r in runs) == policies, "every cell runs lora-cluster and both baselines"
+    assert code == (0 if verdicts == ["pass", "pass"] else 1), "exit status 1 exactly when a cell fails"

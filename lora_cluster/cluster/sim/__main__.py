@@ -1,10 +1,12 @@
 """`python -m lora_cluster.cluster.sim`: run one simulation and print its result.
 
     python -m lora_cluster.cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
-        --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile cpu|gpu|PATH] [--preload N] \
+        --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile gpu|cpu|PATH] [--preload N] \
         [--json]
 
-`--json` prints one object: completed, rejected, hit_rate, adapter_loads (by tier), classes (per
+The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
+`cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the
+name of the profile the run used), completed, rejected, hit_rate, adapter_loads (by tier), classes (per
 class: ttft_p50_s, ttft_p99_s, slo_attainment) and wall_s. Without it, the same figures and the
 run's details (rates, controller calls and CPU time, queue depth) as text.
 """
@@ -32,8 +34,9 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-loras", type=int, default=16, help="adapter slots per replica")
     ap.add_argument("--policy", choices=sorted(POLICIES), default="lora-cluster")
-    ap.add_argument("--profile", default="cpu",
-                    help="replica profile: cpu (measured here), gpu (from papers) or a JSON path")
+    ap.add_argument("--profile", default="gpu",
+                    help="replica profile: gpu (from papers), cpu (measured on this 2-core machine) "
+                    "or a JSON path")
     ap.add_argument("--preload", type=int, default=0,
                     help="the N most popular adapters are in every node's store at start, as after the "
                     "engine's `preload` listed them (0: every adapter only in S3)")

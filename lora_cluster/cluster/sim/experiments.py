@@ -1,11 +1,22 @@
 """The runs behind docs/scale.md: a table of policies x loads, and a load sweep plotted to PNG.
 
+    python -m lora_cluster.cluster.sim.experiments grid [--duration 60 --warmup 20 --workers 2] \
+        [--save runs.json]
     python -m lora_cluster.cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
-        --loads 1,2 --duration 300 --profile cpu [--save runs.json]
+        --loads 1,2 --duration 300 [--profile gpu|cpu|PATH] [--save runs.json]
     python -m lora_cluster.cluster.sim.experiments sweep --nodes 32 --adapters 1000 --max-loras 16 \
         --loads 0.5,1,1.5,2,2.5,3 --duration 120 --profile cpu --plot docs/scale_sweep_cpu.png
     python -m lora_cluster.cluster.sim.experiments render --save runs.json [--plot FILE]
     python -m lora_cluster.cluster.sim.experiments router-cost
+
+Every subcommand runs the `gpu` profile (docs/profile_gpu_papers.json) unless `--profile` names
+another (`cpu`: measured on this 2-core machine), and every table starts with the profile it ran.
+
+`grid` runs the acceptance grid (`sim.grid`): Zipf {0.8, 1.0, 1.2} x load {1, 1.5, 2} x seeds {0, 1}
+at 32 nodes x 1,000 adapters and 24 nodes x 1,500, each cell with `lora-cluster` and both baselines,
+every adapter preloaded unless `--preload` says otherwise, in `--workers` processes; it prints one
+row per cell with pass/fail against the targets, and exits 1 when a cell fails. `--sizes`,
+`--zipfs`, `--loads`, `--seeds` run a part of it.
 
 `router-cost` times the live router's per-request work (`PlacementTracker.view` for every replica,
 then `rank_replicas` over them, as `LoraAffinityRouter.choose_replicas` does) at 32 to 1024 replicas.
@@ -30,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lora_cluster.cluster.sim import grid as acceptance
 from lora_cluster.cluster.sim.context import ServeSettings
 from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, run
 from lora_cluster.serve.affinity import PlacementTracker, rank_replicas
@@ -40,12 +52,12 @@ ORDER = ("lora-cluster", "serve-multiplex", "round-robin")
 def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run every policy at every load; each run as {config, result, details}."""
     runs = []
-    for load in (float(x) for x in args.loads.split(",")):
+    for load in (float(x) for x in (args.loads or "1,2").split(",")):
         for policy in args.policies.split(","):
             config = SimConfig(nodes=args.nodes, adapters=args.adapters, zipf=args.zipf, load=load,
                                duration=args.duration, warmup=args.warmup, seed=args.seed,
                                max_loras=args.max_loras, policy=policy, profile=args.profile,
-                               preload=args.preload, serve=serve_settings(args.set))
+                               preload=args.preload or 0, serve=serve_settings(args.set))
             result = run(config)
             print(f"# {policy} load {load:g}: wall {result.wall_s:.1f} s", file=sys.stderr, flush=True)
             runs.append({"config": {k: v for k, v in asdict(config).items() if k != "serve"},
@@ -79,7 +91,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     head = ("| policy | load | completed | rejected | hit rate (ceiling) | loads host / disk / s3 "
             "| interactive p50 / p99 s, SLO | standard p50 / p99 s, SLO | batch p50 / p99 s, SLO "
             "| controller CPU s per s, queue mean / max | wall s |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [profile_line(runs), "", head, "|" + "---|" * 11]
     ranked = sorted(runs, key=lambda r: (r["config"]["load"], ORDER.index(r["config"]["policy"])))
     for r in ranked:
         res, d = r["result"], r["details"]
@@ -96,6 +108,14 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"| {loads['host']} / {loads['disk']} / {loads['s3']} | {' | '.join(classes)} "
             f"| {controller} | {res['wall_s']:.0f} |")
     return "\n".join(lines)
+
+
+def profile_line(runs: list[dict[str, Any]]) -> str:
+    """The profile (and start state) the runs used, as the table's first line."""
+    profiles = sorted({str(r["details"].get("profile")) for r in runs})
+    c = runs[0]["config"] if runs else {}
+    start = f"{c['preload']} adapters preloaded" if c.get("preload") else "every adapter in S3 at start"
+    return f"profile {', '.join(profiles)}; {start}"
 
 
 def census_markdown(runs: list[dict[str, Any]]) -> str:
@@ -197,22 +217,60 @@ def router_cost(sizes: tuple[int, ...] = (32, 256, 1024), adapters: int = 10_000
     return "\n".join(lines)
 
 
+def run_acceptance(args: argparse.Namespace) -> int:
+    """`grid`: the acceptance grid (`sim.grid`), its table, and 1 when a cell fails."""
+    try:
+        sizes = tuple(tuple(int(x) for x in s.split("x")) for s in args.sizes.split(","))
+        chosen = acceptance.cells(sizes=sizes,  # type: ignore[arg-type]
+                                  zipfs=tuple(float(z) for z in args.zipfs.split(",")),
+                                  loads=tuple(float(x) for x in (args.loads or "1,1.5,2").split(",")),
+                                  seeds=tuple(int(s) for s in args.seeds.split(",")))
+    except ValueError as e:
+        raise SystemExit(f"grid: --sizes NODESxADAPTERS, --zipfs, --loads, --seeds: comma-separated numbers "
+                         f"({e})") from None
+    common = acceptance.Common(duration=60.0 if args.duration is None else args.duration,
+                               warmup=20.0 if args.warmup is None else args.warmup, profile=args.profile,
+                               preload=args.preload, max_loras=args.max_loras, serve=serve_settings(args.set))
+    runs = acceptance.run_grid(chosen, common, policies=tuple(args.policies.split(",")), workers=args.workers)
+    if args.save:
+        Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
+    print(acceptance.header(common, runs) + "\n")
+    print(acceptance.markdown(runs))
+    return 0 if all(acceptance.verdict(rs)["passed"] for rs in _by_cell(runs).values()) else 1
+
+
+def _by_cell(runs: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
+    grouped: dict[Any, list[dict[str, Any]]] = {}
+    for r in runs:
+        grouped.setdefault(tuple(sorted(r["cell"].items())), []).append(r)
+    return grouped
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_cluster.cluster.sim.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("table", "sweep", "render", "router-cost"))
+    ap.add_argument("what", choices=("grid", "table", "sweep", "render", "router-cost"))
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=1000)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--max-loras", type=int, default=16)
-    ap.add_argument("--loads", default="1,2")
+    ap.add_argument("--loads", help="loads, comma-separated (default: 1,2; grid: 1,1.5,2)")
+    ap.add_argument("--zipfs", default=",".join(f"{z:g}" for z in acceptance.ZIPFS),
+                    help="grid: Zipf exponents")
+    ap.add_argument("--seeds", default=",".join(map(str, acceptance.SEEDS)), help="grid: seeds")
+    ap.add_argument("--sizes", default=",".join(f"{n}x{a}" for n, a in acceptance.SIZES),
+                    help="grid: NODESxADAPTERS, comma-separated")
+    ap.add_argument("--workers", type=int, default=2, help="grid: runs at a time, each in its own process")
     ap.add_argument("--policies", default=",".join(ORDER))
-    ap.add_argument("--duration", type=float, default=120.0)
-    ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--duration", type=float, help="measured simulated seconds (default 120; grid: 60)")
+    ap.add_argument("--warmup", type=float, help="unmeasured simulated seconds first (default 30; grid: 20)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default="cpu")
-    ap.add_argument("--preload", type=int, default=0,
-                    help="the N most popular adapters are in every node's store at start (`preload`)")
+    ap.add_argument("--profile", default="gpu",
+                    help="replica profile: gpu (from papers), cpu (measured on this 2-core machine) "
+                    "or a JSON path")
+    ap.add_argument("--preload", type=int,
+                    help="the N most popular adapters are in every node's store at start (`preload`; "
+                    "default 0, every adapter only in S3; grid: every adapter)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a ServeConfig setting the policies read (repeatable), e.g. admission_capacity=64")
     ap.add_argument("--save", help="JSON file of the runs (written by table/sweep, read by render)")
@@ -223,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "router-cost":
         print(router_cost())
         return 0
+    if args.what == "grid":
+        return run_acceptance(args)
+    args.duration = 120.0 if args.duration is None else args.duration
+    args.warmup = 30.0 if args.warmup is None else args.warmup
     if args.what == "render":
         runs = json.loads(Path(args.save).read_text())
     else:

@@ -44,11 +44,13 @@ class SimResult:
     classes: dict[str, dict[str, float | None]]
     wall_s: float
     details: dict[str, Any] = field(default_factory=dict)  # not printed by --json: run and policy figures
+    profile: str | None = None  # the replica profile the run used (`ReplicaProfile.name`, e.g. gpu-papers)
 
     def to_json(self) -> dict[str, Any]:
         """The object `--json` prints (exactly these keys)."""
-        return {"completed": self.completed, "rejected": self.rejected, "hit_rate": self.hit_rate,
-                "adapter_loads": dict(self.adapter_loads), "classes": self.classes, "wall_s": self.wall_s}
+        return {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
+                "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
+                "wall_s": self.wall_s}
 
 
 class _ClassTally:
@@ -134,4 +136,4 @@ class Metrics:
         return SimResult(completed=self.completed, rejected=rejected,
                          hit_rate=self.hits / self.completed if self.completed else None,
                          adapter_loads={t: self.loads[t] for t in TIERS}, classes=out, wall_s=wall_s,
-                         details=details)
+                         details=details, profile=details.get("profile"))

@@ -45,7 +45,7 @@ class SimConfig:
     seed: int = 0
     max_loras: int = 16
     policy: str = "lora-cluster"
-    profile: str = "cpu"
+    profile: str = "gpu"  # gpu (from papers: the GPU clusters users plan), cpu (measured here) or a path
     warmup: float = 30.0
     preload: int = 0  # the most popular adapters every node's store holds at start (see `NodeStore.preload`)
     mix: tuple[tuple[str, float], ...] = DEFAULT_MIX
