@@ -541,11 +541,21 @@ class ServeConfig(EngineConfig):
     cluster_queue_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503)."
     )
+    cluster_queue_max_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="Bound on the cluster-queue wait of a class without a TTFT target (batch): a queued "
+        "request that waited three quarters of it gets the next free slot before any other (the last "
+        "quarter is the wait for a slot to free); while the class's queued requests already wait half of it "
+        "(its oldest, or its backlog at its recent grant rate), new ones are refused at once (429 with "
+        "Retry-After) instead of queueing for minutes. 0 turns the bound off (aging alone).",
+    )
     cold_shed_window_s: float = Field(
         1.0,
         ge=0,
-        description="While a class sheds load (one of its requests was refused for its TTFT target within "
-        "this many seconds), its requests whose adapter no replica holds are refused first (429): they "
+        description="While a class sheds load (one of its requests was refused for its TTFT target, or for "
+        "cluster_queue_max_wait_s, within this many seconds), its requests whose adapter no replica holds "
+        "are refused first (429): they "
         "would cost a load and an adapter slot. Not the most urgent class. 0 turns it off.",
     )
     preempt_after_fraction: float = Field(

@@ -121,6 +121,11 @@ class DeadlineOutOfReachError(ClusterOverloadedError):
     target (429). Its class is then shedding load (`cluster.shedding`)."""
 
 
+class WaitBoundError(ClusterOverloadedError):
+    """A request of a class without a TTFT target refused because its class's queued requests already
+    wait half of `cluster_queue_max_wait_s` (429 with Retry-After; `cluster.cluster_queue`)."""
+
+
 class ColdAdapterShedError(ClusterOverloadedError):
     """A request refused while its class sheds load, because no replica holds its adapter (429;
     `cluster.shedding`)."""

@@ -3,6 +3,7 @@ grants by affinity, preemption choice, placement targets, and the view rebuilt a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -15,7 +16,7 @@ from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import ClusterOverloadedError
+from lora_cluster.errors import ClusterOverloadedError, WaitBoundError
 from lora_cluster.serve.replica_report import projected_batch
 
 CLASSES = SlaClasses()  # interactive 0 / 1 s, standard 1 / 5 s, batch 2 / none
@@ -656,3 +657,99 @@ def test_urgent_requests_go_only_where_preemptible_work_is_left():
     grant = ctl.park(ticket("i", "interactive", 100.0))
     assert grant is not None and grant.replica_id == "r2", (
         "r1's less urgent work is already taken by the urgent requests waiting there: preempt on r2")
+
+
+# ----- the wait bound of classes without a TTFT target ----------------------------------------
+
+
+def test_a_batch_ticket_is_refused_with_a_retry_after_while_its_class_already_waits_half_the_bound():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0, wait_bound_s=60.0)
+    q.park(ticket("old", "batch", 100.0))
+    clock.now = 125.0
+    q.class_granted(ticket("served", "batch", 110.0))  # the class drains: one grant in the window
+    clock.now = 129.0
+    q.park(ticket("queued", "batch", 129.0))
+    assert "queued" in q, "the oldest batch ticket waited 29 s, under half the 60 s bound: queued"
+    clock.now = 131.0
+    with pytest.raises(WaitBoundError, match="cluster_queue_max_wait_s") as info:
+        q.park(ticket("refused", "batch", 131.0))
+    assert info.value.retry_after_s >= 1.0, "the refusal carries a retry-after"
+    q.park(ticket("standard", "standard", 131.0))
+    assert "standard" in q, "a class with a TTFT target is judged by its deadline, not by the bound"
+    q.remove("old")
+    q.park(ticket("after-drain", "batch", 131.0))
+    assert "after-drain" in q, "once the oldest queued waited under half the bound, batch is queued again"
+
+
+def test_a_batch_ticket_is_refused_when_its_class_backlog_would_drain_past_half_the_bound():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0, wait_bound_s=60.0,
+                     drain_window_s=10.0)
+    clock.now = 90.0
+    q.class_granted(ticket("served", "batch", 85.0))  # one batch grant in the 10 s window
+    clock.now = 100.0
+    for i in range(2):
+        q.park(ticket(f"b{i}", "batch", 100.0))
+    assert len(q) == 2, "a backlog of 2 at 0.1 grants/s (20 s) is under half the bound: queued"
+    with pytest.raises(WaitBoundError, match="about 30 s"):
+        q.park(ticket("third", "batch", 100.0))
+
+
+def test_a_batch_ticket_that_waited_the_bound_is_granted_before_fresher_urgent_work():
+    clock = Clock()
+    settings = ControllerSettings(wait_bound_s=60.0, aging_s=1000.0, preempt_after_fraction=1.0,
+                                  top_class_preempt_after_fraction=1.0)
+    ctl = Controller(CLASSES, settings, clock=clock)
+    ctl.report(report("r1", capacity=1, running=1, by_priority={1: 1}))
+    ctl.park(ticket("b", "batch", 100.0))
+    clock.now = 140.0
+    ctl.park(ticket("s", "standard", 140.0))
+    ctl.report(report("r1", capacity=1, running=0))
+    assert list(ctl.take_grants()) == ["s"], "before 3/4 of the bound, a standard ticket goes first"
+    ctl.report(report("r1", capacity=1, running=1, by_priority={1: 1}, arrived=("s",)))
+    clock.now = 146.0
+    fast = dataclasses.replace(report("r1", capacity=1, running=1, by_priority={1: 1}), service_time_s=0.1)
+    ctl.report(fast)  # a replica that serves 10 requests/s: the urgent tickets' deadlines are in reach
+    ctl.park(ticket("s2", "standard", 146.0))
+    ctl.park(ticket("i", "interactive", 146.0))
+    ctl.take_grants()  # the interactive ticket preempts the running standard request
+    ctl.report(dataclasses.replace(report("r1", capacity=1, running=0), service_time_s=0.1))
+    grants = ctl.take_grants()
+    assert list(grants) == ["b"], f"the batch ticket that waited 46 s (> 3/4 of 60) goes first: {grants}"
+    assert ctl.counts["overdue_grants"] == 1, "the grant is counted as overdue"
+
+
+def test_without_a_bound_batch_waits_by_aging_alone():
+    clock = Clock()
+    q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0)
+    q.park(ticket("old", "batch", 100.0))
+    clock.now = 1000.0
+    q.park(ticket("new", "batch", 1000.0))
+    assert "new" in q and q.overdue() is None, "no bound: no refusal and nothing overdue"
+
+
+def test_the_served_configuration_bounds_the_batch_wait_at_a_minute():
+    settings = ControllerSettings.from_config(ServeConfig(model="m"))
+    assert settings.wait_bound_s == 60.0, "cluster_queue_max_wait_s defaults to 60 s"
+    off = ControllerSettings.from_config(ServeConfig(model="m", cluster_queue_max_wait_s=0))
+    assert off.wait_bound_s is None, "0 turns the bound off"
+
+
+def test_a_top_class_miss_preempts_where_an_adapter_slot_is_free_and_other_classes_go_home():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(top_class_preempt_after_fraction=0.0), clock=clock)
+    ids = ["r1", "r2", "r3"]
+    home = max(ids, key=lambda rid: home_score("tail", rid))
+    with_slot = next(rid for rid in ids if rid != home)
+    for rid in ids:  # every replica full of batch work; only `with_slot` has an adapter slot it can give
+        slots = 1 if rid == with_slot else 0
+        ctl.report(dataclasses.replace(full_replica(rid, {2: 2}), free_adapter_slots=slots))
+    grant = ctl.park(ticket("i", "interactive", 100.0, "tail"))
+    assert grant is not None and grant.preempt, "the interactive miss preempts at once"
+    assert grant.replica_id == with_slot, (
+        f"it goes where an adapter slot is free ({with_slot}), not to its home {home} whose slots all "
+        "serve running requests")
+    view = ctl.view
+    standard = ticket("s", "standard", 100.0, "tail")
+    assert preemption_target(standard, view) == home, "a less urgent class's miss goes to the adapter's home"

@@ -11,7 +11,12 @@ from lora_cluster.cluster.controller import Controller, ControllerSettings
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import ClusterOverloadedError, ColdAdapterShedError, DeadlineOutOfReachError
+from lora_cluster.errors import (
+    ClusterOverloadedError,
+    ColdAdapterShedError,
+    DeadlineOutOfReachError,
+    WaitBoundError,
+)
 
 
 def shedding_controller(window_s: float = 1.0) -> tuple[Clock, Controller]:
@@ -53,15 +58,31 @@ def test_a_shedding_class_still_queues_requests_whose_adapter_a_replica_holds_or
     assert "loading" in ctl.queue, "an adapter a replica is loading: queued"
 
 
-def test_the_most_urgent_class_batch_and_the_base_model_are_never_shed():
+def test_the_most_urgent_class_and_the_base_model_are_never_shed():
     _, ctl = shedding_controller()
     ctl.shedding.record(CLASSES.get("interactive").priority)  # as if the top class shed too
     ctl.park(ticket("urgent", "interactive", 100.0, "rare"))
     ctl.park(ticket("patient", "batch", 100.0, "rare"))
     ctl.park(ticket("base", "standard", 100.0, None))
     assert "urgent" in ctl.queue, "the most urgent class preempts instead: queued"
-    assert "patient" in ctl.queue, "a class without a TTFT target: queued"
+    assert "patient" in ctl.queue, "batch, which is not over its own bound: queued"
     assert "base" in ctl.queue, "the base model, which every replica holds: queued"
+
+
+def test_a_batch_class_over_its_wait_bound_sheds_its_cold_requests_first():
+    clock = Clock()
+    ctl = Controller(CLASSES, ControllerSettings(wait_bound_s=60.0), clock=clock)
+    ctl.report(ReplicaReport("r1", "n1", capacity=1, max_num_seqs=1, max_loras=4, running=1, waiting=0,
+                             free_adapter_slots=0, resident=("held",), running_by_priority={2: 1}))
+    ctl.park(ticket("b0", "batch", 100.0, "held"))
+    clock.now = 131.0
+    with pytest.raises(WaitBoundError):
+        ctl.park(ticket("b1", "batch", 131.0, "held"))
+    ctl.cancel("b0")
+    with pytest.raises(ColdAdapterShedError, match="'rare'"):
+        ctl.park(ticket("cold", "batch", 131.0, "rare"))
+    ctl.park(ticket("warm", "batch", 131.0, "held"))
+    assert "warm" in ctl.queue, "a batch request whose adapter a replica holds is queued (backlog drained)"
 
 
 def test_shedding_ends_with_its_window():

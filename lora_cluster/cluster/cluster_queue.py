@@ -20,8 +20,25 @@ it, divided by the drain rate) would end past it and the caller says nothing els
 time (`deadline_at_risk`: the controller passes False when the ticket could preempt less urgent
 running work). The drain rate is the larger
 of the measured one (grants over a window) and the one the caller expects from capacity (replicas'
-batch slots over their service time). Both refusals carry a retry-after estimate. Pure: injected
-clock, no Ray.
+batch slots over their service time). Both refusals carry a retry-after estimate.
+
+Bounded wait for classes without a TTFT target (`batch`): aging lets them pass fresh requests of
+the classes above, but under a load the replicas only just carry (the rated load, where loads and
+recomputes make the real capacity a little short of the offered load) their backlog still grows
+and so does their wait. Two rules bound it by `wait_bound_s` (`cluster_queue_max_wait_s`):
+
+* admission: a new ticket of such a class is refused at once (`WaitBoundError`, 429 with
+  Retry-After) when the oldest queued ticket of its class has already waited `ADMIT_WAIT_SHARE`
+  of the bound, or when its class's queued tickets would take that long to leave at the rate its
+  tickets were granted over the drain window (`class_granted`); the class's tickets leave in
+  about arrival order, so the admitted ones stay under the bound;
+* starvation guard: a ticket of such a class that has waited `OVERDUE_SHARE` of the bound is
+  `overdue` and takes the next room before any other ticket (the most urgent class still preempts
+  it on its replica); the rest of the bound is the wait for a slot to free somewhere.
+
+Above the load the replicas carry, the class is thus refused early with a retry-after rather than
+queued for minutes; below it, nothing is refused and its wait stays under the bound. Pure:
+injected clock, no Ray.
 """
 
 from __future__ import annotations
@@ -34,7 +51,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from lora_cluster.errors import ClusterOverloadedError, DeadlineOutOfReachError, RequestError
+from lora_cluster.errors import ClusterOverloadedError, DeadlineOutOfReachError, RequestError, WaitBoundError
+
+ADMIT_WAIT_SHARE = 0.5  # of the wait bound: a class without a TTFT target admits while its backlog waits less
+OVERDUE_SHARE = 0.75  # of the wait bound: such a ticket then goes first (the rest is left for a slot to free)
 
 
 @dataclass(frozen=True)
@@ -94,13 +114,20 @@ class ClusterQueue:
     """Tickets by urgency (see the module docstring). Bounded by `max_size`."""
 
     def __init__(self, *, max_size: int, aging_s: float, clock: Callable[[], float],
-                 drain_window_s: float = 10.0, top_priority: int | None = None):
+                 drain_window_s: float = 10.0, top_priority: int | None = None,
+                 wait_bound_s: float | None = None):
         """`top_priority`: the most urgent class's priority; its tickets are never overtaken by aged
-        ones (None: plain aging across every class)."""
-        if max_size < 1 or aging_s <= 0:
-            raise RequestError(f"cluster queue: max_size {max_size} and aging_s {aging_s} must be positive")
+        ones (None: plain aging across every class). `wait_bound_s`: the longest wait of a ticket
+        without a TTFT target (None: unbounded; see the module docstring)."""
+        if max_size < 1 or aging_s <= 0 or (wait_bound_s is not None and wait_bound_s <= 0):
+            raise RequestError(f"cluster queue: max_size {max_size}, aging_s {aging_s} and wait_bound_s "
+                               f"{wait_bound_s} must be positive")
         self.max_size, self.aging_s, self._clock = max_size, aging_s, clock
-        self.top_priority = top_priority
+        self.top_priority, self.wait_bound_s = top_priority, wait_bound_s
+        # priority -> heap of (enqueued_at, seq, entry) of the classes without a TTFT target (lazy removal)
+        self._untargeted: dict[int, list[tuple[float, int, _Entry]]] = {}
+        self._untargeted_count: Counter[int] = Counter()  # queued tickets of those classes
+        self._class_drain: dict[int, DrainMeter] = {}  # their grants per second
         self._heap: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
         self._ranks: list[tuple[int, float, int, str]] = []  # (tier, urgency key, seq, id), sorted
@@ -165,6 +192,8 @@ class ClusterQueue:
                 f"met: about {wait:.1f} s of queued work is ahead",
                 retry_after_s=wait,
             )
+        if ticket.ttft_s is None and self.wait_bound_s is not None:
+            self._check_wait_bound(ticket, now)
         if ticket.deadline is None and wait is not None and max_wait_s is not None and wait > max_wait_s:
             raise ClusterOverloadedError(
                 f"about {wait:.0f} s of queued work is ahead of this {ticket.sla_class} request, more than "
@@ -179,7 +208,60 @@ class ClusterQueue:
         heapq.heappush(self._by_adapter.setdefault((ticket.adapter_id, ticket.priority), []), entry)
         self._indexed += 1
         bisect.insort(self._ranks, (*entry.key[:2], entry.key[4], ticket.ticket_id))
+        if ticket.ttft_s is None:
+            heapq.heappush(self._untargeted.setdefault(ticket.priority, []),
+                           (ticket.enqueued_at, entry.key[4], entry))
+            self._untargeted_count[ticket.priority] += 1
         return bump
+
+    def class_granted(self, ticket: Ticket) -> None:
+        """`ticket` left the queue for a replica: counts towards its class's drain rate (classes
+        without a TTFT target only; see `_check_wait_bound`)."""
+        if ticket.ttft_s is None:
+            meter = self._class_drain.get(ticket.priority)
+            if meter is None:  # one per SLA class: bounded
+                meter = self._class_drain[ticket.priority] = DrainMeter(self.drain.window_s, self._clock)
+            meter.record()
+
+    def _check_wait_bound(self, ticket: Ticket, now: float) -> None:
+        """Refuse `ticket` (no TTFT target) while the oldest of its class has waited the admission share
+        of the bound: it would wait about as long, and the class's backlog would keep growing."""
+        oldest = self.oldest(ticket.priority)
+        bound = self.wait_bound_s
+        if oldest is None or bound is None:
+            return
+        waited = now - oldest.enqueued_at
+        meter = self._class_drain.get(ticket.priority)
+        rate = meter.rate() if meter is not None else None
+        backlog = (self._untargeted_count[ticket.priority] + 1) / rate if rate else 0.0
+        wait = max(waited, backlog)
+        if wait >= ADMIT_WAIT_SHARE * bound:
+            raise WaitBoundError(
+                f"the {ticket.sla_class} class's queued requests already wait about {wait:.0f} s for a "
+                f"replica; its wait is bounded at {bound:g} s (cluster_queue_max_wait_s), so more of them "
+                f"are refused until the backlog drains",
+                retry_after_s=max(1.0, min(wait, bound) - ADMIT_WAIT_SHARE * bound))
+
+    def oldest(self, priority: int) -> Ticket | None:
+        """The longest-waiting queued ticket of `priority`, a class without a TTFT target (None: none)."""
+        heap = self._untargeted.get(priority)
+        while heap and heap[0][2].removed:
+            heapq.heappop(heap)
+        if not heap:
+            self._untargeted.pop(priority, None)
+            return None
+        return heap[0][2].ticket
+
+    def overdue(self, now: float | None = None) -> Ticket | None:
+        """The longest-waiting ticket without a TTFT target that has waited `OVERDUE_SHARE` of
+        `wait_bound_s` or more: it goes before every other ticket (None: none, or no bound).
+        O(classes) amortized."""
+        if self.wait_bound_s is None:
+            return None
+        now = self._clock() if now is None else now
+        found = [t for p in list(self._untargeted) if (t := self.oldest(p)) is not None
+                 and now - t.enqueued_at >= OVERDUE_SHARE * self.wait_bound_s]
+        return min(found, key=lambda t: (t.enqueued_at, t.priority), default=None)
 
     def bumped_error(self, ticket: Ticket) -> ClusterOverloadedError:
         """The refusal of a ticket bumped out of the full queue by a more urgent one."""
@@ -198,6 +280,8 @@ class ClusterQueue:
         if entry is None:
             return None
         entry.removed = True
+        if entry.ticket.ttft_s is None:
+            self._untargeted_count[entry.ticket.priority] -= 1
         i = bisect.bisect_left(self._ranks, (*entry.key[:2], entry.key[4], ticket_id))
         del self._ranks[i]
         self._compact()
@@ -260,6 +344,10 @@ class ClusterQueue:
             for heap in self._by_adapter.values():
                 heapq.heapify(heap)
             self._indexed = len(self._entries)
+        for fifo in self._untargeted.values():  # bounded: removed entries dropped
+            if len(fifo) > 2 * len(self._entries) + 64:
+                fifo[:] = [e for e in fifo if not e[2].removed]
+                heapq.heapify(fifo)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -8,7 +8,8 @@ Outputs: grants (`take_grants`: ticket -> replica, and whether it preempts), eac
 adapters to prefetch because placement chose that replica for them), and `snapshot` (the cluster
 view served at `GET /v1/cluster`).
 
-Policies (each in its own module): `cluster_queue` orders and admits tickets, `shedding` refuses
+Policies (each in its own module): `cluster_queue` orders and admits tickets (and bounds the wait of
+classes without a TTFT target: a ticket that waited the bound is granted first), `shedding` refuses
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
 replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
 holds no request bodies and no Ray objects; the actor (`cluster.actor`) wraps it. Its state is
@@ -39,7 +40,7 @@ from lora_cluster.cluster.scheduling import (
 )
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.errors import DeadlineOutOfReachError
+from lora_cluster.errors import DeadlineOutOfReachError, WaitBoundError
 
 DEFAULT_SERVICE_TIME_S = 1.0
 REPLAN_EVERY_S = 1.0  # placement is recomputed this often, and when a replica joins or goes away
@@ -59,6 +60,7 @@ class ControllerSettings:
     holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
     cold_shed_window_s: float = 1.0  # a class sheds cold misses this long after a deadline refusal (0: off)
+    wait_bound_s: float | None = 60.0  # longest queue wait of a class without a TTFT target (None: unbounded)
 
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
         """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
@@ -81,6 +83,7 @@ class ControllerSettings:
             stale_after_s=max(2.0, 4 * config.controller_report_period_s),
             hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
             cold_shed_window_s=config.cold_shed_window_s,
+            wait_bound_s=config.cluster_queue_max_wait_s or None,
         )
 
 
@@ -103,7 +106,8 @@ class Controller:
                  clock: Callable[[], float] = time.monotonic):
         self.classes, self.settings, self._clock = classes, settings, clock
         self.queue = ClusterQueue(max_size=settings.queue_size, aging_s=settings.aging_s, clock=clock,
-                                  top_priority=classes.classes[0].priority)
+                                  top_priority=classes.classes[0].priority,
+                                  wait_bound_s=settings.wait_bound_s)
         self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
         self.demand = DemandTracker(window_s=settings.demand_window_s, clock=clock)
         self.shedding = ColdShedding(settings.cold_shed_window_s, clock)
@@ -118,7 +122,7 @@ class Controller:
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
-                       "bumped": 0, "shed_cold": 0, "reports": 0}
+                       "bumped": 0, "shed_cold": 0, "wait_bound": 0, "overdue_grants": 0, "reports": 0}
 
     # ----- inputs ---------------------------------------------------------------------------
 
@@ -155,6 +159,11 @@ class Controller:
                 max_wait_s=self.settings.queue_timeout_s)
         except DeadlineOutOfReachError:
             self.counts["rejected"] += 1
+            self.shedding.record(ticket.priority)
+            raise
+        except WaitBoundError:
+            self.counts["rejected"] += 1
+            self.counts["wait_bound"] += 1
             self.shedding.record(ticket.priority)
             raise
         except Exception:
@@ -202,6 +211,7 @@ class Controller:
         self.queue.remove(ticket.ticket_id)
         self.view.granted(replica_id, ticket.ticket_id, preempting=preempt)
         self.queue.drain.record()
+        self.queue.class_granted(ticket)
         self._grants[ticket.ticket_id] = Grant(replica_id, preempt)
         self.counts["granted"] += 1
         self.counts["preempting_grants"] += int(preempt)
@@ -213,11 +223,16 @@ class Controller:
             return
         # direct requests on their way will take some of the room: grant only what is left
         room = self.view.total_free() - self.view.unassigned()
-        while room > 0 and (ticket := self.queue.peek()) is not None:
+        while room > 0:
+            overdue = self.queue.overdue()  # waited the bound of its class: it goes first, wherever
+            ticket = overdue or self.queue.peek()
+            if ticket is None:
+                break
             replica_id = choose_replica(ticket, self.view, self._placement)
             if replica_id is None:
                 break
-            if not holds(self.view, replica_id, ticket.adapter_id):  # a miss: a hit of its class first?
+            self.counts["overdue_grants"] += overdue is not None
+            if overdue is None and not holds(self.view, replica_id, ticket.adapter_id):  # a hit first?
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
                 hit = affinity_hit(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
                                    self.view.with_room(), ticket.enqueued_at + window)
@@ -270,7 +285,8 @@ class Controller:
             while due:  # then the due misses, in queue order
                 ticket = due[0][1]
                 if ticket.ticket_id in self.queue:
-                    replica_id = preemption_target(ticket, self.view)
+                    top = ticket.priority == self.queue.top_priority
+                    replica_id = preemption_target(ticket, self.view, free_slot_first=top)
                     if replica_id is None:
                         return  # all taken: none is left for this or a less urgent class
                     wait = self.settings.holder_wait(ticket, self.queue.top_priority)

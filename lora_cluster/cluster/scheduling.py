@@ -123,18 +123,23 @@ def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:
     return preemption_target(ticket, view, holders) if holders else None
 
 
-def preemption_target(ticket: Ticket, view: ClusterView,
-                      replica_ids: Iterable[str] | None = None) -> str | None:
+def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str] | None = None,
+                      *, free_slot_first: bool = False) -> str | None:
     """A replica with running work strictly less urgent than `ticket`: a holder of its adapter, else
-    the adapter's home among them (`home_score`); for the base model, the one with the most such
-    work (None: nowhere)."""
-    best, most = None, (False, 0)
+    (with `free_slot_first`) one with an adapter slot free or idle, else the adapter's home among
+    them (`home_score`); for the base model, the one with the most such work (None: nowhere).
+    `free_slot_first` is for the most urgent class: on a replica whose adapter slots all serve
+    running requests of that class, a miss waits for one of them to finish (seconds), which its
+    TTFT target cannot absorb; the other classes go home, where the next request finds the adapter."""
+    best, most = None, (False, False, 0)
     aid = ticket.adapter_id
     for rid in sorted(view.ids() if replica_ids is None else replica_ids):
         n = view.preemptible(rid, ticket.priority)
         if n <= 0:
             continue
-        score = (holds(view, rid, aid), n if aid is None else home_score(aid, rid))
+        report = view.get(rid)
+        slot = free_slot_first and report is not None and report.free_adapter_slots > 0
+        score = (holds(view, rid, aid), slot, n if aid is None else home_score(aid, rid))
         if score > most:
             best, most = rid, score
     return best

@@ -1,20 +1,21 @@
 """Which requests a class over capacity sheds first: those whose adapter is on no replica.
 
-When a class with a TTFT target is over capacity, the cluster queue refuses some of its requests
-(`DeadlineOutOfReachError`: the predicted wait would miss the target). Which ones it refuses decides
+When a class is over capacity, the cluster queue refuses some of its requests
+(`DeadlineOutOfReachError`: the predicted wait would miss its TTFT target; `WaitBoundError`, for a
+class without a TTFT target: its queued requests already wait half of `cluster_queue_max_wait_s`).
+Which ones it refuses decides
 what the cluster spends its capacity on. A request whose adapter no replica holds (resident or
 loading) costs more than its tokens: a fetch, a device slot taken from an idle adapter that a later
 request of another adapter would have found (a miss later), and on a replica whose slots are all
 pinned by running requests, a wait for one. A request whose adapter some replica holds costs its
-tokens only. So while a class sheds load (one of its requests was refused for its deadline within
-the last `window_s` seconds), a new request of that class whose adapter no replica holds is refused
-at once (429 with Retry-After), and the class's share of the capacity goes to requests that find
-their adapter: more of them are served, and each replica's idle adapters stay for the requests
-that want them.
+tokens only. So while a class sheds load (one of its requests was refused for its deadline or its
+wait bound within the last `window_s` seconds), a new request of that class whose adapter no
+replica holds is refused at once (429 with Retry-After), and the class's share of the capacity
+goes to requests that find their adapter: more of them are served, and each replica's idle
+adapters stay for the requests that want them.
 
-Exempt: the most urgent class (its requests preempt less urgent work rather than being refused),
-classes without a TTFT target (never refused for a deadline; the queue timeout bounds them), and the
-base model (every replica holds it). Nothing changes while no class sheds: under load the cluster
+Exempt: the most urgent class (its requests preempt less urgent work rather than being refused) and
+the base model (every replica holds it). Nothing changes while no class sheds: under load the cluster
 can carry, every request is queued as before. `window_s` 0 turns the rule off.
 
 Trade-off (measured in docs/scale.md): under sustained overload the adapters that are rarely used
@@ -34,7 +35,7 @@ from lora_cluster.errors import ColdAdapterShedError
 
 
 class ColdShedding:
-    """Remembers when each class last shed a request for its deadline; refuses cold requests of a
+    """Remembers when each class last shed a request (deadline or wait bound); refuses cold requests of a
     class while it sheds (`refuses`, then `error`)."""
 
     def __init__(self, window_s: float, clock: Callable[[], float]):
@@ -42,7 +43,8 @@ class ColdShedding:
         self._shed_at: dict[int, float] = {}  # priority -> last deadline refusal (one per SLA class)
 
     def record(self, priority: int) -> None:
-        """A request of `priority` was refused because its deadline was out of reach."""
+        """A request of `priority` was refused because its deadline was out of reach, or (a class
+        without a TTFT target) because its class is over its wait bound."""
         self._shed_at[priority] = self._clock()
 
     def shedding(self, priority: int) -> bool:
@@ -52,7 +54,7 @@ class ColdShedding:
 
     def refuses(self, ticket: Ticket, view: ClusterView, top_priority: int | None) -> bool:
         """`ticket` should be refused now: its class sheds load and no replica holds its adapter."""
-        if ticket.ttft_s is None or ticket.adapter_id is None or ticket.priority == top_priority:
+        if ticket.adapter_id is None or ticket.priority == top_priority:
             return False
         if not self.shedding(ticket.priority):
             return False

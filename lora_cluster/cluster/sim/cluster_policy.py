@@ -42,7 +42,12 @@ from lora_cluster.cluster.sim.context import SimContext
 from lora_cluster.cluster.sim.replica import SimReplica
 from lora_cluster.cluster.sim.routing import AffinityRouting
 from lora_cluster.cluster.sim.workload import SimRequest
-from lora_cluster.errors import ClusterOverloadedError, ColdAdapterShedError, DeadlineOutOfReachError
+from lora_cluster.errors import (
+    ClusterOverloadedError,
+    ColdAdapterShedError,
+    DeadlineOutOfReachError,
+    WaitBoundError,
+)
 from lora_cluster.serve.reporter import MIN_GAP_S, report_on_finish
 
 TICK_S = 0.05  # as cluster.actor.TICK_S (that module imports Ray)
@@ -56,6 +61,8 @@ def _refusal_reason(error: ClusterOverloadedError, queue_was_full: bool) -> str:
         return "adapter on no replica while its class sheds"
     if isinstance(error, DeadlineOutOfReachError):
         return "deadline out of reach"
+    if isinstance(error, WaitBoundError):
+        return "class over its wait bound"
     return "cluster queue full" if queue_was_full else "wait over the queue timeout"
 
 

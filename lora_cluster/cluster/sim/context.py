@@ -33,6 +33,7 @@ class ServeSettings:
     cluster_queue_size: int = _default("cluster_queue_size")  # type: ignore[assignment]
     cluster_queue_aging_s: float = _default("cluster_queue_aging_s")  # type: ignore[assignment]
     cluster_queue_timeout_s: float = _default("cluster_queue_timeout_s")  # type: ignore[assignment]
+    cluster_queue_max_wait_s: float = _default("cluster_queue_max_wait_s")  # type: ignore[assignment]
     cold_shed_window_s: float = _default("cold_shed_window_s")  # type: ignore[assignment]
     preempt_after_fraction: float = _default("preempt_after_fraction")  # type: ignore[assignment]
     top_class_preempt_after_fraction: float | None = _default(  # type: ignore[assignment]
