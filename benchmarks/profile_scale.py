@@ -52,7 +52,7 @@ def adapter_farm(root: Path, zoo_adapters: Path, n: int) -> Path:
 
 def build_engine(model: Path, farm: Path, known: int, cache_dir: Path) -> Engine:
     engine = Engine(model=str(model), adapter_source=str(farm), max_loras=32, max_lora_rank=32,
-                    max_num_seqs=32, breakers=False, disk_cache_dir=str(cache_dir))
+                    max_num_seqs=32, disk_cache_dir=str(cache_dir))
     for i in range(known):  # every known adapter loaded once through the store and requested once
         aid = f"x{i}"
         engine.loader.request_started(aid)
@@ -146,6 +146,8 @@ def main() -> None:
         engines = {n: build_engine(zoo.model_dir, farm, n, Path(cache) / str(n))
                    for n in (args.known, args.small)}
         print(f"taught {args.known} + {args.small} adapters in {time.perf_counter() - t0:.1f} s")
+        print("settings: EngineConfig defaults except max_loras=32, max_lora_rank=32 and a disk cache folder "
+              "(the scenario's slots, adapters and a private cache)")
         active = {n: [f"x{i}" for i in random.Random(1).sample(range(n), min(args.active, n))]
                   for n in engines}
         best: dict[int, dict[str, float]] = {}

@@ -16,11 +16,12 @@ The engine's scheduler asks `acquire(seq, may_claim_slot)` for each waiting sequ
   fetched weights are placed at once into a free slot or one whose adapter no request wants. It
   chooses the victim (idle one-offs before adapters with repeated demand, `adapter_demand`), the
   order and number of cold loads (a one-off's fetch queues behind repeated adapters' fetches of the
-  same priority; at most `workers - 1` one-off fetches run at once, so a repeated adapter's reload
-  always finds a worker), and holds a one-off whose placement would evict an adapter with repeated
-  demand while a one-off's slot frees anyway (its requests all run), for at most `HOLD_SHARE` of
-  its class's adapter wait bound (PENDING: the others go on, the batch runs). Seed 001's switch
-  rate and load latency are alerts (`adapter_guard`), fed with every placement;
+  same priority; while the replica thrashes (`guard.miss_penalty() > 0`), at most `workers - 1`
+  one-off fetches run at once, so a repeated adapter's reload always finds a worker), and holds a
+  one-off whose placement would evict an adapter with repeated demand while a one-off's slot frees
+  anyway (its requests all run), for at most `HOLD_SHARE` of its class's adapter wait bound
+  (PENDING: the others go on, the batch runs). Seed 001's switch rate and load latency are alerts
+  (`adapter_guard`), fed with every placement;
 - weights of at least `adapter_async_copy_bytes` are copied into their reserved slot off the step
   thread (`adapter_copier`): the sequence is PENDING until the copy is committed.
 
@@ -87,8 +88,8 @@ class AdapterResidency:
         self.rotation, self._pinned = rotation, frozenset(pinned)
         self.copier = copier or AdapterCopier.inline(pool)
         self._draining: frozenset[str] = frozenset()
-        self._queue = FetchQueue(workers, max_prefetches=MAX_QUEUED_PREFETCHES,
-                                 max_cold_running=max(1, workers - 1) if self.protect else None)
+        self._queue = FetchQueue(workers, max_prefetches=MAX_QUEUED_PREFETCHES)
+        self._thrash_cold_limit = max(1, workers - 1)  # one-off fetches at once while thrashing
         self._fetch_s: dict[str, float] = {}  # seconds of each finished fetch (written by the workers)
         self._loads: dict[str, Future[LoraWeights]] = {}  # host fetches in flight or done, not yet on device
         self._requests: dict[str, dict[int, int]] = {}  # adapter -> priority -> unfinished requests
@@ -323,6 +324,10 @@ class AdapterResidency:
             self._let_go(adapter_id)
         if self.rotation is not None:
             self._rotate(waiting)
+        if self.protect:
+            assert self.guard is not None
+            thrashing = self.guard.miss_penalty() > 0
+            self._queue.limit_cold(self._thrash_cold_limit if thrashing else None)
 
     def _settle_copies(self) -> None:
         for adapter_id, error in self.copier.settle().items():

@@ -19,7 +19,8 @@ at 200 ms) or when placements take half of the step loop's time. `miss_penalty` 
 `WARN_SHARE` to 1 at `THRASH_SHARE`: the replica's soft report that a miss is better served by a
 replica that is not thrashing (the router weighs it against queueing; it never refuses a miss).
 
-Bounded: at most `max_events` events are kept per series. Called from the step loop only.
+Bounded: at most `max_events` events are kept per series (running sums: O(1) amortized per call).
+Called from the step loop only.
 """
 
 from __future__ import annotations
@@ -40,31 +41,32 @@ class ThrashMeter:
     def __init__(self, workers: int, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
                  max_events: int = 4096):
         self.workers, self.window_s, self._clock = max(1, workers), window_s, clock
-        self._steps: deque[tuple[float, float]] = deque(maxlen=max_events)  # (time, seconds)
-        self._copies: deque[tuple[float, float]] = deque(maxlen=max_events)
+        self.max_events = max_events
+        self._steps: deque[tuple[float, float]] = deque()  # (time, seconds)
+        self._copies: deque[tuple[float, float]] = deque()
+        self._sums = {"steps": 0.0, "copies": 0.0}
         self._switches: deque[float] = deque(maxlen=max_events)
         self.load_time_s = 0.0  # measured mean load (fetch + copy); 0 until the first load
         self.step_time_s = 0.0  # measured mean step
 
     def step(self, seconds: float) -> None:
         """An engine step ran a batch for `seconds`."""
-        self._steps.append((self._clock(), seconds))
+        self._add("steps", self._steps, seconds)
         self.step_time_s = seconds if not self.step_time_s else 0.9 * self.step_time_s + 0.1 * seconds
 
     def loaded(self, fetch_s: float, copy_s: float, *, evicted: bool) -> None:
         """An adapter was fetched in `fetch_s` and placed in `copy_s` (`evicted`: it replaced another)."""
-        now = self._clock()
-        self._copies.append((now, copy_s))
+        self._add("copies", self._copies, copy_s)
         if evicted:
-            self._switches.append(now)
+            self._switches.append(self._clock())
         total = fetch_s + copy_s
         a = LOAD_TIME_EWMA
         self.load_time_s = total if not self.load_time_s else (1 - a) * self.load_time_s + a * total
 
     def copy_share(self) -> float:
         self._prune()
-        copy = sum(s for _, s in self._copies)
-        busy = copy + sum(s for _, s in self._steps)
+        copy = self._sums["copies"]
+        busy = copy + self._sums["steps"]
         return copy / busy if busy > 0 else 0.0
 
     def reload_share(self) -> float:
@@ -90,11 +92,19 @@ class ThrashMeter:
                 "step_time_ms": round(self.step_time_s * 1000, 3),
                 "switch_budget_per_s": None if budget is None else round(budget, 3)}
 
+    def _add(self, name: str, series: deque[tuple[float, float]], seconds: float) -> None:
+        if len(series) >= self.max_events:
+            self._sums[name] -= series.popleft()[1]
+        series.append((self._clock(), seconds))
+        self._sums[name] += seconds
+
     def _prune(self) -> None:
         horizon = self._clock() - self.window_s
-        for series in (self._steps, self._copies):
+        for name, series in (("steps", self._steps), ("copies", self._copies)):
             while series and series[0][0] <= horizon:
-                series.popleft()
+                self._sums[name] -= series.popleft()[1]
+            if not series:
+                self._sums[name] = 0.0  # no float drift once the window is empty
         while self._switches and self._switches[0] <= horizon:
             self._switches.popleft()
 

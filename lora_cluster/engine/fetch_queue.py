@@ -7,10 +7,11 @@ every request's fetch. `raise_priority` moves a queued fetch up when a more urge
 it (never down). A fetch already running is never interrupted.
 
 Cold fetches (adapter protection: a one-off adapter's, see `adapter_demand`) go after the other
-fetches of the same priority, and with `max_cold_running` at most that many of them run at once:
-a worker that finds only cold fetches beyond that number waits for a warm one, so that a reload of
-an adapter with repeated demand never queues behind a storm of one-off loads. A cold fetch that a
-repeated adapter's request wants becomes warm (`raise_priority(..., cold=False)`).
+fetches of the same priority, and with a limit (`limit_cold`, set while the replica thrashes) at
+most that many of them run at once: a worker that finds only cold fetches beyond that number waits
+for a warm one, so that a reload of an adapter with repeated demand never queues behind a storm of
+one-off loads. A cold fetch that a repeated adapter's request wants becomes warm
+(`raise_priority(..., cold=False)`).
 
 Futures are plain `concurrent.futures.Future`s (`wait`, `result` as usual); `cancel(future)` takes a
 queued fetch out of the queue (False once it runs).
@@ -49,7 +50,7 @@ class FetchQueue:
 
     def __init__(self, workers: int, *, max_prefetches: int, name: str = "adapter-load",
                  max_cold_running: int | None = None):
-        self.max_prefetches, self.max_cold_running = max_prefetches, max_cold_running
+        self.max_prefetches, self.max_cold_running = max_prefetches, max_cold_running  # None: no limit
         self._cold_running = 0
         self._cv = threading.Condition()
         self._heap: list[tuple[int, bool, int, _Job]] = []
@@ -86,6 +87,13 @@ class FetchQueue:
             job.priority, job.cold = min(priority, job.priority), job.cold and cold
             self._reheap()
             self._cv.notify_all()
+
+    def limit_cold(self, max_running: int | None) -> None:
+        """At most `max_running` cold fetches run at once from now on (None: no limit)."""
+        with self._cv:
+            if max_running != self.max_cold_running:
+                self.max_cold_running = max_running
+                self._cv.notify_all()
 
     def cancel(self, future: Future) -> bool:
         """Take a queued fetch out of the queue and cancel it; False when it already runs or ran."""
