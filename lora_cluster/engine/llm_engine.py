@@ -50,6 +50,7 @@ from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
 from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.loader import AdapterLoader
+from lora_cluster.engine.logit_controls import apply_logit_controls
 from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
 from lora_cluster.engine.lora_layer import fused_shrink
 from lora_cluster.engine.memory_plan import plan_engine_memory
@@ -285,6 +286,10 @@ class Engine:
             limit = self.config.max_logprobs
             if k is not None and k > limit:
                 raise RequestError(f"{name}={k} exceeds the limit of {limit} (max_logprobs)")
+        vocab = self.model.dims.vocab_size
+        if any(t >= vocab for t in sampling.logit_bias):
+            bad = max(sampling.logit_bias)
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad}")
         seq = Sequence(
             request_id=request_id,
             adapter_id=adapter_id,
@@ -375,7 +380,8 @@ class Engine:
             logits = self.runner.forward(batch)
             num_sampled = len(batch.sampled)  # the rows after them are prompt-logprob rows
             params = [s.sampling for s in batch.sampled]
-            tokens = sample(logits[:num_sampled], params, [s.generator for s in batch.sampled])
+            controlled = apply_logit_controls(logits[:num_sampled], batch.sampled, self.eos_token_ids)
+            tokens = sample(controlled, params, [s.generator for s in batch.sampled])
             logprobs = token_logprobs(logits[:num_sampled], tokens, [p.logprobs for p in params])
             record_prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans)
         except Exception as e:

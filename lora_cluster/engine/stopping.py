@@ -3,7 +3,9 @@
 Checked after each new token, in this order: a stop token id (kept in the ids, not in the text), an
 end-of-sequence token unless `ignore_eos` (kept in the ids), a stop string in the text (the text is
 cut before it), then `max_new_tokens` or the model's length limit (the detokenizer's held-back tail
-is released, and a stop string it completes still cuts the text).
+is released, and a stop string it completes still cuts the text). Before `min_tokens` output tokens
+only the model's length limit ends a sequence (vLLM): stop ids and EOS cannot be sampled then
+(`engine.logit_controls`), and a stop string in that text does not stop it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ def eos_token_ids(model: BaseModel) -> set[int]:
 def stop_reason(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
     """Advance `seq`'s detokenizer over its newest output token; the reason it stops now, or None."""
     token, p = seq.output_ids[-1], seq.sampling
+    if len(seq.output_ids) < p.min_tokens:  # stop ids and EOS were masked; stop strings wait too
+        seq.detok.step(seq.output_ids)
+        if seq.num_tokens >= max_model_len:
+            seq.detok.flush(seq.output_ids)
+            return FinishReason.LENGTH
+        return None
     if token in p.stop_token_ids:
         seq.detok.flush(seq.output_ids[:-1])
         return FinishReason.STOP
