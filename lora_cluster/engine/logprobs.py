@@ -5,7 +5,9 @@ vocabulary, before temperature, top-k and top-p (vLLM's default, `logprobs_mode=
 A token's logprob therefore does not depend on the request's sampling parameters: it is what the
 model (base plus adapter) assigns, which is what evaluation and classification need, and it equals
 PEFT's `log_softmax` of the same forward pass. The sampled token may have been drawn from a
-temperature-scaled or truncated distribution; its reported logprob is still the raw one.
+temperature-scaled or truncated distribution; its reported logprob is still the raw one. The same
+holds for the logit controls (`engine.logit_controls`: penalties, `logit_bias`, `min_tokens`): they
+change what is sampled, not the logprobs reported (vLLM's raw logprobs are taken before them too).
 
 Per generated token a request that asked for `logprobs=k` gets the chosen token's logprob and the
 k most likely tokens (`k = 0`: the chosen one only). With `prompt_logprobs=k`, every prompt token
