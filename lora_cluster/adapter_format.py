@@ -170,7 +170,8 @@ def weights_file_or_refuse(adapter_id: str, names: Container[str], accepted: Seq
 
     Policy: pickle weights (`PICKLE_FILES`) are never loaded (that would run code from an untrusted
     file): an adapter that has only those is refused with AdapterFormatError saying so, and one
-    with no weights at all with AdapterFormatError naming `where` (never a server path)."""
+    with a config but no weights with AdapterFormatError naming `where` (never a server path). A
+    folder with neither holds no adapter: AdapterNotFoundError, as for a folder that is not there."""
     for name in accepted:
         if name in names:
             return name
@@ -178,6 +179,8 @@ def weights_file_or_refuse(adapter_id: str, names: Container[str], accepted: Seq
     if pickled is not None:
         raise AdapterFormatError(
             adapter_id, f"{pickled} is pickle; only {WEIGHTS_FILE} is accepted (no pickle loading)")
+    if CONFIG_FILE not in names:
+        raise AdapterNotFoundError(adapter_id, f"no adapter ({CONFIG_FILE}, {WEIGHTS_FILE}) in {where}")
     raise AdapterFormatError(adapter_id, f"no {WEIGHTS_FILE} in {where}")
 
 

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.demo import train_tokenizer
 from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.admission import ClusterAdmission
@@ -38,6 +39,7 @@ from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.model import load_tokenizer
 from lora_cluster.serve.protocol import GenerateJob, output_item
 from lora_cluster.serve.replica import coalesce
+from lora_cluster.tenancy.tenants import Directory, hash_key, parse_tenants
 
 HTTP_EXAMPLES = 15  # per operation and phase: about a minute for all operations on an idle machine
 ENGINE_EXAMPLES = 150
@@ -46,9 +48,8 @@ ENGINE_SETTINGS = dict(max_loras=4, max_lora_rank=32, max_num_seqs=8, max_num_ba
                        max_model_len=MAX_MODEL_LEN)
 
 
-def _engine(demo_zoo: Any) -> Engine:
-    return Engine(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
-                  **ENGINE_SETTINGS)
+def _engine(demo_zoo: Any, settings: dict[str, Any] = ENGINE_SETTINGS) -> Engine:
+    return Engine(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)], **settings)
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +152,14 @@ class EngineDispatcher:
             raise ApiException(ApiError.from_dict(first["error"]))
         return Generation(job=job, replica="local", hit=True, first=first, stream=_Stream(items))
 
-    async def start_all(self, jobs: list[GenerateJob], route: str) -> list[Generation]:
+    async def start_all(self, jobs: list[GenerateJob], route: str,
+                        on_started: Callable[[Generation], None] | None = None) -> list[Generation]:
         started: list[Generation] = []
         try:
             for job in jobs:
                 started.append(await self.start(job, route))
+                if on_started is not None:
+                    on_started(started[-1])
         except BaseException:
             for generation in started:
                 generation.cancel()
@@ -180,67 +184,123 @@ class EngineDispatcher:
 
 
 HTTP_STATUSES: collections.Counter = collections.Counter()
+ADMIN_KEY = "sk-fuzz-admin-0123456789"
+TENANT_KEY = "sk-fuzz-tenant-0123456789"
+TENANTS_YAML = f"""
+admin_api_keys: ["{hash_key(ADMIN_KEY)}"]
+tenants:
+  - name: fuzz
+    api_keys: ["{hash_key(TENANT_KEY)}"]
+    adapters: ["a[0-3]"]
+"""
+# prompts up to 448 tokens (the demo model's 512 positions): more than any generated prompt, so the
+# one rule the schema cannot state (a text's token count) is not what the fuzzer meets; generations
+# stay short (max_new_tokens)
+HTTP_ENGINE_SETTINGS = {**ENGINE_SETTINGS, "max_model_len": 512}
+FUZZ_LIMITS = dict(max_new_tokens=16, default_max_tokens=8, max_n=2, max_prompt_tokens=448,
+                   served_model_name="demo", **HTTP_ENGINE_SETTINGS)
+SCHEMA_TOKENIZER = train_tokenizer("tiny")  # the demo zoo's tokenizer: its size bounds token ids
+MODES = {"open": {}, "tenants": {"authorization": f"Bearer {ADMIN_KEY}"}}  # the headers the fuzzer sends
+
+
+class StaticTenants:
+    """A tenants file in force (`auth.TenantsSource`), parsed once: the fuzzer's admin key and a tenant."""
+
+    def __init__(self) -> None:
+        self.directory = parse_tenants(TENANTS_YAML)
+
+    def current(self) -> Directory:
+        return self.directory
 
 
 class AppSlot:
     """An ASGI app that forwards to `app`: schemathesis loads the schema when this module is imported
     (to parametrize the test), before the fixtures that build the real app exist; the routes, and so
-    the schema, do not depend on the model, so a context without one serves the schema until then."""
+    the schema, depend on the limits and the tenants file but not on the model, so an app with the
+    same config and no model serves the schema until then."""
 
-    def __init__(self) -> None:
-        ctx = ApiContext(config=ServeConfig(model="schema-only"), tokenizer=None, dispatcher=None)
-        self.app: Any = build_fastapi(ctx)
+    def __init__(self, mode: str) -> None:
+        tenants = StaticTenants() if mode == "tenants" else None
+        ctx = ApiContext(config=ServeConfig(model="schema-only", **FUZZ_LIMITS), tokenizer=SCHEMA_TOKENIZER,
+                         dispatcher=None, tenants=tenants)
+        self.mode, self.app = mode, build_fastapi(ctx)
         ctx.close()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         await self.app(scope, receive, send)
 
 
-SLOT = AppSlot()
-schema = schemathesis.openapi.from_asgi("/openapi.json", SLOT)
+SLOTS = {mode: AppSlot(mode) for mode in MODES}
+schema_open = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["open"])
+schema_tenants = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["tenants"], headers=MODES["tenants"])
 
 
 @pytest.fixture(scope="module")
-def fuzzed_app(request, demo_zoo) -> Any:
-    config = ServeConfig(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
-                         max_new_tokens=16, default_max_tokens=8, max_n=2, max_prompt_tokens=48,
-                         served_model_name="demo",
-                         **ENGINE_SETTINGS)
-    aengine = AsyncEngine(_engine(demo_zoo))
-    dispatcher = EngineDispatcher(aengine, config)
-    ctx = ApiContext(config=config, tokenizer=load_tokenizer(config), dispatcher=dispatcher)
-    schema_only, SLOT.app = SLOT.app, build_fastapi(ctx)
-    yield SLOT.app
-    SLOT.app = schema_only
-    if HTTP_STATUSES:
-        _report(request, "schemathesis over the HTTP API", HTTP_STATUSES)
-    ctx.close()
+def zoo_engine(demo_zoo) -> Any:
+    aengine = AsyncEngine(_engine(demo_zoo, HTTP_ENGINE_SETTINGS))
+    yield aengine
     aengine.shutdown()
 
 
-# Request bodies whose rules go beyond what JSON Schema states: configured limits (max_tokens, n,
-# stop strings, prompts), the prompt's token count, cross-field rules (top_logprobs needs logprobs,
-# an adapter or merged_adapters), adapter files read at load time, a name already loaded. A
-# schema-valid body may get a 400 there (naming the rule); anywhere else it must be accepted.
-RULES_BEYOND_SCHEMA = {"/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/",
-                       "/v1/load_lora_adapter"}
+@contextlib.contextmanager
+def _serving(mode: str, demo_zoo: Any, aengine: AsyncEngine) -> Any:
+    """The slot's app replaced by the ingress app on a real engine, for the tests of one mode."""
+    config = ServeConfig(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
+                         **FUZZ_LIMITS)
+    tenants = StaticTenants() if mode == "tenants" else None
+    ctx = ApiContext(config=config, tokenizer=load_tokenizer(config),
+                     dispatcher=EngineDispatcher(aengine, config), tenants=tenants)
+    slot = SLOTS[mode]
+    schema_only, slot.app = slot.app, build_fastapi(ctx)
+    try:
+        yield slot.app
+    finally:
+        slot.app = schema_only
+        ctx.close()
 
 
-def valid_data_accepted(ctx: Any, response: Any, case: Any) -> bool | None:
-    """schemathesis's positive_data_acceptance, except a 400 on `RULES_BEYOND_SCHEMA` routes."""
-    if response.status_code == 400 and case.path in RULES_BEYOND_SCHEMA:
-        return None
-    return positive_data_acceptance(ctx, response, case)
+@pytest.fixture(scope="module")
+def fuzzed_app(demo_zoo, zoo_engine) -> Any:
+    """The app without a tenants file: every route open."""
+    with _serving("open", demo_zoo, zoo_engine) as app:
+        yield app
 
 
-@schema.parametrize()
+@pytest.fixture(scope="module")
+def fuzzed_app_with_tenants(demo_zoo, zoo_engine) -> Any:
+    """The app with a tenants file: the fuzzer sends an admin key (the schema declares the key headers,
+    and schemathesis checks that the routes refuse a request without one or with a wrong one)."""
+    with _serving("tenants", demo_zoo, zoo_engine) as app:
+        yield app
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _http_report(request) -> Any:
+    yield
+    if HTTP_STATUSES:
+        _report(request, "schemathesis over the HTTP API", HTTP_STATUSES)
+
+
+def _fuzz(case: Any, mode: str) -> None:
+    """One case, every default schemathesis check, none loosened."""
+    response = case.call(headers=MODES[mode])
+    HTTP_STATUSES[f"{mode}: {case.method} {case.path} -> {response.status_code}"] += 1
+    case.validate_response(response, headers=MODES[mode])
+
+
+@schema_open.parametrize()
 @settings(max_examples=HTTP_EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 def test_every_endpoint_passes_every_schemathesis_check(fuzzed_app, case) -> None:
-    response = case.call()
-    HTTP_STATUSES[f"{case.method} {case.path} -> {response.status_code}"] += 1
-    case.validate_response(response, excluded_checks=[positive_data_acceptance],
-                           additional_checks=[valid_data_accepted])
+    _fuzz(case, "open")
+
+
+@schema_tenants.parametrize()
+@settings(max_examples=HTTP_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_every_endpoint_passes_every_schemathesis_check_with_a_tenants_file(fuzzed_app_with_tenants, case,
+                                                                            ) -> None:
+    _fuzz(case, "tenants")
 
 
 # ----- hypothesis over the engine's public API -------------------------------------------------------------
@@ -340,3 +400,60 @@ def test_schema_types_are_enforced_and_405_names_the_allowed_method(fuzzed_app):
     assert integral.status_code == 200, f"2.0 is an integer, as in JSON Schema: {integral.text}"
     assert wrong_method.status_code == 405, "an undeclared method is a 405"
     assert wrong_method.headers.get("allow") == "POST", "the 405 names the allowed method (RFC 9110)"
+
+
+CHAT = {"model": "a3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "a3", "prompt": "the river", "max_tokens": 2}
+LORAX = {"inputs": "the river", "parameters": {"adapter_id": "a3", "max_new_tokens": 2}}
+MERGE = {"ids": ["a0", "a1"], "weights": [0.5, 0.5]}  # ranks 8 + 16: within max_lora_rank
+# (route, body, whether the server serves it): the schema must say the same
+SCHEMA_AGREES = [
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {}}}, False),
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 2, "merged_adapters": MERGE}}, True),
+    ("/generate", {"inputs": "x", "parameters": {"merged_adapters": {"ids": [], "weights": []}}}, False),
+    ("/generate", {"inputs": "x", "parameters": {"merged_adapters": {**MERGE, "weights": [1.0]}}}, False),
+    ("/generate", {"inputs": "x", "parameters": {"merged_adapters": {**MERGE, "merge_strategy": "dare_ties",
+                                                                      "density": 0.0}}}, False),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "merged_adapters": MERGE}}, False),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "max_new_tokens": 17}}, False),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "seed": 2**64, "do_sample": True}}, True),
+    ("/v1/chat/completions", {**CHAT, "response_format": {}}, True),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, False),
+    ("/v1/chat/completions", {**CHAT, "tools": []}, True),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, False),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}, False),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, True),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 17}, False),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     False),
+    ("/v1/completions", {**COMPLETION, "merged_adapters": MERGE}, False),
+    ("/v1/completions", {**COMPLETION, "model": "demo", "merged_adapters": MERGE}, True),
+    ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}, False),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 512]}, False),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 511]}, True),
+    ("/v1/completions", {**COMPLETION, "n": 3}, False),
+    ("/v1/completions", {**COMPLETION, "suffix": "x"}, False),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 2.0}}, False),
+    ("/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, False),
+]
+
+
+def _schema_accepts(app: Any, path: str, body: dict[str, Any]) -> bool:
+    import jsonschema
+
+    document = app.openapi()
+    media = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator({**media, "components": document["components"]})
+    return validator.is_valid(body)
+
+
+@pytest.mark.parametrize(("path", "body", "served"), SCHEMA_AGREES)
+def test_the_schema_accepts_exactly_what_the_server_serves(fuzzed_app, path, body, served):
+    from starlette.testclient import TestClient
+
+    with TestClient(fuzzed_app) as client:
+        response = client.post(path, json=body)
+    assert (response.status_code != 400) == served, f"{path} {body}: the server answers {response.text}"
+    assert _schema_accepts(fuzzed_app, path, body) == served, (
+        f"{path} {body}: the schema {'accepts' if not served else 'refuses'} what the server "
+        f"{'refuses' if not served else 'serves'}")

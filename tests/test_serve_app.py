@@ -257,9 +257,9 @@ async def test_concurrent_loads_of_one_adapter_name_register_it_once():
         both_broadcast.cancel()
         models = (await client.get("/v1/models")).json()["data"]
     statuses = sorted(r.status_code for r in responses)
-    refusals = [r.json()["error"]["message"] for r in responses if r.status_code == 400]
+    refusals = [r.json()["error"]["message"] for r in responses if r.status_code == 409]
     registers = [args for method, args in dispatcher.broadcasts if method == "register_adapter"]
-    assert statuses == [200, 400], f"one concurrent load succeeds and the other is refused, got {statuses}"
+    assert statuses == [200, 409], f"one concurrent load succeeds and the other is refused, got {statuses}"
     assert any("being loaded" in m for m in refusals), f"the refused call is told that the adapter is " \
                                                        f"being loaded: {refusals}"
     assert len(registers) == 1, "the replicas were asked to register the adapter once"
@@ -289,7 +289,7 @@ async def test_a_load_of_a_name_that_is_being_unloaded_is_refused():
         unloaded = await asyncio.wait_for(unload, BOUND_S)
         after = await client.post("/v1/load_lora_adapter", json=body)
     assert loaded.status_code == 200, f"the first load succeeds: {loaded.text}"
-    assert during.status_code == 400, f"a load while the name is being unloaded is refused: {during.text}"
+    assert during.status_code == 409, f"a load while the name is being unloaded is a conflict: {during.text}"
     assert during.json()["error"]["code"] == "being_unloaded", "the refusal says the name is being unloaded"
     assert unloaded.status_code == 200, f"the unload succeeds: {unloaded.text}"
     assert after.status_code == 200, f"once unloaded, the name can be loaded again: {after.text}"
@@ -301,7 +301,7 @@ async def test_the_number_of_loaded_adapters_is_bounded(fake_dispatcher):
         first = await client.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": "/a/one"})
         second = await client.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": "/a/two"})
     assert first.status_code == 200, f"a load within the limit succeeds: {first.text}"
-    assert second.status_code == 400, f"a load beyond the limit is refused: {second.text}"
+    assert second.status_code == 409, f"a load beyond the limit is a conflict: {second.text}"
     assert "at most 1 LoRA adapters" in second.json()["error"]["message"], "the refusal names the limit"
 
 

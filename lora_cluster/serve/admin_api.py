@@ -3,7 +3,7 @@
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` registers the adapter on every running
 replica; each validates it (a missing path is a 404, an invalid adapter a 400, never a success)
 and, if any refuses, it is unregistered from the others. A name is loaded once: loading a name that
-is loaded, or that a concurrent call is loading or unloading, is a 400 (see `registrations`). The
+is loaded, or that a concurrent call is loading or unloading, is a 409 (see `registrations`). The
 ingress remembers the registration and sends the path with each request for that adapter, so a
 replica started later registers it on first use. `POST /v1/unload_lora_adapter {"lora_name"}`
 undoes it (404 when it was not loaded).
@@ -21,7 +21,7 @@ from lora_cluster.adapter_format import check_adapter_id
 from lora_cluster.errors import AdapterError, ControllerOffError, LoraClusterError
 from lora_cluster.serve import metrics, openapi
 from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, not_found
+from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, conflict, not_found
 from lora_cluster.serve.registrations import RegistrationConflict
 from lora_cluster.serve.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
@@ -41,7 +41,7 @@ def admin_router(ctx: ApiContext) -> APIRouter:
         except AdapterError as exc:
             raise bad_request(str(exc)) from exc
         except RegistrationConflict as exc:
-            raise bad_request(str(exc), code=exc.code) from exc
+            raise conflict(str(exc), code=exc.code) from exc
         loaded = False
         try:
             results = await dispatcher.broadcast("register_adapter", name, req.lora_path)

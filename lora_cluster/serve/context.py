@@ -18,7 +18,7 @@ import asyncio
 import contextvars
 import functools
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -81,6 +81,12 @@ class ApiContext:
     def base_name(self) -> str:
         return served_name(self.config)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids a prompt may use: [0, vocab_size), the tokenizer's vocabulary with its added
+        tokens (None: no tokenizer, e.g. a schema-only app, or one that does not say its size)."""
+        return len(self.tokenizer) if isinstance(self.tokenizer, Sized) else None
+
     def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False) -> str | None:
         """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
         unknown adapter when the caller's tenant may not use it (existence does not leak). `merging`:
@@ -129,6 +135,9 @@ class ApiContext:
             ids = await self._off_loop(self.tokenizer.encode, prompt, add_special_tokens=special)
         else:
             ids = list(prompt)
+            vocab = self.vocab_size
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise ApiException(describe(RequestError(f"prompt token ids must be in [0, {vocab})")))
         return self._checked(ids)
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

@@ -115,6 +115,11 @@ def not_found(message: str, code: str = "not_found") -> ApiException:
     return ApiException(ApiError(404, "not_found_error", code, message))
 
 
+def conflict(message: str, code: str) -> ApiException:
+    """409: the request is valid but conflicts with the server's state (a name already taken)."""
+    return ApiException(ApiError(409, "invalid_request_error", code, message))
+
+
 _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.PromptTooLongError, 400, "invalid_request_error", "prompt_too_long"),
     (e.RequestError, 400, "invalid_request_error", "invalid_parameter"),

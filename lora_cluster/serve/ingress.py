@@ -40,6 +40,7 @@ from lora_cluster.serve.ray_internals import serve_root_url
 from lora_cluster.serve.ready import ready_line, watch_in_background
 from lora_cluster.serve.replica_groups import replica_groups
 from lora_cluster.serve.routing_guard import RoutingGuard
+from lora_cluster.serve.schemas import constrain
 from lora_cluster.tenancy.watch import TenantsWatcher
 
 
@@ -89,7 +90,9 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
     # the schema declares every status, body and content type, and the SLA classes (serve.openapi)
-    install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate)
+    install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate,
+                    bodies=functools.partial(constrain, limits=ctx.config, vocab_size=ctx.vocab_size,
+                                             base_models=[ctx.base_name]))
     return app
 
 

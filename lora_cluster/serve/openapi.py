@@ -19,7 +19,7 @@ itself (`install_openapi`), not by FastAPI's built-in ones, so that authenticati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -50,6 +50,7 @@ _MEANING = {
     401: "Missing or unknown API key (`Authorization: Bearer <key>` or `x-api-key`; tenants file).",
     403: "The API key may not use this route (admin routes need an admin key).",
     404: "Unknown adapter (or one the caller may not use), or an adapter that was not loaded.",
+    409: "The name is already loaded, being loaded or unloaded, or no more adapters can be loaded.",
     413: "The request body is larger than the limit.",
     429: "Overloaded or over quota: retry after `Retry-After` seconds.",
     500: "The engine failed while generating (the error names the exception's type only).",
@@ -102,7 +103,7 @@ GENERATION_STREAM = {200: {"description": "The generation's tokens as server-sen
 # GET /v1/models
 LISTING = errors(401, 403, 429, 503)
 # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (text/plain success, as vLLM)
-ADMIN_ACTION = errors(400, 401, 403, 404, 413, 503)
+ADMIN_ACTION = errors(400, 401, 403, 404, 409, 413, 503)
 # GET /v1/cluster, /debug/replicas
 ADMIN_VIEW = errors(400, 401, 403, 503)
 # GET /health
@@ -156,14 +157,15 @@ def _declare_auth(path: str, operation: dict[str, Any], auth: Authenticator | No
 
 
 def install_openapi(app: FastAPI, priority_classes: Sequence[str] = (), auth: Authenticator | None = None,
-                    ) -> None:
+                    bodies: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Serve the schema (`/openapi.json`, `/docs`, `/redoc`: build the app with FastAPI's own turned
     off) without FastAPI's automatic 422 entries (validation errors are 400 here), with
     every error body as application/json (FastAPI files an error model under the route's own media
     type, e.g. text/event-stream for /generate_stream), with the configured SLA class names as
     the values the `x-lora-priority` header may take (another name is a 400), and, when `auth`
-    requires keys, the key headers on every route but the open ones. ConfigError when an open
-    route is not a route of the app."""
+    requires keys, the key headers on every route but the open ones. `bodies(component_schemas)`
+    adds the configured limits and the rules between fields to the request bodies
+    (`schemas.constrain`). ConfigError when an open route is not a route of the app."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -171,6 +173,8 @@ def install_openapi(app: FastAPI, priority_classes: Sequence[str] = (), auth: Au
             schema = generate()
             if auth is not None and auth.secured:
                 schema.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+            if bodies is not None:
+                bodies(schema["components"]["schemas"])
             for route, path in schema.get("paths", {}).items():
                 for operation in path.values():
                     _declare_auth(route, operation, auth if auth is not None and auth.secured else None)

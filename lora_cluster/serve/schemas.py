@@ -20,18 +20,39 @@ import random
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from lora_cluster.adapter_format import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.http_errors import bad_request
-from lora_cluster.store.merge import MergeSpec
+from lora_cluster.store.merge import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+SEED = "Any non-negative integer, taken modulo 2**63."
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
 T = TypeVar("T")
 NonEmpty = Annotated[T, Field(min_length=1)]
+
+
+def _only(schema: dict[str, Any], what: str) -> WithJsonSchema:
+    """The schema of a parameter the server accepts only with these values (anything else is a 400
+    naming it as unsupported), or null."""
+    return WithJsonSchema({"anyOf": [schema, {"type": "null"}], "description": f"Unsupported: {what}."})
+
+
+# unsupported parameters, as the OpenAPI schema states them: the values that change nothing
+ZERO = WithJsonSchema({"type": "number", "minimum": 0, "maximum": 0,
+                       "description": "Unsupported: only 0 (the default)."})
+ONE = _only({"type": "number", "minimum": 1, "maximum": 1}, "only 1 (the default)")
+ONE_INT = _only({"type": "integer", "minimum": 1, "maximum": 1}, "only 1 (the default)")
+EMPTY_OBJECT = _only({"type": "object", "maxProperties": 0}, "only empty")
+EMPTY_ARRAY = _only({"type": "array", "maxItems": 0}, "only empty (no tools)")
+EMPTY_STRING = _only({"type": "string", "maxLength": 0}, "only empty")
+NULL = WithJsonSchema({"type": "null", "description": "Unsupported: only null."})
+FALSE = WithJsonSchema({"type": "boolean", "enum": [False], "description": "Unsupported: only false."})
+TEXT_FORMAT = _only({"type": "object", "properties": {"type": {"enum": ["text", None]}}},
+                    "only plain text (`{\"type\": \"text\"}`)")
 
 
 def _json_integers(value: Any) -> Any:
@@ -62,15 +83,26 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+_NOT_DARE = [s for s in STRATEGIES if not s.startswith("dare")]
+
+
 class MergedAdaptersBody(_Body):
     """LoRAX's `merged_adapters` (lorax-client's `MergedAdapters`): merge these adapters for the request
     (see `lora_cluster.store.merge`)."""
 
-    ids: list[str] = Field(description="Adapters to merge (at most max_merged_adapter_ids).")
-    weights: list[float] = Field(description="One weight per adapter.")
-    merge_strategy: str | None = Field(None, description="linear (default), ties, dare_linear or dare_ties.")
-    density: float = Field(1.0, description="Fraction of entries kept by ties and dare, in [0, 1].")
-    majority_sign_method: str | None = Field(None, description="total (default) or frequency.")
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # dare divides the kept entries by density
+        {"properties": {"merge_strategy": {"enum": [*_NOT_DARE, None]}}},
+        {"properties": {"density": {"exclusiveMinimum": 0}}}]})
+
+    ids: list[Annotated[str, Field(json_schema_extra={"not": {"pattern": f"^{MERGED_PREFIX}"}})]] = Field(
+        min_length=1, description="Adapters to merge (1 to max_merged_adapter_ids; not merged ones).")
+    weights: list[float] = Field(min_length=1, description="One weight per adapter.")
+    merge_strategy: Literal[STRATEGIES] | None = Field(  # type: ignore[valid-type]
+        None, description="linear (default), ties, dare_linear or dare_ties.")
+    density: float = Field(1.0, ge=0.0, le=1.0, description="Fraction of entries kept by ties and dare, in "
+                           "[0, 1] (above 0 for dare).")
+    majority_sign_method: Literal[SIGN_METHODS] | None = Field(  # type: ignore[valid-type]
+        None, description="total (default) or frequency.")
 
     def spec(self, limits: ServeConfig) -> MergeSpec:
         """The validated merge (RequestError naming the field: a 400)."""
@@ -92,11 +124,11 @@ class _OpenAISampling(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension.")
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    seed: int | None = Field(None, ge=0, description=SEED)
+    presence_penalty: Annotated[float, ZERO] = 0.0
+    frequency_penalty: Annotated[float, ZERO] = 0.0
+    logit_bias: Annotated[dict[str, float] | None, EMPTY_OBJECT] = None
+    best_of: Annotated[int | None, ONE_INT] = None
     user: str | None = None
     merged_adapters: MergedAdaptersBody | None = Field(
         None, description="LoRAX extension: merge these adapters for the request; `model` then names the "
@@ -140,13 +172,15 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     model_config = ConfigDict(json_schema_extra={"examples": [  # the README's quickstart (demo zoo)
         {"model": "a3", "prompt": "the river", "max_tokens": 16, "temperature": 0},
-        {"model": "demo", "prompt": "the river", "max_tokens": 4, "stream": True}]})
+        {"model": "demo", "prompt": "the river", "max_tokens": 4, "stream": True}],
+        "allOf": [{"anyOf": [{"properties": {"echo": {"enum": [False]}}},  # echo is not streamed
+                             {"properties": {"stream": {"enum": [False]}}}]}]})
 
     prompt: NonEmptyStr | NonEmpty[list[NonEmptyStr]] | NonEmptyIds | NonEmpty[list[NonEmptyIds]] = Field(
         description="A prompt, prompts, token ids, or lists of token ids; none of them empty.")
     echo: bool = Field(False, description="Prepend the prompt to each choice's text (and, with logprobs, "
                        "its tokens' logprobs, the first null); not with stream.")
-    suffix: str | None = None
+    suffix: Annotated[str | None, EMPTY_STRING] = None
     logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob and this many "
                                  "alternatives per token (at most max_logprobs).")
 
@@ -181,34 +215,38 @@ class CompletionRequest(_OpenAISampling):
             raise bad_request(f"{count} prompts exceed the limit of max_prompts={limits.max_prompts}")
 
 
+class TextPart(_Body):
+    """A part of a message's content: text only (another `type`, e.g. image_url, is a 400)."""
+
+    type: Literal["text"]
+    text: str = ""
+
+
 class ChatMessage(_Body):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise bad_request(f"unsupported content part type {part.get('type')!r} (text only)")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_OpenAISampling):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"model": "a3", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
         {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-         "stream": True, "stream_options": {"include_usage": True}}]})
+         "stream": True, "stream_options": {"include_usage": True}}],
+        "allOf": [{"anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},  # needs logprobs: true
+                             {"properties": {"logprobs": {"enum": [True]}}, "required": ["logprobs"]}]}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, description="Alternatives per token with logprobs: "
                                      "true (at most max_logprobs; OpenAI allows 0-20).")
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, EMPTY_ARRAY] = None
+    response_format: Annotated[dict[str, Any] | None, TEXT_FORMAT] = None
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -222,6 +260,8 @@ class ChatCompletionRequest(_OpenAISampling):
             raise bad_request("unsupported parameter(s): tools", code="unsupported_parameter")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise bad_request("unsupported parameter(s): response_format", code="unsupported_parameter")
+        if self.max_completion_tokens is not None:  # checked even when max_tokens wins
+            check_max_tokens(self.max_completion_tokens, limits, "max_completion_tokens")
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         check_n(self.n, limits)
@@ -232,27 +272,28 @@ class ChatCompletionRequest(_OpenAISampling):
 
 class LoraxParameters(_Body):
     adapter_id: str | None = None
-    adapter_source: str | None = None
+    adapter_source: Literal["hub", "local", "s3"] | None = None
     api_token: str | None = None
     merged_adapters: MergedAdaptersBody | None = None
     do_sample: bool = False
     max_new_tokens: int | None = Field(None, ge=1)
     ignore_eos_token: bool = False
-    repetition_penalty: float | None = None
+    repetition_penalty: Annotated[float | None, ONE] = None
     return_full_text: bool = False
     stop: list[str] = Field(default_factory=list)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, description=SEED)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_k: int | None = Field(None, ge=1)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    truncate: int | None = None
-    typical_p: float | None = None
-    best_of: int | None = None
-    watermark: bool = False
+    truncate: Annotated[int | None, NULL] = None
+    typical_p: Annotated[float | None, ONE] = None
+    best_of: Annotated[int | None, ONE_INT] = None
+    watermark: Annotated[bool, FALSE] = False
     details: bool = False
     decoder_input_details: bool = False
-    return_k_alternatives: int | None = None
-    response_format: dict[str, Any] | None = None
+    return_k_alternatives: int | None = Field(None, ge=1, description="Alternatives per generated token "
+                                              "(at most max_logprobs).")
+    response_format: Annotated[dict[str, Any] | None, NULL] = None
 
     def check(self) -> None:
         unsupported = {
@@ -281,7 +322,9 @@ class LoraxParameters(_Body):
         """Engine parameters, and the seed to report (TGI reports the seed of every sampled request)."""
         max_new = self.max_new_tokens if self.max_new_tokens is not None else limits.default_max_tokens
         check_max_tokens(max_new, limits, "max_new_tokens")
-        seed = (self.seed if self.seed is not None else random.randrange(2**63)) if self.sampled else None
+        seed = None
+        if self.sampled:
+            seed = random.randrange(2**63) if self.seed is None else self.seed % 2**63
         if self.return_k_alternatives is not None and self.return_k_alternatives < 1:
             raise bad_request("return_k_alternatives must be strictly positive")
         check_logprobs(self.return_k_alternatives, limits, "return_k_alternatives")
@@ -368,3 +411,52 @@ def check_n(n: int, limits: ServeConfig) -> None:
 FinishReason = Literal["length", "stop", "eos", "abort"]
 OPENAI_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "abort": "abort"}
 LORAX_FINISH = {"length": "length", "stop": "stop_sequence", "eos": "eos_token", "abort": "length"}
+
+
+def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_models: list[str],
+              vocab_size: int | None) -> None:
+    """State the configured limits and the rules between fields in the OpenAPI schema's request
+    bodies (`components`, edited in place), so that a body the schema accepts is served and one it
+    refuses is answered 400. What JSON Schema cannot state is in the descriptions: a text prompt's
+    token count (`max_prompt_tokens`, counted by the tokenizer), and adapters that must exist."""
+    prompt_tokens = limits.max_model_len - 1 if limits.max_prompt_tokens is None else limits.max_prompt_tokens
+    token = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token["maximum"] = vocab_size - 1
+    ids = {"type": "array", "minItems": 1, "maxItems": prompt_tokens, "items": token}
+    stop = {"maxLength": limits.max_stop_length, "maxItems": limits.max_stop_sequences,
+            "items": {"type": "string", "maxLength": limits.max_stop_length}}
+    no_merge = {"properties": {"merged_adapters": {"type": "null"}}}
+    on_base = {"properties": {"model": {"enum": base_models}}}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        body = components[name]
+        props = body["properties"]
+        props["max_tokens"]["maximum"] = limits.max_new_tokens
+        props["n"]["maximum"] = limits.max_n
+        props["stop"].update(stop)
+        # merged_adapters merges onto the base model: `model` then names it
+        body.setdefault("allOf", []).append({"anyOf": [no_merge, on_base]})
+    completion = components["CompletionRequest"]["properties"]
+    completion["logprobs"]["maximum"] = limits.max_logprobs
+    _, texts, one, many = completion["prompt"]["anyOf"]
+    texts["maxItems"] = limits.max_prompts
+    one.update(ids)
+    many.update({"maxItems": limits.max_prompts, "items": ids})
+    completion["prompt"]["description"] += (f" A prompt has at most {prompt_tokens} tokens "
+                                            "(max_prompt_tokens; a longer text is a 400 prompt_too_long).")
+    chat = components["ChatCompletionRequest"]["properties"]
+    chat["max_completion_tokens"]["maximum"] = limits.max_new_tokens
+    chat["top_logprobs"]["maximum"] = limits.max_logprobs
+    lorax = components["LoraxParameters"]
+    lorax["properties"]["max_new_tokens"]["maximum"] = limits.max_new_tokens
+    lorax["properties"]["return_k_alternatives"]["maximum"] = limits.max_logprobs
+    lorax["properties"]["stop"].update(stop)
+    adapter_is_base = {"properties": {"adapter_id": {"anyOf": [{"type": "null"}, {"enum": base_models}]}}}
+    lorax.setdefault("allOf", []).append({"anyOf": [no_merge, adapter_is_base]})
+    merged = components["MergedAdaptersBody"]
+    most = limits.max_merged_adapter_ids
+    merged["properties"]["ids"]["maxItems"] = most
+    merged["properties"]["weights"]["maxItems"] = most
+    merged.setdefault("allOf", []).append({"anyOf": [  # one weight per id
+        {"properties": {"ids": {"minItems": k, "maxItems": k}, "weights": {"minItems": k, "maxItems": k}}}
+        for k in range(1, most + 1)]})
