@@ -1,12 +1,16 @@
 """Fuzzing: schemathesis over the HTTP API's OpenAPI schema, hypothesis over the engine's public API.
 
-The HTTP fuzzer runs every operation of `/openapi.json` with every schemathesis check (no 5xx,
-status codes, content types, headers, bodies and SSE events as documented, invalid data rejected,
-undeclared methods answered 405 with `Allow`, valid data accepted: there a 400 is allowed only on the
-routes whose rules go beyond JSON Schema, see `RULES_BEYOND_SCHEMA`) against the real ingress app
-(`build_fastapi`, in process through ASGI as in test_serve_app) whose dispatcher runs a real engine
-on the tiny demo zoo, the way a replica does: generated prompts, token ids and parameters reach the
-engine. The engine fuzzer calls
+The HTTP fuzzer runs every operation of `/openapi.json` with every default schemathesis check, none
+loosened (no 5xx, status codes, content types, headers, bodies and SSE events as documented, invalid
+data rejected, valid data accepted, undeclared methods answered 405 with `Allow`, authentication
+enforced where the schema declares it) against the real ingress app (`build_fastapi`, in process
+through ASGI as in test_serve_app) whose dispatcher runs a real engine on the tiny demo zoo, the way
+a replica does: generated prompts, token ids and parameters reach the engine. It runs twice: without
+a tenants file (every route open) and with one (an admin key sent; schemathesis also checks that a
+request without a key, or with a wrong one, is refused). The schema states every rule of the bodies
+(`schemas.constrain`) but a text prompt's token count, which the fuzzed app's `max_prompt_tokens`
+puts out of reach of generated prompts; `SCHEMA_AGREES` pins bodies where schema and server must
+agree. The engine fuzzer calls
 `SamplingParams`, `Engine.add_request`/`step` and `Engine.generate` with random parameters, token ids
 and adapter ids: only domain errors (`LoraClusterError`) may come out, and a valid request still
 succeeds afterwards. Both print how many requests they tried and what they answered.
