@@ -39,9 +39,15 @@ class Clock:
 
 
 class MemoryLoader:
-    """An `AdapterLoader` whose adapters are tiny tensors made on request (every id exists)."""
+    """An `AdapterLoader` whose adapters are tiny tensors made on request (every id exists), each
+    load taking `delay_s` (the replica measures its load time from it)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
 
     def load(self, adapter_id: str) -> LoraWeights:
+        if self.delay_s:
+            threading.Event().wait(self.delay_s)
         return LoraWeights(adapter_id, 2, frozenset({"q_proj"}), {"q_proj": 1.0},
                            {(0, "q_proj"): torch.ones(2, 4)}, {(0, "q_proj"): torch.ones(6, 2)})
 
@@ -67,13 +73,14 @@ class MemoryLoader:
 class Replica:
     """The engine's step loop without a model: each scheduled token is computed at once."""
 
-    def __init__(self, clock: Clock, slots: int, protect: bool = True):
+    def __init__(self, clock: Clock, slots: int, protect: bool = True, load_s: float = 0.0):
         self.clock = clock
         self.pool = AdapterPool(SHAPES, num_slots=slots, max_rank=4, dtype=torch.float32,
                                 device=torch.device("cpu"), clock=clock)
         guard = AdapterGuard(EngineConfig(model="unused", breakers=protect), clock)
         rotation = AdapterRotation(min_steps=2, wait_bounds_s=WAIT_BOUNDS, clock=clock)
-        self.adapters = AdapterResidency(MemoryLoader(), self.pool, 2, guard, rotation=rotation, clock=clock)
+        self.adapters = AdapterResidency(MemoryLoader(load_s), self.pool, 2, guard, rotation=rotation,
+                                         clock=clock)
         self.scheduler = Scheduler(max_num_seqs=256, max_num_batched_tokens=4096, max_waiting=4096,
                                    acquire=self.adapters.acquire, release=self.adapters.release,
                                    slot_to_preempt=self.adapters.slot_to_preempt)
@@ -176,7 +183,7 @@ def test_a_one_off_takes_an_idle_one_offs_slot_before_a_repeated_adapters() -> N
 
 def test_a_one_off_is_held_while_a_one_offs_slot_frees_anyway_then_placed_within_its_bound() -> None:
     clock = Clock()
-    replica = Replica(clock, slots=2)
+    replica = Replica(clock, slots=2, load_s=0.05)  # holds last at most 2 loads: about 2 steps
     for i in range(2):
         replica.add(f"hot{i}", "hot", 0, 1, 1)
         replica.step()

@@ -19,8 +19,9 @@ The engine's scheduler asks `acquire(seq, may_claim_slot)` for each waiting sequ
   same priority; while the replica thrashes (`guard.miss_penalty() > 0`), at most `workers - 1`
   one-off fetches run at once, so a repeated adapter's reload always finds a worker), and holds a
   one-off whose placement would evict an adapter with repeated demand while a one-off's slot frees
-  anyway (its requests all run), for at most `HOLD_SHARE` of its class's adapter wait bound
-  (PENDING: the others go on, the batch runs). Seed 001's switch rate and load latency are alerts
+  anyway (its requests all run), for at most `HOLD_SHARE` of its class's adapter wait bound and
+  `HOLD_LOADS` measured load times (never longer than the reload it saves is worth; PENDING: the
+  others go on, the batch runs). Seed 001's switch rate and load latency are alerts
   (`adapter_guard`), fed with every placement;
 - weights of at least `adapter_async_copy_bytes` are copied into their reserved slot off the step
   thread (`adapter_copier`): the sequence is PENDING until the copy is committed.
@@ -73,6 +74,7 @@ from lora_cluster.errors import AdapterError, EngineOverloadedError
 log = logging.getLogger(__name__)
 MAX_QUEUED_PREFETCHES = 64  # prefetches (start_load, rotation) waiting for a loader worker at once
 HOLD_SHARE = 0.25  # share of a class's adapter wait bound a one-off may be held to spare a repeated adapter
+HOLD_LOADS = 2.0  # ... and at most this many of this replica's measured load times
 
 
 class AdapterResidency:
@@ -218,8 +220,12 @@ class AdapterResidency:
 
     def hold_bound(self, priority: int) -> float:
         """Seconds a one-off request of `priority` may be held to spare an adapter with repeated
-        demand: `HOLD_SHARE` of its class's adapter wait bound (0 without rotation)."""
-        return 0.0 if self.rotation is None else HOLD_SHARE * self.rotation.wait_bound(priority)
+        demand: `HOLD_SHARE` of its class's adapter wait bound, and at most `HOLD_LOADS` measured
+        load times (the reload the hold saves); 0 without rotation or before any load was measured."""
+        if self.rotation is None or self.guard is None:
+            return 0.0
+        saved = HOLD_LOADS * self.guard.thrash.load_time_s
+        return min(HOLD_SHARE * self.rotation.wait_bound(priority), saved)
 
     def _holds(self, seq: Sequence) -> bool:
         """Whether to hold `seq` (a one-off) rather than evict an idle adapter with repeated demand:
