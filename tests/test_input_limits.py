@@ -110,8 +110,8 @@ async def test_malformed_utf8_and_deep_json_are_refused_naming_the_problem():
     ("/v1/completions", {**OK, "n": 3}, None, ["n=3", "2"]),
     ("/v1/completions", {**OK, "prompt": ["a", "b", "c"]}, None, ["max_prompts=2"]),
     ("/v1/completions", {**OK, "frobnicate": 1}, "unknown_parameter", ["frobnicate"]),
-    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 1.1, "min_p": 0.1}, "unknown_parameter",
-     ["repetition_penalty", "min_p"]),
+    ("/v1/chat/completions", {**CHAT, "length_penalty": 1.1, "min_p": 0.1}, "unknown_parameter",
+     ["length_penalty", "min_p"]),
 ])
 async def test_each_limit_is_a_400_naming_it(path, body, code, names):
     dispatcher = FakeDispatcher()

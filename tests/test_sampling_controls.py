@@ -165,8 +165,9 @@ def test_logprobs_are_the_raw_model_distribution(engine, peft_model):
         ({"presence_penalty": 2.5}, ["presence_penalty", "[-2, 2]"]),
         ({"frequency_penalty": -3}, ["frequency_penalty", "[-2, 2]"]),
         ({"frequency_penalty": float("nan")}, ["frequency_penalty", "[-2, 2]"]),
-        ({"repetition_penalty": 0.0}, ["repetition_penalty", "(0, 100]"]),
-        ({"repetition_penalty": True}, ["repetition_penalty", "(0, 100]"]),
+        ({"repetition_penalty": 0.0}, ["repetition_penalty", "[0.01, 100]"]),
+        ({"repetition_penalty": 1e-30}, ["repetition_penalty", "[0.01, 100]"]),
+        ({"repetition_penalty": True}, ["repetition_penalty", "[0.01, 100]"]),
         ({"logit_bias": {5: 101.0}}, ["logit_bias[5]", "[-100, 100]"]),
         ({"logit_bias": {-1: 1.0}}, ["logit_bias", "token ids"]),
         ({"logit_bias": {"5": 1.0}}, ["logit_bias", "token ids"]),
@@ -187,3 +188,31 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_admission(engine):
     with pytest.raises(RequestError, match=rf"logit_bias.*\[0, {vocab}\).*{vocab + 5}"):
         engine.add_request("bias-oov", "hello", None, greedy(logit_bias={vocab + 5: 1.0}))
     assert not engine.has_unfinished(), "the refused request is not queued"
+
+
+def test_http_bodies_pass_the_penalties_to_the_engine():
+    """OpenAI `presence_penalty`/`frequency_penalty`, vLLM's `repetition_penalty` and LoRAX's
+    `parameters.repetition_penalty` reach SamplingParams; out of range they are a validation error (400)."""
+    from pydantic import ValidationError
+
+    from lora_cluster.config import ServeConfig
+    from lora_cluster.serve.schemas import ChatCompletionRequest, CompletionRequest, LoraxParameters
+
+    limits = ServeConfig()
+    body = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1.0,
+                             repetition_penalty=1.2)  # fmt: skip
+    p = body.sampling(limits, 16)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2), (
+        "the completions body's penalties are passed on"
+    )
+    messages = [{"role": "user", "content": "x"}]
+    chat = ChatCompletionRequest(model="m", messages=messages, frequency_penalty=2.0)
+    assert chat.sampling(limits, 16).frequency_penalty == 2.0, "the chat body's penalties are passed on"
+    lorax, _ = LoraxParameters(repetition_penalty=1.3).sampling(limits)
+    assert lorax.repetition_penalty == 1.3, "LoRAX's repetition_penalty is passed on"
+    assert LoraxParameters().sampling(limits)[0].repetition_penalty == 1.0, "LoRAX's default is off"
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -2.1}, {"repetition_penalty": 0}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            CompletionRequest(model="m", prompt="hi", **bad)
+    with pytest.raises(ValidationError, match="repetition_penalty"):
+        LoraxParameters(repetition_penalty=-1.0)

@@ -133,7 +133,7 @@ def test_prompt_forms():
             CompletionRequest(model="m", prompt=empty)
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 21}, {"presence_penalty": 0.5}, {"best_of": 3},
+@pytest.mark.parametrize("extra", [{"logprobs": 21}, {"logit_bias": {"5": 1.0}}, {"best_of": 3},
                                    {"echo": True, "stream": True}, {"n": 5}, {"max_tokens": 101}])
 def test_unsupported_or_out_of_limit_openai_parameters_are_refused(extra):
     body = CompletionRequest(model="m", prompt="hi", **extra)
@@ -174,7 +174,7 @@ def test_lorax_greedy_unless_sampling_is_asked_for():
                                                                      "return_full_text": True}})
     assert req.parameters.sampling(LIMITS)[0].stop == ["q"], "stop sequences are passed on"
     with pytest.raises(ApiException):
-        LoraxParameters(repetition_penalty=1.3).check()
+        LoraxParameters(typical_p=0.5).check()
 
 
 # ----- errors ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the division would ov
 PENALTY_LIMIT = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0  # each logit_bias value lies in [-100, 100] (OpenAI's range)
 LOGIT_BIAS_MAX_TOKENS = 1024  # entries in one request's logit_bias
-REPETITION_PENALTY_MAX = 100.0  # repetition_penalty lies in (0, 100]; 1 is off
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # 1 is off; below 0.01 logit / p could overflow float32 to inf
 
 
 @dataclass
@@ -78,9 +78,9 @@ class SamplingParams:
                 raise RequestError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], "
                                    f"got {value!r}")  # fmt: skip
         rp = self.repetition_penalty
-        if not _is_number(rp) or not 0.0 < rp <= REPETITION_PENALTY_MAX:
-            raise RequestError(f"repetition_penalty must be a number in (0, {REPETITION_PENALTY_MAX:g}], "
-                               f"got {rp!r}")  # fmt: skip
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(rp) or not low <= rp <= high:
+            raise RequestError(f"repetition_penalty must be a number in [{low:g}, {high:g}], got {rp!r}")
         if not isinstance(self.logit_bias, dict):
             kind = type(self.logit_bias).__name__
             raise RequestError(f"logit_bias must map token ids to numbers, got a {kind}")

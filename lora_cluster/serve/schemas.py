@@ -2,7 +2,7 @@
 
 Field names follow the APIs they imitate: OpenAI (plus vLLM's `top_k`, `ignore_eos`,
 `stop_token_ids`), LoRAX/TGI, and vLLM's adapter admin routes. Parameters the engine cannot honour
-(penalties, `best_of`, tools...) are refused with a 400 naming them rather than silently ignored.
+(`best_of`, `logit_bias`, tools...) are refused with a 400 naming them rather than silently ignored.
 Unknown fields: the OpenAI bodies (completions, chat) refuse an unknown top-level field with a 400
 naming it, as the OpenAI API does ("Unrecognized request argument supplied"), so that a typo or a
 parameter this server does not implement is never silently dropped; their nested objects (messages,
@@ -42,8 +42,6 @@ def _only(schema: dict[str, Any], what: str) -> WithJsonSchema:
 
 
 # unsupported parameters, as the OpenAPI schema states them: the values that change nothing
-ZERO = WithJsonSchema({"type": "number", "minimum": 0, "maximum": 0,
-                       "description": "Unsupported: only 0 (the default)."})
 ONE = _only({"type": "number", "minimum": 1, "maximum": 1}, "only 1 (the default)")
 ONE_INT = _only({"type": "integer", "minimum": 1, "maximum": 1}, "only 1 (the default)")
 EMPTY_OBJECT = _only({"type": "object", "maxProperties": 0}, "only empty")
@@ -125,8 +123,12 @@ class _OpenAISampling(_Body):
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension.")
     seed: int | None = Field(None, ge=0, description=SEED)
-    presence_penalty: Annotated[float, ZERO] = 0.0
-    frequency_penalty: Annotated[float, ZERO] = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Minus this for every token already "
+                                    "in the output (OpenAI).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Minus this times the token's count "
+                                     "in the output (OpenAI).")
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, description="vLLM extension: tokens of prompt "
+                                      "and output: logit / p when positive, logit * p otherwise; 1 is off.")
     logit_bias: Annotated[dict[str, float] | None, EMPTY_OBJECT] = None
     best_of: Annotated[int | None, ONE_INT] = None
     user: str | None = None
@@ -139,8 +141,6 @@ class _OpenAISampling(_Body):
 
     def _refuse_unsupported(self) -> None:
         unsupported = {
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
             "logit_bias": bool(self.logit_bias),
             "best_of": self.best_of not in (None, 1),
         }
@@ -158,6 +158,8 @@ class _OpenAISampling(_Body):
             top_k=max(self.top_k, 0), seed=seed, stop=check_stops(_stops(self.stop), limits),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
     def logprobs_k(self) -> int | None:
@@ -278,7 +280,8 @@ class LoraxParameters(_Body):
     do_sample: bool = False
     max_new_tokens: int | None = Field(None, ge=1)
     ignore_eos_token: bool = False
-    repetition_penalty: Annotated[float | None, ONE] = None
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0, description="Tokens of prompt and "
+                                             "output get logit / p when positive, logit * p otherwise.")
     return_full_text: bool = False
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, description=SEED)
@@ -297,7 +300,6 @@ class LoraxParameters(_Body):
 
     def check(self) -> None:
         unsupported = {
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "truncate": self.truncate is not None,
             "typical_p": self.typical_p not in (None, 1.0),
             "best_of": self.best_of not in (None, 1),
@@ -334,6 +336,7 @@ class LoraxParameters(_Body):
             stop=check_stops(list(self.stop), limits),
             ignore_eos=self.ignore_eos_token, logprobs=self.return_k_alternatives or 0,
             prompt_logprobs=0 if self.decoder_input_details else None,
+            repetition_penalty=self.repetition_penalty or 1.0,
         )
         return params, seed
 
