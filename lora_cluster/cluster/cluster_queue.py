@@ -23,9 +23,9 @@ of the measured one (grants over a window) and the one the caller expects from c
 batch slots over their service time). Both refusals carry a retry-after estimate.
 
 Bounded wait for classes without a TTFT target (`batch`): aging lets them pass fresh requests of
-the classes above, but under a load the replicas only just carry (the rated load, where loads and
-recomputes make the real capacity a little short of the offered load) their backlog still grows
-and so does their wait. Two rules bound it by `wait_bound_s` (`cluster_queue_max_wait_s`):
+the classes above, but not the most urgent one, and under a load the replicas do not carry (the
+rated load already: adapter loads and recomputes make the real capacity short of it) their backlog
+grows and so does their wait. Two rules bound it by `wait_bound_s` (`cluster_queue_max_wait_s`):
 
 * admission: a new ticket of such a class is refused at once (`WaitBoundError`, 429 with
   Retry-After) when the oldest queued ticket of its class has already waited `ADMIT_WAIT_SHARE`
@@ -224,8 +224,9 @@ class ClusterQueue:
             meter.record()
 
     def _check_wait_bound(self, ticket: Ticket, now: float) -> None:
-        """Refuse `ticket` (no TTFT target) while the oldest of its class has waited the admission share
-        of the bound: it would wait about as long, and the class's backlog would keep growing."""
+        """Refuse `ticket` (no TTFT target) while its class's queued tickets already wait the admission
+        share of the bound: the oldest has waited that long, or the class's backlog (with `ticket`)
+        would take that long to leave at the class's grant rate over the drain window."""
         oldest = self.oldest(ticket.priority)
         bound = self.wait_bound_s
         if oldest is None or bound is None:

@@ -9,7 +9,7 @@ adapters to prefetch because placement chose that replica for them), and `snapsh
 view served at `GET /v1/cluster`).
 
 Policies (each in its own module): `cluster_queue` orders and admits tickets (and bounds the wait of
-classes without a TTFT target: a ticket that waited the bound is granted first), `shedding` refuses
+classes without a TTFT target: one that waited 3/4 of the bound is granted first), `shedding` refuses
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
 replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
 holds no request bodies and no Ray objects; the actor (`cluster.actor`) wraps it. Its state is
