@@ -437,7 +437,13 @@ SCHEMA_AGREES = [
     ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 511]}, True),
     ("/v1/completions", {**COMPLETION, "n": 3}, False),
     ("/v1/completions", {**COMPLETION, "suffix": "x"}, False),
-    ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 2.0}}, False),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 2.0, "511": -100}}, True),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"512": 2.0}}, False),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"01": 2.0}}, False),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"3": 100.5}}, False),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": -2, "frequency_penalty": 2,
+                              "repetition_penalty": 1.5}, True),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "repetition_penalty": 0.005}}, False),
     ("/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, False),
 ]
 

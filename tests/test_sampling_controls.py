@@ -190,8 +190,8 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_admission(engine):
     assert not engine.has_unfinished(), "the refused request is not queued"
 
 
-def test_http_bodies_pass_the_penalties_to_the_engine():
-    """OpenAI `presence_penalty`/`frequency_penalty`, vLLM's `repetition_penalty` and LoRAX's
+def test_http_bodies_pass_the_controls_to_the_engine():
+    """OpenAI `presence_penalty`/`frequency_penalty`/`logit_bias`, vLLM's `repetition_penalty` and LoRAX's
     `parameters.repetition_penalty` reach SamplingParams; out of range they are a validation error (400)."""
     from pydantic import ValidationError
 
@@ -200,11 +200,12 @@ def test_http_bodies_pass_the_penalties_to_the_engine():
 
     limits = ServeConfig()
     body = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1.0,
-                             repetition_penalty=1.2)  # fmt: skip
+                             repetition_penalty=1.2, logit_bias={"7": -100, "0": 2.5})  # fmt: skip
     p = body.sampling(limits, 16)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2), (
         "the completions body's penalties are passed on"
     )
+    assert p.logit_bias == {7: -100.0, 0: 2.5}, "logit_bias keys (JSON strings) become token ids"
     messages = [{"role": "user", "content": "x"}]
     chat = ChatCompletionRequest(model="m", messages=messages, frequency_penalty=2.0)
     assert chat.sampling(limits, 16).frequency_penalty == 2.0, "the chat body's penalties are passed on"
@@ -216,3 +217,20 @@ def test_http_bodies_pass_the_penalties_to_the_engine():
             CompletionRequest(model="m", prompt="hi", **bad)
     with pytest.raises(ValidationError, match="repetition_penalty"):
         LoraxParameters(repetition_penalty=-1.0)
+    for bias in ({"07": 1.0}, {"-1": 1.0}, {"x": 1.0}, {"5": 100.5}, {str(i): 1.0 for i in range(1025)}):
+        with pytest.raises(ValidationError, match="logit_bias"):
+            CompletionRequest(model="m", prompt="hi", logit_bias=bias)
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 10, 11, 100, 512, 1001, 32000, 151936])
+def test_the_openapi_logit_bias_key_pattern_is_the_token_id_range(n):
+    """The OpenAPI schema states logit_bias keys as the decimal token ids below the vocabulary size."""
+    import re
+
+    from lora_cluster.serve.schemas import token_ids_below
+
+    pattern = re.compile(token_ids_below(n))
+    wrong = [k for k in range(n + 1000) if bool(pattern.match(str(k))) != (k < n)]
+    assert wrong == [], f"the pattern for vocabulary {n} matches exactly 0..{n - 1}: wrong for {wrong[:5]}"
+    for key in ("01", "-1", "", "1.0", " 1"):
+        assert not pattern.match(key), f"{key!r} is not a token id key"

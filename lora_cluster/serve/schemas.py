@@ -2,7 +2,7 @@
 
 Field names follow the APIs they imitate: OpenAI (plus vLLM's `top_k`, `ignore_eos`,
 `stop_token_ids`), LoRAX/TGI, and vLLM's adapter admin routes. Parameters the engine cannot honour
-(`best_of`, `logit_bias`, tools...) are refused with a 400 naming them rather than silently ignored.
+(`best_of`, tools...) are refused with a 400 naming them rather than silently ignored.
 Unknown fields: the OpenAI bodies (completions, chat) refuse an unknown top-level field with a 400
 naming it, as the OpenAI API does ("Unrecognized request argument supplied"), so that a typo or a
 parameter this server does not implement is never silently dropped; their nested objects (messages,
@@ -25,10 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from lora_cluster.adapter_format import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
+from lora_cluster.engine.sampling import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
 from lora_cluster.serve.http_errors import bad_request
 from lora_cluster.store.merge import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]*)$"  # a token id as a JSON object key: decimal, no sign or leading zero
 SEED = "Any non-negative integer, taken modulo 2**63."
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
 T = TypeVar("T")
@@ -44,7 +46,6 @@ def _only(schema: dict[str, Any], what: str) -> WithJsonSchema:
 # unsupported parameters, as the OpenAPI schema states them: the values that change nothing
 ONE = _only({"type": "number", "minimum": 1, "maximum": 1}, "only 1 (the default)")
 ONE_INT = _only({"type": "integer", "minimum": 1, "maximum": 1}, "only 1 (the default)")
-EMPTY_OBJECT = _only({"type": "object", "maxProperties": 0}, "only empty")
 EMPTY_ARRAY = _only({"type": "array", "maxItems": 0}, "only empty (no tools)")
 EMPTY_STRING = _only({"type": "string", "maxLength": 0}, "only empty")
 NULL = WithJsonSchema({"type": "null", "description": "Unsupported: only null."})
@@ -129,7 +130,10 @@ class _OpenAISampling(_Body):
                                      "in the output (OpenAI).")
     repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, description="vLLM extension: tokens of prompt "
                                       "and output: logit / p when positive, logit * p otherwise; 1 is off.")
-    logit_bias: Annotated[dict[str, float] | None, EMPTY_OBJECT] = None
+    logit_bias: dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)],
+                     Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
+        None, max_length=LOGIT_BIAS_MAX_TOKENS, description="Token id (a string) -> added to its logit, "
+        f"in [-100, 100] (OpenAI); at most {LOGIT_BIAS_MAX_TOKENS} ids.")
     best_of: Annotated[int | None, ONE_INT] = None
     user: str | None = None
     merged_adapters: MergedAdaptersBody | None = Field(
@@ -141,7 +145,6 @@ class _OpenAISampling(_Body):
 
     def _refuse_unsupported(self) -> None:
         unsupported = {
-            "logit_bias": bool(self.logit_bias),
             "best_of": self.best_of not in (None, 1),
         }
         names = [name for name, bad in unsupported.items() if bad]
@@ -160,6 +163,7 @@ class _OpenAISampling(_Body):
             logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
 
     def logprobs_k(self) -> int | None:
@@ -416,6 +420,20 @@ OPENAI_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "abort": "ab
 LORAX_FINISH = {"length": "length", "stop": "stop_sequence", "eos": "eos_token", "abort": "length"}
 
 
+def token_ids_below(n: int) -> str:
+    """A regex of the decimal integers in [0, n) written as `TOKEN_ID_KEY` writes them (n >= 1)."""
+    top = str(n - 1)
+    alternatives = ["0"]
+    if len(top) > 1:  # fewer digits than n - 1
+        alternatives.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    for i, digit in enumerate(top):  # as many digits: equal to n - 1 up to i, then a smaller digit
+        low, rest = (1 if i == 0 else 0), len(top) - i - 1
+        if int(digit) > low:
+            alternatives.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^(" + "|".join(dict.fromkeys(alternatives)) + ")$"
+
+
 def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_models: list[str],
               vocab_size: int | None) -> None:
     """State the configured limits and the rules between fields in the OpenAPI schema's request
@@ -431,6 +449,7 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
             "items": {"type": "string", "maxLength": limits.max_stop_length}}
     no_merge = {"properties": {"merged_adapters": {"type": "null"}}}
     on_base = {"properties": {"model": {"enum": base_models}}}
+    token_key = TOKEN_ID_KEY if vocab_size is None else token_ids_below(vocab_size)  # logit_bias keys
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         body = components[name]
         props = body["properties"]
@@ -439,6 +458,12 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
         props["stop"].update(stop)
         # merged_adapters merges onto the base model: `model` then names it
         body.setdefault("allOf", []).append({"anyOf": [no_merge, on_base]})
+        bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")
+        bias.clear()
+        bias.update({"type": "object", "maxProperties": LOGIT_BIAS_MAX_TOKENS,
+                     "propertyNames": {"pattern": token_key},
+                     "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                              "maximum": LOGIT_BIAS_LIMIT}})
     completion = components["CompletionRequest"]["properties"]
     completion["logprobs"]["maximum"] = limits.max_logprobs
     _, texts, one, many = completion["prompt"]["anyOf"]
