@@ -444,6 +444,9 @@ SCHEMA_AGREES = [
     ("/v1/chat/completions", {**CHAT, "presence_penalty": -2, "frequency_penalty": 2,
                               "repetition_penalty": 1.5}, True),
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "repetition_penalty": 0.005}}, False),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 2, "stop": ["e"]}, True),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 10**6}, True),
+    ("/v1/completions", {**COMPLETION, "min_tokens": -1}, False),
     ("/v1/completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, False),
 ]
 

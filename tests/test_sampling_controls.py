@@ -206,6 +206,11 @@ def test_http_bodies_pass_the_controls_to_the_engine():
         "the completions body's penalties are passed on"
     )
     assert p.logit_bias == {7: -100.0, 0: 2.5}, "logit_bias keys (JSON strings) become token ids"
+    assert CompletionRequest(model="m", prompt="hi", min_tokens=5).sampling(limits, 16).min_tokens == 5, (
+        "vLLM's min_tokens is passed on"
+    )
+    capped = CompletionRequest(model="m", prompt="hi", max_tokens=4, min_tokens=9).sampling(limits, 16)
+    assert capped.min_tokens == 4, "min_tokens above max_tokens is capped (a schema cannot relate the two)"
     messages = [{"role": "user", "content": "x"}]
     chat = ChatCompletionRequest(model="m", messages=messages, frequency_penalty=2.0)
     assert chat.sampling(limits, 16).frequency_penalty == 2.0, "the chat body's penalties are passed on"

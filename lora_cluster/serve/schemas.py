@@ -130,6 +130,9 @@ class _OpenAISampling(_Body):
                                      "in the output (OpenAI).")
     repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, description="vLLM extension: tokens of prompt "
                                       "and output: logit / p when positive, logit * p otherwise; 1 is off.")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS and stop_token_ids cannot be "
+                            "generated, and stop strings do not stop, before this many tokens; capped at "
+                            "the request's max tokens.")
     logit_bias: dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)],
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, max_length=LOGIT_BIAS_MAX_TOKENS, description="Token id (a string) -> added to its logit, "
@@ -162,7 +165,7 @@ class _OpenAISampling(_Body):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=self.repetition_penalty, min_tokens=min(self.min_tokens, max_tokens),
             logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
 
