@@ -240,3 +240,18 @@ def test_cold_fetches_queue_behind_warm_ones_and_leave_a_worker_for_them() -> No
     wait(futures, timeout=10)
     assert started[:2] in (["cold0", "warm"], ["warm", "cold0"]), f"one cold fetch at a time: {started}"
     queue.close()
+
+
+def test_fetch_timings_written_by_the_workers_never_break_the_step_loop() -> None:
+    pool = AdapterPool(SHAPES, num_slots=2, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    adapters = AdapterResidency(MemoryLoader(), pool, 4, AdapterGuard(EngineConfig(model="unused")))
+    try:
+        for n in range(20_000):  # bounded; without the lock the race showed within this many rounds
+            batch = [f"x{n}-{i}" for i in range(8)]
+            for adapter_id in batch:
+                adapters.request_started(adapter_id, 0)
+            adapters.end_step()  # reads the fetch timings while the loader workers write them
+            for adapter_id in batch:
+                adapters.request_finished(adapter_id, 0)
+    finally:
+        adapters.close()

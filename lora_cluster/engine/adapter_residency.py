@@ -53,6 +53,7 @@ flight, never by every id a client ever asked for.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -93,6 +94,7 @@ class AdapterResidency:
         self._queue = FetchQueue(workers, max_prefetches=MAX_QUEUED_PREFETCHES)
         self._thrash_cold_limit = max(1, workers - 1)  # one-off fetches at once while thrashing
         self._fetch_s: dict[str, float] = {}  # seconds of each finished fetch (written by the workers)
+        self._fetch_s_lock = threading.Lock()  # the workers write `_fetch_s` while the step loop reads it
         self._loads: dict[str, Future[LoraWeights]] = {}  # host fetches in flight or done, not yet on device
         self._requests: dict[str, dict[int, int]] = {}  # adapter -> priority -> unfinished requests
         self._explicit: set[str] = set()  # fetches started by `start_load` (an admin call awaits them)
@@ -122,7 +124,8 @@ class AdapterResidency:
         """`loader.load` on a worker, its duration kept for the thrash meter."""
         start = time.perf_counter()
         weights = self.loader.load(adapter_id)
-        self._fetch_s[adapter_id] = time.perf_counter() - start
+        with self._fetch_s_lock:
+            self._fetch_s[adapter_id] = time.perf_counter() - start
         return weights
 
     def start_load(self, adapter_id: str) -> Future[LoraWeights]:
@@ -253,7 +256,8 @@ class AdapterResidency:
         start = time.perf_counter()
         self._copy(weights)
         if self.guard is not None:
-            fetch_s = self._fetch_s.pop(weights.adapter_id, 0.0)
+            with self._fetch_s_lock:
+                fetch_s = self._fetch_s.pop(weights.adapter_id, 0.0)
             self.guard.placed(time.perf_counter() - start, evicts, fetch_s)
 
     def _copy(self, weights: LoraWeights) -> None:
@@ -324,8 +328,9 @@ class AdapterResidency:
         self._failed.clear()
         self._settle_copies()
         self._explicit = {a for a in self._explicit if a in self._loads and not self._loads[a].done()}
-        for adapter_id in [a for a in self._fetch_s if a not in self._loads]:
-            self._fetch_s.pop(adapter_id, None)
+        with self._fetch_s_lock:
+            for adapter_id in [a for a in self._fetch_s if a not in self._loads]:
+                del self._fetch_s[adapter_id]
         for adapter_id in [a for a, f in self._loads.items() if f.done()]:
             self._let_go(adapter_id)
         if self.rotation is not None:
