@@ -275,7 +275,7 @@ class EngineConfig(BaseSettings):
         "measured cost (docs/serving.md#adapter-protection)."
     )
     breaker_switch_recover_per_s: float = Field(
-        2.0, gt=0, description="Switch rate below which the breaker recovers, once it held "
+        2.0, gt=0, description="Switch rate below which the switch-rate alert clears, once it held "
         "breaker_switch_recover_s seconds."
     )
     breaker_switch_recover_s: float = Field(
@@ -293,10 +293,10 @@ class EngineConfig(BaseSettings):
         "until loads after the cool-down are fast again. An alert only: cold adapters are still placed."
     )
     breaker_load_recover_ms: float = Field(
-        30.0, gt=0, description="Load latency below which a probe load counts towards recovery."
+        30.0, gt=0, description="Load latency below which a load counts towards clearing the load alert."
     )
     breaker_load_recover_loads: int = Field(
-        10, ge=1, description="Fast probe loads in a row that close the load-latency breaker."
+        10, ge=1, description="Fast loads in a row (after the cool-down) that clear the load-latency alert."
     )
     breaker_source_failures: int = Field(
         3, ge=1, description="Failed fetches in a row (network, 5xx, timeouts; not a missing adapter) "

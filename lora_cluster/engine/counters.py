@@ -4,7 +4,7 @@
   batch size = batched_seqs / steps over any interval); `sampled_tokens`: tokens sampled (their rate
   is the replica's tokens/s).
 * `placements`: adapters put into a device slot (a device-tier load); `switches`: those placements
-  that replaced another adapter (seed 001's "adapter switch", as the switch-rate breaker counts it);
+  that replaced another adapter (seed 001's "adapter switch", as the switch-rate alert counts it);
   `placement_failures`: placements that raised; `placement_seconds`: the wall time of each placement
   as the step loop saw it (the copy into the slot, or handing it to the copy thread), a histogram.
 * `slots_taken`: idle adapter slots evicted for a strictly more urgent request although less urgent

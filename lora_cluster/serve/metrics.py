@@ -400,7 +400,7 @@ def _replica_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[Any]:
         labels=["replica", "tier", "outcome"])
     latency = HistogramMetricFamily(
         "lora_cluster_adapter_load_duration_seconds", "Latency of the adapter loads of each tier (device: "
-        "the placement into a slot, as the switch-rate and load-latency breakers see it).",
+        "the placement into a slot, as the load-latency alert sees it).",
         labels=["replica", "tier"])
     hit_ratio = GaugeMetricFamily("lora_cluster_adapter_cache_hit_ratio",
                                   "hits / (hits + misses) of the tier since the replica started.",
