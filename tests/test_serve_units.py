@@ -233,8 +233,13 @@ def test_sse_framing():
 
 def test_engine_gauges_come_from_the_replica_reports():
     metrics.set_replica_stats_source(lambda: {"r1": {"num_running": 3, "num_waiting": 1, "max_loras": 4,
-                                                     "empty_adapter_slots": 1}})
+                                                     "empty_adapter_slots": 1, "miss_penalty": 0.5,
+                                                     "adapter_thrash": {"copy_share": 0.25,
+                                                                        "reload_share": 0.75}}})
     text = metrics.render().decode()
+    assert 'lora_cluster_adapter_miss_penalty_ratio{replica="r1"} 0.5' in text, "the thrash routing score"
+    assert 'lora_cluster_adapter_thrash_copy_ratio{replica="r1"} 0.25' in text, "the copy share of step time"
+    assert 'lora_cluster_adapter_thrash_reload_ratio{replica="r1"} 0.75' in text, "the reload share"
     assert 'lora_cluster_engine_running_requests{replica="r1"} 3.0' in text, "running requests per replica"
     assert 'lora_cluster_adapter_slots_in_use{replica="r1"} 3.0' in text, "slots in use = max_loras - empty"
     assert "lora_cluster_replicas 1.0" in text, "the replica count"

@@ -318,6 +318,19 @@ _ENGINE_GAUGES = {
         lambda s: None if "max_loras" not in s else s["max_loras"] - s.get("empty_adapter_slots", 0),
     ),
     "lora_cluster_adapter_slots": ("Device adapter slots (max_loras).", lambda s: s.get("max_loras")),
+    "lora_cluster_adapter_miss_penalty_ratio": (
+        "Adapter protection's soft routing score for a miss on the replica: 0 (fine) to 1 (in thrash, "
+        "misses are better sent elsewhere).",
+        lambda s: s.get("miss_penalty"),
+    ),
+    "lora_cluster_adapter_thrash_copy_ratio": (
+        "Share of the replica's step-loop time spent placing adapters into slots (the thrash cost).",
+        lambda s: (s.get("adapter_thrash") or {}).get("copy_share"),
+    ),
+    "lora_cluster_adapter_thrash_reload_ratio": (
+        "Share of the replica's loader time spent reloading adapters that switches evicted (thrash cost).",
+        lambda s: (s.get("adapter_thrash") or {}).get("reload_share"),
+    ),
 }
 
 
