@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_serve_app import BOUND_S, FakeTokenizer
+from test_serve_app import FakeTokenizer, serving
 from test_tenants import ADMIN_KEY, FIN_KEY, ZooDispatcher, bearer, tenants_yaml
 
 from lora_cluster.config import ServeConfig
@@ -35,13 +35,8 @@ def tenants_file(tmp_path: Path) -> Path:
 @contextlib.asynccontextmanager
 async def app_client(config: ServeConfig, tenants_file: Path | None) -> AsyncIterator[httpx.AsyncClient]:
     watcher = None if tenants_file is None else TenantsWatcher(str(tenants_file), start=False)
-    ctx = ApiContext(config=config, tokenizer=FakeTokenizer(), dispatcher=ZooDispatcher(), tenants=watcher)
-    transport = httpx.ASGITransport(app=build_fastapi(ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=BOUND_S) as c:
-            yield c
-    finally:
-        ctx.close()
+    async with serving(FakeTokenizer(), ZooDispatcher(), config, tenants=watcher) as client:
+        yield client
 
 
 async def _statuses(client: httpx.AsyncClient, paths: list[str], headers: dict[str, str]) -> dict[str, int]:

@@ -19,9 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from test_quotas import Clock
-from test_serve_app import BOUND_S, FakeDispatcher, FakeTokenizer
+from test_serve_app import FakeDispatcher, FakeTokenizer, serving
 
-from lora_cluster.config import ServeConfig
 from lora_cluster.errors import (
     AdapterNotFoundError,
     ClusterOverloadedError,
@@ -29,9 +28,7 @@ from lora_cluster.errors import (
     EngineStepError,
     QuotaUnavailableError,
 )
-from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.http_errors import ApiException, describe
-from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
 from lora_cluster.tenancy.quota import Amounts, QuotaBook, QuotaLimits
 from lora_cluster.tenancy.tenants import hash_key
@@ -360,15 +357,9 @@ tenants:
     api_keys: ["{hash_key(FIN_KEY)}"]
     adapters: ["*"]{limits}
 """)
-    ctx = ApiContext(config=ServeConfig(model="base"), tokenizer=tokenizer or FakeTokenizer(),
-                     dispatcher=dispatcher or FakeDispatcher(),
-                     tenants=TenantsWatcher(str(path), start=False), quotas=quotas)
-    transport = httpx.ASGITransport(app=build_fastapi(ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=BOUND_S) as c:
-            yield c
-    finally:
-        ctx.close()
+    async with serving(tokenizer or FakeTokenizer(), dispatcher or FakeDispatcher(),
+                       tenants=TenantsWatcher(str(path), start=False), quotas=quotas) as client:
+        yield client
 
 
 FAILURES = [

@@ -148,10 +148,13 @@ class FakeDispatcher:
 
 
 @contextlib.asynccontextmanager
-async def serving(tokenizer: Any, dispatcher: Any, **context: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(tokenizer: Any, dispatcher: Any, config: ServeConfig | None = None,
+                  **context: Any) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client of the app built around `tokenizer` and `dispatcher` (ApiContext fields in
-    `context`); the context's tokenizer threads are stopped afterwards."""
-    ctx = ApiContext(config=ServeConfig(model="base"), tokenizer=tokenizer, dispatcher=dispatcher, **context)
+    `context`; `config` defaults to the base model's), in process; the context's tokenizer threads are
+    stopped afterwards."""
+    ctx = ApiContext(config=config or ServeConfig(model="base"), tokenizer=tokenizer, dispatcher=dispatcher,
+                     **context)
     transport = httpx.ASGITransport(app=build_fastapi(ctx))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
