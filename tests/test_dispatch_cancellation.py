@@ -63,7 +63,7 @@ def replicas(demo_zoo, monkeypatch) -> Iterator[dict[str, Any]]:
         step = replica.engine.step
 
         def slow_step(step: Callable[[], Any] = step) -> Any:
-            time.sleep(0.005)
+            time.sleep(0.02)  # a 300-token choice outlasts every wait of these tests (>= 6 s of steps)
             return step()
 
         monkeypatch.setattr(replica.engine, "step", slow_step)
