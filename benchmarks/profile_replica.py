@@ -1,4 +1,4 @@
-"""Measure the replica model of the cluster simulator (`lora_cluster.cluster.sim`) on this machine.
+"""Measure the replica model of the cluster simulator (`lora_cluster.sim`) on this machine.
 
     .venv/bin/python benchmarks/profile_replica.py [--out docs/profile_cpu.json] [--size base] [--reps 3]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lora_cluster.cluster.actor import ClusterController
+from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.config import ServeConfig
 
 

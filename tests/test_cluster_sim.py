@@ -15,13 +15,13 @@ import pytest
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.cluster.sim import SimConfig, Simulation, run
-from lora_cluster.cluster.sim.__main__ import main
-from lora_cluster.cluster.sim.cluster_policy import LoraClusterPolicy
-from lora_cluster.cluster.sim.events import EventLoop
-from lora_cluster.cluster.sim.profile import ReplicaProfile, TierCost
-from lora_cluster.cluster.sim.replica import SimReplica
-from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.sim import SimConfig, Simulation, run
+from lora_cluster.sim.__main__ import main
+from lora_cluster.sim.cluster_policy import LoraClusterPolicy
+from lora_cluster.sim.events import EventLoop
+from lora_cluster.sim.profile import ReplicaProfile, TierCost
+from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.workload import SimRequest
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.errors import ClusterOverloadedError
 from lora_cluster.serve.admission import ClusterAdmission
@@ -328,7 +328,7 @@ def _grid_run(policy: str, *, load: float, hit: float, interactive: float, batch
 
 
 def test_a_grid_cell_passes_only_when_every_target_is_met() -> None:
-    from lora_cluster.cluster.sim.grid import verdict
+    from lora_cluster.sim.grid import verdict
 
     base = [_grid_run("serve-multiplex", load=1.0, hit=0.3, interactive=0.5, batch_p99=10.0),
             _grid_run("round-robin", load=1.0, hit=0.25, interactive=0.4, batch_p99=10.0)]
@@ -348,7 +348,7 @@ def test_a_grid_cell_passes_only_when_every_target_is_met() -> None:
 
 
 def test_the_grid_command_runs_every_policy_per_cell_on_the_gpu_profile_and_judges_it(tmp_path) -> None:
-    from lora_cluster.cluster.sim.experiments import main as experiments
+    from lora_cluster.sim.experiments import main as experiments
 
     out, save = io.StringIO(), tmp_path / "grid.json"
     with contextlib.redirect_stdout(out):

@@ -12,7 +12,7 @@ Policies (each in its own module): `cluster_queue` orders and admits tickets (an
 classes without a TTFT target: one that waited 3/4 of the bound is granted first), `shedding` refuses
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
 replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
-holds no request bodies and no Ray objects; the actor (`cluster.actor`) wraps it. Its state is
+holds no request bodies and no Ray objects; the actor (`serve.controller_actor`) wraps it. Its state is
 soft: a restarted controller starts empty, rebuilds its view from the next reports, and the
 ingresses park their waiting requests again. Pure: injected clock.
 """

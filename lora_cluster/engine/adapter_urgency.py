@@ -1,4 +1,4 @@
-"""Which adapter slot a strictly more urgent request may take (pure policy, as `cluster.sim.adapters`).
+"""Which adapter slot a strictly more urgent request may take (pure policy, as `sim.adapters`).
 
 A waiting request of priority p whose adapter is fetched but finds every device slot referenced by
 running sequences or kept for queued requests gets one this way:

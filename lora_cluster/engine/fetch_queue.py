@@ -1,6 +1,6 @@
 """Adapter fetches waiting for a loader worker, most urgent first.
 
-The rule (`cluster.sim.adapters` models it): a fetch waits for one of `workers` threads in the order
+The rule (`sim.adapters` models it): a fetch waits for one of `workers` threads in the order
 of the most urgent request that wants it (lowest priority number), then submission order;
 prefetches (priority `PREFETCH`: placement's `start_load`, rotation's device prefetch) go after
 every request's fetch. `raise_priority` moves a queued fetch up when a more urgent request wants

@@ -38,10 +38,10 @@ from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import Controller, Grant, Refusal
-from lora_cluster.cluster.sim.context import SimContext
-from lora_cluster.cluster.sim.replica import SimReplica
-from lora_cluster.cluster.sim.routing import AffinityRouting
-from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.sim.context import SimContext
+from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.routing import AffinityRouting
+from lora_cluster.sim.workload import SimRequest
 from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
@@ -50,7 +50,7 @@ from lora_cluster.errors import (
 )
 from lora_cluster.serve.reporter import MIN_GAP_S, report_on_finish
 
-TICK_S = 0.05  # as cluster.actor.TICK_S (that module imports Ray)
+TICK_S = 0.05  # as serve.controller_actor.TICK_S (that module imports Ray)
 INGRESS_ID = "sim-ingress"
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
-"""`python -m lora_cluster.cluster.sim`: run one simulation and print its result.
+"""`python -m lora_cluster.sim`: run one simulation and print its result.
 
-    python -m lora_cluster.cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
+    python -m lora_cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
         --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile gpu|cpu|PATH] [--preload N] \
         [--json]
 
@@ -17,13 +17,13 @@ import argparse
 import json
 import sys
 
-from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, run
+from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 
 
 def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
-    ap = argparse.ArgumentParser(prog="python -m lora_cluster.cluster.sim", formatter_class=HELP,
+    ap = argparse.ArgumentParser(prog="python -m lora_cluster.sim", formatter_class=HELP,
                                  description="Simulate a lora-cluster deployment with its own policy code.")
     ap.add_argument("--nodes", type=int, default=32, help="nodes, one replica each")
     ap.add_argument("--adapters", type=int, default=1000, help="distinct adapters")

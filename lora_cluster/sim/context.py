@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lora_cluster.cluster.controller import ControllerSettings
-from lora_cluster.cluster.sim.events import EventLoop
-from lora_cluster.cluster.sim.metrics import Metrics
-from lora_cluster.cluster.sim.replica import SimReplica
-from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.sim.events import EventLoop
+from lora_cluster.sim.metrics import Metrics
+from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.workload import SimRequest
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import ServeConfig
 
@@ -42,7 +42,7 @@ class ServeSettings:
     placement_hot_share: float = _default("placement_hot_share")  # type: ignore[assignment]
 
     def controller_settings(self) -> ControllerSettings:
-        """As `cluster.actor` maps a ServeConfig."""
+        """As `serve.controller_actor` maps a ServeConfig."""
         return ControllerSettings.from_config(self)
 
 

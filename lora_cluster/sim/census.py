@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from lora_cluster.cluster.sim.events import EventLoop
-from lora_cluster.cluster.sim.replica import SimReplica
+from lora_cluster.sim.events import EventLoop
+from lora_cluster.sim.replica import SimReplica
 
 DEFAULT_EDGES = (16, 128, 512)  # rank buckets: 1-16, 17-128, 129-512, 513+ (a run passes its own)
 

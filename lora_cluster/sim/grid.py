@@ -23,8 +23,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lora_cluster.cluster.sim.context import ServeSettings
-from lora_cluster.cluster.sim.simulation import SimConfig, run
+from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.simulation import SimConfig, run
 
 SIZES = ((32, 1000), (24, 1500))
 ZIPFS = (0.8, 1.0, 1.2)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping
 
-from lora_cluster.cluster.sim.replica import SimReplica
+from lora_cluster.sim.replica import SimReplica
 from lora_cluster.serve.affinity import PlacementTracker, ReplicaView, rank_key, rank_replicas
 
 ABSENT = "\x00absent"  # an adapter id no replica holds (adapter ids cannot contain NUL)

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lora_cluster.cluster.class_stats import percentile
-from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.sim.workload import SimRequest
 from lora_cluster.cluster.sla import SlaClasses
 
 if TYPE_CHECKING:
-    from lora_cluster.cluster.sim.census import RankBuckets
+    from lora_cluster.sim.census import RankBuckets
 
 TIERS = ("host", "disk", "s3")
 

@@ -35,11 +35,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
-from lora_cluster.cluster.sim.events import EventLoop
-from lora_cluster.cluster.sim.profile import ReplicaProfile
-from lora_cluster.cluster.sim.store import NodeStore
-from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
+from lora_cluster.sim.events import EventLoop
+from lora_cluster.sim.profile import ReplicaProfile
+from lora_cluster.sim.store import NodeStore
+from lora_cluster.sim.workload import SimRequest
 from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.serve.replica_report import projected_batch
 from lora_cluster.serve.reporter import AdapterDemand

@@ -8,11 +8,11 @@ What is simulated is everything around them: time (`events`), the workload (`wor
 replicas' engines (`replica`, `adapters`, `store`), calibrated by a profile (`profile`), the wiring
 of the live deployments (`cluster_policy`), the baselines (`baselines`) and the measurements
 (`metrics`, and `census` of the device slots). `simulation.run(SimConfig(...))` runs one;
-`python -m lora_cluster.cluster.sim` is its command line, `python -m lora_cluster.cluster.sim.experiments`
+`python -m lora_cluster.sim` is its command line, `python -m lora_cluster.sim.experiments`
 writes docs/scale.md's figures.
 """
 
-from lora_cluster.cluster.sim.metrics import SimResult
-from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, Simulation, run
+from lora_cluster.sim.metrics import SimResult
+from lora_cluster.sim.simulation import POLICIES, SimConfig, Simulation, run
 
 __all__ = ["POLICIES", "SimConfig", "SimResult", "Simulation", "run"]

@@ -1,13 +1,13 @@
 """The runs behind docs/scale.md: a table of policies x loads, and a load sweep plotted to PNG.
 
-    python -m lora_cluster.cluster.sim.experiments grid [--duration 60 --warmup 20 --workers 2] \
+    python -m lora_cluster.sim.experiments grid [--duration 60 --warmup 20 --workers 2] \
         [--save runs.json]
-    python -m lora_cluster.cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
+    python -m lora_cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
         --loads 1,2 --duration 300 [--profile gpu|cpu|PATH] [--save runs.json]
-    python -m lora_cluster.cluster.sim.experiments sweep --nodes 32 --adapters 1000 --max-loras 16 \
+    python -m lora_cluster.sim.experiments sweep --nodes 32 --adapters 1000 --max-loras 16 \
         --loads 0.5,1,1.5,2,2.5,3 --duration 120 --profile cpu --plot docs/scale_sweep_cpu.png
-    python -m lora_cluster.cluster.sim.experiments render --save runs.json [--plot FILE]
-    python -m lora_cluster.cluster.sim.experiments router-cost
+    python -m lora_cluster.sim.experiments render --save runs.json [--plot FILE]
+    python -m lora_cluster.sim.experiments router-cost
 
 Every subcommand runs the `gpu` profile (docs/profile_gpu_papers.json) unless `--profile` names
 another (`cpu`: measured on this 2-core machine), and every table starts with the profile it ran.
@@ -41,9 +41,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lora_cluster.cluster.sim import grid as acceptance
-from lora_cluster.cluster.sim.context import ServeSettings
-from lora_cluster.cluster.sim.simulation import POLICIES, SimConfig, run
+from lora_cluster.sim import grid as acceptance
+from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 from lora_cluster.serve.affinity import PlacementTracker, rank_replicas
 
 ORDER = ("lora-cluster", "serve-multiplex", "round-robin")
@@ -247,7 +247,7 @@ def _by_cell(runs: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lora_cluster.cluster.sim.experiments", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m lora_cluster.sim.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("grid", "table", "sweep", "render", "router-cost"))
     ap.add_argument("--nodes", type=int, default=32)

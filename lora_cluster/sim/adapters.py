@@ -36,9 +36,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from lora_cluster.cluster.sim.events import EventLoop
-from lora_cluster.cluster.sim.profile import ReplicaProfile
-from lora_cluster.cluster.sim.store import NodeStore
+from lora_cluster.sim.events import EventLoop
+from lora_cluster.sim.profile import ReplicaProfile
+from lora_cluster.sim.store import NodeStore
 from lora_cluster.config import EngineConfig
 from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.store.policy import AccessTracker

@@ -18,9 +18,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-from lora_cluster.cluster.sim.context import SimContext
-from lora_cluster.cluster.sim.replica import SimReplica
-from lora_cluster.cluster.sim.workload import SimRequest
+from lora_cluster.sim.context import SimContext
+from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.workload import SimRequest
 
 
 class _ServeQueue(ABC):
