@@ -593,7 +593,7 @@ class ServeConfig(EngineConfig):
         DEFAULT_CLASS, description="The class of a request that names none (one of `sla_classes`)."
     )
 
-    # ----- observability and autoscaling (issue 11: lora_cluster.serve.metrics, serve.top_labels, app) -----
+    # ----- observability and autoscaling (issue 11: lora_cluster.serve.ops.metrics, serve.ops.top_labels, app) -----
     metrics_max_adapter_labels: int = Field(
         50, ge=0, le=10_000,
         description="Adapters that keep their own `adapter` label in the request metrics: the busiest "
@@ -615,7 +615,7 @@ class ServeConfig(EngineConfig):
         "when set, it replaces num_replicas. Environment: a JSON object. Default: a fixed num_replicas.",
     )
 
-    # ----- operator tooling: log lines (lora_cluster.serve.logs) -----
+    # ----- operator tooling: log lines (lora_cluster.serve.ops.logs) -----
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Format of lora-cluster's log lines in the ingress and replicas: text, or json (one "
