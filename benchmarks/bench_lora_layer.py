@@ -28,7 +28,7 @@ import torch
 from lora_kernels import get_lora_ops
 
 from lora_cluster.adapter_format import ModelShapes
-from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.lora_layer import LoraLayer, StepLoraPlan
 from lora_cluster.engine.step_buffers import StepBuffers
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams
 
-BOOKKEEPING = ("lora_cluster/store/", "adapter_residency", "adapter_rotation", "adapter_pool", "scheduler",
-               "adapter_copier", "usage", "lifecycle")
+BOOKKEEPING = ("lora_cluster/store/", "adapters/residency", "adapters/rotation", "adapters/pool", "scheduler",
+               "adapters/copier", "usage", "lifecycle")
 
 
 def adapter_farm(root: Path, zoo_adapters: Path, n: int) -> Path:

@@ -15,7 +15,7 @@ a row) against thresholds from the config, and is in one of four states:
   measurements and `recover_for_s` seconds the breaker closes. A result at or above `reopen_at`
   opens the breaker again (a new cool-down); one between `recover_below` and `reopen_at` only
   restarts the streak. `reopen_at` defaults to `recover_below` (any failed probe reopens); the
-  switch-rate and load-latency alerts (`engine.adapter_guard`, alerts only: they refuse nothing) set
+  switch-rate and load-latency alerts (`engine.adapters.guard`, alerts only: they refuse nothing) set
   it to `trip`, so that a replica whose switch rate stays under the trip level does not flap
   between open and half-open (measured: with `reopen_at = recover_below`, 16 Zipf adapters on 8
   slots reopened it 132 times in 10 minutes and never closed it, docs/soak.md).

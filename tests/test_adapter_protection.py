@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine.adapter_demand import DemandTracker
-from lora_cluster.engine.adapter_guard import AdapterGuard
-from lora_cluster.engine.adapter_pool import AdapterPool
-from lora_cluster.engine.adapter_residency import AdapterResidency
-from lora_cluster.engine.adapter_rotation import AdapterRotation
+from lora_cluster.engine.adapters.demand import DemandTracker
+from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
+from lora_cluster.engine.adapters.guard import AdapterGuard
+from lora_cluster.engine.adapters.pool import AdapterPool
+from lora_cluster.engine.adapters.residency import AdapterResidency
+from lora_cluster.engine.adapters.rotation import AdapterRotation
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.fetch_queue import PREFETCH, FetchQueue
 from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.scheduler import Scheduler
 from lora_cluster.engine.sequence import Sequence

@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.adapter_rotation import AdapterRotation, Resident, RotationSlotPolicy, Waiting
+from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, RotationSlotPolicy, Waiting
 from lora_cluster.store.folder_loader import FolderAdapterLoader
 
 

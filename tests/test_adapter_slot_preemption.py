@@ -11,9 +11,9 @@ from concurrent.futures import Future
 import pytest
 
 from lora_cluster.engine import Engine, RequestOutput, SamplingParams
-from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
+from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.fetch_queue import PREFETCH, FetchQueue
 from lora_cluster.engine.scheduler import Gate, Scheduler
 from lora_cluster.engine.sequence import Sequence
 from lora_cluster.errors import EngineOverloadedError

@@ -9,7 +9,7 @@ import pytest
 
 from lora_cluster.breaker import Breaker, BreakerState, BreakerThresholds, ErrorRatio, EventRate
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine.adapter_guard import AdapterGuard
+from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.errors import ConfigError
 
 
@@ -198,7 +198,7 @@ def test_load_latency_alert_warns_at_fifty_and_opens_at_a_hundred_ms() -> None:
 
 def test_alerts_log_every_state_change(caplog: pytest.LogCaptureFixture) -> None:
     guard = _guard(Clock())
-    with caplog.at_level("WARNING", logger="lora_cluster.engine.adapter_guard"):
+    with caplog.at_level("WARNING", logger="lora_cluster.engine.adapters.guard"):
         guard.placed(0.120, evicted=False)
     messages = [r.getMessage() for r in caplog.records]
     assert any("adapter_load_latency" in m and "open" in m for m in messages), "the alert's opening is logged"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
-from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.scheduler import Gate, Scheduler

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
-from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.store import TRANSITIONS, AdapterState, Lifecycle, TieredAdapterStore
 from lora_cluster.store.admission import AdmissionPolicy

@@ -311,7 +311,7 @@ class EngineConfig(BaseSettings):
         "and the switch-rate and load-latency alerts stay critical before they may clear."
     )
 
-    # ----- adapter rotation and prefetch (lora_cluster.engine.adapter_rotation, issue 12 part 1) -----
+    # ----- adapter rotation and prefetch (lora_cluster.engine.adapters.rotation, issue 12 part 1) -----
     adapter_min_steps: int = Field(
         8, ge=1, description="No thrash: an adapter placed into a device slot runs at least this many "
         "engine steps before rotation may hand its slot to another adapter."

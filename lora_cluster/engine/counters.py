@@ -4,11 +4,11 @@
   batch size = batched_seqs / steps over any interval); `sampled_tokens`: tokens sampled (their rate
   is the replica's tokens/s).
 * `placements`: adapters put into a device slot (a device-tier load); `switches`: those placements
-  that replaced another adapter (seed 001's "adapter switch", as the switch-rate alert counts it);
+  that replaced another adapter (an "adapter switch", as the switch-rate alert counts it);
   `placement_failures`: placements that raised; `placement_seconds`: the wall time of each placement
   as the step loop saw it (the copy into the slot, or handing it to the copy thread), a histogram.
 * `slots_taken`: idle adapter slots evicted for a strictly more urgent request although less urgent
-  waiting requests wanted their adapter (`adapter_residency`'s urgency rule; they fetch it again).
+  waiting requests wanted their adapter (`adapters.residency`'s urgency rule; they fetch it again).
 
 Written by the engine's step loop only; read a consistent copy with `snapshot()` on that thread
 (`AsyncEngine.call`). Only grows; bounded (fixed-size histogram).

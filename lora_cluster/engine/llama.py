@@ -18,7 +18,7 @@ from lora_kernels import LoraOps
 from lora_kernels.paged_attention import gather_blocks, get_paged_attention
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.kv_cache import PagedKVCache
 from lora_cluster.engine.lora_layer import LoraLayer

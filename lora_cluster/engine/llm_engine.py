@@ -9,9 +9,9 @@ waits in the queue, while the others keep decoding, until its adapter's host wei
 a device slot is free.
 
 Priorities: a request's int `priority` (lower is more urgent) orders admission and its adapter's
-fetch (`engine.fetch_queue`), and an urgent request preempts less urgent running ones when every KV
+fetch (`engine.adapters.fetch_queue`), and an urgent request preempts less urgent running ones when every KV
 slot is taken, or takes the adapter slot of an adapter only less urgent requests want
-(`engine.scheduler` and `engine.adapter_residency` have the policy).
+(`engine.scheduler` and `engine.adapters.residency` have the policy).
 
 Failures: a step that raises (forward pass, sampling, detokenization, scheduling) ends the requests
 it was running with an `EngineStepError`; a request whose own detokenization fails ends alone. The
@@ -39,11 +39,11 @@ from lora_kernels import native as native_kernel
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
-from lora_cluster.engine.adapter_copier import AdapterCopier
-from lora_cluster.engine.adapter_guard import AdapterGuard
-from lora_cluster.engine.adapter_pool import AdapterPool
-from lora_cluster.engine.adapter_residency import AdapterResidency
-from lora_cluster.engine.adapter_rotation import rotation_from_config
+from lora_cluster.engine.adapters.copier import AdapterCopier
+from lora_cluster.engine.adapters.guard import AdapterGuard
+from lora_cluster.engine.adapters.pool import AdapterPool
+from lora_cluster.engine.adapters.residency import AdapterResidency
+from lora_cluster.engine.adapters.rotation import rotation_from_config
 from lora_cluster.engine.batch import build_step_batch
 from lora_cluster.engine.counters import EngineCounters
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
@@ -89,7 +89,7 @@ class EngineStats:
     # 0..1, the router's soft score for a miss here (1: in adapter thrash, better sent elsewhere)
     miss_penalty: float = 0.0
     breakers: dict[str, dict[str, object]] = field(default_factory=dict)  # alert name -> state, level, trips
-    adapter_thrash: dict[str, object] = field(default_factory=dict)  # `adapter_thrash.ThrashMeter.snapshot`
+    adapter_thrash: dict[str, object] = field(default_factory=dict)  # `adapters.thrash.ThrashMeter.snapshot`
 
 
 # builds the engine's loader once the base model's shapes and device are known

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from lora_kernels import LoraMeta, LoraOps
 
-from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapters.pool import AdapterPool
 
 # auto mode: BGMV for decode tokens (Triton only) when their adapter runs average at most this many
 # tokens: a 16-row SGMV tile then computes >= 14 masked rows per segment (not measured on a GPU here)

@@ -1,6 +1,6 @@
 """One replica's adapters: device slots, host fetches on a few load workers, prefetches.
 
-Modelled on `engine.adapter_residency` and `engine.adapter_pool`:
+Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
 
 * A request's adapter is fetched into host memory when the request reaches the replica (unless it
   is in a device slot), from the node store's highest tier that holds it, on `workers` load workers
@@ -20,9 +20,9 @@ Modelled on `engine.adapter_residency` and `engine.adapter_pool`:
   want, the least urgent first (they fetch it again, from host memory). When every slot is
   referenced, `slot_to_preempt(p)` names the adapter whose requests are all strictly less urgent
   than p, with the fewest running: the replica preempts those (recompute) and the slot frees. Both
-  choices are the engine's own functions (`engine.adapter_urgency`). So an
+  choices are the engine's own functions (`engine.adapters.urgency`). So an
   urgent request never waits behind less urgent ones for an adapter slot, as it never does for a
-  KV slot (`engine.scheduler` with `engine.adapter_residency`).
+  KV slot (`engine.scheduler` with `engine.adapters.residency`).
 * Fetched weights are dropped when the last request that wanted them ends before they got a slot.
 * `prefetch` (placement): a fetch into host memory only, as the live replica's `_prefetch` does;
   at most `MAX_PREFETCHES` at once.
@@ -40,7 +40,7 @@ from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.store.policy import AccessTracker
 
 READY, PENDING, BLOCKED = 0, 1, 2
@@ -157,7 +157,7 @@ class DeviceAdapters:
         return busy_victim(self._holders(), priority)
 
     def _holders(self) -> list[SlotHolder]:
-        """The adapters in device slots that some request wants, as `engine.adapter_urgency` sees them."""
+        """The adapters in device slots that some request wants, as `engine.adapters.urgency` sees them."""
         return [SlotHolder(a, refs, min(self.wanted[a])) for a, refs in self.refs.items() if a in self.wanted]
 
     # ----- fetches --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Recent demand per adapter: which adapters are worth keeping on the device (pure; injected clock).
 
 An adapter has *repeated demand* when at least `REPEATED` of its requests arrived within the last
-`window_s` seconds; a *one-off* has fewer. Adapter protection (`adapter_residency`) uses it to choose:
+`window_s` seconds; a *one-off* has fewer. Adapter protection (`residency`) uses it to choose:
 idle one-offs are evicted before adapters with repeated demand, a one-off's cold load queues behind
 repeated adapters' loads of the same priority, and a one-off does not evict an adapter with repeated
 demand while a slot frees anyway within its class's hold bound.

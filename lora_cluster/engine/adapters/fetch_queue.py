@@ -6,7 +6,7 @@ prefetches (priority `PREFETCH`: placement's `start_load`, rotation's device pre
 every request's fetch. `raise_priority` moves a queued fetch up when a more urgent request wants
 it (never down). A fetch already running is never interrupted.
 
-Cold fetches (adapter protection: a one-off adapter's, see `adapter_demand`) go after the other
+Cold fetches (adapter protection: a one-off adapter's, see `demand`) go after the other
 fetches of the same priority, and with a limit (`limit_cold`, set while the replica thrashes) at
 most that many of them run at once: a worker that finds only cold fetches beyond that number waits
 for a warm one, so that a reload of an adapter with repeated demand never queues behind a storm of

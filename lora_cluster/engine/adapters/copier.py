@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lora_cluster.adapter_format import LoraWeights
-from lora_cluster.engine.adapter_pool import AdapterPool
+from lora_cluster.engine.adapters.pool import AdapterPool
 
 
 class AdapterCopier:

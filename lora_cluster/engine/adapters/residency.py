@@ -14,26 +14,26 @@ The engine's scheduler asks `acquire(seq, may_claim_slot)` for each waiting sequ
   the adapter's error); the next request for it tries again;
 - adapter protection (`guard` enabled, docs/serving.md#adapter-protection) chooses and never idles:
   fetched weights are placed at once into a free slot or one whose adapter no request wants. It
-  chooses the victim (idle one-offs before adapters with repeated demand, `adapter_demand`), the
+  chooses the victim (idle one-offs before adapters with repeated demand, `demand`), the
   order and number of cold loads (a one-off's fetch queues behind repeated adapters' fetches of the
   same priority; while the replica thrashes (`guard.miss_penalty() > 0`), at most `workers - 1`
   one-off fetches run at once, so a repeated adapter's reload always finds a worker), and holds a
   one-off whose placement would evict an adapter with repeated demand while a one-off's slot frees
   anyway (its requests all run), for at most `HOLD_SHARE` of its class's adapter wait bound and
   `HOLD_LOADS` measured load times (never longer than the reload it saves is worth; PENDING: the
-  others go on, the batch runs). Seed 001's switch rate and load latency are alerts
-  (`adapter_guard`), fed with every placement;
+  others go on, the batch runs). The switch rate and load latency are alerts
+  (`guard`), fed with every placement;
 - weights of at least `adapter_async_copy_bytes` are copied into their reserved slot off the step
-  thread (`adapter_copier`): the sequence is PENDING until the copy is committed.
+  thread (`copier`): the sequence is PENDING until the copy is committed.
 
-Rotation (`adapter_rotation`, when given): after each step the waiting queue is planned. Adapters
+Rotation (`rotation`, when given): after each step the waiting queue is planned. Adapters
 with an unfinished request keep their slot (the pool's victim policy becomes a
 `RotationSlotPolicy`), except *draining* ones: their new requests are PENDING (not admitted), and
 once their running requests finish their slot goes to an adapter past its fairness bound. The next
 adapters of the waiting queue are prefetched: their host fetch runs and, once fetched, they are
 copied into a free or idle slot while the batch runs.
 
-Urgency (`adapter_urgency`): a sequence that would be BLOCKED takes an idle slot whose adapter only
+Urgency (`urgency`): a sequence that would be BLOCKED takes an idle slot whose adapter only
 strictly less urgent requests want (its fetch is queued again), and `slot_to_preempt` names the slot
 whose running sequences the scheduler preempts for it. Pinned adapters (`pinned`) are never taken.
 
@@ -59,14 +59,14 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from lora_cluster.adapter_format import LoraWeights
-from lora_cluster.engine.adapter_copier import AdapterCopier
-from lora_cluster.engine.adapter_demand import DemandTracker
-from lora_cluster.engine.adapter_guard import AdapterGuard
-from lora_cluster.engine.adapter_pool import AdapterPool
-from lora_cluster.engine.adapter_rotation import AdapterRotation, Resident, RotationSlotPolicy
-from lora_cluster.engine.adapter_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.engine.adapters.copier import AdapterCopier
+from lora_cluster.engine.adapters.demand import DemandTracker
+from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
+from lora_cluster.engine.adapters.guard import AdapterGuard
+from lora_cluster.engine.adapters.pool import AdapterPool
+from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, RotationSlotPolicy
+from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.engine.counters import EngineCounters
-from lora_cluster.engine.fetch_queue import PREFETCH, FetchQueue
 from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.scheduler import Gate
 from lora_cluster.engine.sequence import Sequence
@@ -201,7 +201,7 @@ class AdapterResidency:
         return Gate.READY
 
     def _holders(self) -> list[SlotHolder]:
-        """Adapters in device slots that a more urgent request may take (`adapter_urgency`)."""
+        """Adapters in device slots that a more urgent request may take (`urgency`)."""
         return [SlotHolder(a, self.pool.refs(a), self.most_urgent(a)) for a in self.pool.resident()
                 if a in self._requests and a not in self._pinned and not self.copier.copying(a)]
 

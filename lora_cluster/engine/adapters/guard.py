@@ -1,13 +1,14 @@
-"""The engine's adapter protection: seed 001's alerts, and the cost of thrash that protection acts on.
+"""The engine's adapter protection: the switch-rate and load-latency alerts, and the cost of thrash
+that protection acts on.
 
 Protection never idles the batch (docs/serving.md#adapter-protection): a cold adapter is placed as
 soon as a slot is free or held by an adapter no request wants. What protection does, it does by
-choosing (`adapter_residency`: which adapter to evict, which cold loads run first and how many at
+choosing (`residency`: which adapter to evict, which cold loads run first and how many at
 once; the router: which replica a miss goes to). This object measures; it refuses nothing.
 
-* Seed 001's figures are **alerts**: two `Breaker` state machines keep their names, levels and
-  states (metrics, routing-stats `breakers`, a log line on every change, the PrometheusRule in
-  deploy/k8s), and no longer hold work back.
+* The switch rate and the load latency are **alerts**: two `Breaker` state machines keep their
+  names, levels and states (metrics, routing-stats `breakers`, a log line on every change, the
+  PrometheusRule in deploy/k8s) and never hold work back.
   - `adapter_switch_rate`: a *switch* is a cold adapter placed into a device slot that held another
     adapter (filling an empty slot is no switch), per second over `breaker_switch_window_s`; warn
     at `breaker_switch_warn_per_s` (3/s), open (alerting) at `breaker_switch_trip_per_s` (5/s); back
@@ -17,7 +18,7 @@ once; the router: which replica a miss goes to). This object measures; it refuse
     warn at `breaker_load_warn_ms` (50 ms), open at `breaker_load_trip_ms` (100 ms); closed again
     after the cool-down by `breaker_load_recover_loads` (10) loads in a row under
     `breaker_load_recover_ms` (30 ms).
-* Thrash is judged by its cost (`adapter_thrash.ThrashMeter`: the share of step time spent placing
+* Thrash is judged by its cost (`thrash.ThrashMeter`: the share of step time spent placing
   adapters and of loader time spent on switches, thresholds from this replica's measured load and
   step time). Its `miss_penalty` is reported to the router, a soft score: misses go to a replica
   that is not thrashing when one is as good otherwise, and come here when none is.
@@ -36,13 +37,13 @@ from typing import Any
 
 from lora_cluster.breaker import Breaker, BreakerState, BreakerThresholds, EventRate
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine.adapter_thrash import ThrashMeter
+from lora_cluster.engine.adapters.thrash import ThrashMeter
 
 log = logging.getLogger(__name__)
 
 
 class AdapterGuard:
-    """Seed 001's adapter alerts and the thrash meter (see the module docstring)."""
+    """The adapter alerts and the thrash meter (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
         self.enabled = config.breakers
@@ -75,7 +76,7 @@ class AdapterGuard:
             self.thrash.step(seconds)
 
     def alerting(self) -> dict[str, BreakerState]:
-        """The state of each seed 001 alert (OPEN: at or past its trip level)."""
+        """The state of each adapter alert (OPEN: at or past its trip level)."""
         if self.enabled:
             self._observe_rate()
         return {b.name: b.state for b in (self.switches, self.loads)}

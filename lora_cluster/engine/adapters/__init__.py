@@ -1,0 +1,10 @@
+"""The engine's adapter slot pool and the policies of its lifecycle and protection.
+
+`pool` (device slots, versioned), `residency` (getting a request's adapter onto the device without
+blocking the step loop), `fetch_queue` (host fetches, most urgent first, prefetches last), `copier`
+(host-to-device copies off the step thread), `rotation` (which adapters hand their slot over),
+`urgency` (which slot a more urgent request takes), `guard` (the switch-rate and load-latency
+alerts, the thrash miss penalty), `thrash` (thrash judged by its cost) and `demand` (recent demand
+per adapter). Nothing is re-exported here: `urgency`, `rotation`, `demand`, `thrash` and
+`fetch_queue` are pure and import without torch (the simulator imports `urgency`).
+"""
