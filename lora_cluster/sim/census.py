@@ -1,7 +1,7 @@
 """Where the cluster's adapter slots go: a periodic census of every replica's device slots.
 
-The hit-rate ceiling of docs/scale.md (`zipf_share` of `nodes x max_loras` slots) assumes every slot
-caches one of the most popular adapters. A slot whose adapter has running requests cannot be
+The hit-rate ceiling of docs/scale.md (`popularity.zipf_share` of `nodes x max_loras` slots) assumes
+every slot caches one of the most popular adapters. A slot whose adapter has running requests cannot be
 given to another adapter, however unpopular its own adapter is: each running request pins its
 adapter's slot until it ends. The census shows how the slots split, by the popularity rank of the
 adapter in them (rank 1 is the hottest; a run's buckets end at 1/32, 1/4 and all of its slots) and

@@ -20,16 +20,17 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
 from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.context import Policy, ServeSettings, SimContext
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics, SimResult
+from lora_cluster.sim.popularity import zipf_share
 from lora_cluster.sim.profile import ReplicaProfile, load_profile
 from lora_cluster.sim.replica import SimReplica
-from lora_cluster.sim.workload import DEFAULT_MIX, SimRequest, Workload, mean_lengths, zipf_share
-from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.sim.workload import DEFAULT_MIX, SimRequest, Workload, mean_lengths
 
 POLICIES: dict[str, type] = {"lora-cluster": LoraClusterPolicy, "round-robin": RoundRobinPolicy,
                              "serve-multiplex": ServeMultiplexPolicy}

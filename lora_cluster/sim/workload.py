@@ -1,7 +1,7 @@
 """The offered workload: Poisson arrivals, Zipf adapter popularity, length distributions, a class mix.
 
 * Arrivals: a Poisson process of rate `rate` (requests per simulated second).
-* Adapters: `a0 .. a{M-1}`, drawn Zipf(A): adapter `a{k}` with weight 1 / (k + 1)^A (so `a0` is
+* Adapters: `a0 .. a{M-1}`, drawn Zipf(A) (`popularity`): adapter `a{k}` with weight 1 / (k + 1)^A (so `a0` is
   the hottest). Each adapter's size is drawn once from the profile's adapter sizes.
 * Lengths: prompt and output tokens log-normal (medians 200 and 100 tokens, sigma 0.8), clipped to
   [4, 1536] and [1, 512] (a chat-like mix with a long tail; prompt + output fits `max_model_len`).
@@ -20,6 +20,7 @@ import random
 from collections.abc import Sequence
 
 from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.sim.popularity import ZipfSampler
 
 PROMPT_MEDIAN, OUTPUT_MEDIAN, LENGTH_SIGMA = 200.0, 100.0, 0.8
 PROMPT_RANGE, OUTPUT_RANGE = (4, 1536), (1, 512)
@@ -68,12 +69,6 @@ def mean_lengths(samples: int = 20_000) -> tuple[float, float]:
     return sum(prompts) / samples, sum(outputs) / samples
 
 
-def zipf_share(adapters: int, zipf: float, top: int) -> float:
-    """The share of requests that go to the `top` most popular adapters."""
-    weights = [1.0 / (k + 1) ** zipf for k in range(adapters)]
-    return sum(weights[:top]) / sum(weights)
-
-
 class Workload:
     def __init__(self, *, adapters: int, zipf: float, rate: float, classes: Sequence[tuple[SlaClass, float]],
                  adapter_sizes: Sequence[int], seed: int, measure_from: float):
@@ -82,7 +77,7 @@ class Workload:
         self.rate, self.measure_from = rate, measure_from
         self.rng = random.Random(seed)
         self.names = [f"a{k}" for k in range(adapters)]
-        self._cum_adapters = list(itertools.accumulate(1.0 / (k + 1) ** zipf for k in range(adapters)))
+        self._popularity = ZipfSampler(adapters, zipf)
         sizes = random.Random(seed + 1)
         self.sizes = {name: sizes.choice(adapter_sizes) for name in self.names}
         self._classes = [c for c, _ in classes]
@@ -93,9 +88,9 @@ class Workload:
     def pop(self) -> SimRequest:
         """The request arriving at `next_at`; draws the arrival after it."""
         rng, now = self.rng, self.next_at
-        k = bisect.bisect(self._cum_adapters, rng.random() * self._cum_adapters[-1])
+        k = self._popularity.draw(rng)
         c = bisect.bisect(self._cum_classes, rng.random() * self._cum_classes[-1])
-        adapter = self.names[min(k, len(self.names) - 1)]
+        adapter = self.names[k]
         sla = self._classes[min(c, len(self._classes) - 1)]
         prompt = _lognormal(rng, PROMPT_MEDIAN, PROMPT_RANGE)
         output = _lognormal(rng, OUTPUT_MEDIAN, OUTPUT_RANGE)
