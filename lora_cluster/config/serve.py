@@ -1,0 +1,383 @@
+"""The configuration of the Ray Serve application: every engine field plus replicas, resources,
+routing, SLA classes, the cluster controller, replica groups, tenants and input limits."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lora_cluster.cluster.sla import SlaClass, SlaClasses
+from lora_cluster.config.engine import EngineConfig
+from lora_cluster.config.parsing import ByteSize
+
+MAX_CLASSES = 16
+DEFAULT_CLASS = "standard"
+MAX_REPLICA_GROUPS = 16
+MAX_GROUP_PATTERNS = 256
+
+
+def _default_demo_dir() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "lora-cluster", "demo-zoo")
+
+
+class SlaClassConfig(BaseModel):
+    """One SLA class of `ServeConfig.sla_classes` (see `lora_cluster.cluster.sla`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="What clients send in `x-lora-priority` and get back in `x-lora-priority-class`: "
+        "1-64 letters, digits, `_`, `.` or `-`.",
+    )
+    priority: int = Field(description="Lower is more urgent (vLLM's convention); the engine orders by it.")
+    ttft_s: float | None = Field(None, gt=0, description="Time-to-first-token target (None: no target).")
+    tpot_s: float | None = Field(None, gt=0, description="Time-per-output-token target (None: no target).")
+
+    def sla_class(self) -> SlaClass:
+        return SlaClass(self.name, self.priority, ttft_s=self.ttft_s, tpot_s=self.tpot_s)
+
+
+DEFAULT_SLA_CLASSES = (
+    SlaClassConfig(name="interactive", priority=0, ttft_s=1.0, tpot_s=0.2),
+    SlaClassConfig(name="standard", priority=1, ttft_s=5.0, tpot_s=0.5),
+    SlaClassConfig(name="batch", priority=2),
+)
+
+
+class ReplicaGroupConfig(BaseModel):
+    """One named group of LoRA replicas (`ServeConfig.replica_groups`): its own Ray Serve deployment
+    with its own replica count and resources, serving the adapters and tenants it names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$",
+        description="Group name (1-32 lowercase letters, digits or `-`): the deployment is "
+        "`LoraReplica-<name>`, its controller `ClusterController-<name>`.",
+    )
+    num_replicas: int = Field(1, ge=1, le=1024, description="LoRA replicas of this group.")
+    num_cpus: float | None = Field(None, ge=0, description="CPUs per replica (default: num_cpus).")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs per replica (default: num_gpus).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {finance-node: 1}."
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray node labels the replicas must run on (Ray's label_selector), e.g. "
+        "{lora-group: finance}; KubeRay sets them from a worker group's `labels`.",
+    )
+    adapters: list[str] = Field(
+        default_factory=list, max_length=MAX_GROUP_PATTERNS,
+        description="Glob patterns (fnmatch, case-sensitive) of the adapter ids this group serves.",
+    )
+    tenants: list[str] = Field(
+        default_factory=list, max_length=MAX_GROUP_PATTERNS,
+        description="Tenant names (of the tenants file) whose requests this group serves.",
+    )
+
+
+class ServeConfig(EngineConfig):
+    """Configuration of the Ray Serve application: every engine field plus replicas, resources and limits.
+
+    These are the application `args` of serve_config.yaml (`lora_cluster.serve.app:build_app`); each one
+    is also read from `LORA_CLUSTER_<FIELD>`. Every replica builds its engine from this same config.
+    """
+
+    model: str = Field(
+        "demo",
+        description="Base model: a local folder, a Hugging Face hub id, or `demo` = the built-in demo zoo "
+        "(a tiny random-weight Llama model and its adapters, built into `demo_dir` on first use).",
+    )
+    demo_dir: str = Field(default_factory=_default_demo_dir, description="Cache folder of the demo zoo.")
+    demo_num_adapters: int = Field(64, ge=1, le=4096, description="Adapters a0..a{N-1} of the demo zoo.")
+    demo_size: Literal["tiny", "base", "1b"] = Field(
+        "tiny", description="Demo model size: tiny, base (~88M) or 1b (~1.0B parameters, for a GPU)."
+    )
+    served_model_name: str | None = Field(
+        None, description="Name of the base model in the API (`model` field, /v1/models); default: `model`."
+    )
+    num_replicas: int = Field(1, ge=1, le=1024, description="LoRA replicas (engines), each its own slots.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per LoRA replica (Ray resource).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per LoRA replica (Ray resource).")
+    max_ongoing_requests: int = Field(
+        64,
+        ge=1,
+        description="Requests one replica accepts at once (running + waiting in its engine); more "
+        "wait in the router.",
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=-1,
+        description="Requests that may wait in the router for a replica; more are refused with "
+        "429. -1 = no limit.",
+    )
+    ingress_num_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (API, router).")
+    ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs reserved per ingress replica.")
+    ingress_max_ongoing_requests: int = Field(4096, ge=1, description="Requests one ingress replica accepts.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens; longer ones are refused (400). Default: the "
+        "engine's limit, max_model_len - 1.",
+    )
+    max_new_tokens: int = Field(
+        1024, ge=1, description="Largest max_tokens / max_new_tokens a request may ask for (400 above)."
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, description="max_new_tokens of chat and LoRAX requests that give none (completions: 16)."
+    )
+    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) of OpenAI requests.")
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="How often each replica reports its adapters and load to the router."
+    )
+    router_miss_cost: float = Field(
+        4.0,
+        ge=0,
+        description="Routing: queued requests beyond free batch slots that a replica holding the "
+        "adapter may have before a replica without it (which must load it) is preferred.",
+    )
+    router_placement_ttl_s: float = Field(
+        5.0,
+        gt=0,
+        description="Routing: how long the router trusts its own recent placements before the "
+        "replicas' reports confirm them.",
+    )
+    controller: bool = Field(
+        True,
+        description="Run the cluster controller: the cluster-wide priority queue, cross-replica "
+        "preemption and adapter placement. Off: requests wait in Ray Serve's own queue (FIFO).",
+    )
+    admission_capacity: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one replica is given at once before the ingress parks further ones in "
+        "the cluster queue (default: max_num_seqs, the replica's batch slots).",
+    )
+    cluster_queue_size: int = Field(
+        4096, ge=1, description="Requests the cluster queue holds; more are refused with 429."
+    )
+    cluster_queue_aging_s: float = Field(
+        10.0,
+        gt=0,
+        description="Aging of the cluster queue: a waiting request gains one priority level per "
+        "this many seconds, so no class starves.",
+    )
+    cluster_queue_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503)."
+    )
+    cluster_queue_max_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="Bound on the cluster-queue wait of a class without a TTFT target (batch): a queued "
+        "request that waited three quarters of it gets the next free slot before any other (the last "
+        "quarter is the wait for a slot to free); while the class's queued requests already wait half of it "
+        "(its oldest, or its backlog at its recent grant rate), new ones are refused at once (429 with "
+        "Retry-After) instead of queueing for minutes. 0 turns the bound off (aging alone).",
+    )
+    cold_shed_window_s: float = Field(
+        1.0,
+        ge=0,
+        description="While a class sheds load (one of its requests was refused for its TTFT target, or for "
+        "cluster_queue_max_wait_s, within this many seconds), its requests whose adapter no replica holds "
+        "are refused first (429): they "
+        "would cost a load and an adapter slot. Not the most urgent class. 0 turns it off.",
+    )
+    preempt_after_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An urgent queued request that has waited this fraction of its class's TTFT "
+        "target is sent to the replica with the most less-urgent work, which preempts some of it.",
+    )
+    top_class_preempt_after_fraction: float | None = Field(
+        0.0, ge=0, le=1, description="preempt_after_fraction of the most urgent SLA class (null: "
+        "preempt_after_fraction): by default its queued requests preempt less urgent work as soon as no "
+        "replica has room, since the engine's own prefill under load takes much of a 1 s TTFT target."
+    )
+    controller_report_period_s: float = Field(
+        0.5, gt=0, description="How often each replica reports its memory, adapters and queues."
+    )
+    placement_hot_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Placement: an adapter is spread over one more replica each time its load "
+        "(request rate x service time) exceeds this share of one replica's batch slots.",
+    )
+
+    sla_classes: list[SlaClassConfig] = Field(
+        default_factory=lambda: list(DEFAULT_SLA_CLASSES),
+        description="SLA classes a request can ask for (header `x-lora-priority: <name>`, or vLLM's "
+        "integer `priority` field): name, priority (lower = more urgent), ttft_s and tpot_s targets "
+        "(null = none). 1 to 16 classes, unique names. Environment: a JSON list. Default: interactive "
+        "(0, 1 s, 0.2 s), standard (1, 5 s, 0.5 s), batch (2, no targets).",
+    )
+    default_priority_class: str = Field(
+        DEFAULT_CLASS, description="The class of a request that names none (one of `sla_classes`)."
+    )
+
+    # ----- observability and autoscaling -----
+    metrics_max_adapter_labels: int = Field(
+        50, ge=0, le=10_000,
+        description="Adapters that keep their own `adapter` label in the request metrics: the busiest "
+        "ones over the last metrics_label_window_s; every other adapter is counted as adapter=\"other\" "
+        "(bounded Prometheus cardinality; 0 = all \"other\").",
+    )
+    metrics_max_tenant_labels: int = Field(
+        50, ge=0, le=10_000,
+        description="Tenants that keep their own `tenant` label (the busiest ones, as for adapters); "
+        "the others are tenant=\"other\".",
+    )
+    metrics_label_window_s: float = Field(
+        300.0, gt=0, description="Window over which the busiest adapters and tenants are re-ranked."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Ray Serve autoscaling of the LoRA replicas (Ray's `autoscaling_config`: "
+        "target_ongoing_requests, min_replicas, max_replicas, upscale_delay_s, downscale_delay_s, ...); "
+        "when set, it replaces num_replicas. Environment: a JSON object. Default: a fixed num_replicas.",
+    )
+
+    # ----- operator tooling: log lines -----
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Format of lora-cluster's log lines in the ingress and replicas: text, or json (one "
+        "object per line: ts, level, logger, message, request_id). Every line of a request carries its "
+        "`x-request-id`.",
+    )
+
+    # ----- overload protection: the ingress's routing-error breaker -----
+    breaker_routing_warn: float = Field(
+        0.01, gt=0, le=1, description="Share of routing errors (a replica died, was unreachable or "
+        "ended a stream without output) among the last 100 requests at which the ingress warns."
+    )
+    breaker_routing_trip: float = Field(
+        0.03, gt=0, le=1, description="Share at which the ingress's routing-error breaker opens: new "
+        "requests are answered 503 with Retry-After (the cool-down left) instead of being sent."
+    )
+    breaker_routing_recover_requests: int = Field(
+        100, ge=1, description="Probe requests in a row without a routing error that close it."
+    )
+
+    # ----- replica groups -----
+    replica_groups: list[ReplicaGroupConfig] = Field(
+        default_factory=list,
+        description="Named groups of LoRA replicas, each its own deployment with its own num_replicas, "
+        "num_cpus/num_gpus/resources and node_labels, serving the adapters (glob patterns) and "
+        "tenants it lists: a request goes to the first group (in this order) matching its adapter "
+        "or tenant, else to the first group listing neither (catch-all), else it is a 404. Empty "
+        "(the default): one group of num_replicas replicas serving everything. Environment: a JSON list.",
+    )
+
+    # ----- tenants, API keys, quotas and input limits -----
+    tenants_file: str | None = Field(
+        None,
+        description="YAML file of tenants (API key hashes, adapter patterns, SLA class, quotas) and admin "
+        "keys; re-read when it changes. None: no keys, every route is open (local quickstart).",
+    )
+    tenants_reload_period_s: float = Field(
+        2.0, gt=0, description="How often the ingress looks for a changed tenants file (in a thread)."
+    )
+    open_routes: list[str] = Field(
+        default_factory=lambda: ["/health"],
+        description="Routes (path templates, e.g. /health) answered without an API key while a tenants "
+        "file is in force. Default: /health only (probes), safe behind a public ingress. Every other "
+        "route needs a key: /openapi.json, /docs and /redoc any known key, /metrics an admin key (its "
+        "`adapter` and `tenant` labels name every tenant's adapters). List one here only when the "
+        "port is not public. A name that is not a route of the API stops the ingress from starting. "
+        "Without a tenants file every route is open. Environment: a JSON list.",
+    )
+    quota_lease_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Each ingress takes a tenant's quota from the shared ledger in leases of this many "
+        "seconds of its rates and gives back the unused part after as long (see docs/serving.md).",
+    )
+    quota_ticket_ttl_s: float = Field(
+        900.0,
+        gt=0,
+        description="Concurrency slots of a tenant held by an ingress that has not given back to the "
+        "quota ledger for this long are released (the ingress died, or keeps taking without settling).",
+    )
+    max_body_bytes: ByteSize = Field(
+        1 << 20, ge=1024, description="Largest request body in bytes (400 above). Accepts suffixes: 1MiB."
+    )
+    max_json_depth: int = Field(
+        32, ge=2, le=1000, description="Deepest nesting of arrays and objects in a JSON body (400 above)."
+    )
+    max_stop_sequences: int = Field(
+        4, ge=0, le=256, description="Most stop strings one request may give (as OpenAI; 400 above)."
+    )
+    max_stop_length: int = Field(
+        256, ge=1, description="Longest stop string in characters (400 above)."
+    )
+    max_prompts: int = Field(
+        16, ge=1, le=4096, description="Most prompts in one /v1/completions request (400 above)."
+    )
+
+    @field_validator("open_routes")
+    @classmethod
+    def _open_routes_are_paths(cls, value: list[str]) -> list[str]:
+        bad = [route for route in value if not route.startswith("/")]
+        if bad:
+            raise ValueError(f"open_routes lists {bad[0]!r}, which is not a path (it starts with '/')")
+        return value
+
+    @model_validator(mode="after")
+    def _adapter_wait_bounds_from_classes(self) -> ServeConfig:
+        """Adapter rotation's fairness bounds follow the SLA classes unless set explicitly."""
+        if "adapter_wait_bounds_s" not in self.model_fields_set:
+            self.adapter_wait_bounds_s = {c.priority: c.ttft_s * self.adapter_wait_fraction
+                                          for c in self.sla_classes if c.ttft_s is not None}
+        return self
+
+    @model_validator(mode="after")
+    def _replica_groups_consistent(self) -> ServeConfig:
+        names = [g.name for g in self.replica_groups]
+        if len(names) > MAX_REPLICA_GROUPS:
+            raise ValueError(f"replica_groups lists {len(names)} groups; at most {MAX_REPLICA_GROUPS}")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"replica_groups names must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+    @model_validator(mode="after")
+    def _serve_consistent(self) -> ServeConfig:
+        if self.default_max_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_tokens={self.default_max_tokens} must be <= "
+                f"max_new_tokens={self.max_new_tokens}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sla_classes_consistent(self) -> ServeConfig:
+        names = [c.name for c in self.sla_classes]
+        if not 1 <= len(names) <= MAX_CLASSES:
+            raise ValueError(f"sla_classes must list between 1 and {MAX_CLASSES} classes, got {len(names)}")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"sla_classes names must be unique; repeated: {', '.join(duplicates)}")
+        if self.default_priority_class not in names:
+            raise ValueError(
+                f"default_priority_class={self.default_priority_class!r} is not one of sla_classes "
+                f"({', '.join(names)})"
+            )
+        return self
+
+
+def build_sla_classes(config: ServeConfig) -> SlaClasses:
+    """The `SlaClasses` of a ServeConfig: its `sla_classes`, defaulting to `default_priority_class`."""
+    return SlaClasses((c.sla_class() for c in config.sla_classes), default=config.default_priority_class)
+
+
+def serve_defaults() -> ServeConfig:
+    """Every field of `ServeConfig` at its default, typed: what the simulator and the router read so
+    that they run what a user gets. Neither the environment nor serve_config.yaml is read, and no
+    validator runs (`adapter_wait_bounds_s` stays empty; serving derives it from the SLA classes)."""
+    return ServeConfig.model_construct()
