@@ -8,38 +8,35 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lora_cluster.cluster.controller import ControllerSettings
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import serve_defaults
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.workload import SimRequest
-from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.config import ServeConfig
 
-
-def _default(name: str) -> object:
-    return ServeConfig.model_fields[name].default
+_DEFAULTS = serve_defaults()
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     """The serving knobs the policies read (defaults: those of `ServeConfig`)."""
 
-    max_ongoing_requests: int = _default("max_ongoing_requests")  # type: ignore[assignment]
-    max_queued_requests: int = _default("max_queued_requests")  # type: ignore[assignment]
-    routing_stats_period_s: float = _default("routing_stats_period_s")  # type: ignore[assignment]
-    router_miss_cost: float = _default("router_miss_cost")  # type: ignore[assignment]
-    router_placement_ttl_s: float = _default("router_placement_ttl_s")  # type: ignore[assignment]
-    admission_capacity: int | None = _default("admission_capacity")  # type: ignore[assignment]
-    cluster_queue_size: int = _default("cluster_queue_size")  # type: ignore[assignment]
-    cluster_queue_aging_s: float = _default("cluster_queue_aging_s")  # type: ignore[assignment]
-    cluster_queue_timeout_s: float = _default("cluster_queue_timeout_s")  # type: ignore[assignment]
-    cluster_queue_max_wait_s: float = _default("cluster_queue_max_wait_s")  # type: ignore[assignment]
-    cold_shed_window_s: float = _default("cold_shed_window_s")  # type: ignore[assignment]
-    preempt_after_fraction: float = _default("preempt_after_fraction")  # type: ignore[assignment]
-    top_class_preempt_after_fraction: float | None = _default(  # type: ignore[assignment]
-        "top_class_preempt_after_fraction")
-    controller_report_period_s: float = _default("controller_report_period_s")  # type: ignore[assignment]
-    placement_hot_share: float = _default("placement_hot_share")  # type: ignore[assignment]
+    max_ongoing_requests: int = _DEFAULTS.max_ongoing_requests
+    max_queued_requests: int = _DEFAULTS.max_queued_requests
+    routing_stats_period_s: float = _DEFAULTS.routing_stats_period_s
+    router_miss_cost: float = _DEFAULTS.router_miss_cost
+    router_placement_ttl_s: float = _DEFAULTS.router_placement_ttl_s
+    admission_capacity: int | None = _DEFAULTS.admission_capacity
+    cluster_queue_size: int = _DEFAULTS.cluster_queue_size
+    cluster_queue_aging_s: float = _DEFAULTS.cluster_queue_aging_s
+    cluster_queue_timeout_s: float = _DEFAULTS.cluster_queue_timeout_s
+    cluster_queue_max_wait_s: float = _DEFAULTS.cluster_queue_max_wait_s
+    cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
+    preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
+    top_class_preempt_after_fraction: float | None = _DEFAULTS.top_class_preempt_after_fraction
+    controller_report_period_s: float = _DEFAULTS.controller_report_period_s
+    placement_hot_share: float = _DEFAULTS.placement_hot_share
 
     def controller_settings(self) -> ControllerSettings:
         """As `serve.controller_actor` maps a ServeConfig."""
