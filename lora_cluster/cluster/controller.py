@@ -43,6 +43,7 @@ from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.errors import DeadlineOutOfReachError, WaitBoundError
 
 DEFAULT_SERVICE_TIME_S = 1.0
+TICK_S = 0.05  # `tick` runs this often: stale replicas, preemption of long-waiting urgent tickets
 REPLAN_EVERY_S = 1.0  # placement is recomputed this often, and when a replica joins or goes away
 MAX_UNCLAIMED_GRANTS = 65_536
 

@@ -11,7 +11,7 @@ deployment (`LoraIngress`) holding a handle to the LoRA replicas (`LoraReplica`)
 are placed by `LoraAffinityRouter`. With `replica_groups`, each group is its own LoRA replica
 deployment (`LoraReplica-<name>`) with its own cluster controller (`ClusterController-<name>`); the
 ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). With a `tenants_file`,
-a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.quotas`).
+a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.routing.quotas`).
 
 Event loops: Ray Serve runs a replica's code, and the request router of the handles it holds, on
 event loops of their own threads by default, so every request crosses threads on each hop (the
@@ -30,15 +30,15 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.config import ServeConfig, build_sla_classes
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.ingress import LoraIngress
-from lora_cluster.serve.model import load_config, resolve_model
-from lora_cluster.serve.quotas import QuotaLedger
-from lora_cluster.serve.replica import LoraReplica
-from lora_cluster.serve.replica_groups import ReplicaGroup, replica_groups
-from lora_cluster.serve.request_router import LoraAffinityRouter
+from lora_cluster.serve.controller_actor import ClusterController
+from lora_cluster.serve.http.ingress import LoraIngress
+from lora_cluster.serve.replica.deployment import LoraReplica
+from lora_cluster.serve.replica.model import load_config, resolve_model
+from lora_cluster.serve.routing.quotas import QuotaLedger
+from lora_cluster.serve.routing.replica_groups import ReplicaGroup, replica_groups
+from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 from lora_cluster.tenancy.watch import read_tenants
 
 # Ray Serve 2.60's switches (public environment variables) for running replica code and a handle's

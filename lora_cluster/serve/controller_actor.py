@@ -4,7 +4,7 @@ It is part of the application graph (started with it; if its actor dies, Serve s
 which rebuilds its view from the next replica reports, see `controller`). Calls:
 
 * `report(report)` from each LoRA replica, every `controller_report_period_s` and when a request
-  finishes while requests are queued or the replica was full (`serve.reporter.report_on_finish`);
+  finishes while requests are queued or the replica was full (`serve.replica.reporter.report_on_finish`);
   the reply says how many are queued and what to prefetch;
 * `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
   returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
@@ -28,14 +28,12 @@ import ray
 from ray import serve
 
 from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant, Refusal
+from lora_cluster.cluster.controller import TICK_S, Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.config import ServeConfig, build_sla_classes
 from lora_cluster.errors import ClusterOverloadedError
 
 log = logging.getLogger(__name__)
-
-TICK_S = 0.05
 
 
 @serve.deployment(name="ClusterController", num_replicas=1, ray_actor_options={"num_cpus": 0},

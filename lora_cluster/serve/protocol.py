@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.engine import RequestOutput, SamplingParams
 from lora_cluster.errors import RequestAbortedError
-from lora_cluster.serve.logs import request_id
+from lora_cluster.serve.ops.logs import request_id
 from lora_cluster.store.merge import MergeSpec
 
 T = TypeVar("T")

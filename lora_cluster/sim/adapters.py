@@ -36,15 +36,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from lora_cluster.cluster.report_rules import MAX_PREFETCHES
+from lora_cluster.config import EngineConfig
+from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
-from lora_cluster.config import EngineConfig
-from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.store.policy import AccessTracker
 
 READY, PENDING, BLOCKED = 0, 1, 2
-MAX_PREFETCHES = 4  # as serve.replica.MAX_PREFETCHES
 PREFETCH_PRIORITY = 1 << 30  # prefetches wait behind every request's fetch
 
 

@@ -1,18 +1,18 @@
 """The `lora-cluster` policy: the ingress's admission, the affinity router and the cluster controller,
 wired to simulated replicas the way the live deployments are wired to each other.
 
-* Arrival (`serve.admission.ClusterAdmission.admit`): while the replicas have room (their free
+* Arrival (`serve.routing.admission.ClusterAdmission.admit`): while the replicas have room (their free
   slots, each the admission capacity minus the larger of the replica's last routing-stats count
   and the ingress's own requests running there, add up to more than the ingress's requests on
   their way), the request goes the fast path: the affinity router picks the replica
   (`routing.AffinityRouting`, i.e. `rank_replicas`). Otherwise a `Ticket` is parked at the
   `Controller` with the ingress's claims (`Controller.park(ticket, claims)`; a refusal is a
   rejection); the request waits until a grant sends it, pinned, to its replica, or until
-  `cluster_queue_timeout_s` (then it is rejected, 503). As in `serve.dispatch`, a request counts
+  `cluster_queue_timeout_s` (then it is rejected, 503). As in `serve.routing.dispatch`, a request counts
   as on its way until its first item (its first token: requests stream) and then as running on
   its replica until it ends.
 * Replicas report to the controller (`Controller.report` with a `ReplicaReport`) every
-  `controller_report_period_s` and, as `serve.reporter.ControllerReporter` does, at once (at
+  `controller_report_period_s` and, as `serve.replica.reporter.ControllerReporter` does, at once (at
   least `MIN_GAP_S` after the previous report) when a request finishes while their last reply
   said tickets are queued or while the replica was full (`report_on_finish`); a report lists
   the granted tickets that arrived since the previous one.
@@ -37,20 +37,19 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.cluster.controller import Controller, Grant, Refusal
-from lora_cluster.sim.context import SimContext
-from lora_cluster.sim.replica import SimReplica
-from lora_cluster.sim.routing import AffinityRouting
-from lora_cluster.sim.workload import SimRequest
+from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
+from lora_cluster.cluster.report_rules import MIN_GAP_S, report_on_finish
 from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
     DeadlineOutOfReachError,
     WaitBoundError,
 )
-from lora_cluster.serve.reporter import MIN_GAP_S, report_on_finish
+from lora_cluster.sim.context import SimContext
+from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.routing import AffinityRouting
+from lora_cluster.sim.workload import SimRequest
 
-TICK_S = 0.05  # as serve.controller_actor.TICK_S (that module imports Ray)
 INGRESS_ID = "sim-ingress"
 T = TypeVar("T")
 

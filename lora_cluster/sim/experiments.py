@@ -41,10 +41,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.sim import grid as acceptance
 from lora_cluster.sim.context import ServeSettings
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
-from lora_cluster.serve.affinity import PlacementTracker, rank_replicas
 
 ORDER = ("lora-cluster", "serve-multiplex", "round-robin")
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lora_cluster.cluster.class_stats import percentile
-from lora_cluster.sim.workload import SimRequest
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.sim.workload import SimRequest
 
 if TYPE_CHECKING:
     from lora_cluster.sim.census import RankBuckets

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 MB = 1 << 20
-DOCS = Path(__file__).resolve().parents[3] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 NAMED = {"cpu": "profile_cpu.json", "gpu": "profile_gpu_papers.json"}
 
 

@@ -34,17 +34,14 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 
+from lora_cluster.cluster.report_rules import AdapterDemand, ServiceTime, projected_batch
 from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
 from lora_cluster.sim.workload import SimRequest
-from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
-from lora_cluster.serve.replica_report import projected_batch
-from lora_cluster.serve.reporter import AdapterDemand
-
-SERVICE_TIME_WEIGHT = 0.05  # as serve.replica_report.ServiceTime
 
 
 def _urgency(req: SimRequest) -> tuple[int, int]:
@@ -74,7 +71,7 @@ class SimReplica:
         self.running_by_priority: dict[int, int] = {}
         self.ongoing = 0
         self.demand = AdapterDemand()
-        self.service_time_s: float | None = None
+        self.service_time = ServiceTime()
         self.preemptions = 0
         self._orders = itertools.count()
         self._busy = self._in_end = False
@@ -286,9 +283,7 @@ class SimReplica:
         req.finish_at = now
         self.ongoing -= 1
         self.adapters.request_finished(req.adapter, req.priority)
-        held = now - req.reached_at
-        mean = self.service_time_s
-        self.service_time_s = held if mean is None else mean + SERVICE_TIME_WEIGHT * (held - mean)
+        self.service_time.record(now - req.reached_at)
         self._on_finish(self, req)
 
     # ----- what it reports ------------------------------------------------------------------
@@ -302,7 +297,7 @@ class SimReplica:
                 "max_num_seqs": self.max_num_seqs}
 
     def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
-        """The controller report (`serve.replica_report.build_report` without memory and class stats;
+        """The controller report (`serve.replica.report.build_report` without memory and class stats;
         the batch per priority as `projected_batch` gives it);
         `active` (generate calls in progress) is the ongoing count."""
         a = self.adapters
@@ -314,5 +309,5 @@ class SimReplica:
             running_by_priority=projected_batch({p: n for p, n in self.running_by_priority.items() if n},
                                                 dict(Counter(r.priority for r in self.waiting)),
                                                 self.max_num_seqs),
-            adapter_requests=self.demand.take(), service_time_s=self.service_time_s, sent_at=now,
+            adapter_requests=self.demand.take(), service_time_s=self.service_time.mean, sent_at=now,
             active=self.ongoing, arrived_tickets=arrived_tickets)

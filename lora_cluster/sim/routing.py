@@ -1,4 +1,4 @@
-"""The live request router's decision (`serve.request_router.LoraAffinityRouter.choose_replicas`),
+"""The live request router's decision (`serve.routing.request_router.LoraAffinityRouter.choose_replicas`),
 made with the same policy code over the simulated replicas.
 
 The live router builds a `ReplicaView` of every replica (`PlacementTracker.view`: the replica's
@@ -25,8 +25,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping
 
+from lora_cluster.cluster.routing_score import PlacementTracker, ReplicaView, rank_key, rank_replicas
 from lora_cluster.sim.replica import SimReplica
-from lora_cluster.serve.affinity import PlacementTracker, ReplicaView, rank_key, rank_replicas
 
 ABSENT = "\x00absent"  # an adapter id no replica holds (adapter ids cannot contain NUL)
 

@@ -28,8 +28,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.auth import HEADER_API_KEY, Authenticator
-from lora_cluster.serve.context import HEADER_PRIORITY
+from lora_cluster.serve.http.context import HEADER_PRIORITY
+from lora_cluster.serve.routing.auth import HEADER_API_KEY, Authenticator
 
 
 class ErrorDetail(BaseModel):

@@ -19,11 +19,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lora_cluster.adapter_format import check_adapter_id
 from lora_cluster.errors import AdapterError, ControllerOffError, LoraClusterError
-from lora_cluster.serve import metrics, openapi
-from lora_cluster.serve.context import ApiContext
+from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.context import ApiContext
+from lora_cluster.serve.http.registrations import RegistrationConflict
+from lora_cluster.serve.http.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, conflict, not_found
-from lora_cluster.serve.registrations import RegistrationConflict
-from lora_cluster.serve.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from lora_cluster.serve.ops import metrics
 
 
 def admin_router(ctx: ApiContext) -> APIRouter:

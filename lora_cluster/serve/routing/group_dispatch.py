@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lora_cluster.errors import AdapterNotFoundError, RequestError
-from lora_cluster.serve.dispatch import Dispatcher, Generation
 from lora_cluster.serve.http_errors import ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.replica_groups import ReplicaGroup, select_group, select_merge_group
+from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
+from lora_cluster.serve.routing.replica_groups import ReplicaGroup, select_group, select_merge_group
 
 
 class GroupedDispatcher:

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lora_cluster.errors import RoutingUnavailableError
-from lora_cluster.serve import metrics
-from lora_cluster.serve.admission import ClusterAdmission
-from lora_cluster.serve.affinity import replica_stats
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe
+from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops.ray_internals import own_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica
-from lora_cluster.serve.ray_internals import own_request_id
-from lora_cluster.serve.routing_guard import RoutingGuard, is_routing_error
+from lora_cluster.serve.routing.admission import ClusterAdmission
+from lora_cluster.serve.routing.replica_tables import replica_stats
+from lora_cluster.serve.routing.routing_guard import RoutingGuard, is_routing_error
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # tries of a job whose replica fails before its first item (see `Dispatcher.start`)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lora_cluster.cluster.report_rules import projected_batch
 from lora_cluster.cluster.reports import MemorySplit, ReplicaReport
 from lora_cluster.engine import Engine, EngineStats
 
@@ -45,30 +46,6 @@ def memory_split(engine: Engine, store_tiers: dict[str, Any]) -> MemorySplit:
     return MemorySplit(base_weights=_tensor_bytes(engine.model), kv_cache=engine.kv.nbytes,
                        adapter_pool=engine.pool.nbytes, free=free, host_cache=int(host.get("bytes", 0)),
                        host_cache_budget=int(host.get("budget_bytes", 0)))
-
-
-class ServiceTime:
-    """Mean seconds a request holds the replica (EWMA over recent requests)."""
-
-    def __init__(self, weight: float = 0.05):
-        self.weight = weight
-        self.mean: float | None = None
-
-    def record(self, seconds: float) -> None:
-        self.mean = seconds if self.mean is None else (1 - self.weight) * self.mean + self.weight * seconds
-
-
-def projected_batch(running: dict[int, int], waiting: dict[int, int], slots: int) -> dict[int, int]:
-    """Priority -> requests among the `slots` most urgent of the running and waiting ones (running
-    first within a priority): the batch once the engine has admitted and preempted for the waiting."""
-    batch: dict[int, int] = {}
-    left = slots
-    for priority in sorted(running.keys() | waiting.keys()):
-        n = min(left, running.get(priority, 0) + waiting.get(priority, 0))
-        if n:
-            batch[priority] = n
-        left -= n
-    return batch
 
 
 def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineStats, max_num_seqs: int,

@@ -36,21 +36,22 @@ import ray
 from ray import serve
 
 from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
+from lora_cluster.cluster.report_rules import MAX_PREFETCHES, AdapterDemand, ServiceTime
 from lora_cluster.config import build_sla_classes
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
-from lora_cluster.serve.logs import configure_logging, set_request_id
-from lora_cluster.serve.model import load_config, resolve_model
+from lora_cluster.serve.ops.logs import configure_logging, set_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
-from lora_cluster.serve.replica_groups import DEFAULT_GROUP
-from lora_cluster.serve.replica_report import ServiceTime, build_report, memory_split
-from lora_cluster.serve.reporter import AdapterDemand, ControllerReporter
+from lora_cluster.serve.replica.model import load_config, resolve_model
+from lora_cluster.serve.replica.report import build_report, memory_split
+from lora_cluster.serve.replica.reporter import ControllerReporter
+from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP
 from lora_cluster.store import build_adapter_loader
 
 log = logging.getLogger(__name__)
 
-MAX_PREFETCHES = 4  # adapter prefetches (placement) in flight at once on one replica
+
 
 
 async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
@@ -216,7 +217,7 @@ class LoraReplica:
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
             "store": store,
             "classes": self.class_stats.snapshot(),
-            # for /metrics (serve.metrics): engine counters, device memory by use, where it runs
+            # for /metrics (serve.ops.metrics): engine counters, device memory by use, where it runs
             "engine": {**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps},
             "memory": dataclasses.asdict(memory_split(self.engine, store)),
             "node_id": self.node_id,

@@ -34,13 +34,13 @@ from lora_cluster.errors import (
     RequestAbortedError,
     RequestError,
 )
-from lora_cluster.serve.auth import Authenticator, Caller, TenantsSource
-from lora_cluster.serve.dispatch import Dispatcher, Generation
-from lora_cluster.serve.group_dispatch import GroupedDispatcher
+from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http_errors import ApiException, describe
-from lora_cluster.serve.model import served_name
-from lora_cluster.serve.quotas import Quotas
-from lora_cluster.serve.registrations import AdapterRegistrations
+from lora_cluster.serve.replica.model import served_name
+from lora_cluster.serve.routing.auth import Authenticator, Caller, TenantsSource
+from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
+from lora_cluster.serve.routing.quotas import Quotas
 
 _END = object()
 ENCODE_THREADS = 4
@@ -63,7 +63,7 @@ class ApiContext:
     tenants: TenantsSource | None = None  # None: no tenants file, every route is open
     quotas: Quotas | None = None  # the tenants' quota ledger (None: quotas are not enforced)
     sla: SlaClasses = field(init=False, repr=False)
-    authenticate: Authenticator = field(init=False, repr=False)  # THE auth dependency (see serve.auth)
+    authenticate: Authenticator = field(init=False, repr=False)  # THE auth dependency (routing.auth)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ Ray creates one `LoraAffinityRouter` per deployment handle, in the process that 
 It returns every replica as its own rank, best first; Serve takes the first one that has room
 (below `max_ongoing_requests`) and backs off and retries when none has.
 
-The latest reports are also published in-process (`affinity.replica_stats`) for /metrics and /debug.
+The latest reports are also published in-process (`replica_tables.replica_stats`) for /metrics and /debug.
 Ray pickles this module *by value* into every process that routes, so it keeps no module state.
 Placement ages are measured on a monotonic clock (`time.monotonic` unless `initialize_state` is given
 another): a wall-clock step, back or forward, neither keeps a placement alive nor expires it early.
@@ -32,14 +32,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lora_cluster.serve.affinity import (
-    PlacementTracker,
-    placement_table,
-    publish_replica_stats,
-    rank_replicas,
-)
+from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
+from lora_cluster.config import serve_defaults
+from lora_cluster.serve.ops.ray_internals import cached_queue_len, deployment_key
 from lora_cluster.serve.protocol import ToReplica, routing_key
-from lora_cluster.serve.ray_internals import cached_queue_len, deployment_key
+from lora_cluster.serve.routing.replica_tables import placement_table, publish_replica_stats
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +48,8 @@ class LoraAffinityRouter(RequestRouter):
         super().__init__(*args, **kwargs)
         self.initialize_state()
 
-    def initialize_state(self, miss_cost: float = 4.0, placement_ttl_s: float = 5.0,
+    def initialize_state(self, miss_cost: float = serve_defaults().router_miss_cost,
+                         placement_ttl_s: float = serve_defaults().router_placement_ttl_s,
                          clock: Callable[[], float] = time.monotonic, **_: Any) -> None:
         """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* fields).
         `clock`: seconds on a monotonic clock, for placement ages (a test injects its own)."""

@@ -23,15 +23,15 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
-from lora_cluster.serve import openapi
-from lora_cluster.serve.auth import Caller, CallerDep
-from lora_cluster.serve.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader
-from lora_cluster.serve.dispatch import Generation, routing_headers
+from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader
+from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
+from lora_cluster.serve.http.schemas import LORAX_FINISH, LoraxRequest, merge_of
+from lora_cluster.serve.http.sse import EventStream, event
 from lora_cluster.serve.http_errors import ApiException
-from lora_cluster.serve.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.schemas import LORAX_FINISH, LoraxRequest, merge_of
-from lora_cluster.serve.sse import EventStream, event
+from lora_cluster.serve.routing.auth import Caller, CallerDep
+from lora_cluster.serve.routing.dispatch import Generation, routing_headers
 
 
 def lorax_router(ctx: ApiContext) -> APIRouter:

@@ -22,15 +22,20 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
-from lora_cluster.serve import openapi
-from lora_cluster.serve.auth import Caller, CallerDep
-from lora_cluster.serve.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
-from lora_cluster.serve.dispatch import Generation, routing_headers
+from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
+from lora_cluster.serve.http.logprob_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+)
+from lora_cluster.serve.http.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest, merge_of
+from lora_cluster.serve.http.sse import DONE, EventStream, event
 from lora_cluster.serve.http_errors import ApiException
-from lora_cluster.serve.logprob_format import TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest, merge_of
-from lora_cluster.serve.sse import DONE, EventStream, event
+from lora_cluster.serve.routing.auth import Caller, CallerDep
+from lora_cluster.serve.routing.dispatch import Generation, routing_headers
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 

@@ -15,43 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lora_cluster.cluster.reports import MAX_REPORTED_ADAPTERS
-from lora_cluster.serve.logs import detached
+from lora_cluster.cluster.report_rules import MIN_GAP_S, report_on_finish
+from lora_cluster.serve.ops.logs import detached
 
 log = logging.getLogger(__name__)
-
-MIN_GAP_S = 0.02  # reports triggered by finishing requests are at least this far apart
-MAX_TRACKED_ADAPTERS = 4 * MAX_REPORTED_ADAPTERS
-
-
-def report_on_finish(queue_depth: int, ongoing_before: int, capacity: int) -> bool:
-    """Whether a replica reports at once when one of its requests finishes: the controller's last
-    reply said tickets were queued (`queue_depth`), or the replica was full before it finished
-    (`ongoing_before` >= `capacity`), so that a ticket parked since that reply is granted the freed
-    slot now rather than a report period later. A replica with room reports on its period only."""
-    return queue_depth > 0 or ongoing_before >= capacity
-
-
-class AdapterDemand:
-    """Requests per adapter since the last report, bounded (ids beyond the bound are not counted)."""
-
-    def __init__(self, max_adapters: int = MAX_TRACKED_ADAPTERS):
-        self.max_adapters = max_adapters
-        self._counts: Counter[str] = Counter()
-
-    def record(self, adapter_id: str | None) -> None:
-        if adapter_id is not None and (adapter_id in self._counts or len(self._counts) < self.max_adapters):
-            self._counts[adapter_id] += 1
-
-    def take(self) -> dict[str, int]:
-        """The busiest adapters since the last call; resets the counts."""
-        counts, self._counts = self._counts, Counter()
-        return dict(counts.most_common(MAX_REPORTED_ADAPTERS))
-
 
 class ControllerReporter:
     def __init__(self, controller: Any, build_report: Callable[[], Awaitable[dict[str, Any]]],

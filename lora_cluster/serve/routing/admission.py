@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
-from lora_cluster.serve.logs import detached
+from lora_cluster.serve.ops.logs import detached
 
 log = logging.getLogger(__name__)
 

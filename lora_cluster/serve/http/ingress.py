@@ -1,4 +1,4 @@
-"""The ingress deployment: the HTTP API (FastAPI through `serve.ingress`) and the model router.
+"""The ingress deployment: the HTTP API (FastAPI through `@serve.ingress`) and the model router.
 
 It parses and validates requests, tokenizes prompts (the same tokenizer as the engines, so limits
 are checked before a replica is bothered; on the context's tokenizer threads, never on the event
@@ -20,27 +20,27 @@ from fastapi import Depends, FastAPI
 from ray import serve
 
 from lora_cluster.config import build_sla_classes
-from lora_cluster.serve import metrics
-from lora_cluster.serve.admin_api import admin_router
-from lora_cluster.serve.admission import ClusterAdmission
-from lora_cluster.serve.affinity import publish_placement, replica_stats
-from lora_cluster.serve.auth import CallerMiddleware
-from lora_cluster.serve.body_limits import BodyLimitsMiddleware
-from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.dispatch import Dispatcher
-from lora_cluster.serve.group_dispatch import GroupedDispatcher
+from lora_cluster.serve.http.admin_api import admin_router
+from lora_cluster.serve.http.body_limits import BodyLimitsMiddleware
+from lora_cluster.serve.http.context import ApiContext
+from lora_cluster.serve.http.lorax_api import lorax_router
+from lora_cluster.serve.http.openai_api import openai_router
+from lora_cluster.serve.http.openapi import install_openapi
+from lora_cluster.serve.http.schemas import constrain
 from lora_cluster.serve.http_errors import install_handlers
-from lora_cluster.serve.logs import RequestIdMiddleware, configure_logging
-from lora_cluster.serve.lorax_api import lorax_router
-from lora_cluster.serve.model import DEMO, load_config, load_tokenizer, resolve_model, served_name
-from lora_cluster.serve.openai_api import openai_router
-from lora_cluster.serve.openapi import install_openapi
-from lora_cluster.serve.quotas import RemoteQuotas
-from lora_cluster.serve.ray_internals import serve_root_url
-from lora_cluster.serve.ready import ready_line, watch_in_background
-from lora_cluster.serve.replica_groups import replica_groups
-from lora_cluster.serve.routing_guard import RoutingGuard
-from lora_cluster.serve.schemas import constrain
+from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
+from lora_cluster.serve.ops.ray_internals import serve_root_url
+from lora_cluster.serve.ops.ready import ready_line, watch_in_background
+from lora_cluster.serve.replica.model import DEMO, load_config, load_tokenizer, resolve_model, served_name
+from lora_cluster.serve.routing.admission import ClusterAdmission
+from lora_cluster.serve.routing.auth import CallerMiddleware
+from lora_cluster.serve.routing.dispatch import Dispatcher
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
+from lora_cluster.serve.routing.quotas import RemoteQuotas
+from lora_cluster.serve.routing.replica_groups import replica_groups
+from lora_cluster.serve.routing.replica_tables import publish_placement, replica_stats
+from lora_cluster.serve.routing.routing_guard import RoutingGuard
 from lora_cluster.tenancy.watch import TenantsWatcher
 
 
@@ -78,8 +78,8 @@ class MetricsMiddleware:
 def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     """The API app; `echo_request_id=False` under Ray Serve, whose proxy already echoes `x-request-id`."""
     app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.",
-                  dependencies=[Depends(ctx.authenticate)],  # THE auth dependency, every route (serve.auth)
-                  openapi_url=None, docs_url=None, redoc_url=None)  # served as app routes (serve.openapi)
+                  dependencies=[Depends(ctx.authenticate)],  # THE auth dependency, every route
+                  openapi_url=None, docs_url=None, redoc_url=None)  # served as app routes (http.openapi)
     install_handlers(app)
     app.add_middleware(CallerMiddleware)  # closes each request's Caller once its response is over
     app.add_middleware(BodyLimitsMiddleware, max_bytes=ctx.config.max_body_bytes,
@@ -89,7 +89,7 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(openai_router(ctx))
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
-    # the schema declares every status, body and content type, and the SLA classes (serve.openapi)
+    # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
     install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate,
                     bodies=functools.partial(constrain, limits=ctx.config, vocab_size=ctx.vocab_size,
                                              base_models=[ctx.base_name]))

@@ -21,7 +21,7 @@ id and `node` a Ray node id (bounded by the cluster), `tier` one of device/host/
 `priority_class` a configured SLA class (at most 16), `outcome`, `decision` and `use` fixed sets.
 `adapter` and `tenant` are bounded by `metrics_max_adapter_labels` / `metrics_max_tenant_labels`:
 the busiest ones over `metrics_label_window_s` keep their own label, every other one is "other"
-(`serve.top_labels`; a demoted adapter's series are dropped). Base-model requests are
+(`serve.ops.top_labels`; a demoted adapter's series are dropped). Base-model requests are
 adapter="_base" and requests without a tenant tenant="_none" (an adapter id or tenant name cannot
 start with "_", so these never collide with one).
 """
@@ -47,7 +47,7 @@ from prometheus_client.utils import floatToGoString
 
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import ServeConfig, build_sla_classes
-from lora_cluster.serve.top_labels import OTHER, TopLabels
+from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
 from lora_cluster.store.stats import LOAD_BUCKETS_S
 
 disable_created_metrics()  # no `_created` series next to every counter
@@ -91,7 +91,7 @@ RETRIES = Counter(  # overload protection (issue 10 part 3)
     registry=REGISTRY,
 )
 
-# ----- generations by adapter, tenant and SLA class (issue 11; bounded labels: serve.top_labels) -----
+# ----- generations by adapter, tenant and SLA class (issue 11; bounded labels: serve.ops.top_labels) -----
 BASE_ADAPTER = "_base"  # adapter label of base-model requests
 NO_TENANT = "_none"  # tenant label of requests without a tenant
 ROUTING_DECISION_VALUES = ("hit", "miss", "spill")

@@ -11,7 +11,7 @@ is in one of three kinds, by its path template (default deny: a route not listed
   `/debug/replicas`, `/metrics`, whose `adapter` and `tenant` labels name every tenant's adapters
   and tenants, ...): an admin key; a tenant key gets 403.
 
-The description routes are the app's own routes (`serve.openapi.install_openapi`), so the app-wide
+The description routes are the app's own routes (`serve.http.openapi.install_openapi`), so the app-wide
 dependency covers them like any other; a route Starlette serves outside FastAPI's routing would
 escape it, which is why FastAPI's built-in ones are turned off.
 
@@ -37,7 +37,7 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends, Request
 
 from lora_cluster.errors import AuthenticationError, PermissionDeniedError, QuotaExceededError
-from lora_cluster.serve.quotas import Quotas
+from lora_cluster.serve.routing.quotas import Quotas
 from lora_cluster.tenancy.tenants import OPEN, Directory, Principal
 
 log = logging.getLogger(__name__)

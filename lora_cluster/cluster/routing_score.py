@@ -1,0 +1,131 @@
+"""The adapter-affinity routing policy: pure functions over replica stats, no Ray.
+
+A request for adapter A goes to a replica that already holds A (on its device, or loading it) and
+has room; otherwise to the replica that can take A most cheaply. Costs are counted in "requests that
+would wait": a replica's *queue excess* is how many requests would be ahead of this one beyond its
+free batch slots (`ongoing + 1 - max_num_seqs`, at least 0). A replica without A pays `miss_cost`
+on top (the load of A), and that again when it has no free adapter slot (A would evict another
+adapter, which then misses later). So a hot adapter stays on its replica until that replica's queue
+excess exceeds `miss_cost`, and then spills to a second replica, where it becomes a hit too. A
+replica in adapter thrash reports a `miss_penalty` from 0 to 1 (`engine.adapters.thrash`: loading
+costs it a large share of its step or loader time): a miss there costs
+`THRASH_MISS_FACTOR * miss_penalty * miss_cost` more, a soft score, so misses go to a replica that
+is not thrashing when one is as good otherwise, and still come here when none is.
+Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
+adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
+and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
+recent placement), fewer ongoing requests, more empty adapter slots, and the lower id (so that
+concurrent routers agree).
+
+`PlacementTracker` bridges the gap between a routing decision and the replicas' next stats report
+(`record_routing_stats`, every `routing_stats_period_s`): the router records where it sent each
+adapter and counts those placements as resident for `ttl_s`, after which the reports are trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this many miss_costs more
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the policy knows about one replica."""
+
+    replica_id: str
+    ongoing: int  # requests the replica is running or queueing
+    max_num_seqs: int  # sequences it decodes together (batch slots)
+    empty_adapter_slots: int  # slots a new adapter can take without evicting another
+    adapters: frozenset[str]  # adapters resident on its device, loading, or just placed there
+    can_allocate: bool = True  # False: every slot is held by running requests (a new adapter waits)
+    confirmed: frozenset[str] = frozenset()  # adapters its last report shows on the device or loading
+    working_set: int = 0  # distinct adapters recently sent to it
+    max_loras: int = 1 << 30  # its adapter slots
+    miss_penalty: float = 0.0  # 0..1: the replica's adapter thrash (a miss there is better sent elsewhere)
+
+    @property
+    def oversubscribed(self) -> int:
+        return max(0, self.working_set - self.max_loras)
+
+
+def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float) -> float:
+    """Cost of serving `adapter_id` on `replica`, in requests that would wait (lower is better)."""
+    cost = float(max(0, replica.ongoing + 1 - replica.max_num_seqs))
+    if adapter_id is not None and adapter_id not in replica.adapters:
+        cost += miss_cost
+        if replica.empty_adapter_slots <= 0:  # evicts an adapter, which will miss later
+            cost += miss_cost
+        if not replica.can_allocate:  # waits until a running request releases a slot
+            cost += miss_cost
+        cost += THRASH_MISS_FACTOR * replica.miss_penalty * miss_cost  # its loads crowd out its work
+    return cost
+
+
+def rank_key(adapter_id: str | None, replica: ReplicaView,
+             miss_cost: float) -> tuple[float, int, bool, int, int, str]:
+    """The order of `rank_replicas`: smaller is better (cost, then the tie-breaks of the module docstring)."""
+    unconfirmed = adapter_id is not None and adapter_id not in replica.confirmed
+    return (adapter_cost(adapter_id, replica, miss_cost), replica.oversubscribed, unconfirmed,
+            replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
+
+
+def rank_replicas(adapter_id: str | None, replicas: Iterable[ReplicaView], miss_cost: float) -> list[str]:
+    """Replica ids, best first, for a request of `adapter_id` (None = the base model)."""
+    return [r.replica_id for r in sorted(replicas, key=lambda r: rank_key(adapter_id, r, miss_cost))]
+
+
+@dataclass
+class PlacementTracker:
+    """Where this router recently sent each adapter (not yet confirmed by a stats report)."""
+
+    ttl_s: float
+    _placed: dict[str, dict[str, float]] = field(default_factory=dict)  # replica -> adapter -> time
+    _last_prune: float = 0.0
+
+    def record(self, replica_id: str, adapter_id: str | None, now: float) -> None:
+        if adapter_id is not None:
+            self._placed.setdefault(replica_id, {})[adapter_id] = now
+
+    def recent(self, replica_id: str, now: float) -> set[str]:
+        placed = self._placed.get(replica_id, {})
+        return {a for a, t in placed.items() if now - t < self.ttl_s}
+
+    def prune(self, live_replicas: Iterable[str], now: float) -> None:
+        """Forget dead replicas and expired placements (call now and then; cheap when nothing expired)."""
+        live = set(live_replicas)
+        for rid in list(self._placed):
+            if rid not in live:
+                del self._placed[rid]
+        if now - self._last_prune < self.ttl_s:
+            return
+        self._last_prune = now
+        for placed in self._placed.values():
+            for aid in [a for a, t in placed.items() if now - t >= self.ttl_s]:
+                del placed[aid]
+
+    def view(self, replica_id: str, stats: Mapping[str, Any], ongoing: int, now: float,
+             placed: str | None = None) -> ReplicaView:
+        """Merge a replica's last report (`ReplicaStats.to_dict()`, maybe empty) with recent placements.
+        `placed`: an adapter the controller's placement table assigns to this replica (it is
+        prefetched there, so the policy counts it as held and spreads its requests over its holders)."""
+        reported = frozenset(stats.get("resident", ())) | frozenset(stats.get("loading", ()))
+        if placed is not None:
+            reported |= {placed}
+        recent = self.recent(replica_id, now)
+        pending = recent - reported
+        empty = int(stats.get("empty_adapter_slots", stats.get("max_loras", 1)))
+        return ReplicaView(
+            replica_id=replica_id,
+            ongoing=ongoing,
+            max_num_seqs=int(stats.get("max_num_seqs", 1 << 30)),  # unknown yet: assume room
+            empty_adapter_slots=empty - len(pending),
+            adapters=reported | pending,
+            can_allocate=int(stats.get("free_adapter_slots", 1)) > len(pending),
+            confirmed=reported,
+            working_set=len(recent),
+            max_loras=int(stats.get("max_loras", 1 << 30)),
+            miss_penalty=min(1.0, max(0.0, float(stats.get("miss_penalty", 0.0)))),
+        )
