@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import save_file
 
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 
 PROMPTS = ["the river runs past a quiet town", "a farmer sells bread at the market", "the old bridge"]
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -103,8 +103,8 @@ def engine_for(model_dir: Path, source: Path, max_loras: int, max_rank: int) -> 
     """The scenario's engine: defaults, except the slots and the rank the scenario is about."""
     print(f"settings: EngineConfig defaults except max_loras={max_loras} and max_lora_rank={max_rank} "
           "(the scenario's slots and adapters)", flush=True)
-    return Engine(model=str(model_dir), adapter_source=str(source), max_loras=max_loras,
-                  max_lora_rank=max_rank, max_num_seqs=32)
+    return build_engine(model=str(model_dir), adapter_source=str(source), max_loras=max_loras,
+                        max_lora_rank=max_rank, max_num_seqs=32)
 
 
 def closed_run(engine: Engine, adapters: list[str], max_tokens: int, tag: str) -> float:
@@ -208,7 +208,7 @@ def scenario_cycle(args: argparse.Namespace, _zoo) -> None:
     tiny = build_demo_zoo(args.zoo.with_name(args.zoo.name + "-tiny"), num_adapters=64, seed=0)
     print("settings: EngineConfig defaults (max_loras 8, max_num_seqs 32, breakers on); the tiny demo model",
           flush=True)
-    engine = Engine(model=str(tiny.model_dir), adapter_source=str(tiny.adapters_dir))
+    engine = build_engine(model=str(tiny.model_dir), adapter_source=str(tiny.adapters_dir))
     n = round(args.rate * args.duration)
     offsets = [i / args.rate for i in range(n)]
     closed_run(engine, [f"a{k}" for k in range(32)], 2, "warm")  # every adapter through the host tier once

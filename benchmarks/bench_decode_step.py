@@ -46,7 +46,7 @@ from lora_kernels import LoraOps, cpu
 from safetensors.torch import save_file
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.lora_layer import LoraLayer
 
@@ -210,7 +210,7 @@ def main() -> None:
         f"command: `python benchmarks/bench_decode_step.py {' '.join(sys.argv[1:])}`",
     ]
     for title, source in sources.items():
-        best = measure(Engine(**common, adapter_source=str(source)), args.reps, args.iters)
+        best = measure(build_engine(**common, adapter_source=str(source)), args.reps, args.iters)
         lines += ["", *table(title, best)]
     lines.append(f"- 1-minute load average at the end: {os.getloadavg()[0]:.1f}")
     text = "\n".join(lines)

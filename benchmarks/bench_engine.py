@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 
 WORDS = [
     "the",
@@ -158,10 +158,10 @@ def distinct_decode(args: argparse.Namespace) -> str:
     jobs = [(" ".join(rng.choice(WORDS) for _ in range(8)), a, 64) for a in adapters]
     common = {"model": str(zoo.model_dir), "adapter_source": str(zoo.adapters_dir), "max_loras": 32,
               "max_lora_rank": 8, "max_num_seqs": 32, "max_num_batched_tokens": 2048}  # fmt: skip
-    default = Engine(**common)
+    default = build_engine(**common)
     fused = bool(default.runner.lora.groups)  # the default is per device (engine.lora_layer.fused_shrink)
     other = "engine-unfused" if fused else "engine-fused"
-    engines = {"engine": default, other: Engine(**common, lora_fused_shrink=not fused)}
+    engines = {"engine": default, other: build_engine(**common, lora_fused_shrink=not fused)}
     warm = SamplingParams(max_new_tokens=2, temperature=0.0)
     for e in engines.values():
         e.generate(["warm up"] * 33, adapter_ids=[*adapters, None], sampling=warm)
@@ -236,7 +236,7 @@ def main() -> None:
     jobs = workload(args.requests, args.adapters, seed=0)
     tokens = sum(m for _, _, m in jobs)
     used = sorted({a for _, a, _ in jobs}, key=lambda a: int(a[1:]))
-    engine = Engine(
+    engine = build_engine(
         model=str(zoo.model_dir),
         adapter_source=str(zoo.adapters_dir),
         max_loras=args.max_loras,

@@ -25,7 +25,7 @@ import torch
 from bench_engine import workload
 
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 
 MIB = 1 << 20
 
@@ -41,10 +41,10 @@ def main() -> None:
     zoo = build_demo_zoo(args.zoo, num_adapters=64, size="base", seed=0)
     jobs = workload(args.requests, 64, seed=0)
     max_len = 2048
-    engine = Engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=32,
-                    max_lora_rank=32, max_model_len=max_len, max_num_seqs=args.requests,
-                    max_num_batched_tokens=4096, kv_block_size=args.block_size,
-                    num_kv_blocks=args.slots * max_len // args.block_size)  # fmt: skip
+    engine = build_engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=32,
+                          max_lora_rank=32, max_model_len=max_len, max_num_seqs=args.requests,
+                          max_num_batched_tokens=4096, kv_block_size=args.block_size,
+                          num_kv_blocks=args.slots * max_len // args.block_size)  # fmt: skip
     block_bytes = engine.kv.nbytes // engine.kv.num_blocks
     token_bytes = block_bytes // args.block_size
     for aid in sorted({a for _, a, _ in jobs}):

@@ -79,7 +79,7 @@ def main() -> int:
     from ray import serve
 
     from lora_cluster.demo import build_demo_zoo
-    from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
+    from lora_cluster.engine import AsyncEngine, SamplingParams, build_engine
     from lora_cluster.serve.app import build_app
     from lora_cluster.serve.protocol import GenerateJob
 
@@ -93,8 +93,8 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({**cfg, "num_replicas": 1}), name="bench", route_prefix="/")
     handles: dict[str, Any] = {}  # made in the event loop: in throughput mode they route on the caller's
-    engine = Engine(**cfg)  # two engines: Engine is single-threaded and AsyncEngine owns its own
-    aengine = AsyncEngine(Engine(**cfg))
+    engine = build_engine(**cfg)  # two engines: Engine is single-threaded and AsyncEngine owns its own
+    aengine = AsyncEngine(build_engine(**cfg))
     ids = engine.tokenize(PROMPT)
     body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True}

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from lora_cluster.demo import _adapter_config, build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 
 BIG_RANK = 80
 PROMPT = "Please mend the lantern before 9 o'clock, said the farmer from Kalotown."
@@ -122,9 +122,9 @@ class Bench:
         self.sizes = {aid: sum(f.stat().st_size for f in folder.iterdir()) for aid, folder in folders.items()}
 
     def engine(self, disk: Path) -> Engine:
-        return Engine(model=str(self.zoo.model_dir), adapter_source=f"s3://{self.bucket}/zoo", max_loras=4,
-                      max_lora_rank=BIG_RANK, max_num_seqs=4, disk_cache_dir=str(disk),
-                      host_cache_bytes="2GiB", prefetch_min_requests=0)
+        return build_engine(model=str(self.zoo.model_dir), adapter_source=f"s3://{self.bucket}/zoo",
+                            max_loras=4, max_lora_rank=BIG_RANK, max_num_seqs=4, disk_cache_dir=str(disk),
+                            host_cache_bytes="2GiB", prefetch_min_requests=0)
 
     def raw_s3(self, aid: str) -> float:
         def read() -> None:

@@ -50,9 +50,9 @@ LORA_CLUSTER_NUM_KV_BLOCKS=2048 step bench_engine 90 python3 benchmarks/bench_en
     --scenario distinct-decode --zoo /tmp/zoo/base96 --reps 3 --out "$OUT/bench_engine.md"
 step memory_plan 60 python3 -c '
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine
+from lora_cluster.engine import build_engine
 zoo = build_demo_zoo("/tmp/zoo/1b", num_adapters=0, size="1b")
-e = Engine(model=str(zoo.model_dir), max_loras=64, max_lora_rank=16)
+e = build_engine(model=str(zoo.model_dir), max_loras=64, max_lora_rank=16)
 m, bs = e.memory, e.config.kv_block_size
 print(e.device, e.dtype, m)
 print(f"KV {m.kv_bytes / 2**30:.1f} GiB in {m.num_kv_blocks} blocks of {bs} tokens: "

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import run_engine, workload
 
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     zoo = build_demo_zoo(args.zoo, num_adapters=64, size="base", seed=0)
     jobs = workload(args.requests, 64, seed=0)
     used = sorted({a for _, a, _ in jobs})
-    engine = Engine(
+    engine = build_engine(
         model=str(zoo.model_dir),
         adapter_source=str(zoo.adapters_dir),
         max_loras=32,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 
 MB = 1 << 20
 DECODE_POINTS = ((1, 1), (8, 1), (8, 8), (16, 1), (16, 16), (32, 1), (32, 8), (32, 16))
@@ -159,9 +159,9 @@ def main() -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="profile-replica-"))
     zoo = build_demo_zoo(work / f"zoo-{args.size}", num_adapters=args.adapters, size=args.size, seed=0)
     max_num_seqs, budget = 32, 2048
-    engine = Engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=args.adapters,
-                    max_lora_rank=32, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                    host_cache_bytes="2GiB", prefetch_min_requests=0)
+    engine = build_engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir),
+                          max_loras=args.adapters, max_lora_rank=32, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=budget, host_cache_bytes="2GiB", prefetch_min_requests=0)
     rows = measure_steps(engine, zoo.adapter_ids, args.reps)
     tiers = measure_tiers(engine, zoo.adapters_dir, zoo.adapter_ids, args.reps)
     engine.close()

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 
 BOOKKEEPING = ("lora_cluster/store/", "adapters/residency", "adapters/rotation", "adapters/pool", "scheduler",
                "adapters/copier", "usage", "lifecycle")
@@ -50,9 +50,9 @@ def adapter_farm(root: Path, zoo_adapters: Path, n: int) -> Path:
     return root
 
 
-def build_engine(model: Path, farm: Path, known: int, cache_dir: Path) -> Engine:
-    engine = Engine(model=str(model), adapter_source=str(farm), max_loras=32, max_lora_rank=32,
-                    max_num_seqs=32, disk_cache_dir=str(cache_dir))
+def scale_engine(model: Path, farm: Path, known: int, cache_dir: Path) -> Engine:
+    engine = build_engine(model=str(model), adapter_source=str(farm), max_loras=32, max_lora_rank=32,
+                          max_num_seqs=32, disk_cache_dir=str(cache_dir))
     for i in range(known):  # every known adapter loaded once through the store and requested once
         aid = f"x{i}"
         engine.loader.request_started(aid)
@@ -143,7 +143,7 @@ def main() -> None:
     farm = adapter_farm(args.zoo / "farm", zoo.adapters_dir, max(args.known, args.small))
     with tempfile.TemporaryDirectory() as cache:
         t0 = time.perf_counter()
-        engines = {n: build_engine(zoo.model_dir, farm, n, Path(cache) / str(n))
+        engines = {n: scale_engine(zoo.model_dir, farm, n, Path(cache) / str(n))
                    for n in (args.known, args.small)}
         print(f"taught {args.known} + {args.small} adapters in {time.perf_counter() - t0:.1f} s")
         print("settings: EngineConfig defaults except max_loras=32, max_lora_rank=32 and a disk cache folder "

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, RotationSlotPolicy, Waiting
 from lora_cluster.store.folder_loader import FolderAdapterLoader
 
@@ -252,8 +252,8 @@ def test_async_device_copies_give_the_same_tokens(demo_model_dir, demo_adapters_
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     results = {}
     for copy_bytes in (0, 1 << 40):  # every copy off the step thread / every copy inline
-        engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                        max_num_seqs=3, adapter_async_copy_bytes=copy_bytes, breakers=False)
+        engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
+                              max_num_seqs=3, adapter_async_copy_bytes=copy_bytes, breakers=False)
         try:
             results[copy_bytes] = [o.token_ids for o in engine.generate(prompts, adapter_ids=adapters,
                                                                          sampling=greedy)]

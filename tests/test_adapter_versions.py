@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = "the river"
@@ -20,8 +20,9 @@ PROMPT = "the river"
 
 @pytest.fixture(params=["tiered", "folder"])
 def engine(request, demo_zoo, tmp_path) -> Iterator[Engine]:
-    engine = Engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
-                    max_lora_rank=32, adapter_store=request.param, disk_cache_dir=str(tmp_path / "disk"))
+    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
+                          max_loras=2, max_lora_rank=32, adapter_store=request.param,
+                          disk_cache_dir=str(tmp_path / "disk"))
     yield engine
     engine.close()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import AdapterNotFoundError
 from lora_cluster.store import TieredAdapterStore
@@ -152,8 +152,8 @@ def test_aborted_requests_let_go_of_their_fetches(gated_engine):
 
 
 def test_fetched_weights_of_an_aborted_request_return_to_the_host_budget(demo_zoo, tmp_path):
-    engine = Engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
-                    max_lora_rank=32, disk_cache_dir=str(tmp_path / "disk"))
+    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
+                          max_loras=2, max_lora_rank=32, disk_cache_dir=str(tmp_path / "disk"))
     try:
         store = engine.loader
         engine.add_request("r", "the river", "a3", SamplingParams(max_new_tokens=1))

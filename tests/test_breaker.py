@@ -257,10 +257,10 @@ def _run_until(engine, request_id: str, bound_s: float = 20.0) -> list:
 
 
 def _engine(demo_zoo, **breakers: object):
-    from lora_cluster.engine import Engine
+    from lora_cluster.engine import build_engine
 
-    return Engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
-                  max_lora_rank=32, breaker_cooldown_s=3.0, **breakers)
+    return build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
+                        max_lora_rank=32, breaker_cooldown_s=3.0, **breakers)
 
 
 def test_engine_switch_rate_alert_fires_while_cold_adapters_keep_being_placed(demo_zoo) -> None:

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def http(base_url):
 @pytest.fixture(scope="module")
 def offline(app_config):
     keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
-    engine = Engine(**{k: v for k, v in app_config.items() if k in keys})
+    engine = build_engine(**{k: v for k, v in app_config.items() if k in keys})
     yield lambda adapter, n: engine.generate(
         [PROMPT], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0,
                                                                  ignore_eos=True))[0].text

@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
-from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
+from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir, demo_adapters_dir) -> Engine:
-    return Engine(
+    return build_engine(
         model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=3, max_num_seqs=6
     )
 
@@ -169,8 +169,8 @@ def test_hub_id_resolves_from_local_cache_offline(demo_model_dir, monkeypatch, t
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    engine = Engine(model="demo-org/tiny-llama")
-    local = Engine(model=str(demo_model_dir))
+    engine = build_engine(model="demo-org/tiny-llama")
+    local = build_engine(model=str(demo_model_dir))
     prompt = ["the quick brown fox"]
     assert (
         engine.generate(prompt, sampling=GREEDY)[0].token_ids

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
@@ -56,7 +56,8 @@ def bad_adapters(demo_adapters_dir: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(demo_model_dir: Path, bad_adapters: Path) -> Engine:
     # a2 has rank 32: above this engine's max_lora_rank
-    return Engine(model=str(demo_model_dir), adapter_source=str(bad_adapters), max_loras=2, max_lora_rank=16)
+    return build_engine(model=str(demo_model_dir), adapter_source=str(bad_adapters), max_loras=2,
+                        max_lora_rank=16)
 
 
 @pytest.mark.parametrize(
@@ -132,6 +133,6 @@ def test_unsupported_architecture(demo_model_dir: Path, tmp_path: Path):
     config.update(architectures=["GPT2LMHeadModel"])
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError) as info:
-        Engine(model=str(model))
+        build_engine(model=str(model))
     assert "GPT2LMHeadModel" in str(info.value), "the error names the unsupported architecture"
     assert "LlamaForCausalLM" in str(info.value), "the error names the supported architecture"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
+from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
 from lora_cluster.errors import EngineStepError, EngineUnavailableError
 
 BOUND_S = 20.0  # a hang fails the test after this long instead of blocking the suite
@@ -24,8 +24,8 @@ SAMPLED = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, ignore_eos=T
 
 @pytest.fixture
 def engine(demo_model_dir, demo_adapters_dir) -> Iterator[Engine]:
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                    max_num_seqs=4, max_consecutive_step_failures=3)
+    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
+                          max_num_seqs=4, max_consecutive_step_failures=3)
     yield engine
     engine.close()
 

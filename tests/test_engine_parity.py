@@ -14,7 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 
 ADAPTERS = ["a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8"]
 PROMPTS = [
@@ -47,7 +47,7 @@ def _peft_logits(model: PeftModel, adapter_id: str | None, ids: list[int]) -> to
 
 
 def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, peft_model):
-    engine = Engine(
+    engine = build_engine(
         model=str(demo_model_dir),
         adapter_source=str(demo_adapters_dir),
         max_loras=6,  # fewer slots than adapters: slots are reused as sequences finish
@@ -96,7 +96,7 @@ def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, 
 
 def test_adapters_change_outputs(demo_model_dir, demo_adapters_dir):
     """Guard against a parity test that passes because LoRA does nothing."""
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4)
+    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4)
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     outs = engine.generate(["the quick brown fox"] * 4, adapter_ids=[None, "a0", "a2", "a7"], sampling=greedy)
     assert len({tuple(o.token_ids) for o in outs}) == 4, "the base model and each adapter give other tokens"
@@ -105,7 +105,7 @@ def test_adapters_change_outputs(demo_model_dir, demo_adapters_dir):
 def test_readme_offline_example_outputs_follow_prompts_and_adapters(demo_model_dir, demo_adapters_dir):
     """The README's offline example: one output per prompt, in order, each decoded from its own ids,
     16 tokens unless it stopped early, the adapter row as if run alone and unlike the base model."""
-    engine = Engine(
+    engine = build_engine(
         model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=8, max_lora_rank=64
     )
     prompts, adapters = ["prompt a", "prompt b"], ["a0", None]

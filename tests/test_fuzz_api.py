@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.config import ServeConfig, build_sla_classes
 from lora_cluster.demo import train_tokenizer
-from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
+from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.admission import ClusterAdmission
 from lora_cluster.serve.context import ApiContext
@@ -53,7 +53,8 @@ ENGINE_SETTINGS = dict(max_loras=4, max_lora_rank=32, max_num_seqs=8, max_num_ba
 
 
 def _engine(demo_zoo: Any, settings: dict[str, Any] = ENGINE_SETTINGS) -> Engine:
-    return Engine(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)], **settings)
+    return build_engine(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
+                        **settings)
 
 
 @pytest.fixture(scope="module")

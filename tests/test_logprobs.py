@@ -14,7 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.errors import RequestError
 
 ADAPTERS = ["a0", "a1", "a2", "a7"]  # ranks 8/16/32, a7 is rsLoRA
@@ -34,8 +34,8 @@ def peft_model(demo_model_dir, demo_adapters_dir):
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir, demo_adapters_dir):
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                    max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=16)  # chunked prefills
+    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
+                          max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=16)  # chunked prefills
     yield engine
     engine.close()
 
@@ -125,8 +125,8 @@ def test_logprobs_are_bounded_by_max_logprobs(engine, field):
 
 def test_prompt_logprobs_survive_preemption_unduplicated(demo_model_dir, demo_adapters_dir, peft_model):
     """A sequence preempted mid-generation recomputes its prompt; its prompt logprobs are not repeated."""
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                    max_lora_rank=32, max_num_seqs=1, max_num_batched_tokens=16)
+    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
+                          max_lora_rank=32, max_num_seqs=1, max_num_batched_tokens=16)
     try:
         low = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1,
                              prompt_logprobs=1)

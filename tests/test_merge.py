@@ -15,7 +15,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lora_cluster.adapter_format import load_peft_adapter
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.errors import AdapterCapacityError, AdapterMergeError, AdapterNotFoundError, RequestError
 from lora_cluster.store.admission import AdmissionPolicy
 from lora_cluster.store.merge import MergeSpec, merge
@@ -37,8 +37,8 @@ def spec_of(ids: tuple[str, ...], weights: tuple[float, ...], strategy: str = "l
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir, demo_adapters_dir):
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                    max_lora_rank=96, merge_seed=SEED)
+    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
+                          max_lora_rank=96, merge_seed=SEED)
     yield engine
     engine.close()
 

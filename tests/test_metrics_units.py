@@ -207,10 +207,10 @@ def test_replica_reports_become_load_memory_and_engine_families():
 
 
 def test_engine_counts_steps_placements_switches_and_fragmentation(demo_zoo):
-    from lora_cluster.engine import Engine, SamplingParams
+    from lora_cluster.engine import SamplingParams, build_engine
 
-    engine = Engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
-                    max_lora_rank=32)
+    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
+                          max_loras=2, max_lora_rank=32)
     try:
         empty = engine.counters_snapshot()["adapter_pool_fragmentation"]
         assert empty == 0.0, "an empty pool is not fragmented"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lora_cluster.config import EngineConfig, build_config
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import BlockAllocator, blocks_for
 from lora_cluster.engine.lora_layer import use_bgmv
@@ -130,8 +130,8 @@ ADAPTERS = ["a0", "a1", None, "a3", "a0"]
 
 
 def _engine(demo_model_dir, demo_adapters_dir, **kw) -> Engine:
-    return Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                  max_lora_rank=32, max_model_len=64, **kw)  # fmt: skip
+    return build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
+                        max_lora_rank=32, max_model_len=64, **kw)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -296,4 +296,4 @@ def test_block_size_must_be_a_power_of_two() -> None:
 
 def test_too_few_blocks_for_one_sequence_is_a_config_error(demo_model_dir) -> None:
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
-        Engine(model=str(demo_model_dir), max_model_len=64, kv_block_size=16, num_kv_blocks=3)
+        build_engine(model=str(demo_model_dir), max_model_len=64, kv_block_size=16, num_kv_blocks=3)

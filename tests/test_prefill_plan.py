@@ -3,7 +3,7 @@ urgent prefill alone, less urgent chunks within a per-step share; outputs unchan
 
 from __future__ import annotations
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.sampling import SamplingParams as Params
 from lora_cluster.engine.scheduler import Gate, Scheduler, SchedulerOutput
@@ -88,8 +88,8 @@ def test_without_an_urgent_priority_every_prefill_shares_the_step_as_before():
 
 
 def test_engine_outputs_are_the_same_with_short_less_urgent_chunks(demo_model_dir, demo_adapters_dir):
-    engine = Engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                    max_num_seqs=3, max_num_batched_tokens=32, less_urgent_prefill_chunk=3)
+    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
+                          max_num_seqs=3, max_num_batched_tokens=32, less_urgent_prefill_chunk=3)
     prompts = ["the cat sat on the mat and looked at the quiet river for a long while",
                "once upon a time there was a small village by the sea where fishermen lived",
                "ring the bell", "a long road winds through the hills past farms and forests"]

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.errors import RequestError
 
 ADAPTERS = ["a0", "a1", "a2", "a3"]
@@ -69,7 +69,7 @@ def peft_model(demo_model_dir, demo_adapters_dir):
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir, demo_adapters_dir):
-    engine = Engine(
+    engine = build_engine(
         model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4, max_lora_rank=32,
         max_num_seqs=8, max_num_batched_tokens=24,  # chunked prefills share steps with decodes
     )  # fmt: skip

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from conftest import adapter_hits, adapter_order
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def offline(app_config):
     """The engine called directly, configured like the replicas: the reference for greedy outputs."""
     keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
     cfg = {k: v for k, v in app_config.items() if k in keys}
-    engine = Engine(**cfg)
+    engine = build_engine(**cfg)
     yield lambda prompt, adapter, n: engine.generate(
         [prompt], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0))[0]
     engine.close()
@@ -476,7 +476,7 @@ def test_cli_adapters_list_load_and_unload(base_url, demo_zoo, tmp_path, capsys)
 def offline_engine(app_config):
     """The engine called directly, configured like the replicas (merges included)."""
     keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
-    engine = Engine(**{k: v for k, v in app_config.items() if k in keys})
+    engine = build_engine(**{k: v for k, v in app_config.items() if k in keys})
     yield engine
     engine.close()
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from conftest import adapter_hits
 
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.serve.serve_mode import private_throughput_mode, throughput_mode_env
 from lora_cluster.tenancy.tenants import hash_key
 
@@ -107,8 +107,8 @@ def _replica_count(http: httpx.Client) -> int:
 @pytest.fixture(scope="module")
 def offline(demo_zoo):
     """The engine called directly, configured like the replicas: the reference for greedy outputs."""
-    engine = Engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
-                    max_loras=4, max_lora_rank=32)
+    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
+                          max_loras=4, max_lora_rank=32)
     yield lambda adapter, n: engine.generate(
         [PROMPT], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0))[0]
     engine.close()

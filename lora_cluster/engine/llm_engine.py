@@ -49,7 +49,6 @@ from lora_cluster.engine.counters import EngineCounters
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
 from lora_cluster.engine.llama import LlamaRunner
-from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.logit_controls import apply_logit_controls
 from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
 from lora_cluster.engine.lora_layer import fused_shrink
@@ -62,7 +61,7 @@ from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus,
 from lora_cluster.engine.step_buffers import StepBuffers
 from lora_cluster.engine.stopping import eos_token_ids, stop_reason
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
-from lora_cluster.store import build_adapter_loader
+from lora_cluster.store.loader import AdapterLoader
 from lora_cluster.store.merge import MergeSpec
 
 log = logging.getLogger(__name__)
@@ -99,11 +98,12 @@ LoaderFactory = Callable[[EngineConfig, ModelShapes, torch.device], AdapterLoade
 class Engine:
     """Serve many adapters of one base model in shared forward passes.
 
-    `Engine(model=..., adapter_source=..., max_loras=8, max_lora_rank=64)`; any other
-    `EngineConfig` field may be passed as a keyword, or a whole `config`. The caller wires where
-    adapters come from: `adapter_loader` is an `AdapterLoader`, or a factory called with the
-    config, the model's shapes and the device (default: `store.build_adapter_loader`, the tiered
-    adapter store of `adapter_source`).
+    `Engine(model=..., adapter_source=..., max_loras=8, max_lora_rank=64, adapter_loader=...)`; any
+    other `EngineConfig` field may be passed as a keyword, or a whole `config`. The caller wires where
+    adapters come from (the engine never builds a store): `adapter_loader` is an `AdapterLoader`, or
+    a factory called with the config, the model's shapes and the device, such as
+    `store.build_adapter_loader` (the tiered adapter store of `adapter_source`), which
+    `engine.factory.build_engine` passes.
     """
 
     def __init__(
@@ -113,8 +113,8 @@ class Engine:
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         *,
+        adapter_loader: AdapterLoader | LoaderFactory,
         config: EngineConfig | None = None,
-        adapter_loader: AdapterLoader | LoaderFactory | None = None,
         **overrides: object,
     ):
         if config is None:
@@ -149,9 +149,8 @@ class Engine:
             device=self.device,
         )
         self.step_buffers = StepBuffers(self.device)
-        wiring = build_adapter_loader if adapter_loader is None else adapter_loader
         self.loader: AdapterLoader = (
-            wiring(config, self.shapes, self.device) if callable(wiring) else wiring
+            adapter_loader(config, self.shapes, self.device) if callable(adapter_loader) else adapter_loader
         )
         self.pool = AdapterPool(
             self.shapes,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from lora_cluster.adapter_format import ModelShapes
     from lora_cluster.config import EngineConfig
-    from lora_cluster.engine.loader import AdapterLoader
+    from lora_cluster.store.loader import AdapterLoader
 
 
 def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterLoader:

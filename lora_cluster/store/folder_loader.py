@@ -19,7 +19,7 @@ from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
-    from lora_cluster.engine.loader import SlotPolicy
+    from lora_cluster.store.loader import SlotPolicy
 
 
 class FolderAdapterLoader:

@@ -75,7 +75,7 @@ from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
-    from lora_cluster.engine.loader import SlotPolicy
+    from lora_cluster.store.loader import SlotPolicy
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30

@@ -67,10 +67,10 @@ from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, RotationSlotPolicy
 from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.engine.counters import EngineCounters
-from lora_cluster.engine.loader import AdapterLoader
 from lora_cluster.engine.scheduler import Gate
 from lora_cluster.engine.sequence import Sequence
 from lora_cluster.errors import AdapterError, EngineOverloadedError
+from lora_cluster.store.loader import AdapterLoader
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_PREFETCHES = 64  # prefetches (start_load, rotation) waiting for a loader worker at once

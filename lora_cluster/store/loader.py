@@ -1,9 +1,11 @@
 """What the engine needs from wherever adapters come from: the `AdapterLoader` protocol.
 
-The caller wires a loader into the engine (`Engine(adapter_loader=...)`); the engine never builds
-or inspects one beyond this protocol. Implementations: the tiered adapter store
-(`lora_cluster.store.TieredAdapterStore`, the default) and the plain folder loader
-(`lora_cluster.store.folder_loader.FolderAdapterLoader`).
+It lives with the store that implements it; the engine imports it from here (downward). The caller
+wires a loader into the engine (`Engine(adapter_loader=...)`, or `engine.factory.build_engine`,
+which wires `store.build_adapter_loader`); the engine never builds or inspects one beyond this
+protocol. Implementations: the tiered adapter store (`lora_cluster.store.TieredAdapterStore`, the
+default) and the plain folder loader (`lora_cluster.store.folder_loader.FolderAdapterLoader`).
+Importing this module imports no torch.
 
 Contract:
 * `load` runs on the engine's loader threads, never on the step loop; it is thread-safe, validates
@@ -24,9 +26,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lora_cluster.adapter_format import LoraWeights
-
 if TYPE_CHECKING:
+    from lora_cluster.adapter_format import LoraWeights
     from lora_cluster.store.merge import MergeSpec
 
 
