@@ -17,7 +17,10 @@ class EngineConfig(BaseSettings):
 
     model_config = SETTINGS
 
-    model: str = Field(description="Base model: a local folder or a Hugging Face hub id.")
+    model: str = Field(
+        description="Base model (Llama, Mistral or Qwen2 architecture): a local folder or a Hugging Face "
+        "hub id."
+    )
     adapter_source: StrList = Field(
         default_factory=list,
         description="Where adapters come from, first match wins: folders, file://, s3://bucket/prefix, "
@@ -40,7 +43,8 @@ class EngineConfig(BaseSettings):
         4096, ge=1, description="Requests that may wait for a slot; more are refused as overloaded."
     )
     kernel: Literal["auto", "reference", "cpu", "triton"] = Field(
-        "auto", description="LoRA kernel implementation; auto = triton on CUDA, cpu otherwise."
+        "auto", description="LoRA kernel implementation; auto = triton on CUDA, cpu otherwise (reference: "
+        "plain torch, for debugging)."
     )
     adapter_load_workers: int = Field(
         2, ge=1, le=64, description="Threads that load adapters off the step loop."
@@ -57,7 +61,8 @@ class EngineConfig(BaseSettings):
         None, ge=1, description="Prefill tokens that sequences less urgent than priority 0 (the interactive "
         "class) may take in one engine step in all: an urgent request that arrives during a step waits for "
         "a short one, at the cost of slower prefills of long prompts (like vLLM's "
-        "long_prefill_token_threshold). null (default): only max_num_batched_tokens bounds them."
+        "long_prefill_token_threshold). A step with a priority-0 prefill carries no other prefill whatever "
+        "this is. null (default): only max_num_batched_tokens bounds them."
     )
 
     # ----- paged KV cache, memory sizing, LoRA fast paths (engine.kv_cache, engine.memory_plan) -----
@@ -202,7 +207,7 @@ class EngineConfig(BaseSettings):
         256, ge=1, le=65536,
         description="Merge recipes one replica remembers (least recently used dropped first, never one "
         "that a queued or running request uses); the merged weights themselves live in the host and "
-        "device tiers under their byte and slot budgets.",
+        "device tiers under their byte and slot budgets. All in use: a new recipe is refused with 429.",
     )
     merge_seed: int = Field(
         0, ge=0, lt=2**63,
@@ -273,7 +278,7 @@ class EngineConfig(BaseSettings):
         description="Fairness bound per priority: seconds a request may wait for its adapter to get a "
         "device slot before a resident adapter is drained for it. Serving fills it from the SLA classes "
         "(adapter_wait_fraction of each class's ttft_s) unless set. Priorities not listed use "
-        "adapter_max_wait_s.",
+        "adapter_max_wait_s. Environment: a JSON object ({\"0\": 0.5}).",
     )
     adapter_wait_fraction: float = Field(
         0.5, gt=0, le=1, description="Share of an SLA class's ttft_s that its requests may wait for an "

@@ -89,10 +89,15 @@ class ServeConfig(EngineConfig):
 
     model: str = Field(
         "demo",
-        description="Base model: a local folder, a Hugging Face hub id, or `demo` = the built-in demo zoo "
+        description="Base model (Llama, Mistral or Qwen2 architecture): a local folder, a Hugging Face hub "
+        "id, or `demo` = the built-in demo zoo "
         "(a tiny random-weight Llama model and its adapters, built into `demo_dir` on first use).",
     )
-    demo_dir: str = Field(default_factory=_default_demo_dir, description="Cache folder of the demo zoo.")
+    demo_dir: str = Field(
+        default_factory=_default_demo_dir,
+        description="Cache folder of the demo zoo. Default: $XDG_CACHE_HOME/lora-cluster/demo-zoo "
+        "(~/.cache/...).",
+    )
     demo_num_adapters: int = Field(64, ge=1, le=4096, description="Adapters a0..a{N-1} of the demo zoo.")
     demo_size: Literal["tiny", "base", "1b"] = Field(
         "tiny", description="Demo model size: tiny, base (~88M) or 1b (~1.0B parameters, for a GPU)."
@@ -158,16 +163,18 @@ class ServeConfig(EngineConfig):
         "the cluster queue (default: max_num_seqs, the replica's batch slots).",
     )
     cluster_queue_size: int = Field(
-        4096, ge=1, description="Requests the cluster queue holds; more are refused with 429."
+        4096, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "
+        "(a more urgent request bumps the least urgent queued one instead)."
     )
     cluster_queue_aging_s: float = Field(
         10.0,
         gt=0,
         description="Aging of the cluster queue: a waiting request gains one priority level per "
-        "this many seconds, so no class starves.",
+        "this many seconds (never above the most urgent class), so no class starves.",
     )
     cluster_queue_timeout_s: float = Field(
-        300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503)."
+        300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503); a "
+        "request whose predicted wait is longer is refused at once (429)."
     )
     cluster_queue_max_wait_s: float = Field(
         60.0,
@@ -240,6 +247,8 @@ class ServeConfig(EngineConfig):
         description="Ray Serve autoscaling of the LoRA replicas (Ray's `autoscaling_config`: "
         "target_ongoing_requests, min_replicas, max_replicas, upscale_delay_s, downscale_delay_s, ...); "
         "when set, it replaces num_replicas. Environment: a JSON object. Default: a fixed num_replicas.",
+        examples=[{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 24,
+                   "upscale_delay_s": 30, "downscale_delay_s": 600}],
     )
 
     # ----- operator tooling: log lines -----
@@ -271,6 +280,9 @@ class ServeConfig(EngineConfig):
         "tenants it lists: a request goes to the first group (in this order) matching its adapter "
         "or tenant, else to the first group listing neither (catch-all), else it is a 404. Empty "
         "(the default): one group of num_replicas replicas serving everything. Environment: a JSON list.",
+        examples=[[{"name": "finance", "num_replicas": 2, "num_cpus": 4, "num_gpus": 1,
+                    "node_labels": {"lora-group": "finance"}, "adapters": ["fin-*"], "tenants": ["finance"]},
+                   {"name": "service", "num_replicas": 2}]],
     )
 
     # ----- tenants, API keys, quotas and input limits -----
@@ -305,10 +317,12 @@ class ServeConfig(EngineConfig):
         "quota ledger for this long are released (the ingress died, or keeps taking without settling).",
     )
     max_body_bytes: ByteSize = Field(
-        1 << 20, ge=1024, description="Largest request body in bytes (400 above). Accepts suffixes: 1MiB."
+        1 << 20, ge=1024, description="Largest request body in bytes (above: 400 body_too_large). Accepts "
+        "suffixes: 1MiB."
     )
     max_json_depth: int = Field(
-        32, ge=2, le=1000, description="Deepest nesting of arrays and objects in a JSON body (400 above)."
+        32, ge=2, le=1000, description="Deepest nesting of arrays and objects in a JSON body (above: 400 "
+        "json_too_deep)."
     )
     max_stop_sequences: int = Field(
         4, ge=0, le=256, description="Most stop strings one request may give (as OpenAI; 400 above)."

@@ -1,0 +1,279 @@
+"""The configuration reference, generated from the fields: their descriptions and defaults.
+
+The docs' field tables (between `<!-- config-table: KEYS -->` and `<!-- /config-table -->`, KEYS
+naming groups of `GROUPS` or models of `NESTED`) and the commented application args of
+serve_config.yaml (every line below its `args: {}`) are rendered from `ServeConfig`,
+`SlaClassConfig` and `ReplicaGroupConfig`; tests/test_config_docs.py fails when a committed file
+differs. To change a description or a default, edit the field, then run
+
+    python -m lora_cluster.config.docs          # rewrite the generated parts
+    python -m lora_cluster.config.docs --check  # name the files that differ (exit status 1)
+
+Every field of `ServeConfig` is in exactly one group; the docs show every group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
+
+from lora_cluster.config.parsing import format_bytes, is_byte_size
+from lora_cluster.config.serve import ReplicaGroupConfig, ServeConfig, SlaClassConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("README.md", "docs/serving.md", "docs/adapter-store.md")
+SERVE_YAML = "serve_config.yaml"
+ARGS_LINE = "    args: {}\n"
+YAML_INDENT = " " * 6
+YAML_WIDTH = 110
+DESCRIPTION_INDENT = " " * 4  # description lines; a value's own continuation lines are indented by 0 or 2
+
+# Defaults that depend on the machine are shown as the rule that computes them.
+SHOWN_DEFAULTS = {"demo_dir": "~/.cache/lora-cluster/demo-zoo"}
+
+
+@dataclass(frozen=True)
+class Group:
+    key: str
+    title: str
+    fields: tuple[str, ...]
+    see: tuple[str, str] | None = None  # (file from the repository root, #anchor) of the prose
+
+
+GROUPS = (
+    Group("model", "Model and demo zoo",
+          ("model", "served_model_name", "demo_dir", "demo_num_adapters", "demo_size", "dtype", "device")),
+    Group("engine", "Engine: adapter slots and batching",
+          ("max_loras", "max_lora_rank", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+           "max_waiting", "kernel", "adapter_load_workers", "max_consecutive_step_failures",
+           "less_urgent_prefill_chunk")),
+    Group("memory", "KV cache, memory sizing and LoRA kernels",
+          ("kv_block_size", "num_kv_blocks", "gpu_memory_utilization", "adapter_pool_share",
+           "memory_buffer_share", "lora_decode_kernel", "lora_fused_shrink", "lora_cpu_native"),
+          ("docs/serving.md", "kv-cache-and-memory")),
+    Group("store", "Adapter store and cache tiers",
+          ("adapter_source", "adapter_store", "host_cache_bytes", "host_int8", "host_pin_memory",
+           "disk_cache_dir", "disk_cache_bytes", "pinned", "preload", "negative_cache_ttl_s",
+           "prefetch_window_s", "prefetch_min_requests", "fetch_retries", "fetch_backoff_s",
+           "fetch_timeout_s", "encryption_key_env", "encryption_key_file", "require_encryption",
+           "require_checksum", "base_model_check"),
+          ("docs/adapter-store.md", "tiers")),
+    Group("rotation", "Adapter rotation and prefetch",
+          ("adapter_min_steps", "adapter_wait_bounds_s", "adapter_wait_fraction", "adapter_max_wait_s",
+           "adapter_prefetch_depth", "adapter_async_copy_bytes"),
+          ("docs/adapter-store.md", "rotation-device-slots")),
+    Group("logprobs", "Log probabilities and merged adapters",
+          ("max_logprobs", "max_merged_adapter_ids", "max_merged_adapters", "merge_seed"),
+          ("docs/serving.md", "log-probabilities")),
+    Group("replicas", "Replicas, resources and autoscaling",
+          ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_requests", "max_queued_requests",
+           "ingress_num_replicas", "ingress_num_cpus", "ingress_max_ongoing_requests", "autoscaling_config"),
+          ("docs/serving.md", "autoscaling")),
+    Group("limits", "Request limits: each a 400 naming the limit",
+          ("max_prompt_tokens", "max_new_tokens", "default_max_tokens", "max_n", "max_body_bytes",
+           "max_json_depth", "max_stop_sequences", "max_stop_length", "max_prompts"),
+          ("docs/serving.md", "input-limits")),
+    Group("routing", "Routing",
+          ("routing_stats_period_s", "router_miss_cost", "router_placement_ttl_s"),
+          ("docs/serving.md", "routing")),
+    Group("sla", "SLA classes",
+          ("sla_classes", "default_priority_class"),
+          ("docs/serving.md", "sla-classes")),
+    Group("controller", "Cluster controller: cluster queue, preemption, placement",
+          ("controller", "admission_capacity", "cluster_queue_size", "cluster_queue_aging_s",
+           "cluster_queue_timeout_s", "cluster_queue_max_wait_s", "cold_shed_window_s",
+           "preempt_after_fraction", "top_class_preempt_after_fraction", "controller_report_period_s",
+           "placement_hot_share"),
+          ("docs/serving.md", "cluster-controller")),
+    Group("groups", "Replica groups",
+          ("replica_groups",),
+          ("docs/serving.md", "replica-groups")),
+    Group("breakers", "Overload protection: adapter protection, alerts and breakers",
+          ("breakers", "breaker_switch_warn_per_s", "breaker_switch_trip_per_s",
+           "breaker_switch_recover_per_s", "breaker_switch_recover_s", "breaker_switch_window_s",
+           "breaker_load_warn_ms", "breaker_load_trip_ms", "breaker_load_recover_ms",
+           "breaker_load_recover_loads", "breaker_source_failures",
+           "breaker_source_cooldown_s", "breaker_routing_warn", "breaker_routing_trip",
+           "breaker_routing_recover_requests", "breaker_cooldown_s"),
+          ("docs/serving.md", "breakers")),
+    Group("tenants", "Tenants, API keys and quotas",
+          ("tenants_file", "tenants_reload_period_s", "open_routes", "quota_lease_s", "quota_ticket_ttl_s"),
+          ("docs/serving.md", "tenants-and-quotas")),
+    Group("ops", "Metrics and logs",
+          ("metrics_max_adapter_labels", "metrics_max_tenant_labels", "metrics_label_window_s", "log_format"),
+          ("docs/serving.md", "metrics")),
+)
+NESTED: dict[str, tuple[str, type[BaseModel]]] = {
+    "sla_class": ("One entry of `sla_classes`", SlaClassConfig),
+    "replica_group": ("One entry of `replica_groups`", ReplicaGroupConfig),
+}
+_MARKER = re.compile(r"(<!-- config-table: ([a-z_, ]+) -->\n)(.*?)(<!-- /config-table -->)", re.DOTALL)
+
+
+def default_of(model: type[BaseModel], name: str) -> object:
+    """The default of a field as plain data (lists, dicts, numbers, strings, None)."""
+    info = model.model_fields[name]
+    if info.is_required():
+        return None
+    return to_jsonable_python(info.get_default(call_default_factory=True, validated_data={}))
+
+
+def shown_default(model: type[BaseModel], name: str) -> object:
+    """The default as written in the docs and the yaml: byte sizes in units, machine paths as a rule."""
+    if name in SHOWN_DEFAULTS:
+        return SHOWN_DEFAULTS[name]
+    value = default_of(model, name)
+    if isinstance(value, int) and is_byte_size(model.model_fields[name].metadata):
+        return format_bytes(value)
+    return value
+
+
+def _flow(value: object) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6, sort_keys=False).strip()
+    return text.removesuffix("\n...").strip()
+
+
+def _description(model: type[BaseModel], name: str) -> str:
+    return " ".join((model.model_fields[name].description or "").split())
+
+
+def _rows(model: type[BaseModel], names: Sequence[str]) -> str:
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    for name in names:
+        required = model.model_fields[name].is_required()
+        default = "required" if required else f"`{_flow(shown_default(model, name))}`"
+        meaning = _description(model, name).replace("|", "\\|")
+        lines.append(f"| `{name}` | {default} | {meaning} |")
+    return "\n".join(lines)
+
+
+def _link(see: tuple[str, str], doc: str) -> str:
+    target, anchor = see
+    if target == doc:
+        return f"#{anchor}"
+    return f"{os.path.relpath(ROOT / target, (ROOT / doc).parent)}#{anchor}"
+
+
+def markdown_tables(keys: Sequence[str], doc: str) -> str:
+    """The tables of the groups or nested models named by `keys`, for the file `doc` (its links)."""
+    parts = []
+    for key in keys:
+        group = next((g for g in GROUPS if g.key == key), None)
+        if group is not None:
+            title, model, names = group.title, ServeConfig, group.fields
+            see = f" ([more]({_link(group.see, doc)}))" if group.see else ""
+        elif key in NESTED:
+            title, model = NESTED[key]
+            names, see = tuple(model.model_fields), ""
+        else:
+            raise ValueError(f"{doc}: config-table names {key!r}, not one of {', '.join(all_keys())}")
+        if len(keys) > 1:
+            parts.append(f"**{title}**{see}")
+        parts.append(_rows(model, names))
+    return "\n\n".join(parts)
+
+
+def all_keys() -> list[str]:
+    return [g.key for g in GROUPS] + list(NESTED)
+
+
+def table_keys(text: str) -> list[list[str]]:
+    """The keys of each config-table marker in a markdown text."""
+    return [[k.strip() for k in m.group(2).split(",")] for m in _MARKER.finditer(text)]
+
+
+def _yaml_value_lines(name: str, value: object) -> list[str]:
+    """`name: value` in yaml: a list of mappings or a mapping one entry a line, anything else on one."""
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return [f"{name}:"] + [f"  - {_flow(item)}" for item in value]
+    if isinstance(value, dict) and value:
+        return [f"{name}:"] + [f"  {_flow({key: item})[1:-1]}" for key, item in value.items()]
+    return [f"{name}: {_flow(value)}"]
+
+
+def yaml_args() -> str:
+    """The commented application args of serve_config.yaml: every field at its default, by group."""
+    out = [f"{YAML_INDENT}# {line}" for line in (
+        "Every field of ServeConfig at its default, generated from its description by",
+        "`python -m lora_cluster.config.docs` (edit the field in lora_cluster/config/, not this).",
+        "Byte sizes: KiB/MiB/GiB are powers of 1024, kB/MB/GB powers of 1000.")]
+    width = YAML_WIDTH - len(YAML_INDENT) - 2 - len(DESCRIPTION_INDENT)
+    for group in GROUPS:
+        see = f" ({group.see[0]}#{group.see[1]})" if group.see else ""
+        head = f"{YAML_INDENT}# --- {group.title}{see} "
+        out.append(head + "-" * max(3, YAML_WIDTH - len(head)))
+        for name in group.fields:
+            value = shown_default(ServeConfig, name)
+            out += [f"{YAML_INDENT}# {line}" for line in _yaml_value_lines(name, value)]
+            text = textwrap.wrap(_description(ServeConfig, name), width, break_long_words=False,
+                                 break_on_hyphens=False)
+            examples = ServeConfig.model_fields[name].examples or []
+            for example in examples:
+                text.append("Example:")
+                text += [f"  {line}" for line in _yaml_value_lines(name, example)]
+            out += [f"{YAML_INDENT}# {DESCRIPTION_INDENT}{line}".rstrip() for line in text]
+    return "\n".join(out) + "\n"
+
+
+def commented_args(text: str) -> dict[str, object]:
+    """The values of the commented args of a serve_config.yaml text (what uncommenting them gives)."""
+    block = text.split(ARGS_LINE, 1)[1]
+    prefix = f"{YAML_INDENT}# "
+    snippets: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in block.splitlines():
+        body = line.removeprefix(prefix) if line.startswith(prefix) else ""
+        field = re.match(r"([a-z][a-z0-9_]*):", body)
+        if field and field.group(1) in ServeConfig.model_fields:
+            current = snippets.setdefault(field.group(1), [])
+            current.append(body)
+        elif current is not None and re.match(r"  \S", body):
+            current.append(body)  # a value's own continuation: a list item or a mapping entry
+        else:
+            current = None
+    return {name: yaml.safe_load("\n".join(lines))[name] for name, lines in snippets.items()}
+
+
+def rendered(relpath: str) -> str:
+    """What the file `relpath` (from the repository root) should hold."""
+    text = (ROOT / relpath).read_text()
+    if relpath == SERVE_YAML:
+        head, sep, _ = text.partition(ARGS_LINE)
+        if not sep:
+            raise ValueError(f"{relpath} has no line {ARGS_LINE.strip()!r} to put the args under")
+        return head + ARGS_LINE + yaml_args()
+    return _MARKER.sub(lambda m: m.group(1) + markdown_tables(
+        [k.strip() for k in m.group(2).split(",")], relpath) + "\n" + m.group(4), text)
+
+
+def stale() -> list[str]:
+    """The generated files whose committed text differs from the fields."""
+    return [p for p in (SERVE_YAML, *DOCS) if (ROOT / p).read_text() != rendered(p)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lora_cluster.config.docs",
+                                     description="Write the config tables of the docs and serve_config.yaml.")
+    parser.add_argument("--check", action="store_true", help="only name the files that differ (exit 1)")
+    args = parser.parse_args(argv)
+    files = stale()
+    for path in files:
+        if args.check:
+            print(f"{path} differs from the config fields; run python -m lora_cluster.config.docs")
+        else:
+            (ROOT / path).write_text(rendered(path))
+            print(f"wrote {path}")
+    return 1 if files and args.check else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
