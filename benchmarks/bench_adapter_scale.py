@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -42,10 +41,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import machine, open_loop, percentile
 from safetensors.torch import save_file
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.sim.popularity import ZipfSampler
 
 PROMPTS = ["the river runs past a quiet town", "a farmer sells bread at the market", "the old bridge"]
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -53,8 +54,7 @@ PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_att
 
 
 def zipf_draws(n: int, num_adapters: int, seed: int, s: float = 1.0) -> list[int]:
-    weights = [1 / (k + 1) ** s for k in range(num_adapters)]
-    return random.Random(seed).choices(range(num_adapters), weights=weights, k=n)
+    return ZipfSampler(num_adapters, s).draws(random.Random(seed), n)
 
 
 def symlink_farm(root: Path, targets: list[Path], n: int) -> Path:
@@ -121,28 +121,7 @@ def closed_run(engine: Engine, adapters: list[str], max_tokens: int, tag: str) -
 def open_run(engine: Engine, arrivals: list[tuple[float, str]], max_tokens: int, tag: str) -> list[float]:
     """Requests added at their arrival offsets (seconds) while the engine steps; returns each TTFT."""
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ttft: dict[str, float] = {}
-    added: dict[str, float] = {}
-    start, i = time.perf_counter(), 0
-    while i < len(arrivals) or engine.has_unfinished():
-        now = time.perf_counter() - start
-        while i < len(arrivals) and arrivals[i][0] <= now:
-            rid = f"{tag}-{i}"
-            engine.add_request(rid, PROMPTS[i % len(PROMPTS)], arrivals[i][1], params)
-            added[rid] = time.perf_counter()
-            i += 1
-        if not engine.has_unfinished():
-            time.sleep(min(0.005, max(0.0, arrivals[i][0] - now)))
-            continue
-        for out in engine.step():
-            if out.request_id not in ttft and out.token_ids:
-                ttft[out.request_id] = time.perf_counter() - added[out.request_id]
-    return list(ttft.values())
-
-
-def pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return list(open_loop(engine, arrivals, params, tag=tag, prompts=PROMPTS).ttft.values())
 
 
 def scenario_zipf(args: argparse.Namespace, zoo) -> None:
@@ -190,7 +169,7 @@ def scenario_ttft(args: argparse.Namespace, zoo) -> None:
             order = random.Random(r).sample(range(n), n)
             arrivals = [(o, f"x{order[i % n]}") for i, o in enumerate(offsets)]
             ttft = open_run(engine, arrivals, args.max_tokens, f"{name}-{r}")
-            med, p99 = statistics.median(ttft), pct(ttft, 0.99)
+            med, p99 = statistics.median(ttft), percentile(ttft, 0.99)
             print(f"round {r}: {n} active adapters over {args.slots} slots: TTFT median {med * 1e3:.0f} ms, "
                   f"p99 {p99 * 1e3:.0f} ms", flush=True)
             if name not in results or med < results[name][0]:
@@ -217,7 +196,7 @@ def scenario_cycle(args: argparse.Namespace, _zoo) -> None:
         for active in (8, 32):
             ttft = open_run(engine, [(o, f"a{i % active}") for i, o in enumerate(offsets)], args.max_tokens,
                             f"c{active}-{r}")
-            med, p99 = statistics.median(ttft), pct(ttft, 0.99)
+            med, p99 = statistics.median(ttft), percentile(ttft, 0.99)
             print(f"round {r}: {active} adapters cycled over 8 slots at {args.rate:g}/s: TTFT median "
                   f"{med * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms ({len(ttft)} requests)", flush=True)
             if active not in results or med < results[active][0]:
@@ -247,8 +226,8 @@ def main() -> None:
     args = ap.parse_args()
     args.work = args.zoo.with_name(args.zoo.name + "-scale")  # symlink farms and large adapters
     zoo = build_demo_zoo(args.zoo, num_adapters=64, size="base", seed=0)
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     {"zipf": scenario_zipf, "ttft": scenario_ttft, "cycle": scenario_cycle}[args.scenario](args, zoo)
     print(f"load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

@@ -45,6 +45,7 @@ import torch
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.sim.popularity import ZipfSampler
 
 WORDS = [
     "the",
@@ -78,11 +79,11 @@ WORDS = [
 
 def workload(n: int, num_adapters: int, seed: int) -> list[tuple[str, str, int]]:
     rng = random.Random(seed)
-    weights = [1.0 / (k + 1) ** 1.1 for k in range(num_adapters)]
+    popularity = ZipfSampler(num_adapters, 1.1)
     out = []
     for _ in range(n):
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 96)))
-        adapter = f"a{rng.choices(range(num_adapters), weights)[0]}"
+        adapter = f"a{popularity.draw(rng)}"
         out.append((prompt, adapter, rng.randint(16, 64)))
     return out
 

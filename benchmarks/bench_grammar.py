@@ -37,7 +37,6 @@ import argparse
 import datetime
 import importlib.metadata
 import json
-import platform
 import random
 import sys
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine, percentile
 
 from lora_cluster.demo import train_tokenizer
 
@@ -437,9 +437,9 @@ def mask_times(lib: Candidate, grammar, ids: list[int], vocab_size: int) -> list
     return times
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+def us(values: list[float], q: float) -> str:
+    """Quantile `q` of `values` (seconds) in whole microseconds, at the nearest rank."""
+    return f"{percentile(values, q, 'nearest') * 1e6:.0f}"
 
 
 def short_error(e: Exception) -> str:
@@ -477,10 +477,10 @@ def run_vocab(vocab_size: int, names: list[str], repeats: int, out: list[str]) -
                 continue
             all_masks += times
             rows.append([lib.name, name, f"{took * 1e3:.1f} ms", f"{times[0] * 1e6:.0f}",
-                         f"{pct(times, 0.5) * 1e6:.0f}", f"{pct(times, 0.99) * 1e6:.0f} ({len(times)} tok)"])
+                         f"{us(times, 0.5)}", f"{us(times, 0.99)} ({len(times)} tok)"])
         if all_masks:
-            rows.append([lib.name, "all documents", "", "", f"{pct(all_masks, 0.5) * 1e6:.0f}",
-                         f"{pct(all_masks, 0.99) * 1e6:.0f} ({len(all_masks)} tok)"])
+            rows.append([lib.name, "all documents", "", "", f"{us(all_masks, 0.5)}",
+                         f"{us(all_masks, 0.99)} ({len(all_masks)} tok)"])
         support[lib.name] = {}
         for construct, schema in CONSTRUCTS.items():
             try:
@@ -516,8 +516,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = [f"# bench_grammar: {' '.join(sys.argv)}",
            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-           f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores (shared), single-threaded (RAYON_NUM_THREADS=1, xgrammar max_threads=1, "
+           f"{machine()} (shared), single-threaded (RAYON_NUM_THREADS=1, xgrammar max_threads=1, "
            "torch 1 thread)"]
     for v in args.vocab:
         run_vocab(v, args.libraries, args.repeats, out)

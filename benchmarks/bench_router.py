@@ -17,7 +17,7 @@ The router's overhead is `http - engine` (and `handle - async-engine` for the Ra
 
 --serve-mode picks how Ray Serve runs the app: `default` (Serve's proxy actor on the port), or
 `throughput` (Ray Serve's throughput-optimized mode with HAProxy, `private_throughput_mode` in
-lora_cluster/serve/serve_mode.py, with HAProxy's files and side ports private to the run).
+lora_cluster/serve/ops/serve_mode.py, with HAProxy's files and side ports private to the run).
 --compare-modes N runs the whole benchmark 2N times in child processes, default and throughput in
 turn, each on a fresh Ray, and reports every run and the best run of each mode.
 
@@ -30,12 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import os
-import platform
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,14 +39,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import changed_settings, header, load_avg, serve_mode, start_serve, summary
+
 PROMPT = "the river runs past a quiet town where people trade bread"
 ADAPTER = "a3"
 
 
-def _percentiles(samples: list[float]) -> dict[str, float]:
-    s = sorted(samples)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"mean": statistics.fmean(s), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+# what the app changes from the shipped defaults, and why (printed in the report)
+SETTINGS = {"max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 8}
+REASONS = {
+    "max_loras": "one adapter is used; fewer slots make a smaller app on the 2-core machine",
+    "max_lora_rank": "the demo adapters' largest rank",
+    "max_num_seqs": "one request at a time never fills more than one sequence slot",
+}
 
 
 def main() -> int:
@@ -69,10 +70,7 @@ def main() -> int:
     if args.compare_modes:
         return _compare(args)
     mode = contextlib.ExitStack()
-    if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
-        from lora_cluster.serve.serve_mode import private_throughput_mode
-
-        mode.enter_context(private_throughput_mode())
+    mode.enter_context(serve_mode(args.serve_mode))  # before Ray starts: its controller and replicas read it
 
     import httpx
     import ray
@@ -84,13 +82,10 @@ def main() -> int:
     from lora_cluster.serve.protocol import GenerateJob
 
     zoo = build_demo_zoo(args.zoo, num_adapters=16, size="tiny", seed=0)
-    cfg = {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)], "max_loras": 4,
-           "max_lora_rank": 32, "max_num_seqs": 8}
+    cfg = {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)], **SETTINGS}
     sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
-    port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    root = start_serve(4)
     serve.run(build_app({**cfg, "num_replicas": 1}), name="bench", route_prefix="/")
     handles: dict[str, Any] = {}  # made in the event loop: in throughput mode they route on the caller's
     engine = build_engine(**cfg)  # two engines: Engine is single-threaded and AsyncEngine owns its own
@@ -98,7 +93,7 @@ def main() -> int:
     ids = engine.tokenize(PROMPT)
     body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True}
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    client = httpx.Client(base_url=root, timeout=60)
     ttft: list[float] = []
 
     def via_engine() -> None:
@@ -167,12 +162,6 @@ def main() -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write(args: argparse.Namespace, report: str) -> None:
     if args.out:
         with args.out.open("a" if args.append else "w") as f:
@@ -200,18 +189,17 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _compare_report(args: argparse.Namespace, runs: list[tuple[str, dict]]) -> str:
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
-    p50 = lambda run, path: _percentiles(run["results"][path])["p50"]  # noqa: E731
+    p50 = lambda run, path: summary(run["results"][path])["p50"]  # noqa: E731
     over = lambda run: p50(run, "http") - p50(run, "engine")  # noqa: E731
+    command = (f"RAY_AUTH_MODE=disabled python benchmarks/bench_router.py --requests {args.requests} "
+               f"--max-tokens {args.max_tokens} --compare-modes {args.compare_modes}")
     lines = [
-        "## Serve modes: default vs throughput-optimized (alternating runs)",
-        "",
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {_machine()}",
-        f"- command: `RAY_AUTH_MODE=disabled python benchmarks/bench_router.py --requests {args.requests} "
-        f"--max-tokens {args.max_tokens} --compare-modes {args.compare_modes}`",
+        *header("Serve modes: default vs throughput-optimized (alternating runs)", command, level=2,
+                machine_note=f"; load average during the run {load_avg()}",
+                changed=changed_settings(SETTINGS, REASONS)),
         "- each run: the benchmark above on a fresh Ray in a child process, modes in turn "
         "(default, throughput, default, ...); `throughput` = `THROUGHPUT_MODE_ENV` "
-        "(`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, `RAY_SERVE_ENABLE_HA_PROXY=1`, serve/serve_mode.py)",
+        "(`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, `RAY_SERVE_ENABLE_HA_PROXY=1`, serve/ops/serve_mode.py)",
         "",
         "| run | mode | load (1 min) | engine p50 | async-engine p50 | handle p50 | http p50 "
         "| http-stream p50 | http - engine |",
@@ -228,50 +216,26 @@ def _compare_report(args: argparse.Namespace, runs: list[tuple[str, dict]]) -> s
                   "|---|---:|---:|---:|---:|---:|"]
         engine_p50 = p50(best, "engine")
         for name, samples in best["results"].items():
-            p = _percentiles(samples)
+            p = summary(samples)
             lines.append(f"| {name} | {ms(p['mean'])} | {ms(p['p50'])} | {ms(p['p90'])} | {ms(p['p99'])} | "
                          f"{ms(p['p50'] - engine_p50)} |")
         if best["ttft"]:
-            p = _percentiles(best["ttft"])
+            p = summary(best["ttft"])
             lines.append(f"| http-stream, first token | {ms(p['mean'])} | {ms(p['p50'])} | {ms(p['p90'])} | "
                          f"{ms(p['p99'])} | |")
     return "\n".join(lines) + "\n"
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores{mem}, no GPU; load average during the run {load}"
-
-
 def _report(args: argparse.Namespace, results: dict[str, list[float]], ttft: list[float]) -> str:
-    import ray
-    import torch
-
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
-    engine_p50 = _percentiles(results["engine"])["p50"]
+    engine_p50 = summary(results["engine"])["p50"]
+    command = (f"RAY_AUTH_MODE=disabled python benchmarks/bench_router.py --requests {args.requests} "
+               f"--max-tokens {args.max_tokens} --serve-mode {args.serve_mode}"
+               f"{' --out ' + str(args.out) if args.out else ''}")
     lines = [
-        "# Router overhead: a short completion through Ray Serve vs the engine directly",
-        "",
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {_machine()}",
-        f"- software: Python {sys.version.split()[0]}, torch {torch.__version__}, Ray {ray.__version__}",
-        f"- command: `RAY_AUTH_MODE=disabled python benchmarks/bench_router.py --requests {args.requests} "
-        f"--max-tokens {args.max_tokens} --serve-mode {args.serve_mode}"
-        f"{' --out ' + str(args.out) if args.out else ''}`",
+        *header("Router overhead: a short completion through Ray Serve vs the engine directly", command,
+                machine_note=f"; load average during the run {load_avg()}",
+                changed=changed_settings(SETTINGS, REASONS)),
         f"- workload: the tiny demo model, adapter {ADAPTER} (resident), a {len(PROMPT.split())}-word "
         "prompt, "
         f"{args.max_tokens} greedy tokens (EOS ignored), one request at a time, {args.requests} requests per "
@@ -281,11 +245,11 @@ def _report(args: argparse.Namespace, results: dict[str, list[float]], ttft: lis
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, samples in results.items():
-        p = _percentiles(samples)
+        p = summary(samples)
         lines.append(f"| {name} | {ms(p['mean'])} | {ms(p['p50'])} | {ms(p['p90'])} | {ms(p['p99'])} | "
                      f"{ms(p['p50'] - engine_p50)} |")
     if ttft:
-        p = _percentiles(ttft)
+        p = summary(ttft)
         lines.append(f"| http-stream, first token | {ms(p['mean'])} | {ms(p['p50'])} | {ms(p['p90'])} | "
                      f"{ms(p['p99'])} | |")
     lines += [
@@ -298,7 +262,7 @@ def _report(args: argparse.Namespace, results: dict[str, list[float]], ttft: lis
         "`http-stream` = the same with `stream: true`.",
         "",
     ]
-    p50 = {name: _percentiles(samples)["p50"] for name, samples in results.items()}
+    p50 = {name: summary(samples)["p50"] for name, samples in results.items()}
     lines += [
         f"Reading (p50): a short completion through Serve's HTTP path takes {ms(p50['http'])} ms against "
         f"{ms(p50['engine'])} ms for the engine alone, i.e. {ms(p50['http'] - p50['engine'])} ms of serving "

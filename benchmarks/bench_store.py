@@ -22,11 +22,9 @@ base-model request. Prints markdown and writes it to `--out`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -36,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import header
 from safetensors.torch import save_file
 
 from lora_cluster.demo import _adapter_config, build_demo_zoo
@@ -226,16 +225,6 @@ def tier_table(title: str, ids: list[str], sizes: dict[str, int], m: dict[str, l
     return out
 
 
-def machine() -> str:
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-               platform.processor())
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores ({cpu}), {gpu}, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/bench_store.md"))
@@ -260,11 +249,8 @@ def main() -> int:
     added = statistics.median(x - y for x, y in zip(lora, base, strict=True))  # paired: cancels slow periods
     noise = statistics.quantiles(base, n=10)[-1] - statistics.quantiles(base, n=10)[0]
     lines = [
-        "# Adapter store benchmark", "",
-        f"- machine: {machine()}",
-        "- command: `.venv/bin/python benchmarks/bench_store.py "
-        f"--reps {args.reps} --requests {args.requests}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        *header("Adapter store benchmark",
+                f".venv/bin/python benchmarks/bench_store.py --reps {args.reps} --requests {args.requests}"),
         "- model: demo zoo `size=\"base\"` (~88M-parameter Llama, float32, CPU); adapters: its 16 demo "
         f"adapters (ranks 8-32, 1-20 MB) and one crafted rank-{BIG_RANK} all-projection adapter "
         f"({mb(bench.sizes['big'])}); S3: moto's server on 127.0.0.1 (single-threaded Python, so its "

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import machine, open_loop, percentile
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.config import EngineConfig
@@ -96,36 +96,13 @@ def run(engine: Engine, plan: list[tuple[float, str]], max_tokens: int, tag: str
         bound_s: float) -> dict[str, list[float] | int]:
     """Requests added at their offsets while the engine steps; TTFT per kind, completions, switches."""
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    added: dict[str, tuple[float, str]] = {}
-    ttft: dict[str, float] = {}
-    done = 0
     switches = engine.counters_snapshot()["switches"]
-    start, i = time.perf_counter(), 0
-    while (i < len(plan) or engine.has_unfinished()) and time.perf_counter() - start < bound_s:
-        now = time.perf_counter() - start
-        while i < len(plan) and plan[i][0] <= now:
-            rid = f"{tag}-{i}"
-            engine.add_request(rid, PROMPTS[i % len(PROMPTS)], plan[i][1], params)
-            added[rid] = (time.perf_counter(), plan[i][1])
-            i += 1
-        if not engine.has_unfinished():
-            time.sleep(min(0.005, max(0.0, plan[i][0] - now)))
-            continue
-        for out in engine.step():
-            if out.request_id not in ttft and out.token_ids:
-                ttft[out.request_id] = time.perf_counter() - added[out.request_id][0]
-            if out.finished and out.error is None:
-                done += 1
-    hot = [s for r, s in ttft.items() if added[r][1].startswith("h")]
-    cold = [s for r, s in ttft.items() if added[r][1].startswith("c")]
+    seen = open_loop(engine, plan, params, tag=tag, prompts=PROMPTS, bound_s=bound_s)
+    hot = [s for r, s in seen.ttft.items() if seen.added[r][1].startswith("h")]
+    cold = [s for r, s in seen.ttft.items() if seen.added[r][1].startswith("c")]
     cold_sent = sum(1 for _, a in plan if a.startswith("c"))
-    return {"hot": hot, "cold": cold, "done": done, "sent": len(plan), "cold_sent": cold_sent,
+    return {"hot": hot, "cold": cold, "done": seen.done, "sent": len(plan), "cold_sent": cold_sent,
             "switches": engine.counters_snapshot()["switches"] - switches}
-
-
-def pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def main() -> None:
@@ -140,8 +117,8 @@ def main() -> None:
     zoo = build_demo_zoo(args.zoo, num_adapters=64, seed=0)
     plan = arrivals(args.rate, args.duration, seed=1)
     cold_ids = sum(1 for _, a in plan if a.startswith("c"))
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     print("settings: EngineConfig defaults (max_loras 8, max_num_seqs 32, 2 loader workers, breakers on), "
           f"except: the adapter loader (a folder loader whose every load sleeps {args.load_ms:.0f} ms: the "
           "scenario), and breakers=False in storm-off (the comparison)",
@@ -159,25 +136,26 @@ def main() -> None:
             run(engine, warm, 1, f"warm-{name}-{r}", 60.0)
             res = run(engine, todo, args.max_tokens, f"{name}-{r}", args.duration + 120.0)
             engine.close()
-            hot_p99, cold = pct(res["hot"], 0.99), res["cold"]
+            hot_p99, cold = percentile(res["hot"], 0.99), res["cold"]
             print(f"round {r} {name}: hot TTFT p50 {statistics.median(res['hot']) * 1e3:.0f} ms p99 "
                   f"{hot_p99 * 1e3:.0f} ms; cold {len(cold)}/{res['cold_sent'] if storm else 0} first "
                   f"tokens, "
-                  f"p50 {pct(cold, 0.5) * 1e3:.0f} ms p99 {pct(cold, 0.99) * 1e3:.0f} ms; "
+                  f"p50 {percentile(cold, 0.5) * 1e3:.0f} ms p99 {percentile(cold, 0.99) * 1e3:.0f} ms; "
                   f"completed {res['done']}/{len(todo)}; switches {res['switches']}", flush=True)
-            if name not in results or hot_p99 < pct(results[name]["hot"], 0.99):
+            if name not in results or hot_p99 < percentile(results[name]["hot"], 0.99):
                 results[name] = res | {"todo": len(todo)}
     print("\n| run | hot TTFT p50 ms | hot TTFT p99 ms | cold first tokens | cold TTFT p50 ms "
           "| cold TTFT p99 ms | all completed | switches |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, res in results.items():
         cold = f"{len(res['cold'])}/{res['cold_sent']}" if name != "calm" else "-"
         hot = res["hot"]
-        p50, p99 = (f"{pct(res['cold'], q) * 1e3:.0f}" if res["cold"] else "-" for q in (0.5, 0.99))
-        print(f"| {name} | {statistics.median(hot) * 1e3:.0f} | {pct(hot, 0.99) * 1e3:.0f} | {cold} | {p50} "
-              f"| {p99} | {res['done']}/{res['todo']} | {res['switches']} |")
-    calm = pct(results["calm"]["hot"], 0.99)
-    print(f"\nhot p99 TTFT storm / calm: protection on {pct(results['storm']['hot'], 0.99) / calm:.2f}x "
-          f"(target <= 1.5x), off {pct(results['storm-off']['hot'], 0.99) / calm:.2f}x")
+        p50, p99 = (f"{percentile(res['cold'], q) * 1e3:.0f}" if res["cold"] else "-" for q in (0.5, 0.99))
+        print(f"| {name} | {statistics.median(hot) * 1e3:.0f} | {percentile(hot, 0.99) * 1e3:.0f} | {cold} "
+              f"| {p50} | {p99} | {res['done']}/{res['todo']} | {res['switches']} |")
+    calm = percentile(results["calm"]["hot"], 0.99)
+    storm = percentile(results["storm"]["hot"], 0.99)
+    print(f"\nhot p99 TTFT storm / calm: protection on {storm / calm:.2f}x "
+          f"(target <= 1.5x), off {percentile(results['storm-off']['hot'], 0.99) / calm:.2f}x")
     print(f"load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

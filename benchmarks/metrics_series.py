@@ -1,6 +1,6 @@
 """Scrape size of `GET /metrics`, in series, for many adapters: what `metrics_max_adapter_labels` bounds.
 
-Drives the public metric functions of `lora_cluster.serve.metrics` exactly as the ingress does for
+Drives the public metric functions of `lora_cluster.serve.ops.metrics` exactly as the ingress does for
 each generation (`GenerationMetrics`: admitted, started, tokens, finished; `routing_decision`), with
 `--requests` generations over `--adapters` adapters drawn Zipf-like (s=1.1), spread over the three
 default SLA classes and `--tenants` tenants (adapter k belongs to tenant k mod tenants; 0: requests
@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import random
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
-from lora_cluster.serve import metrics
+from lora_cluster.serve.ops import metrics
+from lora_cluster.sim.popularity import ZipfSampler
 from lora_cluster.store.stats import LOAD_BUCKETS_S, TIERS
 
 CLASSES = ("interactive", "standard", "batch")
@@ -57,10 +59,10 @@ def main() -> None:
     args = parser.parse_args()
     clock = Clock()
     metrics.configure(ServeConfig(metrics_max_adapter_labels=args.max_adapter_labels), clock)
-    metrics.set_replica_stats_source(lambda: {f"r{i}": replica_report(i) for i in range(args.replicas)})
+    metrics.set_replica_stats_source(lambda: {f"r{i}": RoutingStats.from_dict(replica_report(i))
+                                              for i in range(args.replicas)})
     rng = random.Random(0)
-    weights = [1 / (k + 1) ** 1.1 for k in range(args.adapters)]
-    drawn = rng.choices(range(args.adapters), weights, k=args.requests)
+    drawn = ZipfSampler(args.adapters, 1.1).draws(rng, args.requests)
     seen = set()
     for n, k in enumerate(drawn):
         adapter = f"adapter-{k}"

@@ -18,7 +18,7 @@ file of its own, and the script prints the p50 and mean of every step between co
   response -> client                   Serve's way back through the proxy to the client
 
 `--serve-mode throughput` runs the app in Ray Serve's throughput-optimized mode (HAProxy, direct
-ingress, gRPC between deployments: lora_cluster/serve/serve_mode.py). There the first step is httpx,
+ingress, gRPC between deployments: lora_cluster/serve/ops/serve_mode.py). There the first step is httpx,
 HAProxy and the ingress replica's own HTTP server, the body is read in the ingress itself, and the
 call into the replica and the reply travel over gRPC.
 
@@ -33,13 +33,15 @@ import collections
 import contextlib
 import itertools
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_router import REASONS, SETTINGS
+from common import changed_settings, load_avg, serve_mode, start_serve
 
 PROMPT = "the river runs past a quiet town where people trade bread"
 ADAPTER = "a3"
@@ -50,7 +52,9 @@ POINTS = ["c_send", "mw_in", "rcv_in", "rcv_out", "route_in", "enc_in", "enc_out
 def install(folder: str) -> None:
     """Wrap the timeline's points in this process (the workers' setup hook); points go to `folder`."""
     from lora_cluster.engine import async_engine
-    from lora_cluster.serve import body_limits, context, dispatch, ingress, logs, schemas
+    from lora_cluster.serve.http import body_limits, context, ingress, schemas
+    from lora_cluster.serve.ops import logs
+    from lora_cluster.serve.routing import dispatch
 
     out = open(os.path.join(folder, f"{os.getpid()}.tsv"), "a", buffering=1)  # noqa: SIM115
 
@@ -156,10 +160,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     mode = contextlib.ExitStack()
-    if args.serve_mode == "throughput":  # before Ray starts: its controller and replicas read them
-        from lora_cluster.serve.serve_mode import private_throughput_mode
-
-        mode.enter_context(private_throughput_mode())
+    mode.enter_context(serve_mode(args.serve_mode))  # before Ray starts: its controller and replicas read it
 
     import httpx
     import ray
@@ -170,21 +171,16 @@ def main() -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="profile-http-"))
     zoo = build_demo_zoo(args.zoo, num_adapters=16, size="tiny", seed=0)
-    cfg = {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)], "max_loras": 4,
-           "max_lora_rank": 32, "max_num_seqs": 8, "num_replicas": 1}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    cfg = {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)], **SETTINGS,
+           "num_replicas": 1}
     hook = lambda: install(str(folder))  # noqa: E731  (pickled by value into every worker)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": hook})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    root = start_serve(4, runtime_env={"worker_process_setup_hook": hook})
     serve.run(build_app(cfg), name="profile", route_prefix="/")
     body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True}
     skip = 10
     with open(folder / "client.tsv", "a", buffering=1) as out, \
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            httpx.Client(base_url=root, timeout=60) as client:
         for i in range(args.requests + skip):
             rid = f"rq{i}"
             out.write(f"{rid}\tc_send\t{time.perf_counter():.6f}\n")
@@ -196,8 +192,9 @@ def main() -> int:
     ray.shutdown()
     mode.close()
 
-    print(f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; {args.requests} requests; "
-          f"serve mode {args.serve_mode}")
+    print(f"load average {load_avg()}; {args.requests} requests; serve mode {args.serve_mode}; settings "
+          "changed from the shipped defaults: " + "; ".join(
+              f"{k} ({why})" for k, why in changed_settings(SETTINGS, REASONS).items()))
     print("| step | p50 ms | mean ms |\n|---|---:|---:|")
     for (a, b), ms in steps(folder, skip).items():
         print(f"| {a} -> {b} | {statistics.median(ms):.2f} | {statistics.fmean(ms):.2f} |")

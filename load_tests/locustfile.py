@@ -28,11 +28,11 @@ import random
 import time
 import urllib.error
 import urllib.request
-from bisect import bisect
-from itertools import accumulate
 
 import gevent
 from locust import HttpUser, between, events, task
+
+from lora_cluster.sim.popularity import ZipfSampler
 
 NUM_ADAPTERS = int(os.environ.get("LORA_ADAPTERS", "64"))
 ZIPF_S = float(os.environ.get("LORA_ZIPF_S", "1.1"))
@@ -43,13 +43,13 @@ WORDS = ["the", "river", "runs", "past", "a", "quiet", "town", "where", "people"
          "stories", "about", "old", "ships", "music", "weather", "mountains", "market", "children",
          "lanterns", "winter", "harvest", "letters", "bridge"]
 
-_CUMULATIVE = list(accumulate(1.0 / (k ** ZIPF_S) for k in range(1, NUM_ADAPTERS + 1)))
+_POPULARITY = ZipfSampler(NUM_ADAPTERS, ZIPF_S)
 _hits = {"true": 0, "false": 0}
 
 
 def zipf_adapter(rng: random.Random) -> str:
     """Adapter a{k-1} with probability proportional to 1/k^s."""
-    return f"a{bisect(_CUMULATIVE, rng.random() * _CUMULATIVE[-1])}"
+    return f"a{_POPULARITY.draw(rng)}"
 
 
 def prompt(rng: random.Random) -> str:

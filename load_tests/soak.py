@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from lora_cluster.sim.popularity import ZipfSampler
+
 PROMPT = "the river runs through the old town and"
 
 
@@ -79,9 +81,9 @@ def resources(root_pid: int | None) -> dict[str, tuple[float, int, int]]:
 
 def zipf_models(n: int, base: str, rng: random.Random) -> list[str]:
     """Model names of successive requests: adapters a0..a{n-1} by Zipf(1.1), and the base model as
-    often as the most popular adapter."""
-    weights = [1 / (k + 1) ** 1.1 for k in range(n)]
-    return rng.choices([*(f"a{k}" for k in range(n)), base], weights=[*weights, weights[0]], k=100_000)
+    often as the most popular adapter (an extra weight of rank 0's 1.0, drawn as index n)."""
+    names = [*(f"a{k}" for k in range(n)), base]
+    return [names[i] for i in ZipfSampler(n, 1.1, extra_weights=[1.0]).draws(rng, 100_000)]
 
 
 async def one(client: httpx.AsyncClient, model: str, stream: bool,
