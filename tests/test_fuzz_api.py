@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_cluster.cluster.controller import Controller
-from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.cluster.sla import build_sla_classes
+from lora_cluster.config import ServeConfig
 from lora_cluster.demo import train_tokenizer
 from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
 from lora_cluster.errors import LoraClusterError

@@ -17,7 +17,8 @@ import httpx
 import pytest
 from test_serve_app import BOUND_S, FakeDispatcher, FakeTokenizer
 
-from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.cluster.sla import build_sla_classes
+from lora_cluster.config import ServeConfig
 from lora_cluster.serve.context import ApiContext
 from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas

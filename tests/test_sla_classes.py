@@ -9,8 +9,8 @@ import json
 import pytest
 
 from lora_cluster.cluster.class_stats import ClassStats, percentile
-from lora_cluster.cluster.sla import SlaClass, SlaClasses
-from lora_cluster.config import ServeConfig, build_config, build_sla_classes
+from lora_cluster.cluster.sla import SlaClass, SlaClasses, build_sla_classes
+from lora_cluster.config import ServeConfig, build_config
 from lora_cluster.errors import ConfigError, RequestError
 
 

@@ -5,7 +5,8 @@ preempts by it), a time-to-first-token target and a time-per-output-token target
 target, e.g. batch work). A request picks its class by name (header `x-lora-priority: <class>`),
 or by vLLM's integer `priority` field (the class with that priority, else the most urgent class
 that is not more urgent than the number asked for, else the least urgent class), or gets the
-default class. Pure: no Ray, no HTTP.
+default class. The classes are configured in `ServeConfig.sla_classes` (lora_cluster.config, which
+also holds the defaults); this module is the policy over them. Pure: no Ray, no HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lora_cluster.config import DEFAULT_CLASS, MAX_CLASSES, ServeConfig, SlaClassConfig, serve_defaults
 from lora_cluster.errors import ConfigError, RequestError
 
 
@@ -29,14 +31,12 @@ class SlaClass:
             return False
         return not (self.tpot_s is not None and tpot_s is not None and tpot_s > self.tpot_s)
 
+    @classmethod
+    def from_config(cls, config: SlaClassConfig) -> SlaClass:
+        return cls(config.name, config.priority, ttft_s=config.ttft_s, tpot_s=config.tpot_s)
 
-DEFAULT_SLA_CLASSES = (
-    SlaClass("interactive", 0, ttft_s=1.0, tpot_s=0.2),
-    SlaClass("standard", 1, ttft_s=5.0, tpot_s=0.5),
-    SlaClass("batch", 2),
-)
-DEFAULT_CLASS = "standard"
-MAX_CLASSES = 16
+
+DEFAULT_SLA_CLASSES = tuple(SlaClass.from_config(c) for c in serve_defaults().sla_classes)
 
 
 class SlaClasses:
@@ -78,3 +78,9 @@ class SlaClasses:
         if priority is not None:
             return self.for_priority(priority)
         return self.default
+
+
+def build_sla_classes(config: ServeConfig) -> SlaClasses:
+    """The `SlaClasses` of a ServeConfig: its `sla_classes`, defaulting to `default_priority_class`."""
+    return SlaClasses((SlaClass.from_config(c) for c in config.sla_classes),
+                      default=config.default_priority_class)

@@ -17,7 +17,6 @@ from lora_cluster.config.serve import (
     ReplicaGroupConfig,
     ServeConfig,
     SlaClassConfig,
-    build_sla_classes,
     serve_defaults,
 )
 
@@ -35,7 +34,6 @@ __all__ = [
     "SlaClassConfig",
     "StrList",
     "build_config",
-    "build_sla_classes",
     "env_var",
     "parse_bytes",
     "serve_defaults",

@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lora_cluster.cluster.sla import SlaClass, SlaClasses
 from lora_cluster.config.engine import EngineConfig
 from lora_cluster.config.parsing import ByteSize
 
@@ -24,7 +23,8 @@ def _default_demo_dir() -> str:
 
 
 class SlaClassConfig(BaseModel):
-    """One SLA class of `ServeConfig.sla_classes` (see `lora_cluster.cluster.sla`)."""
+    """One SLA class of `ServeConfig.sla_classes`; `lora_cluster.cluster.sla` holds the policy that
+    resolves a request's class from them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -36,9 +36,6 @@ class SlaClassConfig(BaseModel):
     priority: int = Field(description="Lower is more urgent (vLLM's convention); the engine orders by it.")
     ttft_s: float | None = Field(None, gt=0, description="Time-to-first-token target (None: no target).")
     tpot_s: float | None = Field(None, gt=0, description="Time-per-output-token target (None: no target).")
-
-    def sla_class(self) -> SlaClass:
-        return SlaClass(self.name, self.priority, ttft_s=self.ttft_s, tpot_s=self.tpot_s)
 
 
 DEFAULT_SLA_CLASSES = (
@@ -384,10 +381,6 @@ class ServeConfig(EngineConfig):
             )
         return self
 
-
-def build_sla_classes(config: ServeConfig) -> SlaClasses:
-    """The `SlaClasses` of a ServeConfig: its `sla_classes`, defaulting to `default_priority_class`."""
-    return SlaClasses((c.sla_class() for c in config.sla_classes), default=config.default_priority_class)
 
 
 def serve_defaults() -> ServeConfig:

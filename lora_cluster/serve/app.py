@@ -30,7 +30,8 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.cluster.sla import build_sla_classes
+from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ConfigError
 from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress

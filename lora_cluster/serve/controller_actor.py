@@ -30,7 +30,8 @@ from ray import serve
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.cluster.sla import build_sla_classes
+from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Header
 
-from lora_cluster.cluster.sla import SlaClass, SlaClasses
-from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.cluster.sla import SlaClass, SlaClasses, build_sla_classes
+from lora_cluster.config import ServeConfig
 from lora_cluster.errors import (
     AdapterNotFoundError,
     ConfigError,

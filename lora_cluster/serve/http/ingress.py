@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from ray import serve
 
-from lora_cluster.config import build_sla_classes
+from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.serve.http.admin_api import admin_router
 from lora_cluster.serve.http.body_limits import BodyLimitsMiddleware
 from lora_cluster.serve.http.context import ApiContext

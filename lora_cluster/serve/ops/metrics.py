@@ -45,8 +45,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.config import ServeConfig, build_sla_classes
+from lora_cluster.cluster.sla import SlaClasses, build_sla_classes
+from lora_cluster.config import ServeConfig
 from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
 from lora_cluster.store.stats import LOAD_BUCKETS_S
 

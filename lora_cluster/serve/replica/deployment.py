@@ -37,7 +37,7 @@ from ray import serve
 
 from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
 from lora_cluster.cluster.report_rules import MAX_PREFETCHES, AdapterDemand, ServiceTime
-from lora_cluster.config import build_sla_classes
+from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
