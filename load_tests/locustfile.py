@@ -9,8 +9,11 @@ of the stream). Every response's `x-lora-adapter-hit` header is counted; the hit
 the end.
 
     RAY_AUTH_MODE=disabled serve run serve_config.yaml &      # or any lora-cluster deployment
-    locust -f load_tests/locustfile.py --host http://127.0.0.1:8000 \\
+    .venv/bin/locust -f load_tests/locustfile.py --host http://127.0.0.1:8000 \\
         --headless -u 32 -r 8 -t 2m --csv /tmp/lora-load
+
+The adapters are drawn by `lora_cluster.sim.popularity` (pure Python, no torch or Ray), so the
+Locust process runs from the project's virtual environment (or any with `lora_cluster` installed).
 
 Before the first user starts, the test waits up to LORA_WAIT_S seconds (180) for `GET /health` to
 answer 200, so that it can be started together with the server; if the server never answers, it
