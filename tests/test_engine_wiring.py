@@ -1,0 +1,67 @@
+"""The caller wires the adapter store into the engine, and the engine's and the store's packages (and
+the pure policies the simulator imports from them) import without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from lora_cluster.engine import Engine, build_engine
+from lora_cluster.store import TieredAdapterStore
+from lora_cluster.store.folder_loader import FolderAdapterLoader
+
+if TYPE_CHECKING:
+    import torch
+
+    from lora_cluster.adapter_format import ModelShapes
+    from lora_cluster.config import EngineConfig
+
+PURE = ["lora_cluster.engine", "lora_cluster.store", "lora_cluster.store.loader", "lora_cluster.store.policy",
+        "lora_cluster.engine.prefill_plan", "lora_cluster.engine.adapters",
+        "lora_cluster.engine.adapters.urgency", "lora_cluster.engine.adapters.rotation",
+        "lora_cluster.engine.adapters.demand", "lora_cluster.engine.adapters.thrash",
+        "lora_cluster.engine.adapters.fetch_queue"]
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_imports_with_torch_and_ray_unimportable(module: str) -> None:
+    code = f"import sys; sys.modules['torch'] = None; sys.modules['ray'] = None; import {module}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{module} needs torch or Ray to import:\n{result.stderr[-2000:]}"
+
+
+def test_the_engine_is_given_its_loader() -> None:
+    with pytest.raises(TypeError, match="adapter_loader"):
+        Engine(model="unused")  # type: ignore[call-arg]
+
+
+def test_build_engine_wires_the_store_its_config_names(demo_model_dir: Path, demo_adapters_dir: Path,
+                                                      tmp_path: Path) -> None:
+    tiered = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
+                          disk_cache_dir=str(tmp_path / "disk"))
+    folder = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
+                          adapter_store="folder")
+    try:
+        assert isinstance(tiered.loader, TieredAdapterStore), "the tiered store is the default loader"
+        assert isinstance(folder.loader, FolderAdapterLoader), "adapter_store='folder': the folder loader"
+    finally:
+        tiered.close()
+        folder.close()
+
+
+def test_a_loader_the_caller_passes_is_the_engines(demo_model_dir: Path, demo_adapters_dir: Path) -> None:
+    made: list[FolderAdapterLoader] = []
+
+    def factory(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> FolderAdapterLoader:
+        made.append(FolderAdapterLoader([str(demo_adapters_dir)], shapes, config.max_lora_rank))
+        return made[-1]
+
+    engine = build_engine(model=str(demo_model_dir), max_loras=2, adapter_loader=factory)
+    try:
+        assert made and engine.loader is made[0], "the engine serves from the loader its caller built"
+    finally:
+        engine.close()
