@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
+from lora_cluster.cluster.report_rules import AdapterDemand
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError
-from lora_cluster.serve import admission as admission_module
-from lora_cluster.serve.admission import ClusterAdmission
-from lora_cluster.serve.reporter import AdapterDemand, ControllerReporter
+from lora_cluster.serve.replica.reporter import ControllerReporter
+from lora_cluster.serve.routing import admission as admission_module
+from lora_cluster.serve.routing.admission import ClusterAdmission
 
 
 class Response:
@@ -46,9 +48,9 @@ class FakeController:
         return Response(self.outcomes.pop(0))
 
 
-def full_stats() -> dict[str, dict[str, int]]:
-    return {"r1": {"num_running": 2, "num_waiting": 0, "max_num_seqs": 2},
-            "r2": {"num_running": 1, "num_waiting": 1, "max_num_seqs": 2}}
+def full_stats() -> dict[str, RoutingStats]:
+    return {"r1": RoutingStats(num_running=2, num_waiting=0, max_num_seqs=2),
+            "r2": RoutingStats(num_running=1, num_waiting=1, max_num_seqs=2)}
 
 
 def admission(controller: Any, stats: Any = full_stats, clock: list[float] | None = None) -> ClusterAdmission:
@@ -57,8 +59,8 @@ def admission(controller: Any, stats: Any = full_stats, clock: list[float] | Non
                             clock=lambda: clock[0])
 
 
-def one_replica(running: int) -> dict[str, dict[str, int]]:
-    return {"r1": {"num_running": running, "num_waiting": 0, "max_num_seqs": 2}}
+def one_replica(running: int) -> dict[str, RoutingStats]:
+    return {"r1": RoutingStats(num_running=running, num_waiting=0, max_num_seqs=2)}
 
 
 async def test_the_fast_path_makes_no_controller_call():

@@ -15,6 +15,11 @@ import pytest
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.routing_score import rank_replicas
+from lora_cluster.cluster.routing_stats import RoutingStats
+from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.errors import ClusterOverloadedError
+from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.sim import SimConfig, Simulation, run
 from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
@@ -22,10 +27,6 @@ from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile, TierCost
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.workload import SimRequest
-from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.errors import ClusterOverloadedError
-from lora_cluster.serve.admission import ClusterAdmission
-from lora_cluster.serve.affinity import rank_replicas
 
 CLASSES = SlaClasses()
 PROFILE = ReplicaProfile(
@@ -81,7 +82,7 @@ def test_the_router_decision_matches_on_random_states() -> None:
 def live_ingress(sim: Simulation) -> ClusterAdmission:
     """The live ingress's admission state for the same requests: fast-path requests on their way,
     requests running per replica (after their first item), the replicas' routing stats."""
-    stats: dict[str, dict[str, int]] = {}
+    stats: dict[str, RoutingStats] = {}
     ingress = ClusterAdmission(object(), capacity=None, replica_stats=lambda: stats, timeout_s=60.0)
     for rid, replica in sorted(sim.replicas.items()):
         for req in [*replica.waiting, *replica.running.values()]:
@@ -89,8 +90,8 @@ def live_ingress(sim: Simulation) -> ClusterAdmission:
                 asyncio.run(ingress.admit(sla_class=req.sla.name, adapter_id=req.adapter, arrived_at=0.0))
             if req.first_token_at is not None:
                 ingress.started(rid, granted=req.ticket is not None)
-    stats.update({rid: {"num_running": len(r.running), "num_waiting": len(r.waiting),
-                        "max_num_seqs": r.max_num_seqs} for rid, r in sim.replicas.items()})
+    stats.update({rid: RoutingStats(num_running=len(r.running), num_waiting=len(r.waiting),
+                                    max_num_seqs=r.max_num_seqs) for rid, r in sim.replicas.items()})
     return ingress
 
 

@@ -22,20 +22,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
+from app_client import BOUND_S, FakeTokenizer, serving
+from helpers import greedy, wait_until_async
 from ray.serve.exceptions import RequestCancelledError
-from test_serve_app import BOUND_S, FakeTokenizer
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.admission import ClusterAdmission
-from lora_cluster.serve.context import ApiContext, finals, merge
-from lora_cluster.serve.dispatch import Dispatcher, Generation
+from lora_cluster.serve.http.context import ApiContext, finals, merge
+from lora_cluster.serve.http.ingress import build_fastapi
 from lora_cluster.serve.http_errors import ApiException
-from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.quotas import LocalQuotas
+from lora_cluster.serve.routing.admission import ClusterAdmission
+from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
+from lora_cluster.serve.routing.quotas import LocalQuotas
 from lora_cluster.tenancy.quota import QuotaBook
 from lora_cluster.tenancy.tenants import hash_key
 from lora_cluster.tenancy.watch import TenantsWatcher
@@ -49,7 +50,7 @@ def replicas(demo_zoo, monkeypatch) -> Iterator[dict[str, Any]]:
     """Two `LoraReplica`s outside Ray Serve (Serve's and Ray's context faked, logging left alone) on
     the tiny demo model, their engine steps slowed to 5 ms at least, so that a 300-token request is
     still running when its caller goes away."""
-    from lora_cluster.serve import replica as replica_module
+    from lora_cluster.serve.replica import deployment as replica_module
 
     monkeypatch.setattr(replica_module.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=str))
     monkeypatch.setattr(replica_module, "configure_logging", lambda *args, **kwargs: None)
@@ -190,9 +191,9 @@ class GrantingController:
         self.snapshot = SimpleNamespace(remote=lambda: Reply({}, 0))
 
 
-def full() -> dict[str, dict[str, int]]:
+def full() -> dict[str, RoutingStats]:
     """Reports of two full replicas: every request parks in the cluster queue."""
-    return {rid: {"max_num_seqs": 1, "num_running": 1} for rid in REPLICAS}
+    return {rid: RoutingStats(max_num_seqs=1, num_running=1) for rid in REPLICAS}
 
 
 def dispatcher_over(replicas: dict[str, Any], rng: random.Random,
@@ -239,19 +240,6 @@ def fan_out(prefix: str, prompts: int, n: int, stream: bool, adapters: list[str 
             for i in range(prompts * n)]
 
 
-async def until(condition: Callable[[], Any], what: str) -> None:
-    """Wait (bounded) until `condition()` (maybe a coroutine function) holds."""
-    deadline = time.monotonic() + BOUND_S
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        await asyncio.sleep(0.01)
-
-
 # ----- a choice still starting when the client goes away -------------------------------------------------
 
 
@@ -272,7 +260,7 @@ async def test_a_fan_out_cancelled_while_a_choice_starts_cancels_the_started_one
     async def three_started() -> bool:
         return sum((await in_flight(dispatcher)).values()) == 3
 
-    await until(three_started, "choices 0-2 started on their replicas")
+    await wait_until_async(three_started, BOUND_S, "choices 0-2 started on their replicas")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -295,7 +283,7 @@ async def test_a_generation_cancelled_while_its_request_is_being_added_leaves_no
     """The replica's engine: a caller cancelled at the first await of `AsyncEngine.generate` (the add,
     queued to the engine's thread, which still runs it) leaves no request generating."""
     engine = replicas["r1"].aengine
-    sampling = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+    sampling = greedy(300)
     stream = engine.generate([40, 41, 42], None, sampling, request_id="added-then-gone")
     task = asyncio.create_task(stream.__anext__())
     await asyncio.sleep(0)  # the task posts the add and awaits it
@@ -323,25 +311,19 @@ tenants:
     book = QuotaBook(lambda: 0.0)  # a frozen clock: the token bucket does not refill during the test
     dispatcher, handle = dispatcher_over(replicas, random.Random(2), parked=False)
     hold_last_choice(handle)
-    ctx = ApiContext(config=ServeConfig(model="base"), tokenizer=FakeTokenizer(), dispatcher=dispatcher,
-                     tenants=TenantsWatcher(str(tenants), start=False), quotas=LocalQuotas(book))
+    watcher = TenantsWatcher(str(tenants), start=False)
     body = {"model": "a1", "prompt": "a", "n": 4, "max_tokens": 300, "stream": True}  # a 1-token prompt
-    try:
-        transport = httpx.ASGITransport(app=build_fastapi(ctx))
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
-                                     timeout=BOUND_S) as client:
-            task = asyncio.create_task(client.post("/v1/completions", json=body,
-                                                   headers={"authorization": f"Bearer {KEY}"}))
+    async with serving(FakeTokenizer(), dispatcher, tenants=watcher, quotas=LocalQuotas(book)) as client:
+        task = asyncio.create_task(client.post("/v1/completions", json=body,
+                                               headers={"authorization": f"Bearer {KEY}"}))
 
-            async def three_started() -> bool:
-                return sum((await in_flight(dispatcher)).values()) == 3
+        async def three_started() -> bool:
+            return sum((await in_flight(dispatcher)).values()) == 3
 
-            await until(three_started, "choices 0-2 started on their replicas")
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-    finally:
-        ctx.close()
+        await wait_until_async(three_started, BOUND_S, "choices 0-2 started on their replicas")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
     await nothing_left(replicas, dispatcher, handle, "an HTTP fan-out cancelled while its last choice starts")
     all_cancelled(replicas, "an HTTP fan-out cancelled while its last choice starts")
     usage = book.usage("finance")
@@ -414,7 +396,8 @@ async def cancelled_round(seed: int, replicas: dict[str, Any]) -> str:
 
     task = asyncio.create_task(request())
     after = rng.randint(0, len(jobs))  # cancel once this many choices started (all: while they run)
-    await until(lambda: len(started) >= after or task.done(), f"{what}: {after} choices started")
+    await wait_until_async(lambda: len(started) >= after or task.done(), BOUND_S,
+                           f"{what}: {after} choices started")
     for _ in range(rng.randrange(40)):
         await asyncio.sleep(0)
     if rng.random() < 0.3:

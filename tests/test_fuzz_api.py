@@ -31,19 +31,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_cluster.cluster.controller import Controller
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
 from lora_cluster.demo import train_tokenizer
-from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
+from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
 from lora_cluster.errors import LoraClusterError
-from lora_cluster.serve.admission import ClusterAdmission
-from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.dispatch import Generation
+from lora_cluster.serve.http.context import ApiContext
+from lora_cluster.serve.http.ingress import build_fastapi
 from lora_cluster.serve.http_errors import ApiError, ApiException, describe
-from lora_cluster.serve.ingress import build_fastapi
-from lora_cluster.serve.model import load_tokenizer
 from lora_cluster.serve.protocol import GenerateJob, output_item
-from lora_cluster.serve.replica import coalesce
+from lora_cluster.serve.replica.deployment import coalesce
+from lora_cluster.serve.replica.model import load_tokenizer
+from lora_cluster.serve.routing.admission import ClusterAdmission
+from lora_cluster.serve.routing.dispatch import Generation
 from lora_cluster.tenancy.tenants import Directory, hash_key, parse_tenants
 
 HTTP_EXAMPLES = 15  # per operation and phase: about a minute for all operations on an idle machine
@@ -53,15 +54,14 @@ ENGINE_SETTINGS = dict(max_loras=4, max_lora_rank=32, max_num_seqs=8, max_num_ba
                        max_model_len=MAX_MODEL_LEN)
 
 
-def _engine(demo_zoo: Any, settings: dict[str, Any] = ENGINE_SETTINGS) -> Engine:
-    return build_engine(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
-                        **settings)
+def _engine(make_engine, settings: dict[str, Any] = ENGINE_SETTINGS) -> Engine:
+    return make_engine(**settings)
 
 
 @pytest.fixture(scope="module")
-def engine(demo_zoo) -> Any:
+def engine(make_engine) -> Any:
     """An engine stepped by the test itself (the HTTP app's engine is stepped by its AsyncEngine)."""
-    engine = _engine(demo_zoo)
+    engine = _engine(make_engine)
     yield engine
     engine.close()
 
@@ -124,8 +124,8 @@ class EngineDispatcher:
         self.admission = ClusterAdmission(LocalController(config), capacity=None,
                                           replica_stats=self.replica_stats, timeout_s=1.0)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {"local": {}}
+    def replica_stats(self) -> dict[str, RoutingStats]:
+        return {"local": RoutingStats()}
 
     async def cluster_view(self) -> dict[str, Any]:
         return await self.admission.cluster_view()
@@ -242,8 +242,8 @@ schema_tenants = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["tenants"
 
 
 @pytest.fixture(scope="module")
-def zoo_engine(demo_zoo) -> Any:
-    aengine = AsyncEngine(_engine(demo_zoo, HTTP_ENGINE_SETTINGS))
+def zoo_engine(make_engine) -> Any:
+    aengine = AsyncEngine(_engine(make_engine, HTTP_ENGINE_SETTINGS))
     yield aengine
     aengine.shutdown()
 

@@ -1,24 +1,18 @@
-"""Observability without Ray: bounded metric labels (`serve.top_labels`), request metrics by adapter,
-tenant and class (`serve.metrics`), replica-report families, engine counters, autoscaling options."""
+"""Observability without Ray: bounded metric labels (`serve.ops.top_labels`), request metrics by adapter,
+tenant and class (`serve.ops.metrics`), replica-report families, engine counters, autoscaling options."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+from helpers import FakeClock
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve import metrics
-from lora_cluster.serve.top_labels import OTHER, TopLabels
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
 
 
 def _samples(name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -40,14 +34,14 @@ def _label_values(name: str, label: str) -> set[str]:
 
 
 def test_first_values_keep_their_label_until_the_bound_then_other():
-    top = TopLabels(2, 60.0, clock=Clock())
+    top = TopLabels(2, 60.0, clock=FakeClock(0.0))
     assert [top.label(v) for v in ("a", "b", "c", "a")] == ["a", "b", OTHER, "a"], (
         "the first max_labels values keep their id, later ones are 'other'")
     assert top.kept == {"a", "b"}, "exactly max_labels values are kept"
 
 
 def test_the_busiest_values_of_a_window_take_the_labels_and_the_others_are_demoted():
-    clock = Clock()
+    clock = FakeClock(0.0)
     top = TopLabels(2, 10.0, clock=clock)
     for v in ["a", "b"] + ["c"] * 5 + ["d"] * 3 + ["a"]:
         top.label(v)
@@ -59,7 +53,7 @@ def test_the_busiest_values_of_a_window_take_the_labels_and_the_others_are_demot
 
 
 def test_idle_values_stay_kept_while_there_is_room():
-    clock = Clock()
+    clock = FakeClock(0.0)
     top = TopLabels(3, 10.0, clock=clock)
     for v in ("a", "b", "c", "c"):
         top.label(v)
@@ -72,7 +66,7 @@ def test_idle_values_stay_kept_while_there_is_room():
 
 
 def test_tracking_is_bounded_and_a_busy_newcomer_still_ranks():
-    clock = Clock()
+    clock = FakeClock(0.0)
     top = TopLabels(2, 10.0, clock=clock, max_tracked=64)
     for i in range(1000):
         top.label(f"cold{i}")
@@ -95,7 +89,7 @@ def test_zero_labels_and_the_literal_other():
 # ----- request metrics by adapter, tenant and class ---------------------------------------------
 
 
-def _run(adapter: str | None, tenant: str | None, klass: str, clock: Clock, *, seconds: float = 0.5,
+def _run(adapter: str | None, tenant: str | None, klass: str, clock: FakeClock, *, seconds: float = 0.5,
          tokens: int = 3) -> None:
     m = metrics.GenerationMetrics(adapter, tenant, klass, clock=clock)
     m.admitted()
@@ -107,7 +101,7 @@ def _run(adapter: str | None, tenant: str | None, klass: str, clock: Clock, *, s
 
 
 def test_adapter_labels_are_bounded_and_counts_add_up():
-    clock = Clock()
+    clock = FakeClock(0.0)
     metrics.configure(ServeConfig(metrics_max_adapter_labels=3, metrics_label_window_s=1000.0), clock)
     before = sum(_samples("lora_cluster_generations_total").values())
     adapters = [f"u{i}" for i in range(8)]
@@ -125,7 +119,7 @@ def test_adapter_labels_are_bounded_and_counts_add_up():
 
 
 def test_a_demoted_adapter_loses_its_series():
-    clock = Clock()
+    clock = FakeClock(0.0)
     metrics.configure(ServeConfig(metrics_max_adapter_labels=1, metrics_label_window_s=10.0), clock)
     _run("old-one", None, "standard", clock)
     assert "old-one" in _label_values("lora_cluster_generations_total", "adapter"), "labelled at first"
@@ -147,7 +141,7 @@ def test_a_demoted_adapter_loses_its_series():
 
 
 def test_slo_outcome_follows_the_class_targets():
-    clock = Clock()
+    clock = FakeClock(0.0)
     metrics.configure(ServeConfig(), clock)
     before = _samples("lora_cluster_slo_requests_total")
     _run("a0", None, "interactive", clock, seconds=0.1)  # TTFT 0.1 s, TPOT 0.05 s: met
@@ -166,7 +160,7 @@ def test_slo_outcome_follows_the_class_targets():
 
 
 def test_routing_decisions_hit_miss_spill():
-    stats = {"r1": {"resident": ["a"]}, "r2": {"resident": [], "loading": ["b"]}}
+    stats = {"r1": RoutingStats(resident=("a",)), "r2": RoutingStats(loading=("b",))}
     assert metrics.routing_decision("a", "r1", True, stats) == "hit", "resident where it ran: hit"
     assert metrics.routing_decision("b", "r1", False, stats) == "spill", "held elsewhere only: spill"
     assert metrics.routing_decision("c", "r1", False, stats) == "miss", "held nowhere: miss"
@@ -184,7 +178,7 @@ def test_replica_reports_become_load_memory_and_engine_families():
         "memory": {"base_weights": 1000, "kv_cache": 500, "adapter_pool": 200, "free": None},
         "node_id": "n1", "classes": {"standard": {"running": 1, "waiting": 2, "slo_attainment": 0.5}},
     }
-    metrics.set_replica_stats_source(lambda: {"r1": report})
+    metrics.set_replica_stats_source(lambda: {"r1": RoutingStats.from_dict(report)})
     loads = _samples("lora_cluster_adapter_loads_total")
     assert loads[(("outcome", "ok"), ("replica", "r1"), ("tier", "device"))] == 5, "device loads = placements"
     assert loads[(("outcome", "failed"), ("replica", "r1"), ("tier", "host"))] == 1, "failed host loads"
@@ -206,11 +200,10 @@ def test_replica_reports_become_load_memory_and_engine_families():
 # ----- engine counters, config, autoscaling -----------------------------------------------------
 
 
-def test_engine_counts_steps_placements_switches_and_fragmentation(demo_zoo):
-    from lora_cluster.engine import SamplingParams, build_engine
+def test_engine_counts_steps_placements_switches_and_fragmentation(make_engine):
+    from lora_cluster.engine import SamplingParams
 
-    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
-                          max_loras=2, max_lora_rank=32)
+    engine = make_engine(max_loras=2, max_lora_rank=32)
     try:
         empty = engine.counters_snapshot()["adapter_pool_fragmentation"]
         assert empty == 0.0, "an empty pool is not fragmented"

@@ -12,7 +12,6 @@ not time closely: docs/bench_sla.md measures latencies), and every response's
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import statistics
 import time
 from typing import Any
@@ -20,14 +19,15 @@ from typing import Any
 import httpx
 import pytest
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.http_errors import ApiException
-from lora_cluster.serve.model import load_config
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.replica_groups import replica_groups, select_group
+from lora_cluster.serve.replica.model import load_config
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
+from lora_cluster.serve.routing.replica_groups import replica_groups, select_group
 from lora_cluster.store.merge import MergeSpec
 
 GROUPS = [
@@ -113,8 +113,8 @@ class _GroupReplicas:
     def __init__(self, replica: str):
         self.replica, self.jobs = replica, []
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {self.replica: {}}
+    def replica_stats(self) -> dict[str, RoutingStats]:
+        return {self.replica: RoutingStats()}
 
     async def start(self, job: GenerateJob, route: str) -> str:
         self.jobs.append(job)
@@ -209,29 +209,15 @@ PROMPT = "the quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def grouped_app(free_port, demo_zoo):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
+def grouped_app(ray_app, demo_zoo):
     config = {
         "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)], "num_cpus": 1,
         "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 4, "max_num_batched_tokens": 256,
         "max_ongoing_requests": 8, "routing_stats_period_s": 0.5, "controller_report_period_s": 0.25,
         "replica_groups": [{"name": "fin", "adapters": ["a[0-3]"]}, {"name": "ops"}],
     }
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name="groups", route_prefix="/")
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-            yield client
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_app(config, name="groups") as url, httpx.Client(base_url=url, timeout=120) as client:
+        yield client
 
 
 def _complete(http: httpx.Client, adapter: str, max_tokens: int) -> tuple[float, str, int, float]:

@@ -9,19 +9,20 @@ import pytest
 from pydantic import ValidationError
 
 from lora_cluster import errors as e
+from lora_cluster.cluster.routing_score import PlacementTracker, ReplicaView, adapter_cost, rank_replicas
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve import metrics
-from lora_cluster.serve.affinity import PlacementTracker, ReplicaView, adapter_cost, rank_replicas
-from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe, validation_error
-from lora_cluster.serve.protocol import GenerateJob, ToReplica, routing_key
-from lora_cluster.serve.schemas import (
+from lora_cluster.serve.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     LoraxParameters,
     LoraxRequest,
 )
-from lora_cluster.serve.sse import DONE, event
+from lora_cluster.serve.http.sse import DONE, event
+from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe, validation_error
+from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.protocol import GenerateJob, ToReplica, routing_key
 
 LIMITS = ServeConfig(model="m", max_new_tokens=100, default_max_tokens=20, max_n=4)
 
@@ -73,20 +74,20 @@ def test_base_model_requests_balance_by_load_and_ties_are_deterministic():
 def test_placements_count_until_reports_confirm_them():
     t = PlacementTracker(ttl_s=5)
     t.record("r1", "x", now=100.0)
-    v = t.view("r1", {"resident": [], "loading": [], "empty_adapter_slots": 2, "max_num_seqs": 8}, 0, now=101)
+    v = t.view("r1", RoutingStats(empty_adapter_slots=2, max_num_seqs=8), 0, now=101)
     assert "x" in v.adapters, "a recent placement counts as held before the report shows it"
     assert v.empty_adapter_slots == 1, "a recent placement takes one of the reported empty slots"
-    reported = {"resident": ["x"], "empty_adapter_slots": 1}
+    reported = RoutingStats(resident=("x",), empty_adapter_slots=1)
     assert t.view("r1", reported, 0, now=101).empty_adapter_slots == 1, (
         "a placement that the report confirms is not counted twice")
-    assert "x" not in t.view("r1", {}, 0, now=106).adapters, (
+    assert "x" not in t.view("r1", RoutingStats(), 0, now=106).adapters, (
         "an expired placement no longer counts when the report lacks it")
     t.prune(["r2"], now=106)
     assert t.recent("r1", 106) == set(), "pruning forgets replicas that are gone"
 
 
 def test_unknown_replica_is_assumed_to_have_room():
-    v = PlacementTracker(ttl_s=5).view("r9", {}, ongoing=3, now=0)
+    v = PlacementTracker(ttl_s=5).view("r9", RoutingStats(), ongoing=3, now=0)
     assert v.max_num_seqs > 1000, "without a report, the batch is assumed to have room"
     assert v.empty_adapter_slots >= 1, "without a report, an adapter slot is assumed empty"
     assert v.can_allocate, "without a report, a new adapter is assumed to fit"
@@ -232,10 +233,9 @@ def test_sse_framing():
 
 
 def test_engine_gauges_come_from_the_replica_reports():
-    metrics.set_replica_stats_source(lambda: {"r1": {"num_running": 3, "num_waiting": 1, "max_loras": 4,
-                                                     "empty_adapter_slots": 1, "miss_penalty": 0.5,
-                                                     "adapter_thrash": {"copy_share": 0.25,
-                                                                        "reload_share": 0.75}}})
+    report = RoutingStats(num_running=3, num_waiting=1, max_loras=4, empty_adapter_slots=1, miss_penalty=0.5,
+                          adapter_thrash={"copy_share": 0.25, "reload_share": 0.75})
+    metrics.set_replica_stats_source(lambda: {"r1": report})
     text = metrics.render().decode()
     assert 'lora_cluster_adapter_miss_penalty_ratio{replica="r1"} 0.5' in text, "the thrash routing score"
     assert 'lora_cluster_adapter_thrash_copy_ratio{replica="r1"} 0.25' in text, "the copy share of step time"
@@ -250,7 +250,8 @@ def test_engine_gauges_come_from_the_replica_reports():
 
 def test_adapter_store_tiers_are_exported_per_replica_and_tier():
     store = {"host": {"hits": 3, "misses": 1, "bytes": 2048, "budget_bytes": 4096}, "disk": {"evictions": 2}}
-    metrics.set_replica_stats_source(lambda: {"r1": {"max_loras": 4, "store": store}, "r2": {"max_loras": 4}})
+    metrics.set_replica_stats_source(lambda: {"r1": RoutingStats(max_loras=4, store=store),
+                                              "r2": RoutingStats(max_loras=4)})
     text = metrics.render().decode()
     assert 'lora_cluster_adapter_cache_hits_total{replica="r1",tier="host"} 3.0' in text, "tier hit counters"
     assert 'lora_cluster_adapter_cache_evictions_total{replica="r1",tier="disk"} 2.0' in text, (
@@ -315,7 +316,7 @@ def _out(i: int, finished: bool = False) -> object:
 async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order():
     import asyncio
 
-    from lora_cluster.serve.replica import coalesce
+    from lora_cluster.serve.replica.deployment import coalesce
 
     async def outputs():
         for i in range(3):
@@ -339,7 +340,7 @@ async def test_coalesce_keeps_every_tokens_logprob():
     import asyncio
 
     from lora_cluster.engine.logprobs import TokenLogprob
-    from lora_cluster.serve.replica import coalesce
+    from lora_cluster.serve.replica.deployment import coalesce
 
     def with_logprob(i: int, finished: bool = False) -> object:
         out = _out(i, finished)
@@ -376,7 +377,7 @@ async def test_coalesce_keeps_every_tokens_logprob():
 async def test_leaving_a_coalesced_stream_closes_the_engine_stream():
     import asyncio
 
-    from lora_cluster.serve.replica import coalesce
+    from lora_cluster.serve.replica.deployment import coalesce
 
     closed = asyncio.Event()
 
@@ -407,7 +408,7 @@ def replica(demo_zoo, monkeypatch):
     import time
     from types import SimpleNamespace
 
-    from lora_cluster.serve import replica as replica_module
+    from lora_cluster.serve.replica import deployment as replica_module
 
     monkeypatch.setattr(replica_module.serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
@@ -520,7 +521,7 @@ async def test_a_source_cancelled_under_the_consumer_ends_its_batches_with_an_ab
 async def test_a_cancelled_choice_ends_a_merged_response_with_an_abort_error():
     import asyncio
 
-    from lora_cluster.serve.context import merge
+    from lora_cluster.serve.http.context import merge
 
     class Choice:
         """Duck-typed `Generation`: yields `items`, then ends as `end` says."""

@@ -5,24 +5,25 @@ its `ids`: a tenant without `base_model` access merges adapters it owns; one of 
 adapters in the merge is a 404, as that adapter alone is. With replica groups, a merge runs in the
 group that serves every adapter of it, and a merge that no group serves whole is a 400 naming each
 adapter's group (an adapter never leaves its group). The app is the ingress's FastAPI app in process
-around the fake replica of test_tenants (which also refuses an unknown adapter inside a merge).
+around the tenants' fake replica (`tenant_app.ZooDispatcher`, which also refuses an unknown adapter
+inside a merge).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tenants import FIN_KEY, HR_KEY, ZOO, ZooDispatcher, bearer, tenant_app, tenants_yaml
+from tenant_app import FIN_KEY, HR_KEY, ZOO, ZooDispatcher, bearer, tenant_app
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import AdapterNotFoundError
-from lora_cluster.serve.dispatch import Generation
-from lora_cluster.serve.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.replica_groups import replica_groups
+from lora_cluster.serve.routing.dispatch import Generation
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
+from lora_cluster.serve.routing.replica_groups import replica_groups
 
 
 class MergingZooDispatcher(ZooDispatcher):
@@ -36,13 +37,6 @@ class MergingZooDispatcher(ZooDispatcher):
         if job.merge is not None:  # its merged id is no zoo adapter: served as the zoo's replica serves
             return await super(ZooDispatcher, self).start(job, route)
         return await super().start(job, route)
-
-
-@pytest.fixture
-def tenants_file(tmp_path: Path) -> Path:
-    path = tmp_path / "tenants.yaml"
-    path.write_text(tenants_yaml())
-    return path
 
 
 def merge_body(ids: list[str]) -> dict[str, Any]:
@@ -104,8 +98,8 @@ class GroupReplica(MergingZooDispatcher):
         super().__init__()
         self.group = group
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {f"{self.group}-1": {}}
+    def replica_stats(self) -> dict[str, RoutingStats]:
+        return {f"{self.group}-1": RoutingStats()}
 
 
 def grouped() -> tuple[GroupedDispatcher, dict[str, GroupReplica]]:

@@ -24,9 +24,10 @@ adapter and counts those placements as resident for `ttl_s`, after which the rep
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+
+from lora_cluster.cluster.routing_stats import UNKNOWN_SLOTS, RoutingStats
 
 THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this many miss_costs more
 
@@ -106,26 +107,29 @@ class PlacementTracker:
             for aid in [a for a, t in placed.items() if now - t >= self.ttl_s]:
                 del placed[aid]
 
-    def view(self, replica_id: str, stats: Mapping[str, Any], ongoing: int, now: float,
+    def view(self, replica_id: str, stats: RoutingStats, ongoing: int, now: float,
              placed: str | None = None) -> ReplicaView:
-        """Merge a replica's last report (`ReplicaStats.to_dict()`, maybe empty) with recent placements.
+        """Merge a replica's last report (empty `RoutingStats()` before its first) with recent placements.
         `placed`: an adapter the controller's placement table assigns to this replica (it is
         prefetched there, so the policy counts it as held and spreads its requests over its holders)."""
-        reported = frozenset(stats.get("resident", ())) | frozenset(stats.get("loading", ()))
+        reported = frozenset(stats.resident) | frozenset(stats.loading)
         if placed is not None:
             reported |= {placed}
         recent = self.recent(replica_id, now)
         pending = recent - reported
-        empty = int(stats.get("empty_adapter_slots", stats.get("max_loras", 1)))
+        empty = stats.empty_adapter_slots  # unknown: its slot count, else one
+        if empty is None:
+            empty = 1 if stats.max_loras is None else stats.max_loras
+        free = 1 if stats.free_adapter_slots is None else stats.free_adapter_slots
         return ReplicaView(
             replica_id=replica_id,
             ongoing=ongoing,
-            max_num_seqs=int(stats.get("max_num_seqs", 1 << 30)),  # unknown yet: assume room
+            max_num_seqs=UNKNOWN_SLOTS if stats.max_num_seqs is None else stats.max_num_seqs,  # unknown: room
             empty_adapter_slots=empty - len(pending),
             adapters=reported | pending,
-            can_allocate=int(stats.get("free_adapter_slots", 1)) > len(pending),
+            can_allocate=free > len(pending),
             confirmed=reported,
             working_set=len(recent),
-            max_loras=int(stats.get("max_loras", 1 << 30)),
-            miss_penalty=min(1.0, max(0.0, float(stats.get("miss_penalty", 0.0)))),
+            max_loras=UNKNOWN_SLOTS if stats.max_loras is None else stats.max_loras,
+            miss_penalty=stats.miss_penalty,
         )

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.sim import grid as acceptance
 from lora_cluster.sim.context import ServeSettings
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
@@ -201,9 +202,9 @@ def router_cost(sizes: tuple[int, ...] = (32, 256, 1024), adapters: int = 10_000
     lines = ["| replicas | µs per decision | decisions per second (one core) |", "|---|---:|---:|"]
     for n in sizes:
         tracker = PlacementTracker(ttl_s=5.0)
-        stats = {f"r{i}": {"resident": [f"a{rng.randrange(adapters)}" for _ in range(16)], "loading": [],
-                           "empty_adapter_slots": 0, "free_adapter_slots": 4, "max_loras": 16,
-                           "num_running": 32, "num_waiting": 0, "max_num_seqs": 32} for i in range(n)}
+        stats = {f"r{i}": RoutingStats(resident=tuple(f"a{rng.randrange(adapters)}" for _ in range(16)),
+                                       empty_adapter_slots=0, free_adapter_slots=4, max_loras=16,
+                                       num_running=32, num_waiting=0, max_num_seqs=32) for i in range(n)}
         for i in range(n):
             for _ in range(8):
                 tracker.record(f"r{i}", f"a{rng.randrange(adapters)}", 0.0)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from lora_cluster.cluster.report_rules import AdapterDemand, ServiceTime, projected_batch
 from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
 from lora_cluster.sim.events import EventLoop
@@ -288,13 +289,14 @@ class SimReplica:
 
     # ----- what it reports ------------------------------------------------------------------
 
-    def routing_stats(self) -> dict[str, object]:
-        """What `record_routing_stats` returns, as far as the request router reads it."""
+    def routing_stats(self) -> RoutingStats:
+        """What `record_routing_stats` reports, as far as the request router reads it."""
         a = self.adapters
-        return {"resident": tuple(a.refs), "loading": tuple(a.loading), "empty_adapter_slots": a.empty_slots,
-                "free_adapter_slots": a.free_slots, "max_loras": a.max_loras,
-                "num_running": len(self.running), "num_waiting": len(self.waiting),
-                "max_num_seqs": self.max_num_seqs}
+        return RoutingStats(resident=tuple(a.refs), loading=tuple(a.loading),
+                            empty_adapter_slots=a.empty_slots, free_adapter_slots=a.free_slots,
+                            max_loras=a.max_loras,
+                            num_running=len(self.running), num_waiting=len(self.waiting),
+                            max_num_seqs=self.max_num_seqs)
 
     def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
         """The controller report (`serve.replica.report.build_report` without memory and class stats;

@@ -26,6 +26,7 @@ import heapq
 from collections.abc import Callable, Mapping
 
 from lora_cluster.cluster.routing_score import PlacementTracker, ReplicaView, rank_key, rank_replicas
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.sim.replica import SimReplica
 
 ABSENT = "\x00absent"  # an adapter id no replica holds (adapter ids cannot contain NUL)
@@ -36,7 +37,7 @@ class AffinityRouting:
                  clock: Callable[[], float]):
         self.replicas, self.miss_cost, self._clock = replicas, miss_cost, clock
         self.tracker = PlacementTracker(ttl_s=placement_ttl_s)
-        self.stats: dict[str, dict[str, object]] = {rid: {} for rid in replicas}
+        self.stats: dict[str, RoutingStats] = {rid: RoutingStats() for rid in replicas}
         self.placement: Mapping[str, tuple[str, ...]] = {}  # the controller's table, as last fetched
         self.views: dict[str, ReplicaView] = {}
         self.holders: dict[str, set[str]] = {}  # adapter -> replicas whose view holds it

@@ -102,7 +102,10 @@ def admin_router(ctx: ApiContext) -> APIRouter:
     @router.get("/debug/replicas", responses=openapi.ADMIN_VIEW)
     async def debug_replicas(fresh: bool = True) -> dict[str, Any]:
         """Every replica's engine state: fresh from each replica, or the router's last reports."""
-        stats = await dispatcher.broadcast("stats") if fresh else (dispatcher.replica_stats() or {})
+        if fresh:
+            stats = await dispatcher.broadcast("stats")
+        else:
+            stats = {rid: s.to_dict() for rid, s in (dispatcher.replica_stats() or {}).items()}
         return {"time": time.time(), "replicas": stats, "registered_adapters": ctx.registrations.snapshot()}
 
     return router

@@ -45,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import SlaClasses, build_sla_classes
 from lora_cluster.config import ServeConfig
 from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
@@ -292,12 +293,11 @@ class GenerationMetrics:
 
 
 def routing_decision(adapter_id: str | None, replica: str, hit: bool,
-                     stats: Mapping[str, Mapping[str, Any]] | None) -> str:
+                     stats: Mapping[str, RoutingStats] | None) -> str:
     """Count where a generation ran (see ROUTING_DECISIONS) and return the decision; `stats`: the
     replicas' last routing reports."""
     held_elsewhere = adapter_id is not None and any(
-        adapter_id in (report.get("resident") or ()) or adapter_id in (report.get("loading") or ())
-        for rid, report in (stats or {}).items() if rid != replica)
+        report.holds(adapter_id) for rid, report in (stats or {}).items() if rid != replica)
     decision = "hit" if hit else "spill" if held_elsewhere else "miss"
     ROUTING_DECISIONS.labels(decision).inc()
     return decision
@@ -307,29 +307,29 @@ _ENGINE_GAUGES = {
     # name: (help, function of one replica's routing stats)
     "lora_cluster_engine_running_requests": (
         "Sequences in the replica's running batch.",
-        lambda s: s.get("num_running"),
+        lambda s: s.num_running,
     ),
     "lora_cluster_engine_waiting_requests": (
         "Requests waiting in the replica's engine queue.",
-        lambda s: s.get("num_waiting"),
+        lambda s: s.num_waiting,
     ),
     "lora_cluster_adapter_slots_in_use": (
         "Device adapter slots holding (or loading) an adapter.",
-        lambda s: None if "max_loras" not in s else s["max_loras"] - s.get("empty_adapter_slots", 0),
+        lambda s: None if s.max_loras is None else s.max_loras - (s.empty_adapter_slots or 0),
     ),
-    "lora_cluster_adapter_slots": ("Device adapter slots (max_loras).", lambda s: s.get("max_loras")),
+    "lora_cluster_adapter_slots": ("Device adapter slots (max_loras).", lambda s: s.max_loras),
     "lora_cluster_adapter_miss_penalty_ratio": (
         "Adapter protection's soft routing score for a miss on the replica: 0 (fine) to 1 (in thrash, "
         "misses are better sent elsewhere).",
-        lambda s: s.get("miss_penalty"),
+        lambda s: s.miss_penalty,
     ),
     "lora_cluster_adapter_thrash_copy_ratio": (
         "Share of the replica's step-loop time spent placing adapters into slots (the thrash cost).",
-        lambda s: (s.get("adapter_thrash") or {}).get("copy_share"),
+        lambda s: s.adapter_thrash.get("copy_share"),
     ),
     "lora_cluster_adapter_thrash_reload_ratio": (
         "Share of the replica's loader time spent reloading adapters that switches evicted (thrash cost).",
-        lambda s: (s.get("adapter_thrash") or {}).get("reload_share"),
+        lambda s: s.adapter_thrash.get("reload_share"),
     ),
 }
 
@@ -353,7 +353,7 @@ _STORE_GAUGES = (
 )
 
 
-def _store_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[GaugeMetricFamily]:
+def _store_families(stats: Mapping[str, RoutingStats]) -> Iterable[GaugeMetricFamily]:
     """Per-tier adapter store families from {replica id: report}; replicas without a store are skipped."""
     specs = [(CounterMetricFamily, *c) for c in _STORE_COUNTERS] + [
         (GaugeMetricFamily, *g) for g in _STORE_GAUGES
@@ -361,7 +361,7 @@ def _store_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[GaugeMet
     for family_type, name, help_text, field in specs:
         family = family_type(name, help_text, labels=["replica", "tier"])
         for replica_id, report in sorted(stats.items()):
-            for tier, counters in sorted((report.get("store") or {}).items()):
+            for tier, counters in sorted(report.store.items()):
                 if field in counters:
                     family.add_metric([replica_id, tier], float(counters[field]))
         yield family
@@ -383,13 +383,13 @@ _ENGINE_COUNTERS = (
 MEMORY_USES = ("base_weights", "kv_cache", "adapter_pool", "free")
 
 
-def _tier_loads(report: Mapping[str, Any]) -> dict[str, tuple[float, float, Any, float]]:
+def _tier_loads(report: RoutingStats) -> dict[str, tuple[float, float, Any, float]]:
     """tier -> (loads, failed loads, latency buckets, seconds) of one replica: device = placements
     into a slot (the engine's counters), host/disk/source = fills of the store's tiers."""
     out = {tier: (c.get("loads", 0), c.get("failures", 0), c.get("load_buckets"),
                   c.get("load_seconds_total", 0.0))
-           for tier, c in (report.get("store") or {}).items() if tier != "device"}
-    engine = report.get("engine") or {}
+           for tier, c in report.store.items() if tier != "device"}
+    engine = report.engine
     if "placements" in engine:
         out["device"] = (engine["placements"], engine.get("placement_failures", 0),
                          engine.get("placement_buckets"), engine.get("placement_seconds_total", 0.0))
@@ -405,7 +405,7 @@ def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
     return buckets
 
 
-def _replica_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[Any]:
+def _replica_families(stats: Mapping[str, RoutingStats]) -> Iterable[Any]:
     """Adapter loads, memory, fragmentation, engine counters and class gauges from {replica: report}."""
     loads = CounterMetricFamily(
         "lora_cluster_adapter_loads", "Adapter loads by tier (device: placements into a slot; host, disk: "
@@ -439,21 +439,21 @@ def _replica_families(stats: Mapping[str, Mapping[str, Any]]) -> Iterable[Any]:
             loads.add_metric([rid, tier, "failed"], float(failed))
             if buckets and len(buckets) == len(LOAD_BUCKETS_S) + 1:
                 latency.add_metric([rid, tier], _cumulative(buckets), float(seconds))
-        for tier, c in sorted((report.get("store") or {}).items()):
+        for tier, c in sorted(report.store.items()):
             seen = c.get("hits", 0) + c.get("misses", 0)
             if seen:
                 hit_ratio.add_metric([rid, tier], c.get("hits", 0) / seen)
-        mem, node = report.get("memory") or {}, str(report.get("node_id") or "")
+        mem, node = report.memory, report.node_id or ""
         for use in MEMORY_USES:
             if mem.get(use) is not None:
                 memory.add_metric([node, rid, use], float(mem[use]))
-        engine = report.get("engine") or {}
+        engine = report.engine
         if engine.get("adapter_pool_fragmentation") is not None:
             fragmentation.add_metric([rid], float(engine["adapter_pool_fragmentation"]))
         for family, field in engine_families:
             if field in engine:
                 family.add_metric([rid], float(engine[field]))
-        for name, c in sorted((report.get("classes") or {}).items()):
+        for name, c in sorted(report.classes.items()):
             for state in ("running", "waiting"):
                 if state in c:
                     classes.add_metric([rid, name, state], float(c[state]))
@@ -467,7 +467,7 @@ class ReplicaStatsCollector(Collector):
     """Replica metrics, one sample per replica (and tier, class, ...), from `source()` -> {replica id:
     routing stats}: engine gauges and counters, adapter store tiers, loads, memory."""
 
-    def __init__(self, source: Callable[[], Mapping[str, Mapping[str, Any]] | None]):
+    def __init__(self, source: Callable[[], Mapping[str, RoutingStats] | None]):
         self._source = source
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -492,7 +492,7 @@ class ReplicaStatsCollector(Collector):
 _replica_collector: ReplicaStatsCollector | None = None
 
 
-def set_replica_stats_source(source: Callable[[], Mapping[str, Mapping[str, Any]] | None]) -> None:
+def set_replica_stats_source(source: Callable[[], Mapping[str, RoutingStats] | None]) -> None:
     """Export engine gauges from `source` (the ingress calls this once)."""
     global _replica_collector
     if _replica_collector is not None:

@@ -37,6 +37,7 @@ from ray import serve
 
 from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
 from lora_cluster.cluster.report_rules import MAX_PREFETCHES, AdapterDemand, ServiceTime
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
@@ -200,28 +201,27 @@ class LoraReplica:
         s, counters = await self.aengine.call(lambda engine: (engine.stats(), engine.counters_snapshot()))
         held = set(s.resident_adapters) | set(s.loading_adapters)
         store = self._store_tiers()
-        return {
-            "resident": sorted(s.resident_adapters),
-            "loading": sorted(s.loading_adapters),
-            "empty_adapter_slots": max(0, self.config.max_loras - len(held)),
-            "free_adapter_slots": s.free_adapter_slots,  # empty or holding an idle adapter
-            "max_loras": self.config.max_loras,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "free_seq_slots": s.free_seq_slots,
-            "max_num_seqs": self.config.max_num_seqs,
-            "miss_penalty": s.miss_penalty,  # 0..1: in adapter thrash, misses are better sent elsewhere
-            "adapter_thrash": s.adapter_thrash,
-            "breakers": {**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
-            "group": self.group,
+        return RoutingStats(
+            resident=tuple(sorted(s.resident_adapters)),
+            loading=tuple(sorted(s.loading_adapters)),
+            empty_adapter_slots=max(0, self.config.max_loras - len(held)),
+            free_adapter_slots=s.free_adapter_slots,
+            max_loras=self.config.max_loras,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            free_seq_slots=s.free_seq_slots,
+            max_num_seqs=self.config.max_num_seqs,
+            miss_penalty=s.miss_penalty,
+            adapter_thrash=s.adapter_thrash,
+            breakers={**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
+            group=self.group,
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
-            "store": store,
-            "classes": self.class_stats.snapshot(),
-            # for /metrics (serve.ops.metrics): engine counters, device memory by use, where it runs
-            "engine": {**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps},
-            "memory": dataclasses.asdict(memory_split(self.engine, store)),
-            "node_id": self.node_id,
-        }
+            store=store,
+            classes=self.class_stats.snapshot(),
+            engine={**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps},
+            memory=dataclasses.asdict(memory_split(self.engine, store)),
+            node_id=self.node_id,
+        ).to_dict()
 
     # ----- the cluster controller ---------------------------------------------------------
 

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
 from lora_cluster.serve.ops.logs import detached
 
@@ -55,7 +56,7 @@ class Granted:
 
 class ClusterAdmission:
     def __init__(self, controller: Any | None, *, capacity: int | None,
-                 replica_stats: Callable[[], Mapping[str, Mapping[str, Any]] | None], timeout_s: float,
+                 replica_stats: Callable[[], Mapping[str, RoutingStats] | None], timeout_s: float,
                  placement_sink: Callable[[Mapping[str, list[str]]], None] | None = None,
                  placement_period_s: float = 1.0, report_lag_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -84,11 +85,10 @@ class ClusterAdmission:
             return True
         free = 0
         for rid, report in stats.items():
-            if not report:
+            if report.max_num_seqs is None:  # not reported yet (every report carries it)
                 return True
-            capacity = self._capacity or int(report.get("max_num_seqs", 1))
-            reported = int(report.get("num_running", 0)) + int(report.get("num_waiting", 0))
-            free += max(0, capacity - max(reported, self._inflight[rid]))
+            capacity = self._capacity or report.max_num_seqs
+            free += max(0, capacity - max(report.ongoing, self._inflight[rid]))
         return free > self.unassigned()
 
     async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> Granted | None:

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.errors import RoutingUnavailableError
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe
 from lora_cluster.serve.ops import metrics
@@ -147,7 +148,7 @@ class Dispatcher:
         self.admission = admission or ClusterAdmission(None, capacity=None, replica_stats=self.replica_stats,
                                                        timeout_s=1.0)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]] | None:
+    def replica_stats(self) -> dict[str, RoutingStats] | None:
         """Last reports of the running replicas (None until the first call creates the router)."""
         return replica_stats(*self._key)
 

@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.errors import AdapterNotFoundError, RequestError
 from lora_cluster.serve.http_errors import ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob
@@ -66,10 +67,10 @@ class GroupedDispatcher:
             return []
         return await self._for_job(jobs[0]).start_all(jobs, route, on_started)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]] | None:
+    def replica_stats(self) -> dict[str, RoutingStats] | None:
         """Last reports of every group's replicas (replica ids are unique across deployments); None
         until some group's router exists."""
-        merged: dict[str, dict[str, Any]] | None = None
+        merged: dict[str, RoutingStats] | None = None
         for dispatcher in self._dispatchers.values():
             stats = dispatcher.replica_stats()
             if stats is not None:

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+
+from lora_cluster.cluster.routing_stats import RoutingStats
 
 _lock = threading.Lock()
-_published: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (app, deployment) -> replica -> report
+_published: dict[tuple[str, str], dict[str, RoutingStats]] = {}  # (app, deployment) -> replica -> report
 _placement: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {}  # (app, deployment) -> adapter -> replicas
 
 
-def publish_replica_stats(app_name: str, deployment: str, stats: dict[str, dict[str, Any]]) -> None:
+def publish_replica_stats(app_name: str, deployment: str, stats: dict[str, RoutingStats]) -> None:
     """Called by the request router (in this process) whenever the replica list or a report changes."""
     with _lock:
         _published[(app_name, deployment)] = stats
 
 
-def replica_stats(app_name: str, deployment: str) -> dict[str, dict[str, Any]] | None:
+def replica_stats(app_name: str, deployment: str) -> dict[str, RoutingStats] | None:
     """Last report of every running replica as this process's router sees them; None: no router yet."""
     with _lock:
         stats = _published.get((app_name, deployment))

@@ -33,6 +33,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
+from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import serve_defaults
 from lora_cluster.serve.ops.ray_internals import cached_queue_len, deployment_key
 from lora_cluster.serve.protocol import ToReplica, routing_key
@@ -56,12 +57,19 @@ class LoraAffinityRouter(RequestRouter):
         self._miss_cost = float(miss_cost)
         self._clock = clock
         self._placements = PlacementTracker(ttl_s=float(placement_ttl_s))
+        self._stats: dict[str, RoutingStats] = {}  # replica id -> its last report, parsed once
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        stats = {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas}
+        stats = {r.replica_id.unique_id: RoutingStats.from_dict(r.routing_stats) for r in replicas}
+        self._stats = stats
         self._placements.prune(stats, self._clock())
         publish_replica_stats(*deployment_key(self), stats)
+
+    def _stats_of(self, replica: RunningReplica) -> RoutingStats:
+        """The replica's last report, as parsed when Serve broadcast the replica list."""
+        parsed = self._stats.get(replica.replica_id.unique_id)
+        return parsed if parsed is not None else RoutingStats.from_dict(replica.routing_stats)
 
     def _ongoing(self, replica: RunningReplica) -> int:
         """Requests on the replica: Serve's queue-length cache (updated on every send, completion and
@@ -69,8 +77,7 @@ class LoraAffinityRouter(RequestRouter):
         cached = cached_queue_len(self, replica.replica_id)
         if cached is not None:
             return cached
-        stats = replica.routing_stats or {}
-        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        return self._stats_of(replica).ongoing
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -86,7 +93,7 @@ class LoraAffinityRouter(RequestRouter):
         now = self._clock()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         placed = set(placement_table(*deployment_key(self)).get(adapter_id, ())) if adapter_id else set()
-        views = [self._placements.view(rid, r.routing_stats or {}, self._ongoing(r), now,
+        views = [self._placements.view(rid, self._stats_of(r), self._ongoing(r), now,
                                        placed=adapter_id if rid in placed else None)
                  for rid, r in by_id.items()]
         ranked = rank_replicas(adapter_id, views, self._miss_cost)

@@ -1,0 +1,149 @@
+"""The package layering: every import points down, and the pure layers load without torch or Ray.
+
+`ALLOWED` is the architecture as a table: for each unit of `lora_cluster` (a top-level package or
+module; inside `serve/`, each room and shared module), the units it may import. An import of a unit
+not listed, at module level or inside a function, fails the test with the importing file and line.
+The table is acyclic, so the layers read bottom to top:
+
+    errors, progress | adapter_format, breaker | config | cluster, tenancy, store | engine | sim |
+    client, demo | serve: http_errors, ops < protocol < routing < replica < http < app | cli
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lora_cluster"
+SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "app", "controller_actor")
+
+BASE = {"errors", "progress"}
+FORMAT = BASE | {"adapter_format", "breaker"}
+CONFIG = FORMAT | {"config"}
+POLICY = CONFIG | {"cluster", "tenancy", "store"}
+ENGINE = POLICY | {"engine"}
+SERVE_BASE = ENGINE | {"client", "demo", "serve.http_errors", "serve.ops"}
+
+ALLOWED: dict[str, set[str]] = {
+    "lora_cluster": set(),
+    "errors": set(),
+    "progress": set(),
+    "adapter_format": {"errors"},
+    "breaker": {"errors"},
+    "config": {"errors"},
+    "cluster": {"errors", "config"},
+    "tenancy": {"errors", "config"},
+    "store": CONFIG,
+    "engine": CONFIG | {"store"},
+    "sim": POLICY | {"engine"},
+    "client": BASE,
+    "demo": BASE,
+    "serve.http_errors": {"errors"},
+    "serve.ops": ENGINE | {"client"},
+    "serve.protocol": SERVE_BASE,
+    "serve.routing": SERVE_BASE | {"serve.protocol"},
+    "serve.replica": SERVE_BASE | {"serve.protocol", "serve.routing"},
+    "serve.http": SERVE_BASE | {"serve.protocol", "serve.routing", "serve.replica"},
+    "serve.controller_actor": POLICY,
+    "serve.app": SERVE_BASE | {"serve.protocol", "serve.routing", "serve.replica", "serve.http",
+                               "serve.controller_actor"},
+    "serve": set(),  # serve/__init__.py imports nothing
+    "cli": SERVE_BASE | {"lora_cluster"},
+}
+
+
+def unit(module: str) -> str:
+    """The layering unit of a dotted module name under lora_cluster."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "lora_cluster"
+    if parts[0] == "serve" and len(parts) > 1 and parts[1] in SERVE_UNITS:
+        return f"serve.{parts[1]}"
+    return parts[0]
+
+
+def imports(root: Path = ROOT) -> list[tuple[str, str, str]]:
+    """(importing unit, imported unit, 'file:line') for every lora_cluster import under `root`."""
+    found = []
+    for path in sorted((root / "lora_cluster").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lora_cluster"):
+                if node.module in ("lora_cluster", "lora_cluster.serve"):  # submodules, or its own names
+                    folder = root.joinpath(*node.module.split("."))
+                    targets = [f"{node.module}.{alias.name}"
+                               if (folder / alias.name).is_dir() or (folder / f"{alias.name}.py").exists()
+                               else node.module for alias in node.names]
+                else:
+                    targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("lora_cluster")]
+            for target in targets:
+                src, dst = unit(module), unit(target)
+                if src != dst:
+                    found.append((src, dst, f"{path.relative_to(root)}:{node.lineno}"))
+    return found
+
+
+def test_every_unit_of_the_package_is_in_the_table() -> None:
+    units = {unit(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+             for p in PACKAGE.rglob("*.py")}
+    missing = sorted(units - ALLOWED.keys())
+    assert not missing, f"units without a row in the layering table: {missing}"
+
+
+def test_the_table_itself_has_no_cycle() -> None:
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        assert state.get(node) != 1, f"the layering table has a cycle: {' -> '.join([*path, node])}"
+        if state.get(node) == 2:
+            return
+        state[node] = 1
+        for dep in sorted(ALLOWED.get(node, set()) - {"lora_cluster"}):
+            visit(dep, [*path, node])
+        state[node] = 2
+
+    for node in sorted(ALLOWED):
+        visit(node, [])
+
+
+def upward(root: Path = ROOT) -> list[str]:
+    return [f"{where}: {src} imports {dst}" for src, dst, where in imports(root) if dst not in ALLOWED[src]]
+
+
+def test_no_import_points_up() -> None:
+    found = upward()
+    assert not found, "imports that point up (or sideways) in the layering table:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module", ["lora_cluster.cluster", "lora_cluster.cluster.controller",
+                                    "lora_cluster.cluster.routing_score", "lora_cluster.cluster.report_rules",
+                                    "lora_cluster.cluster.routing_stats", "lora_cluster.sim",
+                                    "lora_cluster.sim.experiments", "lora_cluster.engine",
+                                    "lora_cluster.store", "lora_cluster.config"])
+def test_pure_layers_import_without_torch_or_ray(module: str) -> None:
+    code = ("import sys\n"
+            "for name in ('torch', 'ray', 'transformers', 'triton'):\n"
+            "    sys.modules[name] = None  # any import of them raises ImportError\n"
+            f"import importlib; importlib.import_module({module!r})\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
+    assert result.returncode == 0, (
+        f"{module} needs torch, Ray, transformers or triton:\n{result.stderr[-2000:]}")
+
+
+def test_an_upward_import_is_caught(tmp_path: Path) -> None:
+    cluster = tmp_path / "lora_cluster" / "cluster"
+    cluster.mkdir(parents=True)
+    (cluster / "policy.py").write_text("def f():\n    from lora_cluster.serve.http.ingress import x\n")
+    (cluster / "fine.py").write_text("from lora_cluster.config import ServeConfig\n")
+    found = upward(tmp_path)
+    assert found == ["lora_cluster/cluster/policy.py:2: cluster imports serve.http"], (
+        f"a lazy import from a policy up into the HTTP room is reported, a downward one is not: {found}")
