@@ -1,7 +1,7 @@
 """How many KV blocks and adapter slots an engine gets: a pure function of the device's numbers.
 
 On a GPU (after the base model is loaded) the engine may use `gpu_memory_utilization` of the
-device's total memory, the budget. Seed 001's split of that budget is 60% base model, 30% adapter
+device's total memory, the budget. The usual split of that budget is 60% base model, 30% adapter
 pool, 10% buffer; here the base model takes what it actually uses, the adapter pool at most
 `adapter_pool_share` of the budget (as many `max_lora_rank` slots as fit there, at most
 `max_loras`), the buffer `buffer_share` (activations, allocator slack), and the KV cache the rest:

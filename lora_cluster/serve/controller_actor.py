@@ -4,7 +4,7 @@ It is part of the application graph (started with it; if its actor dies, Serve s
 which rebuilds its view from the next replica reports, see `controller`). Calls:
 
 * `report(report)` from each LoRA replica, every `controller_report_period_s` and when a request
-  finishes while requests are queued or the replica was full (`serve.replica.reporter.report_on_finish`);
+  finishes while requests are queued or the replica was full (`cluster.report_rules.report_on_finish`);
   the reply says how many are queued and what to prefetch;
 * `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
   returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,

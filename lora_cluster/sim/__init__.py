@@ -3,7 +3,7 @@
 The routing, admission, cluster queue, preemption and placement decisions are made by the modules
 the live system runs, imported unchanged: `cluster.controller.Controller` (with `cluster_queue`,
 `scheduling.choose_replica` / `preemption_target`, `placement.PlacementPolicy` / `DemandTracker`),
-`cluster.routing_score.rank_replicas` (through `PlacementTracker`) and `serve.replica.reporter.AdapterDemand`.
+`cluster.routing_score.rank_replicas` (through `PlacementTracker`) and `cluster.report_rules.AdapterDemand`.
 What is simulated is everything around them: time (`events`), the workload (`workload`), the
 replicas' engines (`replica`, `adapters`, `store`), calibrated by a profile (`profile`), the wiring
 of the live deployments (`cluster_policy`), the baselines (`baselines`) and the measurements

@@ -85,14 +85,14 @@ CANCELLED = Counter(
     "Generations cancelled before they finished (client gone, or another choice failed).",
     registry=REGISTRY,
 )
-RETRIES = Counter(  # overload protection (issue 10 part 3)
+RETRIES = Counter(  # overload protection
     "lora_cluster_generation_retries_total",
     "Generations sent again to another replica because theirs died or was unreachable before the "
     "first item.",
     registry=REGISTRY,
 )
 
-# ----- generations by adapter, tenant and SLA class (issue 11; bounded labels: serve.ops.top_labels) -----
+# ----- generations by adapter, tenant and SLA class (bounded labels: serve.ops.top_labels) -----
 BASE_ADAPTER = "_base"  # adapter label of base-model requests
 NO_TENANT = "_none"  # tenant label of requests without a tenant
 ROUTING_DECISION_VALUES = ("hit", "miss", "spill")

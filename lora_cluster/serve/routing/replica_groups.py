@@ -1,6 +1,6 @@
 """Replica groups: which named group of LoRA replicas serves a request (pure policy, no Ray).
 
-Seed 001's layered routing: business lines share the cluster, but finance traffic runs on finance
+Layered routing: business lines share the cluster, but finance traffic runs on finance
 nodes. `ServeConfig.replica_groups` names groups of LoRA replicas; each group is its own Ray Serve
 deployment (`LoraReplica-<name>`, with its own replica count, resources and node labels) with its
 own cluster controller (`ClusterController-<name>`), so the request router and the cluster queue of a

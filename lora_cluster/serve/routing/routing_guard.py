@@ -1,4 +1,4 @@
-"""The ingress's routing-error breaker (seed 001: warn at 1%, break at 3%, recover after 100
+"""The ingress's routing-error breaker (warn at 1%, break at 3%, recover after 100
 requests without error) and which failures count as routing errors.
 
 A *routing error* is a call the ingress sent to a replica that could not serve it for the
