@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, open_loop, percentile
+from common import load_avg, machine, open_loop, percentile, symlink_farm
 from safetensors.torch import save_file
 
 from lora_cluster.demo import build_demo_zoo
@@ -55,16 +55,6 @@ PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_att
 
 def zipf_draws(n: int, num_adapters: int, seed: int, s: float = 1.0) -> list[int]:
     return ZipfSampler(num_adapters, s).draws(random.Random(seed), n)
-
-
-def symlink_farm(root: Path, targets: list[Path], n: int) -> Path:
-    """`root/x0..x{n-1}`, symlinks cycling over `targets`."""
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        link = root / f"x{i}"
-        if not link.exists():
-            os.symlink(targets[i % len(targets)], link)
-    return root
 
 
 def big_adapters(model_dir: Path, out: Path, count: int, rank: int = 64) -> list[Path]:
@@ -229,7 +219,7 @@ def main() -> None:
     print(f"{machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     {"zipf": scenario_zipf, "ttft": scenario_ttft, "cycle": scenario_cycle}[args.scenario](args, zoo)
-    print(f"load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"load average at the end: {load_avg()}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from lora_cluster.engine.lora_layer import LoraLayer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import WORDS
+from common import machine
 
 ADAPTERS = [f"a{i}" for i in range(0, 96, 3)]  # the demo zoo's 32 rank-8 adapters
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -204,9 +205,8 @@ def main() -> None:
     common = {"model": str(zoo.model_dir), "max_loras": 32, "max_lora_rank": 8, "max_num_seqs": 32,
               "num_kv_blocks": 256}  # fmt: skip
     sources = adapter_sources(zoo, args.zoo, args.size, args.qv_only)
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     lines = [
-        f"- machine: {os.cpu_count()} cores{gpu}, torch {torch.__version__}, {args.threads} threads; "
+        f"- machine: {machine()}, torch {torch.__version__}, {args.threads} threads; "
         f"command: `python benchmarks/bench_decode_step.py {' '.join(sys.argv[1:])}`",
     ]
     for title, source in sources.items():

@@ -35,13 +35,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import random
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import emit, machine
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
@@ -221,9 +221,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.scenario == "distinct-decode":
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
         text = "\n".join([
-            f"- date: {datetime.date.today()}; machine: {platform.machine()} {device}; "
+            f"- date: {datetime.date.today()}; machine: {machine()}; "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads",
             f"- command: `python benchmarks/bench_engine.py {' '.join(sys.argv[1:])}`",
             distinct_decode(args),
@@ -258,11 +257,10 @@ def main() -> None:
     if not args.skip_peft_single:
         results["peft-single"] = run_peft_single(model, engine.tokenizer, jobs)
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     dims = engine.model.dims
     eng, base = results["engine"], results["engine-base"]
     lines = [
-        f"- date: {datetime.date.today()}; machine: {platform.machine()} {device}; "
+        f"- date: {datetime.date.today()}; machine: {machine()}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         f"- model: demo base, {dims.num_layers} layers, hidden {dims.hidden}; {len(jobs)} requests, "
         f"{tokens} output tokens, {len(used)} distinct adapters of {args.adapters} (Zipf 1.1)",
@@ -284,10 +282,7 @@ def main() -> None:
     if "peft-single" in results:
         lines.append(f"- engine / PEFT one at a time: {results['peft-single'] / eng:.2f}x (target >= 10x)")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# Engine benchmark\n\n{__doc__}\n{text}\n")
+    emit(text, args.out, title="Engine benchmark", doc=__doc__)
 
 
 if __name__ == "__main__":

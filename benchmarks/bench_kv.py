@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 from bench_engine import workload
+from common import emit, machine
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import SamplingParams, build_engine
@@ -66,7 +66,7 @@ def main() -> None:
     stats, dims = engine.stats(), engine.model.dims
     mean, largest = sum(per_seq) / len(per_seq) / MIB, max(per_seq) / MIB
     lines = [
-        f"- date: {datetime.date.today()}; machine: {platform.machine()}, {os.cpu_count()} cores, torch "
+        f"- date: {datetime.date.today()}; machine: {machine()}, torch "
         f"{torch.__version__}; 1-minute load average {os.getloadavg()[0]:.1f} (shared machine; only counts "
         "are reported here, no timings)",
         f"- model: demo base ({dims.num_layers} layers, {dims.num_kv_heads} KV heads x {dims.head_dim}, "
@@ -86,9 +86,7 @@ def main() -> None:
         f"free blocks at the end: {blocks.num_free_blocks} of {blocks.num_blocks} (no leak)",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(f"# Paged KV cache: memory per sequence\n\n{__doc__}\n{text}\n")
+    emit(text, args.out, title="Paged KV cache: memory per sequence", doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import emit, machine
 from lora_kernels import get_lora_ops
 
 from lora_cluster.adapter_format import ModelShapes
@@ -102,8 +102,8 @@ def main() -> None:
                 best[mix, v] = min(best[mix, v], time_variant(pool, slots, kernel, fused, args.iters))
     load = os.getloadavg()[0]
     lines = [
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, 1 thread; 1-minute load average at the end "
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: {machine()}, "
+        f"torch {torch.__version__}, 1 thread; 1-minute load average at the end "
         f"{load:.1f} (the machine is shared with other jobs)",
         f"- batch {b} decode tokens, rank {args.rank}, all 7 projections, base-model shapes, float32, "
         "cpu ops",
@@ -117,9 +117,7 @@ def main() -> None:
         cells = [f"{best[mix, v] * 1e6:.0f} us ({plain / best[mix, v]:.2f}x)" for v in VARIANTS]
         lines.append(f"| {mix} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(f"# LoRA layer paths\n\n{__doc__}\n{text}\n")
+    emit(text, args.out, title="LoRA layer paths", doc=__doc__)
 
 
 if __name__ == "__main__":

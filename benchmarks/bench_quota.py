@@ -18,13 +18,12 @@ import argparse
 import asyncio
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 from typing import Any
 
-from common import percentile
+from common import machine, percentile
 
 from lora_cluster.serve.routing.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
 from lora_cluster.tenancy.quota import Account, Amounts, QuotaBook, QuotaLimits
@@ -103,7 +102,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     command = " ".join(["python", *sys.argv])
     lines = ["# Quota check cost", "",
-             f"{datetime.date.today()} on {platform.node()} ({os.cpu_count()} CPUs, load average "
+             f"{datetime.date.today()} on {machine()} (load average "
              f"{load:.1f} at the end), `{command}`; best mean of {args.reps} alternating runs of "
              f"{args.calls} awaited admissions of one tenant at 600 requests/min (a 1 s lease holds "
              "10 requests).", "",

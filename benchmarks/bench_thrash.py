@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, open_loop, percentile
+from common import load_avg, machine, open_loop, percentile, symlink_farm
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.config import EngineConfig
@@ -70,12 +70,8 @@ def slow_loader_factory(delay_s: float):
 
 def farm(root: Path, targets: list[Path], n: int) -> Path:
     """`root/c0..c{n-1}` (one-off ids) and `root/h0..h3` (hot ids), symlinks over the zoo's adapters."""
-    root.mkdir(parents=True, exist_ok=True)
-    for name, i in [*((f"h{k}", k) for k in range(HOT)), *((f"c{k}", HOT + k) for k in range(n))]:
-        link = root / name
-        if not link.exists():
-            os.symlink(targets[i % len(targets)], link)
-    return root
+    symlink_farm(root, targets, HOT, prefix="h")
+    return symlink_farm(root, targets, n, prefix="c", first=HOT)
 
 
 def arrivals(rate: float, duration: float, seed: int) -> list[tuple[float, str]]:
@@ -156,7 +152,7 @@ def main() -> None:
     storm = percentile(results["storm"]["hot"], 0.99)
     print(f"\nhot p99 TTFT storm / calm: protection on {storm / calm:.2f}x "
           f"(target <= 1.5x), off {percentile(results['storm-off']['hot'], 0.99) / calm:.2f}x")
-    print(f"load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"load average at the end: {load_avg()}")
 
 
 if __name__ == "__main__":

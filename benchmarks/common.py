@@ -123,6 +123,26 @@ def header(title: str, command: str, *, level: int = 1, date: str | None = None,
     return lines
 
 
+def emit(text: str, out: Path | None, *, title: str | None = None, doc: str | None = None) -> None:
+    """Print a report and write it to `out` when given, under `# title` and `doc` (the script's
+    docstring) when a title is given."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text((f"# {title}\n\n{doc}\n" if title else "") + text + "\n")
+
+
+def symlink_farm(root: Path, targets: Sequence[Path], n: int, *, prefix: str = "x", first: int = 0) -> Path:
+    """`root/<prefix>0 .. <prefix>{n-1}`: many adapter ids for a few adapter folders, link `k` to
+    `targets[(first + k) % len(targets)]`; links already there are kept (made once per folder)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        link = root / f"{prefix}{k}"
+        if not link.exists():
+            os.symlink(targets[(first + k) % len(targets)], link)
+    return root
+
+
 # ----- statistics -------------------------------------------------------------------------------------
 
 

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import machine
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
@@ -173,8 +173,7 @@ def main() -> int:
         "measured": True,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([".venv/bin/python", *sys.argv]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}, "
-                   f"1-minute load average at the end {os.getloadavg()[0]:.1f}",
+        "machine": f"{machine()}, 1-minute load average at the end {os.getloadavg()[0]:.1f}",
         "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget},
         "step": {**fit_steps(rows), "points": rows},
         "tiers": {"device_hit_s": 0.0, **tiers},

@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import random
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from common import symlink_farm
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
@@ -41,13 +42,7 @@ BOOKKEEPING = ("lora_cluster/store/", "adapters/residency", "adapters/rotation",
 
 def adapter_farm(root: Path, zoo_adapters: Path, n: int) -> Path:
     """`root/x0..x{n-1}`, each a symlink to one of the zoo's adapters (created once)."""
-    root.mkdir(parents=True, exist_ok=True)
-    real = sorted(p for p in zoo_adapters.iterdir() if p.is_dir())
-    for i in range(n):
-        link = root / f"x{i}"
-        if not link.exists():
-            os.symlink(real[i % len(real)], link)
-    return root
+    return symlink_farm(root, sorted(p for p in zoo_adapters.iterdir() if p.is_dir()), n)
 
 
 def scale_engine(model: Path, farm: Path, known: int, cache_dir: Path) -> Engine:
