@@ -86,6 +86,67 @@ def free_port() -> Callable[[], int]:
     return _free_port
 
 
+# ----- Ray Serve: one app per use, on a Ray of its own, the environment restored afterwards -----
+
+
+@contextlib.contextmanager
+def _ray_app(config: dict[str, Any], *, name: str = "lora", env: dict[str, str] | None = None,
+             nodes: int = 0) -> Iterator[str]:
+    """Ray started on 127.0.0.1 with token auth off (`RAY_AUTH_MODE=disabled`, which Ray would
+    otherwise require), Serve on a free port and `build_app(config)` deployed as `name` at "/"; yields
+    the app's URL. `env` is set in this process and in every Ray worker for as long as the app runs.
+    `nodes` > 0 runs a multi-node `ray.cluster_utils.Cluster` of that many one-CPU nodes instead of a
+    local Ray of 4 CPUs. Serve, Ray, the cluster and the environment are all given back afterwards."""
+    import ray
+    from ray import serve
+
+    from lora_cluster.serve.app import build_app
+
+    workers = {"runtime_env": {"env_vars": env}} if env else {}  # beyond what they inherit from here
+    patch = pytest.MonkeyPatch()
+    for key, value in {"RAY_AUTH_MODE": "disabled", **(env or {})}.items():
+        patch.setenv(key, value)
+    cluster = None
+    try:
+        if nodes:
+            from ray.cluster_utils import Cluster
+
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
+                                                                    "include_dashboard": False})
+            for _ in range(nodes - 1):
+                cluster.add_node(num_cpus=1)
+            ray.init(address=cluster.address, configure_logging=False, log_to_driver=False, **workers)
+        else:  # "local": a Ray of its own, even while another test's Ray runs on this machine
+            ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
+                     log_to_driver=False, **workers)
+        port = _free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(config), name=name, route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        patch.undo()
+
+
+@pytest.fixture(scope="session")
+def ray_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """`with ray_app(config, name="lora", env=None, nodes=0) as url:` runs the application built from
+    `config` on Ray Serve for the `with` block (see `_ray_app`). Use it in a module-scoped fixture so
+    that a module's tests share one app:
+
+        @pytest.fixture(scope="module")
+        def base_url(ray_app, app_config):
+            with ray_app(app_config) as url:
+                yield url
+    """
+    return _ray_app
+
+
 @pytest.fixture(scope="session")
 def demo_zoo(tmp_path_factory: pytest.TempPathFactory) -> DemoZoo:
     """The tiny demo zoo (16 adapters a0..a15, seed 0), built once per test session. Treat as read-only."""
@@ -102,6 +163,55 @@ def demo_model_dir(demo_zoo: DemoZoo) -> Path:
 def demo_adapters_dir(demo_zoo: DemoZoo) -> Path:
     """Folder holding the demo adapters, one sub-folder per adapter id."""
     return demo_zoo.adapters_dir
+
+
+# ----- engines and their PEFT reference -----
+
+
+@pytest.fixture(scope="session")
+def make_engine(demo_zoo: DemoZoo) -> Callable[..., Any]:
+    """`make_engine(**overrides)`: an engine of the tiny demo base model that serves the demo adapters,
+    built as callers build one (`build_engine`: wired to the adapter store of its config unless an
+    `adapter_loader` is given); `overrides` are `build_engine`'s (any `EngineConfig` field,
+    `adapter_loader`; `model` or `adapter_source` replace the demo's, `adapter_source=None` serves the
+    base model alone). The one place that knows how a test builds an engine. The caller closes it."""
+    from lora_cluster.engine import Engine, build_engine
+
+    def make(**overrides: Any) -> Engine:
+        demo = {"model": str(demo_zoo.model_dir), "adapter_source": str(demo_zoo.adapters_dir)}
+        return build_engine(**{**demo, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def peft_model(demo_zoo: DemoZoo) -> Any:
+    """Hugging Face PEFT's `PeftModel` over the demo base model (float32) with every demo adapter
+    loaded under its id: the reference the engine is compared with (use `helpers.peft_logits`, which
+    activates one adapter at a time)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = sorted((p.name for p in demo_zoo.adapters_dir.iterdir() if p.is_dir()), key=lambda a: int(a[1:]))
+    base = AutoModelForCausalLM.from_pretrained(demo_zoo.model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, demo_zoo.adapters_dir / ids[0], adapter_name=ids[0])
+    for adapter_id in ids[1:]:
+        model.load_adapter(demo_zoo.adapters_dir / adapter_id, adapter_name=adapter_id)
+    return model.eval()
+
+
+# ----- tenants -----
+
+
+@pytest.fixture
+def tenants_file(tmp_path: Path) -> Path:
+    """A tenants file with `tenant_app.tenants_yaml()` (finance, hr and an admin key) in force."""
+    from tenant_app import tenants_yaml
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(tenants_yaml())
+    return path
 
 
 # ----- adapter store: S3 (moto server), a failure-injecting TCP proxy, a pre-populated hub cache -----

@@ -14,16 +14,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_serve_app import BOUND_S, FakeDispatcher, FakeTokenizer
+from app_client import FakeDispatcher, FakeTokenizer, serving
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import LoraClusterError
-from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.dispatch import Generation
 from lora_cluster.serve.http_errors import ApiException, describe
-from lora_cluster.serve.ingress import build_fastapi
 from lora_cluster.serve.protocol import GenerateJob
+from lora_cluster.serve.routing.dispatch import Generation
 from lora_cluster.store import TieredAdapterStore
 from lora_cluster.store.admission import AdmissionPolicy
 
@@ -34,14 +32,10 @@ LIMITS = {"max_body_bytes": 4096, "max_json_depth": 8, "max_prompt_tokens": 24, 
 
 @contextlib.asynccontextmanager
 async def limited_app(dispatcher: Any = None, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
-    ctx = ApiContext(config=ServeConfig(model="base", **{**LIMITS, **config}), tokenizer=FakeTokenizer(),
-                     dispatcher=dispatcher or FakeDispatcher())
-    transport = httpx.ASGITransport(app=build_fastapi(ctx), raise_app_exceptions=False)
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=BOUND_S) as c:
-            yield c
-    finally:
-        ctx.close()
+    limited = ServeConfig(model="base", **{**LIMITS, **config})
+    async with serving(FakeTokenizer(), dispatcher or FakeDispatcher(), limited,
+                       raise_app_exceptions=False) as client:
+        yield client
 
 
 OK = {"model": "a1", "prompt": "hi", "max_tokens": 2}

@@ -1,7 +1,7 @@
 """Which routes answer without an API key while a tenants file is in force: only the `open_routes`
 setting's (default /health). The schema and its pages need a key, /metrics (whose labels name every
 tenant's adapters and tenants) an admin key; the schema declares exactly that. The app is built in
-process around test_tenants' replica (`ZooDispatcher`).
+process around the tenants' fake replica (`tenant_app.ZooDispatcher`).
 """
 
 from __future__ import annotations
@@ -13,23 +13,16 @@ from typing import Any
 
 import httpx
 import pytest
-from test_serve_app import FakeTokenizer, serving
-from test_tenants import ADMIN_KEY, FIN_KEY, ZooDispatcher, bearer, tenants_yaml
+from app_client import FakeTokenizer, serving
+from tenant_app import ADMIN_KEY, FIN_KEY, ZooDispatcher, bearer
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.ingress import build_fastapi
+from lora_cluster.serve.http.context import ApiContext
+from lora_cluster.serve.http.ingress import build_fastapi
 from lora_cluster.tenancy.watch import TenantsWatcher
 
 DESCRIPTION = ["/openapi.json", "/docs", "/redoc"]
-
-
-@pytest.fixture
-def tenants_file(tmp_path: Path) -> Path:
-    path = tmp_path / "tenants.yaml"
-    path.write_text(tenants_yaml())
-    return path
 
 
 @contextlib.asynccontextmanager

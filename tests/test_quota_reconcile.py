@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from test_quotas import Clock
-from test_serve_app import FakeDispatcher, FakeTokenizer, serving
+from app_client import FakeDispatcher, FakeTokenizer, serving
+from helpers import FakeClock
 
 from lora_cluster.errors import (
     AdapterNotFoundError,
@@ -29,7 +29,7 @@ from lora_cluster.errors import (
     QuotaUnavailableError,
 )
 from lora_cluster.serve.http_errors import ApiException, describe
-from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
+from lora_cluster.serve.routing.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
 from lora_cluster.tenancy.quota import Amounts, QuotaBook, QuotaLimits
 from lora_cluster.tenancy.tenants import hash_key
 from lora_cluster.tenancy.watch import TenantsWatcher
@@ -46,7 +46,7 @@ class LedgerHandle:
     runs it later). `hold`, when set, keeps every call from running until it is set. `restart()`
     replaces the ledger by a new one; calls not run yet run on the new one."""
 
-    def __init__(self, clock: Clock, fate: Any = None, rng: random.Random | None = None):
+    def __init__(self, clock: FakeClock, fate: Any = None, rng: random.Random | None = None):
         self.clock, self.fate, self.rng = clock, fate or (lambda method: OK), rng or random.Random(0)
         self.ledger = self._new()
         self.books = [self.ledger.book]
@@ -115,7 +115,7 @@ async def steps(n: int) -> None:
         await asyncio.sleep(0)
 
 
-def ingresses(handle: LedgerHandle, clock: Clock) -> tuple[RemoteQuotas, RemoteQuotas]:
+def ingresses(handle: LedgerHandle, clock: FakeClock) -> tuple[RemoteQuotas, RemoteQuotas]:
     return (RemoteQuotas(handle, lease_s=1.0, clock=clock, background=False),
             RemoteQuotas(handle, lease_s=1.0, clock=clock, background=False))
 
@@ -124,7 +124,7 @@ def ingresses(handle: LedgerHandle, clock: Clock) -> tuple[RemoteQuotas, RemoteQ
 
 
 async def test_a_grant_whose_client_went_away_is_given_back_at_the_next_flush():
-    clock = Clock()
+    clock = FakeClock()
     handle = LedgerHandle(clock)
     a, b = ingresses(handle, clock)
     limits = QuotaLimits(max_concurrent=1)
@@ -144,7 +144,7 @@ async def test_a_grant_whose_client_went_away_is_given_back_at_the_next_flush():
 
 
 async def test_a_grant_whose_reply_timed_out_is_given_back_at_the_next_flush():
-    clock = Clock()
+    clock = FakeClock()
     fates = iter([LOST_AFTER])
     handle = LedgerHandle(clock, fate=lambda method: next(fates, OK))
     a, b = ingresses(handle, clock)
@@ -161,7 +161,7 @@ async def test_a_grant_whose_reply_timed_out_is_given_back_at_the_next_flush():
 
 @pytest.mark.parametrize("fate", [LOST_BEFORE, LOST_AFTER])
 async def test_a_failed_give_back_loses_neither_the_slots_nor_the_debt(fate):
-    clock = Clock()
+    clock = FakeClock()
     fates = iter([OK, fate])  # the grant, then the first give-back
     handle = LedgerHandle(clock, fate=lambda method: next(fates, OK))
     a, b = ingresses(handle, clock)
@@ -180,7 +180,7 @@ async def test_a_failed_give_back_loses_neither_the_slots_nor_the_debt(fate):
 
 
 def test_the_ttl_reclaims_a_holder_that_never_settles_even_while_it_takes_more():
-    clock = Clock()
+    clock = FakeClock()
     book = QuotaBook(clock, ticket_ttl_s=60.0)
     limits = QuotaLimits(max_concurrent=2, requests_per_minute=6000)
     book.grant("ingress-a", "fin", limits, Amounts(slots=1))  # a slot the holder lost track of
@@ -191,7 +191,7 @@ def test_the_ttl_reclaims_a_holder_that_never_settles_even_while_it_takes_more()
 
 
 async def test_without_max_concurrent_no_slot_is_given_back_or_recorded():
-    clock = Clock()
+    clock = FakeClock()
     handle = LedgerHandle(clock)
     a, _ = ingresses(handle, clock)
     limits = QuotaLimits(requests_per_minute=600)  # no max_concurrent
@@ -244,7 +244,7 @@ async def one_request(quotas: RemoteQuotas, tenant: str, rng: random.Random, ser
     served.tokens[tenant] += prompt + completion
 
 
-async def one_round(handle: LedgerHandle, clock: Clock, quotas: tuple[RemoteQuotas, RemoteQuotas],
+async def one_round(handle: LedgerHandle, clock: FakeClock, quotas: tuple[RemoteQuotas, RemoteQuotas],
                     rng: random.Random, restart: bool) -> Served:
     served = Served()
     tasks = []
@@ -269,7 +269,7 @@ async def one_round(handle: LedgerHandle, clock: Clock, quotas: tuple[RemoteQuot
 @pytest.mark.parametrize("seed", range(48))
 async def test_randomized_the_ledger_holds_nothing_and_charged_exactly_what_was_served(seed):
     rng = random.Random(seed)
-    clock = Clock()
+    clock = FakeClock()
     failing = {"on": True}
 
     def fate(method: str) -> str:
@@ -373,7 +373,7 @@ FAILURES = [
 @pytest.mark.parametrize("route", ["/v1/completions", "/generate"])
 @pytest.mark.parametrize(("error", "status"), FAILURES, ids=[str(s) for _, s in FAILURES])
 async def test_a_request_failing_before_its_first_token_is_not_charged(tmp_path, route, error, status):
-    book = QuotaBook(Clock())
+    book = QuotaBook(FakeClock())
     body = ({"model": "a1", "prompt": "hello", "max_tokens": 3} if route == "/v1/completions"
             else {"inputs": "hello", "parameters": {"adapter_id": "a1", "max_new_tokens": 3}})
     async with app(tmp_path, LocalQuotas(book), FailingDispatcher(error)) as client:
@@ -388,7 +388,7 @@ async def test_a_request_failing_before_its_first_token_is_not_charged(tmp_path,
 
 
 async def test_a_served_request_is_charged_its_prompt_and_completion(tmp_path):
-    book = QuotaBook(Clock())
+    book = QuotaBook(FakeClock())
     async with app(tmp_path, LocalQuotas(book)) as client:
         ok = await client.post("/v1/completions", headers={"x-api-key": FIN_KEY},
                                json={"model": "a1", "prompt": "hello", "max_tokens": 3})
@@ -409,7 +409,7 @@ class SecondChoiceFails(FakeDispatcher):
 
 
 async def test_a_failed_fan_out_whose_first_choice_produced_a_token_is_charged(tmp_path):
-    book = QuotaBook(Clock())
+    book = QuotaBook(FakeClock())
     async with app(tmp_path, LocalQuotas(book), SecondChoiceFails()) as client:
         failed = await client.post("/v1/completions", headers={"x-api-key": FIN_KEY},
                                    json={"model": "a1", "prompt": "hello", "max_tokens": 3, "n": 2})
@@ -423,7 +423,7 @@ async def test_a_failed_fan_out_whose_first_choice_produced_a_token_is_charged(t
 @pytest.mark.parametrize("kind", ["local", "remote"])
 async def test_a_request_over_its_requests_per_minute_is_refused_before_its_prompt_is_tokenized(
         tmp_path, kind):
-    clock = Clock()
+    clock = FakeClock()
     quotas = (LocalQuotas(QuotaBook(clock)) if kind == "local"
               else RemoteQuotas(LedgerHandle(clock), clock=clock, background=False))
     tokenizer = CountingTokenizer()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -15,26 +14,16 @@ from typing import Any
 
 import httpx
 import pytest
-from test_serve_app import BOUND_S, FakeDispatcher, FakeTokenizer
+from app_client import FakeDispatcher, FakeTokenizer, serving
+from helpers import FakeClock
 
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
-from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.ingress import build_fastapi
-from lora_cluster.serve.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
+from lora_cluster.serve.routing.quotas import LocalQuotas, QuotaLedger, RemoteQuotas
 from lora_cluster.tenancy.lease import TenantLease
 from lora_cluster.tenancy.quota import Amounts, QuotaBook, QuotaLimits, TokenBucket
 from lora_cluster.tenancy.tenants import hash_key
 from lora_cluster.tenancy.watch import TenantsWatcher
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 # ----- pure: buckets and the book -------------------------------------------------------------------------
 
@@ -50,7 +39,7 @@ def test_a_bucket_holds_one_minute_and_refills_continuously():
 
 
 def test_requests_per_minute_refuses_beyond_the_limit_and_says_when_to_retry():
-    clock = Clock()
+    clock = FakeClock()
     book = QuotaBook(clock)
     limits = QuotaLimits(requests_per_minute=6)
     admitted = [book.admit("fin", limits, 1) for _ in range(6)]
@@ -65,7 +54,7 @@ def test_requests_per_minute_refuses_beyond_the_limit_and_says_when_to_retry():
 
 
 def test_tokens_are_charged_for_the_prompt_at_admission_and_the_completion_when_it_ends():
-    clock = Clock()
+    clock = FakeClock()
     book = QuotaBook(clock)
     limits = QuotaLimits(tokens_per_minute=600)  # 10 tokens per second
     first = book.admit("fin", limits, 100)
@@ -82,14 +71,14 @@ def test_tokens_are_charged_for_the_prompt_at_admission_and_the_completion_when_
 
 
 def test_a_prompt_larger_than_the_whole_bucket_passes_when_the_bucket_is_full():
-    book = QuotaBook(Clock())
+    book = QuotaBook(FakeClock())
     limits = QuotaLimits(tokens_per_minute=100)
     assert book.admit("fin", limits, 500).admitted, "a full bucket admits even an oversized prompt"
     assert not book.admit("fin", limits, 1).admitted, "then the tenant waits for the debt to refill"
 
 
 def test_max_concurrent_counts_requests_until_they_finish():
-    clock = Clock()
+    clock = FakeClock()
     book = QuotaBook(clock, ticket_ttl_s=60.0)
     limits = QuotaLimits(max_concurrent=2)
     a, b = book.admit("fin", limits, 1), book.admit("fin", limits, 1)
@@ -104,7 +93,7 @@ def test_max_concurrent_counts_requests_until_they_finish():
 
 
 def test_a_refusal_names_the_limit_that_makes_the_request_wait_longest():
-    book = QuotaBook(Clock())
+    book = QuotaBook(FakeClock())
     limits = QuotaLimits(requests_per_minute=1, tokens_per_minute=60)
     book.admit("fin", limits, 60)
     refused = book.admit("fin", limits, 60)
@@ -113,7 +102,7 @@ def test_a_refusal_names_the_limit_that_makes_the_request_wait_longest():
 
 
 def test_a_lowered_limit_takes_effect_at_once_and_tenants_are_bounded():
-    book = QuotaBook(Clock(), max_tenants=3)
+    book = QuotaBook(FakeClock(), max_tenants=3)
     book.admit("fin", QuotaLimits(requests_per_minute=100), 1)
     lowered = QuotaLimits(requests_per_minute=1)
     assert book.admit("fin", lowered, 1).admitted, "the bucket, capped at the new capacity, holds one"
@@ -128,7 +117,7 @@ def test_a_lowered_limit_takes_effect_at_once_and_tenants_are_bounded():
 
 
 def test_a_lease_admits_from_its_credit_and_gives_back_what_it_did_not_use():
-    clock = Clock()
+    clock = FakeClock()
     book = QuotaBook(clock)
     limits = QuotaLimits(requests_per_minute=600, tokens_per_minute=6000, max_concurrent=4)
     lease = TenantLease()
@@ -177,14 +166,14 @@ class InProcessHandle:
         return Call()
 
 
-def ledger_of(clock: Clock) -> Any:
+def ledger_of(clock: FakeClock) -> Any:
     ledger = QuotaLedger.func_or_class(900.0)
     ledger.book = QuotaBook(clock, ticket_ttl_s=900.0)
     return ledger
 
 
 async def test_two_ingresses_on_one_ledger_never_exceed_a_limit_and_rarely_call_it():
-    clock = Clock()
+    clock = FakeClock()
     handle = InProcessHandle(ledger_of(clock))
     a, b = RemoteQuotas(handle, lease_s=1.0, clock=clock), RemoteQuotas(handle, lease_s=1.0, clock=clock)
     limits = QuotaLimits(requests_per_minute=600)
@@ -200,7 +189,7 @@ async def test_two_ingresses_on_one_ledger_never_exceed_a_limit_and_rarely_call_
 
 
 async def test_unused_credit_and_free_slots_go_back_so_another_ingress_can_use_them():
-    clock = Clock()
+    clock = FakeClock()
     handle = InProcessHandle(ledger_of(clock))
     a, b = RemoteQuotas(handle, lease_s=1.0, clock=clock), RemoteQuotas(handle, lease_s=1.0, clock=clock)
     limits = QuotaLimits(max_concurrent=2, tokens_per_minute=6000)
@@ -239,19 +228,14 @@ tenants:
     adapters: ["*"]
 """)
     watcher = TenantsWatcher(str(path), start=False)
-    ctx = ApiContext(config=ServeConfig(model="base"), tokenizer=FakeTokenizer(), dispatcher=FakeDispatcher(),
-                     tenants=watcher, quotas=LocalQuotas(book))
-    transport = httpx.ASGITransport(app=build_fastapi(ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=BOUND_S) as c:
-            yield c
-    finally:
-        ctx.close()
+    quotas = LocalQuotas(book)
+    async with serving(FakeTokenizer(), FakeDispatcher(), tenants=watcher, quotas=quotas) as client:
+        yield client
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_tenant_at_3x_its_quota_gets_429s_while_another_is_served(tmp_path, stream):
-    book = QuotaBook(Clock())  # time stands still: 6 requests per minute are 6 requests in this test
+    book = QuotaBook(FakeClock())  # time stands still: 6 requests per minute are 6 requests in this test
     body = {"model": "a1", "prompt": "hello", "max_tokens": 3, "stream": stream}
     async with quota_app(tmp_path, book) as client:
         fin, hr = [], []
@@ -274,7 +258,7 @@ async def test_a_tenant_at_3x_its_quota_gets_429s_while_another_is_served(tmp_pa
 
 
 async def test_a_request_refused_before_it_runs_releases_its_slot(tmp_path):
-    book = QuotaBook(Clock())
+    book = QuotaBook(FakeClock())
     async with quota_app(tmp_path, book) as client:
         bad = await client.post("/v1/completions", headers={"x-api-key": FIN_KEY},
                                 json={"model": "a1", "prompt": "hello", "max_tokens": 100_000})
@@ -288,13 +272,7 @@ RPM = 8
 
 
 @pytest.fixture(scope="module")
-def two_ingresses(free_port, demo_zoo, tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
+def two_ingresses(ray_app, demo_zoo, tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     path.write_text(f"""
 admin_api_keys: ["{hash_key('sk-admin')}"]
@@ -311,15 +289,8 @@ tenants:
               "num_replicas": 1, "num_cpus": 1, "max_loras": 2, "max_lora_rank": 32, "max_num_seqs": 8,
               "max_num_batched_tokens": 128, "ingress_num_replicas": 2, "controller": False,
               "tenants_file": str(path)}
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name="quota", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_app(config, name="quota") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -1,94 +1,23 @@
 """Tenants and API keys: the tenants file, key lookup, adapter isolation, listing, admin routes, reloads.
 
 The pure parts (parsing, lookup, globs, the watcher) are tested directly; the HTTP behaviour through
-the ingress's FastAPI app in process (`build_fastapi` around the fake replica of test_serve_app,
+the ingress's FastAPI app in process (`build_fastapi` around the fake replica of tests/tenant_app.py,
 which refuses unknown adapters exactly as a replica does: through `describe`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_serve_app import BOUND_S, FakeDispatcher, FakeTokenizer
+from app_client import BOUND_S, FakeTokenizer, serving
+from helpers import wait_until_async
+from tenant_app import ADMIN_KEY, FIN_KEY, HR_KEY, ZOO, ZooDispatcher, bearer, tenant_app, tenants_yaml
 
-from lora_cluster.config import ServeConfig
-from lora_cluster.errors import AdapterNotFoundError
-from lora_cluster.serve.context import ApiContext
-from lora_cluster.serve.dispatch import Generation
-from lora_cluster.serve.http_errors import ApiException, describe
-from lora_cluster.serve.ingress import build_fastapi
-from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.tenancy.tenants import TenantsFileError, hash_key, parse_tenants
 from lora_cluster.tenancy.watch import TenantsWatcher
-
-FIN_KEY, HR_KEY, ADMIN_KEY = "sk-fin-0123456789", "sk-hr-0123456789", "sk-admin-0123456789"
-ZOO = ["fin-a", "fin-b", "shared-x", "hr-a", "hr-secret"]
-
-
-def tenants_yaml(fin_key: str = FIN_KEY, hr_extra: str = "") -> str:
-    return f"""
-admin_api_keys: ["{hash_key(ADMIN_KEY)}"]
-tenants:
-  - name: finance
-    api_keys: ["{hash_key(fin_key)}"]
-    adapters: ["fin-*", "shared-*"]
-    priority_class: interactive
-  - name: hr
-    api_keys: ["{hash_key(HR_KEY)}"]
-    adapters: ["hr-*"]
-    base_model: false
-    priority_class: batch
-{hr_extra}"""
-
-
-class ZooDispatcher(FakeDispatcher):
-    """A replica serving the adapters of ZOO: any other adapter is refused as a replica refuses it."""
-
-    async def start(self, job: GenerateJob, route: str) -> Generation:
-        if job.adapter_id is not None and job.adapter_id not in ZOO:
-            error = AdapterNotFoundError(job.adapter_id, "not found in the configured adapter sources")
-            raise ApiException(describe(error))
-        return await super().start(job, route)
-
-    async def any_replica(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
-        return list(ZOO) if method == "list_adapters" else "r1"
-
-
-@contextlib.asynccontextmanager
-async def tenant_app(tenants_file: Path, dispatcher: Any, period_s: float = 60.0,
-                     watcher: TenantsWatcher | None = None) -> AsyncIterator[httpx.AsyncClient]:
-    """The app with `tenants_file` in force (re-read every `period_s`), or `watcher`'s when given."""
-    config = ServeConfig(model="base")
-    if watcher is None:
-        watcher = TenantsWatcher(str(tenants_file), ("interactive", "standard", "batch"), period_s)
-    ctx = ApiContext(config=config, tokenizer=FakeTokenizer(), dispatcher=dispatcher, tenants=watcher)
-    transport = httpx.ASGITransport(app=build_fastapi(ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=BOUND_S) as c:
-            yield c
-    finally:
-        watcher.close()
-        ctx.close()
-
-
-@pytest.fixture
-def tenants_file(tmp_path: Path) -> Path:
-    path = tmp_path / "tenants.yaml"
-    path.write_text(tenants_yaml())
-    return path
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
-
 
 # ----- the file: parsing, errors naming the field, lookup, globs ------------------------------------------
 
@@ -293,16 +222,17 @@ async def test_a_key_rotated_by_editing_the_file_takes_effect_without_a_restart(
     async with tenant_app(tenants_file, ZooDispatcher(), watcher=watcher) as client:
         before = await client.post("/v1/completions", json=body, headers=bearer(FIN_KEY))
         tenants_file.write_text(tenants_yaml(fin_key="sk-fin-rotated"))
-        deadline = time.monotonic() + BOUND_S
-        rotated = await client.post("/v1/completions", json=body, headers=bearer("sk-fin-rotated"))
-        while rotated.status_code == 401 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            rotated = await client.post("/v1/completions", json=body, headers=bearer("sk-fin-rotated"))
+        answers: list[httpx.Response] = []
+
+        async def rotated_key_taken() -> bool:
+            answers.append(await client.post("/v1/completions", json=body, headers=bearer("sk-fin-rotated")))
+            return answers[-1].status_code != 401
+
+        await wait_until_async(rotated_key_taken, BOUND_S, "the watcher to take the rotated key", 0.05)
+        rotated = answers[-1]
         old = await client.post("/v1/completions", json=body, headers=bearer(FIN_KEY))
         tenants_file.write_text("tenants: [{broken")  # a broken edit keeps the last good file
-        deadline = time.monotonic() + BOUND_S
-        while watcher.errors == 0 and time.monotonic() < deadline:  # until the watcher has read it
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: watcher.errors, BOUND_S, "the watcher to read the broken file", 0.05)
         still = await client.post("/v1/completions", json=body, headers=bearer("sk-fin-rotated"))
     assert before.status_code == 200, f"the first key works: {before.text}"
     assert rotated.status_code == 200, f"the new key works once the file changed: {rotated.text}"
@@ -314,14 +244,9 @@ async def test_a_key_rotated_by_editing_the_file_takes_effect_without_a_restart(
 
 
 async def test_without_a_tenants_file_the_server_is_open():
-    ctx = ApiContext(config=ServeConfig(model="base"), tokenizer=FakeTokenizer(), dispatcher=ZooDispatcher())
-    transport = httpx.ASGITransport(app=build_fastapi(ctx))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=BOUND_S) as c:
-            generated = await c.post("/v1/completions", json={**COMPLETION, "model": "hr-secret"})
-            loaded = await c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a/x"})
-    finally:
-        ctx.close()
+    async with serving(FakeTokenizer(), ZooDispatcher()) as c:
+        generated = await c.post("/v1/completions", json={**COMPLETION, "model": "hr-secret"})
+        loaded = await c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a/x"})
     assert generated.status_code == 200, f"no key needed without a tenants file: {generated.text}"
     assert loaded.status_code == 200, f"admin routes are open too: {loaded.text}"
 

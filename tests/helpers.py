@@ -1,0 +1,87 @@
+"""Small shared pieces of the tests: bounded waits, the greedy sampling parameters, PEFT's logits.
+
+Every wait is bounded: the bound is a safety net reached only when the behaviour under test is broken,
+never a performance figure (a wait that runs out fails with the message of what it waited for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from lora_cluster.engine import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+T = TypeVar("T")
+
+
+def poll(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.2) -> T:
+    """Call `predicate` until it returns a true value (returned) or `timeout_s` has passed (its last,
+    false, value is returned). It is called at least once, and once more after the bound."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(interval_s)
+    return value
+
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, message: str, interval_s: float = 0.2) -> T:
+    """`predicate`'s first true value; an AssertionError naming `message` when none came in `timeout_s`."""
+    value = poll(predicate, timeout_s, interval_s)
+    assert value, f"gave up after {timeout_s:g} s waiting for {message} (last: {value!r})"
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], Any], timeout_s: float, message: str,
+                           interval_s: float = 0.01) -> Any:
+    """`wait_until` on an event loop: `predicate` may be a coroutine function; the loop keeps running
+    between calls."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"gave up after {timeout_s:g} s waiting for {message}"
+        await asyncio.sleep(interval_s)
+
+
+class FakeClock:
+    """A monotonic clock that moves only when the test moves it (`advance`, or `sleep` where the code
+    under test sleeps on the clock it is given)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    sleep = advance
+
+
+def greedy(max_new_tokens: int = 8, **controls: Any) -> SamplingParams:
+    """Greedy decoding of exactly `max_new_tokens` tokens (EOS ignored unless `controls` say otherwise)."""
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **{"ignore_eos": True, **controls})
+
+
+GREEDY = greedy()  # 8 greedy tokens, EOS ignored: the engine tests' default request
+
+
+def peft_logits(model: PeftModel, adapter_id: str | None, ids: list[int]) -> torch.Tensor:
+    """PEFT's logits [len(ids), vocab] of `ids` with `adapter_id` active (None: the base model alone)."""
+    import torch
+
+    with torch.no_grad():
+        if adapter_id is None:
+            with model.disable_adapter():
+                return model(torch.tensor([ids])).logits[0]
+        model.set_adapter(adapter_id)
+        return model(torch.tensor([ids])).logits[0]
