@@ -9,6 +9,7 @@ from concurrent.futures import ALL_COMPLETED, wait
 from typing import Any
 
 import torch
+from helpers import FakeClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,14 +29,6 @@ from lora_cluster.engine.sequence import Sequence
 SHAPES = ModelShapes(1, {"q_proj": (4, 6)})
 STEP_S = 0.05  # fake seconds per engine step
 WAIT_BOUNDS = {0: 1.0, 1: 4.0}  # adapter wait bound per priority (the SLA classes' share)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class MemoryLoader:
@@ -73,7 +66,7 @@ class MemoryLoader:
 class Replica:
     """The engine's step loop without a model: each scheduled token is computed at once."""
 
-    def __init__(self, clock: Clock, slots: int, protect: bool = True, load_s: float = 0.0):
+    def __init__(self, clock: FakeClock, slots: int, protect: bool = True, load_s: float = 0.0):
         self.clock = clock
         self.pool = AdapterPool(SHAPES, num_slots=slots, max_rank=4, dtype=torch.float32,
                                 device=torch.device("cpu"), clock=clock)
@@ -142,7 +135,7 @@ class Replica:
 def test_no_step_idles_a_slot_while_a_request_waits_and_every_request_completes(
         seed: int, slots: int, adapters: int, rate: float, one_offs: float) -> None:
     rng = random.Random(seed)
-    clock = Clock()
+    clock = FakeClock()
     replica = Replica(clock, slots)
     weights = [1.0 / (i + 1) for i in range(adapters)]  # Zipf 1.0
     n, cold = 0, 0
@@ -167,7 +160,7 @@ def test_no_step_idles_a_slot_while_a_request_waits_and_every_request_completes(
 
 
 def test_a_one_off_takes_an_idle_one_offs_slot_before_a_repeated_adapters() -> None:
-    clock = Clock()
+    clock = FakeClock()
     replica = Replica(clock, slots=2)
     for i in range(2):
         replica.add(f"hot{i}", "hot", 0, 1, 1)
@@ -182,7 +175,7 @@ def test_a_one_off_takes_an_idle_one_offs_slot_before_a_repeated_adapters() -> N
 
 
 def test_a_one_off_is_held_while_a_one_offs_slot_frees_anyway_then_placed_within_its_bound() -> None:
-    clock = Clock()
+    clock = FakeClock()
     replica = Replica(clock, slots=2, load_s=0.05)  # holds last at most 2 loads: about 2 steps
     for i in range(2):
         replica.add(f"hot{i}", "hot", 0, 1, 1)
@@ -203,7 +196,7 @@ def test_a_one_off_is_held_while_a_one_offs_slot_frees_anyway_then_placed_within
 
 
 def test_without_protection_the_lru_slot_goes_whatever_its_demand() -> None:
-    clock = Clock()
+    clock = FakeClock()
     replica = Replica(clock, slots=2, protect=False)
     for i in range(2):
         replica.add(f"hot{i}", "hot", 0, 1, 1)

@@ -6,21 +6,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from helpers import FakeClock, greedy
 
-from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, RotationSlotPolicy, Waiting
 from lora_cluster.store.folder_loader import FolderAdapterLoader
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _rotation(clock: Clock, min_steps: int = 2, **kw: object) -> AdapterRotation:
+def _rotation(clock: FakeClock, min_steps: int = 2, **kw: object) -> AdapterRotation:
     return AdapterRotation(min_steps=min_steps, wait_bounds_s={0: 1.0, 1: 5.0}, default_wait_s=30.0,
                            clock=clock, **kw)
 
@@ -31,7 +24,7 @@ def _run(rot: AdapterRotation, adapters: list[str], steps: int) -> None:
 
 
 def test_no_drain_before_the_fairness_bound():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     for a in ("r1", "r2"):
         rot.placed(a)
@@ -47,7 +40,7 @@ def test_no_drain_before_the_fairness_bound():
 
 
 def test_a_free_slot_means_no_drain():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     rot.placed("r1")
     _run(rot, ["r1"], 5)
@@ -57,7 +50,7 @@ def test_a_free_slot_means_no_drain():
 
 
 def test_busy_adapters_nobody_waits_for_count_as_freeing_up():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     rot.placed("r1")
     _run(rot, ["r1"], 5)
@@ -67,7 +60,7 @@ def test_busy_adapters_nobody_waits_for_count_as_freeing_up():
 
 
 def test_drains_the_adapter_placed_earliest_round_robin():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     rot.placed("old")
     clock.now = 101.0
@@ -80,7 +73,7 @@ def test_drains_the_adapter_placed_earliest_round_robin():
 
 
 def test_never_thrash_an_adapter_before_its_minimum_steps():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock, min_steps=4)
     rot.placed("r1")
     _run(rot, ["r1"], 3)
@@ -98,7 +91,7 @@ def test_never_thrash_an_adapter_before_its_minimum_steps():
 
 
 def test_more_urgent_and_pinned_adapters_are_not_drained():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     for a in ("urgent", "pinned"):
         rot.placed(a)
@@ -112,7 +105,7 @@ def test_more_urgent_and_pinned_adapters_are_not_drained():
 
 
 def test_fairness_bound_follows_the_class():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     clock.now = 102.0
     queue = [Waiting("i", 0, 100.0), Waiting("s", 1, 100.0), Waiting("b", 7, 100.0)]
@@ -122,7 +115,7 @@ def test_fairness_bound_follows_the_class():
 
 
 def test_prefetch_lists_the_next_absent_adapters_in_queue_order():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock, prefetch_depth=2)
     queue = [Waiting("r", 0, 100.0), Waiting("x", 0, 100.0), Waiting("x", 0, 100.0), Waiting("y", 1, 100.0),
              Waiting("z", 1, 100.0)]
@@ -131,7 +124,7 @@ def test_prefetch_lists_the_next_absent_adapters_in_queue_order():
 
 
 def test_slot_policy_protects_wanted_adapters_unless_draining():
-    clock = Clock()
+    clock = FakeClock(100.0)
     rot = _rotation(clock)
     wanted, draining = {"a", "b"}, {"b"}
     policy = RotationSlotPolicy(None, rot, wanted.__contains__, draining.__contains__)
@@ -169,15 +162,15 @@ class RecordingLoader(FolderAdapterLoader):
         self.events.append((self.step, adapter_id, resident))
 
 
-def _engine(model_dir, adapters_dir, **overrides: object) -> tuple[Engine, RecordingLoader]:
+def _engine(make_engine, adapters_dir, **overrides: object) -> tuple[Engine, RecordingLoader]:
     holder: dict[str, RecordingLoader] = {}
 
     def factory(config, shapes, device):
         holder["loader"] = RecordingLoader([str(adapters_dir)], shapes, config.max_lora_rank)
         return holder["loader"]
 
-    engine = Engine(model=str(model_dir), adapter_source=str(adapters_dir), adapter_loader=factory,
-                    breakers=False, **overrides)  # the switch-rate breaker is tested on its own
+    engine = make_engine(adapter_source=str(adapters_dir), adapter_loader=factory, breakers=False,
+                         **overrides)  # the switch-rate breaker is tested on its own
     return engine, holder["loader"]
 
 
@@ -186,7 +179,7 @@ def _drive(engine: Engine, loader: RecordingLoader, arrivals: dict[int, list[tup
     """Step the engine, adding `arrivals[step]` (request id, adapter) before each step, until every
     request (or request `until`) finished; returns the step at which each request finished and the
     adapters that produced tokens at each step."""
-    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    params = greedy(6)
     adapter_of: dict[str, str] = {}
     finished: dict[str, int] = {}
     ran: dict[int, set[str]] = defaultdict(set)
@@ -204,8 +197,8 @@ def _drive(engine: Engine, loader: RecordingLoader, arrivals: dict[int, list[tup
     return finished, ran
 
 
-def test_a_cold_adapter_is_not_starved_by_hot_ones(demo_model_dir, demo_adapters_dir):
-    engine, loader = _engine(demo_model_dir, demo_adapters_dir, max_loras=2, max_num_seqs=4,
+def test_a_cold_adapter_is_not_starved_by_hot_ones(make_engine, demo_adapters_dir):
+    engine, loader = _engine(make_engine, demo_adapters_dir, max_loras=2, max_num_seqs=4,
                              adapter_min_steps=2, adapter_max_wait_s=0.05)
     try:
         hot = {s: [(f"h{s}-{i}", f"a{i}") for i in (1, 2)] for s in range(0, 80, 2)}  # always queued
@@ -220,9 +213,9 @@ def test_a_cold_adapter_is_not_starved_by_hot_ones(demo_model_dir, demo_adapters
     )
 
 
-def test_no_thrash_each_placement_runs_its_minimum_steps(demo_model_dir, demo_adapters_dir):
+def test_no_thrash_each_placement_runs_its_minimum_steps(make_engine, demo_adapters_dir):
     min_steps = 3
-    engine, loader = _engine(demo_model_dir, demo_adapters_dir, max_loras=2, max_num_seqs=4,
+    engine, loader = _engine(make_engine, demo_adapters_dir, max_loras=2, max_num_seqs=4,
                              adapter_min_steps=min_steps, adapter_max_wait_s=0.01)
     try:
         arrivals = {s: [(f"r{s}-{k}", f"a{(s + k) % 6}") for k in range(2)] for s in range(0, 24, 2)}
@@ -247,13 +240,12 @@ def test_no_thrash_each_placement_runs_its_minimum_steps(demo_model_dir, demo_ad
     assert placements < len(finished), "requests of an adapter share its placements (grouping)"
 
 
-def test_async_device_copies_give_the_same_tokens(demo_model_dir, demo_adapters_dir):
+def test_async_device_copies_give_the_same_tokens(make_engine):
     prompts, adapters = ["the cat sat"] * 6, [f"a{i}" for i in range(5)] + [None]
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     results = {}
     for copy_bytes in (0, 1 << 40):  # every copy off the step thread / every copy inline
-        engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                              max_num_seqs=3, adapter_async_copy_bytes=copy_bytes, breakers=False)
+        engine = make_engine(max_loras=2, max_num_seqs=3, adapter_async_copy_bytes=copy_bytes, breakers=False)
         try:
             results[copy_bytes] = [o.token_ids for o in engine.generate(prompts, adapter_ids=adapters,
                                                                          sampling=greedy)]

@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
+from helpers import FakeClock, greedy, wait_until
 
 from lora_cluster.breaker import Breaker, BreakerState, BreakerThresholds, ErrorRatio, EventRate
 from lora_cluster.config import EngineConfig
 from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.errors import ConfigError
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 SWITCH = BreakerThresholds(warn=3, trip=5, recover_below=2, recover_for_s=30, cooldown_s=5)
 LATENCY = BreakerThresholds(warn=50, trip=100, recover_below=30, recover_samples=10, cooldown_s=5)
 
 
 def test_levels_move_a_closed_breaker_between_closed_warn_and_open() -> None:
-    b = Breaker("x", LATENCY, Clock())
+    b = Breaker("x", LATENCY, FakeClock())
     assert b.record(10) is BreakerState.CLOSED, "below warn: closed"
     assert b.record(60) is BreakerState.WARN, "warn <= level < trip: warn"
     assert b.allow(), "a warning breaker still lets calls through"
@@ -37,7 +28,7 @@ def test_levels_move_a_closed_breaker_between_closed_warn_and_open() -> None:
 
 
 def test_open_breaker_turns_half_open_after_the_cooldown_and_rearms_on_trip_levels() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = Breaker("x", LATENCY, clock)
     b.record(150)
     clock.now += 4
@@ -51,7 +42,7 @@ def test_open_breaker_turns_half_open_after_the_cooldown_and_rearms_on_trip_leve
 
 
 def test_half_open_lets_one_probe_through_at_a_time() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = Breaker("x", LATENCY, clock)
     b.record(150)
     clock.now += 5
@@ -62,7 +53,7 @@ def test_half_open_lets_one_probe_through_at_a_time() -> None:
 
 
 def test_latency_breaker_closes_after_ten_fast_probes_and_reopens_on_a_slow_one() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = Breaker("x", LATENCY, clock)
     b.record(150)
     clock.now += 5
@@ -79,7 +70,7 @@ def test_latency_breaker_closes_after_ten_fast_probes_and_reopens_on_a_slow_one(
 
 
 def test_a_breaker_that_reopens_at_its_trip_level_only_restarts_its_streak_below_it() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = Breaker("x", dataclasses.replace(LATENCY, reopen_at=LATENCY.trip), clock)
     b.record(150)
     clock.now += 5
@@ -100,7 +91,7 @@ def test_a_breaker_that_reopens_at_its_trip_level_only_restarts_its_streak_below
 
 
 def test_switch_rate_breaker_recovers_only_after_thirty_quiet_seconds() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = Breaker("x", SWITCH, clock)
     b.record(5)
     clock.now += 5
@@ -112,7 +103,7 @@ def test_switch_rate_breaker_recovers_only_after_thirty_quiet_seconds() -> None:
 
 
 def test_switch_rate_breaker_reopens_when_the_rate_reaches_the_recovery_bound() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = Breaker("x", SWITCH, clock)
     b.record(6)
     clock.now += 5
@@ -129,7 +120,7 @@ def test_thresholds_are_checked() -> None:
 
 
 def test_event_rate_counts_events_in_its_window_only() -> None:
-    clock = Clock()
+    clock = FakeClock()
     rate = EventRate(1.0, clock)
     for _ in range(4):
         rate.add()
@@ -150,13 +141,13 @@ def test_error_ratio_is_errors_among_the_last_outcomes() -> None:
     assert ratio.ratio() == 0.0, "reset forgets every outcome"
 
 
-def _guard(clock: Clock, **overrides: object) -> AdapterGuard:
+def _guard(clock: FakeClock, **overrides: object) -> AdapterGuard:
     config = EngineConfig(model="unused", **overrides)  # type: ignore[arg-type]
     return AdapterGuard(config, clock)
 
 
 def test_switch_rate_alert_warns_at_three_and_opens_at_five_per_second() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = _guard(clock)
     for _ in range(3):
         guard.placed(0.001, evicted=True)
@@ -171,7 +162,7 @@ def test_switch_rate_alert_warns_at_three_and_opens_at_five_per_second() -> None
 
 
 def test_switch_rate_alert_clears_after_the_quiet_period() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = _guard(clock)
     for _ in range(5):
         guard.placed(0.001, evicted=True)
@@ -182,7 +173,7 @@ def test_switch_rate_alert_clears_after_the_quiet_period() -> None:
 
 
 def test_load_latency_alert_warns_at_fifty_and_opens_at_a_hundred_ms() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = _guard(clock)
     guard.placed(0.049, evicted=False)
     assert guard.alerting()["adapter_load_latency"] is BreakerState.CLOSED, "49 ms: no alert"
@@ -197,7 +188,7 @@ def test_load_latency_alert_warns_at_fifty_and_opens_at_a_hundred_ms() -> None:
 
 
 def test_alerts_log_every_state_change(caplog: pytest.LogCaptureFixture) -> None:
-    guard = _guard(Clock())
+    guard = _guard(FakeClock())
     with caplog.at_level("WARNING", logger="lora_cluster.engine.adapters.guard"):
         guard.placed(0.120, evicted=False)
     messages = [r.getMessage() for r in caplog.records]
@@ -205,7 +196,7 @@ def test_alerts_log_every_state_change(caplog: pytest.LogCaptureFixture) -> None
 
 
 def test_thrash_is_judged_by_the_measured_cost_of_switches() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = _guard(clock)  # 2 loader workers: thrash at 0.5 * 2 / load time switches per second
     for _ in range(20):
         guard.stepped(0.05)
@@ -220,7 +211,7 @@ def test_thrash_is_judged_by_the_measured_cost_of_switches() -> None:
 
 
 def test_fast_switches_are_no_thrash_although_the_switch_rate_alert_fires() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = _guard(clock)
     for _ in range(20):
         guard.stepped(0.05)
@@ -232,7 +223,7 @@ def test_fast_switches_are_no_thrash_although_the_switch_rate_alert_fires() -> N
 
 
 def test_breakers_off_turns_alerts_and_thrash_off() -> None:
-    guard = _guard(Clock(), breakers=False)
+    guard = _guard(FakeClock(), breakers=False)
     for _ in range(20):
         guard.placed(1.0, evicted=True, fetch_s=1.0)
     assert guard.alerting() == {"adapter_switch_rate": BreakerState.CLOSED,
@@ -247,28 +238,25 @@ PROMPT = "the quick brown fox"
 
 def _run_until(engine, request_id: str, bound_s: float = 20.0) -> list:
     """Step the engine until `request_id` finishes; every output seen on the way."""
-    seen, deadline = [], time.monotonic() + bound_s
-    while time.monotonic() < deadline:
+    seen: list = []
+
+    def finished() -> bool:
         outs = engine.step()
-        seen += outs
-        if any(o.request_id == request_id and o.finished for o in outs):
-            return seen
-    raise AssertionError(f"{request_id} did not finish within {bound_s} s")
+        seen.extend(outs)
+        return any(o.request_id == request_id and o.finished for o in outs)
+
+    wait_until(finished, bound_s, f"{request_id} to finish", interval_s=0)
+    return seen
 
 
-def _engine(demo_zoo, **breakers: object):
-    from lora_cluster.engine import build_engine
-
-    return build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir), max_loras=2,
-                        max_lora_rank=32, breaker_cooldown_s=3.0, **breakers)
+def _engine(make_engine, **breakers: object):
+    return make_engine(max_loras=2, max_lora_rank=32, breaker_cooldown_s=3.0, **breakers)
 
 
-def test_engine_switch_rate_alert_fires_while_cold_adapters_keep_being_placed(demo_zoo) -> None:
-    from lora_cluster.engine import SamplingParams
-
-    engine = _engine(demo_zoo, breaker_switch_warn_per_s=1, breaker_switch_trip_per_s=1,
+def test_engine_switch_rate_alert_fires_while_cold_adapters_keep_being_placed(make_engine) -> None:
+    engine = _engine(make_engine, breaker_switch_warn_per_s=1, breaker_switch_trip_per_s=1,
                      breaker_switch_recover_per_s=1, breaker_switch_recover_s=0.0)
-    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    sp = greedy(4)
     engine.generate([PROMPT] * 3, adapter_ids=["a0", "a1", "a3"], sampling=sp)  # a3 evicts: 1 switch/s
     assert engine.stats().breakers["adapter_switch_rate"]["trips"] == 1, "1 switch/s reaches trip=1"
     engine.add_request("cold", PROMPT, "a4", sp)
@@ -281,13 +269,11 @@ def test_engine_switch_rate_alert_fires_while_cold_adapters_keep_being_placed(de
     engine.close()
 
 
-def test_engine_load_latency_alert_fires_while_cold_loads_go_on(demo_zoo) -> None:
-    from lora_cluster.engine import SamplingParams
-
+def test_engine_load_latency_alert_fires_while_cold_loads_go_on(make_engine) -> None:
     tiny = 1e-6  # every placement is slower than this: the first one opens the alert
-    engine = _engine(demo_zoo, breaker_load_warn_ms=tiny, breaker_load_trip_ms=tiny,
+    engine = _engine(make_engine, breaker_load_warn_ms=tiny, breaker_load_trip_ms=tiny,
                      breaker_load_recover_ms=tiny)
-    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    sp = greedy(4)
     engine.generate([PROMPT], adapter_ids=["a0"], sampling=sp)
     assert engine.stats().breakers["adapter_load_latency"]["state"] == "open", "a slow load opens the alert"
     engine.add_request("cold", PROMPT, "a1", sp)  # an empty slot is free: the cold load runs now
@@ -305,9 +291,9 @@ def test_engine_load_latency_alert_fires_while_cold_loads_go_on(demo_zoo) -> Non
 def test_routing_guard_sheds_at_three_percent_and_closes_after_a_hundred_clean_probes() -> None:
     from lora_cluster.errors import RoutingUnavailableError
     from lora_cluster.serve.http_errors import describe
-    from lora_cluster.serve.routing_guard import RoutingGuard
+    from lora_cluster.serve.routing.routing_guard import RoutingGuard
 
-    clock = Clock()
+    clock = FakeClock()
     guard = RoutingGuard(clock=clock)
     for i in range(50):
         guard.admit()
@@ -341,7 +327,7 @@ def test_routing_errors_are_the_replicas_failures_not_the_requests() -> None:
 
     from lora_cluster.errors import AdapterNotFoundError
     from lora_cluster.serve.http_errors import NoReplicaError
-    from lora_cluster.serve.routing_guard import is_routing_error
+    from lora_cluster.serve.routing.routing_guard import is_routing_error
 
     assert is_routing_error(ActorDiedError()), "a dead replica is a routing error"
     assert is_routing_error(NoReplicaError("none")), "no replica is a routing error"

@@ -8,32 +8,17 @@ import math
 import random
 
 import pytest
+from helpers import FakeClock
+from tickets import CLASSES, ticket
 
-from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
+from lora_cluster.cluster.cluster_queue import ClusterQueue
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Refusal
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
+from lora_cluster.cluster.report_rules import projected_batch
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target
-from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError, WaitBoundError
-from lora_cluster.serve.replica_report import projected_batch
-
-CLASSES = SlaClasses()  # interactive 0 / 1 s, standard 1 / 5 s, batch 2 / none
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def ticket(tid: str, cls: str, at: float, adapter: str | None = None) -> Ticket:
-    sla = CLASSES.get(cls)
-    return Ticket(tid, "ingress-1", sla.name, sla.priority, adapter, at,
-                  None if sla.ttft_s is None else at + sla.ttft_s, sla.ttft_s)
 
 
 def report(rid: str, *, capacity: int = 2, running: int = 0, waiting: int = 0, node: str = "n1",
@@ -50,7 +35,7 @@ def report(rid: str, *, capacity: int = 2, running: int = 0, waiting: int = 0, n
 
 
 def test_queue_orders_by_class_then_deadline_then_arrival():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=10, aging_s=100.0, clock=clock)
     for t in (ticket("b1", "batch", 100.0), ticket("s1", "standard", 100.1),
               ticket("i1", "interactive", 100.2), ticket("s2", "standard", 100.3)):
@@ -60,7 +45,7 @@ def test_queue_orders_by_class_then_deadline_then_arrival():
 
 
 def test_aging_lets_a_long_waiting_batch_ticket_pass_fresh_standard_ones():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=10, aging_s=1.0, clock=clock, top_priority=0)
     q.park(ticket("old-batch", "batch", 100.0))
     clock.now = 103.0  # three priority levels of aging: batch (2) now ranks as -1
@@ -70,7 +55,7 @@ def test_aging_lets_a_long_waiting_batch_ticket_pass_fresh_standard_ones():
 
 
 def test_aging_never_lifts_a_ticket_above_the_most_urgent_class():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=10, aging_s=1.0, clock=clock, top_priority=0)
     q.park(ticket("old-batch", "batch", 100.0))
     q.park(ticket("old-standard", "standard", 100.0))
@@ -85,7 +70,7 @@ def test_aging_never_lifts_a_ticket_above_the_most_urgent_class():
 
 
 def test_the_predicted_wait_counts_only_the_tickets_ahead():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0)
     for i in range(6):
         q.park(ticket(f"b{i}", "batch", 100.0))
@@ -100,7 +85,7 @@ def test_the_predicted_wait_counts_only_the_tickets_ahead():
 
 
 def test_a_full_queue_refuses_with_a_retry_after():
-    q = ClusterQueue(max_size=1, aging_s=10.0, clock=Clock())
+    q = ClusterQueue(max_size=1, aging_s=10.0, clock=FakeClock(100.0))
     q.park(ticket("a", "batch", 100.0))
     with pytest.raises(ClusterOverloadedError, match="cluster_queue_size") as info:
         q.park(ticket("b", "batch", 100.0))
@@ -108,7 +93,7 @@ def test_a_full_queue_refuses_with_a_retry_after():
 
 
 def test_a_deadline_that_cannot_be_met_is_refused_at_once():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock)
     q.drain.record(10)  # ten requests left the queue just now: a drain rate of 4/s (over 2.5 s at least)
     for i in range(4):
@@ -120,7 +105,7 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once():
 
 
 def test_removed_tickets_are_skipped():
-    q = ClusterQueue(max_size=10, aging_s=10.0, clock=Clock())
+    q = ClusterQueue(max_size=10, aging_s=10.0, clock=FakeClock(100.0))
     q.park(ticket("a", "interactive", 100.0))
     q.park(ticket("b", "standard", 100.0))
     assert q.remove("a").ticket_id == "a", "remove returns the ticket"
@@ -132,7 +117,7 @@ def test_removed_tickets_are_skipped():
 
 
 def test_a_ticket_goes_to_a_holder_of_its_adapter_with_room():
-    view = ClusterView(stale_after_s=5, clock=Clock())
+    view = ClusterView(stale_after_s=5, clock=FakeClock(100.0))
     view.update(report("r1", running=0))
     view.update(report("r2", running=1, resident=("x",)))
     assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == "r2", "the holder wins"
@@ -151,7 +136,7 @@ def test_a_ticket_goes_to_a_holder_of_its_adapter_with_room():
 
 
 def test_preemption_waits_for_its_fraction_and_picks_the_most_less_urgent_work():
-    clock = Clock()
+    clock = FakeClock(100.0)
     view = ClusterView(stale_after_s=5, clock=clock)
     view.update(report("r1", running=5, by_priority={1: 5}))
     view.update(report("r2", running=2, by_priority={2: 2}))
@@ -168,7 +153,7 @@ def test_preemption_waits_for_its_fraction_and_picks_the_most_less_urgent_work()
 
 
 def test_controller_grants_as_capacity_frees_and_preempts_for_urgent_work():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
     ctl.report(report("r1", capacity=2, running=2, by_priority={2: 2}))
     assert ctl.park(ticket("b", "batch", 100.0)) is None, "no room: the batch ticket waits"
@@ -187,7 +172,7 @@ def test_controller_grants_as_capacity_frees_and_preempts_for_urgent_work():
 
 
 def test_a_restarted_controller_rebuilds_its_view_from_the_next_reports():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, clock=clock)
     ctl.report(report("r1", node="n1"))
     ctl.report(report("r2", node="n2"))
@@ -203,7 +188,7 @@ def test_a_restarted_controller_rebuilds_its_view_from_the_next_reports():
 
 
 def test_cancelled_tickets_leave_no_trace():
-    ctl = Controller(CLASSES, clock=Clock())
+    ctl = Controller(CLASSES, clock=FakeClock(100.0))
     ctl.report(report("r1", running=2))
     ctl.park(ticket("gone", "standard", 100.0))
     ctl.cancel("gone")
@@ -216,7 +201,7 @@ def test_cancelled_tickets_leave_no_trace():
 
 
 def test_demand_rates_decay_with_the_window_and_stay_bounded():
-    clock = Clock()
+    clock = FakeClock(100.0)
     demand = DemandTracker(window_s=10.0, clock=clock, max_adapters=3)
     demand.record({"a": 10})
     assert demand.rates()["a"] == pytest.approx(1.0), "n requests add n / window_s requests per second"
@@ -232,7 +217,7 @@ def test_demand_rates_decay_with_the_window_and_stay_bounded():
 
 
 def test_hot_adapters_spread_and_cold_ones_stay_on_one_replica():
-    clock = Clock()
+    clock = FakeClock(100.0)
     demand = DemandTracker(window_s=10.0, clock=clock)
     demand.record({"hot": 200, "cold": 2})  # 20 req/s and 0.2 req/s
     rates = demand.rates()
@@ -249,7 +234,7 @@ def test_hot_adapters_spread_and_cold_ones_stay_on_one_replica():
 
 
 def test_controller_tells_a_replica_to_prefetch_what_placement_chose_for_it():
-    ctl = Controller(CLASSES, ControllerSettings(hot_share=0.1, demand_window_s=1.0), clock=Clock())
+    ctl = Controller(CLASSES, ControllerSettings(hot_share=0.1, demand_window_s=1.0), clock=FakeClock(100.0))
     ctl.report(report("r1", capacity=8, resident=("hot",), demand={"hot": 50}))
     reply = ctl.report(report("r2", capacity=8))
     assert reply["prefetch"] == ["hot"], "the new holder is told to prefetch the hot adapter"
@@ -257,7 +242,7 @@ def test_controller_tells_a_replica_to_prefetch_what_placement_chose_for_it():
 
 
 def test_requests_sent_the_direct_way_count_before_the_replicas_report_them():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, clock=clock)
     ctl.report(report("r1", capacity=2, running=0))  # stale: two direct requests are on their way there
     claims = {"inflight": {"r1": 1}, "unassigned": 1}
@@ -269,7 +254,7 @@ def test_requests_sent_the_direct_way_count_before_the_replicas_report_them():
 
 
 def test_an_urgent_ticket_that_can_preempt_is_not_refused_for_its_deadline():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}))  # busy with batch work
     ctl.queue.drain.record(1)  # a slow measured drain: any wait looks long
@@ -283,7 +268,7 @@ def test_an_urgent_ticket_that_can_preempt_is_not_refused_for_its_deadline():
 
 
 def test_the_expected_drain_rate_of_the_replicas_avoids_refusals_a_slow_measurement_would_cause():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock)
     q.drain.record(1)  # measured: 0.4 requests per second
     for i in range(3):
@@ -295,7 +280,7 @@ def test_the_expected_drain_rate_of_the_replicas_avoids_refusals_a_slow_measurem
 
 
 def test_a_hit_a_few_tickets_back_is_granted_before_a_miss_at_the_head():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
     ctl.park(ticket("miss", "standard", 100.0, "y"))
@@ -309,7 +294,7 @@ def test_a_hit_a_few_tickets_back_is_granted_before_a_miss_at_the_head():
 
 
 def test_a_preempting_grant_prefers_a_holder_of_the_adapter():
-    view = ClusterView(stale_after_s=5, clock=Clock())
+    view = ClusterView(stale_after_s=5, clock=FakeClock(100.0))
     view.update(report("r1", running=2, by_priority={2: 2}))
     view.update(report("r2", running=2, by_priority={2: 1, 0: 1}, resident=("x",)))
     assert preemption_target(ticket("t", "interactive", 100.0, "x"), view) == "r2", (
@@ -320,7 +305,7 @@ def test_a_preempting_grant_prefers_a_holder_of_the_adapter():
 
 
 def test_an_urgent_ticket_whose_adapter_is_held_preempts_its_holder_at_once():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("x",)))
     ctl.report(report("r2", capacity=1, running=1, by_priority={2: 1}))
@@ -332,7 +317,7 @@ def test_an_urgent_ticket_whose_adapter_is_held_preempts_its_holder_at_once():
 
 
 def test_a_holder_with_less_urgent_work_beats_a_miss_on_a_replica_with_room():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}, resident=("x",)))
     ctl.report(report("r2", capacity=2, running=2, by_priority={2: 2}))
@@ -350,7 +335,7 @@ def test_a_holder_with_less_urgent_work_beats_a_miss_on_a_replica_with_room():
 
 
 def test_a_full_queue_bumps_its_least_urgent_ticket_for_a_more_urgent_one():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(queue_size=2), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))
     ctl.park(ticket("b-old", "batch", 99.0))
@@ -367,7 +352,7 @@ def test_a_full_queue_bumps_its_least_urgent_ticket_for_a_more_urgent_one():
 
 
 def test_a_ticket_without_a_deadline_is_refused_at_once_when_it_would_outwait_the_queue_timeout():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0)
     for i in range(9):
         q.park(ticket(f"b{i}", "batch", 100.0))
@@ -381,7 +366,7 @@ def test_a_replica_s_later_report_supersedes_an_ingress_claim_on_it():
     """Regression: a claim hid a slot freed after it for its whole TTL (1 s), so a ticket parked
     behind it waited that long (912 ms p50 after the slot freed, against 271 ms without the
     controller; bench_sla.md, seventh run)."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     view = ClusterView(stale_after_s=5, clock=clock, claim_ttl_s=1.0, claim_superseded_after_s=0.1)
     view.update(report("r0", capacity=4, running=4))
     view.claim("ing0", {"r0": 4}, 0)
@@ -395,7 +380,7 @@ def test_a_replica_s_later_report_supersedes_an_ingress_claim_on_it():
 
 
 def test_the_incremental_room_total_equals_the_sum_of_every_replica_s_room():
-    rng, clock = random.Random(3), Clock()
+    rng, clock = random.Random(3), FakeClock(100.0)
     view = ClusterView(stale_after_s=5, clock=clock, claim_ttl_s=1.0)
     for step in range(400):
         rid = f"r{rng.randrange(6)}"
@@ -421,7 +406,7 @@ def test_the_incremental_room_total_equals_the_sum_of_every_replica_s_room():
 
 
 def test_the_queue_finds_the_most_urgent_ticket_of_an_adapter_and_class():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock)
     for i in range(5):
         q.park(ticket(f"y{i}", "standard", 100.0 + i, "y"))
@@ -438,7 +423,7 @@ def test_the_queue_finds_the_most_urgent_ticket_of_an_adapter_and_class():
 
 
 def test_a_hit_far_back_in_its_class_gets_the_room_before_a_miss_at_the_head():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
     for i in range(20):
@@ -449,7 +434,7 @@ def test_a_hit_far_back_in_its_class_gets_the_room_before_a_miss_at_the_head():
 
 
 def test_only_hits_that_arrived_soon_after_a_miss_may_pass_it():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(affinity_wait_fraction=0.25), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, resident=("x",)))
     ctl.park(ticket("miss", "standard", 100.0, "y"))
@@ -469,7 +454,7 @@ def test_only_hits_that_arrived_soon_after_a_miss_may_pass_it():
 
 
 def test_misses_of_one_adapter_go_to_the_same_replica_whatever_the_order_of_the_replicas():
-    clock = Clock()
+    clock = FakeClock(100.0)
     homes = set()
     for order in (["r1", "r2", "r3", "r4"], ["r4", "r3", "r2", "r1"], ["r2", "r4", "r1", "r3"]):
         view = ClusterView(stale_after_s=5, clock=clock)
@@ -487,7 +472,7 @@ def test_misses_of_one_adapter_go_to_the_same_replica_whatever_the_order_of_the_
 
 
 def test_a_replica_that_leaves_moves_only_the_adapters_whose_home_it_was():
-    clock = Clock()
+    clock = FakeClock(100.0)
     view = ClusterView(stale_after_s=5, clock=clock)
     for rid in ("r1", "r2", "r3", "r4"):
         view.update(report(rid, capacity=2))
@@ -499,7 +484,7 @@ def test_a_replica_that_leaves_moves_only_the_adapters_whose_home_it_was():
 
 
 def test_due_tickets_that_a_holder_can_take_preempt_first_within_their_class():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))
     ctl.park(ticket("s-miss", "standard", 100.0, "y"))
@@ -512,7 +497,7 @@ def test_due_tickets_that_a_holder_can_take_preempt_first_within_their_class():
 
 
 def test_a_hit_of_a_less_urgent_class_never_preempts_before_a_due_miss_of_a_more_urgent_one():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={0: 1}))
     ctl.park(ticket("s-hit", "standard", 100.0, "x"))
@@ -524,7 +509,7 @@ def test_a_hit_of_a_less_urgent_class_never_preempts_before_a_due_miss_of_a_more
 
 
 def test_a_miss_goes_where_an_adapter_slot_is_free_before_its_home():
-    view = ClusterView(stale_after_s=5, clock=Clock())
+    view = ClusterView(stale_after_s=5, clock=FakeClock(100.0))
     home = max(("r1", "r2"), key=lambda rid: home_score("y", rid))
     other = "r2" if home == "r1" else "r1"
     view.update(report(home, capacity=4, running=1, free_slots=0))
@@ -537,7 +522,7 @@ def test_a_miss_goes_where_an_adapter_slot_is_free_before_its_home():
 
 
 def test_a_ticket_preempts_as_soon_as_a_replica_with_less_urgent_work_reports_its_adapter():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=clock)
     ctl.report(report("r1", capacity=1, running=1, by_priority={2: 1}, resident=("y",)))
     ctl.park(ticket("s", "standard", 100.0, "x"))
@@ -548,10 +533,10 @@ def test_a_ticket_preempts_as_soon_as_a_replica_with_less_urgent_work_reports_it
     assert "s" in grants and grants["s"].preempt, "r1 now holds x: the ticket preempts there, 2 s early"
 
 
-def holder_runs_standard_work_other_runs_batch(cls: str) -> tuple[Clock, Controller]:
+def holder_runs_standard_work_other_runs_batch(cls: str) -> tuple[FakeClock, Controller]:
     """`holder` holds adapter x and runs standard work; `other` runs batch work; a ticket "t" of
     class `cls` for x is parked at 100.0 (preempt_after_fraction 0.5, holder_wait_fraction 0.8)."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5, holder_wait_fraction=0.8),
                      clock=clock)
     ctl.report(report("holder", capacity=1, running=1, by_priority={1: 1}, resident=("x",)))
@@ -591,7 +576,7 @@ def test_a_due_miss_stops_waiting_for_the_holder_at_its_share_of_the_target():
 
 
 def test_a_due_miss_of_the_most_urgent_class_never_waits_for_a_holder():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5, holder_wait_fraction=0.8),
                      clock=clock)
     ctl.report(report("holder", capacity=1, running=1, by_priority={0: 1}, resident=("x",)))
@@ -613,7 +598,7 @@ def full_replica(rid: str, by_priority: dict[int, int]) -> ReplicaReport:
 
 
 def test_the_top_class_preempts_as_soon_as_no_replica_has_room():
-    clock = Clock()
+    clock = FakeClock(100.0)
     settings = ControllerSettings(preempt_after_fraction=0.5, top_class_preempt_after_fraction=0.0)
     ctl = Controller(CLASSES, settings, clock=clock)
     ctl.report(full_replica("r1", {2: 2}))
@@ -628,7 +613,7 @@ def test_the_top_class_preempts_as_soon_as_no_replica_has_room():
 
 
 def test_without_a_top_class_fraction_every_class_waits_its_fraction():
-    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=Clock())
+    ctl = Controller(CLASSES, ControllerSettings(preempt_after_fraction=0.5), clock=FakeClock(100.0))
     ctl.report(full_replica("r1", {2: 2}))
     assert ctl.park(ticket("i", "interactive", 100.0, "nobody-holds-it")) is None, (
         "with top_class_preempt_after_fraction unset, the interactive request waits half its target")
@@ -649,7 +634,7 @@ def test_the_reported_batch_counts_waiting_requests_that_will_preempt():
 
 
 def test_urgent_requests_go_only_where_preemptible_work_is_left():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(top_class_preempt_after_fraction=0.0), clock=clock)
     # r1 received two urgent requests (reported arrived) that its engine has not admitted yet
     ctl.report(full_replica("r1", projected_batch({2: 2}, {0: 2}, slots=2)))
@@ -663,7 +648,7 @@ def test_urgent_requests_go_only_where_preemptible_work_is_left():
 
 
 def test_a_batch_ticket_is_refused_with_a_retry_after_while_its_class_already_waits_half_the_bound():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0, wait_bound_s=60.0)
     q.park(ticket("old", "batch", 100.0))
     clock.now = 125.0
@@ -683,7 +668,7 @@ def test_a_batch_ticket_is_refused_with_a_retry_after_while_its_class_already_wa
 
 
 def test_a_batch_ticket_is_refused_when_its_class_backlog_would_drain_past_half_the_bound():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0, wait_bound_s=60.0,
                      drain_window_s=10.0)
     clock.now = 90.0
@@ -697,7 +682,7 @@ def test_a_batch_ticket_is_refused_when_its_class_backlog_would_drain_past_half_
 
 
 def test_a_batch_ticket_that_waited_the_bound_is_granted_before_fresher_urgent_work():
-    clock = Clock()
+    clock = FakeClock(100.0)
     settings = ControllerSettings(wait_bound_s=60.0, aging_s=1000.0, preempt_after_fraction=1.0,
                                   top_class_preempt_after_fraction=1.0)
     ctl = Controller(CLASSES, settings, clock=clock)
@@ -721,7 +706,7 @@ def test_a_batch_ticket_that_waited_the_bound_is_granted_before_fresher_urgent_w
 
 
 def test_without_a_bound_batch_waits_by_aging_alone():
-    clock = Clock()
+    clock = FakeClock(100.0)
     q = ClusterQueue(max_size=100, aging_s=10.0, clock=clock, top_priority=0)
     q.park(ticket("old", "batch", 100.0))
     clock.now = 1000.0
@@ -737,7 +722,7 @@ def test_the_served_configuration_bounds_the_batch_wait_at_a_minute():
 
 
 def test_a_top_class_miss_preempts_where_an_adapter_slot_is_free_and_other_classes_go_home():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(top_class_preempt_after_fraction=0.0), clock=clock)
     ids = ["r1", "r2", "r3"]
     home = max(ids, key=lambda rid: home_score("tail", rid))

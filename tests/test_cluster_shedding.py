@@ -5,7 +5,8 @@ replica holds are refused first."""
 from __future__ import annotations
 
 import pytest
-from test_cluster_policies import CLASSES, Clock, ticket
+from helpers import FakeClock
+from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.controller import Controller, ControllerSettings
 from lora_cluster.cluster.reports import ReplicaReport
@@ -19,11 +20,11 @@ from lora_cluster.errors import (
 )
 
 
-def shedding_controller(window_s: float = 1.0) -> tuple[Clock, Controller]:
+def shedding_controller(window_s: float = 1.0) -> tuple[FakeClock, Controller]:
     """One replica, full of `standard` work, holding `held` and loading `warming`; a slow measured
     drain (0.4 requests/s), so that the third queued `standard` ticket is refused for its 5 s target.
     Returned after that refusal, with the two queued tickets cancelled again (the queue is empty)."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(cold_shed_window_s=window_s), clock=clock)
     ctl.report(ReplicaReport("r1", "n1", capacity=1, max_num_seqs=1, max_loras=4, running=1, waiting=0,
                              free_adapter_slots=0, resident=("held",), loading=("warming",),
@@ -70,7 +71,7 @@ def test_the_most_urgent_class_and_the_base_model_are_never_shed():
 
 
 def test_a_batch_class_over_its_wait_bound_sheds_its_cold_requests_first():
-    clock = Clock()
+    clock = FakeClock(100.0)
     ctl = Controller(CLASSES, ControllerSettings(wait_bound_s=60.0), clock=clock)
     ctl.report(ReplicaReport("r1", "n1", capacity=1, max_num_seqs=1, max_loras=4, running=1, waiting=0,
                              free_adapter_slots=0, resident=("held",), running_by_priority={2: 1}))
@@ -99,7 +100,7 @@ def test_a_window_of_zero_turns_shedding_off():
 
 
 def test_one_class_shedding_does_not_shed_another():
-    clock = Clock()
+    clock = FakeClock(100.0)
     shedding = ColdShedding(1.0, clock)
     shedding.record(CLASSES.get("standard").priority)
     assert shedding.shedding(1), "the class that refused for its deadline sheds"

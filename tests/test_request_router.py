@@ -11,25 +11,16 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import FakeClock
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
 
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.request_router import LoraAffinityRouter
+from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
 DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="router-clock-app")
 TTL_S = 5.0
-
-
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def replica(rid: str) -> SimpleNamespace:
@@ -48,7 +39,7 @@ def pending(adapter_id: str) -> SimpleNamespace:
 async def test_a_wall_clock_step_back_does_not_keep_a_placement_alive(monkeypatch):
     router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
                                 use_replica_queue_len_cache=True)
-    clock = Clock()
+    clock = FakeClock(100.0)
     router.initialize_state(placement_ttl_s=TTL_S, clock=clock)
     wall = [1_800_000_000.0]
     monkeypatch.setattr(time, "time", lambda: wall[0])
@@ -69,7 +60,7 @@ async def test_a_wall_clock_step_back_does_not_keep_a_placement_alive(monkeypatc
 async def test_placements_expire_on_the_routers_clock_only(monkeypatch, step_s):
     router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
                                 use_replica_queue_len_cache=True)
-    clock = Clock()
+    clock = FakeClock(100.0)
     router.initialize_state(placement_ttl_s=TTL_S, clock=clock)
     wall = [1_800_000_000.0]
     monkeypatch.setattr(time, "time", lambda: wall[0])

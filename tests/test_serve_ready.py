@@ -1,5 +1,5 @@
-"""The ready line and the "not reachable at its URL" warning (`lora_cluster.serve.ready`): the policy with a
-fake clock, the probe against real HTTP servers on free ports."""
+"""The ready line and the "not reachable at its URL" warning (`lora_cluster.serve.ops.ready`): the policy
+with a fake clock, the probe against real HTTP servers on free ports."""
 
 from __future__ import annotations
 
@@ -11,28 +11,18 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import FakeClock
 
-from lora_cluster.serve.ready import Probe, ReadyWatch, probe_address, probe_url
+from lora_cluster.serve.ops.ready import Probe, ReadyWatch, probe_address, probe_url
 
 NOT_OURS = Probe(ready=False, ours=False, detail="server not reachable at http://127.0.0.1:8000: refused")
 STARTING = Probe(ready=False, ours=True, detail="GET /health: HTTP 503: no LoRA replica is running")
 READY = Probe(ready=True, ours=True, detail="ready")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def run_watch(probes: list[Probe], caplog: pytest.LogCaptureFixture, **kwargs: float) -> ReadyWatch:
     """Run a watch whose probe answers `probes` in turn (then the last one forever), 1 s apart."""
-    clock, seen = Clock(), iter(probes)
+    clock, seen = FakeClock(0.0), iter(probes)
     last = [probes[-1]]
 
     def probe() -> Probe:
@@ -41,14 +31,14 @@ def run_watch(probes: list[Probe], caplog: pytest.LogCaptureFixture, **kwargs: f
 
     watch = ReadyWatch("http://127.0.0.1:8000", probe, lambda: "lora-cluster ready at http://127.0.0.1:8000",
                        period_s=1.0, clock=clock, sleep=clock.sleep, **kwargs)
-    with caplog.at_level(logging.INFO, logger="lora_cluster.serve.ready"):
+    with caplog.at_level(logging.INFO, logger="lora_cluster.serve.ops.ready"):
         watch.run()
     return watch
 
 
 def _messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "lora_cluster.serve.ready" and r.levelno == level]
+            if r.name == "lora_cluster.serve.ops.ready" and r.levelno == level]
 
 
 def test_one_ready_line_once_health_is_green(caplog):

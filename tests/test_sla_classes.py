@@ -7,22 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import FakeClock
 
 from lora_cluster.cluster.class_stats import ClassStats, percentile
 from lora_cluster.cluster.sla import SlaClass, SlaClasses, build_sla_classes
 from lora_cluster.config import ServeConfig, build_config
 from lora_cluster.errors import ConfigError, RequestError
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def classes_config(*classes: dict, default: str | None = None) -> dict:
@@ -219,7 +209,7 @@ def test_a_class_the_replica_does_not_know_is_not_counted():
 
 async def test_the_replica_tracks_a_request_from_its_engine_outputs():
     from lora_cluster.engine import RequestOutput
-    from lora_cluster.serve.replica import tracked
+    from lora_cluster.serve.replica.deployment import tracked
 
     clock = FakeClock()
     stats = ClassStats(SLA, clock=clock)
