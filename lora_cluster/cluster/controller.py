@@ -40,6 +40,7 @@ from lora_cluster.cluster.scheduling import (
 )
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import serve_defaults
 from lora_cluster.errors import DeadlineOutOfReachError, WaitBoundError
 
 DEFAULT_SERVICE_TIME_S = 1.0
@@ -48,20 +49,29 @@ REPLAN_EVERY_S = 1.0  # placement is recomputed this often, and when a replica j
 MAX_UNCLAIMED_GRANTS = 65_536
 
 
+_DEFAULTS = serve_defaults()
+
+
 @dataclass(frozen=True)
 class ControllerSettings:
-    queue_size: int = 4096
-    aging_s: float = 10.0
-    preempt_after_fraction: float = 0.5
+    """The controller's knobs. Those that are `ServeConfig` fields default to its defaults (read
+    from the config, never copied); `from_config` maps a config onto them. The others are the
+    controller's own constants."""
+
+    queue_size: int = _DEFAULTS.cluster_queue_size
+    aging_s: float = _DEFAULTS.cluster_queue_aging_s
+    preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
     top_class_preempt_after_fraction: float | None = None  # the most urgent class's (None: the above)
     stale_after_s: float = 5.0  # a replica silent this long is forgotten
-    hot_share: float = 0.5
+    hot_share: float = _DEFAULTS.placement_hot_share
     demand_window_s: float = 30.0
     affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
     holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
-    cold_shed_window_s: float = 1.0  # a class sheds cold misses this long after a deadline refusal (0: off)
-    wait_bound_s: float | None = 60.0  # longest queue wait of a class without a TTFT target (None: unbounded)
+    # a class sheds cold misses this long after a deadline refusal (0: off)
+    cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
+    # longest queue wait of a class without a TTFT target (None: unbounded)
+    wait_bound_s: float | None = _DEFAULTS.cluster_queue_max_wait_s
 
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
         """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
