@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from lora_cluster.engine import Engine, RequestOutput, SamplingParams, build_engine
+from lora_cluster.engine import Engine, RequestOutput, SamplingParams
 from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
 from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
@@ -162,11 +162,10 @@ def test_scheduler_preempts_the_named_slots_sequences_and_asks_the_gate_again():
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model_dir, demo_adapters_dir) -> Engine:
+def engine(make_engine) -> Engine:
     """Two adapter slots, room for five sequences (KV never forces a preemption here), no rotation
     drain within a test (its fairness bound is far away)."""
-    e = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                     max_num_seqs=5, breakers=False, adapter_max_wait_s=1e6)
+    e = make_engine(max_loras=2, max_num_seqs=5, breakers=False, adapter_max_wait_s=1e6)
     yield e
     e.close()
 
@@ -245,11 +244,10 @@ def test_urgent_request_takes_a_slot_from_less_urgent_running_ones_outputs_uncha
     assert_nothing_leaks(engine)
 
 
-def test_idle_slot_wanted_only_by_less_urgent_waiting_requests_is_evicted(demo_model_dir, demo_adapters_dir):
+def test_idle_slot_wanted_only_by_less_urgent_waiting_requests_is_evicted(make_engine):
     """One KV slot: a1's waiting request has its adapter prefetched into the idle slot; an urgent a2
     request evicts it (and preempts the running a0 request for the KV slot); a1 comes back."""
-    e = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                     max_num_seqs=1, breakers=False, adapter_max_wait_s=1e6)
+    e = make_engine(max_loras=2, max_num_seqs=1, breakers=False, adapter_max_wait_s=1e6)
     try:
         reference = alone(e, LOWS[:3:2], "-alone")  # low-0 (a0) and low-2 (a1)
         for rid, prompt, aid, params in LOWS[:3:2]:
@@ -287,10 +285,9 @@ def test_equal_priorities_do_not_take_each_others_slots(engine):
     assert_nothing_leaks(engine)
 
 
-def test_pinned_adapters_are_never_taken(demo_model_dir, demo_adapters_dir):
+def test_pinned_adapters_are_never_taken(make_engine):
     """a0 (pinned) runs low-priority requests, a1 an urgent one: an urgent a2 request takes neither."""
-    e = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                     max_num_seqs=5, breakers=False, adapter_max_wait_s=1e6, pinned=["a0"])
+    e = make_engine(max_loras=2, max_num_seqs=5, breakers=False, adapter_max_wait_s=1e6, pinned=["a0"])
     try:
         running = (*LOWS[:2], ("urgent-a1", *LOWS[2][1:]))
         for rid, prompt, aid, params in running:

@@ -11,18 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from helpers import GREEDY
 
-from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.engine import Engine
 
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = "the river"
 
 
 @pytest.fixture(params=["tiered", "folder"])
-def engine(request, demo_zoo, tmp_path) -> Iterator[Engine]:
-    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
-                          max_loras=2, max_lora_rank=32, adapter_store=request.param,
-                          disk_cache_dir=str(tmp_path / "disk"))
+def engine(make_engine, request, tmp_path) -> Iterator[Engine]:
+    engine = make_engine(max_loras=2, max_lora_rank=32, adapter_store=request.param,
+                         disk_cache_dir=str(tmp_path / "disk"))
     yield engine
     engine.close()
 

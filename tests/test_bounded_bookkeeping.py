@@ -8,15 +8,15 @@ weights outside the host byte budget) and in the store's "handed to the engine" 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from helpers import wait_until
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
-from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import AdapterNotFoundError
 from lora_cluster.store import TieredAdapterStore
@@ -119,18 +119,17 @@ class CountingLoader:
         pass
 
 
-def _wait_for_fetches(engine: Engine, bound_s: float = 30.0) -> None:
+def _wait_for_fetches(engine: Engine) -> None:
     """Until no adapter fetch of `engine` is in flight (bounded)."""
-    deadline = time.monotonic() + bound_s
-    while engine.stats().loading_adapters and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: not engine.stats().loading_adapters, 30.0, "the adapter fetches to end",
+               interval_s=0.01)
 
 
 @pytest.fixture
-def gated_engine(demo_model_dir, shapes) -> Iterator[tuple[Engine, CountingLoader, threading.Event]]:
+def gated_engine(make_engine, shapes) -> Iterator[tuple[Engine, CountingLoader, threading.Event]]:
     gate = threading.Event()
     loader = CountingLoader(shapes, gate)
-    engine = Engine(model=str(demo_model_dir), adapter_loader=loader, max_loras=2, max_waiting=ABORTED_LOADS)
+    engine = make_engine(adapter_source=None, adapter_loader=loader, max_loras=2, max_waiting=ABORTED_LOADS)
     yield engine, loader, gate
     gate.set()
     engine.close()
@@ -151,9 +150,8 @@ def test_aborted_requests_let_go_of_their_fetches(gated_engine):
     assert loader.abandoned == loader.loaded, "every fetched-then-abandoned copy is handed back to the loader"
 
 
-def test_fetched_weights_of_an_aborted_request_return_to_the_host_budget(demo_zoo, tmp_path):
-    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
-                          max_loras=2, max_lora_rank=32, disk_cache_dir=str(tmp_path / "disk"))
+def test_fetched_weights_of_an_aborted_request_return_to_the_host_budget(make_engine, tmp_path):
+    engine = make_engine(max_loras=2, max_lora_rank=32, disk_cache_dir=str(tmp_path / "disk"))
     try:
         store = engine.loader
         engine.add_request("r", "the river", "a3", SamplingParams(max_new_tokens=1))

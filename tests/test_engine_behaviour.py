@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import greedy
 
 from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
 
-GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(12)
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model_dir, demo_adapters_dir) -> Engine:
-    return build_engine(
-        model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=3, max_num_seqs=6
-    )
+def engine(make_engine) -> Engine:
+    return make_engine(max_loras=3, max_num_seqs=6)
 
 
 def test_more_adapters_than_slots_complete(engine: Engine):
@@ -88,7 +87,7 @@ def test_stop_string_and_stop_token(engine: Engine):
 
 
 def test_eos_token_finishes_unless_ignored(engine: Engine, monkeypatch: pytest.MonkeyPatch):
-    ignoring = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    ignoring = greedy(8)
     full = engine.generate(["hi"], sampling=ignoring)[0].token_ids
     eos = full[2]
     assert eos not in full[:2], "precondition: the 3rd greedy token is not one of the first two"
@@ -136,7 +135,7 @@ async def test_async_stream_and_cancel(engine: Engine):
         assert len(expected) == 12, "the stream runs to max_new_tokens"
 
         stream = aengine.generate(
-            "cancel me please", "a6", SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+            "cancel me please", "a6", greedy(200)
         )
         async for _ in stream:
             break  # a client that goes away
@@ -157,7 +156,7 @@ async def test_async_stream_and_cancel(engine: Engine):
         aengine.shutdown()
 
 
-def test_hub_id_resolves_from_local_cache_offline(demo_model_dir, monkeypatch, tmp_path):
+def test_hub_id_resolves_from_local_cache_offline(make_engine, demo_model_dir, monkeypatch, tmp_path):
     """No hub is reachable here: a hub id is served from huggingface_hub's local cache."""
     import shutil
 
@@ -170,7 +169,7 @@ def test_hub_id_resolves_from_local_cache_offline(demo_model_dir, monkeypatch, t
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     engine = build_engine(model="demo-org/tiny-llama")
-    local = build_engine(model=str(demo_model_dir))
+    local = make_engine(adapter_source=None)
     prompt = ["the quick brown fox"]
     assert (
         engine.generate(prompt, sampling=GREEDY)[0].token_ids

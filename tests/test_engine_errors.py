@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import GREEDY
 from safetensors.torch import load_file, save_file
 
 from lora_cluster.engine import Engine, SamplingParams, build_engine
@@ -21,8 +22,6 @@ from lora_cluster.errors import (
     RequestError,
     UnsupportedModelError,
 )
-
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +53,9 @@ def bad_adapters(demo_adapters_dir: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model_dir: Path, bad_adapters: Path) -> Engine:
+def engine(make_engine, bad_adapters: Path) -> Engine:
     # a2 has rank 32: above this engine's max_lora_rank
-    return build_engine(model=str(demo_model_dir), adapter_source=str(bad_adapters), max_loras=2,
-                        max_lora_rank=16)
+    return make_engine(adapter_source=str(bad_adapters), max_loras=2, max_lora_rank=16)
 
 
 @pytest.mark.parametrize(

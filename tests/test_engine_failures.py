@@ -13,19 +13,19 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from helpers import greedy
 
-from lora_cluster.engine import AsyncEngine, Engine, SamplingParams, build_engine
+from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
 from lora_cluster.errors import EngineStepError, EngineUnavailableError
 
 BOUND_S = 20.0  # a hang fails the test after this long instead of blocking the suite
-GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(4)
 SAMPLED = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
 
 
 @pytest.fixture
-def engine(demo_model_dir, demo_adapters_dir) -> Iterator[Engine]:
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                          max_num_seqs=4, max_consecutive_step_failures=3)
+def engine(make_engine) -> Iterator[Engine]:
+    engine = make_engine(max_loras=2, max_num_seqs=4, max_consecutive_step_failures=3)
     yield engine
     engine.close()
 

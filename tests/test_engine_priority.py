@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_cluster.engine import AsyncEngine, Engine, RequestOutput, SamplingParams, build_engine
+from lora_cluster.engine import AsyncEngine, Engine, RequestOutput, SamplingParams
 from lora_cluster.errors import RequestError
 
 LOW, URGENT = 5, 0
@@ -45,23 +45,21 @@ WAVES = (
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model_dir, demo_adapters_dir) -> Engine:
+def engine(make_engine) -> Engine:
     """Three KV slots and a 16-token step budget: every prompt here is prefilled in chunks."""
-    return build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                        max_num_seqs=3, max_num_batched_tokens=16)
+    return make_engine(max_loras=4, max_num_seqs=3, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
-def single(demo_model_dir, demo_adapters_dir) -> Engine:
+def single(make_engine) -> Engine:
     """One KV slot: requests run one at a time, in the order the engine admits them."""
-    return build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                        max_num_seqs=1, max_num_batched_tokens=16)
+    return make_engine(max_loras=2, max_num_seqs=1, max_num_batched_tokens=16)
 
 
 @pytest.fixture
-def fresh_single(demo_model_dir) -> Engine:
+def fresh_single(make_engine) -> Engine:
     """One KV slot, for a test whose AsyncEngine closes the engine when it shuts down."""
-    return build_engine(model=str(demo_model_dir), max_num_seqs=1, max_num_batched_tokens=16)
+    return make_engine(adapter_source=None, max_num_seqs=1, max_num_batched_tokens=16)
 
 
 def run_to_completion(engine: Engine) -> tuple[list[str], dict[str, RequestOutput]]:

@@ -3,7 +3,9 @@ urgent prefill alone, less urgent chunks within a per-step share; outputs unchan
 
 from __future__ import annotations
 
-from lora_cluster.engine import SamplingParams, build_engine
+from helpers import greedy
+
+from lora_cluster.engine import SamplingParams
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.sampling import SamplingParams as Params
 from lora_cluster.engine.scheduler import Gate, Scheduler, SchedulerOutput
@@ -87,16 +89,15 @@ def test_without_an_urgent_priority_every_prefill_shares_the_step_as_before():
         "a bare scheduler (no urgent priority) neither bounds nor separates prefill chunks")
 
 
-def test_engine_outputs_are_the_same_with_short_less_urgent_chunks(demo_model_dir, demo_adapters_dir):
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                          max_num_seqs=3, max_num_batched_tokens=32, less_urgent_prefill_chunk=3)
+def test_engine_outputs_are_the_same_with_short_less_urgent_chunks(make_engine):
+    engine = make_engine(max_loras=2, max_num_seqs=3, max_num_batched_tokens=32, less_urgent_prefill_chunk=3)
     prompts = ["the cat sat on the mat and looked at the quiet river for a long while",
                "once upon a time there was a small village by the sea where fishermen lived",
                "ring the bell", "a long road winds through the hills past farms and forests"]
     adapters = ["a0", None, "a1", "a0"]
-    params = [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+    params = [greedy(6),
               SamplingParams(max_new_tokens=6, temperature=0.9, seed=5, ignore_eos=True),
-              SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+              greedy(6),
               SamplingParams(max_new_tokens=6, temperature=0.9, seed=6, ignore_eos=True)]
     alone = [engine.generate([p], adapter_ids=[a], sampling=s)[0]
              for p, a, s in zip(prompts, adapters, params, strict=True)]

@@ -16,7 +16,7 @@ import torch
 
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.cli import main
-from lora_cluster.engine import SamplingParams, build_engine
+from lora_cluster.engine import SamplingParams
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import (
     AdapterFormatError,
@@ -282,16 +282,15 @@ def test_32_threads_one_cold_adapter_one_download(s3, demo_zoo, shapes, tmp_path
     assert host["coalesced"] + host["hits"] == 31, "the other 31 joined the flight or hit the host copy"
 
 
-def test_generation_from_s3_equals_generation_from_folder(s3, demo_zoo, tmp_path):
+def test_generation_from_s3_equals_generation_from_folder(make_engine, s3, demo_zoo, tmp_path):
     ids = ["a0", "a2", "a7"]
     for aid in ids:
         s3.upload(demo_zoo.adapters_dir / aid, f"zoo/{aid}")
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     prompts = ["the quick brown fox", "Please mend the lantern", "hello there"]
-    from_folder = build_engine(str(demo_zoo.model_dir), str(demo_zoo.adapters_dir), max_loras=2,
-                               max_lora_rank=32, adapter_store="folder")
-    from_s3 = build_engine(str(demo_zoo.model_dir), f"s3://{s3.bucket}/zoo", max_loras=2, max_lora_rank=32,
-                           disk_cache_dir=str(tmp_path / "disk"))
+    from_folder = make_engine(max_loras=2, max_lora_rank=32, adapter_store="folder")
+    from_s3 = make_engine(adapter_source=f"s3://{s3.bucket}/zoo", max_loras=2, max_lora_rank=32,
+                          disk_cache_dir=str(tmp_path / "disk"))
     expected = from_folder.generate(prompts, adapter_ids=ids, sampling=greedy)
     got = from_s3.generate(prompts, adapter_ids=ids, sampling=greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected], "S3 and folder generate alike"

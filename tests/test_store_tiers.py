@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FolderAsRemote, populate_hf_cache
+from helpers import GREEDY
 
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.cli import main
 from lora_cluster.config import EngineConfig, build_config
-from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import (
     AdapterBaseModelError,
@@ -30,8 +30,6 @@ from lora_cluster.store.checksum import write_checksums
 from lora_cluster.store.crypto import encrypt_adapter_folder
 from lora_cluster.store.disk_cache import DiskCache
 from lora_cluster.store.quant import dequantize, quantize
-
-GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -325,10 +323,11 @@ def test_int8_host_copy_error_against_float(demo_zoo, shapes):
 # ----- engine wiring: device pinning, usage, preload, promotion, config ---------------------------
 
 
-def test_engine_pinned_adapter_stays_on_device_and_uses_return_to_zero(demo_zoo, shapes, tmp_path):
+def test_engine_pinned_adapter_stays_on_device_and_uses_return_to_zero(make_engine, demo_zoo, shapes,
+                                                                       tmp_path):
     store = store_for([str(demo_zoo.adapters_dir)], shapes, max_rank=32, pinned=["a0"],
                       disk_cache_dir=tmp_path / "disk")
-    engine = Engine(str(demo_zoo.model_dir), max_loras=2, max_lora_rank=32, adapter_loader=store)
+    engine = make_engine(adapter_source=None, max_loras=2, max_lora_rank=32, adapter_loader=store)
     assert engine.pool.policy.inner is store.slot_policy(), (
         "the caller's store chooses the device victims (inside adapter rotation's slot policy)"
     )
@@ -351,9 +350,9 @@ def test_engine_pinned_adapter_stays_on_device_and_uses_return_to_zero(demo_zoo,
     engine.close()
 
 
-def test_queued_adapter_is_not_evicted_from_device(demo_zoo, shapes, tmp_path):
+def test_queued_adapter_is_not_evicted_from_device(make_engine, demo_zoo, shapes, tmp_path):
     store = store_for([str(demo_zoo.adapters_dir)], shapes, max_rank=32, disk_cache_dir=tmp_path / "disk")
-    engine = Engine(str(demo_zoo.model_dir), max_loras=2, max_lora_rank=32, adapter_loader=store)
+    engine = make_engine(adapter_source=None, max_loras=2, max_lora_rank=32, adapter_loader=store)
     engine.generate(["x", "y"], adapter_ids=["a0", "a1"], sampling=GREEDY)  # both resident, idle
     store.request_started("a0")  # as if a request for a0 were queued
     engine.generate(["z"], adapter_ids=["a2"], sampling=GREEDY)
