@@ -159,7 +159,7 @@ class EngineUnavailableError(LoraClusterError):
     """The engine cannot serve: its loop has stopped, or steps keep failing (the replica is unhealthy)."""
 
 
-# ----- tenants and quotas (lora_cluster.tenancy, serve/auth.py) -----
+# ----- tenants and quotas (lora_cluster.tenancy, serve/routing/auth.py) -----
 
 
 class AuthenticationError(LoraClusterError):

@@ -26,7 +26,7 @@ together never exceed a limit; an ingress may refuse (429) while another still h
 for at most `lease_s`. A refusal on `requests_per_minute` is remembered until its Retry-After, so a
 tenant far over its quota is refused without a ledger call per request.
 
-Pure: the clock is passed in, the ledger is called by `lora_cluster.serve.quotas.RemoteQuotas`.
+Pure: the clock is passed in, the ledger is called by `lora_cluster.serve.routing.quotas.RemoteQuotas`.
 """
 
 from __future__ import annotations

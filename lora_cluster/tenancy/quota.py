@@ -1,6 +1,6 @@
 """Per-tenant quotas: token buckets for requests and tokens per minute, and a concurrency count.
 
-Semantics (one `QuotaBook` holds them for the whole cluster, see `lora_cluster.serve.quotas`):
+Semantics (one `QuotaBook` holds them for the whole cluster, see `lora_cluster.serve.routing.quotas`):
 
 * `requests_per_minute`: a bucket of that many requests, refilled at limit/60 per second. A request
   takes one when it is admitted. A full bucket lets an idle tenant burst one minute's worth at once.
