@@ -17,6 +17,7 @@ from lora_cluster.config.serve import (
     ReplicaGroupConfig,
     ServeConfig,
     SlaClassConfig,
+    load_config,
     serve_defaults,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "StrList",
     "build_config",
     "env_var",
+    "load_config",
     "parse_bytes",
     "serve_defaults",
 ]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lora_cluster.config.engine import EngineConfig
-from lora_cluster.config.parsing import ByteSize
+from lora_cluster.config.parsing import ByteSize, build_config
 
 MAX_CLASSES = 16
 DEFAULT_CLASS = "standard"
@@ -388,3 +388,9 @@ def serve_defaults() -> ServeConfig:
     that they run what a user gets. Neither the environment nor serve_config.yaml is read, and no
     validator runs (`adapter_wait_bounds_s` stays empty; serving derives it from the SLA classes)."""
     return ServeConfig.model_construct()
+
+
+def load_config(args: dict[str, Any] | None) -> ServeConfig:
+    """The `ServeConfig` of a Serve application's args, with `LORA_CLUSTER_*` overrides from the
+    environment; raises `ConfigError` naming the field."""
+    return build_config(ServeConfig, **(args or {}))

@@ -31,12 +31,12 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from lora_cluster.cluster.sla import build_sla_classes
-from lora_cluster.config import ServeConfig
+from lora_cluster.config import ServeConfig, load_config
 from lora_cluster.errors import ConfigError
 from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.replica.deployment import LoraReplica
-from lora_cluster.serve.replica.model import load_config, resolve_model
+from lora_cluster.serve.replica.model import resolve_model
 from lora_cluster.serve.routing.quotas import QuotaLedger
 from lora_cluster.serve.routing.replica_groups import ReplicaGroup, replica_groups
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter

@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI
 from ray import serve
 
 from lora_cluster.cluster.sla import build_sla_classes
+from lora_cluster.config import load_config
 from lora_cluster.serve.http.admin_api import admin_router
 from lora_cluster.serve.http.body_limits import BodyLimitsMiddleware
 from lora_cluster.serve.http.context import ApiContext
@@ -32,7 +33,7 @@ from lora_cluster.serve.ops import metrics
 from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
 from lora_cluster.serve.ops.ray_internals import serve_root_url
 from lora_cluster.serve.ops.ready import ready_line, watch_in_background
-from lora_cluster.serve.replica.model import DEMO, load_config, load_tokenizer, resolve_model, served_name
+from lora_cluster.serve.replica.model import DEMO, load_tokenizer, resolve_model, served_name
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.auth import CallerMiddleware
 from lora_cluster.serve.routing.dispatch import Dispatcher

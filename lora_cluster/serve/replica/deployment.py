@@ -39,12 +39,13 @@ from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
 from lora_cluster.cluster.report_rules import MAX_PREFETCHES, AdapterDemand, ServiceTime
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
+from lora_cluster.config import load_config
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
-from lora_cluster.serve.replica.model import load_config, resolve_model
+from lora_cluster.serve.replica.model import resolve_model
 from lora_cluster.serve.replica.report import build_report, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP

@@ -11,18 +11,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lora_cluster.config import ServeConfig, build_config
+from lora_cluster.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 DEMO = "demo"
-
-
-def load_config(args: dict[str, Any] | None) -> ServeConfig:
-    """The ServeConfig of application args (plus `LORA_CLUSTER_*` env); raises ConfigError."""
-    config = build_config(ServeConfig, **(args or {}))
-    assert isinstance(config, ServeConfig)
-    return config
 
 
 def served_name(config: ServeConfig) -> str:
