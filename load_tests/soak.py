@@ -4,13 +4,18 @@ Ray processes' RSS and open file descriptors and the request latency over time.
     RAY_AUTH_MODE=disabled .venv/bin/serve run serve_config.yaml &      # or any running server
     .venv/bin/python load_tests/soak.py --url http://127.0.0.1:8000 --minutes 10 --ray-root-pid $!
 
-Rated load: unless `--qps` is given, the script first measures it: `--concurrency` closed-loop
-clients for `--calibrate-s` seconds (each sends its next request when the last one is answered);
-the requests per second they complete is the rated QPS. Then it sends requests open-loop at that
-rate (Poisson arrivals, fixed seed) for `--minutes`, whatever the answers, with at most
-`--max-in-flight` outstanding (more are counted as `skipped`, so a stuck server cannot grow the
-client without bound). Requests: `/v1/completions`, `--max-tokens` tokens, adapters a0..a{N-1}
-with Zipf(1.1) popularity plus the base model, one in four streamed.
+Rated load: unless `--qps` is given, the script first measures it. `--concurrency` closed-loop
+clients for `--calibrate-s` seconds (each sends its next request when the last one is answered)
+give the saturation rate: what the server completes at full capacity. Open-loop arrivals at that
+rate are past the knee (a queue at utilisation 1 grows without bound, whatever the server), so the
+rated QPS is the knee: Poisson arrivals at `--knee-fractions` of the saturation rate, lowest first,
+`--knee-step-s` seconds each, and the rated QPS is the highest step whose every answer was a 200
+with a p99 latency within `--knee-p99-s` (the lowest step, with a warning, when none was).
+Then it sends requests open-loop at that rate (Poisson arrivals, fixed seed) for `--minutes`,
+whatever the answers, with at most `--max-in-flight` outstanding (more are counted as `skipped`,
+so a stuck server cannot grow the client without bound). Requests: `/v1/completions`,
+`--max-tokens` tokens, adapters a0..a{N-1} with Zipf(1.1) popularity plus the base model, one in
+four streamed.
 
 Every `--interval-s` it prints one row: answers by status, latency p50/p99 of that interval, the RSS
 and open fds summed over the Ray processes on this machine (by role: replicas, ingress, other Ray
@@ -119,6 +124,65 @@ async def calibrate(client: httpx.AsyncClient, models: list, args: argparse.Name
     return done / (time.monotonic() - start)
 
 
+async def knee_step(client: httpx.AsyncClient, models: list, qps: float, first: int, rng: random.Random,
+                    args: argparse.Namespace) -> tuple[int, Counter, list[float]]:
+    """Poisson arrivals at `qps` for `--knee-step-s`, from request `first` on; (requests sent,
+    answers by status, latencies of the 200s). Beyond `--max-in-flight` outstanding a request is
+    counted as `skipped` instead of sent."""
+    statuses: Counter = Counter()
+    latencies: list[float] = []
+    outstanding = 0
+
+    async def run(model: str, stream: bool) -> None:
+        nonlocal outstanding
+        status, latency = await one(client, model, stream, args.max_tokens)
+        outstanding -= 1
+        statuses[status] += 1
+        if status == "200":
+            latencies.append(latency)
+
+    tasks, i, next_send = [], first, time.monotonic()
+    end = next_send + args.knee_step_s
+    while next_send < end:
+        await asyncio.sleep(max(0.0, next_send - time.monotonic()))
+        if outstanding >= args.max_in_flight:
+            statuses["skipped"] += 1
+        else:
+            outstanding += 1
+            tasks.append(asyncio.create_task(run(models[i % len(models)], i % 4 == 0)))
+        i += 1
+        next_send += rng.expovariate(qps)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return i - first, statuses, latencies
+
+
+async def knee(client: httpx.AsyncClient, models: list, saturation: float,
+               args: argparse.Namespace) -> tuple[float, list[str]]:
+    """The highest step of `--knee-fractions` x `saturation` whose answers were all 200 with p99
+    within `--knee-p99-s` (see the module docstring), and one line per step tried."""
+    rng = random.Random(args.seed + 1)
+    fractions = sorted(float(f) for f in args.knee_fractions.split(","))
+    rated, lines, first = None, [], 0
+    for fraction in fractions:
+        qps = fraction * saturation
+        sent, statuses, latencies = await knee_step(client, models, qps, first, rng, args)
+        first += sent
+        p99 = percentile(latencies, 99)
+        ok = statuses["200"] == sent and p99 <= args.knee_p99_s
+        lines.append(f"knee step: {qps:.2f} req/s ({fraction:.0%} of saturation), {sent} sent, "
+                     f"{dict(statuses)}, p99 {1000 * p99:.0f} ms: {'within' if ok else 'beyond'} the knee")
+        print(lines[-1], flush=True)
+        if not ok:
+            break
+        rated = qps
+    if rated is None:
+        rated = fractions[0] * saturation
+        lines.append(f"warning: no step met p99 <= {args.knee_p99_s:g} s; "
+                     f"soaking at the lowest, {rated:.2f} req/s")
+        print(lines[-1], flush=True)
+    return rated, lines
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -130,13 +194,22 @@ async def soak(args: argparse.Namespace) -> list[str]:
     models = zipf_models(args.adapters, args.base_model, rng)
     limits = httpx.Limits(max_connections=args.max_in_flight, max_keepalive_connections=args.max_in_flight)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
-        qps = args.qps or await calibrate(client, models, args)
-        lines = [f"rated load: {qps:.2f} req/s ({'given' if args.qps else 'measured'}), "
+        steps: list[str] = []
+        if args.qps:
+            qps = args.qps
+        else:
+            saturation = await calibrate(client, models, args)
+            steps.append(f"saturation ({args.concurrency} closed-loop clients): {saturation:.2f} req/s")
+            print(steps[-1], flush=True)
+            qps, knee_lines = await knee(client, models, saturation, args)
+            steps += [*knee_lines, ""]
+            print("", flush=True)
+        lines = [*steps, f"rated load: {qps:.2f} req/s ({'given' if args.qps else 'measured: the knee'}), "
                  f"{args.minutes:g} min, max_tokens {args.max_tokens}, {args.adapters} adapters (Zipf 1.1)",
                  "", "| t (s) | sent | 200 | 429 | 503 | other | skipped | p50 ms | p99 ms | "
                  "RSS replicas MiB | RSS ingress MiB | RSS other Ray MiB | open fds (all Ray) |",
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for line in lines:
+        for line in lines[len(steps):]:  # the calibration's lines were printed as they came
             print(line, flush=True)
         current, in_flight, tasks, others = Interval(), 0, set(), Counter()
         start = time.monotonic()
@@ -193,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qps", type=float, default=None, help="rated load; default: measured first")
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients of the calibration")
     p.add_argument("--calibrate-s", type=float, default=30.0)
+    p.add_argument("--knee-fractions", default="0.5,0.6,0.7,0.8,0.9,1.0",
+                   help="open-loop steps, as fractions of the closed-loop saturation rate")
+    p.add_argument("--knee-step-s", type=float, default=30.0, help="seconds per knee step")
+    p.add_argument("--knee-p99-s", type=float, default=2.0, help="p99 latency bound of the knee")
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--adapters", type=int, default=16)
     p.add_argument("--base-model", default="demo", help="the base model's name in the API")
