@@ -1,4 +1,5 @@
-"""Small shared pieces of the tests: bounded waits, the greedy sampling parameters, PEFT's logits.
+"""Small shared pieces of the tests: bounded waits, a fake clock, a fake adapter loader, the greedy
+sampling parameters, PEFT's logits.
 
 Every wait is bounded: the bound is a safety net reached only when the behaviour under test is broken,
 never a performance figure (a wait that runs out fails with the message of what it waited for).
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_cluster.engine import SamplingParams
+from lora_cluster.errors import AdapterNotFoundError
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +67,44 @@ class FakeClock:
         self.now += seconds
 
     sleep = advance
+
+
+class FakeLoader:
+    """The `AdapterLoader` protocol's bookkeeping with nothing behind it: a subclass supplies `load`
+    (weights for any id) and overrides the hooks its test watches."""
+
+    def load(self, adapter_id: str) -> Any:
+        raise NotImplementedError
+
+    def version(self, adapter_id: str) -> int:
+        return 0
+
+    def list_adapters(self) -> list[str]:
+        return []
+
+    def register(self, adapter_id: str, location: str) -> None:
+        raise AdapterNotFoundError(adapter_id, "this test loader makes weights for any id; none to register")
+
+    def unregister(self, adapter_id: str) -> bool:
+        return False
+
+    def slot_policy(self) -> None:
+        return None
+
+    def request_started(self, adapter_id: str) -> None:
+        pass
+
+    def request_finished(self, adapter_id: str) -> None:
+        pass
+
+    def load_abandoned(self, adapter_id: str) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def greedy(max_new_tokens: int = 8, **controls: Any) -> SamplingParams:

@@ -9,7 +9,7 @@ from concurrent.futures import ALL_COMPLETED, wait
 from typing import Any
 
 import torch
-from helpers import FakeClock
+from helpers import FakeClock, FakeLoader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,7 @@ STEP_S = 0.05  # fake seconds per engine step
 WAIT_BOUNDS = {0: 1.0, 1: 4.0}  # adapter wait bound per priority (the SLA classes' share)
 
 
-class MemoryLoader:
+class MemoryLoader(FakeLoader):
     """An `AdapterLoader` whose adapters are tiny tensors made on request (every id exists), each
     load taking `delay_s` (the replica measures its load time from it)."""
 
@@ -43,24 +43,6 @@ class MemoryLoader:
             threading.Event().wait(self.delay_s)
         return LoraWeights(adapter_id, 2, frozenset({"q_proj"}), {"q_proj": 1.0},
                            {(0, "q_proj"): torch.ones(2, 4)}, {(0, "q_proj"): torch.ones(6, 2)})
-
-    def version(self, adapter_id: str) -> int:
-        return 0
-
-    def slot_policy(self) -> None:
-        return None
-
-    def request_started(self, adapter_id: str) -> None:
-        pass
-
-    def request_finished(self, adapter_id: str) -> None:
-        pass
-
-    def load_abandoned(self, adapter_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Replica:

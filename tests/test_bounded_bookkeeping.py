@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import FakeLoader, wait_until
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine import Engine, SamplingParams
@@ -71,7 +70,7 @@ def test_a_remembered_miss_is_answered_without_asking_the_sources(shapes, demo_a
         store.close()
 
 
-class CountingLoader:
+class CountingLoader(FakeLoader):
     """An `AdapterLoader` that makes tiny weights for any id and counts what the engine hands back."""
 
     def __init__(self, shapes: ModelShapes, gate: threading.Event):
@@ -87,36 +86,9 @@ class CountingLoader:
         return LoraWeights(adapter_id, 1, frozenset({"q_proj"}), {"q_proj": 1.0},
                            {(0, "q_proj"): torch.zeros(1, in_f)}, {(0, "q_proj"): torch.zeros(out_f, 1)})
 
-    def version(self, adapter_id: str) -> int:
-        return 0
-
     def load_abandoned(self, adapter_id: str) -> None:
         with self._lock:
             self.abandoned += 1
-
-    def list_adapters(self) -> list[str]:
-        return []
-
-    def register(self, adapter_id: str, location: str) -> None:
-        raise AdapterNotFoundError(adapter_id, "this test loader makes weights for any id; none to register")
-
-    def unregister(self, adapter_id: str) -> bool:
-        return False
-
-    def slot_policy(self) -> None:
-        return None
-
-    def request_started(self, adapter_id: str) -> None:
-        pass
-
-    def request_finished(self, adapter_id: str) -> None:
-        pass
-
-    def snapshot(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
 
 
 def _wait_for_fetches(engine: Engine) -> None:

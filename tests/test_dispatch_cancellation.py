@@ -240,6 +240,19 @@ def fan_out(prefix: str, prompts: int, n: int, stream: bool, adapters: list[str 
             for i in range(prompts * n)]
 
 
+async def cancel_once_three_started(task: asyncio.Task, dispatcher: Dispatcher) -> None:
+    """Cancel `task` (a four-choice fan-out whose last choice is held) once choices 0-2 run on their
+    replicas; the cancellation reaches the task's awaiter."""
+
+    async def three_started() -> bool:
+        return sum((await in_flight(dispatcher)).values()) == 3
+
+    await wait_until_async(three_started, BOUND_S, "choices 0-2 started on their replicas")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 # ----- a choice still starting when the client goes away -------------------------------------------------
 
 
@@ -256,14 +269,7 @@ async def test_a_fan_out_cancelled_while_a_choice_starts_cancels_the_started_one
     hold_last_choice(handle)
     jobs = fan_out("held", prompts=1, n=4, stream=True, adapters=["a1"])
     task = asyncio.create_task(dispatcher.start_all(jobs, "/v1/completions"))
-
-    async def three_started() -> bool:
-        return sum((await in_flight(dispatcher)).values()) == 3
-
-    await wait_until_async(three_started, BOUND_S, "choices 0-2 started on their replicas")
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_once_three_started(task, dispatcher)
     await nothing_left(replicas, dispatcher, handle, "a fan-out cancelled while its last choice starts")
     all_cancelled(replicas, "a fan-out cancelled while its last choice starts")
 
@@ -316,14 +322,7 @@ tenants:
     async with serving(FakeTokenizer(), dispatcher, tenants=watcher, quotas=LocalQuotas(book)) as client:
         task = asyncio.create_task(client.post("/v1/completions", json=body,
                                                headers={"authorization": f"Bearer {KEY}"}))
-
-        async def three_started() -> bool:
-            return sum((await in_flight(dispatcher)).values()) == 3
-
-        await wait_until_async(three_started, BOUND_S, "choices 0-2 started on their replicas")
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_once_three_started(task, dispatcher)
     await nothing_left(replicas, dispatcher, handle, "an HTTP fan-out cancelled while its last choice starts")
     all_cancelled(replicas, "an HTTP fan-out cancelled while its last choice starts")
     usage = book.usage("finance")

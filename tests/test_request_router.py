@@ -36,14 +36,23 @@ def pending(adapter_id: str) -> SimpleNamespace:
     return SimpleNamespace(args=(job,), routing_context=SimpleNamespace(should_backoff=False))
 
 
-async def test_a_wall_clock_step_back_does_not_keep_a_placement_alive(monkeypatch):
+Clocks = tuple[LoraAffinityRouter, FakeClock, list[float], list[SimpleNamespace]]
+
+
+def router_on_fake_clocks(monkeypatch: pytest.MonkeyPatch) -> Clocks:
+    """A router whose monotonic clock (the FakeClock) and wall clock (`time.time`, read from the
+    one-element list) the test moves apart; two free replicas r1 and r2."""
     router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
                                 use_replica_queue_len_cache=True)
     clock = FakeClock(100.0)
     router.initialize_state(placement_ttl_s=TTL_S, clock=clock)
     wall = [1_800_000_000.0]
     monkeypatch.setattr(time, "time", lambda: wall[0])
-    replicas = [replica("r1"), replica("r2")]
+    return router, clock, wall, [replica("r1"), replica("r2")]
+
+
+async def test_a_wall_clock_step_back_does_not_keep_a_placement_alive(monkeypatch):
+    router, clock, wall, replicas = router_on_fake_clocks(monkeypatch)
 
     first = await router.choose_replicas(replicas, pending("x"))
     assert first[0][0].replica_id.unique_id == "r1", "a new adapter goes to the lower id among equals"
@@ -58,13 +67,7 @@ async def test_a_wall_clock_step_back_does_not_keep_a_placement_alive(monkeypatc
 
 @pytest.mark.parametrize("step_s", [-3600.0, 3600.0])
 async def test_placements_expire_on_the_routers_clock_only(monkeypatch, step_s):
-    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
-    clock = FakeClock(100.0)
-    router.initialize_state(placement_ttl_s=TTL_S, clock=clock)
-    wall = [1_800_000_000.0]
-    monkeypatch.setattr(time, "time", lambda: wall[0])
-    replicas = [replica("r1"), replica("r2")]
+    router, clock, wall, replicas = router_on_fake_clocks(monkeypatch)
     await router.choose_replicas(replicas, pending("x"))
     wall[0] += step_s
     clock.now += TTL_S / 2
