@@ -9,12 +9,10 @@ PEFT's within 1e-4 (float32).
 
 from __future__ import annotations
 
-import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from helpers import greedy, peft_logits
 
-from lora_cluster.engine import SamplingParams, build_engine
+from lora_cluster.engine import SamplingParams
 
 ADAPTERS = ["a0", "a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8"]
 PROMPTS = [
@@ -28,28 +26,8 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def peft_model(demo_model_dir, demo_adapters_dir):
-    base = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, demo_adapters_dir / ADAPTERS[0], adapter_name=ADAPTERS[0])
-    for aid in ADAPTERS[1:]:
-        model.load_adapter(demo_adapters_dir / aid, adapter_name=aid)
-    return model.eval()
-
-
-def _peft_logits(model: PeftModel, adapter_id: str | None, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        if adapter_id is None:
-            with model.disable_adapter():
-                return model(torch.tensor([ids])).logits[0]
-        model.set_adapter(adapter_id)
-        return model(torch.tensor([ids])).logits[0]
-
-
-def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, peft_model):
-    engine = build_engine(
-        model=str(demo_model_dir),
-        adapter_source=str(demo_adapters_dir),
+def test_mixed_batch_with_joins_matches_peft(make_engine, peft_model):
+    engine = make_engine(
         max_loras=6,  # fewer slots than adapters: slots are reused as sequences finish
         max_lora_rank=32,
         max_num_seqs=8,
@@ -65,15 +43,15 @@ def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, 
         return logits
 
     engine.runner.forward = spy
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    sampling = greedy(NEW_TOKENS)
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], aid) for i, aid in enumerate([*ADAPTERS, None, None])]
     for rid, prompt, aid in requests[:5]:
-        engine.add_request(rid, prompt, aid, greedy)
+        engine.add_request(rid, prompt, aid, sampling)
     finals = {}
     for _ in range(6):  # the first requests prefill and start decoding ...
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     for rid, prompt, aid in requests[5:]:  # ... then the rest join the running batch
-        engine.add_request(rid, prompt, aid, greedy)
+        engine.add_request(rid, prompt, aid, sampling)
     while engine.has_unfinished():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
 
@@ -82,7 +60,7 @@ def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, 
         out = finals[rid]
         assert out.finish_reason == "length", f"{rid} ({aid}) runs to max_new_tokens with ignore_eos"
         assert len(out.token_ids) == NEW_TOKENS, f"{rid} ({aid}) gets all {NEW_TOKENS} tokens"
-        ref = _peft_logits(peft_model, aid, out.prompt_token_ids + out.token_ids)
+        ref = peft_logits(peft_model, aid, out.prompt_token_ids + out.token_ids)
         ref = ref[out.prompt_tokens - 1 : out.prompt_tokens - 1 + NEW_TOKENS]
         ours = torch.stack(captured[rid])
         assert ref.argmax(-1).tolist() == out.token_ids, f"{rid} ({aid}) diverges from PEFT"
@@ -94,20 +72,18 @@ def test_mixed_batch_with_joins_matches_peft(demo_model_dir, demo_adapters_dir, 
     assert mixed_steps == len(requests) * NEW_TOKENS, "every sampled token's logits were compared with PEFT"
 
 
-def test_adapters_change_outputs(demo_model_dir, demo_adapters_dir):
+def test_adapters_change_outputs(make_engine):
     """Guard against a parity test that passes because LoRA does nothing."""
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4)
-    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(["the quick brown fox"] * 4, adapter_ids=[None, "a0", "a2", "a7"], sampling=greedy)
+    engine = make_engine(max_loras=4)
+    outs = engine.generate(["the quick brown fox"] * 4, adapter_ids=[None, "a0", "a2", "a7"],
+                           sampling=greedy(16))
     assert len({tuple(o.token_ids) for o in outs}) == 4, "the base model and each adapter give other tokens"
 
 
-def test_readme_offline_example_outputs_follow_prompts_and_adapters(demo_model_dir, demo_adapters_dir):
+def test_readme_offline_example_outputs_follow_prompts_and_adapters(make_engine):
     """The README's offline example: one output per prompt, in order, each decoded from its own ids,
     16 tokens unless it stopped early, the adapter row as if run alone and unlike the base model."""
-    engine = build_engine(
-        model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=8, max_lora_rank=64
-    )
+    engine = make_engine(max_loras=8, max_lora_rank=64)
     prompts, adapters = ["prompt a", "prompt b"], ["a0", None]
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     outs = engine.generate(prompts, adapter_ids=adapters, sampling=greedy)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import peft_logits
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
-from lora_cluster.engine import SamplingParams, build_engine
+from lora_cluster.engine import SamplingParams
 from lora_cluster.errors import RequestError
 
 ADAPTERS = ["a0", "a1", "a2", "a7"]  # ranks 8/16/32, a7 is rsLoRA
@@ -24,32 +24,16 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def peft_model(demo_model_dir, demo_adapters_dir):
-    base = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, demo_adapters_dir / ADAPTERS[0], adapter_name=ADAPTERS[0])
-    for aid in ADAPTERS[1:]:
-        model.load_adapter(demo_adapters_dir / aid, adapter_name=aid)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def engine(demo_model_dir, demo_adapters_dir):
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                          max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=16)  # chunked prefills
+def engine(make_engine):
+    engine = make_engine(max_loras=4, max_lora_rank=32, max_num_seqs=8,
+                         max_num_batched_tokens=16)  # chunked prefills
     yield engine
     engine.close()
 
 
 def _peft_logprobs(model: PeftModel, adapter_id: str | None, ids: list[int]) -> torch.Tensor:
     """log_softmax of PEFT's logits [len(ids), V]: row j is the distribution of token j + 1."""
-    with torch.no_grad():
-        if adapter_id is None:
-            with model.disable_adapter():
-                logits = model(torch.tensor([ids])).logits[0]
-        else:
-            model.set_adapter(adapter_id)
-            logits = model(torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(peft_logits(model, adapter_id, ids).float(), dim=-1)
 
 
 def _check_token(lp, ref_row: torch.Tensor, k: int, what: str) -> None:
@@ -123,10 +107,9 @@ def test_logprobs_are_bounded_by_max_logprobs(engine, field):
         SamplingParams(**{field: -1})
 
 
-def test_prompt_logprobs_survive_preemption_unduplicated(demo_model_dir, demo_adapters_dir, peft_model):
+def test_prompt_logprobs_survive_preemption_unduplicated(make_engine, peft_model):
     """A sequence preempted mid-generation recomputes its prompt; its prompt logprobs are not repeated."""
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2,
-                          max_lora_rank=32, max_num_seqs=1, max_num_batched_tokens=16)
+    engine = make_engine(max_loras=2, max_lora_rank=32, max_num_seqs=1, max_num_batched_tokens=16)
     try:
         low = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1,
                              prompt_logprobs=1)

@@ -21,7 +21,7 @@ from lora_kernels import reference as ref
 from torch import Tensor
 
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.lora_layer import LoraLayer, fused_shrink, use_bgmv
 
@@ -213,13 +213,12 @@ def _step_logits(engine: Engine, layer: LoraLayer | None = None) -> tuple[list[T
     return logits, batched
 
 
-def test_engine_batched_decode_gives_the_loop_logits(demo_model_dir: Path, demo_adapters_dir: Path) -> None:
+def test_engine_batched_decode_gives_the_loop_logits(make_engine) -> None:
     """The engine's default (decode steps of distinct adapters through the native kernel), the same
     without it (`lora_cpu_native: false`: slot-batched torch ops) and the same engine whose CPU ops
     always loop over segments: the same logits at every step."""
     def engine(**kw: bool) -> Engine:
-        return build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=10,
-                            max_lora_rank=32, max_num_seqs=16, **kw)  # fmt: skip
+        return make_engine(max_loras=10, max_lora_rank=32, max_num_seqs=16, **kw)  # fmt: skip
 
     default, took = _step_logits(engine())
     assert native.loaded(), f"the engine built the native kernel: {native.load_error()}"
@@ -265,8 +264,8 @@ def test_fused_shrink_default_follows_the_ops() -> None:
     assert config.lora_decode_kernel == "auto", "the decode path is chosen per device and mix"
 
 
-def test_cpu_engine_runs_unfused_by_default(demo_model_dir: Path, demo_adapters_dir: Path) -> None:
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=2)
+def test_cpu_engine_runs_unfused_by_default(make_engine) -> None:
+    engine = make_engine(max_loras=2)
     assert engine.runner.ops.name == "cpu", "a CPU engine uses the cpu ops"
     assert engine.runner.lora.groups == {}, "a CPU engine's LoRA layer runs one shrink per projection"
 

@@ -11,11 +11,12 @@ import shutil
 
 import pytest
 import torch
+from helpers import greedy
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lora_cluster.adapter_format import load_peft_adapter
-from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.errors import AdapterCapacityError, AdapterMergeError, AdapterNotFoundError, RequestError
 from lora_cluster.store.admission import AdmissionPolicy
 from lora_cluster.store.merge import MergeSpec, merge
@@ -36,9 +37,8 @@ def spec_of(ids: tuple[str, ...], weights: tuple[float, ...], strategy: str = "l
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model_dir, demo_adapters_dir):
-    engine = build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                          max_lora_rank=96, merge_seed=SEED)
+def engine(make_engine):
+    engine = make_engine(max_loras=4, max_lora_rank=96, merge_seed=SEED)
     yield engine
     engine.close()
 
@@ -85,10 +85,9 @@ def test_linear_is_peft_cat_token_for_token(engine, demo_model_dir, demo_adapter
     ids, weights = LINEAR
     peft = _peft_merged(demo_model_dir, demo_adapters_dir, ids, weights, "cat")
     _greedy_matches_peft(engine, spec_of(ids, weights), peft, "linear = cat")
-    single = engine.generate([PROMPTS[0]], adapter_ids=["a1"],
-                             sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    single = engine.generate([PROMPTS[0]], adapter_ids=["a1"], sampling=greedy(12))[0]
     merged = engine.generate([PROMPTS[0]], adapter_ids=[engine.define_merge(spec_of(ids, weights))],
-                             sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))[0]
+                             sampling=greedy(12))[0]
     assert merged.token_ids != single.token_ids, "the merge is not one of its adapters"
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lora_cluster.config import EngineConfig, build_config
-from lora_cluster.engine import Engine, SamplingParams, build_engine
+from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import BlockAllocator, blocks_for
 from lora_cluster.engine.lora_layer import use_bgmv
@@ -129,24 +129,21 @@ PROMPTS = ["the quick brown fox", "hello there my friend", "a long story begins 
 ADAPTERS = ["a0", "a1", None, "a3", "a0"]
 
 
-def _engine(demo_model_dir, demo_adapters_dir, **kw) -> Engine:
-    return build_engine(model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4,
-                        max_lora_rank=32, max_model_len=64, **kw)  # fmt: skip
+def _engine(make_engine, **kw) -> Engine:
+    return make_engine(max_loras=4, max_lora_rank=32, max_model_len=64, **kw)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def roomy_outputs(demo_model_dir, demo_adapters_dir) -> list[list[int]]:
-    engine = _engine(demo_model_dir, demo_adapters_dir, max_num_seqs=8, max_num_batched_tokens=64)
+def roomy_outputs(make_engine) -> list[list[int]]:
+    engine = _engine(make_engine, max_num_seqs=8, max_num_batched_tokens=64)
     outs = engine.generate(PROMPTS, ADAPTERS, SamplingParams(max_new_tokens=40, temperature=0,
                                                              ignore_eos=True))
     return [o.token_ids for o in outs]
 
 
-def test_few_blocks_preempt_and_give_the_same_tokens_without_leaks(
-    demo_model_dir, demo_adapters_dir, roomy_outputs
-) -> None:
+def test_few_blocks_preempt_and_give_the_same_tokens_without_leaks(make_engine, roomy_outputs) -> None:
     # 8 blocks of 8 tokens: one 64-token sequence fits, the five together do not
-    engine = _engine(demo_model_dir, demo_adapters_dir, max_num_seqs=5, max_num_batched_tokens=64,
+    engine = _engine(make_engine, max_num_seqs=5, max_num_batched_tokens=64,
                      kv_block_size=8, num_kv_blocks=8)  # fmt: skip
     outs = engine.generate(PROMPTS, ADAPTERS, SamplingParams(max_new_tokens=40, temperature=0,
                                                              ignore_eos=True))
@@ -158,8 +155,8 @@ def test_few_blocks_preempt_and_give_the_same_tokens_without_leaks(
     assert all(not blocks.table(slot) for slot in range(5)), "no slot keeps a block table"
 
 
-def test_abort_gives_back_the_blocks(demo_model_dir, demo_adapters_dir) -> None:
-    engine = _engine(demo_model_dir, demo_adapters_dir, max_num_seqs=2, kv_block_size=8, num_kv_blocks=16)
+def test_abort_gives_back_the_blocks(make_engine) -> None:
+    engine = _engine(make_engine, max_num_seqs=2, kv_block_size=8, num_kv_blocks=16)
     engine.add_request("x", "hello there my friend", "a1", SamplingParams(max_new_tokens=30, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -168,9 +165,9 @@ def test_abort_gives_back_the_blocks(demo_model_dir, demo_adapters_dir) -> None:
     assert engine.scheduler.kv_blocks.num_free_blocks == 16, "abort gives back every block"
 
 
-def test_more_sequences_fit_in_the_memory_of_two_full_length_ones(demo_model_dir, demo_adapters_dir) -> None:
+def test_more_sequences_fit_in_the_memory_of_two_full_length_ones(make_engine) -> None:
     # KV memory of 2 sequences of max_model_len (64 tokens) = 16 blocks of 8; 8 short requests
-    engine = _engine(demo_model_dir, demo_adapters_dir, max_num_seqs=8, max_num_batched_tokens=64,
+    engine = _engine(make_engine, max_num_seqs=8, max_num_batched_tokens=64,
                      kv_block_size=8, num_kv_blocks=2 * blocks_for(64, 8))  # fmt: skip
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     for i in range(8):
@@ -201,18 +198,16 @@ PATH_KW = {"max_num_seqs": 8, "max_num_batched_tokens": 24}  # chunked prefills 
 
 
 @pytest.fixture(scope="module")
-def plain_logits(demo_model_dir, demo_adapters_dir) -> list[torch.Tensor]:
+def plain_logits(make_engine) -> list[torch.Tensor]:
     """Step logits of the plain path: SGMV for every row, one shrink per projection."""
-    return _step_logits(_engine(demo_model_dir, demo_adapters_dir, lora_decode_kernel="sgmv",
+    return _step_logits(_engine(make_engine, lora_decode_kernel="sgmv",
                                 lora_fused_shrink=False, **PATH_KW))  # fmt: skip
 
 
 @pytest.mark.parametrize(("decode_kernel", "fused"), [("bgmv", True), ("bgmv", False), ("sgmv", True)])
-def test_lora_fast_paths_give_the_plain_sgmv_logits(
-    demo_model_dir, demo_adapters_dir, plain_logits, decode_kernel, fused
-) -> None:
+def test_lora_fast_paths_give_the_plain_sgmv_logits(make_engine, plain_logits, decode_kernel, fused) -> None:
     plain = plain_logits
-    fast = _step_logits(_engine(demo_model_dir, demo_adapters_dir, lora_decode_kernel=decode_kernel,
+    fast = _step_logits(_engine(make_engine, lora_decode_kernel=decode_kernel,
                                 lora_fused_shrink=fused, **PATH_KW))  # fmt: skip
     assert len(fast) == len(plain), "the same steps ran"
     for i, (a, b) in enumerate(zip(fast, plain, strict=True)):
@@ -294,6 +289,6 @@ def test_block_size_must_be_a_power_of_two() -> None:
         build_config(EngineConfig, model="m", kv_block_size=12)
 
 
-def test_too_few_blocks_for_one_sequence_is_a_config_error(demo_model_dir) -> None:
+def test_too_few_blocks_for_one_sequence_is_a_config_error(make_engine) -> None:
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
-        build_engine(model=str(demo_model_dir), max_model_len=64, kv_block_size=16, num_kv_blocks=3)
+        make_engine(adapter_source=None, max_model_len=64, kv_block_size=16, num_kv_blocks=3)

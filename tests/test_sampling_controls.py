@@ -11,17 +11,20 @@ below writes from OpenAI's definition (over generated tokens only).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from helpers import greedy as greedy_of
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
 
-from lora_cluster.engine import SamplingParams, build_engine
+from lora_cluster.engine import SamplingParams
 from lora_cluster.errors import RequestError
 
 ADAPTERS = ["a0", "a1", "a2", "a3"]
@@ -59,20 +62,9 @@ def reference_processors(p: SamplingParams, prompt_len: int) -> LogitsProcessorL
 
 
 @pytest.fixture(scope="module")
-def peft_model(demo_model_dir, demo_adapters_dir):
-    base = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, demo_adapters_dir / ADAPTERS[0], adapter_name=ADAPTERS[0])
-    for aid in ADAPTERS[1:]:
-        model.load_adapter(demo_adapters_dir / aid, adapter_name=aid)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def engine(demo_model_dir, demo_adapters_dir):
-    engine = build_engine(
-        model=str(demo_model_dir), adapter_source=str(demo_adapters_dir), max_loras=4, max_lora_rank=32,
-        max_num_seqs=8, max_num_batched_tokens=24,  # chunked prefills share steps with decodes
-    )  # fmt: skip
+def engine(make_engine):
+    engine = make_engine(max_loras=4, max_lora_rank=32, max_num_seqs=8,
+                         max_num_batched_tokens=24)  # chunked prefills share steps with decodes
     yield engine
     engine.close()
 
@@ -97,8 +89,7 @@ def hf_generate(
     return out[0, len(prompt_ids) :].tolist()
 
 
-def greedy(**controls) -> SamplingParams:
-    return SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, **{"ignore_eos": True, **controls})
+greedy = partial(greedy_of, NEW_TOKENS)  # every request here decodes NEW_TOKENS greedy tokens
 
 
 ROWS: list[tuple[str, str | None, SamplingParams]] = [
@@ -196,7 +187,7 @@ def test_http_bodies_pass_the_controls_to_the_engine():
     from pydantic import ValidationError
 
     from lora_cluster.config import ServeConfig
-    from lora_cluster.serve.schemas import ChatCompletionRequest, CompletionRequest, LoraxParameters
+    from lora_cluster.serve.http.schemas import ChatCompletionRequest, CompletionRequest, LoraxParameters
 
     limits = ServeConfig()
     body = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1.0,
@@ -232,7 +223,7 @@ def test_the_openapi_logit_bias_key_pattern_is_the_token_id_range(n):
     """The OpenAPI schema states logit_bias keys as the decimal token ids below the vocabulary size."""
     import re
 
-    from lora_cluster.serve.schemas import token_ids_below
+    from lora_cluster.serve.http.schemas import token_ids_below
 
     pattern = re.compile(token_ids_below(n))
     wrong = [k for k in range(n + 1000) if bool(pattern.match(str(k))) != (k < n)]
