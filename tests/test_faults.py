@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +28,7 @@ import httpx
 import pytest
 import torch
 from conftest import TcpProxy
+from helpers import FakeClock, poll
 
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import AdapterLoadError, AdapterSourceUnavailableError
@@ -41,19 +41,6 @@ pytestmark = pytest.mark.slow
 BOUND_S = 60.0  # no request or wait in this module takes longer
 BIG = "a2"  # rank 32, ~262 KB of weights: a download the proxy can cut in the middle
 PROMPT = "the quick brown fox"
-
-
-class Clock:
-    """A monotonic clock that moves only when the test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 # ----- the store's source breaker (no Ray) ----------------------------------------------------
@@ -69,7 +56,7 @@ def test_s3_down_opens_the_source_breaker_and_a_probe_closes_it(s3, s3_proxy, de
     for aid in ("a0", "a1", BIG, "a3"):
         s3.upload(demo_adapters_dir / aid, f"zoo/{aid}")
     s3.point_at(s3_proxy.endpoint)
-    clock = Clock()  # the breaker's cool-down passes when the test says so, not with the machine's speed
+    clock = FakeClock()  # the breaker's cool-down passes when the test says so, not with the machine's speed
     store = TieredAdapterStore([f"s3://{s3.bucket}/zoo"], AdmissionPolicy(shapes, 64),
                                disk_cache_dir=tmp_path / "disk", fetch_retries=0, fetch_timeout_s=5,
                                source_breaker_failures=2, source_breaker_cooldown_s=1.0, clock=clock)
@@ -127,16 +114,9 @@ def proxy(moto_endpoint):
 
 
 @pytest.fixture(scope="module")
-def server(free_port, demo_zoo, bucket, proxy, tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
-    env = {"RAY_AUTH_MODE": "disabled", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+def server(ray_app, demo_zoo, bucket, proxy, tmp_path_factory):
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_MAX_ATTEMPTS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     config = {
         "model": str(demo_zoo.model_dir), "adapter_source": [f"s3://{bucket[0]}/zoo"],
         "disk_cache_dir": str(tmp_path_factory.mktemp("disk")), "num_replicas": 2, "num_cpus": 1,
@@ -145,21 +125,8 @@ def server(free_port, demo_zoo, bucket, proxy, tmp_path_factory):
         "fetch_retries": 1, "fetch_backoff_s": 0.05, "fetch_timeout_s": 5.0,
         "breaker_source_failures": 2, "breaker_source_cooldown_s": 1.0, "breaker_cooldown_s": 1.0,
     }
-    ray.init(num_cpus=4, configure_logging=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name="lora", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with ray_app(config, env=env) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -211,10 +178,18 @@ def test_s3_stopped_mid_load_answers_503_and_serves_again_after_restart(http, bu
         r = _complete(http, "a0")
         assert r.status_code == 200, f"a resident adapter keeps serving while S3 is down: {r.text}"
     proxy.restart()
-    deadline = time.monotonic() + BOUND_S
-    while (r := _complete(http, BIG)).status_code != 200 and time.monotonic() < deadline:
+    answers_after: list[httpx.Response] = []
+
+    def served() -> bool:
+        answers_after.append(r := _complete(http, BIG))
+        if r.status_code == 200:
+            return True
         assert _is_answer(r), f"only 503 with Retry-After while the breakers probe: {r.status_code}"
         time.sleep(float(r.headers.get("retry-after", "1")))
+        return False
+
+    poll(served, BOUND_S, interval_s=0)
+    r = answers_after[-1]
     assert r.status_code == 200, f"S3 restarted: the adapter cut mid-load serves: {r.text}"
     print(f"\nFAULTS S3: stopped mid-load 1x, {len(answers)} cold loads answered 503 ({codes}), "
           "restarted, 0 lost")
@@ -281,22 +256,20 @@ def test_replica_killed_mid_stream(http, server) -> None:
     assert not lost, f"non-streaming requests on the killed replica are retried: {[r.text for r in lost]}"
     assert all(r.headers["x-lora-replica"] != victim for r in results), "the other replica served them"
     assert _retries(http) > retries_before, "the ingress counted the retries"
-    deadline = time.monotonic() + 180
-    def replaced() -> bool:
-        return _running_replicas() == 2 and len(_replica_ids() - {victim}) == 2
-
-    while time.monotonic() < deadline and not replaced():
-        time.sleep(0.5)
+    poll(lambda: _running_replicas() == 2 and len(_replica_ids() - {victim}) == 2, 180, interval_s=0.5)
     assert len(_replica_ids() - {victim}) == 2, "Serve starts a new replica in place of the killed one"
     assert _running_replicas() == 2, "and it is running"
     served_by: set[str] = set()
-    deadline = time.monotonic() + 2 * BOUND_S
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # more than one replica's batch slots at once
-        while len(served_by - {victim}) < 2 and time.monotonic() < deadline:
+
+        def both_serve() -> bool:
             batch = list(pool.map(lambda i: _complete(http, f"a{i % 16}", 32, ignore_eos=True), range(8)))
             assert all(_is_answer(r) for r in batch), \
                 f"after the restart: 200, 429/503 + Retry-After: {[(r.status_code, r.text) for r in batch]}"
-            served_by |= {r.headers["x-lora-replica"] for r in batch if r.status_code == 200}
+            served_by.update(r.headers["x-lora-replica"] for r in batch if r.status_code == 200)
+            return len(served_by - {victim}) >= 2
+
+        poll(both_serve, 2 * BOUND_S, interval_s=0)
     assert len(served_by - {victim}) == 2, f"the new replica serves too: {served_by}"
     print(f"\nFAULTS replica kill: 1 killed mid-stream, 1 stream ended with an error event, "
           f"{len(results)} in-flight non-streaming retried, 0 lost")
