@@ -1,7 +1,7 @@
 """End to end through Ray Serve: one app (ingress + 2 LoRA replicas on CPU) shared by every test here.
 
-Ray is started by the module fixture on 127.0.0.1 with token auth off (`RAY_AUTH_MODE=disabled`,
-which Ray 2.60 would otherwise require). Clients: the real `openai` SDK, `lorax-client`, httpx.
+Ray is started by the module fixture (conftest's `ray_app`) on 127.0.0.1 with token auth off.
+Clients: the real `openai` SDK, `lorax-client`, httpx.
 """
 
 from __future__ import annotations
@@ -9,17 +9,16 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import os
 import re
 import shutil
 import socket
-import time
 
 import httpx
 import pytest
 from conftest import adapter_hits, adapter_order
+from helpers import poll
 
-from lora_cluster.engine import SamplingParams, build_engine
+from lora_cluster.engine import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +39,9 @@ def app_config(demo_zoo, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_url(free_port, app_config):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
-    port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_config), name="lora", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def base_url(ray_app, app_config):
+    with ray_app(app_config) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +51,18 @@ def http(base_url):
 
 
 @pytest.fixture(scope="module")
-def offline(app_config):
-    """The engine called directly, configured like the replicas: the reference for greedy outputs."""
-    keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
-    cfg = {k: v for k, v in app_config.items() if k in keys}
-    engine = build_engine(**cfg)
-    yield lambda prompt, adapter, n: engine.generate(
-        [prompt], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0))[0]
+def offline_engine(make_engine, app_config):
+    """The engine called directly, configured like the replicas (merges included): the reference."""
+    engine = make_engine(max_loras=app_config["max_loras"], max_lora_rank=app_config["max_lora_rank"])
+    yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def offline(offline_engine):
+    """Greedy outputs of the offline engine: `offline(prompt, adapter, max_new_tokens)`."""
+    return lambda prompt, adapter, n: offline_engine.generate(
+        [prompt], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0))[0]
 
 
 def _replicas(http) -> dict:
@@ -279,20 +269,15 @@ def _abort_counted(http, leave, what: str, attempts: int = 3) -> None:
     end normally before Ray Serve carries the disconnect to its replica; such an attempt proves
     nothing, and another is made (three at most). A disconnect that never aborts fails every attempt.
     """
+    def cancelled() -> int:
+        return sum(s["cancelled"] for s in _replicas(http).values())
+
     for _ in range(attempts):
-        before = sum(s["cancelled"] for s in _replicas(http).values())
+        before = cancelled()
         leave()
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline:
-            stats = list(_replicas(http).values())
-            if sum(s["cancelled"] for s in stats) > before:
-                break
-            time.sleep(0.2)
-        else:
+        if not poll(lambda before=before: cancelled() > before, 8):
             continue
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(s["num_running"] for s in _replicas(http).values()):
-            time.sleep(0.2)
+        poll(lambda: not any(s["num_running"] for s in _replicas(http).values()), 20)
         assert all(s["free_seq_slots"] == s["max_num_seqs"] for s in _replicas(http).values()), (
             f"every batch slot is free again after {what}'s client went away")
         return
@@ -324,12 +309,16 @@ def test_a_fan_out_whose_client_goes_away_leaves_no_request_and_no_in_flight_cou
             assert next(r.iter_lines()).startswith("data: "), "the first SSE event arrives"
 
     _abort_counted(http, leave, "the fan-out")
-    deadline, in_flight = time.monotonic() + 20, None
-    while time.monotonic() < deadline and in_flight != {}:
+    seen: list[dict] = []
+
+    def drained() -> bool:
         r = http.get("/v1/cluster")
         assert r.status_code == 200, f"/v1/cluster answers: {r.text}"
-        in_flight = r.json()["ingress"]["in_flight"]
-        time.sleep(0.2)
+        seen.append(r.json()["ingress"]["in_flight"])
+        return seen[-1] == {}
+
+    poll(drained, 20)
+    in_flight = seen[-1]
     assert in_flight == {}, f"the ingress counts no request in flight on any replica: {in_flight}"
 
 
@@ -341,9 +330,7 @@ def test_a_non_streaming_requests_client_going_away_aborts_it(base_url, http):
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
                          + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-            deadline, running = time.monotonic() + 20, 0
-            while time.monotonic() < deadline and not running:
-                running = sum(s["num_running"] for s in _replicas(http).values())
+            running = poll(lambda: sum(s["num_running"] for s in _replicas(http).values()), 20, interval_s=0)
             assert running == 1, "the non-streaming request was generating when its client went away"
 
     _abort_counted(http, leave, "the non-streaming request")
@@ -470,15 +457,6 @@ def test_cli_adapters_list_load_and_unload(base_url, demo_zoo, tmp_path, capsys)
 
 
 # ----- log probabilities and merged adapters (issue 12), through the real clients -------------------------
-
-
-@pytest.fixture(scope="module")
-def offline_engine(app_config):
-    """The engine called directly, configured like the replicas (merges included)."""
-    keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
-    engine = build_engine(**{k: v for k, v in app_config.items() if k in keys})
-    yield engine
-    engine.close()
 
 
 MERGE = {"ids": ["a0", "a1", "a3"], "weights": [0.6, -0.3, 0.9], "merge_strategy": "linear", "density": 1.0}
