@@ -49,9 +49,8 @@ class FakeController:
 
 
 def full_stats() -> dict[str, RoutingStats]:
-    """Two replicas of one batch slot each, each holding its admission window (2 x max_num_seqs)."""
-    return {"r1": RoutingStats(num_running=1, num_waiting=1, max_num_seqs=1),
-            "r2": RoutingStats(num_running=1, num_waiting=1, max_num_seqs=1)}
+    return {"r1": RoutingStats(num_running=2, num_waiting=0, max_num_seqs=2),
+            "r2": RoutingStats(num_running=1, num_waiting=1, max_num_seqs=2)}
 
 
 def admission(controller: Any, stats: Any = full_stats, clock: list[float] | None = None) -> ClusterAdmission:
@@ -61,20 +60,7 @@ def admission(controller: Any, stats: Any = full_stats, clock: list[float] | Non
 
 
 def one_replica(running: int) -> dict[str, RoutingStats]:
-    """One replica of one batch slot: an admission window of two requests by default."""
-    return {"r1": RoutingStats(num_running=min(running, 1), num_waiting=max(0, running - 1), max_num_seqs=1)}
-
-
-async def test_a_replica_with_a_full_batch_is_given_a_second_batch_to_wait_in_its_engine():
-    stats = {"r1": RoutingStats(num_running=4, num_waiting=3, max_num_seqs=4)}
-    a = admission(FakeController(), stats=lambda: stats)
-    assert a.has_room(), (
-        "a replica whose batch is full takes requests up to 2 x max_num_seqs, which wait in its engine "
-        "for the next free batch slot instead of in the cluster queue")
-    stats["r1"] = RoutingStats(num_running=4, num_waiting=4, max_num_seqs=4)
-    assert not a.has_room(), "at 2 x max_num_seqs ongoing, further requests are parked"
-    explicit = ClusterAdmission(FakeController(), capacity=4, replica_stats=lambda: stats, timeout_s=30.0)
-    assert not explicit.has_room(), "an admission_capacity that is set is the window, whatever the batch"
+    return {"r1": RoutingStats(num_running=running, num_waiting=0, max_num_seqs=2)}
 
 
 async def test_the_fast_path_makes_no_controller_call():

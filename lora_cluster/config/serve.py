@@ -15,18 +15,6 @@ MAX_CLASSES = 16
 DEFAULT_CLASS = "standard"
 MAX_REPLICA_GROUPS = 16
 MAX_GROUP_PATTERNS = 256
-# Default admission window of a replica, in batches (x max_num_seqs): one batch running and one
-# waiting in the engine's (priority, arrival) queue. A slot freed by a finishing request is refilled
-# from the engine's own queue at the next step, not after the report -> grant -> send round trip to
-# the cluster controller and back, during which a window of one batch leaves batch slots idle
-# while requests wait in the cluster queue.
-ADMISSION_BATCHES = 2
-
-
-def admission_slots(admission_capacity: int | None, max_num_seqs: int) -> int:
-    """Requests one replica is given at once before further ones are parked in the cluster queue:
-    `admission_capacity`, or `ADMISSION_BATCHES` x `max_num_seqs` when it is not set."""
-    return admission_capacity or ADMISSION_BATCHES * max_num_seqs
 
 
 def _default_demo_dir() -> str:
@@ -118,11 +106,10 @@ class ServeConfig(EngineConfig):
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per LoRA replica (Ray resource).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per LoRA replica (Ray resource).")
     max_ongoing_requests: int = Field(
-        96,
+        64,
         ge=1,
         description="Requests one replica accepts at once (running + waiting in its engine); more "
-        "wait in the router. Keep it above the admission capacity (default 2 x max_num_seqs), so "
-        "that grants over capacity (preemption) reach the replica at once.",
+        "wait in the router.",
     )
     max_queued_requests: int = Field(
         1024,
@@ -170,8 +157,7 @@ class ServeConfig(EngineConfig):
         None,
         ge=1,
         description="Requests one replica is given at once before the ingress parks further ones in "
-        "the cluster queue (default: 2 x max_num_seqs, one batch running and one waiting in the "
-        "engine, so that a finishing request's slot is refilled at the next step).",
+        "the cluster queue (default: max_num_seqs, the replica's batch slots).",
     )
     cluster_queue_size: int = Field(
         4096, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "

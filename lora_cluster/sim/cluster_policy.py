@@ -39,7 +39,6 @@ from typing import Any, TypeVar
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
 from lora_cluster.cluster.report_rules import MIN_GAP_S, report_on_finish
-from lora_cluster.config.serve import admission_slots
 from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
@@ -75,8 +74,7 @@ class LoraClusterPolicy:
         self.controller = Controller(ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
         self.routing = AffinityRouting(ctx.replicas, miss_cost=s.router_miss_cost,
                                        placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock)
-        self.capacity = {rid: admission_slots(s.admission_capacity, r.max_num_seqs)
-                         for rid, r in ctx.replicas.items()}
+        self.capacity = {rid: s.admission_capacity or r.max_num_seqs for rid, r in ctx.replicas.items()}
         self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
         self._inflight = dict.fromkeys(ctx.replicas, 0)  # the ingress's requests running on each replica
         self._unassigned = 0  # fast-path requests on their way (no first item yet)

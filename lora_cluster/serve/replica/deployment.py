@@ -40,7 +40,6 @@ from lora_cluster.cluster.report_rules import MAX_PREFETCHES, AdapterDemand, Ser
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
-from lora_cluster.config.serve import admission_slots
 from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
@@ -105,7 +104,7 @@ class LoraReplica:
         self.service_time = ServiceTime()
         self._prefetching: set[str] = set()
         self.active = 0  # generate calls in progress: what the controller counts against capacity
-        self._capacity = admission_slots(self.config.admission_capacity, self.config.max_num_seqs)
+        self._capacity = self.config.admission_capacity or self.config.max_num_seqs
         self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
             controller, self._report, self._on_reply, self.config.controller_report_period_s)

@@ -4,7 +4,7 @@ Fast path: the ingress sends a request straight to the replicas (the request rou
 the replicas have room: their free slots add up to more than this ingress's requests that are on
 their way (sent in the last `report_lag_s`, replica not known yet; older ones are in the replicas'
 reports by then, and counting them again would close the fast path on free slots). A replica's free
-slots are its admission capacity (`admission_capacity`, default 2 x `max_num_seqs`) minus its ongoing
+slots are its admission capacity (`admission_capacity`, default `max_num_seqs`) minus its ongoing
 requests, the larger of its last report (requests from every ingress, up to `routing_stats_period_s`
 old) and this ingress's own requests running there (exact, immediate). The check reads memory only:
 the fast path makes no actor call.
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.cluster.routing_stats import RoutingStats
-from lora_cluster.config.serve import admission_slots
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
 from lora_cluster.serve.ops.logs import detached
 
@@ -62,8 +61,7 @@ class ClusterAdmission:
                  placement_period_s: float = 1.0, report_lag_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
         """`controller`: a handle to the ClusterController deployment (None: controller off);
-        `capacity`: requests per replica before parking (None: `admission_slots` of each replica's
-        max_num_seqs)."""
+        `capacity`: requests per replica before parking (None: each replica's max_num_seqs)."""
         self._controller, self._capacity, self._stats = controller, capacity, replica_stats
         self.timeout_s, self._clock = timeout_s, clock
         self._placement_sink, self.placement_period_s = placement_sink, placement_period_s
@@ -89,7 +87,7 @@ class ClusterAdmission:
         for rid, report in stats.items():
             if report.max_num_seqs is None:  # not reported yet (every report carries it)
                 return True
-            capacity = admission_slots(self._capacity, report.max_num_seqs)
+            capacity = self._capacity or report.max_num_seqs
             free += max(0, capacity - max(report.ongoing, self._inflight[rid]))
         return free > self.unassigned()
 
