@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import time
 
 import httpx
 import pytest
+from helpers import wait_until
 
-from lora_cluster.engine import SamplingParams, build_engine
+from lora_cluster.engine import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -45,27 +45,9 @@ def app_config(demo_zoo):
 
 
 @pytest.fixture(scope="module")
-def base_url(free_port, app_config):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    from lora_cluster.serve.app import build_app
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_config), name="lora", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+def base_url(ray_app, app_config):
+    with ray_app(app_config, nodes=3) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +57,13 @@ def http(base_url):
 
 
 @pytest.fixture(scope="module")
-def offline(app_config):
-    keys = ("model", "adapter_source", "max_loras", "max_lora_rank")
-    engine = build_engine(**{k: v for k, v in app_config.items() if k in keys})
+def offline(make_engine, app_config):
+    """The engine called directly, configured like the replicas: the reference for greedy outputs."""
+    engine = make_engine(max_loras=app_config["max_loras"], max_lora_rank=app_config["max_lora_rank"])
     yield lambda adapter, n: engine.generate(
         [PROMPT], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0,
                                                                  ignore_eos=True))[0].text
     engine.close()
-
-
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"gave up after {BOUND_S:.0f} s waiting for {what}")
 
 
 def _view(http) -> dict:
@@ -126,7 +99,7 @@ def _stream(base_url: str, model: str, cls: str, max_tokens: int) -> dict:
 def test_the_cluster_view_shows_nodes_replicas_adapters_and_memory(http, base_url):
     r = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200, f"a first request is served: {r.text}"
-    _wait_for(lambda: len(_replicas(_view(http))) == 3, "three replicas in the controller's view")
+    wait_until(lambda: len(_replicas(_view(http))) == 3, BOUND_S, "three replicas in the controller's view")
     view = _view(http)
     assert len(view["nodes"]) == 3, "the three replicas run on three nodes, and the view says which"
     replicas = _replicas(view)
@@ -135,8 +108,8 @@ def test_the_cluster_view_shows_nodes_replicas_adapters_and_memory(http, base_ur
     assert some["memory"]["base_weights"] > 0, "and the base model's weights"
     assert some["memory"]["adapter_pool"] > 0, "and the adapter slot pool"
     assert some["capacity"] == 2, "each replica's admission capacity is its batch slots"
-    _wait_for(lambda: any("a1" in r["adapters"]["resident"] for r in _replicas(_view(http)).values()),
-              "a1 resident on a replica")
+    wait_until(lambda: any("a1" in r["adapters"]["resident"] for r in _replicas(_view(http)).values()),
+               BOUND_S, "a1 resident on a replica")
     assert set(view["classes"]) == {"interactive", "standard", "batch"}, "the view lists the SLA classes"
     assert "queue" in view, "and the cluster queue"
 
@@ -145,7 +118,8 @@ def test_interactive_requests_go_first_and_batch_output_is_unchanged(base_url, h
     adapters = [f"a{i % 4}" for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         batch = [pool.submit(_stream, base_url, a, "batch", BATCH_TOKENS) for a in adapters]
-        _wait_for(lambda: _view(http)["queue"]["depth"] >= 3, "batch requests queued behind full replicas")
+        wait_until(lambda: _view(http)["queue"]["depth"] >= 3, BOUND_S,
+                   "batch requests queued behind full replicas")
         urgent = [pool.submit(_stream, base_url, "a5", "interactive", 4) for _ in range(3)]
         urgent_results = [f.result(timeout=BOUND_S) for f in urgent]
         batch_results = [f.result(timeout=BOUND_S) for f in batch]
@@ -170,7 +144,8 @@ def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_ur
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         load = [pool.submit(_stream, base_url, f"a{i % 3}", "standard", 200) for i in range(12)]
-        _wait_for(lambda: _view(http)["queue"]["depth"] >= 1, "requests waiting in the controller's queue")
+        wait_until(lambda: _view(http)["queue"]["depth"] >= 1, BOUND_S,
+                   "requests waiting in the controller's queue")
         actor = _view(http)["controller"]["actor"]
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=False)
         results = [f.result(timeout=BOUND_S) for f in load]
@@ -180,7 +155,7 @@ def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_ur
     def rebuilt() -> bool:
         r = http.get("/v1/cluster")
         return r.status_code == 200 and len(_replicas(r.json())) == 3
-    _wait_for(rebuilt, "the restarted controller's view of all three replicas")
+    wait_until(rebuilt, BOUND_S, "the restarted controller's view of all three replicas")
     assert _view(http)["controller"]["actor"] != actor, "the view comes from a new controller"
 
 
@@ -190,7 +165,7 @@ def test_a_hot_adapter_is_placed_on_more_replicas_and_prefetched_there(base_url,
 
         def spread() -> bool:
             return len(_view(http)["placement"].get("a7", ())) >= 2
-        _wait_for(spread, "the controller's placement to give the hot a7 more than one replica")
+        wait_until(spread, BOUND_S, "the controller's placement to give the hot a7 more than one replica")
         results = [f.result(timeout=BOUND_S) for f in burst]
     assert [r["status"] for r in results] == [200] * 16, "every request of the burst completes"
     holders = set(_view(http)["placement"].get("a7", ()))
@@ -200,5 +175,5 @@ def test_a_hot_adapter_is_placed_on_more_replicas_and_prefetched_there(base_url,
         held = {rid for rid, r in replicas.items()
                 if "a7" in r["adapters"]["resident"] or "a7" in r["adapters"]["loading"]}
         return len(held) >= 2
-    _wait_for(prefetched, "a7 on at least two replicas' devices")
+    wait_until(prefetched, BOUND_S, "a7 on at least two replicas' devices")
     assert len(holders) >= 2, f"the placement table names several holders of a7: {holders}"
