@@ -11,7 +11,6 @@ between 1 and 2, at most 3 adapter labels) shared by every test here.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers import poll, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,7 @@ APP = "obs"
 
 
 @pytest.fixture(scope="module")
-def base_url(free_port, demo_zoo):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
+def base_url(ray_app, demo_zoo):
     config = {
         "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)], "num_cpus": 1,
         "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 4, "max_num_batched_tokens": 64,
@@ -47,25 +41,14 @@ def base_url(free_port, demo_zoo):
                                "upscale_delay_s": 0.5, "downscale_delay_s": 3.0, "look_back_period_s": 1.0,
                                "metrics_interval_s": 0.5},
     }
-    port = free_port()
-    # a Ray of its own, even while another test's cluster runs on this machine
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
-             log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_app(config, name=APP) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def http(base_url):
     with httpx.Client(base_url=base_url, timeout=120) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: client.get("/health").status_code == 200, 60, "the app to answer /health")
         yield client
 
 
@@ -150,17 +133,8 @@ def _running_replicas() -> int:
     return deployments[name].replica_states.get("RUNNING", 0)
 
 
-def _wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.25)
-    return False
-
-
 def test_serve_adds_a_replica_under_load_and_removes_it_after(base_url, http):
-    assert _wait_for(lambda: _running_replicas() == 1, 30), "the app starts at min_replicas = 1"
+    assert poll(lambda: _running_replicas() == 1, 30), "the app starts at min_replicas = 1"
     stop = threading.Event()
 
     def load() -> None:
@@ -173,10 +147,10 @@ def test_serve_adds_a_replica_under_load_and_removes_it_after(base_url, http):
     for t in threads:
         t.start()
     try:
-        scaled_up = _wait_for(lambda: _running_replicas() == 2, 120)  # a new replica loads its model
+        scaled_up = poll(lambda: _running_replicas() == 2, 120)  # a new replica loads its model
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=120)
     assert scaled_up, "under load (6 requests in flight, target 1 per replica) Serve adds a second replica"
-    assert _wait_for(lambda: _running_replicas() == 1, 90), "once the load is gone Serve removes it again"
+    assert poll(lambda: _running_replicas() == 1, 90), "once the load is gone Serve removes it again"
