@@ -1,4 +1,4 @@
-"""End to end under Ray Serve's throughput-optimized mode (`serve/serve_mode.py`), as a user runs it:
+"""End to end under Ray Serve's throughput-optimized mode (`serve/ops/serve_mode.py`), as a user runs it:
 `serve run` on a config file, `THROUGHPUT_MODE_ENV` in its environment. HAProxy answers on the
 configured port; the ingress replica serves HTTP itself (direct ingress) on a port Serve allocates
 from `RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`..`_MAX_HTTP_PORT` (here a one-port range, so that the
@@ -17,15 +17,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import adapter_hits
+from helpers import poll
 
-from lora_cluster.engine import SamplingParams, build_engine
-from lora_cluster.serve.serve_mode import private_throughput_mode, throughput_mode_env
+from lora_cluster.engine import SamplingParams
+from lora_cluster.serve.ops.serve_mode import private_throughput_mode, throughput_mode_env
 from lora_cluster.tenancy.tenants import hash_key
 
 KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-0123456789"
@@ -74,12 +74,13 @@ def served(demo_zoo, free_port, tmp_path_factory):
                                 start_new_session=True)
     server = Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{direct_port}", log)
     try:
-        deadline = time.monotonic() + START_S
-        # HAProxy forwards as soon as the ingress answers; the test waits for both LoRA replicas
-        while not _answers(server.http, "/health") or _replica_count(server.http) < 2:
-            if proc.poll() is not None or time.monotonic() > deadline:
+        def up() -> bool:  # HAProxy forwards as soon as the ingress answers: both LoRA replicas are awaited
+            if proc.poll() is not None:
                 pytest.fail(f"serve run did not come up in {START_S} s: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
+            return _answers(server.http, "/health") and _replica_count(server.http) >= 2
+
+        if not poll(up, START_S, interval_s=0.5):
+            pytest.fail(f"serve run did not come up in {START_S} s: {log.read_text()[-3000:]}")
         yield server
     finally:
         server.http.close()
@@ -105,10 +106,9 @@ def _replica_count(http: httpx.Client) -> int:
 
 
 @pytest.fixture(scope="module")
-def offline(demo_zoo):
+def offline(make_engine):
     """The engine called directly, configured like the replicas: the reference for greedy outputs."""
-    engine = build_engine(model=str(demo_zoo.model_dir), adapter_source=str(demo_zoo.adapters_dir),
-                          max_loras=4, max_lora_rank=32)
+    engine = make_engine(max_loras=4, max_lora_rank=32)
     yield lambda adapter, n: engine.generate(
         [PROMPT], adapter_ids=[adapter], sampling=SamplingParams(max_new_tokens=n, temperature=0.0))[0]
     engine.close()
@@ -120,9 +120,7 @@ def test_the_ingress_replica_serves_http_itself_and_haproxy_serves_the_configure
         r = plain.get(f"{served.direct_url}/health")
         assert r.status_code == 200, f"the ingress replica answers on its own port (direct ingress): {r.text}"
         assert plain.get(f"{served.url}/health").json()["status"] == "ok", "the configured port answers"
-    deadline = time.monotonic() + 30
-    while f"lora-cluster ready at {served.url}" not in served.log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    poll(lambda: f"lora-cluster ready at {served.url}" in served.log.read_text(), 30, interval_s=0.5)
     assert f"lora-cluster ready at {served.url}" in served.log.read_text(), (
         "the ready line reaches serve run's console (Serve's throughput mode keeps its own logs off stderr)")
 
@@ -163,13 +161,14 @@ def test_adapter_affinity_through_the_request_router(served):
 
 def _wait_until_aborted(served: Served, before: int, what: str) -> None:
     """Wait (20 s at most) until the replicas counted more than `before` cancelled requests and none runs."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stats = served.replicas().values()
-        if sum(s["cancelled"] for s in stats) > before and all(s["num_running"] == 0 for s in stats):
-            return
-        time.sleep(0.2)
-    pytest.fail(f"{what} was not aborted after its client went away: {list(stats)}")
+    seen: list[list[dict]] = []
+
+    def aborted() -> bool:
+        seen.append(stats := list(served.replicas().values()))
+        return sum(s["cancelled"] for s in stats) > before and all(s["num_running"] == 0 for s in stats)
+
+    if not poll(aborted, 20):
+        pytest.fail(f"{what} was not aborted after its client went away: {seen[-1]}")
 
 
 @pytest.mark.slow
@@ -193,9 +192,7 @@ def test_a_non_streaming_client_going_away_aborts_its_request(served):
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
                      + f"authorization: Bearer {KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
-        deadline, running = time.monotonic() + 20, 0
-        while time.monotonic() < deadline and not running:
-            running = sum(s["num_running"] for s in served.replicas().values())
+        running = poll(lambda: sum(s["num_running"] for s in served.replicas().values()), 20, interval_s=0)
     assert running == 1, "the request was generating when its client went away"
     _wait_until_aborted(served, before, "the non-streaming request")
 
