@@ -18,9 +18,9 @@ PACKAGE = Path(lora_cluster.__file__).parent
 
 # module (relative to the package) -> reviewed wall-clock reads there, and why each is one
 REVIEWED = {
-    "serve/openai_api.py": 2,  # OpenAI's `created` (responses, /v1/models): a timestamp for the user
-    "serve/admin_api.py": 1,  # /debug/replicas' `time`: when the snapshot was taken, for people
-    "serve/replica.py": 1,  # a report's `sent_at`: wall-clock time for display (cluster.reports)
+    "serve/http/openai_api.py": 2,  # OpenAI's `created` (responses, /v1/models): a timestamp for the user
+    "serve/http/admin_api.py": 1,  # /debug/replicas' `time`: when the snapshot was taken, for people
+    "serve/replica/deployment.py": 1,  # a report's `sent_at`: wall-clock time for display (cluster.reports)
     "store/disk_cache.py": 2,  # entry metadata's `created`; ages of files left by an earlier process
 }
 WALL_CLOCK = {("time", "time"), ("time", "time_ns"), ("datetime", "now"), ("datetime", "utcnow"),

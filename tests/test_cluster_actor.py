@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.config import ServeConfig
+from lora_cluster.serve.controller_actor import ClusterController
 
 
 def controller() -> ClusterController:

@@ -189,7 +189,7 @@ def test_dashboard_has_the_sections_and_variables():
 
 
 def test_each_replica_group_runs_on_its_own_worker_group_and_nodes():
-    from lora_cluster.serve.replica_groups import replica_groups
+    from lora_cluster.serve.routing.replica_groups import replica_groups
 
     (service,) = [d for d in _docs("deploy/k8s/groups/rayservice.yaml") if d["kind"] == "RayService"]
     (app,) = _apps(yaml.safe_load(service["spec"]["serveConfigV2"]))

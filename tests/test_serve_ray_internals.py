@@ -1,4 +1,4 @@
-"""The private Ray names that `lora_cluster.serve.ray_internals` relies on still exist and still work.
+"""The private Ray names that `lora_cluster.serve.ops.ray_internals` relies on still exist and still work.
 
 Checked on the real Ray classes (a `LoraAffinityRouter` built as Serve builds it, Serve's request
 context, the handle's request metadata), without starting Ray. When a Ray upgrade removes or renames
@@ -17,20 +17,20 @@ from ray.serve import context as serve_context
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID, RequestRouter
 
-from lora_cluster.serve.ray_internals import (
+from lora_cluster.serve.ops.ray_internals import (
     CHECKED_RAY_VERSION,
     cached_queue_len,
     deployment_key,
     own_request_id,
 )
-from lora_cluster.serve.request_router import LoraAffinityRouter
+from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
 DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="lora-app")
 
 
 def broken(what: str) -> str:
     """The failure message: which Ray name changed, in which Ray version, and what to update."""
-    return (f"Ray {ray.__version__}: {what} (lora_cluster/serve/ray_internals.py was checked against "
+    return (f"Ray {ray.__version__}: {what} (lora_cluster/serve/ops/ray_internals.py was checked against "
             f"Ray {CHECKED_RAY_VERSION}; update it for this Ray version)")
 
 
