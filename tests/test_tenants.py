@@ -62,13 +62,31 @@ def test_a_bad_tenants_file_is_refused_naming_the_field_and_never_echoing_a_key(
 def test_the_watcher_rereads_a_changed_file_and_keeps_the_old_one_when_the_new_is_broken(tenants_file):
     watcher = TenantsWatcher(str(tenants_file), start=False)
     tenants_file.write_text(tenants_yaml(fin_key="sk-fin-rotated"))
-    assert watcher.check(), "a changed file is re-read"
+    assert not watcher.check(), "a file that just changed may still be being written: not taken yet"
+    assert watcher.check(), "a changed file is re-read once it settled"
     assert watcher.current().lookup("sk-fin-rotated") is not None, "the new key is in force"
     assert watcher.current().lookup(FIN_KEY) is None, "the old key is gone"
     tenants_file.write_text("tenants: [{name: broken")
-    assert not watcher.check(), "a broken file is not taken"
+    assert not watcher.check() and not watcher.check(), "a broken file is not taken"
     assert watcher.errors == 1, "the broken file was reported"
     assert watcher.current().lookup("sk-fin-rotated") is not None, "the last good file stays in force"
+
+
+def test_a_file_caught_while_it_is_written_is_never_in_force(tenants_file):
+    watcher = TenantsWatcher(str(tenants_file), start=False)
+    full = tenants_yaml(fin_key="sk-fin-rotated")
+    tenants_file.write_text("")  # an editor truncates the file, then writes it
+    watcher.check()
+    assert watcher.current().lookup(FIN_KEY) is not None, "an emptied file does not lock the tenants out"
+    tenants_file.write_text(full[: full.index("  - name: hr")])  # cut short, valid YAML without hr
+    watcher.check()
+    assert watcher.current().lookup(HR_KEY) is not None, "a file cut short is not taken"
+    tenants_file.write_text(full)
+    watcher.check()
+    watcher.check()
+    assert watcher.current().lookup("sk-fin-rotated") is not None, "the file as it settled is in force"
+    assert watcher.current().lookup(HR_KEY) is not None, "with every tenant it lists"
+    assert watcher.reloads == 1, f"one reload, of the settled file: {watcher.reloads}"
 
 
 def test_a_broken_tenants_file_at_start_is_an_error(tmp_path):

@@ -1,7 +1,10 @@
 """Re-read the tenants file when it changes, without a restart and off the event loop.
 
 A daemon thread looks at the file's (mtime_ns, size, inode) every `period_s` and re-parses it when
-they change (an editor's save, or a Kubernetes ConfigMap/Secret swap, which replaces the file). A
+they change (an editor's save, or a Kubernetes ConfigMap/Secret swap, which replaces the file) and
+then stay the same for one more look: a file caught while it is being written (truncated, or cut
+short but still valid YAML, which would lock out every tenant it has not reached yet) is never put
+in force; what is read is the file as it settled. A
 new file that cannot be read or parsed is logged as an error and the last good one stays in force;
 the next change is tried again. Readers call `current()`, which returns the directory in force (one
 reference read: a swap is atomic for them). At start the file must be valid: a broken or missing
@@ -49,6 +52,7 @@ class TenantsWatcher:
         except OSError as exc:
             raise TenantsFileError(f"cannot read the tenants file {path}: {type(exc).__name__}") from None
         self._directory = read_tenants(path, sla_classes)
+        self._changed: Signature | None = None  # a new signature seen once, applied if seen again
         self.reloads = 0
         self.errors = 0
         self._stop = threading.Event()
@@ -61,7 +65,8 @@ class TenantsWatcher:
         return self._directory
 
     def check(self) -> bool:
-        """Re-read the file if it changed; True when a new directory is in force."""
+        """Re-read the file if it changed and has settled (the same new signature as at the last
+        check); True when a new directory is in force."""
         try:
             signature = _signature(self.path)
         except OSError as exc:
@@ -71,8 +76,12 @@ class TenantsWatcher:
                              "previous tenants file stays in force")
             return False
         if signature == self._signature:
+            self._changed = None
             return False
-        self._signature = signature
+        if signature != self._changed:  # changed since the last look: it may still be being written
+            self._changed = signature
+            return False
+        self._signature, self._changed = signature, None
         try:
             directory = read_tenants(self.path, self.sla_classes)
         except TenantsFileError as exc:
