@@ -286,7 +286,8 @@ class ServeConfig(EngineConfig):
     tenants_file: str | None = Field(
         None,
         description="YAML file of tenants (API key hashes, adapter patterns, SLA class, quotas) and admin "
-        "keys; re-read when it changes. None: no keys, every route is open (local quickstart).",
+        "keys; re-read when it changes (once the file has settled: a file caught mid-write is never "
+        "taken). None: no keys, every route is open (local quickstart).",
     )
     tenants_reload_period_s: float = Field(
         2.0, gt=0, description="How often the ingress looks for a changed tenants file (in a thread)."
