@@ -10,20 +10,17 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import concurrent.futures
 import contextlib
-import hashlib
 import logging
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_tcp_port
+from ray_app import run_app
+from remote_sources import S3, TcpProxy
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
 
@@ -74,69 +71,19 @@ def _real_cache_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"{request.node.nodeid} wrote into {REAL_CACHE}: {changed}", pytrace=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def free_port() -> Callable[[], int]:
     """A function that returns a TCP port free on 127.0.0.1 now (for a Serve app or a test server)."""
-    return _free_port
+    return free_tcp_port
 
 
 # ----- Ray Serve: one app per use, on a Ray of its own, the environment restored afterwards -----
 
 
-@contextlib.contextmanager
-def _ray_app(config: dict[str, Any], *, name: str = "lora", env: dict[str, str] | None = None,
-             nodes: int = 0) -> Iterator[str]:
-    """Ray started on 127.0.0.1 with token auth off (`RAY_AUTH_MODE=disabled`, which Ray would
-    otherwise require), Serve on a free port and `build_app(config)` deployed as `name` at "/"; yields
-    the app's URL. `env` is set in this process and in every Ray worker for as long as the app runs.
-    `nodes` > 0 runs a multi-node `ray.cluster_utils.Cluster` of that many one-CPU nodes instead of a
-    local Ray of 4 CPUs. Serve, Ray, the cluster and the environment are all given back afterwards."""
-    import ray
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
-    workers = {"runtime_env": {"env_vars": env}} if env else {}  # beyond what they inherit from here
-    patch = pytest.MonkeyPatch()
-    for key, value in {"RAY_AUTH_MODE": "disabled", **(env or {})}.items():
-        patch.setenv(key, value)
-    cluster = None
-    try:
-        if nodes:
-            from ray.cluster_utils import Cluster
-
-            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
-                                                                    "include_dashboard": False})
-            for _ in range(nodes - 1):
-                cluster.add_node(num_cpus=1)
-            ray.init(address=cluster.address, configure_logging=False, log_to_driver=False, **workers)
-        else:  # "local": a Ray of its own, even while another test's Ray runs on this machine
-            ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
-                     log_to_driver=False, **workers)
-        port = _free_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(config), name=name, route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-        patch.undo()
-
-
 @pytest.fixture(scope="session")
 def ray_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
     """`with ray_app(config, name="lora", env=None, nodes=0) as url:` runs the application built from
-    `config` on Ray Serve for the `with` block (see `_ray_app`). Use it in a module-scoped fixture so
+    `config` on Ray Serve for the `with` block (see `ray_app.run_app`). Use it in a module-scoped fixture so
     that a module's tests share one app:
 
         @pytest.fixture(scope="module")
@@ -144,7 +91,7 @@ def ray_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
             with ray_app(app_config) as url:
                 yield url
     """
-    return _ray_app
+    return run_app
 
 
 @pytest.fixture(scope="session")
@@ -230,99 +177,6 @@ def moto_endpoint() -> Iterator[str]:
     server.stop()
 
 
-class TcpProxy:
-    """A TCP proxy in front of a server that injects network failures: the next `cuts` connections whose
-    response passes `cut_after` bytes are closed there, or, past `die_after` bytes of a response, the
-    whole proxy goes away (listener closed: later connections are refused)."""
-
-    def __init__(self, target: tuple[str, int]):
-        self.target, self.cut_after, self.cuts, self.die_after = target, 64 << 10, 0, None
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        self.dead = False
-        self.connections = 0  # connections accepted, over restarts
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while not self.dead:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            upstream = socket.create_connection(self.target)
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, response: bool) -> None:
-        sent = 0
-        try:
-            while data := src.recv(16 << 10):
-                dst.sendall(data)
-                sent += len(data)
-                if response and self.die_after is not None and sent >= self.die_after:
-                    return self.kill()
-                if response and sent >= self.cut_after and self.cuts > 0:
-                    self.cuts -= 1
-                    break
-        except OSError:
-            pass
-        self._close(src, dst)
-
-    @staticmethod
-    def _close(*sockets: socket.socket) -> None:
-        for s in sockets:  # shutdown first: it wakes a thread blocked in recv and sends FIN at once
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def kill(self) -> None:
-        """The server goes away: every connection is reset and new ones are refused."""
-        self.dead = True
-        self._close(self.listener, *self._sockets)
-
-    def restart(self) -> None:
-        """The server comes back on the same port (after `kill`), with no failure armed."""
-        self.die_after, self.cuts = None, 0
-        self._sockets = []
-        self.listener = socket.create_server(("127.0.0.1", self.port))
-        self.dead = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-
-@dataclass
-class S3:
-    """A fresh bucket on the moto server; the test environment points boto3 at `endpoint`."""
-
-    endpoint: str
-    bucket: str
-    client: Any
-    monkeypatch: pytest.MonkeyPatch
-
-    def upload(self, folder: Path, prefix: str, metadata: dict[str, dict[str, str]] | None = None) -> None:
-        """Upload every file of `folder` under `prefix/` (per-file user metadata optional)."""
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            name = path.relative_to(folder).as_posix()
-            self.client.put_object(Bucket=self.bucket, Key=f"{prefix}/{name}", Body=path.read_bytes(),
-                                   Metadata=(metadata or {}).get(name, {}))
-
-    def put(self, key: str, body: bytes, **metadata: str) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata)
-
-    def get(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-
-    def point_at(self, endpoint: str) -> None:
-        """Send boto3 clients created from now on to `endpoint` (e.g. a `TcpProxy`)."""
-        self.monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-
-
 @pytest.fixture
 def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
     """A new empty bucket, dummy credentials and AWS_ENDPOINT_URL set for this test (botocore retries
@@ -349,81 +203,6 @@ def s3_proxy(moto_endpoint: str) -> Iterator[TcpProxy]:
     yield proxy
     proxy.kill()
 
-
-def populate_hf_cache(cache_dir: Path, repo_id: str, files: dict[str, bytes], revision: str = "main") -> Path:
-    """Write a Hugging Face hub cache entry by hand (the hub is unreachable here), laid out as
-    huggingface_hub writes it: blobs named by sha256, snapshot symlinks, refs/<revision>. Returns the
-    snapshot folder."""
-    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(repr(sorted(files)).encode() + revision.encode()).hexdigest()
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / revision).write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    for name, data in files.items():
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = snapshot / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    return snapshot
-
-
-class FolderAsRemote:
-    """A fake remote adapter source backed by a local folder (counts fetches): exercises the disk
-    tier like S3 does, without a server."""
-
-    remote = True
-
-    def __init__(self, folder: Path, uri: str = "fake://zoo"):
-        self.folder, self.uri, self.fetches = folder, uri, 0
-
-    def locate(self, adapter_id: str, subpath: str) -> Any:
-        from lora_cluster.store.sources.base import FileInfo, Located
-
-        folder = self.folder / subpath
-        if not folder.is_dir():
-            return None
-        return Located(subpath, {p.name: FileInfo(p.stat().st_size) for p in folder.iterdir()})
-
-    def fetch(self, adapter_id: str, located: Any, dest: Path) -> dict[str, str]:
-        from lora_cluster.store.checksum import sha256_file
-
-        self.fetches += 1
-        for name in located.files:
-            (dest / name).write_bytes((self.folder / located.subpath / name).read_bytes())
-        return {name: sha256_file(dest / name) for name in located.files}
-
-    def adapters(self) -> list:
-        return []
-
-    def adapter_ids(self) -> list:
-        return []
-
-
-
-def adapter_hits(http: Any, adapters: list[str], prompt: str, rounds: int) -> list[str]:
-    """Adapter affinity as a client sees it: one completion per adapter (each is placed once), a
-    pause for the replicas' reports to reach the router, then `rounds` completions over `adapters`
-    in a fixed interleaved order from 4 threads; returns each answer's `x-lora-adapter-hit` and
-    `x-lora-replica` headers ("true r1"), in the order sent."""
-    def complete(adapter: str) -> str:
-        r = http.post("/v1/completions", json={"model": adapter, "prompt": prompt, "max_tokens": 4,
-                                               "temperature": 0})
-        assert r.status_code == 200, f"{adapter}: the completion succeeds: {r.text}"
-        return r.headers["x-lora-adapter-hit"] + " " + r.headers["x-lora-replica"]
-
-    for adapter in adapters:  # warm-up: every adapter is placed once
-        complete(adapter)
-    time.sleep(1.5)  # let the replicas' reports reach the router
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return list(pool.map(complete, adapter_order(adapters, rounds)))
-
-
-def adapter_order(adapters: list[str], rounds: int) -> list[str]:
-    """The order in which `adapter_hits` sends its `rounds` completions."""
-    n = len(adapters)
-    return [adapters[(i * 5 + i // n) % n] for i in range(rounds)]
 
 @pytest.fixture(scope="module")
 def torch_one_thread() -> Iterator[None]:

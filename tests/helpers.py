@@ -8,12 +8,15 @@ never a performance figure (a wait that runs out fails with the message of what 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_cluster.engine import SamplingParams
 from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.store.loader import StatelessHooks
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +72,7 @@ class FakeClock:
     sleep = advance
 
 
-class FakeLoader:
+class FakeLoader(StatelessHooks):
     """The `AdapterLoader` protocol's bookkeeping with nothing behind it: a subclass supplies `load`
     (weights for any id) and overrides the hooks its test watches."""
 
@@ -88,23 +91,6 @@ class FakeLoader:
     def unregister(self, adapter_id: str) -> bool:
         return False
 
-    def slot_policy(self) -> None:
-        return None
-
-    def request_started(self, adapter_id: str) -> None:
-        pass
-
-    def request_finished(self, adapter_id: str) -> None:
-        pass
-
-    def load_abandoned(self, adapter_id: str) -> None:
-        pass
-
-    def snapshot(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
 
 
 def greedy(max_new_tokens: int = 8, **controls: Any) -> SamplingParams:
@@ -125,3 +111,34 @@ def peft_logits(model: PeftModel, adapter_id: str | None, ids: list[int]) -> tor
                 return model(torch.tensor([ids])).logits[0]
         model.set_adapter(adapter_id)
         return model(torch.tensor([ids])).logits[0]
+
+
+def free_tcp_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def adapter_hits(http: Any, adapters: list[str], prompt: str, rounds: int) -> list[str]:
+    """Adapter affinity as a client sees it: one completion per adapter (each is placed once), a
+    pause for the replicas' reports to reach the router, then `rounds` completions over `adapters`
+    in a fixed interleaved order from 4 threads; returns each answer's `x-lora-adapter-hit` and
+    `x-lora-replica` headers ("true r1"), in the order sent."""
+    def complete(adapter: str) -> str:
+        r = http.post("/v1/completions", json={"model": adapter, "prompt": prompt, "max_tokens": 4,
+                                               "temperature": 0})
+        assert r.status_code == 200, f"{adapter}: the completion succeeds: {r.text}"
+        return r.headers["x-lora-adapter-hit"] + " " + r.headers["x-lora-replica"]
+
+    for adapter in adapters:  # warm-up: every adapter is placed once
+        complete(adapter)
+    time.sleep(1.5)  # let the replicas' reports reach the router
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(complete, adapter_order(adapters, rounds)))
+
+
+def adapter_order(adapters: list[str], rounds: int) -> list[str]:
+    """The order in which `adapter_hits` sends its `rounds` completions."""
+    n = len(adapters)
+    return [adapters[(i * 5 + i // n) % n] for i in range(rounds)]

@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import TcpProxy
 from helpers import FakeClock, poll
+from remote_sources import TcpProxy
 
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import AdapterLoadError, AdapterSourceUnavailableError

@@ -15,8 +15,7 @@ import socket
 
 import httpx
 import pytest
-from conftest import adapter_hits, adapter_order
-from helpers import poll
+from helpers import adapter_hits, adapter_order, poll
 
 from lora_cluster.engine import SamplingParams
 

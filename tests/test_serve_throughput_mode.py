@@ -21,8 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import adapter_hits
-from helpers import poll
+from helpers import adapter_hits, poll
 
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.ops.serve_mode import private_throughput_mode, throughput_mode_env

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FolderAsRemote
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from remote_sources import FolderAsRemote
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.adapters.pool import AdapterPool

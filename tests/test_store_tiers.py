@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FolderAsRemote, populate_hf_cache
 from helpers import GREEDY
+from remote_sources import FolderAsRemote, populate_hf_cache
 
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.cli import main

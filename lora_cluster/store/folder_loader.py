@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id, load_peft_adapter
 from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.store.loader import StatelessHooks
 from lora_cluster.store.merge import MergeSpec
 from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
-    from lora_cluster.store.loader import SlotPolicy
+    pass
 
 
-class FolderAdapterLoader:
+class FolderAdapterLoader(StatelessHooks):
     """An `AdapterLoader` over local folders (see the module docstring)."""
 
     def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int, *,
@@ -86,21 +87,3 @@ class FolderAdapterLoader:
                 for cfg in sorted(folder.glob("**/adapter_config.json")):
                     seen.setdefault(cfg.parent.relative_to(folder).as_posix(), None)
         return list(seen)
-
-    def slot_policy(self) -> SlotPolicy | None:
-        return None
-
-    def request_started(self, adapter_id: str) -> None:
-        pass
-
-    def request_finished(self, adapter_id: str) -> None:
-        pass
-
-    def load_abandoned(self, adapter_id: str) -> None:
-        pass
-
-    def snapshot(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass

@@ -95,3 +95,27 @@ class AdapterLoader(Protocol):
     def close(self) -> None:
         """Stop background work."""
         ...
+
+
+class StatelessHooks:
+    """The `AdapterLoader` hooks of a loader that keeps no per-request state, no slot policy, no
+    counters and no background work: each does nothing. A plain loader inherits them and supplies
+    only what it really does (`load`, `version`, `list_adapters`, `register`, ...)."""
+
+    def slot_policy(self) -> SlotPolicy | None:
+        return None
+
+    def request_started(self, adapter_id: str) -> None:
+        return None
+
+    def request_finished(self, adapter_id: str) -> None:
+        return None
+
+    def load_abandoned(self, adapter_id: str) -> None:
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        return None
