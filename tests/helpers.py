@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -72,12 +73,13 @@ class FakeClock:
     sleep = advance
 
 
-class FakeLoader(StatelessHooks):
+class FakeLoader(StatelessHooks, ABC):
     """The `AdapterLoader` protocol's bookkeeping with nothing behind it: a subclass supplies `load`
     (weights for any id) and overrides the hooks its test watches."""
 
+    @abstractmethod
     def load(self, adapter_id: str) -> Any:
-        raise NotImplementedError
+        """Weights for `adapter_id` (each test's subclass makes them)."""
 
     def version(self, adapter_id: str) -> int:
         return 0

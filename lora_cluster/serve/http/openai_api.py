@@ -103,14 +103,20 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                          texts)
         return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
 
+    def screen(body: CompletionRequest | ChatCompletionRequest, caller: Caller,
+               x_lora_priority: str | None) -> SlaClass:
+        """The checks before any work, cheapest first: the body's limits, the adapter (404 when the
+        tenant may not use it), the SLA class, the tenant's requests_per_minute."""
+        body.check(ctx.config)
+        ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        sla = ctx.priority_class(x_lora_priority, body.priority, caller)
+        caller.check()
+        return sla
+
     @router.post("/v1/completions", responses=openapi.GENERATION)
     async def completions(body: CompletionRequest, caller: CallerDep,
                           x_lora_priority: PriorityHeader = None) -> Any:
-        body.check(ctx.config)
-        # before any work: 404 when the tenant may not use it
-        ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        sla = ctx.priority_class(x_lora_priority, body.priority, caller)
-        caller.check()  # the tenant's requests_per_minute, before any tokenizing
+        sla = screen(body, caller, x_lora_priority)
         raw = body.prompts()
         prompts = [await ctx.encode(p) for p in raw]  # in turn: one pool job per request
         echoes = [p if isinstance(p, str) else await ctx.decode(p) for p in raw] if body.echo else None
@@ -120,11 +126,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     @router.post("/v1/chat/completions", responses=openapi.GENERATION)
     async def chat_completions(body: ChatCompletionRequest, caller: CallerDep,
                                x_lora_priority: PriorityHeader = None) -> Any:
-        body.check(ctx.config)
-        # before any work: 404 when the tenant may not use it
-        ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        sla = ctx.priority_class(x_lora_priority, body.priority, caller)
-        caller.check()  # the tenant's requests_per_minute, before any tokenizing
+        sla = screen(body, caller, x_lora_priority)
         prompt = await ctx.encode_chat(body.conversation())
         return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
                          caller)
