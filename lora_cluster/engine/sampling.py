@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lora_cluster.engine.guided_spec import GuidedSpec
 from lora_cluster.errors import RequestError
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the division would overflow the logits
@@ -48,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers/CTRL: tokens of prompt + output, logit / p (> 0) or * p
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop token ids cannot be sampled before this many output tokens
+    guided: GuidedSpec | None = None  # the output must match this constraint (engine.guided_spec)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
