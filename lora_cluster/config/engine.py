@@ -70,6 +70,13 @@ class EngineConfig(BaseSettings):
         16, ge=1, le=256, description="Tokens per KV cache block (a power of two); sequences take "
         "blocks as they grow instead of a max_model_len reservation."
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of a prompt prefix already computed with the same adapter at "
+        "the same version (a system prompt, few-shot examples, earlier chat turns): a request prefills only "
+        "the rest. Full blocks only; a reloaded adapter never reuses its old version's blocks; idle cached "
+        "blocks are evicted (least recently used) before any running request is preempted. Requests asking "
+        "for prompt logprobs compute their whole prompt."
+    )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV cache blocks. Default: on a GPU, what gpu_memory_utilization leaves "
         "after the base model, the adapter pool and the buffer; on CPU, max_num_seqs full-length sequences. "

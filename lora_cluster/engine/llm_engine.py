@@ -13,6 +13,10 @@ fetch (`engine.adapters.fetch_queue`), and an urgent request preempts less urgen
 slot is taken, or takes the adapter slot of an adapter only less urgent requests want
 (`engine.scheduler` and `engine.adapters.residency` have the policy).
 
+Prefix caching (`enable_prefix_caching`): full KV blocks are keyed by the adapter, its version and
+their tokens (`engine.prefix_hash`), and a new request reuses the longest cached prefix of its prompt
+(`engine.kv_cache`, `engine.prefix_cache`); `RequestOutput.num_cached_tokens` says how many tokens.
+
 Failures: a step that raises (forward pass, sampling, detokenization, scheduling) ends the requests
 it was running with an `EngineStepError`; a request whose own detokenization fails ends alone. The
 engine counts consecutive failed steps (`EngineStats.consecutive_step_failures`); the async front
@@ -55,6 +59,8 @@ from lora_cluster.engine.lora_layer import fused_shrink
 from lora_cluster.engine.memory_plan import plan_engine_memory
 from lora_cluster.engine.model_loader import load_base_model, resolve_device
 from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
+from lora_cluster.engine.prefix_cache import PrefixCacheIndex
+from lora_cluster.engine.prefix_hash import chain_root
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
 from lora_cluster.engine.scheduler import Scheduler, check_priority
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
@@ -187,8 +193,10 @@ class Engine:
             slot_to_preempt=self.adapters.slot_to_preempt,
             less_urgent_chunk=config.less_urgent_prefill_chunk, urgent_priority=URGENT_PRIORITY,
             kv_blocks=BlockAllocator(
-                num_blocks=self.kv.num_blocks, block_size=self.kv.block_size, num_slots=config.max_num_seqs
+                num_blocks=self.kv.num_blocks, block_size=self.kv.block_size, num_slots=config.max_num_seqs,
+                prefix_cache=PrefixCacheIndex() if config.enable_prefix_caching else None,
             ),
+            prefix_root=self._prefix_root,
         )
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -323,7 +331,15 @@ class Engine:
     def counters_snapshot(self) -> dict[str, Any]:
         """The engine's cumulative counters (`engine.counters`) and the adapter pool's fragmentation
         (`AdapterPool.fragmentation`), for metrics. Call on the step loop's thread."""
-        return {**self.counters.snapshot(), "adapter_pool_fragmentation": self.pool.fragmentation()}
+        return {**self.counters.snapshot(), **self.scheduler.kv_blocks.prefix_stats(),
+                "adapter_pool_fragmentation": self.pool.fragmentation()}
+
+    def _prefix_root(self, seq: Sequence) -> bytes:
+        """The prefix-cache chain root of an admitted sequence: its adapter id and the version of the
+        weights in the device slot it runs with (`engine.prefix_hash`)."""
+        if seq.adapter_id is None:
+            return chain_root(None, 0)
+        return chain_root(seq.adapter_id, self.pool.slot_version(seq.lora_slot))
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -30,6 +30,15 @@ out. A waiting sequence is admitted only while a block beyond a small watermark 
 running sequences' next tokens) is free, its first chunk cut to the free blocks; when none is free
 it may preempt a less urgent sequence as for a slot (below).
 
+Prefix caching (a `kv_blocks` with a `PrefixCacheIndex`, and `prefix_root`, the chain root of a
+sequence's weights: `engine.prefix_hash`): a sequence just admitted takes the cached blocks of the
+longest prefix of its tokens (prompt, plus output when re-admitted after a preemption) and starts
+computing after them (`num_computed`), so cached tokens cost neither step budget nor blocks. A
+sequence that still needs prompt logprobs looks nothing up (they come from its prefill's logits). The
+full blocks a sequence has computed are offered to the cache at every step and when it stops
+(finished, aborted or preempted), so a preempted sequence finds its own blocks again unless memory
+was needed meanwhile. Idle cached blocks count as free: they are evicted before anyone is preempted.
+
 Adapter slots (optional `slot_to_preempt`, the engine's `AdapterResidency.slot_to_preempt`): when a
 waiting sequence's adapter is fetched but BLOCKED (every adapter slot has running sequences) while a
 KV slot is free, and the slot it names holds an adapter that only strictly less urgent sequences
@@ -75,6 +84,8 @@ AcquireFn = Callable[[Sequence, bool], Gate]
 # slot_to_preempt(priority) -> adapter slot whose running sequences may be preempted for it, or None
 SlotToPreemptFn = Callable[[int], "int | None"]
 ReleaseFn = Callable[[Sequence], None]
+# prefix_root(seq) -> chain root of the weights a sequence just admitted runs with (engine.prefix_hash)
+PrefixRootFn = Callable[[Sequence], bytes]
 
 
 def check_priority(priority: object) -> int:
@@ -111,6 +122,7 @@ class Scheduler:
         slot_to_preempt: SlotToPreemptFn | None = None,
         less_urgent_chunk: int | None = None,
         urgent_priority: int | None = None,
+        prefix_root: PrefixRootFn | None = None,
     ):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_blocks = kv_blocks  # None: KV memory is not limited beyond the slots (see KV blocks)
@@ -125,6 +137,7 @@ class Scheduler:
         self._slot_to_preempt = slot_to_preempt
         self.num_adapter_preemptions = 0  # since start: sequences preempted for an adapter slot
         self.less_urgent_chunk, self.urgent_priority = less_urgent_chunk, urgent_priority  # prefill_plan
+        self._prefix_root = prefix_root  # None: no prefix caching
 
     def can_add(self) -> bool:
         return len(self.waiting) < self.max_waiting
@@ -143,6 +156,7 @@ class Scheduler:
         """The next step's work (see the module docstring); preempted sequences are back in the
         waiting queue when it returns."""
         out = SchedulerOutput()
+        self._commit_computed()
         share = ChunkShare(self.less_urgent_chunk, self.urgent_priority)
         planned = self._plan_running(share)
         self._reserve_blocks(planned, out)
@@ -173,7 +187,9 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
             self._admit(seq)
-            n = self._take_blocks(seq, share.take(seq, min(seq.num_tokens, budget)), watermark=victim is None)
+            self._reuse_prefix(seq)
+            wanted = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._take_blocks(seq, share.take(seq, wanted), watermark=victim is None)
             if n:
                 planned[seq.request_id] = n
             budget -= n
@@ -260,15 +276,35 @@ class Scheduler:
         return 0 if blocks is None or not others else max(1, blocks.num_blocks // 100)
 
     def _take_blocks(self, seq: Sequence, n: int, *, watermark: bool) -> int:
-        """Blocks for the first `n` tokens of a sequence just admitted, or for as many as fit (>= 1);
-        the watermark is kept unless the sequence preempted another for room."""
+        """Blocks for the next `n` tokens of a sequence just admitted (after those it found cached), or
+        for as many as fit; the watermark is kept unless the sequence preempted another for room."""
         blocks = self.kv_blocks
         if blocks is None:
             return n
         keep = self._watermark(len(self.running) - 1) if watermark else 0  # others than `seq`
-        n = min(n, blocks.capacity(seq.kv_slot) + (blocks.num_free_blocks - keep) * blocks.block_size)
-        blocks.grow(seq.kv_slot, n)
+        room = blocks.capacity(seq.kv_slot) + (blocks.num_free_blocks - keep) * blocks.block_size
+        n = max(0, min(n, room - seq.num_computed))
+        blocks.grow(seq.kv_slot, seq.num_computed + n)
         return n
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Give a sequence just admitted the cached blocks of its longest cached prefix (see Prefix
+        caching); its first admission records how many prompt tokens were cached."""
+        blocks = self.kv_blocks
+        if blocks is None or self._prefix_root is None or blocks.prefix_cache is None:
+            return
+        have = seq.prompt_logprobs
+        lookup = have is None or len(have) >= len(seq.prompt_ids)  # no prompt logprobs left to compute
+        root = self._prefix_root(seq)
+        seq.num_computed = blocks.reuse(seq.kv_slot, root, seq.token_at, seq.num_tokens, lookup=lookup)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed
+
+    def _commit_computed(self) -> None:
+        """Offer the running sequences' computed full blocks to the prefix cache."""
+        if self.kv_blocks is not None:
+            for seq in self.running:
+                self.kv_blocks.commit(seq.kv_slot, seq.token_at, seq.num_computed)
 
     def _preempt_slot(self, slot: int | None, planned: dict[str, int], out: SchedulerOutput) -> int:
         """Preempt the running sequences of adapter slot `slot` (named by `slot_to_preempt`: all less
@@ -299,13 +335,15 @@ class Scheduler:
         """Return a running sequence's KV slot and adapter reference."""
         self.running.remove(seq)
         if self.kv_blocks is not None:
+            self.kv_blocks.commit(seq.kv_slot, seq.token_at, seq.num_computed)
             self.kv_blocks.free(seq.kv_slot)
         heapq.heappush(self._free_slots, seq.kv_slot)
         seq.kv_slot = None
         self._release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        """RUNNING -> WAITING, to be recomputed from scratch (the caller re-queues it)."""
+        """RUNNING -> WAITING, to be recomputed but for the blocks it finds cached again (the caller
+        re-queues it)."""
         self._stop_running(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING

@@ -4,9 +4,10 @@ Lifecycle: WAITING (queued; its adapter may still be loading) -> RUNNING (holds 
 reference on its adapter's device slot; prefilling in chunks, then decoding one token per step)
 -> FINISHED (slot and adapter reference released exactly once). A preempted sequence goes RUNNING
 -> WAITING: it gives back its slot and adapter reference, its KV cache is forgotten
-(`num_computed = 0`), and its prompt, output, detokenizer and generator are kept, so that once
-re-admitted it prefills prompt + output again and continues where it was. Abort and failure go
-straight to FINISHED from either state.
+(`num_computed = 0`; the full blocks it computed stay in the prefix cache, for its re-admission to
+find), and its prompt, output, detokenizer and generator are kept, so that once re-admitted it
+prefills prompt + output again (but what it finds cached) and continues where it was. Abort and
+failure go straight to FINISHED from either state.
 
 Priority: an int, lower is more urgent (vLLM's convention), 0 by default.
 """
@@ -63,6 +64,7 @@ class Sequence:
     priority: int = 0  # lower is more urgent
     arrival_order: int = 0  # stamped by the scheduler when queued; kept across preemptions
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt id (first None), if asked
 
@@ -99,6 +101,7 @@ class RequestOutput:
     error: LoraClusterError | None = None
     time_to_first_token: float | None = None
     num_preemptions: int = 0  # times the request was preempted (and recomputed)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's name)
     logprobs: list[TokenLogprob] | None = None  # one per token id (asked with SamplingParams.logprobs)
     delta_logprobs: list[TokenLogprob] | None = None  # one per delta token id
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt id, first None; once prefilled
@@ -131,6 +134,7 @@ def snapshot(seq: Sequence) -> RequestOutput:
         error=seq.error,
         time_to_first_token=(seq.first_token_time - seq.arrival) if seq.first_token_time else None,
         num_preemptions=seq.num_preemptions,
+        num_cached_tokens=seq.num_cached_tokens or 0,
     )
     if seq.sampling.logprobs is not None:
         out.logprobs = list(seq.output_logprobs)

@@ -105,6 +105,10 @@ class AdapterPool:
         slot = self._slot_of.get(adapter_id)
         return None if slot is None else self._version[slot]
 
+    def slot_version(self, slot: int) -> int:
+        """The version of the weights a slot holds (its current or retired adapter's)."""
+        return self._version[slot]
+
     def resident(self) -> list[str]:
         return list(self._slot_of)
 
