@@ -222,6 +222,19 @@ class EngineConfig(BaseSettings):
         "gives the same merged adapter on every replica and after restarts.",
     )
 
+    # ----- structured output (engine.grammar_compiler, docs/structured_output.md) -----
+    guided_compile_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a structured-output constraint (JSON schema, regex, choice, "
+        "grammar) may take to compile; a longer compile is refused with 400 once this passes, and so "
+        "is every later request with the same constraint. Compiles usually take about 1 ms; the wait for "
+        "the model's grammar tokenizer, built once on the first constrained request, does not count."
+    )
+    guided_grammar_cache_size: int = Field(
+        256, ge=1, le=65536, description="Compiled constraints one engine keeps (least recently used "
+        "dropped first; refusals are kept too, so a bad schema sent again is refused without compiling). "
+        "A request keeps its own matcher whatever the cache drops."
+    )
+
     # ----- overload protection: circuit breakers (lora_cluster.breaker, docs/serving.md#breakers) -----
     breakers: bool = Field(
         True, description="Run overload protection: the adapter protection that chooses without idling "

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ from lora_cluster.engine.adapters.rotation import rotation_from_config
 from lora_cluster.engine.batch import build_step_batch
 from lora_cluster.engine.counters import EngineCounters
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.grammar_compiler import GrammarCompiler, grammar_tokenizer
+from lora_cluster.engine.guided_state import GuidedState
 from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
 from lora_cluster.engine.llama import LlamaRunner
 from lora_cluster.engine.logit_controls import apply_logit_controls
@@ -62,10 +64,11 @@ from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.engine.prefix_cache import PrefixCacheIndex
 from lora_cluster.engine.prefix_hash import chain_root
 from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
-from lora_cluster.engine.scheduler import Scheduler, check_priority
+from lora_cluster.engine.scheduler import Gate, Scheduler, check_priority
 from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
 from lora_cluster.engine.step_buffers import StepBuffers
 from lora_cluster.engine.stopping import eos_token_ids, stop_reason
+from lora_cluster.engine.token_mask import TokenMasks
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
 from lora_cluster.store.loader import AdapterLoader
 from lora_cluster.store.merge import MergeSpec
@@ -188,7 +191,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting,
-            acquire=self.adapters.acquire,
+            acquire=self._acquire,
             release=self.adapters.release,
             slot_to_preempt=self.adapters.slot_to_preempt,
             less_urgent_chunk=config.less_urgent_prefill_chunk, urgent_priority=URGENT_PRIORITY,
@@ -199,6 +202,12 @@ class Engine:
             prefix_root=self._prefix_root,
         )
         self._seqs: dict[str, Sequence] = {}
+        # structured output: grammars compile on their own threads; masks fill while the forward runs
+        self.grammars = GrammarCompiler(
+            functools.partial(grammar_tokenizer, self.tokenizer, dims.vocab_size, self.eos_token_ids),
+            cache_size=config.guided_grammar_cache_size, timeout_s=config.guided_compile_timeout_s,
+        )
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="token-mask")
         self._ids = itertools.count()
         self.eos_token_ids = eos_token_ids(self.model)
         self.consecutive_step_failures = 0
@@ -304,6 +313,7 @@ class Engine:
             sampling=sampling,
             detok=IncrementalDetokenizer(self.tokenizer),
             generator=make_generator(sampling, self.device),
+            guided=None if sampling.guided is None else GuidedState(self.grammars.compile(sampling.guided)),
             priority=priority,
             prompt_logprobs=None if sampling.prompt_logprobs is None else [None],
         )
@@ -389,15 +399,20 @@ class Engine:
         batch = build_step_batch(
             plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
             kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
+        masks: TokenMasks | None = None
             decode_kernel=self.config.lora_decode_kernel, ops_name=self.runner.ops.name,
+            masks = TokenMasks.start(batch.sampled, self.model.dims.vocab_size, self._mask_pool)
         )  # fmt: skip
         try:
             logits = self.runner.forward(batch)
             num_sampled = len(batch.sampled)  # the rows after them are prompt-logprob rows
             params = [s.sampling for s in batch.sampled]
-            controlled = apply_logit_controls(logits[:num_sampled], batch.sampled, self.eos_token_ids)
+            model_logits = logits[:num_sampled] if masks is None else masks.apply(logits[:num_sampled])
+            controlled = apply_logit_controls(model_logits, batch.sampled, self.eos_token_ids)
+            if masks is not None:
+                controlled = masks.keep_allowed(controlled, model_logits)
             tokens = sample(controlled, params, [s.generator for s in batch.sampled])
-            logprobs = token_logprobs(logits[:num_sampled], tokens, [p.logprobs for p in params])
+            logprobs = token_logprobs(model_logits, tokens, [p.logprobs for p in params])
             record_prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans)
         except Exception as e:
             log.exception("engine step failed")
@@ -449,10 +464,25 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
+        complete = seq.guided is not None and seq.guided.accept(token)
         if seq.first_token_time is None:
+        if reason is None and complete:  # the grammar allows nothing but the end: stop now
+            seq.detok.flush(seq.output_ids)
+            reason = FinishReason.STOP
             seq.first_token_time = time.monotonic()
         reason = stop_reason(seq, self.eos_token_ids, self.max_model_len)
         if reason is not None:
+    def _acquire(self, seq: Sequence, may_claim_slot: bool) -> Gate:
+        """The scheduler's admission gate: a constrained sequence waits (holding nothing) until its
+        grammar is compiled, and fails with the compile's RequestError; then its adapter's gate."""
+        guided = seq.guided
+        if guided is not None and not guided.ready():
+            if guided.error is None:
+                return Gate.PENDING
+            seq.error = guided.error
+            return Gate.FAILED
+        return self.adapters.acquire(seq, may_claim_slot)
+
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -492,6 +522,8 @@ class Engine:
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
+        self.grammars.close()
+        self._mask_pool.shutdown(wait=False)
 
     def close(self) -> None:
         self.adapters.close()

@@ -1,0 +1,90 @@
+"""The token masks of a step's constrained rows: filled on a thread while the forward pass runs.
+
+Policy: `TokenMasks.start` takes the rows a step samples; when none is constrained it returns None
+and the step pays nothing. Otherwise one worker thread fills each constrained row's bitmask from its
+matcher (llguidance releases the GIL) and unpacks it to a [rows, V] bool tensor, while the step
+thread runs the forward pass. `apply` waits for it and sets the disallowed logits of those rows to
+-inf (a new tensor; unconstrained rows are untouched). The engine masks the model's logits first
+(logprobs are those of the masked distribution), then applies the logit controls, temperature,
+top-k/top-p and the greedy argmax to the masked logits. `keep_allowed` restores the masked row when
+the controls left a constrained row no token at all (e.g. `min_tokens` forbids the only token the
+grammar allows): the grammar wins over the controls.
+
+Invariant: the matchers are touched by the worker only between `start` and the end of `wait`; the
+step thread calls `wait` (through `apply`, or directly on a failed step) before it advances them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from typing import Protocol
+
+import llguidance
+import torch
+
+from lora_cluster.engine.guided_state import GuidedState
+from lora_cluster.errors import EngineStepError
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GuidedRow(Protocol):
+    """What the masks read of a sequence (engine.sequence.Sequence has it)."""
+
+    guided: GuidedState | None
+
+
+class TokenMasks:
+    """The masks of one step's constrained rows (see the module docstring)."""
+
+    def __init__(self, rows: list[int], matchers: list[llguidance.LLMatcher], vocab_size: int,
+                 executor: Executor):
+        self.rows, self.vocab_size = rows, vocab_size
+        words = (vocab_size + 31) // 32
+        self._bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
+        self._future: Future[torch.Tensor] = executor.submit(self._fill, matchers)
+
+    @classmethod
+    def start(cls, seqs: Sequence[GuidedRow], vocab_size: int, executor: Executor) -> TokenMasks | None:
+        """Begin filling the masks of the constrained rows among `seqs` (None: no row is constrained)."""
+        rows, matchers = [], []
+        for i, seq in enumerate(seqs):
+            if seq.guided is None:
+                continue
+            if seq.guided.matcher is None:
+                raise EngineStepError("a constrained sequence was scheduled before its grammar was ready")
+            rows.append(i)
+            matchers.append(seq.guided.matcher)
+        return cls(rows, matchers, vocab_size, executor) if rows else None
+
+    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        row_bytes = self._bitmask.shape[1] * 4
+        base = self._bitmask.data_ptr()
+        for j, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(base + j * row_bytes, row_bytes)
+        bits = (self._bitmask[:, :, None] >> _BITS) & 1  # [rows, words, 32], little-endian bit order
+        return bits.reshape(len(matchers), -1)[:, : self.vocab_size].bool()
+
+    def wait(self) -> torch.Tensor:
+        """The allowed tokens [constrained rows, V] (bool, on the CPU); blocks until filled."""
+        return self._future.result()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [N, V] with the constrained rows' disallowed tokens at -inf (a new tensor)."""
+        allowed = self.wait().to(logits.device, non_blocking=True)
+        index = torch.tensor(self.rows, device=logits.device)
+        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        return logits.clone().index_copy_(0, index, masked)
+
+    def keep_allowed(self, controlled: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """`controlled`, with each constrained row that the controls left without any finite logit
+        replaced by its `masked` row."""
+        if controlled is masked:
+            return controlled
+        index = torch.tensor(self.rows, device=controlled.device)
+        empty = torch.isneginf(controlled.index_select(0, index)).all(dim=-1)
+        if not bool(empty.any()):
+            return controlled
+        lost = index[empty]
+        return controlled.clone().index_copy_(0, lost, masked.index_select(0, lost))
