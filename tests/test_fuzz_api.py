@@ -237,6 +237,11 @@ class AppSlot:
 
 
 SLOTS = {mode: AppSlot(mode) for mode in MODES}
+# the structured-output fields' `format`s that JSON Schema cannot spell: generated values are texts the
+# engine compiles (schemathesis's own `regex` format already generates patterns it compiles)
+schemathesis.openapi.format("grammar", st.sampled_from(['start: "yes" | "no"', "start: /[a-z]{1,8}/"]))
+schemathesis.openapi.format("json-schema", st.sampled_from(
+    ["{}", '{"type": "object"}', '{"type": "integer", "minimum": 0, "maximum": 9}']))
 schema_open = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["open"])
 schema_tenants = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["tenants"], headers=MODES["tenants"])
 
@@ -423,8 +428,51 @@ SCHEMA_AGREES = [
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "merged_adapters": MERGE}}, False),
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "max_new_tokens": 17}}, False),
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "seed": 2**64, "do_sample": True}}, True),
-    ("/v1/chat/completions", {**CHAT, "response_format": {}}, True),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, False),
+    ("/v1/chat/completions", {**CHAT, "response_format": {}}, False),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}}, True),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, True),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object", "extra": 1}}, False),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "Item", "schema": {"type": "object"}, "strict": True}}}, True),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, False),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad name", "schema": {}}}}, False),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+     False),
+    ("/v1/completions", {**COMPLETION, "guided_regex": "[a-z]+"}, True),
+    ("/v1/completions", {**COMPLETION, "guided_choice": ["yes", "no"]}, True),
+    ("/v1/completions", {**COMPLETION, "guided_choice": []}, False),
+    ("/v1/completions", {**COMPLETION, "guided_json": '{"type": "object"}'}, True),
+    ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object"}, "guided_regex": "a"}, False),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"grammar": 'start: "a"'}}, True),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"json_object": True}}, True),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"json_object": False}}, False),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {}}, False),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, False),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     False),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, False),
+    ("/v1/completions", {**COMPLETION, "best_of": 2}, True),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 2, "stream": True}, True),
+    ("/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, False),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, False),
+    ("/v1/completions", {**COMPLETION, "best_of": 3}, False),
+    ("/v1/chat/completions", {**CHAT, "best_of": 2, "logprobs": True}, True),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "do_sample": True}}, True),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2}}, False),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "temperature": 0.5,
+                                           "seed": 1}}, False),
+    ("/generate", {**LORAX, "stream": True, "parameters": {**LORAX["parameters"], "best_of": 2,
+                                                            "top_k": 5}}, False),
+    ("/generate_stream", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "do_sample": True}},
+     False),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {
+        "type": "json_object", "schema": {"type": "object"}}}}, True),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {
+        "type": "json_object"}}}, True),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {
+        "type": "text", "schema": {"type": "object"}}}}, False),
     ("/v1/chat/completions", {**CHAT, "tools": []}, True),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, False),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}, False),

@@ -134,7 +134,7 @@ def test_prompt_forms():
             CompletionRequest(model="m", prompt=empty)
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 21}, {"suffix": "x"}, {"best_of": 3},
+@pytest.mark.parametrize("extra", [{"logprobs": 21}, {"suffix": "x"}, {"best_of": 5},
                                    {"echo": True, "stream": True}, {"n": 5}, {"max_tokens": 101}])
 def test_unsupported_or_out_of_limit_openai_parameters_are_refused(extra):
     body = CompletionRequest(model="m", prompt="hi", **extra)

@@ -11,7 +11,10 @@ null). A stream event that carries several tokens (a slow reader) names its last
 token's logprob. `adapter_source` may be
 absent, "hub", "local" or "s3": adapters are looked up in the server's configured sources either way.
 The SLA class is the `x-lora-priority` header's, else the default (LoRAX's schema has no priority
-field); the response names it in `x-lora-priority-class`.
+field); the response names it in `x-lora-priority-class`. `parameters.response_format` constrains the
+output (`structured_output`). `parameters.best_of` above 1 (sampling, no seed, no stream, at most
+`max_n`) runs that many generations, each with a seed of its own, and answers the one with the
+highest mean logprob per token; with `details`, the others are `details.best_of_sequences` (`best_of`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
 from lora_cluster.serve.http import openapi
-from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader
+from lora_cluster.serve.http.best_of import best_one
+from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals
 from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
-from lora_cluster.serve.http.schemas import LORAX_FINISH, LoraxRequest, merge_of
+from lora_cluster.serve.http.schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest, merge_of
 from lora_cluster.serve.http.sse import EventStream, event
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
@@ -46,50 +50,69 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         return out
 
     async def start(body: LoraxRequest, stream: bool, route: str,
-                    sla: SlaClass, caller: Caller) -> tuple[Generation, int | None, list[int]]:
+                    sla: SlaClass, caller: Caller) -> tuple[list[Generation], list[int | None], list[int]]:
+        """The request's generations (best_of candidates: several), the seed each reports, the prompt."""
         p = body.parameters
         p.check()
+        p.check_best_of(ctx.config, streamed=stream or body.stream)
         # 404 when the tenant may not use it
         adapter = ctx.adapter_for(p.adapter_id, caller, merging=p.merged_adapters is not None)
         merge = merge_of(p.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
         path = ctx.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter
-        sampling, seed = p.sampling(ctx.config)
+        samplings = [p.sampling(ctx.config) for _ in range(p.candidates)]  # a seed of its own each
         caller.check()  # the tenant's requests_per_minute, before any tokenizing
         prompt = await ctx.encode(body.inputs)
         await caller.admit(len(prompt))  # the tenant's quota: 429 naming the limit
-        job = GenerateJob(request_id=ctx.new_id("lorax"), prompt=prompt, adapter_id=adapter,
-                          sampling=sampling, stream=stream, adapter_path=path,
-                          priority_class=sla.name, priority=sla.priority, merge=merge, tenant=caller.tenant)
-        generation = await ctx.dispatcher.start(job, route)
-        caller.track([generation])
-        return generation, seed, prompt
+        request_id = ctx.new_id("lorax")
+        ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
+        jobs = [GenerateJob(request_id=ids[i], prompt=prompt, adapter_id=adapter, sampling=sampling,
+                            stream=stream, adapter_path=path, priority_class=sla.name, priority=sla.priority,
+                            merge=merge, tenant=caller.tenant)
+                for i, (sampling, _) in enumerate(samplings)]
+        if len(jobs) == 1:
+            generations = [await ctx.dispatcher.start(jobs[0], route)]
+            caller.track(generations)
+        else:  # each candidate is charged from its start, as OpenAI's choices
+            generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
+        return generations, [seed for _, seed in samplings], prompt
 
-    def headers_of(generation: Generation, sla: SlaClass) -> dict[str, str]:
-        return {**routing_headers([generation]), HEADER_PRIORITY_CLASS: sla.name}
+    def headers_of(generations: list[Generation], sla: SlaClass) -> dict[str, str]:
+        return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
 
     async def generate(body: LoraxRequest, route: str, sla: SlaClass,
                        caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
-        generation, seed, prompt = await start(body, False, route, sla, caller)
-        final = await generation.final()
+        generations, seeds, prompt = await start(body, False, route, sla, caller)
+        done = await finals(generations)
+        best, others = best_one(done) if len(done) > 1 else (0, [])
         p = body.parameters
-        text = (body.inputs + final["text"]) if p.return_full_text else final["text"]
-        details = None
-        if p.details:
-            texts = TokenTexts(ctx.token_text)
+        texts = TokenTexts(ctx.token_text)
+
+        def text_of(final: dict[str, Any]) -> str:
+            return (body.inputs + final["text"]) if p.return_full_text else final["text"]
+
+        def sequence(final: dict[str, Any]) -> dict[str, Any]:
+            """The token details of one generation: prefill and tokens."""
             lps = final.get("logprobs") or [None] * len(final["token_ids"])
             prefill = []
             if p.decoder_input_details:
                 prefill = lorax_prefill(prompt, final.get("prompt_logprobs"), texts)
             tokens = [token(t, lp, p.return_k_alternatives is not None, texts)
                       for t, lp in zip(final["token_ids"], lps, strict=True)]
-            details = {**_details(final, seed), "prefill": prefill, "tokens": tokens,
-                       "best_of_sequences": None}
-        return {"generated_text": text, "details": details}, headers_of(generation, sla)
+            return {"prefill": prefill, "tokens": tokens}
+
+        details = None
+        if p.details:
+            sequences = [{"generated_text": text_of(done[i]), **_sequence_details(done[i], seeds[i]),
+                          **sequence(done[i])} for i in others]
+            details = {**_details(done[best], seeds[best]), **sequence(done[best]),
+                       "best_of_sequences": sequences or None}
+        return {"generated_text": text_of(done[best]), "details": details}, headers_of(generations, sla)
 
     async def generate_stream(body: LoraxRequest, route: str, sla: SlaClass, caller: Caller) -> EventStream:
-        generation, seed, _ = await start(body, True, route, sla, caller)
-        return EventStream(_events(ctx, generation, body, seed, token), headers_of(generation, sla),
+        generations, seeds, _ = await start(body, True, route, sla, caller)
+        generation = generations[0]  # a stream has one (check_best_of)
+        return EventStream(_events(ctx, generation, body, seeds[0], token), headers_of(generations, sla),
                            on_close=generation.cancel)
 
     @router.post("/generate", responses=openapi.GENERATION_JSON)
@@ -101,7 +124,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/generate_stream", status_code=200, response_class=EventStream,
                  responses=openapi.GENERATION_STREAM)
-    async def generate_stream_route(body: LoraxRequest, caller: CallerDep,
+    async def generate_stream_route(body: LoraxStreamRequest, caller: CallerDep,
                                     x_lora_priority: PriorityHeader = None) -> Any:
         sla = ctx.priority_class(x_lora_priority, caller=caller)
         return await generate_stream(body, "/generate_stream", sla, caller)
@@ -122,6 +145,11 @@ def _details(final: dict[str, Any], seed: int | None) -> dict[str, Any]:
     return {"finish_reason": LORAX_FINISH.get(final["finish_reason"], "length"),
             "prompt_tokens": final["prompt_tokens"], "generated_tokens": final["completion_tokens"],
             "seed": seed}
+
+
+def _sequence_details(final: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    """A best_of_sequences entry's details: a generation's, without the prompt's count."""
+    return {key: value for key, value in _details(final, seed).items() if key != "prompt_tokens"}
 
 
 async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, seed: int | None,

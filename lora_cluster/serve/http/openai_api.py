@@ -1,9 +1,12 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
 `model` is an adapter id, or the base model's name for no adapter. `n` choices run as separate
-engine requests (choice i of a seeded request uses seed + i). `stream: true` sends SSE chunks and
-ends with `data: [DONE]`; `stream_options.include_usage` adds a last chunk with the usage. An error
-after the first token arrives as a `data: {"error": ...}` event before `[DONE]`. The SLA class is the
+engine requests (choice i of a seeded request uses seed + i); with `best_of`, best_of candidates run
+and the n with the highest cumulative logprob are the choices, best first (`best_of`; not streamed;
+the usage counts every candidate's tokens, as they were all generated and charged).
+`stream: true` sends SSE chunks and ends with `data: [DONE]`; `stream_options.include_usage` adds a
+last chunk with the usage. An error after the first token arrives as a `data: {"error": ...}` event
+before `[DONE]`. The SLA class is the
 `x-lora-priority` header's, else vLLM's integer `priority` field's, else the default (see `context`);
 every choice's job runs in it, and the response names it in `x-lora-priority-class`. Log-probabilities
 (completions `logprobs: k`, chat `logprobs: true` + `top_logprobs: k`) come in each choice's `logprobs`,
@@ -23,6 +26,7 @@ from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
 from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.best_of import best_n
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
 from lora_cluster.serve.http.logprob_format import (
     TokenTexts,
@@ -56,7 +60,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         adapter = merge.adapter_id if merge is not None else adapter
         jobs = []
         for prompt in prompts:
-            for choice in range(body.n):
+            for choice in range(body.candidates):
                 jobs.append(GenerateJob(
                     request_id=f"{request_id}-{len(jobs)}", prompt=prompt, adapter_id=adapter,
                     sampling=body.sampling(ctx.config, default_max, choice), stream=body.stream,
@@ -78,6 +82,9 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         texts = TokenTexts(ctx.token_text)
         if not body.stream:
             done = await finals(generations)
+            completion_tokens = sum(item["completion_tokens"] for item in done)  # every candidate's
+            if body.selects:
+                done = _selected(done, body.candidates, body.n, asked=body.logprobs_k() is not None)
             choices = []
             for index, item in enumerate(done):
                 finish = OPENAI_FINISH.get(item["finish_reason"], item["finish_reason"])
@@ -93,7 +100,6 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                 else:
                     choices.append({"index": index, "message": {"role": "assistant", "content": item["text"]},
                                     "logprobs": logprobs, "finish_reason": finish})
-            completion_tokens = sum(item["completion_tokens"] for item in done)
             return JSONResponse({
                 "id": request_id, "object": "text_completion" if kind == "text" else "chat.completion",
                 "created": created, "model": body.model, "choices": choices,
@@ -148,6 +154,14 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             for a in ids)]}
 
     return router
+
+
+def _selected(done: list[dict[str, Any]], candidates: int, n: int, asked: bool) -> list[dict[str, Any]]:
+    """best_of: the n best of each prompt's candidates (`best_of.best_n`), prompt by prompt; their
+    logprobs, which ranked them, stay in the response only when the request asked for logprobs."""
+    chosen = [item for start in range(0, len(done), candidates)
+              for item in best_n(done[start:start + candidates], n)]
+    return chosen if asked else [{**item, "logprobs": None} for item in chosen]
 
 
 def _logprobs(kind: str, lps: list[Any] | None, texts: TokenTexts, offset: int = 0) -> dict[str, Any] | None:

@@ -2,7 +2,11 @@
 
 Field names follow the APIs they imitate: OpenAI (plus vLLM's `top_k`, `ignore_eos`,
 `stop_token_ids`), LoRAX/TGI, and vLLM's adapter admin routes. Parameters the engine cannot honour
-(`best_of`, tools...) are refused with a 400 naming them rather than silently ignored.
+(`suffix`, `typical_p`, tools...) are refused with a 400 naming them rather than silently ignored.
+Output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, LoRAX's
+`parameters.response_format`) are the request models of `structured_output`, mapped there to the
+engine's `GuidedSpec`. `best_of`: OpenAI (vLLM) returns the n of best_of candidates with the highest
+cumulative logprob; LoRAX the one with the highest mean logprob per token.
 Unknown fields: the OpenAI bodies (completions, chat) refuse an unknown top-level field with a 400
 naming it, as the OpenAI API does ("Unrecognized request argument supplied"), so that a typo or a
 parameter this server does not implement is never silently dropped; their nested objects (messages,
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import cached_property
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -25,7 +30,20 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from lora_cluster.adapter_format import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
+from lora_cluster.engine.guided_spec import GuidedSpec
 from lora_cluster.engine.sampling import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
+from lora_cluster.serve.http.best_of import lorax_rule, lorax_stream_rule, openai_rules
+from lora_cluster.serve.http.structured_output import (
+    Choices,
+    Grammar,
+    LoraxResponseFormat,
+    Pattern,
+    ResponseFormat,
+    SchemaOrText,
+    StructuredOutputs,
+    one_constraint_rule,
+    openai_guided,
+)
 from lora_cluster.serve.http_errors import bad_request
 from lora_cluster.store.merge import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
 
@@ -50,8 +68,6 @@ EMPTY_ARRAY = _only({"type": "array", "maxItems": 0}, "only empty (no tools)")
 EMPTY_STRING = _only({"type": "string", "maxLength": 0}, "only empty")
 NULL = WithJsonSchema({"type": "null", "description": "Unsupported: only null."})
 FALSE = WithJsonSchema({"type": "boolean", "enum": [False], "description": "Unsupported: only false."})
-TEXT_FORMAT = _only({"type": "object", "properties": {"type": {"enum": ["text", None]}}},
-                    "only plain text (`{\"type\": \"text\"}`)")
 
 
 def _json_integers(value: Any) -> Any:
@@ -137,36 +153,74 @@ class _OpenAISampling(_Body):
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, max_length=LOGIT_BIAS_MAX_TOKENS, description="Token id (a string) -> added to its logit, "
         f"in [-100, 100] (OpenAI); at most {LOGIT_BIAS_MAX_TOKENS} ids.")
-    best_of: Annotated[int | None, ONE_INT] = None
+    best_of: int | None = Field(None, ge=1, description="Generate this many candidates per prompt and "
+                                "return the n with the highest cumulative logprob (vLLM); n <= best_of <= "
+                                "max_n; not with stream unless equal to n.")
     user: str | None = None
     merged_adapters: MergedAdaptersBody | None = Field(
         None, description="LoRAX extension: merge these adapters for the request; `model` then names the "
         "base model.")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema "
+                                                   "(OpenAI): the output's form, enforced while decoding.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension (0.10.2 and "
+                                                         "later): one output constraint.")
+    guided_json: SchemaOrText | None = Field(None, description="vLLM extension (before 0.12): the output "
+                                             "is JSON that fits this schema.")
+    guided_regex: Pattern | None = Field(None, description="vLLM extension (before 0.12).")
+    guided_choice: Choices | None = Field(None, description="vLLM extension (before 0.12).")
+    guided_grammar: Grammar | None = Field(None, description="vLLM extension (before 0.12).")
     priority: int | None = Field(
         None, description="vLLM extension: lower is more urgent; picks the SLA class with that priority "
         "(see SlaClasses.resolve) unless the x-lora-priority header names one.")
 
-    def _refuse_unsupported(self) -> None:
-        unsupported = {
-            "best_of": self.best_of not in (None, 1),
-        }
-        names = [name for name, bad in unsupported.items() if bad]
-        if names:
-            raise bad_request(f"unsupported parameter(s): {', '.join(names)}", code="unsupported_parameter")
+    def _check_shared(self, limits: ServeConfig) -> None:
+        """What both routes check: best_of (n <= best_of <= max_n; a selection is not streamed, as in
+        vLLM and OpenAI) and the output constraint (at most one)."""
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise bad_request(f"best_of={self.best_of} must be at least n={self.n}")
+            if self.best_of > limits.max_n:
+                raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.max_n} (max_n)")
+            if self.stream and self.selects:
+                raise bad_request("unsupported parameter(s): best_of with stream (the best choices are "
+                                  "known only at the end)", code="unsupported_parameter")
+        _ = self.output_constraint
+
+    @property
+    def candidates(self) -> int:
+        """Generations per prompt: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def selects(self) -> bool:
+        """Whether the n choices are selected among more candidates (best_of > n)."""
+        return self.candidates > self.n
+
+    @cached_property
+    def output_constraint(self) -> GuidedSpec | None:
+        """The output constraint of response_format, structured_outputs or a guided_* field (400 when
+        more than one is given)."""
+        return openai_guided(self.response_format, self.structured_outputs, self.guided_json,
+                             self.guided_regex, self.guided_choice, self.guided_grammar)
 
     def sampling(self, limits: ServeConfig, default_max_tokens: int, choice: int = 0) -> SamplingParams:
-        """Engine parameters of choice `choice` (choice i of a seeded request uses seed + i)."""
+        """Engine parameters of choice `choice` (choice i of a seeded request uses seed + i; with
+        best_of, candidate i). Candidates to select among report their tokens' logprobs (the ranking)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         check_max_tokens(max_tokens, limits, "max_tokens")
         seed = None if self.seed is None else (self.seed + choice) % 2**63
+        logprobs = self.logprobs_k()
+        if logprobs is None and self.selects:
+            logprobs = 0
         return SamplingParams(
             max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=max(self.top_k, 0), seed=seed, stop=check_stops(_stops(self.stop), limits),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs_k(), prompt_logprobs=self.prompt_logprobs_k(),
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_k(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=min(self.min_tokens, max_tokens),
             logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+            guided=self.output_constraint,
         )
 
     def logprobs_k(self) -> int | None:
@@ -212,7 +266,7 @@ class CompletionRequest(_OpenAISampling):
         return self.logprobs if self.echo else None
 
     def check(self, limits: ServeConfig) -> None:
-        self._refuse_unsupported()
+        self._check_shared(limits)
         check_logprobs(self.logprobs, limits, "logprobs")
         if self.suffix:
             raise bad_request("unsupported parameter(s): suffix", code="unsupported_parameter")
@@ -255,20 +309,17 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = Field(None, ge=0, description="Alternatives per token with logprobs: "
                                      "true (at most max_logprobs; OpenAI allows 0-20).")
     tools: Annotated[list[dict[str, Any]] | None, EMPTY_ARRAY] = None
-    response_format: Annotated[dict[str, Any] | None, TEXT_FORMAT] = None
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def check(self, limits: ServeConfig) -> None:
-        self._refuse_unsupported()
+        self._check_shared(limits)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true")
         check_logprobs(self.top_logprobs, limits, "top_logprobs")
         if self.tools:
             raise bad_request("unsupported parameter(s): tools", code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("unsupported parameter(s): response_format", code="unsupported_parameter")
         if self.max_completion_tokens is not None:  # checked even when max_tokens wins
             check_max_tokens(self.max_completion_tokens, limits, "max_completion_tokens")
         if self.max_tokens is None and self.max_completion_tokens is not None:
@@ -297,26 +348,47 @@ class LoraxParameters(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     truncate: Annotated[int | None, NULL] = None
     typical_p: Annotated[float | None, ONE] = None
-    best_of: Annotated[int | None, ONE_INT] = None
+    best_of: int | None = Field(None, ge=1, description="Generate this many (at most max_n) and return the "
+                                "one with the highest mean logprob per token (LoRAX); above 1 it needs "
+                                "sampling, no seed, and no stream.")
     watermark: Annotated[bool, FALSE] = False
     details: bool = False
     decoder_input_details: bool = False
     return_k_alternatives: int | None = Field(None, ge=1, description="Alternatives per generated token "
                                               "(at most max_logprobs).")
-    response_format: Annotated[dict[str, Any] | None, NULL] = None
+    response_format: LoraxResponseFormat | None = Field(None, description="json_object or json_schema "
+                                                        "with a JSON schema (without one, any JSON object)"
+                                                        ", enforced while decoding; text is no constraint.")
 
     def check(self) -> None:
         unsupported = {
             "truncate": self.truncate is not None,
             "typical_p": self.typical_p not in (None, 1.0),
-            "best_of": self.best_of not in (None, 1),
             "watermark": self.watermark,
-            "response_format": self.response_format is not None,
             "adapter_source": self.adapter_source not in (None, "hub", "local", "s3"),
         }
         names = [name for name, bad in unsupported.items() if bad]
         if names:
             raise bad_request(f"unsupported parameter(s): {', '.join(names)}", code="unsupported_parameter")
+
+    def check_best_of(self, limits: ServeConfig, streamed: bool) -> None:
+        """LoRAX's rules for best_of above 1: sampling, no seed, no stream; and at most max_n."""
+        if self.candidates == 1:
+            return
+        if self.candidates > limits.max_n:
+            raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.max_n} (max_n)")
+        if not self.sampled:
+            raise bad_request("best_of above 1 needs sampling: do_sample, or a temperature, top_k or top_p")
+        if self.seed is not None:
+            raise bad_request("seed must not be set when best_of is above 1 (each candidate has its own)")
+        if streamed:
+            raise bad_request("unsupported parameter(s): best_of above 1 with a stream",
+                              code="unsupported_parameter")
+
+    @property
+    def candidates(self) -> int:
+        """Generations to choose the answer from."""
+        return self.best_of or 1
 
     @property
     def sampled(self) -> bool:
@@ -344,6 +416,7 @@ class LoraxParameters(_Body):
             ignore_eos=self.ignore_eos_token, logprobs=self.return_k_alternatives or 0,
             prompt_logprobs=0 if self.decoder_input_details else None,
             repetition_penalty=self.repetition_penalty or 1.0,
+            guided=None if self.response_format is None else self.response_format.spec(),
         )
         return params, seed
 
@@ -355,6 +428,18 @@ class LoraxRequest(_Body):
     inputs: str = Field(min_length=1)
     parameters: LoraxParameters = Field(default_factory=LoraxParameters)
     stream: bool = False
+
+
+class LoraxStreamParameters(LoraxParameters):
+    """The parameters of /generate_stream: best_of only 1 (a stream cannot choose among candidates)."""
+
+    best_of: Annotated[int | None, ONE_INT] = None
+
+
+class LoraxStreamRequest(LoraxRequest):
+    """The body of /generate_stream."""
+
+    parameters: LoraxStreamParameters = Field(default_factory=LoraxStreamParameters)
 
 
 class LoadLoraAdapterRequest(_Body):
@@ -461,6 +546,8 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
         props["stop"].update(stop)
         # merged_adapters merges onto the base model: `model` then names it
         body.setdefault("allOf", []).append({"anyOf": [no_merge, on_base]})
+        next(s for s in props["best_of"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.max_n
+        body["allOf"].extend([*openai_rules(limits.max_n), one_constraint_rule()])
         bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")
         bias.clear()
         bias.update({"type": "object", "maxProperties": LOGIT_BIAS_MAX_TOKENS,
@@ -478,12 +565,18 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     chat = components["ChatCompletionRequest"]["properties"]
     chat["max_completion_tokens"]["maximum"] = limits.max_new_tokens
     chat["top_logprobs"]["maximum"] = limits.max_logprobs
-    lorax = components["LoraxParameters"]
-    lorax["properties"]["max_new_tokens"]["maximum"] = limits.max_new_tokens
-    lorax["properties"]["return_k_alternatives"]["maximum"] = limits.max_logprobs
-    lorax["properties"]["stop"].update(stop)
     adapter_is_base = {"properties": {"adapter_id": {"anyOf": [{"type": "null"}, {"enum": base_models}]}}}
-    lorax.setdefault("allOf", []).append({"anyOf": [no_merge, adapter_is_base]})
+    for name in ("LoraxParameters", "LoraxStreamParameters"):  # /generate_stream's: best_of only 1
+        lorax = components[name]
+        lorax["properties"]["max_new_tokens"]["maximum"] = limits.max_new_tokens
+        lorax["properties"]["return_k_alternatives"]["maximum"] = limits.max_logprobs
+        lorax["properties"]["stop"].update(stop)
+        lorax.setdefault("allOf", []).append({"anyOf": [no_merge, adapter_is_base]})
+    lorax = components["LoraxParameters"]
+    candidates = next(s for s in lorax["properties"]["best_of"]["anyOf"] if s.get("type") == "integer")
+    candidates["maximum"] = limits.max_n
+    lorax["allOf"].append(lorax_rule())
+    components["LoraxRequest"].setdefault("allOf", []).append(lorax_stream_rule())
     merged = components["MergedAdaptersBody"]
     most = limits.max_merged_adapter_ids
     merged["properties"]["ids"]["maxItems"] = most
