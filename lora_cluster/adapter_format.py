@@ -11,7 +11,12 @@ Validation is one set of small steps, in this order: `folder_files`, `weights_fi
 `lora_cluster.store.admission.admit_folder` composes the same steps with checksums and decryption.
 
 Policy: an adapter is admitted only if every tensor maps to a (layer, projection) of the served
-model with matching shapes, its rank is <= `max_lora_rank`, and its values are finite. The LoRA
+model with matching shapes, its rank is <= `max_lora_rank`, and its values are finite. On a model
+whose checkpoint fuses projections (Phi-3's `qkv_proj`, `gate_up_proj`), PEFT's adapters target the
+fused names; such a pair (A [r, in], B [sum of outs, r]) is split exactly into its members'
+(A, B rows of that member) pairs, the same delta. What the engine cannot apply is refused by name:
+DoRA (`use_dora`, whose magnitude rescales the merged weight per output row, not a low-rank add),
+`modules_to_save` (full copies of base modules), `trainable_token_indices`, LoRA biases. The LoRA
 scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rslora, per-module `rank_pattern` /
 `alpha_pattern` honoured) is kept per module and folded into B only when copied into a slot.
 """
@@ -22,7 +27,7 @@ import json
 import math
 import re
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,6 +77,8 @@ class ModelShapes:
 
     num_layers: int
     modules: dict[str, tuple[int, int]]  # projection name -> (in_features, out_features)
+    # a fused checkpoint projection adapters may target -> its members, in output-row order
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,7 +155,16 @@ def parse_adapter_config(adapter_id: str, data: bytes | str) -> dict:
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterFormatError(adapter_id, f"peft_type {config.get('peft_type')!r} is not LORA")
     if config.get("use_dora"):
-        raise AdapterFormatError(adapter_id, "DoRA adapters are not supported")
+        raise AdapterFormatError(adapter_id, "DoRA (use_dora=true) is not supported: its per-row magnitude "
+                                 "rescales the merged weight, which the batched LoRA kernels do not apply")
+    if config.get("modules_to_save"):
+        raise AdapterFormatError(adapter_id, f"modules_to_save={config['modules_to_save']!r} is not "
+                                 "supported: only LoRA deltas are served over the shared base weights")
+    if config.get("trainable_token_indices"):
+        raise AdapterFormatError(adapter_id,
+                                 "trainable_token_indices is not supported (it changes embeddings)")
+    if config.get("lora_bias"):
+        raise AdapterFormatError(adapter_id, "lora_bias=true is not supported (only bias-free LoRA)")
     if config.get("bias", "none") != "none":
         raise AdapterFormatError(adapter_id, f"bias={config.get('bias')!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):
@@ -222,21 +238,20 @@ def parse_lora_tensors(
     """Map PEFT tensor names to (layer, module) pairs and check them against the model."""
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
+    targets = ", ".join(sorted([*shapes.modules, *shapes.fused]))
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
             raise AdapterFormatError(
-                adapter_id,
-                f"tensor {key!r} is not a LoRA weight of a supported projection "
-                f"({', '.join(sorted(shapes.modules))})",
-            )
+                adapter_id, f"tensor {key!r} is not a LoRA weight of a supported projection ({targets})")
         layer, module, which = int(match[1]), match[2], match[3]
-        if module not in shapes.modules:
-            raise AdapterFormatError(
-                adapter_id, f"target module {module!r} is not supported ({', '.join(sorted(shapes.modules))})"
-            )
+        if module not in shapes.modules and module not in shapes.fused:
+            raise AdapterFormatError(adapter_id, f"target module {module!r} is not supported ({targets})")
         if layer >= shapes.num_layers:
             raise AdapterShapeError(adapter_id, f"layer {layer} >= the model's {shapes.num_layers} layers")
+        if module in shapes.fused:
+            _split_fused(adapter_id, layer, module, which, tensor, shapes, a, b)
+            continue
         (a if which == "A" else b)[(layer, module)] = tensor.float().contiguous()
     if not a:
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
@@ -246,6 +261,7 @@ def parse_lora_tensors(
             adapter_id, f"lora_A and lora_B do not pair up at layer {missing[0]} {missing[1]}"
         )
     scaling: dict[str, float] = {}
+    fused_of = {m: name for name, members in shapes.fused.items() for m in members}
     for (layer, module), wa in a.items():
         wb = b[(layer, module)]
         in_f, out_f = shapes.modules[module]
@@ -266,7 +282,7 @@ def parse_lora_tensors(
             raise AdapterRankError(adapter_id, rank, max_rank)
         if not (torch.isfinite(wa).all() and torch.isfinite(wb).all()):
             raise AdapterFormatError(adapter_id, f"layer {layer} {module} holds NaN or infinite values")
-        scaling[module] = _module_scaling(config, module, rank)
+        scaling[module] = _module_scaling(config, fused_of.get(module, module), rank)
     return LoraWeights(
         adapter_id=adapter_id,
         rank=max(t.shape[0] for t in a.values()),
@@ -275,6 +291,22 @@ def parse_lora_tensors(
         a=a,
         b=b,
     )
+
+
+def _split_fused(adapter_id: str, layer: int, module: str, which: str, tensor: torch.Tensor,
+                 shapes: ModelShapes, a: dict, b: dict) -> None:  # fmt: skip
+    """A fused projection's lora_A is every member's A; its lora_B's rows split by member outputs."""
+    members = shapes.fused[module]
+    if which == "A":
+        for m in members:
+            a[(layer, m)] = tensor.float().contiguous()
+        return
+    outs = [shapes.modules[m][1] for m in members]
+    if tensor.dim() != 2 or tensor.shape[0] != sum(outs):
+        raise AdapterShapeError(adapter_id, f"layer {layer} {module}: lora_B {tuple(tensor.shape)} does not "
+                                f"fit the model's {module} (out_features={sum(outs)})")
+    for m, part in zip(members, tensor.float().split(outs), strict=True):
+        b[(layer, m)] = part.contiguous()
 
 
 def _module_scaling(config: dict, module: str, rank: int) -> float:

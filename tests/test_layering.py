@@ -6,7 +6,7 @@ not listed, at module level or inside a function, fails the test with the import
 The table is acyclic, so the layers read bottom to top:
 
     errors, progress | adapter_format, breaker | config | cluster, tenancy, store | engine | sim |
-    client, demo | serve: http_errors, ops < protocol < routing < replica < http < app | cli
+    client, demo < demo_families | serve: http_errors, ops < protocol < routing < replica < http < app | cli
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FORMAT = BASE | {"adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
 POLICY = CONFIG | {"cluster", "tenancy", "store"}
 ENGINE = POLICY | {"engine"}
-SERVE_BASE = ENGINE | {"client", "demo", "serve.http_errors", "serve.ops"}
+SERVE_BASE = ENGINE | {"client", "demo", "demo_families", "serve.http_errors", "serve.ops"}
 
 ALLOWED: dict[str, set[str]] = {
     "lora_cluster": set(),
@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "sim": POLICY | {"engine"},
     "client": BASE,
     "demo": BASE,
+    "demo_families": BASE | {"demo"},
     "serve.http_errors": {"errors"},
     "serve.ops": ENGINE | {"client"},
     "serve.protocol": SERVE_BASE,

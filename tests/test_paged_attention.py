@@ -91,3 +91,43 @@ def test_get_paged_attention_picks_by_device() -> None:
     assert get_paged_attention("torch", "cuda") is paged_decode_attention, "torch is forced when asked"
     with pytest.raises(ValueError, match="auto, torch, triton"):
         get_paged_attention("flash", "cpu")
+
+
+def _dense_windowed(q, k, v, scale, window, softcap):
+    """One sequence's dense attention over its last `window` keys (all with 0), scores soft-capped."""
+    if window:
+        k, v = k[-window:], v[-window:]
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,thd->ht", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+
+
+WINDOWED = [(0, 5.0), (4, 0.0), (7, 0.0), (16, 2.0), (100, 0.0)]  # (window, softcap)
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOWED)
+def test_reference_windows_and_softcaps(window, softcap) -> None:
+    q, kc, vc, table, seq_lens, dense = _case([1, 5, 16, 17, 40], block_size=8, heads=4, kv_heads=2,
+                                              head_dim=16)
+    out = torch.empty_like(q)
+    paged_decode_attention(out, q, kc, vc, table, seq_lens, 40, 0.25, window=window, softcap=softcap)
+    for d, (k, v) in enumerate(dense):
+        want = _dense_windowed(q[d], k, v, 0.25, window, softcap)
+        torch.testing.assert_close(
+            out[d], want, msg=lambda m, d=d: f"sequence {d}, window {window}, softcap {softcap}: {m}")
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOWED)
+def test_triton_windows_and_softcaps_match_reference(triton_paged, window, softcap) -> None:
+    fn, device = triton_paged
+    q, kc, vc, table, seq_lens, _ = _case([1, 5, 16, 17, 40], block_size=8, heads=4, kv_heads=2, head_dim=16)
+    want = torch.empty_like(q)
+    paged_decode_attention(want, q, kc, vc, table, seq_lens, 40, 0.25, window=window, softcap=softcap)
+    args = [t.to(device) for t in (q, kc, vc)]
+    out = torch.full_like(args[0], float("nan"))
+    fn(out, *args, table.to(device), seq_lens.to(device), 40, 0.25, window=window, softcap=softcap)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"window {window}, softcap {softcap}: triton != reference: {m}")

@@ -12,7 +12,12 @@ sequence's last block may hold any valid block index (they are masked out by ``s
 * ``block_table``: [D, >= ceil(max_len / block_size)] integer; ``seq_lens``: [D] integer, the
   number of cached tokens each query attends to (its own included, >= 1);
 * ``max_len``: a host int >= max(seq_lens), so that no implementation has to read the device;
-* grouped-query attention: query head ``h`` reads kv head ``h // (heads // kv_heads)``.
+* grouped-query attention: query head ``h`` reads kv head ``h // (heads // kv_heads)``;
+* ``window`` (keyword, 0 = none): a sliding window, the query attends to its last ``window`` cached
+  tokens only (key ``j`` with ``seq_len - window <= j < seq_len``, as transformers' sliding-window
+  mask ``kv_idx > q_idx - window``);
+* ``softcap`` (keyword, 0 = none): scores become ``softcap * tanh(scores / softcap)`` after the
+  scale and before the softmax (Gemma 2's attention logit soft-capping).
 
 Implementations: ``torch`` (this module: gathers the blocks into a contiguous [D, kv_heads, len,
 head_dim] copy and runs ``scaled_dot_product_attention``; the engine's path on CPU) and ``triton``
@@ -30,7 +35,7 @@ from torch import Tensor
 
 __all__ = ["PagedAttentionFn", "get_paged_attention", "paged_decode_attention"]
 
-PagedAttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, float], None]
+PagedAttentionFn = Callable[..., None]
 
 
 def gather_blocks(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
@@ -52,17 +57,33 @@ def paged_decode_attention(
     seq_lens: Tensor,
     max_len: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Reference: softmax(q k^T * scale) v over each sequence's first ``seq_lens[d]`` tokens."""
+    """Reference: softmax(q k^T * scale) v over each sequence's first ``seq_lens[d]`` tokens (the
+    last ``window`` of them with a window; scores soft-capped with ``softcap``)."""
     if q.shape[0] == 0:
         return
     k = gather_blocks(k_cache, block_table, max_len)
     v = gather_blocks(v_cache, block_table, max_len)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    out.copy_(o[:, :, 0])
+    pos = torch.arange(max_len, device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    if window:
+        mask &= pos >= seq_lens[:, None] - window
+    mask = mask[:, None, None, :]
+    if not softcap:
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out.copy_(o[:, :, 0])
+        return
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q[:, :, None, :], k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    out.copy_(torch.matmul(probs, v)[:, :, 0])
 
 
 def get_paged_attention(impl: str, device: torch.device | str) -> PagedAttentionFn:

@@ -22,11 +22,13 @@ __all__ = ["paged_decode_attention"]
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr,
-    scale, head_dim, group,
+    scale, head_dim, group, window, softcap,
     sq_d, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_d, so_h, st_d,
-    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """out[d, h] = softmax(q[d, h] . K[d, :len]^T * scale) @ V[d, :len], K/V read through the block table."""
+    """out[d, h] = softmax(q[d, h] . K[d, lo:len]^T * scale) @ V[d, lo:len], K/V read through the block
+    table; lo = max(0, len - window) (the host passes 2**31 - 1 for no window); scores soft-capped
+    when SOFTCAP."""
     d = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // group
@@ -38,15 +40,18 @@ def _paged_decode_kernel(
     m = tl.full((), float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros((), dtype=tl.float32)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for b in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    lo = tl.maximum(seq_len - window, 0)
+    for b in range(lo // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(table_ptr + d.to(tl.int64) * st_d + b).to(tl.int64)
-        t_mask = (b * BLOCK_SIZE + offs_t) < seq_len
+        t_mask = ((b * BLOCK_SIZE + offs_t) < seq_len) & ((b * BLOCK_SIZE + offs_t) >= lo)
         tile_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_ptr + block * sk_b + offs_t[:, None] * sk_t + kvh * sk_h + offs_d[None, :],
             mask=tile_mask, other=0.0,
         ).to(tl.float32)  # fmt: skip
         scores = tl.sum(k * q[None, :], axis=1) * scale
+        if SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = tl.where(t_mask, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         alpha = tl.exp(m - m_new)
@@ -71,6 +76,9 @@ def paged_decode_attention(
     seq_lens: Tensor,
     max_len: int,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Same contract as the reference (``max_len`` is not needed: each program reads its own length)."""
     n_seq, heads, head_dim = q.shape
@@ -80,10 +88,13 @@ def paged_decode_attention(
         if t.stride(-1) != 1:
             raise ValueError("paged attention needs a unit stride in the head dimension")
     group = heads // k_cache.shape[2]
+    window = int(window) if window else 2**31 - 1
     _paged_decode_kernel[(n_seq, heads)](
-        q, k_cache, v_cache, out, block_table, seq_lens, float(scale), head_dim, group,
+        q, k_cache, v_cache, out, block_table, seq_lens, float(scale), head_dim, group, window,
+        float(softcap or 1.0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_table.stride(0),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
+        SOFTCAP=bool(softcap),
     )  # fmt: skip

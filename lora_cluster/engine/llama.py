@@ -1,13 +1,15 @@
-"""The Llama-family forward pass over a mixed batch, with per-token LoRA from the adapter pool.
+"""The decoder forward pass over a mixed batch, with per-token LoRA from the adapter pool: one runner
+for every dense family, following the model's `FamilySpec` (`engine.family`).
 
 One step runs every scheduled token (prefill chunks and decodes together) through the base
 weights once; each projection (or fused q/k/v, gate/up group) then adds its LoRA delta through
 `engine.lora_layer` (gathered BGMV for decode rows, SGMV segments for the others), so that any mix
-of adapters and base-only rows shares the pass. Attention reads the paged KV cache: decodes through
-the block tables (the Triton kernel in place on CUDA, a gather + SDPA otherwise), prefill chunks
-over their sequence's gathered blocks. Math follows
-transformers' LlamaForCausalLM (RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP), which the
-parity tests use as the oracle.
+of adapters and base-only rows shares the pass. Attention reads the paged KV cache
+(`engine.attention`, with each layer's sliding window and soft-cap). What a family changes is
+data in its spec: which norms a layer applies (before/after attention and MLP), q/k norms, the
+embedding, residual, score and logit scales, soft-capping, each layer's window and rope table (or
+none), the MLP activation. Math follows transformers' modeling code of each family (RMSNorm in
+float32, rotate-half RoPE, gated MLP), which the parity tests use as the oracle.
 """
 
 from __future__ import annotations
@@ -15,50 +17,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lora_kernels import LoraOps
-from lora_kernels.paged_attention import gather_blocks, get_paged_attention
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from lora_kernels.paged_attention import get_paged_attention
 
 from lora_cluster.engine.adapters.pool import AdapterPool
+from lora_cluster.engine.attention import layer_attention
 from lora_cluster.engine.batch import StepBatch
+from lora_cluster.engine.family import FamilySpec
 from lora_cluster.engine.kv_cache import PagedKVCache
 from lora_cluster.engine.lora_layer import LoraLayer
 from lora_cluster.engine.model_loader import BaseModel
-from lora_cluster.errors import ConfigError
+from lora_cluster.engine.rope import rope_tables, rotate
 
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
-
-
-def rope_tables(model: BaseModel, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_len, head_dim] for every position, as transformers computes them."""
-    config = model.config
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in _STATIC_ROPE:
-        raise ConfigError(f"model {model.name!r}: rope_type {rope_type!r} is not supported ({_STATIC_ROPE})")
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = model.dims.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        scale = 1.0
-    else:
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :].float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: FamilySpec) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, scaled by `weight + spec.norm_offset`; the weight is
+    applied after the cast back to x's dtype (Llama) or before it (`norm_weight_in_float32`)."""
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    if spec.norm_weight_in_float32:
+        return (h * (weight.float() + spec.norm_offset)).to(dtype)
+    return (weight + spec.norm_offset) * h.to(dtype) if spec.norm_offset else weight * h.to(dtype)
 
 
 class LlamaRunner:
@@ -76,7 +61,12 @@ class LlamaRunner:
     ):
         self.model, self.kv, self.pool, self.ops = model, kv, pool, ops
         self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
-        self.cos, self.sin = rope_tables(model, kv.max_len, device)
+        self.spec = spec = model.spec
+        self.ropes = rope_tables(model.config, spec.ropes, kv.max_len, device)
+        self.act = _ACTIVATIONS[spec.activation]
+        self.scale = spec.attn_scale or model.dims.head_dim**-0.5
+        # the embedding scale in the weights' dtype, as transformers multiplies it
+        self.embed_scale = torch.tensor(spec.embed_scale, dtype=model.embed.dtype, device=device)
         d = model.dims
         self._splits = {  # projection -> (fused output tensor key, column range)
             "q_proj": ("qkv", 0, d.q_dim),
@@ -91,55 +81,54 @@ class LlamaRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Run the step; returns float32 logits [N, vocab] of `batch.sample_rows` (followed by the
         prompt-logprob rows when `batch.logit_rows` is set)."""
-        m, d = self.model, self.model.dims
+        m, d, spec = self.model, self.model.dims, self.spec
         eps = d.rms_norm_eps
+
+        def norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+            return x if weight is None else rms_norm(x, weight, eps, spec)
+
         h = F.embedding(batch.input_ids, m.embed)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        if spec.embed_scale != 1.0:
+            h = h * self.embed_scale
+        tables = {key: (cos[batch.positions], sin[batch.positions]) for key, (cos, sin) in self.ropes.items()}
         for i, layer in enumerate(m.layers):
-            x = _rms_norm(h, layer.input_norm, eps)
+            ls = spec.layers[i]
+            x = norm(h, layer.pre_attn_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             self.lora.add(batch.lora, i, "qkv", qkv, x)
-            q = qkv[:, : d.q_dim].view(-1, d.num_heads, d.head_dim)
-            k = qkv[:, d.q_dim : d.q_dim + d.kv_dim].view(-1, d.num_kv_heads, d.head_dim)
+            q, k = qkv[:, : d.q_dim], qkv[:, d.q_dim : d.q_dim + d.kv_dim]
+            if spec.qk_norm == "all":
+                q, k = norm(q, layer.q_norm), norm(k, layer.k_norm)
+            q, k = q.reshape(-1, d.num_heads, d.head_dim), k.reshape(-1, d.num_kv_heads, d.head_dim)
             v = qkv[:, d.q_dim + d.kv_dim :].view(-1, d.num_kv_heads, d.head_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if spec.qk_norm == "head":
+                q, k = norm(q, layer.q_norm), norm(k, layer.k_norm)
+            if ls.rope is not None:
+                cos, sin = tables[ls.rope]
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.kv.write(i, batch.kv_index, k, v)
-            attn = self._attention(batch, i, q).reshape(-1, d.q_dim)
+            attn = layer_attention(
+                batch, self.paged_attention, self.kv.k[i], self.kv.v[i], q, scale=self.scale,
+                window=ls.window, softcap=spec.attn_softcap,
+            ).reshape(-1, d.q_dim)  # fmt: skip
             o = F.linear(attn, layer.o, layer.o_bias)
             self.lora.add(batch.lora, i, "o_proj", o, attn)
-            h = h + o
-            x = _rms_norm(h, layer.post_norm, eps)
+            h = self._residual(h, norm(o, layer.post_attn_norm))
+            x = norm(h, layer.pre_mlp_norm)
             gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
             self.lora.add(batch.lora, i, "gate_up", gu, x)
-            act = F.silu(gu[:, : d.intermediate]) * gu[:, d.intermediate :]
+            act = self.act(gu[:, : d.intermediate]) * gu[:, d.intermediate :]
             down = F.linear(act, layer.down, layer.down_bias)
             self.lora.add(batch.lora, i, "down_proj", down, act)
-            h = h + down
+            h = self._residual(h, norm(down, layer.post_mlp_norm))
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
-        last = _rms_norm(h[rows], m.norm, eps)
-        return F.linear(last, m.lm_head).float()
+        logits = F.linear(norm(h[rows], m.norm), m.lm_head)
+        if spec.logits_divisor != 1.0:
+            logits = logits / spec.logits_divisor
+        if spec.final_softcap:
+            logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
+        return logits.float()
 
-    def _attention(self, batch: StepBatch, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, head_dim] -> attention output [T, heads, head_dim]."""
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        out = torch.empty_like(q)
-        d = batch.num_decodes
-        if d:
-            scale = q.shape[-1] ** -0.5
-            self.paged_attention(
-                out[:d], q[:d], k_cache, v_cache, batch.decode_blocks, batch.decode_lens,
-                batch.decode_max_len, scale,
-            )  # fmt: skip
-        for p in batch.prefills:
-            n, ctx = p.end - p.start, p.ctx_start + p.end - p.start
-            qp = q[p.start : p.end].transpose(0, 1)[None]
-            kp, vp = gather_blocks(k_cache, p.blocks[None], ctx), gather_blocks(v_cache, p.blocks[None], ctx)
-            if p.ctx_start == 0:
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            else:
-                mask = torch.arange(ctx, device=q.device)[None, :] <= (
-                    p.ctx_start + torch.arange(n, device=q.device)[:, None]
-                )
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-            out[p.start : p.end] = o[0].transpose(0, 1)
-        return out
+    def _residual(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """h + out, the block's output scaled by the family's residual multiplier (Granite)."""
+        return h + out * self.spec.residual_scale if self.spec.residual_scale != 1.0 else h + out

@@ -141,10 +141,8 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         dims = self.model.dims
         self.shapes = dims.shapes()
+        # sliding-window layers mask their attention (engine.attention): the window does not cap length
         self.max_model_len = min(config.max_model_len, dims.max_position_embeddings)
-        window = getattr(self.model.config, "sliding_window", None)
-        if window and getattr(self.model.config, "use_sliding_window", True):
-            self.max_model_len = min(self.max_model_len, window)
         # paged KV cache and adapter slots, sized from the device's free memory on a GPU (memory_plan)
         self.memory = plan_engine_memory(config, dims, self.dtype, self.device, self.max_model_len)
         self.kv = PagedKVCache(
@@ -202,14 +200,14 @@ class Engine:
             prefix_root=self._prefix_root,
         )
         self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = eos_token_ids(self.model)
         # structured output: grammars compile on their own threads; masks fill while the forward runs
         self.grammars = GrammarCompiler(
             functools.partial(grammar_tokenizer, self.tokenizer, dims.vocab_size, self.eos_token_ids),
             cache_size=config.guided_grammar_cache_size, timeout_s=config.guided_compile_timeout_s,
         )
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="token-mask")
-        self._ids = itertools.count()
-        self.eos_token_ids = eos_token_ids(self.model)
         self.consecutive_step_failures = 0
         self.failed_steps = 0
 
@@ -313,9 +311,9 @@ class Engine:
             sampling=sampling,
             detok=IncrementalDetokenizer(self.tokenizer),
             generator=make_generator(sampling, self.device),
-            guided=None if sampling.guided is None else GuidedState(self.grammars.compile(sampling.guided)),
             priority=priority,
             prompt_logprobs=None if sampling.prompt_logprobs is None else [None],
+            guided=None if sampling.guided is None else GuidedState(self.grammars.compile(sampling.guided)),
         )
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
@@ -399,11 +397,11 @@ class Engine:
         batch = build_step_batch(
             plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
             kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
-        masks: TokenMasks | None = None
             decode_kernel=self.config.lora_decode_kernel, ops_name=self.runner.ops.name,
-            masks = TokenMasks.start(batch.sampled, self.model.dims.vocab_size, self._mask_pool)
         )  # fmt: skip
+        masks: TokenMasks | None = None
         try:
+            masks = TokenMasks.start(batch.sampled, self.model.dims.vocab_size, self._mask_pool)
             logits = self.runner.forward(batch)
             num_sampled = len(batch.sampled)  # the rows after them are prompt-logprob rows
             params = [s.sampling for s in batch.sampled]
@@ -464,14 +462,16 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
-        complete = seq.guided is not None and seq.guided.accept(token)
         if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        complete = seq.guided is not None and seq.guided.accept(token)
+        reason = stop_reason(seq, self.eos_token_ids, self.max_model_len)
         if reason is None and complete:  # the grammar allows nothing but the end: stop now
             seq.detok.flush(seq.output_ids)
             reason = FinishReason.STOP
-            seq.first_token_time = time.monotonic()
-        reason = stop_reason(seq, self.eos_token_ids, self.max_model_len)
         if reason is not None:
+            self._finish(seq, reason)
+
     def _acquire(self, seq: Sequence, may_claim_slot: bool) -> Gate:
         """The scheduler's admission gate: a constrained sequence waits (holding nothing) until its
         grammar is compiled, and fails with the compile's RequestError; then its adapter's gate."""
@@ -482,8 +482,6 @@ class Engine:
             seq.error = guided.error
             return Gate.FAILED
         return self.adapters.acquire(seq, may_claim_slot)
-
-            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -522,10 +520,10 @@ class Engine:
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
-        self.grammars.close()
-        self._mask_pool.shutdown(wait=False)
 
     def close(self) -> None:
+        self.grammars.close()
+        self._mask_pool.shutdown(wait=False)
         self.adapters.close()
         self.loader.close()
 

@@ -1,8 +1,12 @@
-"""Find, check and load a Llama-family base model into plain tensors.
+"""Find, check and load a decoder base model into plain tensors.
 
-Supported architectures share one forward pass (`lora_cluster.engine.llama`): Llama, Mistral and
-Qwen2 (attention biases included). Any other architecture is refused at start with the list of
-supported ones. Weights are read from safetensors only; a checkpoint shipped only as pickle
+Supported architectures share one forward pass (`lora_cluster.engine.llama`), run as the model's
+`FamilySpec` says (`engine.family`: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite, OLMo 2,
+SmolLM3). Any other architecture, or a config value the runner cannot honour, is refused at start
+naming it. Each layer's weights land in one layout whatever the checkpoint's: q/k/v fused as
+`qkv` [q_dim + 2 kv_dim, hidden] and gate/up as `gate_up` (concatenated from separate projections,
+or taken as they are from a checkpoint that stores `qkv_proj` / `gate_up_proj`); the norms a
+family does not have are None. Weights are read from safetensors only; a checkpoint shipped only as pickle
 (`pytorch_model.bin`) is refused. A hub id is resolved through huggingface_hub, falling back to its
 local cache when the hub cannot be reached.
 """
@@ -18,24 +22,29 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from lora_cluster.adapter_format import ModelShapes
-from lora_cluster.errors import ConfigError, UnsupportedModelError
+from lora_cluster.engine.family import SUPPORTED_ARCHITECTURES, FamilySpec, read_family
+from lora_cluster.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+__all__ = ["SUPPORTED_ARCHITECTURES", "BaseModel", "LayerWeights", "ModelDims", "load_base_model"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    pre_attn_norm: torch.Tensor | None  # [hidden]; None where the family has no such norm
     qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden], q/k/v projections fused
     qkv_bias: torch.Tensor | None  # [q_dim + 2 * kv_dim]
     o: torch.Tensor  # [hidden, q_dim]
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # [hidden]
+    post_attn_norm: torch.Tensor | None  # [hidden], on the attention's output (Gemma, OLMo 2)
+    pre_mlp_norm: torch.Tensor | None  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden], gate/up fused
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (Gemma, OLMo 2)
+    q_norm: torch.Tensor | None = None  # [head_dim] per head, or [q_dim] over all heads (OLMo 2)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,6 +58,7 @@ class ModelDims:
     vocab_size: int
     rms_norm_eps: float
     max_position_embeddings: int
+    fused_targets: bool = False  # adapters target qkv_proj / gate_up_proj (fused checkpoints)
 
     @property
     def q_dim(self) -> int:
@@ -71,6 +81,8 @@ class ModelDims:
                 "up_proj": (h, i),
                 "down_proj": (i, h),
             },
+            fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+            if self.fused_targets else {},
         )
 
 
@@ -79,6 +91,7 @@ class BaseModel:
     name: str  # as the user gave it (folder or hub id)
     path: Path
     config: PretrainedConfig
+    spec: FamilySpec
     dims: ModelDims
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
@@ -156,13 +169,9 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model {model!r}: cannot read config.json: {e}") from e
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-    arch = (getattr(config, "architectures", None) or [by_type.get(config.model_type, config.model_type)])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(model, arch, SUPPORTED_ARCHITECTURES)
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"model {model!r}: hidden_act {config.hidden_act!r} is not supported (only silu)")
+    spec = read_family(model, config)
     dims = _dims(config)
+    dims.fused_targets = spec.fused_checkpoint
     w = _read_weights(path)
 
     def take(name: str) -> torch.Tensor | None:
@@ -183,25 +192,44 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
             raise ConfigError(f"model {model!r}: {prefix} has {suffix} for only some of {names}")
         return torch.cat(parts, dim=0).contiguous()
 
+    def norm(prefix: str, name: str | None) -> torch.Tensor | None:
+        return None if name is None else need(f"{prefix}.{name}.weight")
+
+    def projections(p: str) -> tuple[torch.Tensor | None, ...]:
+        """(qkv, qkv bias, gate_up, gate_up bias) of layer prefix `p`, in the engine's fused layout."""
+        if spec.fused_checkpoint:
+            return (take(f"{p}.self_attn.qkv_proj.weight"), take(f"{p}.self_attn.qkv_proj.bias"),
+                    take(f"{p}.mlp.gate_up_proj.weight"), take(f"{p}.mlp.gate_up_proj.bias"))  # fmt: skip
+        qkv = ("q_proj", "k_proj", "v_proj")
+        return (fused(f"{p}.self_attn", qkv, "weight"), fused(f"{p}.self_attn", qkv, "bias"),
+                fused(f"{p}.mlp", ("gate_proj", "up_proj"), "weight"),
+                fused(f"{p}.mlp", ("gate_proj", "up_proj"), "bias"))  # fmt: skip
+
     layers = []
+    qk = (lambda p, n: need(f"{p}.self_attn.{n}.weight")) if spec.qk_norm else (lambda p, n: None)
     for i in range(dims.num_layers):
         p = f"model.layers.{i}"
+        qkv, qkv_bias, gate_up, gate_up_bias = projections(p)
+        if qkv is None or gate_up is None:
+            raise ConfigError(f"model {model!r}: layer {i} lacks attention or MLP projections")
         layers.append(
             LayerWeights(
-                input_norm=need(f"{p}.input_layernorm.weight"),
-                qkv=fused(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), "weight"),
-                qkv_bias=fused(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), "bias"),
+                pre_attn_norm=norm(p, spec.norms.pre_attn),
+                qkv=qkv,
+                qkv_bias=qkv_bias,
                 o=need(f"{p}.self_attn.o_proj.weight"),
                 o_bias=take(f"{p}.self_attn.o_proj.bias"),
-                post_norm=need(f"{p}.post_attention_layernorm.weight"),
-                gate_up=fused(f"{p}.mlp", ("gate_proj", "up_proj"), "weight"),
-                gate_up_bias=fused(f"{p}.mlp", ("gate_proj", "up_proj"), "bias"),
+                post_attn_norm=norm(p, spec.norms.post_attn),
+                pre_mlp_norm=norm(p, spec.norms.pre_mlp),
+                gate_up=gate_up,
+                gate_up_bias=gate_up_bias,
                 down=need(f"{p}.mlp.down_proj.weight"),
                 down_bias=take(f"{p}.mlp.down_proj.bias"),
+                post_mlp_norm=norm(p, spec.norms.post_mlp),
+                q_norm=qk(p, "q_norm"),
+                k_norm=qk(p, "k_norm"),
             )
         )
-        if layers[-1].qkv is None or layers[-1].gate_up is None:
-            raise ConfigError(f"model {model!r}: layer {i} lacks attention or MLP projections")
     embed = need("model.embed_tokens.weight")
     lm_head = take("lm_head.weight")
     if lm_head is None:
@@ -216,6 +244,7 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
         name=model,
         path=path,
         config=config,
+        spec=spec,
         dims=dims,
         embed=embed,
         layers=layers,
