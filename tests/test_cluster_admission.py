@@ -94,6 +94,40 @@ async def test_a_full_cluster_waits_for_a_grant_and_pins_the_request():
     assert controller.calls[0]["adapter_id"] == "x", "and the adapter, for affinity"
 
 
+class GatedController:
+    """`admit.remote(...)` answers only once the test opens the gate: a ticket that stays parked."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.calls: list[dict] = []
+        self.admit = self
+
+    def remote(self, ticket: dict, timeout_s: float) -> Any:
+        self.calls.append(ticket)
+
+        async def reply() -> dict:
+            await self.gate.wait()
+            return {"replica_id": "r1", "preempt": False}
+        return reply()
+
+
+async def test_a_new_request_never_overtakes_a_parked_one():
+    controller, running = GatedController(), [2]
+    a = admission(controller, stats=lambda: one_replica(running[0]))
+    parked = asyncio.create_task(a.admit(sla_class="interactive", adapter_id="x", arrived_at=0.0))
+    await asyncio.sleep(0)
+    assert len(controller.calls) == 1, "the full cluster parks the first request"
+    running[0] = 1  # a slot frees before the controller's grant reaches the parked request
+    assert not a.has_room(), "the freed slot is not offered to newcomers while a request is parked"
+    later = asyncio.create_task(a.admit(sla_class="batch", adapter_id="y", arrived_at=0.0))
+    await asyncio.sleep(0)
+    assert len(controller.calls) == 2, "the newcomer parks behind it instead of taking the fast path"
+    controller.gate.set()
+    assert (await parked).replica_id == "r1", "the parked request gets its grant"
+    assert (await later).replica_id == "r1", "and so does the newcomer"
+    assert a.has_room(), "with nothing parked the fast path opens again"
+
+
 async def test_refusals_become_429_and_timeouts_503():
     a = admission(FakeController({"overloaded": "the cluster queue is full", "retry_after_s": 3.0}))
     with pytest.raises(ClusterOverloadedError, match="full") as info:

@@ -9,6 +9,9 @@ and the simulator).
   preempted for its waiting requests (`projected_batch`): the controller reads it as the work a
   preemption there can still free.
 * Prefetches: a replica runs at most `MAX_PREFETCHES` adapter prefetches (placement) at once.
+* How much it takes: its admission capacity plus its `AdmissionWindow`, the requests it is given
+  beyond its batch slots while the cluster queue holds tickets, sized at run time to the round trip
+  of a freed slot's grant.
 """
 
 from __future__ import annotations
@@ -69,3 +72,62 @@ def projected_batch(running: dict[int, int], waiting: dict[int, int], slots: int
             batch[priority] = n
         left -= n
     return batch
+
+
+def window_limit(configured: int | None, max_ongoing_requests: int, capacity: int) -> int:
+    """The largest admission window: `configured` (None: no bound of its own), never beyond what the
+    replica accepts at once (`max_ongoing_requests`) less its admission capacity."""
+    room = max(0, max_ongoing_requests - capacity)
+    return room if configured is None else min(configured, room)
+
+
+class AdmissionWindow:
+    """Requests a replica is given beyond its admission capacity while the cluster queue holds
+    tickets, so that a slot a finishing request frees finds the next request already waiting in the
+    engine instead of idling through the report -> grant -> send round trip.
+
+    The window is that round trip's bandwidth-delay product, found by feedback rather than by clocks
+    (one rule on both sides, the live replica per engine step and the simulator per planned step):
+
+    * a step that runs with a free batch seat, nothing waiting in the engine and tickets queued in the
+      cluster, after `IDLE_STEPS` - 1 such steps in a row, grows the window by one: a seat idled for
+      want of a request that was waiting elsewhere, longer than the one step that even an immediate
+      grant costs (the finish is reported after the step that ends it);
+    * a step with no free seat and at least `SURPLUS` requests waiting in the engine shrinks it by
+      one, at most once every `SHRINK_EVERY` such steps (the window outgrew the round trip);
+    * steps without queued tickets change nothing (a replica with room takes requests by the fast
+      path, whatever the window).
+
+    Invariant: 0 <= `extra` <= `limit` (`limit` 0: no window). The engine still runs its requests in
+    priority order, so a request waiting in the window is overtaken by a more urgent one that arrives.
+    `observe` runs on the engine's thread, `extra` is read from the event loop: one int, replaced whole.
+    """
+
+    IDLE_STEPS = 3
+    SURPLUS = 2
+    SHRINK_EVERY = 8
+
+    def __init__(self, limit: int):
+        self.limit = max(0, limit)
+        self.extra = 0
+        self._idle_steps = self._surplus_steps = 0
+
+    def observe(self, *, free_seats: int, waiting: int, tickets_queued: bool) -> None:
+        """One engine step: `free_seats` batch seats left free after admission, `waiting` requests
+        the engine holds unadmitted, `tickets_queued` whether the controller last said the cluster
+        queue holds tickets."""
+        if not tickets_queued:
+            self._idle_steps = 0
+            return
+        if free_seats > 0 and waiting == 0:
+            self._idle_steps += 1
+            self._surplus_steps = 0
+            if self._idle_steps >= self.IDLE_STEPS:
+                self.extra = min(self.limit, self.extra + 1)
+            return
+        self._idle_steps = 0
+        if free_seats == 0 and waiting >= self.SURPLUS:
+            self._surplus_steps += 1
+            if self._surplus_steps >= self.SHRINK_EVERY:
+                self._surplus_steps = 0
+                self.extra = max(0, self.extra - 1)

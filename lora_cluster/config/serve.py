@@ -159,6 +159,15 @@ class ServeConfig(EngineConfig):
         description="Requests one replica is given at once before the ingress parks further ones in "
         "the cluster queue (default: max_num_seqs, the replica's batch slots).",
     )
+    admission_window_max: int | None = Field(
+        None,
+        ge=0,
+        description="Most requests a replica is given beyond admission_capacity while the cluster "
+        "queue holds tickets, so that a freed slot finds its next request already waiting instead of "
+        "idling through the report -> grant -> send round trip; sized at run time by feedback (grows "
+        "when a step runs with a free seat and nothing waiting, shrinks while requests wait). Default: "
+        "max_ongoing_requests - admission_capacity. 0: no window.",
+    )
     cluster_queue_size: int = Field(
         4096, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "
         "(a more urgent request bumps the least urgent queued one instead)."
@@ -330,6 +339,13 @@ class ServeConfig(EngineConfig):
     )
     max_prompts: int = Field(
         16, ge=1, le=4096, description="Most prompts in one /v1/completions request (400 above)."
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="How chat answers with `tool_choice: auto` are read for tool calls (vLLM's "
+        "names): hermes (`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}` "
+        "objects, optionally after `<|python_tag|>`), or auto: from the base model's chat template "
+        "(hermes when it writes `<tool_call>`, llama3_json when it writes `<|python_tag|>` or "
+        "`\"parameters\"`, else hermes)."
     )
 
     @field_validator("open_routes")

@@ -59,8 +59,12 @@ def _ignore(_: BaseException) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, max_consecutive_step_failures: int | None = None):
+    def __init__(self, engine: Engine, *, max_consecutive_step_failures: int | None = None,
+                 on_step: Callable[[EngineStats], None] | None = None):
+        """`on_step(stats)` runs on the engine's thread after every step (it must be quick and must
+        not touch the engine; an error it raises is logged, and the loop goes on)."""
         self.engine = engine
+        self._on_step = on_step
         self.max_consecutive_step_failures = (
             max_consecutive_step_failures or engine.config.max_consecutive_step_failures
         )
@@ -255,6 +259,11 @@ class AsyncEngine:
             return
         outputs = engine.step()
         self._stats = engine.stats()
+        if self._on_step is not None:
+            try:
+                self._on_step(self._stats)
+            except Exception:
+                log.exception("the engine's step observer failed")
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:

@@ -57,6 +57,9 @@ class _ServeQueue(ABC):
     def first_token(self, replica: SimReplica, req: SimRequest) -> None:
         return None
 
+    def planned(self, replica: SimReplica) -> None:
+        return None  # Serve's queue sends on finish only: no admission window
+
     def finished(self, replica: SimReplica, req: SimRequest) -> None:
         self.metrics.finished(req)
         self._update(replica.replica_id)

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
-from lora_cluster.cluster.report_rules import MIN_GAP_S, report_on_finish
+from lora_cluster.cluster.report_rules import MIN_GAP_S, AdmissionWindow, report_on_finish, window_limit
 from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
@@ -75,6 +75,9 @@ class LoraClusterPolicy:
         self.routing = AffinityRouting(ctx.replicas, miss_cost=s.router_miss_cost,
                                        placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock)
         self.capacity = {rid: s.admission_capacity or r.max_num_seqs for rid, r in ctx.replicas.items()}
+        self.windows = {rid: AdmissionWindow(window_limit(s.admission_window_max, s.max_ongoing_requests,
+                                                          self.capacity[rid]))
+                        for rid in ctx.replicas}
         self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
         self._inflight = dict.fromkeys(ctx.replicas, 0)  # the ingress's requests running on each replica
         self._unassigned = 0  # fast-path requests on their way (no first item yet)
@@ -119,10 +122,10 @@ class LoraClusterPolicy:
 
     def has_room(self) -> bool:
         """The ingress's admission check (`ClusterAdmission.has_room`)."""
-        return self._free_total > self._unassigned
+        return not self._tickets and self._free_total > self._unassigned
 
     def arrive(self, req: SimRequest) -> None:
-        if self._free_total > self._unassigned:
+        if self.has_room():
             self.fast += 1
             self._unassigned += 1
             t0 = time.thread_time()
@@ -163,8 +166,18 @@ class LoraClusterPolicy:
         self._inflight[rid] -= 1
         self._refree(rid)
         self.routing.changed(rid)
-        if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self.capacity[rid]):
+        if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self._taken(rid)):
             self._schedule_report(rid, max(self.loop.now, self._last_report[rid] + MIN_GAP_S))
+
+    def planned(self, replica: SimReplica) -> None:
+        """A replica planned a step: its admission window observes it (as the live replica's does)."""
+        rid = replica.replica_id
+        self.windows[rid].observe(free_seats=replica.max_num_seqs - len(replica.running),
+                                  waiting=len(replica.waiting), tickets_queued=self._queue_depth[rid] > 0)
+
+    def _taken(self, replica_id: str) -> int:
+        """What the replica reports it takes: its admission capacity plus its window."""
+        return self.capacity[replica_id] + self.windows[replica_id].extra
 
     def _send(self, req: SimRequest, replica_id: str) -> None:
         self.replicas[replica_id].add(req, self.loop.now)
@@ -220,7 +233,7 @@ class LoraClusterPolicy:
         replica = self.replicas[replica_id]
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
         reply = self._call("report", self.controller.report,
-                           replica.report(self.capacity[replica_id], now, arrived))
+                           replica.report(self._taken(replica_id), now, arrived))
         self._queue_depth[replica_id] = int(reply["queue_depth"])
         for adapter_id in reply["prefetch"]:
             replica.prefetch(adapter_id)

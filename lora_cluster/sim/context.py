@@ -28,6 +28,7 @@ class ServeSettings:
     router_miss_cost: float = _DEFAULTS.router_miss_cost
     router_placement_ttl_s: float = _DEFAULTS.router_placement_ttl_s
     admission_capacity: int | None = _DEFAULTS.admission_capacity
+    admission_window_max: int | None = _DEFAULTS.admission_window_max
     cluster_queue_size: int = _DEFAULTS.cluster_queue_size
     cluster_queue_aging_s: float = _DEFAULTS.cluster_queue_aging_s
     cluster_queue_timeout_s: float = _DEFAULTS.cluster_queue_timeout_s
@@ -55,7 +56,8 @@ class SimContext:
 
 class Policy(Protocol):
     """How requests get to replicas. `arrive` takes each new request; `first_token` and `finished`
-    hear of each request's first token and end; `pending` lists the requests the policy holds."""
+    hear of each request's first token and end, `planned` of each step a replica plans (its admission
+    done); `pending` lists the requests the policy holds."""
 
     name: str
 
@@ -66,6 +68,8 @@ class Policy(Protocol):
     def first_token(self, replica: SimReplica, req: SimRequest) -> None: ...
 
     def finished(self, replica: SimReplica, req: SimRequest) -> None: ...
+
+    def planned(self, replica: SimReplica) -> None: ...
 
     def pending(self) -> list[SimRequest]: ...
 

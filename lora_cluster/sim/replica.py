@@ -53,11 +53,12 @@ class SimReplica:
     def __init__(self, replica_id: str, *, profile: ReplicaProfile, max_num_seqs: int, max_loras: int,
                  loop: EventLoop, sizes: dict[str, int], on_finish: Callable[[SimReplica, SimRequest], None],
                  on_load: Callable[[str], None],
-                 on_first_token: Callable[[SimReplica, SimRequest], None] | None = None):
+                 on_first_token: Callable[[SimReplica, SimRequest], None] | None = None,
+                 on_plan: Callable[[SimReplica], None] | None = None):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
         self.budget = profile.max_num_batched_tokens
-        self._on_finish, self._on_first_token = on_finish, on_first_token
+        self._on_finish, self._on_first_token, self._on_plan = on_finish, on_first_token, on_plan
         self.store = store = NodeStore(host_bytes=profile.host_cache_bytes,
                                        disk_bytes=profile.disk_cache_bytes)
         self.adapters = DeviceAdapters(max_loras=max_loras, profile=profile, store=store, loop=loop,
@@ -140,6 +141,8 @@ class SimReplica:
                 budget -= n
         if any(r.priority <= URGENT_PRIORITY for r, _ in chunks):  # an urgent prompt goes alone
             chunks = [(r, n) for r, n in chunks if r.priority <= URGENT_PRIORITY]
+        if self._on_plan is not None:  # the step's admission is done (`AdmissionWindow.observe`)
+            self._on_plan(self)
         if not chunks and not self.n_decoding:
             self._busy = False
             return

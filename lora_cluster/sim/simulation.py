@@ -88,7 +88,7 @@ class Simulation:
             f"r{i:04d}": SimReplica(f"r{i:04d}", profile=profile, max_num_seqs=profile.max_num_seqs,
                                     max_loras=config.max_loras, loop=loop, sizes=self.workload.sizes,
                                     on_finish=self._finished, on_load=self.metrics.load,
-                                    on_first_token=self._first_token)
+                                    on_first_token=self._first_token, on_plan=self._planned)
             for i in range(config.nodes)
         }
         preload = self.workload.names[:config.preload]
@@ -109,6 +109,9 @@ class Simulation:
 
     def _first_token(self, replica: SimReplica, req: SimRequest) -> None:
         self.policy.first_token(replica, req)
+
+    def _planned(self, replica: SimReplica) -> None:
+        self.policy.planned(replica)
 
     def _arrive(self) -> None:
         self.arrivals += 1

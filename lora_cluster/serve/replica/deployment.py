@@ -36,11 +36,17 @@ import ray
 from ray import serve
 
 from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
-from lora_cluster.cluster.report_rules import MAX_PREFETCHES, AdapterDemand, ServiceTime
+from lora_cluster.cluster.report_rules import (
+    MAX_PREFETCHES,
+    AdapterDemand,
+    AdmissionWindow,
+    ServiceTime,
+    window_limit,
+)
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
-from lora_cluster.engine import AsyncEngine, Engine, RequestOutput
+from lora_cluster.engine import AsyncEngine, Engine, EngineStats, RequestOutput
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
@@ -93,7 +99,9 @@ class LoraReplica:
         self.group = group  # its replica group (`replica_groups`), reported in the routing stats
         configure_logging(self.config.log_format)
         self.engine = Engine(config=self.config, adapter_loader=build_adapter_loader)
-        self.aengine = AsyncEngine(self.engine)
+        self._capacity = self.config.admission_capacity or self.config.max_num_seqs
+        self.window = AdmissionWindow(window_limit(self.config.admission_window_max,
+                                                   self.config.max_ongoing_requests, self._capacity))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.counts: collections.Counter[str] = collections.Counter()
         self.class_stats = ClassStats(build_sla_classes(self.config))
@@ -104,10 +112,10 @@ class LoraReplica:
         self.service_time = ServiceTime()
         self._prefetching: set[str] = set()
         self.active = 0  # generate calls in progress: what the controller counts against capacity
-        self._capacity = self.config.admission_capacity or self.config.max_num_seqs
         self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
             controller, self._report, self._on_reply, self.config.controller_report_period_s)
+        self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 
     # ----- generation ---------------------------------------------------------------------
@@ -182,7 +190,7 @@ class LoraReplica:
             self.active -= 1
             self.service_time.record(time.monotonic() - started)
             if self.reporter is not None:
-                self.reporter.request_finished(self.active + 1, self._capacity)
+                self.reporter.request_finished(self.active + 1, self.capacity)
 
     async def _ensure_registered(self, adapter_id: str, path: str) -> None:
         if self._registered.get(adapter_id) == path:
@@ -226,6 +234,17 @@ class LoraReplica:
 
     # ----- the cluster controller ---------------------------------------------------------
 
+    @property
+    def capacity(self) -> int:
+        """Requests this replica takes at once before tickets wait in the cluster queue: its
+        admission capacity plus its admission window (`cluster.report_rules.AdmissionWindow`)."""
+        return self._capacity + self.window.extra
+
+    def _observe_step(self, stats: EngineStats) -> None:
+        """After each engine step (engine thread): the admission window learns whether a seat idled."""
+        queued = self.reporter is not None and self.reporter.queue_depth > 0
+        self.window.observe(free_seats=stats.free_seq_slots, waiting=stats.num_waiting, tickets_queued=queued)
+
     async def _report(self) -> dict[str, Any]:
         # the tickets first, then the stats: a ticket reported as arrived must be in the engine's
         # counts (its request joins the engine from its own task, which the pause lets run first)
@@ -236,7 +255,7 @@ class LoraReplica:
         return build_report(
             active=self.active, arrived_tickets=arrived,
             replica_id=self.replica_id, node_id=self.node_id,
-            capacity=self._capacity, stats=s,
+            capacity=self.capacity, stats=s,
             max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,
             classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
             memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,

@@ -1,18 +1,19 @@
 """The ingress's side of the cluster queue: send at once while a replica has room, else wait for a grant.
 
 Fast path: the ingress sends a request straight to the replicas (the request router picks one) while
-the replicas have room: their free slots add up to more than this ingress's requests that are on
-their way (sent in the last `report_lag_s`, replica not known yet; older ones are in the replicas'
-reports by then, and counting them again would close the fast path on free slots). A replica's free
-slots are its admission capacity (`admission_capacity`, default `max_num_seqs`) minus its ongoing
-requests, the larger of its last report (requests from every ingress, up to `routing_stats_period_s`
-old) and this ingress's own requests running there (exact, immediate). The check reads memory only:
-the fast path makes no actor call.
+none of its requests waits in the cluster queue (a new request never overtakes a parked one, which
+may be more urgent) and the replicas have room: their free slots add up to more than this ingress's
+requests that are on their way (sent in the last `report_lag_s`, replica not known yet; older ones
+are in the replicas' reports by then, and counting them again would close the fast path on free
+slots). A replica's free slots are its admission capacity (`admission_capacity`, default
+`max_num_seqs`) minus its ongoing requests, the larger of its last report (requests from every
+ingress, up to `routing_stats_period_s` old) and this ingress's own requests running there (exact,
+immediate). The check reads memory only: the fast path makes no actor call.
 
-Slow path: no replica has room, so the request is parked in the cluster queue (`ClusterController.admit`)
-and sent to the replica it is granted (pinned) once one frees a slot, in class-then-deadline order.
-A refusal (full queue, deadline out of reach) is a 429 with `Retry-After`; waiting past
-`cluster_queue_timeout_s` a 503.
+Slow path: no replica has room (or a request is parked already), so the request is parked in the
+cluster queue (`ClusterController.admit`) and sent to the replica it is granted (pinned) once one
+frees a slot, in class-then-deadline order. A refusal (full queue, deadline out of reach) is a 429
+with `Retry-After`; waiting past `cluster_queue_timeout_s` a 503.
 
 Placement: every `placement_period_s` the ingress fetches the controller's placement table (hot
 adapter -> replicas that should hold it) and hands it to its request router (`placement_sink`),
@@ -71,6 +72,7 @@ class ClusterAdmission:
         self.report_lag_s = report_lag_s
         self._on_their_way: deque[float] = deque()  # send times of direct requests, replica not known yet
         self._down_until = 0.0
+        self._parked = 0  # this ingress's requests waiting in the cluster queue now
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
 
     @property
@@ -78,8 +80,10 @@ class ClusterAdmission:
         return self._controller is not None
 
     def has_room(self) -> bool:
-        """The replicas take one more request now (see the module docstring). A replica without a
-        report yet counts as having room."""
+        """The replicas take one more request now and none of this ingress's requests is parked (see
+        the module docstring). A replica without a report yet counts as having room."""
+        if self._parked:
+            return False
         stats = self._stats()
         if not stats:
             return True
@@ -101,6 +105,15 @@ class ClusterAdmission:
             self._on_their_way.append(self._clock())
             return None
         self.counts["parked"] += 1
+        self._parked += 1
+        try:
+            return await self._wait_for_grant(sla_class, adapter_id, arrived_at)
+        finally:
+            self._parked -= 1
+
+    async def _wait_for_grant(self, sla_class: str, adapter_id: str | None,
+                              arrived_at: float) -> Granted | None:
+        """Park the request at the controller until it is granted a replica (see `admit`)."""
         ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
                   "adapter_id": adapter_id}
         give_up_reaching = None
