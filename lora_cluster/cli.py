@@ -34,6 +34,10 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--size", choices=["tiny", "base", "1b"], default="tiny",
                    help="tiny (~0.1M), base (~88M) or 1b (~1.0B parameters, Llama-3.2-1B's dims; for GPUs)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--arch", default=None, metavar="NAME",
+                   help="instead of the Llama demo, a tiny model of the family NAME (llama3, mistral, qwen2, "
+                   "qwen3, gemma2, gemma3, phi3, granite, olmo2, smollm3) with PEFT adapters as PEFT writes "
+                   "them for it (docs/model_families.md); --size is then ignored")
     p.add_argument("--force", action="store_true",
                    help="replace a zoo at --out that was built with other arguments (default: refuse)")
     p.add_argument("--progress", action="store_true", default=None,
@@ -47,9 +51,22 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.num_adapters < 0:
         print("lora-cluster demo: --num-adapters must be >= 0", file=sys.stderr)
         return 2
+    if args.arch is not None:
+        from lora_cluster.demo_families import ARCHS
+
+        if args.arch not in ARCHS:
+            print(f"lora-cluster demo: unknown --arch {args.arch!r}; one of {', '.join(ARCHS)}",
+                  file=sys.stderr)
+            return 2
     try:
-        zoo = build_demo_zoo(args.out, num_adapters=args.num_adapters, size=args.size, seed=args.seed,
-                             replace=args.force, progress=args.progress)
+        if args.arch is not None:
+            from lora_cluster.demo_families import build_family_zoo
+
+            zoo = build_family_zoo(args.out, args.arch, num_adapters=args.num_adapters, seed=args.seed,
+                                   replace=args.force)
+        else:
+            zoo = build_demo_zoo(args.out, num_adapters=args.num_adapters, size=args.size, seed=args.seed,
+                                 replace=args.force, progress=args.progress)
     except FileExistsError as e:
         hint = "; pass --force to replace it" if "refusing to replace" in str(e) else ""
         print(f"lora-cluster demo: {e}{hint}", file=sys.stderr)

@@ -119,7 +119,7 @@ def _layer_types(config: Any, sliding_everywhere: bool = False) -> list[str]:
     n = config.num_hidden_layers
     types = _get(config, "layer_types")
     if types is None:
-        sliding = sliding_everywhere and _get(config, "sliding_window")
+        sliding = sliding_everywhere and _get(config, "sliding_window") is not None
         types = ["sliding_attention" if sliding else "full_attention"] * n
     if len(types) != n:
         raise _refuse(config, "layer_types", f"{len(types)} entries", f"one per layer ({n})")
