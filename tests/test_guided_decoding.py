@@ -372,3 +372,11 @@ def test_compiles_are_cached_per_spec_and_bounded(make_engine: Callable[..., Eng
         assert engine.grammars.tokenizer_build_s is not None, "the first constrained request built it"
     finally:
         engine.close()
+
+
+def test_properties_come_in_the_schema_order(engine: Engine) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}}}
+    out = engine.generate(["Order"], ["a3"], constrained(GuidedSpec.json_schema(schema)))[0]
+    keys = list(json.loads(out.text))
+    assert keys == ["zeta", "alpha"], f"the output writes the properties in the client's order: {out.text!r}"

@@ -25,7 +25,7 @@ GUIDED_CHOICES_MAX = 1024  # strings in one `choice` constraint
 class GuidedKind(enum.StrEnum):
     """The kinds of constraint, with what `GuidedSpec.text` holds for each."""
 
-    JSON_SCHEMA = "json_schema"  # text: the JSON schema, as canonical JSON (sorted keys)
+    JSON_SCHEMA = "json_schema"  # text: the JSON schema, compact JSON in the client's key order
     JSON_OBJECT = "json_object"  # text: "" (any JSON object)
     REGEX = "regex"  # text: the regular expression the whole output matches
     CHOICE = "choice"  # text: "" (the output is exactly one of `choices`)
@@ -64,10 +64,12 @@ class GuidedSpec:
 
     @classmethod
     def json_schema(cls, schema: object) -> GuidedSpec:
-        """A spec from a parsed JSON schema (a dict, or True for any JSON value)."""
+        """A spec from a parsed JSON schema (a dict, or True for any JSON value). Keys keep the client's
+        order: the order of `properties` is the order the output writes them in (a field the model
+        should reason in before another comes first), so it is part of the constraint and of its key."""
         if not isinstance(schema, dict | bool):
             raise RequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> GuidedSpec:
