@@ -417,6 +417,9 @@ CHAT = {"model": "a3", "messages": [{"role": "user", "content": "hi"}], "max_tok
 COMPLETION = {"model": "a3", "prompt": "the river", "max_tokens": 2}
 LORAX = {"inputs": "the river", "parameters": {"adapter_id": "a3", "max_new_tokens": 2}}
 MERGE = {"ids": ["a0", "a1"], "weights": [0.5, 0.5]}  # ranks 8 + 16: within max_lora_rank
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # (route, body, whether the server serves it): the schema must say the same
 SCHEMA_AGREES = [
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {}}}, False),
@@ -475,6 +478,19 @@ SCHEMA_AGREES = [
         "type": "text", "schema": {"type": "object"}}}}, False),
     ("/v1/chat/completions", {**CHAT, "tools": []}, True),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, False),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL]}, True),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required"}, True),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": NAMED, "parallel_tool_calls": False},
+     True),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, False),
+    ("/v1/chat/completions", {**CHAT, "tools": [], "tool_choice": NAMED}, False),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, False),
+    ("/v1/chat/completions", {**CHAT, "messages": [*CHAT["messages"], {"role": "tool", "content": "x"}]},
+     False),
+    ("/v1/chat/completions", {**CHAT, "messages": [*CHAT["messages"], {
+        "role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                             "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"}]}, True),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}, False),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, True),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 17}, False),

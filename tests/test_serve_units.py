@@ -150,9 +150,11 @@ def test_chat_request_uses_max_completion_tokens_and_text_parts():
     body.check(LIMITS)
     assert body.sampling(LIMITS, 20).max_new_tokens == 9, "max_completion_tokens limits the reply"
     assert body.conversation() == [{"role": "user", "content": "ab"}], "text content parts are joined"
+    named = {"type": "function", "function": {"name": "absent"}}
     with pytest.raises(ApiException):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
-                              tools=[{"type": "function"}]).check(LIMITS)
+                              tools=[{"type": "function", "function": {"name": "f"}}],
+                              tool_choice=named).check(LIMITS)
 
 
 def test_lorax_greedy_unless_sampling_is_asked_for():

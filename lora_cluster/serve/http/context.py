@@ -140,17 +140,21 @@ class ApiContext:
                 raise ApiException(describe(RequestError(f"prompt token ids must be in [0, {vocab})")))
         return self._checked(ids)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the tokenizer's chat template (+ generation prompt),
-        rendered and tokenized on the tokenizer threads (one job)."""
+        rendered and tokenized on the tokenizer threads (one job). `tools` (OpenAI's function
+        definitions) go to the template as `tools`, which the template renders as it was trained to."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiException(describe(RequestError("the base model's tokenizer has no chat template")))
-        return self._checked(await self._off_loop(self._render_chat, messages))
+        return self._checked(await self._off_loop(self._render_chat, messages, tools))
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """Runs on a tokenizer thread."""
+        extra = {} if tools is None else {"tools": tools}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **extra)
         except Exception as exc:  # a template may reject roles or orders it does not support
             raise ApiException(describe(RequestError(f"cannot apply the chat template: {exc}"))) from exc
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -13,19 +13,24 @@ every choice's job runs in it, and the response names it in `x-lora-priority-cla
 streamed chunks included, in OpenAI's shapes (`logprob_format`); they are of the raw model
 distribution, whatever the temperature (see `engine.logprobs`). Completions' `echo` prepends each
 prompt to its choices' text and, with `logprobs`, its tokens' logprobs (the first null); not with `stream`.
+Chat `tools` go to the chat template; each choice's output is read for tool calls (`tool_calls`: the
+model's format with `tool_choice: auto`, the grammar-forced shape with `required` or a named
+function) and answered in OpenAI's `message.tool_calls` / `delta.tool_calls`, with `finish_reason:
+"tool_calls"` when a choice that called a tool stopped.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
-from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http import openapi, tool_calls
 from lora_cluster.serve.http.best_of import best_n
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
 from lora_cluster.serve.http.logprob_format import (
@@ -36,6 +41,7 @@ from lora_cluster.serve.http.logprob_format import (
 )
 from lora_cluster.serve.http.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest, merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
+from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.auth import Caller, CallerDep
@@ -51,6 +57,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def openai_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
+    parser = tool_calls.parser_for(ctx.config.tool_call_parser, getattr(ctx.tokenizer, "chat_template", None))
 
     def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
                  sla: SlaClass, caller: Caller) -> list[GenerateJob]:
@@ -69,8 +76,10 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         return jobs
 
     async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str,
-                  sla: SlaClass, caller: Caller, echoes: list[str] | None = None) -> Any:
-        """Start the jobs and answer; `echoes` (completions' `echo`): each prompt's text, prepended."""
+                  sla: SlaClass, caller: Caller, echoes: list[str] | None = None,
+                  reader: Callable[[], ToolCallReader] = tool_calls.PlainReader) -> Any:
+        """Start the jobs and answer; `echoes` (completions' `echo`): each prompt's text, prepended;
+        `reader` (chat): a fresh reader of one choice's output (content and tool calls)."""
         request_id = ctx.new_id("cmpl" if kind == "text" else "chatcmpl")
         created = int(time.time())
         jobs = jobs_for(body, prompts, default_max, request_id, sla, caller)
@@ -98,15 +107,20 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                     choices.append({"index": index, "text": text, "logprobs": logprobs,
                                     "finish_reason": finish})
                 else:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": item["text"]},
-                                    "logprobs": logprobs, "finish_reason": finish})
+                    content, calls = tool_calls.collect(reader(), item["text"])
+                    message: dict[str, Any] = {"role": "assistant", "content": content}
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                    choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                    "finish_reason": finish})
             return JSONResponse({
                 "id": request_id, "object": "text_completion" if kind == "text" else "chat.completion",
                 "created": created, "model": body.model, "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens)}, headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
-                         texts)
+                         texts, reader)
         return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
 
     def screen(body: CompletionRequest | ChatCompletionRequest, caller: Caller,
@@ -133,9 +147,11 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, caller: CallerDep,
                                x_lora_priority: PriorityHeader = None) -> Any:
         sla = screen(body, caller, x_lora_priority)
-        prompt = await ctx.encode_chat(body.conversation())
+        use = body.tool_use()
+        prompt = await ctx.encode_chat(body.conversation(), use.template_tools())
+        reader = partial(tool_calls.reader_for, use.mode, parser, use.name, use.parallel)
         return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
-                         caller)
+                         caller, reader=reader)
 
     @router.get("/v1/models", responses=openapi.LISTING)
     async def models(caller: CallerDep) -> dict[str, Any]:
@@ -181,21 +197,25 @@ def _echoed(prompt: list[int], item: dict[str, Any], texts: TokenTexts) -> dict[
 
 
 async def _stream(generations: list[Generation], request_id: str, created: int, model: str, kind: str,
-                  prompt_tokens: int, include_usage: bool, texts: TokenTexts) -> AsyncIterator[bytes]:
+                  prompt_tokens: int, include_usage: bool, texts: TokenTexts,
+                  reader: Callable[[], ToolCallReader]) -> AsyncIterator[bytes]:
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     offsets = [0] * len(generations)  # completions: text offset of each choice's next token
+    readers = [reader() for _ in generations]  # chat: each choice's content and tool calls
 
     def chunk(index: int, text: str | None, finish: str | None, first: bool = False,
-              lps: list[Any] | None = None) -> bytes:
+              lps: list[Any] | None = None, calls: list[dict[str, Any]] | None = None) -> bytes:
         logprobs = _logprobs(kind, lps, texts, offsets[index])
         if kind == "text":
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             if logprobs is not None:
                 offsets[index] += sum(len(t) for t in logprobs["tokens"])
         else:
-            delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return event({"id": request_id, "object": obj, "created": created, "model": model,
                       "choices": [choice]})
@@ -209,7 +229,10 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
             completion_tokens[index] = item["completion_tokens"]
             finish = OPENAI_FINISH.get(item["finish_reason"]) if item["finished"] else None
             lps = item.get("delta_logprobs")
-            if item["delta_text"] or finish or lps:
+            if kind == "chat":
+                for text, calls, end, part_lps in _chat_parts(readers[index], item, finish, lps):
+                    yield chunk(index, text, end, lps=part_lps, calls=calls)
+            elif item["delta_text"] or finish or lps:
                 yield chunk(index, item["delta_text"], finish, lps=lps)
         if include_usage:
             yield event({"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
@@ -217,3 +240,29 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
     except ApiException as exc:
         yield event(exc.error.body())
     yield DONE
+
+
+def _chat_parts(reader: ToolCallReader, item: dict[str, Any], finish: str | None, lps: list[Any] | None,
+                ) -> list[tuple[str | None, list[dict[str, Any]] | None, str | None, list[Any] | None]]:
+    """The chat chunks of one output item as (content, tool_calls, finish_reason, logprobs): its
+    content and tool-call pieces as `reader` reads them (held-back text waits for later items), the
+    item's logprobs on the first chunk, the finish reason (`tool_calls` once the choice called a tool
+    and stopped) on the last."""
+    pieces = reader.feed(item["delta_text"] or "")
+    if item["finished"]:
+        pieces += reader.finish()
+    if finish == "stop" and reader.called:
+        finish = "tool_calls"
+    parts: list[tuple[str | None, list[dict[str, Any]] | None]] = []
+    for piece in pieces:
+        if isinstance(piece, ContentDelta):
+            if parts and parts[-1][1] is None:
+                parts[-1] = ((parts[-1][0] or "") + piece.text, None)
+            else:
+                parts.append((piece.text, None))
+        else:
+            parts.append((None, [piece.wire()]))
+    if not parts and (finish or lps):
+        parts = [(None, None)]
+    return [(text, calls, finish if i == len(parts) - 1 else None, lps if i == 0 else None)
+            for i, (text, calls) in enumerate(parts)]

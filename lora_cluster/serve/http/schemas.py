@@ -2,7 +2,7 @@
 
 Field names follow the APIs they imitate: OpenAI (plus vLLM's `top_k`, `ignore_eos`,
 `stop_token_ids`), LoRAX/TGI, and vLLM's adapter admin routes. Parameters the engine cannot honour
-(`suffix`, `typical_p`, tools...) are refused with a 400 naming them rather than silently ignored.
+(`suffix`, `typical_p`...) are refused with a 400 naming them rather than silently ignored.
 Output constraints (`response_format`, vLLM's `structured_outputs` and `guided_*`, LoRAX's
 `parameters.response_format`) are the request models of `structured_output`, mapped there to the
 engine's `GuidedSpec`. `best_of`: OpenAI (vLLM) returns the n of best_of candidates with the highest
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -43,6 +44,15 @@ from lora_cluster.serve.http.structured_output import (
     StructuredOutputs,
     one_constraint_rule,
     openai_guided,
+)
+from lora_cluster.serve.http.tools import (
+    MAX_TOOLS,
+    MessageToolCall,
+    ToolChoice,
+    ToolDefinition,
+    ToolUse,
+    tool_rules,
+    tool_use,
 )
 from lora_cluster.serve.http_errors import bad_request
 from lora_cluster.store.merge import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
@@ -286,8 +296,16 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # a tool result names the call it answers
+        {"properties": {"role": {"not": {"const": "tool"}}}},
+        {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]})
+
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant message's tool calls.")
+    tool_call_id: str | None = Field(None, description="A `tool` message's answer to this call (required "
+                                     "there).")
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -308,7 +326,12 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, description="Alternatives per token with logprobs: "
                                      "true (at most max_logprobs; OpenAI allows 0-20).")
-    tools: Annotated[list[dict[str, Any]] | None, EMPTY_ARRAY] = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS, description="Functions the "
+                                              "model may call (OpenAI), passed to the chat template.")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools: calls "
+                                           "read from the output), required or a named function (both "
+                                           "enforced by the grammar).")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true).")
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -318,16 +341,47 @@ class ChatCompletionRequest(_OpenAISampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true")
         check_logprobs(self.top_logprobs, limits, "top_logprobs")
-        if self.tools:
-            raise bad_request("unsupported parameter(s): tools", code="unsupported_parameter")
+        self.tool_use()
+        for message in self.messages:
+            if message.role == "tool" and message.tool_call_id is None:
+                raise bad_request("a message of role tool needs the tool_call_id it answers")
         if self.max_completion_tokens is not None:  # checked even when max_tokens wins
             check_max_tokens(self.max_completion_tokens, limits, "max_completion_tokens")
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         check_n(self.n, limits)
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: role and content, and an assistant's
+        `tool_calls`, a tool result's `tool_call_id`, a `name` where the client sent them."""
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [call.for_template() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
+
+    def tool_use(self) -> ToolUse:
+        """What the request's tools ask for (400 naming the field when they do not fit together)."""
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def sampling(self, limits: ServeConfig, default_max_tokens: int, choice: int = 0) -> SamplingParams:
+        """As for every OpenAI request, plus the grammar of a forced tool call (`required` or a named
+        function), which cannot be combined with another output constraint (a 400)."""
+        params = super().sampling(limits, default_max_tokens, choice)
+        forced = self.tool_use().guided()
+        if forced is None:
+            return params
+        if params.guided is not None:
+            raise bad_request("tool_choice required or a named function forces the output's form; it "
+                              "cannot be combined with another output constraint (response_format, "
+                              "structured_outputs, guided_*)")
+        return replace(params, guided=forced)
 
 
 class LoraxParameters(_Body):
@@ -565,6 +619,7 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     chat = components["ChatCompletionRequest"]["properties"]
     chat["max_completion_tokens"]["maximum"] = limits.max_new_tokens
     chat["top_logprobs"]["maximum"] = limits.max_logprobs
+    components["ChatCompletionRequest"].setdefault("allOf", []).extend(tool_rules())
     adapter_is_base = {"properties": {"adapter_id": {"anyOf": [{"type": "null"}, {"enum": base_models}]}}}
     for name in ("LoraxParameters", "LoraxStreamParameters"):  # /generate_stream's: best_of only 1
         lorax = components[name]

@@ -1,0 +1,179 @@
+"""A chat request's tools: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, and the
+history's tool calls and results, as the server takes them.
+
+Policy (OpenAI's meaning, vLLM's mechanics):
+
+* `tool_choice` defaults to `auto` when there are tools, `none` otherwise. The tools go to the chat
+  template (`apply_chat_template(..., tools=...)`) whatever the choice, as vLLM does.
+* `auto`: the model decides; its output is read for calls in the model's format (`tool_calls`).
+* `required` and a named function are enforced by the grammar (`SamplingParams.guided`): a named
+  function's output is its arguments object (the function's `parameters` schema); `required`'s is
+  a JSON array of `{"name": <one of the tools>, "parameters": <its schema>}` objects, at least one,
+  exactly one with `parallel_tool_calls: false`. The tools' `$defs` move to the array's root so
+  that their `#/$defs/...` references still resolve (the same name with two schemas is a 400).
+* `none`: no calls are read; the output is content.
+
+Refused with a 400 naming the field: a named or required choice without tools, a named function not
+among the tools, two tools of one name, a `tool` message without `tool_call_id`. Names follow
+OpenAI's rule (letters, digits, `_` and `-`, at most 64); at most `MAX_TOOLS` tools (OpenAI's limit).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lora_cluster.engine.guided_spec import GuidedSpec
+from lora_cluster.errors import RequestError
+from lora_cluster.serve.http_errors import bad_request
+
+MAX_TOOLS = 128  # OpenAI's limit of tools in one request
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}  # a function without parameters
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+class _ToolBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionDefinition(_ToolBody):
+    name: str = Field(pattern=FUNCTION_NAME, description="Letters, digits, `_` or `-`; at most 64.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="The arguments' JSON schema (none: no "
+                                              "arguments).")
+    strict: bool | None = Field(None, description="Accepted; forced calls (`required`, a named function) "
+                                "always follow the schema.")
+
+
+class ToolDefinition(_ToolBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_ToolBody):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_ToolBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(_ToolBody):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class MessageToolCall(_ToolBody):
+    """A call an assistant message of the history made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read it (vLLM's form): the arguments parsed when they are a JSON object."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request's tools ask of the server."""
+
+    mode: ToolMode
+    tools: tuple[ToolDefinition, ...]
+    name: str | None = None  # mode "named": the function
+    parallel: bool = True
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as `apply_chat_template(tools=...)` takes them (None: no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] or None
+
+    def guided(self) -> GuidedSpec | None:
+        """The grammar that forces the call (None: `auto` and `none` are not forced)."""
+        if self.mode == "named":
+            function = next(t.function for t in self.tools if t.function.name == self.name)
+            return _spec(function.parameters or EMPTY_PARAMETERS, self.name or "")
+        if self.mode != "required":
+            return None
+        defs: dict[str, Any] = {}
+        items = []
+        for tool in self.tools:
+            parameters = dict(tool.function.parameters or EMPTY_PARAMETERS)
+            for key, schema in (parameters.pop("$defs", None) or {}).items():
+                if key in defs and defs[key] != schema:
+                    raise bad_request(f"tools: the $defs entry {key!r} has different schemas in two tools; "
+                                      "tool_choice required needs one")
+                defs[key] = schema
+            items.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                          "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                         "parameters": parameters}})
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return _spec(schema, "tool_choice required")
+
+
+# the OpenAI body's other output constraints, which a forced tool call cannot be combined with
+CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def tool_rules() -> list[dict[str, Any]]:
+    """The rules between a chat body's fields that the OpenAPI schema states (`schemas.constrain`):
+    a forced tool choice (`required`, a named function) needs tools and no other output constraint.
+    What JSON Schema cannot state is in the fields' descriptions: a named function is one of the
+    tools, tool names are unique."""
+    forced = {"required": ["tool_choice"],
+              "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}
+    has_tools = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    constraining = [{"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+                    for name in CONSTRAINT_FIELDS]
+    json_format = {"type": "object", "required": ["type"],
+                   "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+    constraining.append({"required": ["response_format"], "properties": {"response_format": json_format}})
+    return [{"anyOf": [{"not": forced}, has_tools]},
+            *({"not": {"allOf": [forced, other]}} for other in constraining)]
+
+
+def _spec(schema: dict[str, Any], what: str) -> GuidedSpec:
+    try:
+        return GuidedSpec.json_schema(schema)
+    except RequestError as exc:
+        raise bad_request(f"tools ({what}): {exc}") from exc
+
+
+def tool_use(tools: list[ToolDefinition] | None, choice: ToolChoice | None,
+             parallel: bool | None) -> ToolUse:
+    """The request's tool use, checked (400 naming the field)."""
+    tools = tools or []
+    names = [t.function.name for t in tools]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise bad_request(f"tools: function names must be unique; repeated: {', '.join(repeated)}")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools"
+                              + (f" ({', '.join(names)})" if names else " (none given)"))
+        return ToolUse("named", tuple(tools), name, parallel is not False)
+    if choice == "required" and not tools:
+        raise bad_request("tool_choice required needs at least one tool in tools")
+    return ToolUse(choice, tuple(tools), None, parallel is not False)
