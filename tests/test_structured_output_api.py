@@ -92,12 +92,13 @@ async def test_each_form_of_a_constraint_reaches_the_engine_as_its_guided_spec(r
     assert got == want, f"{route} {body}: the engine is asked for {want}, got {got}"
 
 
-async def test_a_schema_is_the_same_spec_whatever_its_key_order_or_form():
-    reordered = dict(reversed(list(SCHEMA.items())))
+async def test_a_schema_is_the_same_spec_whatever_field_or_form_carries_it():
     a = await guided_of("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema",
                                                  "json_schema": {"name": "P", "schema": SCHEMA}}})
-    b = await guided_of("/v1/completions", {**COMPLETION, "guided_json": reordered})
-    assert a == b, "equal schemas are one spec (the engine's compile cache key), whatever the field"
+    b = await guided_of("/v1/completions", {**COMPLETION, "guided_json": json.dumps(SCHEMA)})
+    c = await guided_of("/generate", lorax(response_format={"type": "json_object", "schema": SCHEMA}))
+    assert a == b, "a schema object and its JSON text are one spec (the engine's compile cache key)"
+    assert a == c, "the OpenAI and LoRAX forms of a schema are one spec"
     assert a.kind is GuidedKind.JSON_SCHEMA, "a JSON-schema constraint"
 
 
