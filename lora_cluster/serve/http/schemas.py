@@ -74,7 +74,6 @@ def _only(schema: dict[str, Any], what: str) -> WithJsonSchema:
 # unsupported parameters, as the OpenAPI schema states them: the values that change nothing
 ONE = _only({"type": "number", "minimum": 1, "maximum": 1}, "only 1 (the default)")
 ONE_INT = _only({"type": "integer", "minimum": 1, "maximum": 1}, "only 1 (the default)")
-EMPTY_ARRAY = _only({"type": "array", "maxItems": 0}, "only empty (no tools)")
 EMPTY_STRING = _only({"type": "string", "maxLength": 0}, "only empty")
 NULL = WithJsonSchema({"type": "null", "description": "Unsupported: only null."})
 FALSE = WithJsonSchema({"type": "boolean", "enum": [False], "description": "Unsupported: only false."})
