@@ -13,6 +13,9 @@
 #     Llama-3.2-1B's dims, then the ~88M demo model (benchmarks/bench_decode_step.py).
 #  3. The engine's tests on the GPU (float32, where they compare with PEFT), a fixed KV block count
 #     so that engines alive together in one process fit.
+#  3b. Every model family (tests/test_family_parity.py: Qwen3, Gemma 2/3, Phi-3/4-mini, Granite, OLMo 2,
+#     SmolLM3, Llama 3, Mistral, Qwen2) token-exact with PEFT on the GPU: the Triton paged decode with
+#     sliding windows and soft-caps, float32.
 #  4. Whole distinct-adapter generations vs base-only and PEFT's mixed batch (bench_engine.py).
 #  5. The memory plan on the device: KV blocks and adapter slots from gpu_memory_utilization.
 set -u -o pipefail
@@ -46,6 +49,8 @@ step decode_base 110 python3 benchmarks/bench_decode_step.py --zoo /tmp/zoo/base
 LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=1024 step engine_tests 100 python3 -m pytest -q \
     -p no:cacheprovider tests/test_engine_parity.py tests/test_logprobs.py tests/test_merge.py \
     tests/test_paged_kv.py tests/test_lora_slot_batch.py tests/test_engine_behaviour.py
+LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=512 step families 150 python3 -m pytest -q \
+    -p no:cacheprovider tests/test_family_parity.py
 LORA_CLUSTER_NUM_KV_BLOCKS=2048 step bench_engine 90 python3 benchmarks/bench_engine.py \
     --scenario distinct-decode --zoo /tmp/zoo/base96 --reps 3 --out "$OUT/bench_engine.md"
 step memory_plan 60 python3 -c '

@@ -59,6 +59,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              {"sliding_window": WINDOW,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
+    # Phi-4-mini's shape: longrope (served within its original context), partial rotary, tied embeddings
+    "phi4mini": ("Phi3Config", "Phi3ForCausalLM",
+                 {"tie_word_embeddings": True, "original_max_position_embeddings": 64,
+                  "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                      "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+                                      "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                      "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.125,
                  "logits_scaling": 2.0}),
@@ -137,7 +144,7 @@ def _write_family(tmp: Path, zoo: DemoZoo, arch: str, seed: int, num_adapters: i
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model", save_jinja_files=False)
     model.name_or_path = str(zoo.model_dir)
-    fused = arch == "phi3"
+    fused = FAMILIES[arch][1] == "Phi3ForCausalLM"
     for i, adapter_id in enumerate(zoo.adapter_ids):
         spec = ADAPTERS[i % len(ADAPTERS)]
         lora = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=_targets(spec, fused),

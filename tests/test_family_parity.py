@@ -100,7 +100,7 @@ def test_mixed_batch_matches_peft(arch: str, zoos: Path) -> None:
             assert torch.allclose(torch.tensor([v for _, v in lp.top]), top.values, atol=TOL, rtol=0), (
                 f"{arch} {rid} ({aid}) token {i}: the alternatives' logprobs are PEFT's within {TOL}")
         torch.testing.assert_close(
-            torch.stack(captured[rid]), ref, atol=TOL, rtol=0,
+            torch.stack(captured[rid]).cpu(), ref, atol=TOL, rtol=0,
             msg=lambda m, r=rid, a=aid: f"{arch} {r} ({a}): logits must equal PEFT's within {TOL}: {m}",
         )
         if aid is not None:

@@ -72,6 +72,16 @@ def test_an_unknown_architecture_fails_at_start_listing_the_supported_ones(zoos,
         assert supported in str(info.value), f"the error lists {supported} as supported"
 
 
+def test_longrope_is_served_within_its_original_context(zoos):
+    """transformers switches every position to longrope's long factors once a sequence passes the
+    original context: the engine serves the short-factor range exactly, and no further."""
+    engine = build_engine(model=str(zoos("phi4mini").model_dir), adapter_source=None, max_model_len=4096)
+    try:
+        assert engine.max_model_len == 64, "max_model_len is capped at original_max_position_embeddings"
+    finally:
+        engine.close()
+
+
 def _peft_adapter(zoo: DemoZoo, out: Path, **lora: object) -> Path:
     """An adapter written by PEFT itself on the zoo's model (`lora`: LoraConfig settings)."""
     from peft import LoraConfig, get_peft_model

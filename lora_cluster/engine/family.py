@@ -26,8 +26,9 @@ from lora_cluster.errors import ConfigError, UnsupportedModelError
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# rope types whose tables depend only on the config (not on the length of the batch being run)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+# rope types whose tables depend only on the config (not on the length of the batch being run);
+# longrope too, within its original context (`FamilySpec.max_positions`: its short factors apply)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional", "longrope")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class FamilySpec:
     logits_divisor: float = 1.0
     activation: str = "silu"
     fused_checkpoint: bool = False  # q/k/v as `qkv_proj`, gate/up as `gate_up_proj` (Phi-3)
+    # the longest sequence served exactly, when shorter than max_position_embeddings: longrope's
+    # original context (transformers switches every position to the long factors past it)
+    max_positions: int | None = None
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -165,7 +169,15 @@ def _qwen3(config: Any) -> FamilySpec:
 
 
 def _phi3(config: Any) -> FamilySpec:
-    return replace(_llama(config, sliding_everywhere=True), fused_checkpoint=True)
+    spec = replace(_llama(config, sliding_everywhere=True), fused_checkpoint=True)
+    params = _get(config, "rope_parameters") or {}
+    if spec.ropes["global"].rope_type == "longrope":
+        original = params.get("original_max_position_embeddings")
+        if not isinstance(original, int) or original < 1:
+            raise _refuse(config, "rope_parameters.original_max_position_embeddings", original,
+                          "a positive integer with longrope")
+        spec = replace(spec, max_positions=original)
+    return spec
 
 
 def _granite(config: Any) -> FamilySpec:
@@ -248,6 +260,9 @@ def read_family(model: str, config: Any) -> FamilySpec:
     if not _get(config, "architectures"):
         config.architectures = [arch]
     try:
-        return reader(config)
+        spec = reader(config)
+        if spec.max_positions is None and any(r.rope_type == "longrope" for r in spec.ropes.values()):
+            raise _refuse(config, "rope_parameters.rope_type", "longrope", "longrope on Phi-3 only")
     except ConfigError as e:
         raise ConfigError(f"model {model!r}: {e}") from e
+    return spec

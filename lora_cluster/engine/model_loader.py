@@ -57,7 +57,7 @@ class ModelDims:
     intermediate: int
     vocab_size: int
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest sequence served exactly (longrope: its original context)
     fused_targets: bool = False  # adapters target qkv_proj / gate_up_proj (fused checkpoints)
 
     @property
@@ -172,6 +172,8 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
     spec = read_family(model, config)
     dims = _dims(config)
     dims.fused_targets = spec.fused_checkpoint
+    if spec.max_positions is not None:
+        dims.max_position_embeddings = min(dims.max_position_embeddings, spec.max_positions)
     w = _read_weights(path)
 
     def take(name: str) -> torch.Tensor | None:
