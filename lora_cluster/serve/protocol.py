@@ -72,6 +72,7 @@ def output_item(out: RequestOutput, *, full: bool) -> dict[str, Any]:
         "finished": out.finished,
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens,
+        "cached_tokens": out.num_cached_tokens,  # prompt tokens found in the replica's prefix cache
         "completion_tokens": out.completion_tokens,
         "ttft_s": out.time_to_first_token,
         "delta_logprobs": out.delta_logprobs,  # engine.logprobs.TokenLogprob per delta id (None: not asked)

@@ -13,6 +13,8 @@ every choice's job runs in it, and the response names it in `x-lora-priority-cla
 streamed chunks included, in OpenAI's shapes (`logprob_format`); they are of the raw model
 distribution, whatever the temperature (see `engine.logprobs`). Completions' `echo` prepends each
 prompt to its choices' text and, with `logprobs`, its tokens' logprobs (the first null); not with `stream`.
+`usage.prompt_tokens_details.cached_tokens` and the `x-lora-cached-tokens` header count the prompt
+tokens whose KV the replicas' prefix caches held, once per prompt (as `prompt_tokens`).
 Chat `tools` go to the chat template; each choice's output is read for tool calls (`tool_calls`: the
 model's format with `tool_choice: auto`, the grammar-forced shape with `required` or a named
 function) and answered in OpenAI's `message.tool_calls` / `delta.tool_calls`, with `finish_reason:
@@ -45,14 +47,15 @@ from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.auth import Caller, CallerDep
-from lora_cluster.serve.routing.dispatch import Generation, routing_headers
+from lora_cluster.serve.routing.dispatch import Generation, cached_tokens, routing_headers
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def openai_router(ctx: ApiContext) -> APIRouter:
@@ -87,7 +90,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
         # each choice is charged from its start: a fan-out cancelled while starting charges what ran
         generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
-        headers = {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
+        cached = cached_tokens(generations, len(prompts))
+        headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name}
         texts = TokenTexts(ctx.token_text)
         if not body.stream:
             done = await finals(generations)
@@ -117,10 +121,10 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             return JSONResponse({
                 "id": request_id, "object": "text_completion" if kind == "text" else "chat.completion",
                 "created": created, "model": body.model, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens)}, headers=headers)
+                "usage": _usage(prompt_tokens, completion_tokens, cached)}, headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
-                         texts, reader)
+                         texts, reader, cached=cached)
         return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
 
     def screen(body: CompletionRequest | ChatCompletionRequest, caller: Caller,
@@ -198,7 +202,7 @@ def _echoed(prompt: list[int], item: dict[str, Any], texts: TokenTexts) -> dict[
 
 async def _stream(generations: list[Generation], request_id: str, created: int, model: str, kind: str,
                   prompt_tokens: int, include_usage: bool, texts: TokenTexts,
-                  reader: Callable[[], ToolCallReader]) -> AsyncIterator[bytes]:
+                  reader: Callable[[], ToolCallReader], *, cached: int = 0) -> AsyncIterator[bytes]:
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     offsets = [0] * len(generations)  # completions: text offset of each choice's next token
     readers = [reader() for _ in generations]  # chat: each choice's content and tool calls
@@ -236,7 +240,7 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
                 yield chunk(index, item["delta_text"], finish, lps=lps)
         if include_usage:
             yield event({"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-                         "usage": _usage(prompt_tokens, sum(completion_tokens))})
+                         "usage": _usage(prompt_tokens, sum(completion_tokens), cached)})
     except ApiException as exc:
         yield event(exc.error.body())
     yield DONE

@@ -66,6 +66,9 @@ _ROUTING_HEADERS = {
                            "schema": {"type": "string", "enum": ["true", "false"]}},
     "x-lora-priority-class": {"description": "The SLA class that served the request.",
                               "schema": {"type": "string"}},
+    "x-lora-cached-tokens": {"description": "Prompt tokens whose KV came from the replicas' prefix caches "
+                             "(once per prompt, as usage.prompt_tokens_details.cached_tokens).",
+                             "schema": {"type": "integer", "minimum": 0}},
 }
 SSE_CONTENT = {"text/event-stream": {"itemSchema": {  # one event (OpenAPI 3.2's itemSchema, as FastAPI)
     "type": "object", "required": ["data"],

@@ -11,10 +11,10 @@ another port, with its own delay; prometheus_client's multiprocess mode needs a 
 one host.) With several ingress replicas each exports its own counters: scrape them all (or keep one).
 
 The adapter store's per-tier counters travel the same way (the `store` part of each report), and so
-do each replica's engine counters (steps, batch sizes, tokens, preemptions, adapter placements and
-switches), its device memory by use and the node it runs on: one scrape of the ingress shows the
-whole cluster. Names are prefixed `lora_cluster_` and end in their unit (`_seconds`, `_bytes`,
-`_ratio`, `_total` for counters).
+do each replica's engine counters (steps, batch sizes, tokens, preemptions, prefix cache hits,
+adapter placements and switches), its device memory by use and the node it runs on: one scrape of the
+ingress shows the whole cluster. Names are prefixed `lora_cluster_` and end in their unit
+(`_seconds`, `_bytes`, `_ratio`, `_total` for counters).
 
 Labels are bounded: `route` is a route template, `status` an HTTP status code, `replica` a replica
 id and `node` a Ray node id (bounded by the cluster), `tier` one of device/host/disk/source,
@@ -121,6 +121,10 @@ PROMPT_TOKENS = Counter("lora_cluster_prompt_tokens_total", "Prompt tokens of fi
                         _GEN, registry=REGISTRY)
 GENERATED_TOKENS = Counter("lora_cluster_generated_tokens_total", "Tokens generated (finished or not).",
                            _GEN, registry=REGISTRY)
+PROMPT_CACHED_TOKENS = Counter(
+    "lora_cluster_prompt_cached_tokens_total",
+    "Prompt tokens of finished generations whose KV came from the replica's prefix cache (the hit rate: "
+    "its rate over lora_cluster_prompt_tokens_total's).", _GEN, registry=REGISTRY)
 SLO_REQUESTS = Counter(
     "lora_cluster_slo_requests_total",
     "Finished or failed generations by whether they met their SLA class's TTFT and TPOT targets "
@@ -207,7 +211,7 @@ def configure(config: ServeConfig, clock: Callable[[], float] = time.monotonic) 
     _labels = _Labels(config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
                       config.metrics_label_window_s, build_sla_classes(config), clock)
     for metric in (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, GENERATIONS, PROMPT_TOKENS,
-                   GENERATED_TOKENS, SLO_REQUESTS):
+                   PROMPT_CACHED_TOKENS, GENERATED_TOKENS, SLO_REQUESTS):
         metric.clear()  # series of an earlier configuration are not in the new index
     for name in _labels.sla.names:
         QUEUE_DEPTH.labels(name).set(0)
@@ -252,12 +256,14 @@ class GenerationMetrics:
         if n and self._labels is not None:
             self._child(GENERATED_TOKENS).inc(n)
 
-    def finished(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
+        """The generation ended well; `cached_tokens` of its prompt tokens came from the prefix cache."""
         if not self._end("ok"):
             return
         now = self._clock()
         self._child(E2E_LATENCY).observe(now - self.arrived_at)
         self._child(PROMPT_TOKENS).inc(prompt_tokens)
+        self._child(PROMPT_CACHED_TOKENS).inc(cached_tokens)
         first = self._first_at if self._first_at is not None else now
         tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else None
         if tpot is not None:
@@ -318,6 +324,10 @@ _ENGINE_GAUGES = {
         lambda s: None if s.max_loras is None else s.max_loras - (s.empty_adapter_slots or 0),
     ),
     "lora_cluster_adapter_slots": ("Device adapter slots (max_loras).", lambda s: s.max_loras),
+    "lora_cluster_prefix_cache_blocks": (
+        "KV blocks of the replica holding cached prefix content (in use or idle, evictable).",
+        lambda s: s.engine.get("prefix_cache_blocks"),
+    ),
     "lora_cluster_adapter_miss_penalty_ratio": (
         "Adapter protection's soft routing score for a miss on the replica: 0 (fine) to 1 (in thrash, "
         "misses are better sent elsewhere).",
@@ -379,6 +389,14 @@ _ENGINE_COUNTERS = (
      "failed_steps"),
     ("lora_cluster_adapter_switches",
      "Adapters placed into a device slot that held another adapter (seed 001's adapter switch).", "switches"),
+    ("lora_cluster_prefix_cache_queried_tokens",
+     "Tokens of requests admitted to the engine (re-admissions after a preemption too) looked up in the "
+     "prefix cache.", "prefix_cache_queried_tokens"),
+    ("lora_cluster_prefix_cache_hit_tokens",
+     "Of those, tokens whose KV blocks were cached (not computed again); the hit rate is its rate over "
+     "the queried tokens' rate.", "prefix_cache_hit_tokens"),
+    ("lora_cluster_prefix_cache_evictions",
+     "Idle cached KV blocks evicted (least recently used) for other content.", "prefix_cache_evictions"),
 )
 MEMORY_USES = ("base_weights", "kv_cache", "adapter_pool", "free")
 

@@ -47,6 +47,7 @@ RETRY_PAUSE_S = 0.2  # times the attempt number, before a retry (Serve drops a d
 
 HEADER_REPLICA = "x-lora-replica"
 HEADER_HIT = "x-lora-adapter-hit"
+HEADER_CACHED = "x-lora-cached-tokens"
 
 
 def cancel_call(response: Any) -> None:
@@ -91,7 +92,8 @@ class Generation:
                 if item["finished"]:
                     self.finished = True
                     if self.meter is not None:
-                        self.meter.finished(item["prompt_tokens"], item["completion_tokens"])
+                        self.meter.finished(item["prompt_tokens"], item["completion_tokens"],
+                                            item.get("cached_tokens") or 0)
                 yield item
                 if item["finished"]:
                     return
@@ -329,8 +331,18 @@ class Dispatcher:
         return dict(zip(ids, results, strict=True))
 
 
-def routing_headers(generations: list[Generation]) -> dict[str, str]:
-    """`x-lora-replica` (the replicas that served, comma-separated) and `x-lora-adapter-hit`."""
+def cached_tokens(generations: list[Generation], prompts: int = 1) -> int:
+    """Prompt tokens the replicas' prefix caches held for `generations` (in prompt order, the same
+    number per prompt): those of each prompt's first generation, so that a prompt counts once, as in
+    the usage's `prompt_tokens`."""
+    per_prompt = max(1, len(generations) // max(1, prompts))
+    return sum(int(g.first.get("cached_tokens") or 0) for g in generations[::per_prompt])
+
+
+def routing_headers(generations: list[Generation], prompts: int = 1) -> dict[str, str]:
+    """`x-lora-replica` (the replicas that served, comma-separated), `x-lora-adapter-hit` and
+    `x-lora-cached-tokens` (`cached_tokens` of the generations of `prompts` prompts)."""
     replicas = list(dict.fromkeys(g.replica for g in generations))
     return {HEADER_REPLICA: ",".join(replicas),
-            HEADER_HIT: "true" if all(g.hit for g in generations) else "false"}
+            HEADER_HIT: "true" if all(g.hit for g in generations) else "false",
+            HEADER_CACHED: str(cached_tokens(generations, prompts))}
