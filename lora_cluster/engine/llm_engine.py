@@ -17,6 +17,15 @@ Prefix caching (`enable_prefix_caching`): full KV blocks are keyed by the adapte
 their tokens (`engine.prefix_hash`), and a new request reuses the longest cached prefix of its prompt
 (`engine.kv_cache`, `engine.prefix_cache`); `RequestOutput.num_cached_tokens` says how many tokens.
 
+Structured output (`SamplingParams.guided`, `engine.grammar_compiler`, `engine.guided_state`,
+`engine.token_mask`): a constrained request's grammar compiles on the compiler's threads (once per
+spec, cached); the request waits in the queue holding nothing until it is ready (the scheduler's
+gate answers PENDING), or ends at once with the compile's `RequestError`. In a step, the constrained
+rows' masks are filled on a worker thread while the forward pass runs, then applied to the model's
+logits before the logit controls and sampling (logprobs are those of the masked distribution); each
+sampled token advances its row's matcher, and a grammar that allows nothing more ends the request
+with `stop`. Unconstrained rows are untouched, and a step without constrained rows does no mask work.
+
 Failures: a step that raises (forward pass, sampling, detokenization, scheduling) ends the requests
 it was running with an `EngineStepError`; a request whose own detokenization fails ends alone. The
 engine counts consecutive failed steps (`EngineStats.consecutive_step_failures`); the async front

@@ -8,6 +8,9 @@ PEFT's `log_softmax` of the same forward pass. The sampled token may have been d
 temperature-scaled or truncated distribution; its reported logprob is still the raw one. The same
 holds for the logit controls (`engine.logit_controls`: penalties, `logit_bias`, `min_tokens`): they
 change what is sampled, not the logprobs reported (vLLM's raw logprobs are taken before them too).
+A constrained row (structured output, `engine.token_mask`) is the exception: its logits are masked
+first, so its logprobs are those of the model's distribution over the tokens the grammar allows
+(the others are -inf), as in vLLM, where the grammar's bitmask is applied before the sampler.
 
 Per generated token a request that asked for `logprobs=k` gets the chosen token's logprob and the
 k most likely tokens (`k = 0`: the chosen one only). With `prompt_logprobs=k`, every prompt token
