@@ -20,7 +20,7 @@ import torch
 from lora_cluster.cli import main
 from lora_cluster.demo import DemoZoo
 from lora_cluster.demo_families import ARCHS, build_family_zoo
-from lora_cluster.engine import build_engine
+from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import AdapterFormatError, ConfigError, UnsupportedModelError
 
@@ -80,6 +80,33 @@ def test_longrope_is_served_within_its_original_context(zoos):
         assert engine.max_model_len == 64, "max_model_len is capped at original_max_position_embeddings"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_bfloat16_engine_serves_every_family_close_to_peft(zoos, arch):
+    """bfloat16 is the default dtype on CUDA: rotated queries and keys keep it (the rope tables are
+    cast as transformers casts them), and the first token's logprob stays near PEFT's float32 one."""
+    from helpers import peft_logits
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    zoo = zoos(arch)
+    engine = build_engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), dtype="bfloat16",
+                          max_lora_rank=64)
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    try:
+        outs = engine.generate(["the quick brown fox jumps over the lazy dog near the river"] * 2,
+                               adapter_ids=[None, "a1"], sampling=sampling)
+    finally:
+        engine.close()
+    base = AutoModelForCausalLM.from_pretrained(zoo.model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, zoo.adapters_dir / "a1", adapter_name="a1").eval()
+    for aid, out in zip([None, "a1"], outs, strict=True):
+        assert len(out.token_ids) == 4, f"{arch} ({aid}): a bfloat16 engine decodes every token"
+        ref = torch.log_softmax(peft_logits(model, aid, out.prompt_token_ids)[-1].float(), dim=-1)
+        first = out.logprobs[0]
+        assert abs(first.logprob - ref[first.token_id].item()) < 0.1, (
+            f"{arch} ({aid}): the bfloat16 logprob of the first token is near PEFT's float32 one")
 
 
 def _peft_adapter(zoo: DemoZoo, out: Path, **lora: object) -> Path:
