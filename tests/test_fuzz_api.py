@@ -201,9 +201,13 @@ tenants:
 """
 # prompts up to 448 tokens (the demo model's 512 positions): more than any generated prompt, so the
 # one rule the schema cannot state (a text's token count) is not what the fuzzer meets; generations
-# stay short (max_new_tokens)
+# stay short (max_new_tokens). max_n 1: n and best_of are then 1 at most, so the schema states no rule
+# between them; with max_n 2 their rule and the structured-output rule (at most one constraint) expand
+# past what schemathesis's canonicalizer models (jsonschema_rs: OUTGREW_INTERSECTIONS) and no body of
+# the generation routes could be generated. best_of's rules are pinned with max_n 4 in
+# test_structured_output_api.py (schema and server agree)
 HTTP_ENGINE_SETTINGS = {**ENGINE_SETTINGS, "max_model_len": 512}
-FUZZ_LIMITS = dict(max_new_tokens=16, default_max_tokens=8, max_n=2, max_prompt_tokens=448,
+FUZZ_LIMITS = dict(max_new_tokens=16, default_max_tokens=8, max_n=1, max_prompt_tokens=448,
                    served_model_name="demo", **HTTP_ENGINE_SETTINGS)
 SCHEMA_TOKENIZER = train_tokenizer("tiny")  # the demo zoo's tokenizer: its size bounds token ids
 MODES = {"open": {}, "tenants": {"authorization": f"Bearer {ADMIN_KEY}"}}  # the headers the fuzzer sends
@@ -456,20 +460,11 @@ SCHEMA_AGREES = [
     ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      False),
     ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, False),
-    ("/v1/completions", {**COMPLETION, "best_of": 2}, True),
-    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 2, "stream": True}, True),
-    ("/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, False),
-    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, False),
-    ("/v1/completions", {**COMPLETION, "best_of": 3}, False),
-    ("/v1/chat/completions", {**CHAT, "best_of": 2, "logprobs": True}, True),
-    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "do_sample": True}}, True),
-    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2}}, False),
-    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "temperature": 0.5,
-                                           "seed": 1}}, False),
-    ("/generate", {**LORAX, "stream": True, "parameters": {**LORAX["parameters"], "best_of": 2,
-                                                            "top_k": 5}}, False),
-    ("/generate_stream", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "do_sample": True}},
-     False),
+    ("/v1/completions", {**COMPLETION, "best_of": 1, "stream": True}, True),
+    ("/v1/completions", {**COMPLETION, "best_of": 2}, False),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 1}}, True),
+    ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 2, "do_sample": True}}, False),
+    ("/generate_stream", {**LORAX, "parameters": {**LORAX["parameters"], "best_of": 0}}, False),
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {
         "type": "json_object", "schema": {"type": "object"}}}}, True),
     ("/generate", {**LORAX, "parameters": {**LORAX["parameters"], "response_format": {

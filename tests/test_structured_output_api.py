@@ -353,3 +353,44 @@ async def test_the_openapi_schema_states_the_accepted_forms():
     stream_body = document["paths"]["/generate_stream"]["post"]["requestBody"]["content"]["application/json"]
     assert stream_body["schema"] == {"$ref": "#/components/schemas/LoraxStreamRequest"}, (
         "/generate_stream's body is its own (best_of only 1)")
+
+
+# (route, body, whether the server serves it) with max_n 4: the OpenAPI schema must say the same (the
+# fuzzer's app runs with max_n 1, see test_fuzz_api.py's FUZZ_LIMITS)
+BEST_OF_AGREES = [
+    ("/v1/completions", {**COMPLETION, "best_of": 2}, True),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 4}, True),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 2, "stream": True}, True),
+    ("/v1/completions", {**COMPLETION, "best_of": 1, "stream": True}, True),
+    ("/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, False),
+    ("/v1/completions", {**COMPLETION, "n": 3, "best_of": 4, "stream": True}, False),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, False),
+    ("/v1/completions", {**COMPLETION, "best_of": 5}, False),
+    ("/v1/chat/completions", {**CHAT, "n": 2, "best_of": 3}, True),
+    ("/v1/chat/completions", {**CHAT, "n": 3, "best_of": 2}, False),
+    ("/generate", lorax(best_of=2, do_sample=True), True),
+    ("/generate", lorax(best_of=3, top_p=0.9), True),
+    ("/generate", lorax(best_of=2, temperature=1.5), True),
+    ("/generate", lorax(best_of=2), False),
+    ("/generate", lorax(best_of=2, temperature=1.0), False),
+    ("/generate", lorax(best_of=2, do_sample=True, seed=1), False),
+    ("/generate", lorax(best_of=2, do_sample=True, temperature=0.0), False),
+    ("/generate", lorax(best_of=5, do_sample=True), False),
+    ("/generate", {**lorax(best_of=2, top_k=5), "stream": True}, False),
+    ("/generate_stream", lorax(best_of=1), True),
+    ("/generate_stream", lorax(best_of=2, do_sample=True), False),
+    ("/generate_stream", lorax(best_of=0), False),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "served"), BEST_OF_AGREES)
+async def test_the_schema_states_best_of_exactly_as_the_server_serves_it(route, body, served):
+    import jsonschema
+
+    async with serving(FakeTokenizer(), FakeDispatcher(), CONFIG) as client:
+        document = (await client.get("/openapi.json")).json()
+        response = await client.post(route, json=body)
+    media = document["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    accepted = jsonschema.Draft202012Validator({**media, "components": document["components"]}).is_valid(body)
+    assert (response.status_code == 200) == served, f"{route} {body}: served={served}, got {response.text}"
+    assert accepted == served, f"{route} {body}: the schema {'accepts' if accepted else 'refuses'} it"

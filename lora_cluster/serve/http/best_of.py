@@ -43,14 +43,18 @@ def best_one(candidates: list[dict[str, Any]]) -> tuple[int, list[int]]:
 
 
 def openai_rules(max_n: int) -> list[dict[str, Any]]:
-    """The OpenAPI rules of best_of in an OpenAI body: at least n, and with stream only equal to n
-    (n defaults to 1). JSON Schema cannot compare two fields, so each allowed value is spelled out."""
-    unset = {"properties": {"best_of": {"type": "null"}}}
-    at_least_n = [{"properties": {"best_of": {"const": k}, "n": {"maximum": k}}} for k in range(1, max_n + 1)]
+    """The OpenAPI rule of best_of in an OpenAI body: at least n, and with stream only equal to n (n
+    defaults to 1). JSON Schema cannot compare two fields, so each allowed value is spelled out, in as
+    few cases as it takes (a client generating bodies from the schema expands every case against the
+    body's other rules): unset; equal to n; or above n without stream. With max_n 1 both are 1 at
+    most and there is nothing to state."""
+    if max_n == 1:
+        return []
     equal_n = [{"properties": {"best_of": {"const": k}, "n": {"const": k}},
                 "required": ["n"] if k > 1 else []} for k in range(1, max_n + 1)]
-    return [{"anyOf": [unset, *at_least_n]},
-            {"anyOf": [{"properties": {"stream": {"const": False}}}, unset, *equal_n]}]
+    above_n = [{"properties": {"best_of": {"const": k}, "n": {"maximum": k - 1}, "stream": {"const": False}}}
+               for k in range(2, max_n + 1)]
+    return [{"anyOf": [{"properties": {"best_of": {"type": "null"}}}, *equal_n, *above_n]}]
 
 
 LORAX_ONE = {"properties": {"best_of": {"anyOf": [{"type": "null"}, {"maximum": 1}]}}}

@@ -486,7 +486,7 @@ class LoraxRequest(_Body):
 class LoraxStreamParameters(LoraxParameters):
     """The parameters of /generate_stream: best_of only 1 (a stream cannot choose among candidates)."""
 
-    best_of: Annotated[int | None, ONE_INT] = None
+    best_of: Annotated[int | None, Field(ge=1), ONE_INT] = None
 
 
 class LoraxStreamRequest(LoraxRequest):
