@@ -9,7 +9,7 @@ OpenAI chat and completions:
   `json` (a schema, as an object or as JSON text), `regex`, `choice` (strings), `grammar` (Lark or
   GBNF text) or `json_object: true`; its options (`disable_any_whitespace`,
   `disable_additional_properties`, `whitespace_pattern`, `structural_tag`) only at their defaults.
-- vLLM's older fields (vLLM 0.4 to 0.10.1; deprecated in 0.10.2, removed in 0.12.0; clients still send
+- vLLM's older fields (vLLM up to 0.10.1; deprecated in 0.10.2, removed in 0.12.0; clients still send
   them): `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, with the same meanings.
 
 LoRAX `/generate` and `/generate_stream`: `parameters.response_format` `{"type": "json_object" |
