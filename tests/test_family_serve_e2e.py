@@ -1,0 +1,67 @@
+"""Families end to end: `serve run`'s app on a tiny checkpoint of a family serves its PEFT adapters
+through the OpenAI API with transformers + PEFT's greedy tokens.
+
+One Ray app per family (the base model is the app's), shared by that family's checks: Phi-3 (fused
+checkpoint projections, adapters on the fused names, sliding window, partial rotary) and Gemma 2
+(sandwich norms, soft-capping, alternating sliding windows). Every family's engine parity is
+tests/test_family_parity.py; this is the serving path around it.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from lora_cluster.demo_families import build_family_zoo
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over the lazy dog near the river and the town"
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=["phi3", "gemma2"])
+def family(request, ray_app, tmp_path_factory):
+    arch = request.param
+    zoo = build_family_zoo(tmp_path_factory.mktemp("serve-families") / arch, arch, num_adapters=3)
+    config = {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)], "num_replicas": 1,
+              "num_cpus": 1, "max_loras": 2, "max_lora_rank": 64, "max_num_seqs": 4}
+    with ray_app(config) as url, httpx.Client(base_url=url, timeout=120) as http:
+        yield arch, zoo, http
+
+
+def _peft_greedy(zoo, adapter_id: str | None, ids: list[int]) -> list[int]:
+    """transformers + PEFT's greedy continuation of `ids` (NEW_TOKENS tokens, EOS not stopping it)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(zoo.model_dir, dtype=torch.float32)
+    if adapter_id is not None:
+        model = PeftModel.from_pretrained(model, zoo.adapters_dir / adapter_id)
+    out = model.eval().generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None, pad_token_id=3)
+    return out[0, len(ids):].tolist()
+
+
+def test_models_lists_the_family_base_and_its_adapters(family):
+    arch, zoo, http = family
+    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert ids[0] == str(zoo.model_dir), f"{arch}: /v1/models lists the base model first"
+    assert set(zoo.adapter_ids) <= set(ids), f"{arch}: /v1/models lists the family's adapters"
+
+
+@pytest.mark.parametrize("adapter_id", [None, "a1", "a2"])
+def test_completions_are_peft_greedy_tokens(family, adapter_id):
+    from transformers import AutoTokenizer
+
+    arch, zoo, http = family
+    body = {"model": adapter_id or str(zoo.model_dir), "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, f"{arch} ({adapter_id}): the completion succeeds: {r.text}"
+    tokenizer = AutoTokenizer.from_pretrained(zoo.model_dir)
+    ids = tokenizer(PROMPT).input_ids
+    want = tokenizer.decode(_peft_greedy(zoo, adapter_id, ids), skip_special_tokens=True)
+    assert r.json()["choices"][0]["text"] == want, f"{arch} ({adapter_id}): the text is PEFT's greedy text"
+
