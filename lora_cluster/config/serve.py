@@ -132,7 +132,8 @@ class ServeConfig(EngineConfig):
     default_max_tokens: int = Field(
         256, ge=1, description="max_new_tokens of chat and LoRAX requests that give none (completions: 16)."
     )
-    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) of OpenAI requests.")
+    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) and `best_of` "
+                       "(candidates generated per prompt) of OpenAI requests, and LoRAX's `best_of`.")
     routing_stats_period_s: float = Field(
         1.0, gt=0, description="How often each replica reports its adapters and load to the router."
     )
