@@ -18,8 +18,8 @@ class EngineConfig(BaseSettings):
     model_config = SETTINGS
 
     model: str = Field(
-        description="Base model (Llama, Mistral or Qwen2 architecture): a local folder or a Hugging Face "
-        "hub id."
+        description="Base model (a dense family of docs/model_families.md: Llama, Mistral, Qwen2/3, Gemma "
+        "2/3, Phi-3/4, Granite, OLMo 2, SmolLM3): a local folder or a Hugging Face hub id."
     )
     adapter_source: StrList = Field(
         default_factory=list,

@@ -86,8 +86,9 @@ class ServeConfig(EngineConfig):
 
     model: str = Field(
         "demo",
-        description="Base model (Llama, Mistral or Qwen2 architecture): a local folder, a Hugging Face hub "
-        "id, or `demo` = the built-in demo zoo "
+        description="Base model (a dense family of docs/model_families.md: Llama, Mistral, Qwen2/3, Gemma "
+        "2/3, Phi-3/4, Granite, OLMo 2, SmolLM3): a local folder, a Hugging Face hub id, or `demo` = the "
+        "built-in demo zoo "
         "(a tiny random-weight Llama model and its adapters, built into `demo_dir` on first use).",
     )
     demo_dir: str = Field(
