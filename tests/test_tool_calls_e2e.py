@@ -135,3 +135,15 @@ def test_a_conversation_with_calls_and_results_continues(client):
         f"the model answers after the tool's result: {answer.choices[0]}")
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens, (
         "the call and its result are part of the second prompt")
+
+
+def test_a_tool_schema_the_grammar_cannot_enforce_is_a_400_naming_it(client):
+    import openai
+
+    unique = {"type": "function", "function": {"name": "tags", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "tags"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="a2", messages=MESSAGES, tools=[unique], tool_choice=choice,
+                                           max_tokens=8)
+        assert "uniqueItems" in str(info.value), f"{choice}: the 400 names the construct: {info.value}"
