@@ -276,9 +276,9 @@ def test_an_unsupported_or_invalid_constraint_is_a_request_error_naming_it(
     assert (good.error, len(good.token_ids)) == (None, 4), "the other request of the batch is served"
 
 
-def test_the_async_engine_raises_the_refusal_before_any_output(engine: Engine) -> None:
+def test_the_async_engine_raises_the_refusal_before_any_output(make_engine: Callable[..., Engine]) -> None:
     async def run() -> list[RequestOutput]:
-        front = AsyncEngine(engine)
+        front = AsyncEngine(make_engine())  # its shutdown closes the engine
         try:
             return [o async for o in front.generate("Bad", "a0", constrained(REFUSED[0][0]))]
         finally:
@@ -378,5 +378,6 @@ def test_properties_come_in_the_schema_order(engine: Engine) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
               "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}}}
     out = engine.generate(["Order"], ["a3"], constrained(GuidedSpec.json_schema(schema)))[0]
+    assert (out.error, out.finish_reason) == (None, "stop"), f"the output completes: {out}"
     keys = list(json.loads(out.text))
     assert keys == ["zeta", "alpha"], f"the output writes the properties in the client's order: {out.text!r}"

@@ -43,7 +43,7 @@ class TokenMasks:
         self.rows, self.vocab_size = rows, vocab_size
         words = (vocab_size + 31) // 32
         self._bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
-        self._future: Future[torch.Tensor] = executor.submit(self._fill, matchers)
+        self._future: Future[None] = executor.submit(self._fill, matchers)
 
     @classmethod
     def start(cls, seqs: Sequence[GuidedRow], vocab_size: int, executor: Executor) -> TokenMasks | None:
@@ -58,21 +58,25 @@ class TokenMasks:
             matchers.append(seq.guided.matcher)
         return cls(rows, matchers, vocab_size, executor) if rows else None
 
-    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+    def _fill(self, matchers: list[llguidance.LLMatcher]) -> None:
+        """On the worker: llguidance only (native, GIL released; no torch op, whose intra-op threads
+        would compete with the forward pass's)."""
         row_bytes = self._bitmask.shape[1] * 4
         base = self._bitmask.data_ptr()
         for j, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(base + j * row_bytes, row_bytes)
-        bits = (self._bitmask[:, :, None] >> _BITS) & 1  # [rows, words, 32], little-endian bit order
-        return bits.reshape(len(matchers), -1)[:, : self.vocab_size].bool()
 
     def wait(self) -> torch.Tensor:
-        """The allowed tokens [constrained rows, V] (bool, on the CPU); blocks until filled."""
-        return self._future.result()
+        """The filled bitmask [constrained rows, ceil(V / 32)] (int32, on the CPU); blocks until filled."""
+        self._future.result()
+        return self._bitmask
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [N, V] with the constrained rows' disallowed tokens at -inf (a new tensor)."""
-        allowed = self.wait().to(logits.device, non_blocking=True)
+        """`logits` [N, V] with the constrained rows' disallowed tokens at -inf (a new tensor). The
+        bitmask is unpacked where the logits are (on a GPU, after a copy of V / 8 bytes per row)."""
+        bitmask = self.wait().to(logits.device, non_blocking=True)
+        bits = (bitmask[:, :, None] >> _BITS.to(logits.device)) & 1  # [rows, words, 32], little-endian
+        allowed = bits.reshape(len(self.rows), -1)[:, : self.vocab_size].bool()
         index = torch.tensor(self.rows, device=logits.device)
         masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.clone().index_copy_(0, index, masked)
