@@ -1,9 +1,10 @@
 """The token masks of a step's constrained rows: filled on a thread while the forward pass runs.
 
 Policy: `TokenMasks.start` takes the rows a step samples; when none is constrained it returns None
-and the step pays nothing. Otherwise one worker thread fills each constrained row's bitmask from its
-matcher (llguidance releases the GIL) and unpacks it to a [rows, V] bool tensor, while the step
-thread runs the forward pass. `apply` waits for it and sets the disallowed logits of those rows to
+and the step pays nothing. Otherwise one worker thread fills each constrained row's bitmask (V bits)
+from its matcher while the step thread runs the forward pass; it calls llguidance only (native, the
+GIL released) and no torch op, whose intra-op threads would compete with the forward's. `apply`
+waits for it, unpacks the bits where the logits are and sets the disallowed logits of those rows to
 -inf (a new tensor; unconstrained rows are untouched). The engine masks the model's logits first
 (logprobs are those of the masked distribution), then applies the logit controls, temperature,
 top-k/top-p and the greedy argmax to the masked logits. `keep_allowed` restores the masked row when
@@ -11,7 +12,8 @@ the controls left a constrained row no token at all (e.g. `min_tokens` forbids t
 grammar allows): the grammar wins over the controls.
 
 Invariant: the matchers are touched by the worker only between `start` and the end of `wait`; the
-step thread calls `wait` (through `apply`, or directly on a failed step) before it advances them.
+step thread calls `wait` (through `apply`) before it advances them, and a failed step ends every
+sequence it sampled, so their matchers are never advanced after it.
 """
 
 from __future__ import annotations
