@@ -177,15 +177,31 @@ def test_required_output_array_is_read_item_by_item():
     reader = reader_for("required", "hermes")
     cut = text.index("get_time") - 10
     sent = reader.feed(text[:cut])
-    assert [d.name for d in sent if isinstance(d, ToolCallDelta)] == ["get_weather"], (
-        "an item is sent as soon as it closes")
+    assert [d.name for d in sent if isinstance(d, ToolCallDelta) and d.id] == ["get_weather"], (
+        "the second call has not started before its name is in")
 
 
-def test_required_output_cut_short_keeps_the_unfinished_rest_as_content():
+def test_required_arguments_stream_once_the_name_is_in():
+    reader = reader_for("required", "hermes")
+    assert reader.feed('[{"name": "f", "param') == [], "nothing is sent before the arguments start"
+    first = reader.feed('eters": {"a"')
+    assert [(d.index, d.name, d.arguments) for d in first] == [(0, "f", ""), (0, None, '{"a"')], (
+        "the call starts with its id and name, then its arguments so far")
+    assert first[0].id.startswith("call_"), "the first delta carries the call's id"
+    assert reader.feed(": 1}\n  ") == [ToolCallDelta(0, ": 1}")], "arguments come as they are generated"
+    assert reader.feed("}]") == [], "the item's closing brace and the whitespace before it are not arguments"
+    assert reader.finish() == [], "nothing is left at the end"
+
+
+def test_required_output_cut_short_keeps_what_it_has():
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "param'
     content, calls = collect(reader_for("required", "hermes"), text)
     assert [c["function"]["name"] for c in calls] == ["f"], "the finished item is a call"
-    assert content == ', {"name": "g", "param', "the unfinished item is content, not lost"
+    assert content == ', {"name": "g", "param', "an item cut before its call started is content, not lost"
+    content, calls = collect(reader_for("required", "hermes"), '[{"name": "f", "parameters": {"a": 1')
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"a": 1')], (
+        "a call cut inside its arguments keeps them cut, as a named function's")
+    assert content is None, "and nothing else"
 
 
 def test_no_tools_reader_is_plain_content():

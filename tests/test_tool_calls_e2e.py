@@ -33,8 +33,9 @@ MAX_TOKENS = 140  # the tiny model has 512 positions; the prompt with both tools
 
 @pytest.fixture(scope="module")
 def app_config(demo_zoo):
+    """One replica whose batch holds a whole `_batch` (16 requests, 4 adapters) at once."""
     return {"model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
-            "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 8,
+            "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 16,
             "max_num_batched_tokens": 512}
 
 
@@ -68,13 +69,15 @@ def _ask(client: Any, adapter: str, stream: bool, seed: int | None, **tools: Any
 
 
 def _check_calls(answer: dict[str, Any], where: str) -> list[tuple[str, str, str]]:
-    """Every call of the answer names a tool and its arguments fit that tool's schema. An answer cut
-    off by max_tokens (`length`) returns the calls it finished and the rest as content; a completed
-    one is only calls."""
-    for call_id, name, arguments in answer["calls"]:
+    """Every call of the answer names a tool and its arguments fit that tool's schema; an answer cut
+    off by max_tokens (`length`) may end in a call whose arguments are cut. A completed answer is
+    only calls."""
+    cut = answer["finish"] == "length"
+    for index, (call_id, name, arguments) in enumerate(answer["calls"]):
         assert call_id.startswith("call_"), f"{where}: an OpenAI call id: {call_id}"
         assert name in SCHEMAS, f"{where}: the call names a tool: {name}"
-        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        if not (cut and index == len(answer["calls"]) - 1):
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     assert answer["finish"] in ("tool_calls", "length"), f"{where}: forced calls end so: {answer}"
     if answer["finish"] == "tool_calls":
         assert answer["calls"], f"{where}: a completed forced choice calls a tool: {answer}"

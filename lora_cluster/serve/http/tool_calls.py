@@ -16,8 +16,9 @@ non-streamed answer runs the same reader over the whole text (`collect`), so bot
 * `NamedReader` (`tool_choice` names a function): the output is the function's arguments, forced by
   the grammar, and is streamed as they come.
 * `RequiredReader` (`tool_choice: required`): the output is a JSON array of `{"name", "parameters"}`
-  objects, forced by the grammar; each call is sent once its object closes. What a cut-off
-  generation leaves unfinished is content.
+  objects, forced by the grammar (name first); a call starts once its name is in and its arguments
+  are streamed as they come. A generation cut off inside a call's arguments leaves them cut (as a
+  named function's); one cut off before a call started leaves that rest as content.
 
 Every call gets a fresh id `call_<24 hex>`. With `parallel_tool_calls: false` a parsed output keeps
 its first call only (vLLM's rule; the forced shape allows one). Pure: no torch, no I/O.
@@ -26,6 +27,7 @@ its first call only (vLLM's rule; the forced shape allows one). Pure: no torch, 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -269,8 +271,16 @@ class NamedReader(ToolCallReader):
         return [] if self.called else self._call(self.name, "")
 
 
+# the head of an item of a forced `required` array, up to its arguments: the grammar writes the keys in
+# the schema's order, name first
+_REQUIRED_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+
+
 class RequiredReader(ToolCallReader):
-    """The output is a JSON array of `{"name", "parameters"}` objects; each is sent once it closes."""
+    """The output is a JSON array of `{"name", "parameters"}` objects. A call starts once its item's
+    name and the start of its parameters are in; its arguments are then streamed as they come (the
+    whitespace before the item's closing brace left out). An item of another shape is read whole when
+    it closes (content if it is not a call)."""
 
     def __init__(self, parallel: bool = True):
         super().__init__(parallel)
@@ -279,7 +289,9 @@ class RequiredReader(ToolCallReader):
         self._depth = 0
         self._in_string = self._escaped = False
         self._item_start = -1
-        self._sent = 0  # text before this index is sent (as calls)
+        self._args_at = -1  # the open item's arguments start here (-1: its call has not started)
+        self._args_sent = 0  # its arguments before this index are sent
+        self._sent = 0  # text before this index is read (as calls)
 
     def feed(self, text: str) -> list[Delta]:
         self._text += text
@@ -298,26 +310,59 @@ class RequiredReader(ToolCallReader):
             elif char in "[{":
                 self._depth += 1
                 if self._depth == 2 and char == "{":
-                    self._item_start = i
+                    self._item_start, self._args_at = i, -1
             elif char in "]}":
                 if self._depth == 2 and char == "}" and self._item_start >= 0:
-                    out += self._item(self._text[self._item_start:i + 1])
-                    self._sent, self._item_start = i + 1, -1
+                    out += self._close(i)
                 self._depth -= 1
         self._scanned = len(self._text)
+        if self._item_start >= 0:
+            out += self._stream(len(self._text))
         return out
 
-    def _item(self, text: str) -> list[Delta]:
+    def _stream(self, end: int) -> list[Delta]:
+        """The open item's call: its start once its head is in, then its arguments up to `end`
+        (trailing whitespace held back)."""
+        out: list[Delta] = []
+        if self._args_at < 0:
+            head = self._head()
+            if head is None or (self.called and not self.parallel):
+                return []
+            out += self._call(head[0], "")
+            self._args_at = self._args_sent = head[1]
+        upto = self._args_sent + len(self._text[self._args_sent:end].rstrip())
+        if upto > self._args_sent:
+            out.append(ToolCallDelta(self.calls - 1, self._text[self._args_sent:upto]))
+            self._args_sent = upto
+        return out
+
+    def _head(self) -> tuple[str, int] | None:
+        """The open item's function name and where its arguments start (None: not in yet)."""
+        head = _REQUIRED_HEAD.match(self._text, self._item_start)
         try:
-            call = _named_call(json.loads(text), ("parameters",))
+            name = None if head is None else json.loads(head.group(1))
         except ValueError:
-            call = None
-        return [ContentDelta(text)] if call is None else self._call(*call)
+            return None
+        return None if head is None or not name else (name, head.end())
+
+    def _close(self, i: int) -> list[Delta]:
+        """Item end at `i`: the rest of its streamed arguments, or the item read whole."""
+        if self._args_at < 0 and self._head() is None:
+            item = self._text[self._item_start:i + 1]
+            try:
+                call = _named_call(json.loads(item), ("parameters",))
+            except ValueError:
+                call = None
+            out = [ContentDelta(item)] if call is None else self._call(*call)
+        else:
+            out = self._stream(i)
+        self._sent, self._item_start, self._args_at = i + 1, -1, -1
+        return out
 
     def finish(self) -> list[Delta]:
         if not self.called:
             return [ContentDelta(self._text)] if self._text else []
-        rest = self._text[self._sent:]
+        rest = "" if self._item_start >= 0 and self._args_at >= 0 else self._text[self._sent:]
         return [ContentDelta(rest)] if rest.strip(" \t\r\n,]") else []
 
 
