@@ -220,3 +220,17 @@ async def test_the_openai_client_reads_tool_calls_streamed_and_not():
         assert json.loads(message.tool_calls[1].function.arguments) == {"zone": "CET"}, (
             f"stream={stream}: the client reads the arguments")
         assert completion.choices[0].finish_reason == "tool_calls", f"stream={stream}: finish reason"
+
+
+async def test_required_streams_each_call_s_arguments_as_they_come():
+    text = json.dumps([{"name": "get_time", "parameters": {"zone": "UTC"}},
+                       {"name": "get_weather", "parameters": {"city": "Lima"}}])
+    response, _, _ = await _chat(_pieces(text, 4), tools=[WEATHER, TIME], tool_choice="required", stream=True)
+    events = _events(response)
+    pieces = [p for e in events for p in e["choices"][0]["delta"].get("tool_calls", [])]
+    starts = [(p["index"], p["function"]["name"]) for p in pieces if "id" in p]
+    assert starts == [(0, "get_time"), (1, "get_weather")], "each call starts with its index, id and name"
+    arguments = {i: [p["function"]["arguments"] for p in pieces if p["index"] == i] for i in (0, 1)}
+    assert len(arguments[1]) > 2, f"the arguments come in several deltas: {arguments[1]}"
+    assert json.loads("".join(arguments[1])) == {"city": "Lima"}, "they join into the call's arguments"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls", "the stream finishes with tool_calls"
