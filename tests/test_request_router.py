@@ -24,8 +24,10 @@ TTL_S = 5.0
 
 
 def replica(rid: str) -> SimpleNamespace:
-    """A `RunningReplica` as the router reads it: its id and its last report (one adapter slot, free)."""
+    """A `RunningReplica` as the router reads it: its id, its queue bound and its last report (one
+    adapter slot, free)."""
     return SimpleNamespace(replica_id=ReplicaID(unique_id=rid, deployment_id=DEPLOYMENT),
+                           max_ongoing_requests=8,
                            routing_stats={"max_loras": 1, "empty_adapter_slots": 1, "free_adapter_slots": 1,
                                           "max_num_seqs": 8, "num_running": 0, "num_waiting": 0})
 

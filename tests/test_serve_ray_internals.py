@@ -106,3 +106,30 @@ def test_the_serve_client_exposes_its_root_url():
         "`_get_global_client` no longer takes `raise_if_no_controller_running`")
     attribute = inspect.getattr_static(ServeControllerClient, "root_url", None)
     assert isinstance(attribute, property), broken("ServeControllerClient has no `root_url` property")
+
+
+def test_serves_handle_router_signals_queue_length_changes_through_the_methods_the_listener_overrides():
+    import ray.serve._private.router as handle_router
+
+    from lora_cluster.serve.ops.ray_internals import QueueLengthListener
+
+    source = inspect.getsource(handle_router)
+    for name in ("on_send_request", "decrement_queue_len_cache", "on_new_queue_len_info"):
+        assert callable(getattr(RequestRouter, name, None)), broken(f"RequestRouter has no `{name}`")
+        assert f".{name}" in source, broken(f"ray.serve._private.router no longer calls `{name}`")
+        assert name in vars(QueueLengthListener), f"QueueLengthListener signals `{name}`"
+    assert callable(getattr(RequestRouter, "on_replica_actor_unavailable", None)), broken(
+        "RequestRouter has no `on_replica_actor_unavailable`")
+
+
+def test_the_router_hears_of_each_queue_length_change(router):
+    heard: list[str] = []
+    router.queue_len_changed = heard.append
+    replica = ReplicaID(unique_id="r1", deployment_id=DEPLOYMENT)
+    router.on_new_queue_len_info(replica, 3)
+    router.on_send_request(replica)
+    router.decrement_queue_len_cache(replica)
+    router.on_replica_actor_unavailable(replica)
+    assert heard == ["r1"] * 4, "every change Serve makes to a replica's cached queue length is signalled"
+    assert cached_queue_len(router, replica) is None, broken(
+        "on_replica_actor_unavailable no longer drops the replica's cached queue length")

@@ -75,3 +75,36 @@ def serve_root_url() -> str | None:
     client = serve_context._get_global_client(raise_if_no_controller_running=False)
     url = None if client is None else client.root_url
     return url or None
+
+
+class QueueLengthListener:
+    """A `RequestRouter` mixin: `queue_len_changed(replica_id)` (its unique id) after every change that
+    Serve's handle router makes to the router's queue-length cache through the router's own methods.
+
+    Ray 2.60's `ray.serve._private.router` calls, on the `RequestRouter`: `on_send_request` when it sends
+    a request, `decrement_queue_len_cache` when one finishes, `on_new_queue_len_info` with a replica's
+    count (its answer to a send under the rejection protocol) and `on_replica_actor_unavailable`
+    (the entry is dropped). None of these is documented as a hook for custom routers; a router that
+    indexes replicas by their queue length needs them. Serve's own probes (`_probe_queue_lens`) and
+    entries aging out (`RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S`) change the cache without any call:
+    a router reads those at the replica's next change or at the next replica-list update.
+    """
+
+    def queue_len_changed(self, replica_id: str) -> None:
+        """Override: the replica's cached queue length changed."""
+
+    def on_send_request(self, replica_id: Any) -> None:
+        super().on_send_request(replica_id)  # type: ignore[misc]
+        self.queue_len_changed(replica_id.unique_id)
+
+    def decrement_queue_len_cache(self, replica_id: Any) -> None:
+        super().decrement_queue_len_cache(replica_id)  # type: ignore[misc]
+        self.queue_len_changed(replica_id.unique_id)
+
+    def on_new_queue_len_info(self, replica_id: Any, num_ongoing_requests: int) -> None:
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)  # type: ignore[misc]
+        self.queue_len_changed(replica_id.unique_id)
+
+    def on_replica_actor_unavailable(self, replica_id: Any) -> None:
+        super().on_replica_actor_unavailable(replica_id)  # type: ignore[misc]
+        self.queue_len_changed(replica_id.unique_id)
