@@ -16,7 +16,9 @@ whose checkpoint fuses projections (Phi-3's `qkv_proj`, `gate_up_proj`), PEFT's 
 fused names; such a pair (A [r, in], B [sum of outs, r]) is split exactly into its members'
 (A, B rows of that member) pairs, the same delta. What the engine cannot apply is refused by name:
 DoRA (`use_dora`, whose magnitude rescales the merged weight per output row, not a low-rank add),
-`modules_to_save` (full copies of base modules), `trainable_token_indices`, LoRA biases. The LoRA
+`modules_to_save` (full copies of base modules), `trainable_token_indices`, LoRA biases. On a
+multimodal checkpoint served as text (Gemma 3), LoRA on the vision tower or projector is not loaded:
+text requests never run those modules, in transformers either. The LoRA
 scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rslora, per-module `rank_pattern` /
 `alpha_pattern` honoured) is kept per module and folded into B only when copied into a slot.
 """
@@ -50,6 +52,8 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+# a multimodal checkpoint's modules that text requests never run (LoRA on them has no effect there)
+_NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
 # adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
 ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*$"
 _ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN.strip("^$"))
@@ -240,6 +244,8 @@ def parse_lora_tensors(
     b: dict[tuple[int, str], torch.Tensor] = {}
     targets = ", ".join(sorted([*shapes.modules, *shapes.fused]))
     for key, tensor in tensors.items():
+        if _NOT_TEXT.search(key):
+            continue
         match = _KEY.match(key)
         if match is None:
             raise AdapterFormatError(

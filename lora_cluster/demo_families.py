@@ -56,6 +56,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                 "rope_parameters": {
                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    # Gemma 3 from 4B up: a multimodal checkpoint (a tiny vision tower) served as its text decoder
+    "gemma3mm": ("Gemma3Config", "Gemma3ForConditionalGeneration", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              {"sliding_window": WINDOW,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
@@ -104,6 +106,13 @@ def family_config(arch: str, vocab_size: int) -> Any:
     import transformers
 
     cls_name, architecture, settings = FAMILIES[arch]
+    if architecture == "Gemma3ForConditionalGeneration":
+        text = family_config("gemma3", vocab_size).to_dict()
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(),
+                                         mm_tokens_per_image=4, architectures=[architecture],
+                                         dtype="float32")  # fmt: skip
     return getattr(transformers, cls_name)(vocab_size=vocab_size, architectures=[architecture],
                                            dtype="float32", **_DIMS, **settings)  # fmt: skip
 

@@ -4,7 +4,8 @@ The engine has one forward pass (`engine.llama.LlamaRunner`); a `FamilySpec` say
 one checkpoint: which norms a layer has and where, whether queries/keys are normalised, the scale of
 the embeddings, residuals, attention scores and logits, soft-capping, each layer's sliding window
 and rope table (or none), the MLP's activation, and whether the checkpoint stores q/k/v and
-gate/up fused. Adding a family is one reader in `_READERS` plus its tests.
+gate/up fused. Adding a family is one reader in `_READERS` plus its tests. A multimodal checkpoint
+listed in `TEXT_ONLY` (Gemma 3 from 4B up) is served as its text decoder: its spec is that decoder's.
 
 Policy: `read_family` refuses, at start, an architecture without a reader (`UnsupportedModelError`,
 listing the supported ones) and any config value the runner cannot honour (`ConfigError` naming the
@@ -235,7 +236,9 @@ _READERS: dict[str, Callable[[Any], FamilySpec]] = {
     "Olmo2ForCausalLM": _olmo2,
     "SmolLM3ForCausalLM": _smollm3,
 }
-SUPPORTED_ARCHITECTURES = tuple(_READERS)
+# multimodal checkpoints served text-only: architecture -> that of the decoder of its `text_config`
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (*_READERS, *TEXT_ONLY)
 # config.model_type -> architecture, for configs that do not list `architectures`
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -251,9 +254,23 @@ def architecture_of(config: Any) -> str:
     return listed[0] if listed else _BY_MODEL_TYPE.get(config.model_type, config.model_type)
 
 
-def read_family(model: str, config: Any) -> FamilySpec:
-    """The `FamilySpec` of `model`'s config; refuses what the runner cannot honour (module docstring)."""
+def text_config(config: Any) -> Any:
+    """The config of the decoder the engine runs: a text-only-served multimodal checkpoint's
+    `text_config` (given its text architecture), else `config` itself."""
     arch = architecture_of(config)
+    if arch not in TEXT_ONLY:
+        return config
+    text = config.text_config
+    text.architectures = [TEXT_ONLY[arch]]
+    return text
+
+
+def read_family(model: str, config: Any) -> FamilySpec:
+    """The `FamilySpec` of `model`'s config (of its decoder, for a multimodal checkpoint served
+    text-only); refuses what the runner cannot honour (module docstring)."""
+    arch = architecture_of(config)
+    if arch in TEXT_ONLY:
+        config, arch = text_config(config), TEXT_ONLY[arch]
     reader = _READERS.get(arch)
     if reader is None:
         raise UnsupportedModelError(model, arch, SUPPORTED_ARCHITECTURES)

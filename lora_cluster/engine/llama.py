@@ -62,7 +62,7 @@ class LlamaRunner:
         self.model, self.kv, self.pool, self.ops = model, kv, pool, ops
         self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
         self.spec = spec = model.spec
-        self.ropes = rope_tables(model.config, spec.ropes, kv.max_len, device, model.embed.dtype)
+        self.ropes = rope_tables(model.text_config, spec.ropes, kv.max_len, device, model.embed.dtype)
         self.act = _ACTIVATIONS[spec.activation]
         self.scale = spec.attn_scale or model.dims.head_dim**-0.5
         # the embedding scale in the weights' dtype, as transformers multiplies it

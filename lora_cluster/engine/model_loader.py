@@ -22,10 +22,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from lora_cluster.adapter_format import ModelShapes
-from lora_cluster.engine.family import SUPPORTED_ARCHITECTURES, FamilySpec, read_family
+from lora_cluster.engine.family import SUPPORTED_ARCHITECTURES, FamilySpec, read_family, text_config
 from lora_cluster.errors import ConfigError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "BaseModel", "LayerWeights", "ModelDims", "load_base_model"]
+DECODER_PREFIXES = ("model", "language_model.model", "model.language_model")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -91,6 +92,7 @@ class BaseModel:
     name: str  # as the user gave it (folder or hub id)
     path: Path
     config: PretrainedConfig
+    text_config: PretrainedConfig  # the decoder's (`config` itself unless a multimodal checkpoint)
     spec: FamilySpec
     dims: ModelDims
     embed: torch.Tensor  # [vocab, hidden]
@@ -170,11 +172,15 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
     except (OSError, ValueError) as e:
         raise ConfigError(f"model {model!r}: cannot read config.json: {e}") from e
     spec = read_family(model, config)
-    dims = _dims(config)
+    text = text_config(config)
+    dims = _dims(text)
     dims.fused_targets = spec.fused_checkpoint
     if spec.max_positions is not None:
         dims.max_position_embeddings = min(dims.max_position_embeddings, spec.max_positions)
     w = _read_weights(path)
+    # where the decoder's weights sit: `model.` for a causal LM; a multimodal checkpoint's text
+    # decoder under `language_model.model.` (as saved) or `model.language_model.` (its other tools' names)
+    base = next((b for b in DECODER_PREFIXES if f"{b}.embed_tokens.weight" in w), "model")
 
     def take(name: str) -> torch.Tensor | None:
         t = w.pop(name, None)
@@ -210,7 +216,7 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
     layers = []
     qk = (lambda p, n: need(f"{p}.self_attn.{n}.weight")) if spec.qk_norm else (lambda p, n: None)
     for i in range(dims.num_layers):
-        p = f"model.layers.{i}"
+        p = f"{base}.layers.{i}"
         qkv, qkv_bias, gate_up, gate_up_bias = projections(p)
         if qkv is None or gate_up is None:
             raise ConfigError(f"model {model!r}: layer {i} lacks attention or MLP projections")
@@ -232,10 +238,12 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
                 k_norm=qk(p, "k_norm"),
             )
         )
-    embed = need("model.embed_tokens.weight")
+    embed = need(f"{base}.embed_tokens.weight")
     lm_head = take("lm_head.weight")
+    if lm_head is None and base == "language_model.model":
+        lm_head = take("language_model.lm_head.weight")
     if lm_head is None:
-        if not getattr(config, "tie_word_embeddings", False):
+        if not (getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)):
             raise ConfigError(f"model {model!r}: lm_head.weight is missing and embeddings are not tied")
         lm_head = embed
     try:
@@ -246,11 +254,12 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
         name=model,
         path=path,
         config=config,
+        text_config=text,
         spec=spec,
         dims=dims,
         embed=embed,
         layers=layers,
-        norm=need("model.norm.weight"),
+        norm=need(f"{base}.norm.weight"),
         lm_head=lm_head,
         tokenizer=tokenizer,
     )
