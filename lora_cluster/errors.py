@@ -63,6 +63,10 @@ class AdapterBaseModelError(AdapterShapeError):
     """The adapter declares another base model than the served one (refused with base_model_check=strict)."""
 
 
+class AdapterBaseConflictError(AdapterError):
+    """The adapter id exists under two base models of the cluster, so a request cannot say which."""
+
+
 class AdapterIntegrityError(AdapterError):
     """Checksum mismatch, tampered or undecryptable file."""
 

@@ -339,6 +339,7 @@ class Controller:
             rid = report.replica_id
             node = nodes.setdefault(report.node_id, {"replicas": {}})
             node["replicas"][rid] = {
+                "base": report.base,
                 "capacity": report.capacity, "running": report.running, "waiting": report.waiting,
                 "free": self.view.free(rid), "max_num_seqs": report.max_num_seqs,
                 "max_loras": report.max_loras, "free_adapter_slots": report.free_adapter_slots,

@@ -64,6 +64,7 @@ class ReplicaReport:
     active: int | None = None  # requests in the replica's hands (None: use running + waiting)
     arrived_tickets: tuple[str, ...] = ()  # granted tickets that reached the replica since its last report
     sent_at: float = 0.0  # wall-clock time, for display
+    base: str | None = None  # the API name of the base model it serves (None: not reported)
 
     @property
     def ongoing(self) -> int:

@@ -38,6 +38,7 @@ class RoutingStats:
     max_num_seqs: int | None = None  # sequences it decodes together
     miss_penalty: float = 0.0  # 0..1: in adapter thrash, a miss is better sent elsewhere
     group: str | None = None  # its replica group
+    base: str | None = None  # the API name of the base model it serves
     node_id: str | None = None
     requests: int = 0  # counts since it started
     hits: int = 0
@@ -81,7 +82,7 @@ class RoutingStats:
                 values[f.name] = tuple(str(a) for a in raw)
             elif f.name == "miss_penalty":
                 values[f.name] = min(1.0, max(0.0, float(raw)))
-            elif f.name in ("group", "node_id"):
+            elif f.name in ("group", "base", "node_id"):
                 values[f.name] = str(raw)
             elif f.name in ("adapter_thrash", "breakers", "store", "classes", "engine", "memory"):
                 values[f.name] = dict(raw)

@@ -75,6 +75,31 @@ class ReplicaGroupConfig(BaseModel):
         default_factory=list, max_length=MAX_GROUP_PATTERNS,
         description="Tenant names (of the tenants file) whose requests this group serves.",
     )
+    model: str | None = Field(
+        None,
+        description="This group's base model (as `model`: a local folder, a hub id or `demo`); default: "
+        "the top-level `model`. Groups on different bases make a cluster of several base models: "
+        "/v1/models lists each base with its adapters, and a request's `model` selects the group.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name of this group's base in the API; default: the top-level "
+        "served_model_name when the group keeps the top-level model, else its `model`.",
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine settings of this group's replicas (EngineConfig fields other than `model`, "
+        "e.g. {max_loras: 16, adapter_source: [s3://bucket/qwen3/], dtype: bfloat16}); the others "
+        "are the top-level ones.",
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_fields_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(k for k in value if k not in EngineConfig.model_fields or k == "model")
+        if unknown:
+            raise ValueError(f"engine lists {', '.join(unknown)}, which is not an engine setting of a "
+                             "replica group (set a group's base model with its `model`)")
+        return value
 
 
 class ServeConfig(EngineConfig):
@@ -374,6 +399,14 @@ class ServeConfig(EngineConfig):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"replica_groups names must be unique; repeated: {', '.join(duplicates)}")
+        top = self.served_model_name or self.model
+        models: dict[str, str] = {}  # a base's API name -> its model: one model per name
+        for g in self.replica_groups:
+            model = g.model or self.model
+            name = g.served_model_name or (top if model == self.model else model)
+            if models.setdefault(name, model) != model:
+                raise ValueError(f"replica_groups: group {g.name!r} serves another base model under the name "
+                                 f"{name!r}; give each base its own served_model_name")
         return self
 
     @model_validator(mode="after")

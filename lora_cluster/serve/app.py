@@ -10,7 +10,9 @@ not given is read from `LORA_CLUSTER_<FIELD>`, else its default. The graph is on
 deployment (`LoraIngress`) holding a handle to the LoRA replicas (`LoraReplica`), whose requests
 are placed by `LoraAffinityRouter`. With `replica_groups`, each group is its own LoRA replica
 deployment (`LoraReplica-<name>`) with its own cluster controller (`ClusterController-<name>`); the
-ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). With a `tenants_file`,
+ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). A group's replicas and
+controller run its own configuration (`group_bases.group_config`: its `model` and engine settings
+over the top-level ones); the ingress gets the top-level one. With a `tenants_file`,
 a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.routing.quotas`).
 
 Event loops: Ray Serve runs a replica's code, and the request router of the handles it holds, on
@@ -37,6 +39,7 @@ from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.replica.deployment import LoraReplica
 from lora_cluster.serve.replica.model import resolve_model
+from lora_cluster.serve.routing.group_bases import group_configs
 from lora_cluster.serve.routing.quotas import QuotaLedger
 from lora_cluster.serve.routing.replica_groups import ReplicaGroup, replica_groups
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
@@ -95,11 +98,13 @@ def replica_options(config: ServeConfig, group: ReplicaGroup | None = None) -> d
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The application for `args` (serve_config.yaml's application args); raises ConfigError."""
     config = load_config(args)
-    resolve_model(config)  # build the demo zoo now (once), not in every replica at the same time
-    fields = config.model_dump(exclude_unset=False)
+    configs = group_configs(config)  # each group's model and engine settings (group_bases)
+    for group_cfg in configs.values():  # build demo zoos now (once), not in every replica at once
+        resolve_model(group_cfg)
     replicas: dict[str, Application] = {}
     controllers: dict[str, Application | None] = {}
     for group in replica_groups(config):  # each group: its own replicas and cluster controller
+        fields = configs[group.name].model_dump(exclude_unset=False)
         controller = None
         if config.controller:  # every waiting request holds one call to it: room for the whole queue
             room = config.cluster_queue_size + 4096
@@ -118,4 +123,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if config.tenants_file is not None:  # check the file now (a broken one stops the start here)
         read_tenants(config.tenants_file, build_sla_classes(config).names)
         ledger = QuotaLedger.bind(config.quota_ticket_ttl_s)
-    return ingress.bind(replicas, fields, controllers, ledger)
+    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger)

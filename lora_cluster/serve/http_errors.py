@@ -124,6 +124,7 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.PromptTooLongError, 400, "invalid_request_error", "prompt_too_long"),
     (e.RequestError, 400, "invalid_request_error", "invalid_parameter"),
     (e.AdapterNotFoundError, 404, "not_found_error", "adapter_not_found"),
+    (e.AdapterBaseConflictError, 409, "invalid_request_error", "adapter_base_conflict"),
     (e.AdapterCapacityError, 429, "rate_limit_error", "overloaded"),
     (e.AdapterLoadError, 503, "service_unavailable", "adapter_unavailable"),
     (e.AdapterError, 400, "invalid_request_error", "invalid_adapter"),

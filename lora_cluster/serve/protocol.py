@@ -50,6 +50,7 @@ class GenerateJob:
     ticket_id: str | None = None  # the cluster queue ticket it was granted with (the replica reports it)
     merge: MergeSpec | None = None  # a merged adapter (then `adapter_id` is `merge.adapter_id`)
     tenant: str | None = None  # the request's tenant (None: open server); picks its replica group
+    base: str | None = None  # the base model a request without adapter names (None: the first group's)
     # the `x-request-id` of the HTTP request that built the job (set by default from `logs.request_id()`):
     # the replica logs the job's lines with it
     http_request_id: str | None = field(default_factory=request_id)

@@ -54,8 +54,9 @@ class SimReplica:
                  loop: EventLoop, sizes: dict[str, int], on_finish: Callable[[SimReplica, SimRequest], None],
                  on_load: Callable[[str], None],
                  on_first_token: Callable[[SimReplica, SimRequest], None] | None = None,
-                 on_plan: Callable[[SimReplica], None] | None = None):
+                 on_plan: Callable[[SimReplica], None] | None = None, base: str = "base"):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
+        self.base = base  # the API name of the base model it serves, reported as a live replica does
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
         self.budget = profile.max_num_batched_tokens
         self._on_finish, self._on_first_token, self._on_plan = on_finish, on_first_token, on_plan
@@ -299,7 +300,7 @@ class SimReplica:
                             empty_adapter_slots=a.empty_slots, free_adapter_slots=a.free_slots,
                             max_loras=a.max_loras,
                             num_running=len(self.running), num_waiting=len(self.waiting),
-                            max_num_seqs=self.max_num_seqs)
+                            max_num_seqs=self.max_num_seqs, base=self.base)
 
     def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
         """The controller report (`serve.replica.report.build_report` without memory and class stats;
@@ -315,4 +316,4 @@ class SimReplica:
                                                 dict(Counter(r.priority for r in self.waiting)),
                                                 self.max_num_seqs),
             adapter_requests=self.demand.take(), service_time_s=self.service_time.mean, sent_at=now,
-            active=self.ongoing, arrived_tickets=arrived_tickets)
+            active=self.ongoing, arrived_tickets=arrived_tickets, base=self.base)

@@ -76,7 +76,8 @@ def check_base_model(adapter_id: str, config: dict, policy: AdmissionPolicy) -> 
     if policy.base_model_check == "off" or not wanted or not policy.base_model:
         return
     if _model_name(wanted) != _model_name(policy.base_model):
-        message = f"was trained for base model {wanted!r}, this engine serves {policy.base_model!r}"
+        served = Path(str(policy.base_model).rstrip("/")).name  # a folder's name, never the server's path
+        message = f"was trained for base model {wanted!r}, this engine serves {served!r}"
         if policy.base_model_check == "strict":
             raise AdapterBaseModelError(adapter_id, message)
         log.warning("adapter %r %s (shapes are checked; set base_model_check=strict to refuse)",

@@ -6,11 +6,15 @@ and, if any refuses, it is unregistered from the others. A name is loaded once: 
 is loaded, or that a concurrent call is loading or unloading, is a 409 (see `registrations`). The
 ingress remembers the registration and sends the path with each request for that adapter, so a
 replica started later registers it on first use. `POST /v1/unload_lora_adapter {"lora_name"}`
-undoes it (404 when it was not loaded).
+undoes it (404 when it was not loaded). With several base models (replica groups on several
+bases), an adapter registers on the groups of one base (`GroupedDispatcher.registration_base`: its
+group's base; a 409 when another base already lists the id), whose replicas check it against that
+base; a refusal names the base.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -25,6 +29,7 @@ from lora_cluster.serve.http.registrations import RegistrationConflict
 from lora_cluster.serve.http.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, conflict, not_found
 from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 
 
 def admin_router(ctx: ApiContext) -> APIRouter:
@@ -44,15 +49,26 @@ def admin_router(ctx: ApiContext) -> APIRouter:
         except RegistrationConflict as exc:
             raise conflict(str(exc), code=exc.code) from exc
         loaded = False
+        grouped = dispatcher if isinstance(dispatcher, GroupedDispatcher) else None
         try:
-            results = await dispatcher.broadcast("register_adapter", name, req.lora_path)
+            base = None if grouped is None else await grouped.registration_base(name)
+            if base is None:
+                results = await dispatcher.broadcast("register_adapter", name, req.lora_path)
+            else:  # several base models: the groups of the adapter's base only
+                results = await grouped.broadcast_base(base, "register_adapter", name, req.lora_path)
             failed = [r["error"] for r in results.values() if "error" in r]
             if failed:
                 for rid, r in results.items():
                     if "error" not in r:
                         await dispatcher.call(rid, "unregister_adapter", name)
-                raise ApiException(ApiError.from_dict(failed[0]))
+                error = ApiError.from_dict(failed[0])
+                if base is not None:  # which base refused it, by its API name
+                    error = dataclasses.replace(error, message=f"{error.message} (registering on base model "
+                                                f"{base!r})")
+                raise ApiException(error)
             ctx.registrations.complete_load(name, req.lora_path)
+            if base is not None:
+                grouped.catalog.register(base, name)
             loaded = True
         finally:
             if not loaded:
@@ -69,6 +85,8 @@ def admin_router(ctx: ApiContext) -> APIRouter:
             raise not_found(f"the LoRA adapter {name!r} cannot be found", code="adapter_not_found")
         try:
             await dispatcher.broadcast("unregister_adapter", name)
+            if isinstance(dispatcher, GroupedDispatcher):
+                dispatcher.catalog.unregister(name)
         finally:
             ctx.registrations.release(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -79,7 +79,21 @@ class ApiContext:
 
     @property
     def base_name(self) -> str:
+        """The API name of the (first group's) base model."""
         return served_name(self.config)
+
+    @property
+    def base_names(self) -> list[str]:
+        """Every base model's API name (several with replica groups on several bases), first first."""
+        bases = getattr(self.dispatcher, "bases", None) or []
+        return list(dict.fromkeys([self.base_name, *bases]))
+
+    def base_for(self, model: str | None) -> str | None:
+        """The base model's API name when `model` names a base (by API name; the first base also by
+        its `model`), else None (an adapter, or no `model`: the first base's group decides)."""
+        if model == self.config.model:
+            return self.base_name
+        return model if model in self.base_names else None
 
     @property
     def vocab_size(self) -> int | None:
@@ -93,7 +107,7 @@ class ApiContext:
         the request merges adapters (`merged_adapters`) onto the base model it names; the merge's own
         adapter ids are checked then (`schemas.merge_of`), so a tenant without `base_model` access
         may merge adapters it owns."""
-        adapter = None if model is None or model in (self.base_name, self.config.model) else model
+        adapter = None if model is None or self.base_for(model) is not None else model
         if not (merging and adapter is None) and not caller.may_use(adapter):
             raise ApiException(describe(AdapterNotFoundError(model or self.base_name, "not accessible")))
         return adapter

@@ -21,6 +21,7 @@ from ray import serve
 
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
+from lora_cluster.errors import ConfigError
 from lora_cluster.serve.http.admin_api import admin_router
 from lora_cluster.serve.http.body_limits import BodyLimitsMiddleware
 from lora_cluster.serve.http.context import ApiContext
@@ -37,6 +38,7 @@ from lora_cluster.serve.replica.model import DEMO, load_tokenizer, resolve_model
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.auth import CallerMiddleware
 from lora_cluster.serve.routing.dispatch import Dispatcher
+from lora_cluster.serve.routing.group_bases import group_configs, same_tokenizer
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.routing.quotas import RemoteQuotas
 from lora_cluster.serve.routing.replica_groups import replica_groups
@@ -93,7 +95,7 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
     install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate,
                     bodies=functools.partial(constrain, limits=ctx.config, vocab_size=ctx.vocab_size,
-                                             base_models=[ctx.base_name]))
+                                             base_models=ctx.base_names))
     return app
 
 
@@ -105,12 +107,20 @@ class LoraIngress:
         """`replicas`: each replica group's deployment handle by group name (`replica_groups`);
         `controllers`: each group's cluster controller (None or absent: controller off);
         `quota_ledger`: the tenants' `QuotaLedger` (None: no tenants file)."""
-        requested = load_config(config)
+        top = load_config(config)
+        configs = group_configs(top)  # each group's base and engine settings (group_bases)
+        requested = next(iter(configs.values()))  # the first group's: its base is the first base
         resolved = resolve_model(requested)
         configure_logging(resolved.log_format)
+        tokenizer = load_tokenizer(resolved)
+        for name, group_cfg in configs.items():  # one tokenizer encodes every base's prompts
+            if group_cfg.model == requested.model or same_tokenizer(tokenizer, load_tokenizer(group_cfg)):
+                continue
+            raise ConfigError(f"replica group {name!r}: its base model's tokenizer differs from the first "
+                              "group's; the ingress tokenizes with one tokenizer: every base must share it")
         app_name = serve.get_replica_context().app_name
         groups = []
-        for group in replica_groups(resolved):  # one admission per group, keyed by its deployment
+        for group in replica_groups(top):  # one admission per group, keyed by its deployment
             handle = replicas[group.name]
             admission = ClusterAdmission(
                 (controllers or {}).get(group.name), capacity=resolved.admission_capacity,
@@ -125,7 +135,7 @@ class LoraIngress:
         self.tenants = None if resolved.tenants_file is None else TenantsWatcher(
             resolved.tenants_file, build_sla_classes(resolved).names, resolved.tenants_reload_period_s)
         quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.quota_lease_s)
-        self.ctx = ApiContext(config=resolved, tokenizer=load_tokenizer(resolved), dispatcher=dispatcher,
+        self.ctx = ApiContext(config=resolved, tokenizer=tokenizer, dispatcher=dispatcher,
                               tenants=self.tenants, quotas=quotas)
         metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
         metrics.set_replica_stats_source(dispatcher.replica_stats)

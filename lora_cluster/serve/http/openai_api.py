@@ -48,6 +48,7 @@ from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.auth import Caller, CallerDep
 from lora_cluster.serve.routing.dispatch import Generation, cached_tokens, routing_headers
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -75,7 +76,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                     request_id=f"{request_id}-{len(jobs)}", prompt=prompt, adapter_id=adapter,
                     sampling=body.sampling(ctx.config, default_max, choice), stream=body.stream,
                     adapter_path=path, priority_class=sla.name, priority=sla.priority, merge=merge,
-                    tenant=caller.tenant))
+                    tenant=caller.tenant, base=ctx.base_for(body.model)))
         return jobs
 
     async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str,
@@ -159,19 +160,29 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.get("/v1/models", responses=openapi.LISTING)
     async def models(caller: CallerDep) -> dict[str, Any]:
-        """The base model and the adapters, those the caller's tenant may use only. `root` is where
+        """The base models and the adapters, those the caller's tenant may use only. `root` is where
         a registered adapter was loaded from (as vLLM reports it) for an admin caller only (or on an
-        open server): a tenant sees the adapter's id there, never a server path."""
-        adapters = await ctx.dispatcher.any_replica("list_adapters")
+        open server): a tenant sees the adapter's id there, never a server path. With several base
+        models (replica groups on several bases), each base is listed followed by its adapters, each
+        with `parent` set to its base."""
         created = int(time.time())
-        base = [{"id": ctx.base_name, "object": "model", "created": created, "owned_by": "lora-cluster",
-                 "root": ctx.config.model, "parent": None}] if caller.may_use(None) else []
         registered = ctx.registrations.snapshot()
-        ids = [a for a in dict.fromkeys([*registered, *adapters]) if caller.may_use(a)]
-        return {"object": "list", "data": [*base, *(
-            {"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
-             "root": registered.get(a, a) if caller.principal.admin else a, "parent": ctx.base_name}
-            for a in ids)]}
+        grouped = ctx.dispatcher
+        if isinstance(grouped, GroupedDispatcher) and grouped.several_bases:
+            listed = await grouped.listings()
+            by_base = {b: [*grouped.catalog.adapters_of(b), *ids] for b, ids in listed.items()}
+        else:
+            by_base = {ctx.base_name: [*registered, *await ctx.dispatcher.any_replica("list_adapters")]}
+        data: list[dict[str, Any]] = []
+        for base, adapters in by_base.items():
+            root = ctx.config.model if base == ctx.base_name else base
+            if caller.may_use(None):
+                data.append({"id": base, "object": "model", "created": created, "owned_by": "lora-cluster",
+                             "root": root, "parent": None})
+            data.extend({"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
+                         "root": registered.get(a, a) if caller.principal.admin else a, "parent": base}
+                        for a in dict.fromkeys(adapters) if caller.may_use(a))
+        return {"object": "list", "data": data}
 
     return router
 

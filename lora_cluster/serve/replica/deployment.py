@@ -51,7 +51,7 @@ from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
-from lora_cluster.serve.replica.model import resolve_model
+from lora_cluster.serve.replica.model import resolve_model, served_name
 from lora_cluster.serve.replica.report import build_report, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP
@@ -224,6 +224,7 @@ class LoraReplica:
             adapter_thrash=s.adapter_thrash,
             breakers={**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
             group=self.group,
+            base=served_name(self.config),
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
             store=store,
             classes=self.class_stats.snapshot(),
@@ -259,7 +260,7 @@ class LoraReplica:
             max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,
             classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
             memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,
-            sent_at=time.time())
+            sent_at=time.time(), base=served_name(self.config))
 
     async def _on_reply(self, reply: dict[str, Any]) -> None:
         """Prefetch what the controller's placement chose this replica for (host copy first; the

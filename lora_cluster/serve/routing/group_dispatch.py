@@ -10,38 +10,98 @@ can send it elsewhere. An adapter that no group serves is a 404, as an unknown a
 adapter (`merged_adapters`) goes to the group that serves every adapter of the merge, and is a 400
 naming each adapter's group when no group does (`replica_groups.select_merge_group`).
 Admin calls (adapter registration, stats, health) reach the replicas of every group.
+
+Several base models (`group_bases`): a request without adapter goes to a group of the base its
+`model` names (`GenerateJob.base`); an adapter to a group of the base whose groups list it. The
+listing (`catalog`) is refreshed from one replica of each group when it is older than its
+`max_age_s` and a request for an adapter needs it, one refresh at a time; a failed refresh keeps
+the previous listing. A one-base cluster never refreshes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lora_cluster.cluster.routing_stats import RoutingStats
-from lora_cluster.errors import AdapterNotFoundError, RequestError
+from lora_cluster.errors import AdapterBaseConflictError, AdapterNotFoundError, RequestError
 from lora_cluster.serve.http_errors import ApiException, NoReplicaError, describe
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
-from lora_cluster.serve.routing.replica_groups import ReplicaGroup, select_group, select_merge_group
+from lora_cluster.serve.routing.group_bases import (
+    AdapterCatalog,
+    registration_base,
+    select_for,
+    several_bases,
+)
+from lora_cluster.serve.routing.replica_groups import ReplicaGroup, select_merge_group
+
+log = logging.getLogger(__name__)
 
 
 class GroupedDispatcher:
     """`Dispatcher`'s calls over several groups, each with its own `Dispatcher` (at least one)."""
 
-    def __init__(self, groups: Sequence[tuple[ReplicaGroup, Dispatcher]]):
+    def __init__(self, groups: Sequence[tuple[ReplicaGroup, Dispatcher]],
+                 catalog: AdapterCatalog | None = None):
         if not groups:
             raise ValueError("a GroupedDispatcher needs at least one replica group")
         self.groups = [group for group, _ in groups]
         self._dispatchers = {group.name: dispatcher for group, dispatcher in groups}
+        self.catalog = catalog or AdapterCatalog(time.monotonic)
+        self.several_bases = several_bases(self.groups)
+        self._refresh: asyncio.Task | None = None
+
+    @property
+    def bases(self) -> list[str]:
+        """The base models' API names, in configuration order."""
+        return list(dict.fromkeys(group.base for group in self.groups))
+
+    async def listings(self) -> dict[str, list[str]]:
+        """{base: adapters listed by one replica of each of its groups} (a group without a running
+        replica lists nothing); refreshes the catalog with it when it has several bases."""
+        async def listed(group: ReplicaGroup) -> list[str]:
+            dispatcher = self._dispatchers[group.name]
+            if dispatcher.replica_stats() == {}:
+                return []
+            try:
+                return list(await dispatcher.any_replica("list_adapters"))
+            except ApiException as exc:
+                log.info("group %s lists no adapters now: %s", group.name, exc.error.message)
+                return []
+
+        results = await asyncio.gather(*(listed(g) for g in self.groups))
+        by_base: dict[str, list[str]] = {base: [] for base in self.bases}
+        for group, ids in zip(self.groups, results, strict=True):
+            by_base[group.base].extend(ids)
+        if self.several_bases:
+            self.catalog.replace(by_base)
+        return {base: list(dict.fromkeys(ids)) for base, ids in by_base.items()}
+
+    async def _fresh_catalog(self) -> None:
+        """Refresh a stale catalog (several bases only), one refresh at a time for all callers."""
+        if not self.several_bases or not self.catalog.stale():
+            return
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.get_running_loop().create_task(self.listings())
+        await asyncio.shield(self._refresh)
 
     def dispatcher(self, group: str) -> Dispatcher:
         """The dispatcher of one group, by name."""
         return self._dispatchers[group]
 
-    def group_for(self, adapter_id: str | None, tenant: str | None = None) -> ReplicaGroup:
-        """The group serving this adapter and tenant; ApiException 404 when no group serves the adapter."""
-        group = select_group(self.groups, adapter_id, tenant)
+    def group_for(self, adapter_id: str | None, tenant: str | None = None,
+                  base: str | None = None) -> ReplicaGroup:
+        """The group serving this adapter (or, without one, this base) and tenant; ApiException 404
+        when no group serves the adapter, 409 when it is listed under two bases."""
+        try:
+            group = select_for(self.groups, base=base, adapter_id=adapter_id, tenant=tenant,
+                               catalog=self.catalog)
+        except AdapterBaseConflictError as exc:
+            raise ApiException(describe(exc)) from None
         if group is None:
             reason = "not found (no replica group serves it)"
             raise ApiException(describe(AdapterNotFoundError(str(adapter_id), reason)))
@@ -49,7 +109,7 @@ class GroupedDispatcher:
 
     def _for_job(self, job: GenerateJob) -> Dispatcher:
         if job.merge is None:
-            return self._dispatchers[self.group_for(job.adapter_id, job.tenant).name]
+            return self._dispatchers[self.group_for(job.adapter_id, job.tenant, job.base).name]
         try:
             group = select_merge_group(self.groups, job.merge.ids, job.tenant)
         except (AdapterNotFoundError, RequestError) as exc:
@@ -58,6 +118,8 @@ class GroupedDispatcher:
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         """Start `job` on a replica of its group (see `Dispatcher.start`)."""
+        if job.adapter_id is not None:
+            await self._fresh_catalog()
         return await self._for_job(job).start(job, route)
 
     async def start_all(self, jobs: list[GenerateJob], route: str,
@@ -65,6 +127,8 @@ class GroupedDispatcher:
         """Start the jobs of one request (one adapter, one tenant: one group); see `Dispatcher.start_all`."""
         if not jobs:
             return []
+        if jobs[0].adapter_id is not None:
+            await self._fresh_catalog()
         return await self._for_job(jobs[0]).start_all(jobs, route, on_started)
 
     def replica_stats(self) -> dict[str, RoutingStats] | None:
@@ -102,6 +166,23 @@ class GroupedDispatcher:
             except ApiException as exc:
                 error = exc
         raise error or ApiException(describe(NoReplicaError("no LoRA replica is running")))
+
+    async def broadcast_base(self, base: str, method: str, *args: Any) -> dict[str, Any]:
+        """`broadcast`, to the replicas of the groups of one base model only."""
+        chosen = [self._dispatchers[g.name] for g in self.groups if g.base == base]
+        results = await asyncio.gather(*(d.broadcast(method, *args) for d in chosen))
+        return {rid: result for group_results in results for rid, result in group_results.items()}
+
+    async def registration_base(self, adapter_id: str) -> str | None:
+        """The base a run-time registration of `adapter_id` joins (None: one base, every group);
+        ApiException 409 when another base lists the id (`group_bases.registration_base`)."""
+        if not self.several_bases:
+            return None
+        await self.listings()  # what every base lists now, not up to max_age_s ago
+        try:
+            return registration_base(self.groups, adapter_id, self.catalog)
+        except AdapterBaseConflictError as exc:
+            raise ApiException(describe(exc)) from None
 
     async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
         """Call `method` on every running replica of every group; {replica id: result}."""

@@ -20,6 +20,9 @@ group, in configuration order, that serves every adapter of the merge runs it; w
 finance adapter merged with one only the shared group serves), the merge is refused (a 400
 naming each adapter's group), so that an adapter never leaves its group.
 
+Each group serves one base model (`base`, its API name: see `base_name`); groups on different bases
+make a cluster of several base models, whose selection by a request's `model` is `group_bases`'s.
+
 Without `replica_groups`, there is one catch-all group, `default`, made of the `num_replicas`,
 `num_cpus` and `num_gpus` fields, deployed under the historical names `LoraReplica` and
 `ClusterController`.
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from lora_cluster.config import ServeConfig
+from lora_cluster.config import ReplicaGroupConfig, ServeConfig
 from lora_cluster.errors import AdapterNotFoundError, RequestError
 
 DEFAULT_GROUP = "default"
@@ -54,6 +57,7 @@ class ReplicaGroup:
     node_labels: dict[str, str] = field(default_factory=dict)
     adapters: tuple[str, ...] = ()
     tenants: frozenset[str] = frozenset()
+    base: str = ""  # the served name of its base model (`base_name`); "" only in hand-built groups
 
     @property
     def catch_all(self) -> bool:
@@ -75,17 +79,29 @@ class ReplicaGroup:
         return options
 
 
+def base_name(config: ServeConfig, group: ReplicaGroupConfig | None = None) -> str:
+    """The API name of a group's base model: its `served_model_name`, else (a group that keeps the
+    top-level model) the top-level served name, else its `model`; `group` None: the top-level base."""
+    top = config.served_model_name or config.model
+    if group is None:
+        return top
+    if group.served_model_name:
+        return group.served_model_name
+    return top if group.model in (None, config.model) else group.model
+
+
 def replica_groups(config: ServeConfig) -> list[ReplicaGroup]:
     """The groups of `config`, in order (one catch-all `default` group when none is configured)."""
     if not config.replica_groups:
         return [ReplicaGroup(DEFAULT_GROUP, REPLICA_DEPLOYMENT, CONTROLLER_DEPLOYMENT, config.num_replicas,
-                             config.num_cpus, config.num_gpus)]
+                             config.num_cpus, config.num_gpus, base=base_name(config))]
     return [ReplicaGroup(
         name=g.name, deployment=f"{REPLICA_DEPLOYMENT}-{g.name}",
         controller=f"{CONTROLLER_DEPLOYMENT}-{g.name}",
         num_replicas=g.num_replicas, num_cpus=config.num_cpus if g.num_cpus is None else g.num_cpus,
         num_gpus=config.num_gpus if g.num_gpus is None else g.num_gpus, resources=dict(g.resources),
         node_labels=dict(g.node_labels), adapters=tuple(g.adapters), tenants=frozenset(g.tenants),
+        base=base_name(config, g),
     ) for g in config.replica_groups]
 
 
