@@ -5,10 +5,12 @@ by the simulator (`sim.routing`).
 The full rank builds a `ReplicaView` of every replica (`PlacementTracker.view`) and sorts them by
 `rank_key(adapter, view)` for every request. The index keeps instead:
 
-* each replica's view, rebuilt only when something it reads changed: its ongoing count (`touch`),
-  its routing stats (`set_stats`, `replace`), a placement recorded there (`record`), or one of its
-  placements reaching the tracker's ttl (a heap of expiry times); a rebuild waits for the next
-  decision, so a decision reads the views the full rank would build at that instant;
+* each replica's view, rebuilt only when something it reads changed: its routing stats
+  (`set_stats`, `replace`), a placement recorded there (`record`), or one of its placements
+  reaching the tracker's ttl (a heap of expiry times); when only its ongoing count changed
+  (`touch`, `recheck`), the view keeps everything else and takes the new count. A rebuild waits
+  for the next decision (or `settle`), so a decision reads the views the full rank would build at
+  that instant;
 * holders: adapter -> the replicas whose view holds it (resident, loading, or recently placed);
 * two heaps of every replica, keyed by `rank_key(ABSENT, view)` and `rank_key(None, view)`,
   entries invalidated by a per-replica version (lazy deletion, compacted when they pile up).
@@ -29,6 +31,7 @@ Cost per decision: O((holders + placed + spare) log replicas + touched replicas 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Mapping
 
@@ -53,7 +56,8 @@ class RoutingIndex:
         self._heaps: dict[str | None, list[tuple[Key, int, str]]] = {ABSENT: [], None: []}
         self._version: dict[str, int] = {}  # replica -> its valid heap entries' version (never reused)
         self._versions = 0
-        self._dirty: dict[str, None] = {}
+        self._dirty: dict[str, None] = {}  # replicas whose view is rebuilt in full
+        self._recount: dict[str, None] = {}  # replicas whose ongoing count changed (or may have)
         self._expiry: list[tuple[float, str]] = []  # (when a recorded placement expires, replica)
 
     def __len__(self) -> int:
@@ -80,19 +84,28 @@ class RoutingIndex:
     def touch(self, replica_id: str) -> None:
         """The replica's ongoing count changed (or may have)."""
         if replica_id in self.stats:
-            self._dirty[replica_id] = None
+            self._recount[replica_id] = None
+
+    def recheck(self, replica_id: str) -> None:
+        """The replica's ongoing count may have changed unsignalled: read it now, rebuild if it did."""
+        view = self.views.get(replica_id)
+        if view is not None and self._ongoing(replica_id) != view.ongoing:
+            self._recount[replica_id] = None
 
     def touch_all(self) -> None:
-        self._dirty.update(dict.fromkeys(self.stats))
+        """Every replica's count may have changed unsignalled (O(replicas) at the next decision)."""
+        self._recount.update(dict.fromkeys(self.stats))
 
     def record(self, replica_id: str, adapter_id: str | None) -> None:
         """A request of `adapter_id` was (or is about to be) sent to `replica_id`."""
         if adapter_id is None or replica_id not in self.stats:
             return
         now = self._clock()
+        unchanged = self.tracker.is_recent(replica_id, adapter_id, now)  # the view reads membership only
         self.tracker.record(replica_id, adapter_id, now)
         heapq.heappush(self._expiry, (now + self.tracker.ttl_s, replica_id))
-        self._dirty[replica_id] = None
+        if not unchanged:
+            self._dirty[replica_id] = None
 
     def settle(self) -> None:
         """Rebuild now the views that changed (the next decision would)."""
@@ -119,7 +132,7 @@ class RoutingIndex:
             ranked, stale = self._rank_candidates(adapter_id, placed, spare)
             if not stale:
                 return ranked
-            self._dirty.update(dict.fromkeys(stale))
+            self._recount.update(dict.fromkeys(stale))
         return ranked
 
     def choose(self, adapter_id: str | None, placed: Iterable[str] = ()) -> str | None:
@@ -138,7 +151,8 @@ class RoutingIndex:
             holders.update(self.holders.get(adapter_id, ()))
             holders.update(placed_here)
         others = self._best(adapter_id, holders, spare)
-        chosen = [self.view(rid, adapter_id) for rid in placed_here]
+        chosen = [views[rid] if adapter_id in views[rid].confirmed else self.view(rid, adapter_id)
+                  for rid in placed_here]  # a reported adapter, placed or not, gives the same view
         chosen += [views[rid] for rid in holders.difference(placed_here)]
         chosen += [views[rid] for rid in others]
         stale = [v.replica_id for v in chosen if self._ongoing(v.replica_id) != v.ongoing]
@@ -169,27 +183,38 @@ class RoutingIndex:
             rid = heapq.heappop(expiry)[1]
             if rid in self.stats:
                 self._dirty[rid] = None
-        if not self._dirty:
+        if not self._dirty and not self._recount:
             return
         for rid in self._dirty:
             old, new = self.views.get(rid), self.view(rid)
-            self.views[rid] = new
             if old is None or old.adapters != new.adapters:
                 before = frozenset() if old is None else old.adapters
                 self._unhold(rid, before - new.adapters)
                 for aid in new.adapters - before:
                     self.holders.setdefault(aid, set()).add(rid)
-            self._versions += 1
-            version = self._version[rid] = self._versions
-            for aid, heap in self._heaps.items():
-                heapq.heappush(heap, (rank_key(aid, new, self.miss_cost), version, rid))
+            self._put(rid, new)
+        for rid in self._recount:
+            old = self.views.get(rid)
+            if rid in self._dirty or old is None:
+                continue
+            ongoing = self._ongoing(rid)
+            if ongoing != old.ongoing:
+                self._put(rid, dataclasses.replace(old, ongoing=ongoing))
         self._dirty.clear()
+        self._recount.clear()
         bound = 8 * len(self.views) + 64
         for aid, heap in self._heaps.items():
             if len(heap) > bound:
                 heap[:] = [(rank_key(aid, v, self.miss_cost), self._version[rid], rid)
                            for rid, v in self.views.items()]
                 heapq.heapify(heap)
+
+    def _put(self, replica_id: str, view: ReplicaView) -> None:
+        self.views[replica_id] = view
+        self._versions += 1
+        version = self._version[replica_id] = self._versions
+        for aid, heap in self._heaps.items():
+            heapq.heappush(heap, (rank_key(aid, view, self.miss_cost), version, replica_id))
 
     def _unhold(self, replica_id: str, adapters: Iterable[str]) -> None:
         for aid in adapters:
@@ -205,3 +230,4 @@ class RoutingIndex:
         del self.stats[replica_id]
         self._version.pop(replica_id, None)
         self._dirty.pop(replica_id, None)
+        self._recount.pop(replica_id, None)

@@ -90,6 +90,11 @@ class PlacementTracker:
         if adapter_id is not None:
             self._placed.setdefault(replica_id, {})[adapter_id] = now
 
+    def is_recent(self, replica_id: str, adapter_id: str, now: float) -> bool:
+        """`adapter_id` is among `recent(replica_id, now)` (without building the set)."""
+        placed_at = self._placed.get(replica_id, {}).get(adapter_id)
+        return placed_at is not None and now - placed_at < self.ttl_s
+
     def recent(self, replica_id: str, now: float) -> set[str]:
         placed = self._placed.get(replica_id, {})
         return {a for a, t in placed.items() if now - t < self.ttl_s}

@@ -18,8 +18,10 @@ every adapter preloaded unless `--preload` says otherwise, in `--workers` proces
 row per cell with pass/fail against the targets, and exits 1 when a cell fails. `--sizes`,
 `--zipfs`, `--loads`, `--seeds` run a part of it.
 
-`router-cost` times the live router's per-request work (`PlacementTracker.view` for every replica,
-then `rank_replicas` over them, as `LoraAffinityRouter.choose_replicas` does) at 32 to 1024 replicas.
+`router-cost` times a routing decision at 32 to 1024 replicas (CPU time, p50 and p99): the full rank
+(`PlacementTracker.view` for every replica, then `rank_replicas`, the live router's work before
+the index) and `cluster.routing_index.RoutingIndex` (what `LoraAffinityRouter.choose_replicas` and
+the simulator run); `benchmarks/bench_router_index.py` times the live router itself.
 
 `table` prints a markdown table (one row per policy and load), then where the adapter slots went
 (`census.SlotCensus`) and which requests each class completed by the popularity rank of their
@@ -35,12 +37,14 @@ import argparse
 import dataclasses
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lora_cluster.cluster.routing_index import RoutingIndex
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.sim import grid as acceptance
@@ -195,26 +199,48 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def router_cost(sizes: tuple[int, ...] = (32, 256, 1024), adapters: int = 10_000,
-                decisions: int = 200) -> str:
-    """Markdown: microseconds per routing decision of the live router, by replica count."""
-    rng = random.Random(0)
-    lines = ["| replicas | µs per decision | decisions per second (one core) |", "|---|---:|---:|"]
+def router_cost(sizes: tuple[int, ...] = (32, 256, 1024), adapters: int = 10_000, decisions: int = 2000,
+                full_decisions: int = 100) -> str:
+    """Markdown: CPU microseconds per routing decision (p50, p99) by replica count, the full rank
+    (a view of every replica, then `rank_replicas`: the live router's work before the index)
+    against `RoutingIndex` (what the live router and this simulator run). Between two decisions a
+    request is sent to the chosen replica and one finishes on a random replica (both signalled)."""
+    lines = ["| replicas | full rank p50 / p99 µs | index p50 / p99 µs | index decisions/s (one core) |",
+             "|---|---:|---:|---:|"]
+    weights = [1.0 / (k + 1) for k in range(adapters)]
     for n in sizes:
-        tracker = PlacementTracker(ttl_s=5.0)
+        rng = random.Random(0)
         stats = {f"r{i}": RoutingStats(resident=tuple(f"a{rng.randrange(adapters)}" for _ in range(16)),
                                        empty_adapter_slots=0, free_adapter_slots=4, max_loras=16,
                                        num_running=32, num_waiting=0, max_num_seqs=32) for i in range(n)}
-        for i in range(n):
-            for _ in range(8):
-                tracker.record(f"r{i}", f"a{rng.randrange(adapters)}", 0.0)
-        t0 = time.perf_counter()
-        for k in range(decisions):
-            aid = f"a{k % 50}"
-            views = [tracker.view(rid, s, rng.randrange(40), 1.0) for rid, s in stats.items()]
-            rank_replicas(aid, views, 4.0)
-        per = (time.perf_counter() - t0) / decisions
-        lines.append(f"| {n} | {per * 1e6:.0f} | {1 / per:.0f} |")
+        ongoing = {rid: rng.randrange(40) for rid in stats}
+        wanted = [f"a{k}" for k in rng.choices(range(adapters), weights=weights,
+                                               k=decisions + full_decisions)]
+        index = RoutingIndex(miss_cost=4.0, placement_ttl_s=5.0, clock=lambda: 1.0,
+                             ongoing=ongoing.__getitem__)
+        index.replace(stats)
+        tracker = PlacementTracker(ttl_s=5.0)
+        costs: dict[str, list[float]] = {"full": [], "index": []}
+        for k, aid in enumerate(wanted):
+            t0 = time.thread_time()
+            if k < full_decisions:
+                views = [tracker.view(rid, s, ongoing[rid], 1.0) for rid, s in stats.items()]
+                choice = rank_replicas(aid, views, 4.0)[0]
+                tracker.record(choice, aid, 1.0)
+            else:
+                choice = index.ranked(aid)[0]
+                index.record(choice, aid)
+            costs["full" if k < full_decisions else "index"].append(time.thread_time() - t0)
+            done = f"r{rng.randrange(n)}"
+            ongoing[choice] += 1
+            ongoing[done] = max(0, ongoing[done] - 1)
+            index.touch(choice)
+            index.touch(done)
+        p = {name: (statistics.median(xs) * 1e6, sorted(xs)[int(0.99 * len(xs))] * 1e6)
+             for name, xs in costs.items()}
+        (f50, f99), (i50, i99) = p["full"], p["index"]
+        lines.append(f"| {n} | {f50:.0f} / {f99:.0f} | {i50:.0f} / {i99:.0f} "
+                     f"| {1 / statistics.fmean(costs['index']):.0f} |")
     return "\n".join(lines)
 
 

@@ -119,14 +119,15 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
         if self._rescan:
             index.touch_all()
         for rid in self._last:
-            index.touch(rid)
+            index.recheck(rid)
         placed = placement_table(*deployment_key(self)).get(adapter_id, ()) if adapter_id else ()
         ranked = index.ranked(adapter_id, placed, spare=SPARE)
         if not ranked:
             return []
         index.record(ranked[0], adapter_id)  # tentatively: a concurrent request for a new adapter follows it
         self._last = ranked
-        self._rescan = all(self._ongoing(rid) >= by_id[rid].max_ongoing_requests for rid in ranked)
+        views = index.views
+        self._rescan = all(views[rid].ongoing >= by_id[rid].max_ongoing_requests for rid in ranked)
         return [[by_id[rid]] for rid in ranked] + [candidate_replicas]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
