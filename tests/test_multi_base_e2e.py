@@ -1,0 +1,121 @@
+"""Two base models in one cluster, end to end: one `serve run`-equivalent Ray app with two replica
+groups, `llama` on the tiny demo Llama (its adapters a0..a15) and `qwen` on a tiny Qwen3 checkpoint
+(its adapters q0, q1 from its own adapter source), each group naming its own `model`.
+
+What must hold: /v1/models lists both bases, each followed by its adapters with `parent` set to it; a
+request's `model` (a base name or an adapter id) runs on that base, with transformers + PEFT's greedy
+text for that base; an adapter of the Qwen3 base registered where the Llama base serves it is refused
+(a 400 naming the adapter, the base it was trained for and the base that refused it, never a server
+path), and the Llama base keeps serving; `/v1/cluster` names each replica's base.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from lora_cluster.demo_families import build_family_zoo
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over the lazy dog near the river and the town"
+NEW_TOKENS = 8
+LLAMA, QWEN = "llama-tiny", "qwen3-tiny"
+QWEN_ADAPTERS = ["q0", "q1"]
+
+
+@pytest.fixture(scope="module")
+def qwen_zoo(tmp_path_factory):
+    """The tiny Qwen3 checkpoint in a folder named `qwen3-tiny`, and its PEFT adapters as q0, q1 declaring
+    `org/qwen3-tiny` as their base (a hub id and a local copy of it match by their last component)."""
+    root = tmp_path_factory.mktemp("multi-base")
+    zoo = build_family_zoo(root / "zoo", "qwen3", num_adapters=2)
+    model_dir = root / QWEN
+    shutil.copytree(zoo.model_dir, model_dir)
+    adapters = root / "qwen-adapters"
+    for index, name in enumerate(QWEN_ADAPTERS):
+        shutil.copytree(zoo.adapters_dir / f"a{index}", adapters / name)
+        config_file = adapters / name / "adapter_config.json"
+        config = json.loads(config_file.read_text())
+        config["base_model_name_or_path"] = f"org/{QWEN}"
+        config_file.write_text(json.dumps(config))
+    return model_dir, adapters
+
+
+@pytest.fixture(scope="module")
+def http(ray_app, demo_zoo, qwen_zoo):
+    qwen_model, qwen_adapters = qwen_zoo
+    config = {
+        "model": str(demo_zoo.model_dir), "served_model_name": LLAMA,
+        "adapter_source": [str(demo_zoo.adapters_dir)], "num_cpus": 1, "max_loras": 2, "max_lora_rank": 64,
+        "max_num_seqs": 4, "routing_stats_period_s": 0.5, "controller_report_period_s": 0.25,
+        "replica_groups": [
+            {"name": "llama"},
+            {"name": "qwen", "model": str(qwen_model), "served_model_name": QWEN,
+             "engine": {"adapter_source": [str(qwen_adapters)]}},
+        ],
+    }
+    with ray_app(config, name="bases") as url, httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
+def _peft_text(model_dir, adapter_dir, tokenizer) -> str:
+    """transformers + PEFT's greedy continuation of PROMPT (NEW_TOKENS tokens, EOS not stopping it)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    ids = tokenizer(PROMPT).input_ids
+    out = model.eval().generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None, pad_token_id=3)
+    return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def test_models_lists_both_bases_each_with_its_adapters(http, demo_zoo):
+    data = http.get("/v1/models").json()["data"]
+    parents = {m["id"]: m["parent"] for m in data}
+    bases = [m["id"] for m in data if m["parent"] is None]
+    assert bases == [LLAMA, QWEN], "/v1/models lists both bases, in group order"
+    assert all(parents.get(a) == QWEN for a in QWEN_ADAPTERS), "the Qwen3 adapters' parent is the Qwen3 base"
+    assert all(parents.get(a) == LLAMA for a in demo_zoo.adapter_ids), "the demo adapters' parent is Llama"
+
+
+@pytest.mark.parametrize(("model", "adapter"), [
+    (LLAMA, None), ("a1", "a1"), ("a3", "a3"), (QWEN, None), ("q0", "q0"), ("q1", "q1")])
+def test_each_bases_requests_answer_peft_greedy_text_for_that_base(http, demo_zoo, qwen_zoo, model, adapter):
+    from transformers import AutoTokenizer
+
+    qwen = model == QWEN or model.startswith("q")
+    model_dir = qwen_zoo[0] if qwen else demo_zoo.model_dir
+    adapter_dir = None if adapter is None else (qwen_zoo[1] if qwen else demo_zoo.adapters_dir) / adapter
+    r = http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                                           "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, f"{model}: the completion succeeds: {r.text}"
+    want = _peft_text(model_dir, adapter_dir, AutoTokenizer.from_pretrained(model_dir))
+    assert r.json()["choices"][0]["text"] == want, f"{model}: the text is PEFT's greedy text on its base"
+
+
+def test_an_adapter_of_the_other_base_is_refused_where_it_is_registered(http, qwen_zoo):
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "misplaced",
+                                                 "lora_path": str(qwen_zoo[1] / "q0")})
+    assert r.status_code == 400, f"a Qwen3 adapter registered on the Llama base is refused: {r.text}"
+    message = r.json()["error"]["message"]
+    assert "'misplaced'" in message, "the refusal names the adapter"
+    assert QWEN in message, "the refusal names the base the adapter was trained for"
+    assert LLAMA in message, "the refusal names the base that refused it"
+    assert str(qwen_zoo[1]) not in message, "the refusal shows no server path"
+    ok = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200, "the Llama base keeps serving after the refusal"
+
+
+def test_the_cluster_view_names_each_replicas_base(http):
+    view = http.get("/v1/cluster").json()
+    bases = {name: {r["base"] for node in group["nodes"].values() for r in node["replicas"].values()}
+             for name, group in view["groups"].items()}
+    assert bases == {"llama": {LLAMA}, "qwen": {QWEN}}, "each group's replicas report their base"
