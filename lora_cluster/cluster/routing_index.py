@@ -187,7 +187,7 @@ class RoutingIndex:
             return
         for rid in self._dirty:
             old, new = self.views.get(rid), self.view(rid)
-            if old is None or old.adapters != new.adapters:
+            if old is None or (old.adapters is not new.adapters and old.adapters != new.adapters):
                 before = frozenset() if old is None else old.adapters
                 self._unhold(rid, before - new.adapters)
                 for aid in new.adapters - before:

@@ -117,9 +117,9 @@ class PlacementTracker:
         """Merge a replica's last report (empty `RoutingStats()` before its first) with recent placements.
         `placed`: an adapter the controller's placement table assigns to this replica (it is
         prefetched there, so the policy counts it as held and spreads its requests over its holders)."""
-        reported = frozenset(stats.resident) | frozenset(stats.loading)
-        if placed is not None:
-            reported |= {placed}
+        reported = stats.held
+        if placed is not None and placed not in reported:
+            reported = reported | {placed}
         recent = self.recent(replica_id, now)
         pending = recent - reported
         empty = stats.empty_adapter_slots  # unknown: its slot count, else one
@@ -131,7 +131,7 @@ class PlacementTracker:
             ongoing=ongoing,
             max_num_seqs=UNKNOWN_SLOTS if stats.max_num_seqs is None else stats.max_num_seqs,  # unknown: room
             empty_adapter_slots=empty - len(pending),
-            adapters=reported | pending,
+            adapters=reported | pending if pending else reported,
             can_allocate=free > len(pending),
             confirmed=reported,
             working_set=len(recent),

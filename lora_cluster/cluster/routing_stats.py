@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,11 @@ class RoutingStats:
     def ongoing(self) -> int:
         """Requests it runs or queues, as reported."""
         return self.num_running + self.num_waiting
+
+    @functools.cached_property
+    def held(self) -> frozenset[str]:
+        """Its adapters on the device or being placed there (built once per report)."""
+        return frozenset(self.resident) | frozenset(self.loading)
 
     def holds(self, adapter_id: str) -> bool:
         """The adapter is on its device or being placed there."""
