@@ -12,19 +12,21 @@ from lora_cluster.adapter_format import ModelShapes
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig, load_config
 from lora_cluster.engine import SamplingParams
-from lora_cluster.errors import AdapterBaseConflictError, AdapterBaseModelError, ConfigError
+from lora_cluster.errors import AdapterBaseConflictError, AdapterBaseModelError, ConfigError, RequestError
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.group_bases import (
     AdapterCatalog,
     group_config,
     group_configs,
+    merge_groups,
     registration_base,
     select_for,
 )
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.routing.replica_groups import replica_groups, select_group
 from lora_cluster.store.admission import AdmissionPolicy, check_base_model
+from lora_cluster.store.merge import MergeSpec
 
 TWO_BASES = [{"name": "llama"},
              {"name": "qwen", "model": "/srv/models/qwen3", "served_model_name": "qwen3", "adapters": ["q-*"],
@@ -247,3 +249,25 @@ def test_an_adapter_of_another_base_is_refused_naming_both_bases_and_no_server_p
     assert "Qwen/Qwen3-8B" in message, "the refusal names the adapter's base_model_name_or_path"
     assert "Llama-3.1-8B" in message, "the refusal names the served base"
     assert "/srv/private" not in message, "the refusal never shows the server's path"
+
+
+# ----- merges --------------------------------------------------------------------------------------------
+
+
+def test_a_merge_runs_on_the_base_of_its_adapters_and_never_across_bases():
+    catalog = _catalog({"llama": ["a0", "a1"], "qwen3": ["q0", "q1"]})
+    assert [g.name for g in merge_groups(GROUPS, ["q0", "q1"], catalog)] == ["qwen"], (
+        "a merge of Qwen3 adapters runs among the Qwen3 groups")
+    assert [g.name for g in merge_groups(GROUPS, ["a0", "a1"], catalog)] == ["llama"], (
+        "a merge of Llama adapters runs among the Llama groups")
+    with pytest.raises(RequestError, match=r"'a0' \(base 'llama'\), 'q1' \(base 'qwen3'\)"):
+        merge_groups(GROUPS, ["a0", "q1"], catalog)
+
+
+async def test_the_dispatcher_sends_a_merge_to_its_bases_group():
+    llama, qwen = _GroupReplicas("l-1", ["a0"]), _GroupReplicas("q-1", ["q0", "q1"])
+    dispatcher = GroupedDispatcher(list(zip(GROUPS, [llama, qwen], strict=True)))
+    merged = MergeSpec.parse(["q0", "q1"], [0.5, 0.5], max_ids=4)
+    job = GenerateJob(request_id="r", prompt=[1], adapter_id=merged.adapter_id, sampling=SamplingParams(),
+                      merge=merged)
+    assert await dispatcher.start(job, "/") == "q-1", "a merge of Qwen3 adapters runs on the Qwen3 group"

@@ -17,6 +17,8 @@ Selection (`select_for`), for a request's base model or adapter id and its tenan
    a 409 naming both), since the request cannot say which it means. Listed under one: `select_group`
    among that base's groups. Listed under none (or a one-base cluster): `select_group` among all
    groups, as in a one-base cluster.
+A merge of adapters (`merge_groups`) runs among the groups of the base its adapters are listed
+under; adapters listed under different bases are a 400 naming each one's base.
 So an adapter only ever runs on a group of the base it is listed under, and a one-base cluster
 selects exactly as `select_group` does.
 
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lora_cluster.config import ReplicaGroupConfig, ServeConfig
-from lora_cluster.errors import AdapterBaseConflictError
+from lora_cluster.errors import AdapterBaseConflictError, RequestError
 from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP, ReplicaGroup, select_group
 
 MAX_CATALOG_ADAPTERS = 100_000  # adapter ids remembered per base
@@ -137,6 +139,29 @@ def registration_base(groups: Sequence[ReplicaGroup], adapter_id: str, catalog: 
                                        f"be registered on base model {group.base!r} (replica group "
                                        f"{group.name!r}): an adapter id must be unique across base models")
     return group.base
+
+
+def merge_groups(groups: Sequence[ReplicaGroup], adapter_ids: Sequence[str],
+                 catalog: AdapterCatalog | None) -> list[ReplicaGroup]:
+    """The groups a merge of `adapter_ids` may run on: with several bases, those of the one base that
+    lists its adapters (`select_merge_group` then applies the group rules among them); all groups
+    when no adapter is listed, or in a one-base cluster. Raises AdapterBaseConflictError for an
+    adapter listed under two bases, RequestError when the adapters are listed under different bases."""
+    if catalog is None or not several_bases(groups):
+        return list(groups)
+    bases: dict[str, str] = {}
+    for adapter_id in adapter_ids:
+        listed = catalog.bases_of(adapter_id)
+        check_unique_base(adapter_id, listed)
+        if listed:
+            bases[adapter_id] = listed[0]
+    if len(set(bases.values())) > 1:
+        placed = ", ".join(f"{aid!r} (base {base!r})" for aid, base in bases.items())
+        raise RequestError(f"merged_adapters: the adapters of a merge must share one base model: {placed}")
+    if not bases:
+        return list(groups)
+    base = next(iter(bases.values()))
+    return [g for g in groups if g.base == base]
 
 
 def select_for(groups: Sequence[ReplicaGroup], *, base: str | None, adapter_id: str | None,

@@ -12,10 +12,11 @@ naming each adapter's group when no group does (`replica_groups.select_merge_gro
 Admin calls (adapter registration, stats, health) reach the replicas of every group.
 
 Several base models (`group_bases`): a request without adapter goes to a group of the base its
-`model` names (`GenerateJob.base`); an adapter to a group of the base whose groups list it. The
-listing (`catalog`) is refreshed from one replica of each group when it is older than its
-`max_age_s` and a request for an adapter needs it, one refresh at a time; a failed refresh keeps
-the previous listing. A one-base cluster never refreshes it.
+`model` names (`GenerateJob.base`); an adapter, or a merge of adapters, to a group of the base
+whose groups list it (`group_bases.select_for`, `merge_groups`). The listing (`catalog`) is
+refreshed from one replica of each group when it is older than its `max_age_s` and a request for
+an adapter needs it, one refresh at a time; a failed refresh keeps the previous listing.
+A one-base cluster never refreshes it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
 from lora_cluster.serve.routing.group_bases import (
     AdapterCatalog,
+    merge_groups,
     registration_base,
     select_for,
     several_bases,
@@ -111,14 +113,15 @@ class GroupedDispatcher:
         if job.merge is None:
             return self._dispatchers[self.group_for(job.adapter_id, job.tenant, job.base).name]
         try:
-            group = select_merge_group(self.groups, job.merge.ids, job.tenant)
-        except (AdapterNotFoundError, RequestError) as exc:
+            candidates = merge_groups(self.groups, job.merge.ids, self.catalog)
+            group = select_merge_group(candidates, job.merge.ids, job.tenant)
+        except (AdapterNotFoundError, RequestError, AdapterBaseConflictError) as exc:
             raise ApiException(describe(exc)) from None
         return self._dispatchers[group.name]
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         """Start `job` on a replica of its group (see `Dispatcher.start`)."""
-        if job.adapter_id is not None:
+        if job.adapter_id is not None or job.merge is not None:
             await self._fresh_catalog()
         return await self._for_job(job).start(job, route)
 
@@ -127,7 +130,7 @@ class GroupedDispatcher:
         """Start the jobs of one request (one adapter, one tenant: one group); see `Dispatcher.start_all`."""
         if not jobs:
             return []
-        if jobs[0].adapter_id is not None:
+        if jobs[0].adapter_id is not None or jobs[0].merge is not None:
             await self._fresh_catalog()
         return await self._for_job(jobs[0]).start_all(jobs, route, on_started)
 
