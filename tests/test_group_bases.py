@@ -271,3 +271,21 @@ async def test_the_dispatcher_sends_a_merge_to_its_bases_group():
     job = GenerateJob(request_id="r", prompt=[1], adapter_id=merged.adapter_id, sampling=SamplingParams(),
                       merge=merged)
     assert await dispatcher.start(job, "/") == "q-1", "a merge of Qwen3 adapters runs on the Qwen3 group"
+
+
+async def test_a_stale_listing_is_refreshed_and_a_new_adapter_waits_for_it():
+    import asyncio
+
+    llama, qwen = _GroupReplicas("l-1", ["a0"]), _GroupReplicas("q-1", ["q0"])
+    clock = Clock()
+    dispatcher = GroupedDispatcher(list(zip(GROUPS, [llama, qwen], strict=True)), AdapterCatalog(clock, 10))
+    await dispatcher.start(_job("q0"), "/")
+    clock.now = 11
+    qwen.adapters.append("q-new")
+    assert await dispatcher.start(_job("q-new"), "/") == "q-1", (
+        "an adapter the stale listing does not place waits for the refresh and runs on its base")
+    clock.now = 22
+    assert await dispatcher.start(_job("q0"), "/") == "q-1", "a placed adapter runs on its base at once"
+    for _ in range(10):  # the refresh runs behind, on the loop
+        await asyncio.sleep(0)
+    assert qwen.listed == 3, "the stale listing is refreshed behind a placed adapter's request"

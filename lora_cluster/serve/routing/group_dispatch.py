@@ -22,6 +22,7 @@ A one-base cluster never refreshes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,11 @@ from lora_cluster.serve.routing.group_bases import (
 from lora_cluster.serve.routing.replica_groups import ReplicaGroup, select_merge_group
 
 log = logging.getLogger(__name__)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("refreshing the adapters of each base failed: %s", task.exception())
 
 
 class GroupedDispatcher:
@@ -83,13 +89,21 @@ class GroupedDispatcher:
             self.catalog.replace(by_base)
         return {base: list(dict.fromkeys(ids)) for base, ids in by_base.items()}
 
-    async def _fresh_catalog(self) -> None:
-        """Refresh a stale catalog (several bases only), one refresh at a time for all callers."""
+    async def _fresh_catalog(self, job: GenerateJob) -> None:
+        """Refresh a stale catalog (several bases only), one refresh at a time for all callers. A job
+        whose adapters the stale listing already places does not wait for it (it refreshes behind);
+        one it does not place waits, so a new adapter is found. A refresh that fails is logged and
+        the previous listing kept."""
         if not self.several_bases or not self.catalog.stale():
             return
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.get_running_loop().create_task(self.listings())
-        await asyncio.shield(self._refresh)
+            self._refresh.add_done_callback(_log_failure)
+        ids = job.merge.ids if job.merge is not None else (job.adapter_id,)
+        if all(self.catalog.bases_of(str(a)) for a in ids):
+            return
+        with contextlib.suppress(Exception):  # logged by its callback; the old listing stays
+            await asyncio.shield(self._refresh)
 
     def dispatcher(self, group: str) -> Dispatcher:
         """The dispatcher of one group, by name."""
@@ -121,8 +135,8 @@ class GroupedDispatcher:
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         """Start `job` on a replica of its group (see `Dispatcher.start`)."""
-        if job.adapter_id is not None or job.merge is not None:
-            await self._fresh_catalog()
+        if job.adapter_id is not None:
+            await self._fresh_catalog(job)
         return await self._for_job(job).start(job, route)
 
     async def start_all(self, jobs: list[GenerateJob], route: str,
@@ -130,8 +144,8 @@ class GroupedDispatcher:
         """Start the jobs of one request (one adapter, one tenant: one group); see `Dispatcher.start_all`."""
         if not jobs:
             return []
-        if jobs[0].adapter_id is not None or jobs[0].merge is not None:
-            await self._fresh_catalog()
+        if jobs[0].adapter_id is not None:
+            await self._fresh_catalog(jobs[0])
         return await self._for_job(jobs[0]).start_all(jobs, route, on_started)
 
     def replica_stats(self) -> dict[str, RoutingStats] | None:
