@@ -12,8 +12,9 @@ The full rank builds a `ReplicaView` of every replica (`PlacementTracker.view`) 
   for the next decision (or `settle`), so a decision reads the views the full rank would build at
   that instant;
 * holders: adapter -> the replicas whose view holds it (resident, loading, or recently placed);
-* two heaps of every replica, keyed by `rank_key(ABSENT, view)` and `rank_key(None, view)`,
-  entries invalidated by a per-replica version (lazy deletion, compacted when they pile up).
+* a heap of every replica keyed by `rank_key(ABSENT, view)`, and one keyed by `rank_key(None,
+  view)` from the first base-model request on; entries are invalidated by a per-replica version
+  (lazy deletion, compacted when they pile up).
 
 Why it is exact: for a replica whose view does not hold adapter A (and that the controller's
 placement table does not name for A), `rank_key(A, view) == rank_key(ABSENT, view)`: the cost and
@@ -53,7 +54,7 @@ class RoutingIndex:
         self.stats: dict[str, RoutingStats] = {}
         self.views: dict[str, ReplicaView] = {}
         self.holders: dict[str, set[str]] = {}  # adapter -> replicas whose view holds it
-        self._heaps: dict[str | None, list[tuple[Key, int, str]]] = {ABSENT: [], None: []}
+        self._heaps: dict[str | None, list[tuple[Key, int, str]]] = {ABSENT: []}  # None: on first use
         self._version: dict[str, int] = {}  # replica -> its valid heap entries' version (never reused)
         self._versions = 0
         self._dirty: dict[str, None] = {}  # replicas whose view is rebuilt in full
@@ -163,6 +164,9 @@ class RoutingIndex:
 
     def _best(self, adapter_id: str | None, holders: set[str], n: int) -> list[str]:
         """The `n` replicas outside `holders` that rank first for an adapter they do not hold."""
+        if adapter_id is None and None not in self._heaps:
+            self._heaps[None] = []
+            self._compact(None)
         heap = self._heaps[None if adapter_id is None else ABSENT]
         version, kept, best = self._version, [], []
         while heap and len(best) < n:
@@ -205,9 +209,14 @@ class RoutingIndex:
         bound = 8 * len(self.views) + 64
         for aid, heap in self._heaps.items():
             if len(heap) > bound:
-                heap[:] = [(rank_key(aid, v, self.miss_cost), self._version[rid], rid)
-                           for rid, v in self.views.items()]
-                heapq.heapify(heap)
+                self._compact(aid)
+
+    def _compact(self, aid: str | None) -> None:
+        """The heap for `aid` (ABSENT or None) rebuilt from the current views, one entry each."""
+        heap = self._heaps[aid]
+        heap[:] = [(rank_key(aid, v, self.miss_cost), self._version[rid], rid)
+                   for rid, v in self.views.items()]
+        heapq.heapify(heap)
 
     def _put(self, replica_id: str, view: ReplicaView) -> None:
         self.views[replica_id] = view
