@@ -9,9 +9,9 @@ distinct prompts over adapters a0..a7 and the base model, free rows greedy with 
 Each variant has its own engine (same zoo, same defaults), filled with its 32 requests and stepped
 until every row has its first token (prefills done). Then the engines take `--steps` decode steps in
 round-robin (each variant first in turn), so that the steps compared ran under the same load of the
-shared machine: each step's wall time (`Engine.step`, which includes the masks: filled on the
-engine's worker thread while the forward runs, then unpacked and applied) and process CPU time (all
-threads: the mask worker's work adds to it even where it overlaps the forward pass). Only rounds
+shared machine: each step's wall time (`Engine.step`, which includes the masks: on a CPU engine
+filled on the step thread after the forward pass, on an accelerator on the engine's worker thread
+while it runs; then unpacked and applied) and process CPU time (all threads). Only rounds
 where every engine sampled all 32 rows count (a constrained row that completes would shrink its
 batch). Overhead: the median over rounds of each round's ratio to `none`.
 

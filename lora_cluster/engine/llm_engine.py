@@ -21,7 +21,8 @@ Structured output (`SamplingParams.guided`, `engine.grammar_compiler`, `engine.g
 `engine.token_mask`): a constrained request's grammar compiles on the compiler's threads (once per
 spec, cached); the request waits in the queue holding nothing until it is ready (the scheduler's
 gate answers PENDING), or ends at once with the compile's `RequestError`. In a step, the constrained
-rows' masks are filled on a worker thread while the forward pass runs, then applied to the model's
+rows' masks are filled on a worker thread while an accelerator runs the forward pass (on the CPU:
+on the step thread after it), then applied to the model's
 logits before the logit controls and sampling (logprobs are those of the masked distribution); each
 sampled token advances its row's matcher, and a grammar that allows nothing more ends the request
 with `stop`. Unconstrained rows are untouched, and a step without constrained rows does no mask work.
@@ -212,11 +213,13 @@ class Engine:
         self._ids = itertools.count()
         self.eos_token_ids = eos_token_ids(self.model)
         # structured output: grammars compile on their own threads; masks fill while the forward runs
+        # on an accelerator, and on the step thread after it on the CPU (engine.token_mask)
         self.grammars = GrammarCompiler(
             functools.partial(grammar_tokenizer, self.tokenizer, dims.vocab_size, self.eos_token_ids),
             cache_size=config.guided_grammar_cache_size, timeout_s=config.guided_compile_timeout_s,
         )
-        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="token-mask")
+        self._mask_pool = (None if self.device.type == "cpu"
+                           else ThreadPoolExecutor(1, thread_name_prefix="token-mask"))
         self.consecutive_step_failures = 0
         self.failed_steps = 0
 
@@ -532,7 +535,8 @@ class Engine:
 
     def close(self) -> None:
         self.grammars.close()
-        self._mask_pool.shutdown(wait=False)
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False)
         self.adapters.close()
         self.loader.close()
 
