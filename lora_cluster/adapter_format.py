@@ -17,6 +17,8 @@ fused names; such a pair (A [r, in], B [sum of outs, r]) is split exactly into i
 (A, B rows of that member) pairs, the same delta. What the engine cannot apply is refused by name:
 DoRA (`use_dora`, whose magnitude rescales the merged weight per output row, not a low-rank add),
 `modules_to_save` (full copies of base modules), `trainable_token_indices`, LoRA biases. On a
+mixture-of-experts model (Qwen3-MoE, Mixtral) LoRA is served on attention only: LoRA on the experts
+or router (`target_parameters`, per-expert `experts.{e}.w1`, ...) is refused by name. On a
 multimodal checkpoint served as text (Gemma 3), LoRA on the vision tower or projector is not loaded:
 text requests never run those modules, in transformers either. The LoRA
 scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rslora, per-module `rank_pattern` /
@@ -52,6 +54,8 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+# a mixture-of-experts block's experts or router (LoRA on them is not served; attention is)
+_MOE = re.compile(r"\.(?:block_sparse_moe|mlp\.experts|mlp\.gate)\.")
 # a multimodal checkpoint's modules that text requests never run (LoRA on them has no effect there)
 _NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
 # adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
@@ -171,6 +175,10 @@ def parse_adapter_config(adapter_id: str, data: bytes | str) -> dict:
         raise AdapterFormatError(adapter_id, "lora_bias=true is not supported (only bias-free LoRA)")
     if config.get("bias", "none") != "none":
         raise AdapterFormatError(adapter_id, f"bias={config.get('bias')!r} is not supported (only 'none')")
+    if config.get("target_parameters"):
+        raise AdapterFormatError(adapter_id, f"target_parameters={config['target_parameters']!r} (LoRA on "
+                                 "parameters such as MoE experts' stacked weights) is not served; target "
+                                 "attention projections (target_modules) instead")
     if config.get("fan_in_fan_out"):
         raise AdapterFormatError(adapter_id, "fan_in_fan_out adapters are not supported")
     r = config.get("r")
@@ -247,6 +255,10 @@ def parse_lora_tensors(
         if _NOT_TEXT.search(key):
             continue
         match = _KEY.match(key)
+        if match is None and _MOE.search(key):
+            raise AdapterFormatError(
+                adapter_id, f"tensor {key!r} is LoRA on a mixture-of-experts block (its experts or router), "
+                f"which is not served; on MoE models adapters may target {targets}")
         if match is None:
             raise AdapterFormatError(
                 adapter_id, f"tensor {key!r} is not a LoRA weight of a supported projection ({targets})")

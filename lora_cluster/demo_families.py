@@ -8,10 +8,12 @@ target names are what PEFT writes for the family: `qkv_proj` / `gate_up_proj` on
 * Small and exercising: 2 layers, hidden 64, head_dim 16, GQA; a sliding window of `WINDOW` tokens
   where the family has windows (Gemma's alternating layers, Mistral and Phi-3 everywhere); the
   family's own differences switched on (llama3 rope scaling and tied embeddings, q/k norms,
-  soft-caps, Granite's multipliers, a layer without rope, partial rotary, Gemma 3's local base).
+  soft-caps, Granite's multipliers, a layer without rope, partial rotary, Gemma 3's local base;
+  4-8 experts, top-2, with and without renormalisation, on the mixtures of experts).
 * Every weight random from `torch.Generator(seed)` (norm weights around their identity, linear
   weights ~ N(0, 1/in), LoRA A and B both non-zero), so adapters visibly change outputs.
-* Adapter a{i} has the shape `ADAPTERS[i % 5]`: ranks 4-64, attention and MLP targets, rslora.
+* Adapter a{i} has the shape `ADAPTERS[i % 5]`: ranks 4-64, attention and MLP targets, rslora
+  (attention only on the mixtures of experts, whose expert LoRA is not served).
 * Deterministic and reusable like `lora_cluster.demo`: a folder whose `manifest.json` matches
   (version, arch, seed, num_adapters) is returned untouched; the zoo is written in a temporary
   sibling and renamed into place.
@@ -74,8 +76,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
                 {"no_rope_layers": [1, 0], "tie_word_embeddings": True}),
+    # mixtures of experts: 8 experts, top-2 without renormalisation (norm_topk_prob false)
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                 {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": False, "tie_word_embeddings": False}),
+    # 4 experts, top-2 renormalised, sliding window on every layer
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
 }  # fmt: skip
 ARCHS = tuple(FAMILIES)
+MOE_ARCHS = ("qwen3moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -133,10 +143,14 @@ def _randomize(model: torch.nn.Module, g: torch.Generator, norm_center: float) -
             elif "embed" in name or "lm_head" in name:
                 p.copy_(0.1 * noise)
             else:
-                p.copy_(noise * p.shape[1] ** -0.5)
+                p.copy_(noise * p.shape[-1] ** -0.5)  # in_features (last dim of stacked experts too)
 
 
-def _targets(spec: FamilyAdapter, fused: bool) -> list[str]:
+def _targets(spec: FamilyAdapter, fused: bool, moe: bool) -> list[str]:
+    """PEFT target names: fused ones on fused checkpoints; on MoE models attention only (LoRA on
+    experts is not served), all of it for an MLP-only shape."""
+    if moe:
+        return sorted({t for t in spec.targets if t in _ATTN} or set(_ATTN))
     return sorted({_FUSED.get(t, t) if fused else t for t in spec.targets})
 
 
@@ -154,9 +168,10 @@ def _write_family(tmp: Path, zoo: DemoZoo, arch: str, seed: int, num_adapters: i
     tokenizer.save_pretrained(tmp / "model", save_jinja_files=False)
     model.name_or_path = str(zoo.model_dir)
     fused = FAMILIES[arch][1] == "Phi3ForCausalLM"
+    moe = arch in MOE_ARCHS
     for i, adapter_id in enumerate(zoo.adapter_ids):
         spec = ADAPTERS[i % len(ADAPTERS)]
-        lora = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=_targets(spec, fused),
+        lora = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=_targets(spec, fused, moe),
                           use_rslora=spec.use_rslora, lora_dropout=0.0, task_type="CAUSAL_LM")
         peft_model = get_peft_model(copy.deepcopy(model), lora)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i + 1)

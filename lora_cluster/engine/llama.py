@@ -1,5 +1,5 @@
 """The decoder forward pass over a mixed batch, with per-token LoRA from the adapter pool: one runner
-for every dense family, following the model's `FamilySpec` (`engine.family`).
+for every family, following the model's `FamilySpec` (`engine.family`).
 
 One step runs every scheduled token (prefill chunks and decodes together) through the base
 weights once; each projection (or fused q/k/v, gate/up group) then adds its LoRA delta through
@@ -8,8 +8,9 @@ of adapters and base-only rows shares the pass. Attention reads the paged KV cac
 (`engine.attention`, with each layer's sliding window and soft-cap). What a family changes is
 data in its spec: which norms a layer applies (before/after attention and MLP), q/k norms, the
 embedding, residual, score and logit scales, soft-capping, each layer's window and rope table (or
-none), the MLP activation. Math follows transformers' modeling code of each family (RMSNorm in
-float32, rotate-half RoPE, gated MLP), which the parity tests use as the oracle.
+none), the MLP activation, and a mixture-of-experts block in place of the MLP (`engine.moe`).
+Math follows transformers' modeling code of each family (RMSNorm in float32, rotate-half RoPE,
+gated MLP), which the parity tests use as the oracle.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.family import FamilySpec
 from lora_cluster.engine.kv_cache import PagedKVCache
 from lora_cluster.engine.lora_layer import LoraLayer
-from lora_cluster.engine.model_loader import BaseModel
+from lora_cluster.engine.model_loader import BaseModel, LayerWeights
+from lora_cluster.engine.moe import moe_block
 from lora_cluster.engine.rope import rope_tables, rotate
 
 _ACTIVATIONS = {
@@ -115,11 +117,7 @@ class LlamaRunner:
             self.lora.add(batch.lora, i, "o_proj", o, attn)
             h = self._residual(h, norm(o, layer.post_attn_norm))
             x = norm(h, layer.pre_mlp_norm)
-            gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
-            self.lora.add(batch.lora, i, "gate_up", gu, x)
-            act = self.act(gu[:, : d.intermediate]) * gu[:, d.intermediate :]
-            down = F.linear(act, layer.down, layer.down_bias)
-            self.lora.add(batch.lora, i, "down_proj", down, act)
+            down = self._mlp(batch, i, layer, x)
             h = self._residual(h, norm(down, layer.post_mlp_norm))
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
         logits = F.linear(norm(h[rows], m.norm), m.lm_head)
@@ -128,6 +126,19 @@ class LlamaRunner:
         if spec.final_softcap:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits.float()
+
+    def _mlp(self, batch: StepBatch, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.moe`, base weights only: adapters
+        target attention on MoE models), else the gated MLP with its LoRA deltas."""
+        if layer.moe is not None and self.spec.moe is not None:
+            return moe_block(x, layer.moe, self.spec.moe, self.act)
+        inter = self.model.dims.intermediate
+        gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
+        self.lora.add(batch.lora, i, "gate_up", gu, x)
+        act = self.act(gu[:, :inter]) * gu[:, inter:]
+        down = F.linear(act, layer.down, layer.down_bias)
+        self.lora.add(batch.lora, i, "down_proj", down, act)
+        return down
 
     def _residual(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """h + out, the block's output scaled by the family's residual multiplier (Granite)."""

@@ -2,13 +2,17 @@
 
 Supported architectures share one forward pass (`lora_cluster.engine.llama`), run as the model's
 `FamilySpec` says (`engine.family`: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite, OLMo 2,
-SmolLM3). Any other architecture, or a config value the runner cannot honour, is refused at start
-naming it. Each layer's weights land in one layout whatever the checkpoint's: q/k/v fused as
-`qkv` [q_dim + 2 kv_dim, hidden] and gate/up as `gate_up` (concatenated from separate projections,
-or taken as they are from a checkpoint that stores `qkv_proj` / `gate_up_proj`); the norms a
-family does not have are None. Weights are read from safetensors only; a checkpoint shipped only as pickle
-(`pytorch_model.bin`) is refused. A hub id is resolved through huggingface_hub, falling back to its
-local cache when the hub cannot be reached.
+SmolLM3, and the mixture-of-experts Qwen3-MoE and Mixtral). Any other architecture, or a config
+value the runner cannot honour, is refused at start naming it. Each layer's weights land in one
+layout whatever the checkpoint's: q/k/v fused as `qkv` [q_dim + 2 kv_dim, hidden] and gate/up as
+`gate_up` (concatenated from separate projections, or taken as they are from a checkpoint that
+stores `qkv_proj` / `gate_up_proj`); the norms a family does not have are None. A MoE layer's router
+and experts land in `engine.moe.MoeWeights` (experts stacked: gate/up [E, 2I, hidden], down [E,
+hidden, I]) from the per-expert checkpoint names (`experts.{e}.w1/w3/w2` under `block_sparse_moe`
+for Mixtral, `experts.{e}.gate_proj/up_proj/down_proj` for Qwen3-MoE) or transformers' stacked
+`experts.gate_up_proj` / `down_proj`; its dense gate_up / down are None. Weights are read from
+safetensors only; a checkpoint shipped only as pickle (`pytorch_model.bin`) is refused. A hub id is
+resolved through huggingface_hub, falling back to its local cache when the hub cannot be reached.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from lora_cluster.adapter_format import ModelShapes
-from lora_cluster.engine.family import SUPPORTED_ARCHITECTURES, FamilySpec, read_family, text_config
+from lora_cluster.engine.family import SUPPORTED_ARCHITECTURES, FamilySpec, MoeSpec, read_family, text_config
+from lora_cluster.engine.moe import MoeWeights
 from lora_cluster.errors import ConfigError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "BaseModel", "LayerWeights", "ModelDims", "load_base_model"]
@@ -39,13 +44,14 @@ class LayerWeights:
     o_bias: torch.Tensor | None
     post_attn_norm: torch.Tensor | None  # [hidden], on the attention's output (Gemma, OLMo 2)
     pre_mlp_norm: torch.Tensor | None  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden], gate/up fused
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden], gate/up fused; None on a MoE layer
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor | None  # [hidden, intermediate]; None on a MoE layer
     down_bias: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (Gemma, OLMo 2)
     q_norm: torch.Tensor | None = None  # [head_dim] per head, or [q_dim] over all heads (OLMo 2)
     k_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # the MoE MLP, in place of gate_up / down
 
 
 @dataclass
@@ -60,6 +66,7 @@ class ModelDims:
     rms_norm_eps: float
     max_position_embeddings: int  # the longest sequence served exactly (longrope: its original context)
     fused_targets: bool = False  # adapters target qkv_proj / gate_up_proj (fused checkpoints)
+    moe: bool = False  # the MLP is a mixture of experts: adapters may target attention only
 
     @property
     def q_dim(self) -> int:
@@ -71,6 +78,7 @@ class ModelDims:
 
     def shapes(self) -> ModelShapes:
         h, i = self.hidden, self.intermediate
+        mlp = {} if self.moe else {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         return ModelShapes(
             num_layers=self.num_layers,
             modules={
@@ -78,9 +86,7 @@ class ModelDims:
                 "k_proj": (h, self.kv_dim),
                 "v_proj": (h, self.kv_dim),
                 "o_proj": (self.q_dim, h),
-                "gate_proj": (h, i),
-                "up_proj": (h, i),
-                "down_proj": (i, h),
+                **mlp,
             },
             fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
             if self.fused_targets else {},
@@ -175,6 +181,7 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
     text = text_config(config)
     dims = _dims(text)
     dims.fused_targets = spec.fused_checkpoint
+    dims.moe = spec.moe is not None
     if spec.max_positions is not None:
         dims.max_position_embeddings = min(dims.max_position_embeddings, spec.max_positions)
     w = _read_weights(path)
@@ -213,12 +220,34 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
                 fused(f"{p}.mlp", ("gate_proj", "up_proj"), "weight"),
                 fused(f"{p}.mlp", ("gate_proj", "up_proj"), "bias"))  # fmt: skip
 
+    def experts(p: str, moe: MoeSpec) -> MoeWeights:
+        """Layer prefix `p`'s router and stacked experts (see the module docstring)."""
+        found = (f"{p}.{n}" for n in ("mlp", "block_sparse_moe") if f"{p}.{n}.gate.weight" in w)
+        mlp = next(found, f"{p}.mlp")
+        router = need(f"{mlp}.gate.weight")
+        stacked = take(f"{mlp}.experts.gate_up_proj")
+        if stacked is not None:
+            gate_up, down = stacked.contiguous(), need(f"{mlp}.experts.down_proj").contiguous()
+        else:
+            mixtral = f"{mlp}.experts.0.w1.weight" in w
+            g, u, d = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            e = f"{mlp}.experts"
+            gate_up = torch.stack([torch.cat([need(f"{e}.{x}.{g}.weight"), need(f"{e}.{x}.{u}.weight")])
+                                   for x in range(moe.num_experts)])  # fmt: skip
+            down = torch.stack([need(f"{e}.{x}.{d}.weight") for x in range(moe.num_experts)])
+        want = (moe.num_experts, 2 * moe.intermediate, dims.hidden)
+        if tuple(gate_up.shape) != want or tuple(down.shape) != (want[0], dims.hidden, moe.intermediate):
+            raise ConfigError(f"model {model!r}: {mlp} experts are {tuple(gate_up.shape)} / "
+                              f"{tuple(down.shape)}, not {want} as the config says")
+        return MoeWeights(router, gate_up, down)
+
     layers = []
     qk = (lambda p, n: need(f"{p}.self_attn.{n}.weight")) if spec.qk_norm else (lambda p, n: None)
     for i in range(dims.num_layers):
         p = f"{base}.layers.{i}"
         qkv, qkv_bias, gate_up, gate_up_bias = projections(p)
-        if qkv is None or gate_up is None:
+        moe = experts(p, spec.moe) if spec.moe else None
+        if qkv is None or (gate_up is None and moe is None):
             raise ConfigError(f"model {model!r}: layer {i} lacks attention or MLP projections")
         layers.append(
             LayerWeights(
@@ -231,11 +260,12 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
                 pre_mlp_norm=norm(p, spec.norms.pre_mlp),
                 gate_up=gate_up,
                 gate_up_bias=gate_up_bias,
-                down=need(f"{p}.mlp.down_proj.weight"),
+                down=None if moe else need(f"{p}.mlp.down_proj.weight"),
                 down_bias=take(f"{p}.mlp.down_proj.bias"),
                 post_mlp_norm=norm(p, spec.norms.post_mlp),
                 q_norm=qk(p, "q_norm"),
                 k_norm=qk(p, "k_norm"),
+                moe=moe,
             )
         )
     embed = need(f"{base}.embed_tokens.weight")
