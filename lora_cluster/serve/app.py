@@ -38,7 +38,7 @@ from lora_cluster.errors import ConfigError
 from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.replica.deployment import LoraReplica
-from lora_cluster.serve.replica.model import resolve_model
+from lora_cluster.serve.replica.model import check_shared_tokenizer, resolve_model
 from lora_cluster.serve.routing.group_bases import group_configs
 from lora_cluster.serve.routing.quotas import QuotaLedger
 from lora_cluster.serve.routing.replica_groups import ReplicaGroup, replica_groups
@@ -99,8 +99,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """The application for `args` (serve_config.yaml's application args); raises ConfigError."""
     config = load_config(args)
     configs = group_configs(config)  # each group's model and engine settings (group_bases)
-    for group_cfg in configs.values():  # build demo zoos now (once), not in every replica at once
-        resolve_model(group_cfg)
+    resolved = {name: resolve_model(c) for name, c in configs.items()}  # demo zoos: built once, here
+    check_shared_tokenizer(resolved)  # the ingress encodes every base's requests with one tokenizer
     replicas: dict[str, Application] = {}
     controllers: dict[str, Application | None] = {}
     for group in replica_groups(config):  # each group: its own replicas and cluster controller

@@ -21,7 +21,6 @@ from ray import serve
 
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
-from lora_cluster.errors import ConfigError
 from lora_cluster.serve.http.admin_api import admin_router
 from lora_cluster.serve.http.body_limits import BodyLimitsMiddleware
 from lora_cluster.serve.http.context import ApiContext
@@ -38,7 +37,7 @@ from lora_cluster.serve.replica.model import DEMO, load_tokenizer, resolve_model
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.auth import CallerMiddleware
 from lora_cluster.serve.routing.dispatch import Dispatcher
-from lora_cluster.serve.routing.group_bases import group_configs, same_tokenizer
+from lora_cluster.serve.routing.group_bases import group_configs
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.routing.quotas import RemoteQuotas
 from lora_cluster.serve.routing.replica_groups import replica_groups
@@ -112,12 +111,7 @@ class LoraIngress:
         requested = next(iter(configs.values()))  # the first group's: its base is the first base
         resolved = resolve_model(requested)
         configure_logging(resolved.log_format)
-        tokenizer = load_tokenizer(resolved)
-        for name, group_cfg in configs.items():  # one tokenizer encodes every base's prompts
-            if group_cfg.model == requested.model or same_tokenizer(tokenizer, load_tokenizer(group_cfg)):
-                continue
-            raise ConfigError(f"replica group {name!r}: its base model's tokenizer differs from the first "
-                              "group's; the ingress tokenizes with one tokenizer: every base must share it")
+        tokenizer = load_tokenizer(resolved)  # every base's (build_app checked they are the same)
         app_name = serve.get_replica_context().app_name
         groups = []
         for group in replica_groups(top):  # one admission per group, keyed by its deployment

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from lora_cluster.config import ServeConfig
+from lora_cluster.errors import ConfigError
+from lora_cluster.serve.routing.group_bases import same_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,21 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     if not config.adapter_source:
         update["adapter_source"] = [str(zoo.adapters_dir)]
     return config.model_copy(update=update)
+
+
+def check_shared_tokenizer(configs: dict[str, ServeConfig]) -> None:
+    """Raise ConfigError naming the first replica group whose base model tokenizes differently from the
+    first group's (same vocabulary, special tokens and chat template): the ingress encodes every
+    request with one tokenizer. Groups on the first group's model are not loaded again."""
+    first = next(iter(configs.values()))
+    tokenizer = None
+    for name, config in configs.items():
+        if config.model == first.model:
+            continue
+        tokenizer = tokenizer or load_tokenizer(first)
+        if not same_tokenizer(tokenizer, load_tokenizer(config)):
+            raise ConfigError(f"replica group {name!r}: its base model's tokenizer differs from the first "
+                              "group's; the ingress tokenizes with one tokenizer: every base must share it")
 
 
 def load_tokenizer(config: ServeConfig) -> Any:
