@@ -312,3 +312,11 @@ def test_bases_that_tokenize_differently_stop_the_start_naming_the_group(demo_zo
     with pytest.raises(ConfigError, match="replica group 'b': its base model's tokenizer differs"):
         check_shared_tokenizer(group_configs(_config([{"name": "a"}, {"name": "b", "model": str(other)}],
                                                      **top)))
+
+
+def test_group_bases_come_from_the_environment_as_json(monkeypatch):
+    monkeypatch.setenv("LORA_CLUSTER_REPLICA_GROUPS", '[{"name": "a"}, {"name": "b", "model": "org/other", '
+                       '"served_model_name": "other", "engine": {"max_loras": 2}}]')
+    config = load_config({"model": "m"})
+    assert [g.base for g in replica_groups(config)] == ["m", "other"], "the variable names bases"
+    assert group_configs(config)["b"].max_loras == 2, "and each group's engine settings"
