@@ -50,6 +50,10 @@ REFUSED = [  # (family, config edit, field named, value named)
     ("gemma3", lambda c: c.update(use_bidirectional_attention=True), "use_bidirectional_attention", "True"),
     ("gemma2", lambda c: c.update(hidden_activation="gelu_new"), "hidden_activation", "gelu_new"),
     ("mistral", lambda c: c.update(sliding_window=0), "sliding_window", "0"),
+    ("qwen3moe", lambda c: c.update(mlp_only_layers=[1]), "mlp_only_layers", "[1]"),
+    ("qwen3moe", lambda c: c.update(decoder_sparse_step=2), "decoder_sparse_step", "2"),
+    ("mixtral", lambda c: c.update(num_shared_experts=2), "num_shared_experts", "2"),
+    ("mixtral", lambda c: c.update(num_experts_per_tok=5), "num_experts_per_tok", "5"),
 ]
 
 
@@ -64,10 +68,10 @@ def test_a_config_value_the_engine_cannot_honour_fails_at_start_naming_it(zoos, 
 
 
 def test_an_unknown_architecture_fails_at_start_listing_the_supported_ones(zoos, tmp_path):
-    model = _edited(zoos("qwen3"), tmp_path, lambda c: c.update(architectures=["MixtralForCausalLM"]))
+    model = _edited(zoos("qwen3"), tmp_path, lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]))
     with pytest.raises(UnsupportedModelError) as info:
         build_engine(model=model, adapter_source=None)
-    assert "MixtralForCausalLM" in str(info.value), "the error names the architecture"
+    assert "DeepseekV3ForCausalLM" in str(info.value), "the error names the architecture"
     for supported in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM"):
         assert supported in str(info.value), f"the error lists {supported} as supported"
 
