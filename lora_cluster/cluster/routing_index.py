@@ -12,6 +12,8 @@ The full rank builds a `ReplicaView` of every replica (`PlacementTracker.view`) 
   for the next decision (or `settle`), so a decision reads the views the full rank would build at
   that instant;
 * holders: adapter -> the replicas whose view holds it (resident, loading, or recently placed);
+* prefix holders: routing key of a prompt prefix (`cluster.prefix_keys`) -> the replicas whose
+  view reports it, at most `MAX_KEY_HOLDERS` per key (the latest to report it);
 * a heap of every replica keyed by `rank_key(ABSENT, view)`, and one keyed by `rank_key(None,
   view)` from the first base-model request on; entries are invalidated by a per-replica version
   (lazy deletion, compacted when they pile up).
@@ -22,25 +24,35 @@ every tie-break read only the view, never A. So the replicas outside A's holders
 ABSENT heap, and `ranked(A)` = `rank_replicas` over A's holders, the table's replicas for A and
 the best `spare` others, cut after the last of those others, is a prefix of `rank_replicas` over
 every replica (keys end with the replica id, so they are unique). A base-model request (None)
-holds no adapter and is ranked by the None heap alone.
+holds no adapter and is ranked by the None heap alone. A request's prompt prefix (its routing
+keys) adds the replicas that report any of them to the candidates: a replica that reports none
+gets no prefix bonus, so the same argument holds. Bounds keep the cost per decision independent
+of the replica count: a key keeps at most `MAX_KEY_HOLDERS` replicas (those that began reporting it
+last), and a decision takes the holders of the request's keys deepest first until it has
+`MAX_KEY_HOLDERS` (the deeper the cached prefix, the larger its bonus). So a prefix cached on more
+replicas than that (a system prompt everybody caches) is weighed on some of them, the others
+ranked as if they lacked it: the index equals the full rank while the request's keys have at most
+`MAX_KEY_HOLDERS` holders in all.
 
 Freshness invariant: the index is exact when every change of a replica's ongoing count is
 signalled by `touch` before the next decision. The candidates' counts are re-read at every
 decision anyway, so a missed signal can only hide a replica that became better unseen.
-Cost per decision: O((holders + placed + spare) log replicas + touched replicas since the last).
+Cost per decision: O((holders + placed + MAX_KEY_HOLDERS + spare) log replicas + prefix keys
++ touched replicas since the last).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from lora_cluster.cluster.routing_score import PlacementTracker, ReplicaView, rank_key, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
 
 ABSENT = "\x00absent"  # an adapter id no replica holds (adapter ids cannot contain NUL)
 Key = tuple[float, int, bool, int, int, str]
+MAX_KEY_HOLDERS = 32  # replicas the index keeps per prefix routing key
 
 
 class RoutingIndex:
@@ -54,6 +66,7 @@ class RoutingIndex:
         self.stats: dict[str, RoutingStats] = {}
         self.views: dict[str, ReplicaView] = {}
         self.holders: dict[str, set[str]] = {}  # adapter -> replicas whose view holds it
+        self.prefix_holders: dict[str, dict[str, None]] = {}  # routing key -> latest replicas reporting it
         self._heaps: dict[str | None, list[tuple[Key, int, str]]] = {ABSENT: []}  # None: on first use
         self._version: dict[str, int] = {}  # replica -> its valid heap entries' version (never reused)
         self._versions = 0
@@ -123,41 +136,50 @@ class RoutingIndex:
         return self.tracker.view(replica_id, self.stats[replica_id], self._ongoing(replica_id),
                                  self._clock(), placed=placed)
 
-    def ranked(self, adapter_id: str | None, placed: Iterable[str] = (), spare: int = 1) -> list[str]:
-        """Replica ids best first: a prefix of `rank_replicas(adapter_id, every replica's view)`
-        that contains its first choice and at least `spare` replicas outside the adapter's holders
-        (all replicas when there are not that many). `placed`: the controller's table's replicas
-        for this adapter (counted as holding it). Empty only when the index has no replica."""
+    def ranked(self, adapter_id: str | None, placed: Iterable[str] = (), spare: int = 1,
+               prefix: Sequence[str] = ()) -> list[str]:
+        """Replica ids best first: a prefix of `rank_replicas(adapter_id, every replica's view,
+        prefix)` that contains its first choice and at least `spare` replicas outside the adapter's
+        and the prefix keys' holders (all replicas when there are not that many). `placed`: the
+        controller's table's replicas for this adapter (counted as holding it); `prefix`: the
+        request's routing keys. Empty only when the index has no replica."""
         for _ in range(3):  # a re-read count that changed is rebuilt, then ranked again
             self._rebuild()
-            ranked, stale = self._rank_candidates(adapter_id, placed, spare)
+            ranked, stale = self._rank_candidates(adapter_id, placed, spare, prefix)
             if not stale:
                 return ranked
             self._recount.update(dict.fromkeys(stale))
         return ranked
 
-    def choose(self, adapter_id: str | None, placed: Iterable[str] = ()) -> str | None:
+    def choose(self, adapter_id: str | None, placed: Iterable[str] = (),
+               prefix: Sequence[str] = ()) -> str | None:
         """The full rank's first choice (None: no replica)."""
-        ranked = self.ranked(adapter_id, placed)
+        ranked = self.ranked(adapter_id, placed, prefix=prefix)
         return ranked[0] if ranked else None
 
     # ----- internals --------------------------------------------------------------------------------
 
-    def _rank_candidates(self, adapter_id: str | None, placed: Iterable[str],
-                         spare: int) -> tuple[list[str], list[str]]:
+    def _rank_candidates(self, adapter_id: str | None, placed: Iterable[str], spare: int,
+                         prefix: Sequence[str]) -> tuple[list[str], list[str]]:
         views = self.views
         placed_here = [rid for rid in placed if rid in views]
         holders: set[str] = set()
         if adapter_id is not None:
             holders.update(self.holders.get(adapter_id, ()))
             holders.update(placed_here)
+        cached: set[str] = set()
+        for key in reversed(prefix):  # deepest first, until the bound
+            cached.update(self.prefix_holders.get(key, ()))
+            if len(cached) >= MAX_KEY_HOLDERS:
+                break
+        holders |= cached
         others = self._best(adapter_id, holders, spare)
         chosen = [views[rid] if adapter_id in views[rid].confirmed else self.view(rid, adapter_id)
                   for rid in placed_here]  # a reported adapter, placed or not, gives the same view
         chosen += [views[rid] for rid in holders.difference(placed_here)]
         chosen += [views[rid] for rid in others]
         stale = [v.replica_id for v in chosen if self._ongoing(v.replica_id) != v.ongoing]
-        ranked = rank_replicas(adapter_id, chosen, self.miss_cost)
+        ranked = rank_replicas(adapter_id, chosen, self.miss_cost, prefix)
         if len(others) == spare and spare > 0:  # more replicas rank after the last of the others
             ranked = ranked[:ranked.index(others[-1]) + 1]
         return ranked, stale
@@ -196,6 +218,8 @@ class RoutingIndex:
                 self._unhold(rid, before - new.adapters)
                 for aid in new.adapters - before:
                     self.holders.setdefault(aid, set()).add(rid)
+            if old is None or old.prefixes is not new.prefixes:
+                self._hold_prefixes(rid, frozenset() if old is None else old.prefixes, new.prefixes)
             self._put(rid, new)
         for rid in self._recount:
             old = self.views.get(rid)
@@ -232,10 +256,26 @@ class RoutingIndex:
             if not holders:
                 del self.holders[aid]
 
+    def _hold_prefixes(self, replica_id: str, before: frozenset[str], after: frozenset[str]) -> None:
+        """The replica's reported prefix keys went from `before` to `after`."""
+        index = self.prefix_holders
+        for key in before - after:
+            holders = index.get(key)
+            if holders is not None:
+                holders.pop(replica_id, None)
+                if not holders:
+                    del index[key]
+        for key in after - before:
+            holders = index.setdefault(key, {})
+            holders[replica_id] = None
+            if len(holders) > MAX_KEY_HOLDERS:
+                del holders[next(iter(holders))]  # the earliest reporter leaves the key's list
+
     def _forget(self, replica_id: str) -> None:
         view = self.views.pop(replica_id, None)
         if view is not None:
             self._unhold(replica_id, view.adapters)
+            self._hold_prefixes(replica_id, view.prefixes, frozenset())
         del self.stats[replica_id]
         self._version.pop(replica_id, None)
         self._dirty.pop(replica_id, None)

@@ -11,6 +11,15 @@ replica in adapter thrash reports a `miss_penalty` from 0 to 1 (`engine.adapters
 costs it a large share of its step or loader time): a miss there costs
 `THRASH_MISS_FACTOR * miss_penalty * miss_cost` more, a soft score, so misses go to a replica that
 is not thrashing when one is as good otherwise, and still come here when none is.
+A replica whose prefix cache holds the request's prompt prefix (`prefix_keys`: the deepest of
+the request's routing keys that the replica reports, `cached_tokens` deep) costs less by
+`prefix_bonus` = `PREFIX_SHARE * miss_cost * log2(1 + tokens / GRAIN) / log2(1 + MAX_DEPTH / GRAIN)`:
+deeper prefixes weigh more (each doubling about as much), and the bonus never exceeds half a miss
+cost. So among holders of the adapter with room, the one caching the prompt's prefix wins (the
+turns of one chat stay where their earlier turns are cached: sticky sessions without session
+ids), but a replica whose queue excess is more than `PREFIX_SHARE * miss_cost` above another's
+loses to it: a cached prefix never keeps traffic on an overloaded replica. A replica lacking the
+adapter stays costlier than a holder at the same load, prefix or not (a miss costs a full `miss_cost`).
 Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
 adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
 and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
@@ -24,12 +33,15 @@ adapter and counts those placements as resident for `ttl_s`, after which the rep
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH
 from lora_cluster.cluster.routing_stats import UNKNOWN_SLOTS, RoutingStats
 
 THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this many miss_costs more
+PREFIX_SHARE = 0.5  # the bonus of a fully cached prefix ladder, as a share of miss_cost
 
 
 @dataclass(frozen=True)
@@ -46,15 +58,39 @@ class ReplicaView:
     working_set: int = 0  # distinct adapters recently sent to it
     max_loras: int = 1 << 30  # its adapter slots
     miss_penalty: float = 0.0  # 0..1: the replica's adapter thrash (a miss there is better sent elsewhere)
+    prefixes: frozenset[str] = frozenset()  # routing keys of the prompt prefixes its cache holds
 
     @property
     def oversubscribed(self) -> int:
         return max(0, self.working_set - self.max_loras)
 
 
-def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float) -> float:
-    """Cost of serving `adapter_id` on `replica`, in requests that would wait (lower is better)."""
+def cached_tokens(prefix: Sequence[str], replica: ReplicaView) -> int:
+    """How deep a prefix of the request the replica caches, in tokens: `prefix` is the request's
+    routing keys (key i: depth (i + 1) * GRAIN), the deepest one the replica reports counts (0: none)."""
+    if not replica.prefixes or replica.prefixes.isdisjoint(prefix):
+        return 0
+    for i in range(len(prefix) - 1, -1, -1):
+        if prefix[i] in replica.prefixes:
+            return (i + 1) * GRAIN
+    return 0
+
+
+def prefix_bonus(tokens: int, miss_cost: float) -> float:
+    """What a cached prefix of `tokens` takes off the cost (at most PREFIX_SHARE * miss_cost)."""
+    return PREFIX_SHARE * miss_cost * math.log2(1 + min(tokens, MAX_DEPTH) / GRAIN) / _FULL
+
+
+_FULL = math.log2(1 + MAX_DEPTH / GRAIN)
+
+
+def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
+                 prefix: Sequence[str] = ()) -> float:
+    """Cost of serving `adapter_id` on `replica`, in requests that would wait (lower is better);
+    `prefix`: the request's routing keys (`prefix_keys.routing_keys`)."""
     cost = float(max(0, replica.ongoing + 1 - replica.max_num_seqs))
+    if prefix:
+        cost -= prefix_bonus(cached_tokens(prefix, replica), miss_cost)
     if adapter_id is not None and adapter_id not in replica.adapters:
         cost += miss_cost
         if replica.empty_adapter_slots <= 0:  # evicts an adapter, which will miss later
@@ -65,17 +101,19 @@ def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float)
     return cost
 
 
-def rank_key(adapter_id: str | None, replica: ReplicaView,
-             miss_cost: float) -> tuple[float, int, bool, int, int, str]:
+def rank_key(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
+             prefix: Sequence[str] = ()) -> tuple[float, int, bool, int, int, str]:
     """The order of `rank_replicas`: smaller is better (cost, then the tie-breaks of the module docstring)."""
     unconfirmed = adapter_id is not None and adapter_id not in replica.confirmed
-    return (adapter_cost(adapter_id, replica, miss_cost), replica.oversubscribed, unconfirmed,
+    return (adapter_cost(adapter_id, replica, miss_cost, prefix), replica.oversubscribed, unconfirmed,
             replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
 
 
-def rank_replicas(adapter_id: str | None, replicas: Iterable[ReplicaView], miss_cost: float) -> list[str]:
-    """Replica ids, best first, for a request of `adapter_id` (None = the base model)."""
-    return [r.replica_id for r in sorted(replicas, key=lambda r: rank_key(adapter_id, r, miss_cost))]
+def rank_replicas(adapter_id: str | None, replicas: Iterable[ReplicaView], miss_cost: float,
+                  prefix: Sequence[str] = ()) -> list[str]:
+    """Replica ids, best first, for a request of `adapter_id` (None = the base model) whose prompt
+    has the routing keys `prefix`."""
+    return [r.replica_id for r in sorted(replicas, key=lambda r: rank_key(adapter_id, r, miss_cost, prefix))]
 
 
 @dataclass
@@ -137,4 +175,5 @@ class PlacementTracker:
             working_set=len(recent),
             max_loras=UNKNOWN_SLOTS if stats.max_loras is None else stats.max_loras,
             miss_penalty=stats.miss_penalty,
+            prefixes=stats.prefix_set,
         )

@@ -9,6 +9,8 @@ Invariants:
 * `from_dict` never raises on a report that lacks fields (a replica that has not reported yet
   sends `{}`) and ignores unknown keys (a replica of a newer version during a rolling upgrade):
   a missing routing field reads as "unknown", and the router then assumes room.
+* `prefixes` (routing keys of the prompt prefixes its cache holds, `cluster.prefix_keys`) keeps at
+  most `SUMMARY_KEYS` keys of a report, whatever the report holds.
 * `to_dict(from_dict(d))` keeps every field this version knows; the operator payloads (`store`,
   `engine`, `memory`, `classes`, `breakers`, `adapter_thrash`) travel as reported.
 """
@@ -20,6 +22,8 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 
 UNKNOWN_SLOTS = 1 << 30  # a capacity not reported yet: assume room
 
@@ -52,6 +56,7 @@ class RoutingStats:
     classes: Mapping[str, Any] = field(default_factory=dict)  # SLA class -> stats
     engine: Mapping[str, Any] = field(default_factory=dict)  # engine counters
     memory: Mapping[str, Any] = field(default_factory=dict)  # device memory by use
+    prefixes: tuple[str, ...] = ()  # routing keys of prefixes its cache holds (`prefix_keys.PrefixSummary`)
 
     @property
     def ongoing(self) -> int:
@@ -63,6 +68,11 @@ class RoutingStats:
         """Its adapters on the device or being placed there (built once per report)."""
         return frozenset(self.resident) | frozenset(self.loading)
 
+    @functools.cached_property
+    def prefix_set(self) -> frozenset[str]:
+        """Its reported prefix keys as a set (built once per report)."""
+        return frozenset(self.prefixes)
+
     def holds(self, adapter_id: str) -> bool:
         """The adapter is on its device or being placed there."""
         return adapter_id in self.resident or adapter_id in self.loading
@@ -71,6 +81,7 @@ class RoutingStats:
         """The wire form (JSON-ready: adapter lists as lists)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["resident"], out["loading"] = list(self.resident), list(self.loading)
+        out["prefixes"] = list(self.prefixes)
         for name in ("adapter_thrash", "breakers", "store", "classes", "engine", "memory"):
             out[name] = dict(out[name])
         return out
@@ -86,6 +97,8 @@ class RoutingStats:
             raw = report[f.name]
             if f.name in ("resident", "loading"):
                 values[f.name] = tuple(str(a) for a in raw)
+            elif f.name == "prefixes":
+                values[f.name] = tuple(str(k) for k in list(raw)[-SUMMARY_KEYS:])
             elif f.name == "miss_penalty":
                 values[f.name] = min(1.0, max(0.0, float(raw)))
             elif f.name in ("group", "base", "node_id"):

@@ -1,8 +1,10 @@
 """What the ingress and the LoRA replicas send each other (plain picklable objects).
 
 A generation call is `LoraReplica.generate(job: GenerateJob)`, a streaming method. The request
-router reads the job (the call's first argument) to learn the adapter; admin calls that must reach
-one particular replica pass `ToReplica(replica_id)` as their first argument instead.
+router reads the job (the call's first argument) to learn the adapter and the routing keys of its
+prompt's prefix (`GenerateJob.routing_prefix`, from the token ids the ingress tokenized; computed
+once per job, on the router's first read, and carried to the replica, which records them); admin
+calls that must reach one particular replica pass `ToReplica(replica_id)` as their first argument instead.
 
 The replica yields dicts. The first one carries `replica` (its id) and `hit` (whether the adapter
 was already on its device when the request arrived). An item is either an output (`OUTPUT_KEYS`),
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from lora_cluster.cluster.prefix_keys import routing_keys
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.engine import RequestOutput, SamplingParams
 from lora_cluster.errors import RequestAbortedError
@@ -55,6 +59,13 @@ class GenerateJob:
     # the replica logs the job's lines with it
     http_request_id: str | None = field(default_factory=request_id)
 
+    @functools.cached_property
+    def routing_prefix(self) -> tuple[str, ...]:
+        """The routing keys of the prompt's prefixes (`cluster.prefix_keys`; empty for a text prompt)."""
+        if isinstance(self.prompt, str):
+            return ()
+        return routing_keys(self.adapter_id, self.prompt)
+
 
 @dataclass(frozen=True)
 class ToReplica:
@@ -90,6 +101,12 @@ def routing_key(args: tuple | list) -> tuple[str | None, str | None]:
     if isinstance(first, GenerateJob):
         return first.adapter_id, first.replica_id
     return None, None
+
+
+def routing_prefix(args: tuple | list) -> tuple[str, ...]:
+    """The routing keys of a generation call's prompt prefix (empty for any other call)."""
+    first = args[0] if args else None
+    return first.routing_prefix if isinstance(first, GenerateJob) else ()
 
 
 async def batches(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:

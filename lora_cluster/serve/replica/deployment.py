@@ -12,7 +12,9 @@ waits at a `yield` (Serve running user code on its own loop, as in throughput mo
 `CancelledError` there or closes the generator), a close of the generator (`GeneratorExit`).
 
 `record_routing_stats` reports what the router needs: adapters on the device and loading, free
-adapter and batch slots, running and waiting requests; and, under `classes`, per SLA class: requests
+adapter and batch slots, running and waiting requests; `prefixes`, the routing keys of the prompt
+prefixes it ran lately (`cluster.prefix_keys.PrefixSummary`, bounded; with the prefix cache on), which
+the router weighs with adapter residency and load; and, under `classes`, per SLA class: requests
 running and waiting now, and over the last minute finished requests, TTFT and TPOT p50/p99 and SLO
 attainment (`lora_cluster.cluster.class_stats`). Each job runs at its class's priority in the engine.
 
@@ -36,6 +38,7 @@ import ray
 from ray import serve
 
 from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
+from lora_cluster.cluster.prefix_keys import PrefixSummary
 from lora_cluster.cluster.report_rules import (
     MAX_PREFETCHES,
     AdapterDemand,
@@ -109,6 +112,7 @@ class LoraReplica:
         self._registering = asyncio.Lock()  # one registration at a time: a path is registered once
         self.node_id = ray.get_runtime_context().get_node_id()
         self.demand = AdapterDemand()
+        self.prefixes = PrefixSummary()  # prompt prefixes run here lately (empty with the prefix cache off)
         self.service_time = ServiceTime()
         self._prefetching: set[str] = set()
         self.active = 0  # generate calls in progress: what the controller counts against capacity
@@ -160,6 +164,8 @@ class LoraReplica:
                 aid = self.aengine.define_merge(job.merge)
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                                     priority=job.priority), tracker)
+            if self.config.enable_prefix_caching:
+                self.prefixes.record(job.routing_prefix)
             if not stream:
                 async with contextlib.aclosing(outputs):  # a close aborts the request at once
                     async for out in outputs:
@@ -231,6 +237,7 @@ class LoraReplica:
             engine={**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps},
             memory=dataclasses.asdict(memory_split(self.engine, store)),
             node_id=self.node_id,
+            prefixes=self.prefixes.keys(),
         ).to_dict()
 
     # ----- the cluster controller ---------------------------------------------------------

@@ -5,7 +5,9 @@ Ray creates one `LoraAffinityRouter` per deployment handle, in the process that 
 
 * the request's adapter from the call itself: the first positional argument of `generate` (and of
   its unary twin `complete`) is a `GenerateJob` (`protocol.routing_key`); a `ToReplica` argument
-  pins an admin call to one replica;
+  pins an admin call to one replica; and the routing keys of the job's prompt prefix
+  (`protocol.routing_prefix`), which the policy weighs against the prefixes each replica reports
+  caching (`routing_score.prefix_bonus`);
 * each replica's state from its `record_routing_stats` report, which the Serve controller polls every
   `request_routing_stats_period_s` and broadcasts with the replica list (`RunningReplica.routing_stats`);
 * its own recent decisions (at choice time, then `on_request_routed`), so that requests for a new
@@ -43,7 +45,7 @@ from lora_cluster.cluster.routing_index import RoutingIndex
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import serve_defaults
 from lora_cluster.serve.ops.ray_internals import QueueLengthListener, cached_queue_len, deployment_key
-from lora_cluster.serve.protocol import ToReplica, routing_key
+from lora_cluster.serve.protocol import ToReplica, routing_key, routing_prefix
 from lora_cluster.serve.routing.replica_tables import placement_table, publish_replica_stats
 
 log = logging.getLogger(__name__)
@@ -106,10 +108,11 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        adapter_id, target = None, None
+        adapter_id, target, prefix = None, None, ()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # never spin when all are full
             adapter_id, target = routing_key(pending_request.args)
+            prefix = routing_prefix(pending_request.args)
         self._ensure_synced(candidate_replicas)
         index, by_id = self._index, self._by_id
         if target is not None:
@@ -121,7 +124,7 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
         for rid in self._last:
             index.recheck(rid)
         placed = placement_table(*deployment_key(self)).get(adapter_id, ()) if adapter_id else ()
-        ranked = index.ranked(adapter_id, placed, spare=SPARE)
+        ranked = index.ranked(adapter_id, placed, spare=SPARE, prefix=prefix)
         if not ranked:
             return []
         index.record(ranked[0], adapter_id)  # tentatively: a concurrent request for a new adapter follows it
