@@ -36,8 +36,9 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.add_argument("--arch", default=None, metavar="NAME",
                    help="instead of the Llama demo, a tiny model of the family NAME (llama3, mistral, "
-                   "qwen2, qwen3, gemma2, gemma3, gemma3mm, phi3, phi4mini, granite, olmo2, smollm3) with "
-                   "PEFT adapters as PEFT writes them for it (docs/model_families.md); --size is ignored")
+                   "qwen2, qwen3, gemma2, gemma3, gemma3mm, phi3, phi4mini, granite, olmo2, smollm3, "
+                   "qwen3moe, mixtral) with PEFT adapters as PEFT writes them for it "
+                   "(docs/model_families.md); --size is ignored")
     p.add_argument("--force", action="store_true",
                    help="replace a zoo at --out that was built with other arguments (default: refuse)")
     p.add_argument("--progress", action="store_true", default=None,

@@ -4,9 +4,10 @@ The engine has one forward pass (`engine.llama.LlamaRunner`); a `FamilySpec` say
 one checkpoint: which norms a layer has and where, whether queries/keys are normalised, the scale of
 the embeddings, residuals, attention scores and logits, soft-capping, each layer's sliding window
 and rope table (or none), the MLP's activation, whether the checkpoint stores q/k/v and gate/up
-fused, and whether the MLP is a mixture of experts (`MoeSpec`: Qwen3-MoE, Mixtral). Adding a
-family is one reader in `_READERS` plus its tests. A multimodal checkpoint listed in `TEXT_ONLY`
-(Gemma 3 from 4B up) is served as its text decoder: its spec is that decoder's.
+fused, and whether the MLP is a mixture of experts (`engine.moe_spec.MoeSpec`: Qwen3-MoE,
+Mixtral). Adding a family is one reader in `_READERS` plus its tests. A multimodal checkpoint
+listed in `TEXT_ONLY` (Gemma 3 from 4B up) is served as its text decoder: its spec is that
+decoder's.
 
 Policy: `read_family` refuses, at start, an architecture without a reader (`UnsupportedModelError`,
 listing the supported ones) and any config value the runner cannot honour (`ConfigError` naming the
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lora_cluster.engine.moe_spec import MoeSpec, read_moe
 from lora_cluster.errors import ConfigError, UnsupportedModelError
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
@@ -69,20 +71,6 @@ class RopeSpec:
     theta: float
     rotary_dim: int
     layer_type: str | None = None
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """A sparse mixture-of-experts MLP on every layer (`engine.moe`): a linear router over
-    `num_experts` gated experts of width `intermediate`, each token taking the `top_k` experts of
-    highest softmax probability, weighted by those probabilities (renormalised over the top k when
-    `norm_topk`: always for Mixtral, `norm_topk_prob` for Qwen3-MoE)."""
-
-    num_experts: int
-    top_k: int
-    intermediate: int
-    norm_topk: bool
-    float32_weights: bool = False  # routing weights stay float32 into the weighted sum (Mixtral)
 
 
 @dataclass(frozen=True)
@@ -240,37 +228,14 @@ def _gemma(config: Any, *, per_type_rope: bool) -> FamilySpec:
     )  # fmt: skip
 
 
-# config fields of shared (always-on) experts, which the MoE block does not run
-_SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
-
-
-def _moe(config: Any, experts_field: str, norm_topk: bool, float32_weights: bool = False) -> MoeSpec:
-    """The MoE block of every layer; refuses what `engine.moe` does not run (dense layers among the
-    sparse ones, shared experts, a top-k outside 1..experts)."""
-    experts = _get(config, experts_field)
-    if not (isinstance(experts, int) and experts >= 1):
-        raise _refuse(config, experts_field, experts, "a positive integer")
-    top_k = _get(config, "num_experts_per_tok")
-    if not (isinstance(top_k, int) and 1 <= top_k <= experts):
-        raise _refuse(config, "num_experts_per_tok", top_k, f"an integer in 1..{experts}")
-    if _get(config, "mlp_only_layers"):
-        raise _refuse(config, "mlp_only_layers", config.mlp_only_layers, "[] (a MoE block on every layer)")
-    if _get(config, "decoder_sparse_step", 1) != 1:
-        raise _refuse(config, "decoder_sparse_step", config.decoder_sparse_step, "1 (every layer sparse)")
-    for name in _SHARED_EXPERT_FIELDS:
-        if _get(config, name):
-            raise _refuse(config, name, _get(config, name), "none (shared experts are not run)")
-    width = _get(config, "moe_intermediate_size") or config.intermediate_size
-    return MoeSpec(experts, top_k, int(width), norm_topk, float32_weights)
-
-
 def _qwen3_moe(config: Any) -> FamilySpec:
     spec = replace(_llama(config, sliding_everywhere=True), qk_norm="head")
-    return replace(spec, moe=_moe(config, "num_experts", bool(_get(config, "norm_topk_prob", False))))
+    return replace(spec, moe=read_moe(config, "num_experts", bool(_get(config, "norm_topk_prob")), _refuse))
 
 
 def _mixtral(config: Any) -> FamilySpec:
-    return replace(_mistral(config), moe=_moe(config, "num_local_experts", True, float32_weights=True))
+    moe = read_moe(config, "num_local_experts", True, _refuse, float32_weights=True)
+    return replace(_mistral(config), moe=moe)
 
 
 _READERS: dict[str, Callable[[Any], FamilySpec]] = {

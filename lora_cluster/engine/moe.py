@@ -22,13 +22,14 @@ of the accumulation order).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from lora_cluster.engine.family import MoeSpec
+from lora_cluster.engine.moe_spec import MoeSpec
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -70,7 +71,8 @@ def moe_experts(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: 
     xs = x.index_select(0, tokens)
     h = torch.empty(t * k, 2 * inter, dtype=x.dtype, device=x.device)
     y = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-    bounds = [(e, sum(counts[:e]), n) for e, n in enumerate(counts) if n]
+    starts = itertools.accumulate(counts, initial=0)  # one more than counts: zip stops at counts
+    bounds = [(e, start, n) for e, (start, n) in enumerate(zip(starts, counts, strict=False)) if n]
     for e, start, n in bounds:
         torch.matmul(xs[start : start + n], gate_up[e].t(), out=h[start : start + n])
     hidden = act(h[:, :inter]) * h[:, inter:]
