@@ -8,8 +8,9 @@ through ASGI as in test_serve_app) whose dispatcher runs a real engine on the ti
 a replica does: generated prompts, token ids and parameters reach the engine. It runs twice: without
 a tenants file (every route open) and with one (an admin key sent; schemathesis also checks that a
 request without a key, or with a wrong one, is refused). The schema states every rule of the bodies
-(`schemas.constrain`) but a text prompt's token count, which the fuzzed app's `max_prompt_tokens`
-puts out of reach of generated prompts; `SCHEMA_AGREES` pins bodies where schema and server must
+(`schemas.constrain`) but a prompt's token count, which the fuzzed app's `max_prompt_tokens` puts
+out of reach of generated text prompts and which `filter_body` applies to generated chat bodies
+(whose tools and tool calls carry JSON of any size); `SCHEMA_AGREES` pins bodies where schema and server must
 agree. The engine fuzzer calls
 `SamplingParams`, `Engine.add_request`/`step` and `Engine.generate` with random parameters, token ids
 and adapter ids: only domain errors (`LoraClusterError`) may come out, and a valid request still
@@ -29,6 +30,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.routing_stats import RoutingStats
@@ -39,6 +42,7 @@ from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.ingress import build_fastapi
+from lora_cluster.serve.http.schemas import ChatCompletionRequest
 from lora_cluster.serve.http_errors import ApiError, ApiException, describe
 from lora_cluster.serve.protocol import GenerateJob, output_item
 from lora_cluster.serve.replica.deployment import coalesce
@@ -201,14 +205,21 @@ tenants:
 """
 # prompts up to 448 tokens (the demo model's 512 positions): more than any generated prompt, so the
 # one rule the schema cannot state (a text's token count) is not what the fuzzer meets; generations
-# stay short (max_new_tokens). max_n 1: n and best_of are then 1 at most, so the schema states no rule
+# stay short (max_new_tokens). A chat prompt is the sum of its messages: the demo template spends
+# 3 tokens (`<s>`, then `<|assistant|>\n`), 7 per message (`<|role|>\n...</s>\n`), 31 per tool result
+# (`<tool_response>` wrapping) and 42 more per tool call (`<tool_call>` JSON), then the texts (role,
+# content, a call's name and arguments, the tools' JSON; up to 4 tokens a character: byte-level BPE).
+# max_chat_messages 4 caps the template at 3 + 4 * 31 = 127 tokens without calls (twenty-odd
+# generated messages rendered 479 tokens); 4 messages without tools or calls rendered at most 249
+# tokens in 600 generated bodies. Tools and calls carry JSON of any size: `filter_body` applies the
+# token count to the chat bodies. max_n 1: n and best_of are then 1 at most, so the schema states no rule
 # between them; with max_n 2 their rule and the structured-output rule (at most one constraint) expand
 # past what schemathesis's canonicalizer models (jsonschema_rs: OUTGREW_INTERSECTIONS) and no body of
 # the generation routes could be generated. best_of's rules are pinned with max_n 4 in
 # test_structured_output_api.py (schema and server agree)
 HTTP_ENGINE_SETTINGS = {**ENGINE_SETTINGS, "max_model_len": 512}
 FUZZ_LIMITS = dict(max_new_tokens=16, default_max_tokens=8, max_n=1, max_prompt_tokens=448,
-                   served_model_name="demo", **HTTP_ENGINE_SETTINGS)
+                   max_chat_messages=4, served_model_name="demo", **HTTP_ENGINE_SETTINGS)
 SCHEMA_TOKENIZER = train_tokenizer("tiny")  # the demo zoo's tokenizer: its size bounds token ids
 MODES = {"open": {}, "tenants": {"authorization": f"Bearer {ADMIN_KEY}"}}  # the headers the fuzzer sends
 
@@ -248,6 +259,30 @@ schemathesis.openapi.format("json-schema", st.sampled_from(
     ["{}", '{"type": "object"}', '{"type": "integer", "minimum": 0, "maximum": 9}']))
 schema_open = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["open"])
 schema_tenants = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["tenants"], headers=MODES["tenants"])
+
+
+def filter_body(context: Any, body: Any) -> bool:
+    """The one rule of a body the schema cannot state, applied to the chat bodies the fuzzer generates:
+    the conversation as the server renders it (`conversation()`, the tools, the demo chat template)
+    has at most max_prompt_tokens tokens. Tools and tool calls carry JSON of any size (a tool's
+    `parameters`, a call's `arguments`), so no limit on the count of messages, tools or calls keeps
+    every generated conversation within the demo model's positions; a body the server refuses before
+    counting (a 400 of its own) is kept. Every other body, and every check, is unchanged."""
+    if context.operation is None or context.operation.path != "/v1/chat/completions":
+        return True
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+        tools = chat.tool_use().template_tools()
+        extra = {} if tools is None else {"tools": tools}
+        text = SCHEMA_TOKENIZER.apply_chat_template(chat.conversation(), add_generation_prompt=True,
+                                                    tokenize=False, **extra)
+    except (ValidationError, ApiException, TemplateError):
+        return True
+    return len(SCHEMA_TOKENIZER.encode(text, add_special_tokens=False)) <= FUZZ_LIMITS["max_prompt_tokens"]
+
+
+for fuzzed_schema in (schema_open, schema_tenants):
+    fuzzed_schema.hook(filter_body)
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +521,8 @@ SCHEMA_AGREES = [
         "role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                              "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "x"}]}, True),
+    ("/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 4}, True),  # max_chat_messages
+    ("/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 5}, False),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}, False),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, True),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 17}, False),

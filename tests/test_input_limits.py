@@ -27,7 +27,7 @@ from lora_cluster.store.admission import AdmissionPolicy
 
 LIMITS = {"max_body_bytes": 4096, "max_json_depth": 8, "max_prompt_tokens": 24, "max_new_tokens": 32,
           "default_max_tokens": 8, "max_stop_sequences": 2, "max_stop_length": 8, "max_n": 2,
-          "max_prompts": 2}
+          "max_prompts": 2, "max_chat_messages": 2}
 
 
 @contextlib.asynccontextmanager
@@ -103,6 +103,8 @@ async def test_malformed_utf8_and_deep_json_are_refused_naming_the_problem():
      ["max_stop_length=8"]),
     ("/v1/completions", {**OK, "n": 3}, None, ["n=3", "2"]),
     ("/v1/completions", {**OK, "prompt": ["a", "b", "c"]}, None, ["max_prompts=2"]),
+    ("/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 3}, None, ["3 messages",
+                                                                              "max_chat_messages=2"]),
     ("/v1/completions", {**OK, "frobnicate": 1}, "unknown_parameter", ["frobnicate"]),
     ("/v1/chat/completions", {**CHAT, "length_penalty": 1.1, "min_p": 0.1}, "unknown_parameter",
      ["length_penalty", "min_p"]),

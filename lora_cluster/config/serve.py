@@ -367,6 +367,10 @@ class ServeConfig(EngineConfig):
     max_prompts: int = Field(
         16, ge=1, le=4096, description="Most prompts in one /v1/completions request (400 above)."
     )
+    max_chat_messages: int = Field(
+        2048, ge=1, le=65536, description="Most messages in one /v1/chat/completions request (400 above). "
+        "Default: OpenAI's limit of 2048; a conversation's tokens are bounded by max_prompt_tokens."
+    )
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="How chat answers with `tool_choice: auto` are read for tool calls (vLLM's "
         "names): hermes (`<tool_call>{...}</tool_call>`), llama3_json (`{\"name\", \"parameters\"}` "

@@ -12,7 +12,8 @@ naming it, as the OpenAI API does ("Unrecognized request argument supplied"), so
 parameter this server does not implement is never silently dropped; their nested objects (messages,
 stream_options) and the LoRAX and vLLM admin bodies ignore unknown fields, as LoRAX/TGI and vLLM do.
 Input limits (400 naming the limit): `max_new_tokens`, `max_n`, `max_prompts` (prompts in one
-completions request), `max_stop_sequences` and `max_stop_length` (stop strings). Log-probabilities (OpenAI
+completions request), `max_chat_messages` (messages in one chat request), `max_stop_sequences` and
+`max_stop_length` (stop strings). Log-probabilities (OpenAI
 `logprobs` / `top_logprobs`, LoRAX `details`, `decoder_input_details`, `return_k_alternatives`)
 ask for at most `max_logprobs` alternatives per token (400 above). Values are validated strictly
 (a boolean must be a JSON boolean, an integer a JSON integer), as the OpenAPI schema states them.
@@ -336,6 +337,9 @@ class ChatCompletionRequest(_OpenAISampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def check(self, limits: ServeConfig) -> None:
+        if len(self.messages) > limits.max_chat_messages:
+            raise bad_request(f"{len(self.messages)} messages exceed the limit of "
+                              f"max_chat_messages={limits.max_chat_messages}")
         self._check_shared(limits)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true")
@@ -616,6 +620,10 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     completion["prompt"]["description"] += (f" A prompt has at most {prompt_tokens} tokens "
                                             "(max_prompt_tokens; a longer text is a 400 prompt_too_long).")
     chat = components["ChatCompletionRequest"]["properties"]
+    chat["messages"]["maxItems"] = limits.max_chat_messages
+    chat["messages"]["description"] = (
+        f"At most {limits.max_chat_messages} (max_chat_messages); rendered by the chat template, at most "
+        f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation is a 400 prompt_too_long).")
     chat["max_completion_tokens"]["maximum"] = limits.max_new_tokens
     chat["top_logprobs"]["maximum"] = limits.max_logprobs
     components["ChatCompletionRequest"].setdefault("allOf", []).extend(tool_rules())
