@@ -7,7 +7,7 @@ know it. Routing needs only a hint, so it uses keys of its own, version-blind:
     key(d) = BLAKE2b-64(adapter id or the base model's mark, token ids [0, d))
              for d = GRAIN, 2 GRAIN, ... up to MAX_DEPTH tokens
 
-A request's prompt of n tokens has the keys of every depth <= n (at most MAX_DEPTH / GRAIN = 128,
+A request's prompt of n tokens has the keys of every depth <= n (at most MAX_DEPTH / GRAIN = 64,
 shallowest first), computed in one pass over at most MAX_DEPTH tokens (~0.1 ms at the bound). A
 replica that ran a prompt keeps a few of them (`summary_keys`): a geometric ladder (GRAIN, 2 GRAIN,
 4 GRAIN, ...: prefixes that many prompts share, such as a system prompt, at any length) and the
@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
 
-GRAIN = 32  # tokens between two keys of a prompt
+GRAIN = 64  # tokens between two keys of a prompt
 MAX_DEPTH = 4096  # tokens: deeper prefixes have no keys of their own
 SUMMARY_KEYS = 256  # keys a replica reports (the most recently used)
 _TYPECODE = next(code for code in "IL" if array(code).itemsize == 4)
