@@ -4,18 +4,23 @@ score that weighs a cached prefix with adapter residency and load, and the live 
 The live router is the real `LoraAffinityRouter`, built with the arguments Serve's handle router
 passes (no Ray started); replicas are `RunningReplica`-shaped fakes whose reports carry `prefixes`
 as `record_routing_stats` sends them; queue lengths go through the router's real Serve cache.
+A request parked in the cluster queue is granted by the controller's `scheduling.choose_replica`,
+which weighs the same keys among the replicas with room.
 """
 
 from __future__ import annotations
 
 import pickle
 from types import SimpleNamespace
+from typing import Any
 
 from helpers import FakeClock
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
 
+from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH, PrefixSummary, routing_keys, summary_keys
+from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.routing_score import (
     PREFIX_SHARE,
     ReplicaView,
@@ -24,6 +29,7 @@ from lora_cluster.cluster.routing_score import (
     rank_replicas,
 )
 from lora_cluster.cluster.routing_stats import RoutingStats
+from lora_cluster.cluster.scheduling import choose_replica
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
@@ -169,3 +175,59 @@ async def test_the_live_router_sends_a_turn_where_its_prefix_is_cached_unless_th
     router.on_new_queue_len_info(replicas[2].replica_id, 12)  # 9 requests beyond its 4 batch slots
     busy = await router.choose_replicas(replicas, pending(next_turn))
     assert busy[0][0].replica_id.unique_id != "r2", "an overloaded replica loses the turn despite its cache"
+
+
+# ----- the controller's grant -------------------------------------------------------------------
+
+
+def grant_report(rid: str, running: int, prefixes: tuple[str, ...] = (), capacity: int = 4) -> ReplicaReport:
+    return ReplicaReport(rid, "n1", capacity=capacity, max_num_seqs=capacity, max_loras=4, running=running,
+                         waiting=0, free_adapter_slots=2, resident=("sql",), prefixes=prefixes)
+
+
+def grant_ticket(prompt: list[int], adapter: str | None = "sql") -> Ticket:
+    return Ticket(ticket_id="t", ingress_id="i", sla_class="standard", priority=1, adapter_id=adapter,
+                  enqueued_at=100.0, prefix=routing_keys(adapter, prompt))
+
+
+def test_a_parked_turn_is_granted_where_its_chat_is_cached_among_the_replicas_with_room():
+    chat = summary_keys(routing_keys("sql", CHAT))
+    view = ClusterView(stale_after_s=5, clock=FakeClock(100.0))
+    for rid, running, prefixes in (("r1", 0, ()), ("r2", 3, chat), ("r3", 1, ())):
+        view.update(ReplicaReport.from_dict(grant_report(rid, running, prefixes).to_dict()))  # over the wire
+    next_turn = CHAT + [7] * 40
+    assert choose_replica(grant_ticket(next_turn), view, {}) == "r2", (
+        "the holder caching the chat's prefix gets the turn while it has room")
+    assert choose_replica(grant_ticket(next_turn, adapter=None), view, {}) == "r1", (
+        "a base-model turn does not match an adapter's cached prefix: the replica with the most room")
+    view.update(grant_report("r2", 4, chat))
+    assert choose_replica(grant_ticket(next_turn), view, {}) != "r2", (
+        "a replica without room is never granted the turn, whatever it caches")
+
+
+async def test_a_parked_request_carries_its_prompts_keys_to_the_controller():
+    from lora_cluster.serve.routing.admission import ClusterAdmission
+
+    calls: list[dict] = []
+
+    class Controller:
+        """`admit.remote(ticket, timeout)`: records the ticket, grants r2."""
+
+        def __init__(self) -> None:
+            self.admit = self
+
+        def remote(self, ticket: dict, timeout_s: float) -> Any:
+            calls.append(ticket)
+
+            async def reply() -> dict:
+                return {"replica_id": "r2", "preempt": False}
+            return reply()
+
+    full = {rid: RoutingStats(num_running=4, max_num_seqs=4) for rid in ("r1", "r2")}
+    admission = ClusterAdmission(Controller(), capacity=None, replica_stats=lambda: full, timeout_s=30.0,
+                                 clock=lambda: 0.0)
+    keys = routing_keys("sql", CHAT)
+    granted = await admission.admit(sla_class="standard", adapter_id="sql", arrived_at=0.0, prefix=keys)
+    assert granted is not None and granted.replica_id == "r2", (
+        "a full cluster parks the request at the controller")
+    assert calls[0]["prefix"] == list(keys), "the ticket carries the prompt's routing keys"

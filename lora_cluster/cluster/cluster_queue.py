@@ -67,6 +67,7 @@ class Ticket:
     enqueued_at: float
     deadline: float | None = None  # latest start that meets the class's TTFT target (None: no target)
     ttft_s: float | None = None  # the class's TTFT target
+    prefix: tuple[str, ...] = ()  # routing keys of its prompt's prefix (`prefix_keys.routing_keys`)
 
 
 Key = tuple[int, float, float, float, int]  # tier, priority + enqueued / aging, deadline, arrival, seq

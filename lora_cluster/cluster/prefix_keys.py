@@ -64,6 +64,17 @@ def routing_keys(adapter_id: str | None, tokens: Sequence[int]) -> tuple[str, ..
     return tuple(keys)
 
 
+def cached_depth(prefix: Sequence[str], held: frozenset[str]) -> int:
+    """Tokens of the deepest of a request's keys (`prefix`, shallowest first) that are in `held`
+    (a replica's reported keys); 0: none."""
+    if not held or held.isdisjoint(prefix):
+        return 0
+    for i in range(len(prefix) - 1, -1, -1):
+        if prefix[i] in held:
+            return (i + 1) * GRAIN
+    return 0
+
+
 def summary_keys(keys: Sequence[str]) -> list[str]:
     """What a replica keeps of a prompt's keys: the geometric ladder's depths and the deepest key."""
     kept = [keys[i] for i in range(len(keys)) if (i + 1) & i == 0]  # depths GRAIN * 2^k

@@ -3,7 +3,9 @@
 A `ReplicaReport` is a plain picklable record (no Ray types): node, device memory split, host
 cache bytes, adapters resident and loading, requests running and waiting (in all and per SLA class),
 recent latency and SLO attainment per class, and the replica's recent requests per adapter (its
-busiest adapters only, so a report stays small with thousands of adapters).
+busiest adapters only, so a report stays small with thousands of adapters), and the routing keys
+of the prompt prefixes it ran lately (`prefix_keys.PrefixSummary`, at most `SUMMARY_KEYS`), which
+the grant policy weighs (`scheduling.choose_replica`).
 
 `ClusterView` keeps the latest report of each replica and forgets a replica that has not reported
 for `stale_after_s` (it died or was scaled down). Room on a replica is its capacity minus its
@@ -25,9 +27,12 @@ report period. Pure: injected clock, no Ray.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 
 MAX_REPORTED_ADAPTERS = 64  # per report: the replica's busiest adapters by recent requests
 
@@ -65,6 +70,12 @@ class ReplicaReport:
     arrived_tickets: tuple[str, ...] = ()  # granted tickets that reached the replica since its last report
     sent_at: float = 0.0  # wall-clock time, for display
     base: str | None = None  # the API name of the base model it serves (None: not reported)
+    prefixes: tuple[str, ...] = ()  # routing keys of the prompt prefixes it ran lately
+
+    @functools.cached_property
+    def prefix_set(self) -> frozenset[str]:
+        """Its reported prefix keys as a set (built once per report)."""
+        return frozenset(self.prefixes)
 
     @property
     def ongoing(self) -> int:
@@ -78,6 +89,7 @@ class ReplicaReport:
         d = dataclasses.asdict(self)
         d["resident"], d["loading"] = list(self.resident), list(self.loading)
         d["arrived_tickets"] = list(self.arrived_tickets)
+        d["prefixes"] = list(self.prefixes)
         d["running_by_priority"] = {str(p): n for p, n in self.running_by_priority.items()}
         return d
 
@@ -88,6 +100,7 @@ class ReplicaReport:
         values["resident"] = tuple(values.get("resident", ()))
         values["loading"] = tuple(values.get("loading", ()))
         values["arrived_tickets"] = tuple(values.get("arrived_tickets", ()))
+        values["prefixes"] = tuple(str(k) for k in list(values.get("prefixes") or ())[-SUMMARY_KEYS:])
         by_priority = values.get("running_by_priority") or {}
         values["running_by_priority"] = {int(p): int(n) for p, n in by_priority.items()}
         values["memory"] = MemorySplit(**dict(values.get("memory") or {}))

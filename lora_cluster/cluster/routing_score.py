@@ -37,7 +37,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH
+from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH, cached_depth
 from lora_cluster.cluster.routing_stats import UNKNOWN_SLOTS, RoutingStats
 
 THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this many miss_costs more
@@ -68,12 +68,7 @@ class ReplicaView:
 def cached_tokens(prefix: Sequence[str], replica: ReplicaView) -> int:
     """How deep a prefix of the request the replica caches, in tokens: `prefix` is the request's
     routing keys (key i: depth (i + 1) * GRAIN), the deepest one the replica reports counts (0: none)."""
-    if not replica.prefixes or replica.prefixes.isdisjoint(prefix):
-        return 0
-    for i in range(len(prefix) - 1, -1, -1):
-        if prefix[i] in replica.prefixes:
-            return (i + 1) * GRAIN
-    return 0
+    return cached_depth(prefix, replica.prefixes)
 
 
 def prefix_bonus(tokens: int, miss_cost: float) -> float:

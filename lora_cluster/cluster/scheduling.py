@@ -1,17 +1,20 @@
 """Where the controller sends queued requests: grants by affinity, and cross-replica preemption.
 
-Grant: a ticket goes to a replica with room (`ClusterView.free > 0`), preferring, in order, one
-that holds its adapter (resident or loading), one the placement table names for it, one with a
-free adapter slot (elsewhere a miss waits for a slot), and then the adapter's home (`home_score`:
-rendezvous hashing, so that one adapter's misses go to one replica, where the next request finds
-it). The base model (no adapter) goes to the replica with the most room (ties by id: decisions are
+Grant: a ticket goes to a replica with room (`ClusterView.free > 0`), preferring, in order, one that
+holds its adapter (resident or loading), the one whose report names the deepest cached prefix of its
+prompt (`prefix_keys.cached_depth`: a chat's next turn goes where its earlier turns are cached;
+every candidate has room, so a cached prefix never sends it to an overloaded replica), one the
+placement table names for it, one with a free adapter slot (elsewhere a miss waits for a slot), and
+then the adapter's home (`home_score`: rendezvous hashing, so that one adapter's misses go to one
+replica, where the next request finds it). The base model (no adapter) goes to the replica caching
+the deepest prefix of its prompt, then the one with the most room (ties by id: decisions are
 deterministic). When the most urgent ticket would miss its adapter wherever it goes, the room goes
 first to the most urgent ticket of the same class whose adapter a replica with room holds
 (`affinity_hit`, from the queue's per-adapter index): a hit instead of a load, which keeps each
 replica's adapters serving the requests that want them, and the hit rate up under overload. Only
 hits that arrived within a window after the miss may pass it (`hit_window_s`: a share of its TTFT
-target, or the aging period for a class without one), so a miss waits for a bounded number of
-hits, however long it has already waited.
+target, or the aging period for a class without one), so a miss waits for a bounded number of hits,
+however long it has already waited.
 
 Preemption: when no replica has room, an urgent ticket that has waited at least
 `preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
@@ -35,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.prefix_keys import cached_depth
 from lora_cluster.cluster.reports import ClusterView
 
 
@@ -43,15 +47,21 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
     candidates = [rid for rid in view.ids() if view.free(rid) > 0]
     if not candidates:
         return None
-    aid = ticket.adapter_id
+    aid, prefix = ticket.adapter_id, ticket.prefix
+
+    def cached(rid: str) -> int:
+        report = view.get(rid)
+        return cached_depth(prefix, report.prefix_set) if prefix and report is not None else 0
+
     if aid is None:
-        return min(candidates, key=lambda rid: (-view.free(rid), rid))
+        return min(candidates, key=lambda rid: (-cached(rid), -view.free(rid), rid))
     placed = set(placement.get(aid, ()))
 
-    def key(rid: str) -> tuple[bool, bool, bool, int, str]:
+    def key(rid: str) -> tuple[bool, int, bool, bool, int, str]:
         report = view.get(rid)
         no_slot = report is None or report.free_adapter_slots <= 0
-        return (not holds(view, rid, aid), rid not in placed, no_slot, -home_score(aid, rid), rid)
+        return (not holds(view, rid, aid), -cached(rid), rid not in placed, no_slot, -home_score(aid, rid),
+                rid)
 
     return min(candidates, key=key)
 

@@ -29,6 +29,7 @@ from ray import serve
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, ControllerSettings, Grant, Refusal
+from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
@@ -73,8 +74,9 @@ class ClusterController:
         return reply
 
     async def admit(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Park a ticket for `request` ({ticket_id, ingress_id, sla_class, adapter_id, waited_s}) and
-        wait for its grant (see the module docstring)."""
+        """Park a ticket for `request` ({ticket_id, ingress_id, sla_class, adapter_id, waited_s, and
+        prefix: its prompt's routing keys, at most MAX_DEPTH / GRAIN kept}) and wait for its grant
+        (see the module docstring)."""
         self._ensure_ticker()
         sla = self.core.classes.get(request["sla_class"])
         now = time.monotonic()
@@ -83,6 +85,7 @@ class ClusterController:
             ticket_id=str(request["ticket_id"]), ingress_id=str(request["ingress_id"]), sla_class=sla.name,
             priority=sla.priority, adapter_id=request.get("adapter_id"), enqueued_at=enqueued,
             deadline=None if sla.ttft_s is None else enqueued + sla.ttft_s, ttft_s=sla.ttft_s,
+            prefix=tuple(str(k) for k in list(request.get("prefix") or ())[:MAX_DEPTH // GRAIN]),
         )
         waiter: asyncio.Future[Grant | Refusal] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.ticket_id] = waiter

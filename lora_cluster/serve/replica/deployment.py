@@ -267,7 +267,7 @@ class LoraReplica:
             max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,
             classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
             memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,
-            sent_at=time.time(), base=served_name(self.config))
+            sent_at=time.time(), base=served_name(self.config), prefixes=self.prefixes.keys())
 
     async def _on_reply(self, reply: dict[str, Any]) -> None:
         """Prefetch what the controller's placement chose this replica for (host copy first; the

@@ -95,10 +95,13 @@ class ClusterAdmission:
             free += max(0, capacity - max(report.ongoing, self._inflight[rid]))
         return free > self.unassigned()
 
-    async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float) -> Granted | None:
+    async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float,
+                    prefix: tuple[str, ...] = ()) -> Granted | None:
         """The replica to pin the request to, or None to send it the direct way (fast path, or no
-        controller). Raises ClusterOverloadedError (429) or ClusterQueueTimeoutError (503). The
-        caller then reports `started` (first item) or `not_started`, and `finished`."""
+        controller). `prefix`: the routing keys of its prompt (`GenerateJob.routing_prefix`), which
+        the controller's grant weighs. Raises ClusterOverloadedError (429) or
+        ClusterQueueTimeoutError (503). The caller then reports `started` (first item) or
+        `not_started`, and `finished`."""
         self._sync_placement()
         if self._controller is None or self._clock() < self._down_until or self.has_room():
             self.counts["fast"] += 1
@@ -107,15 +110,15 @@ class ClusterAdmission:
         self.counts["parked"] += 1
         self._parked += 1
         try:
-            return await self._wait_for_grant(sla_class, adapter_id, arrived_at)
+            return await self._wait_for_grant(sla_class, adapter_id, arrived_at, prefix)
         finally:
             self._parked -= 1
 
-    async def _wait_for_grant(self, sla_class: str, adapter_id: str | None,
-                              arrived_at: float) -> Granted | None:
+    async def _wait_for_grant(self, sla_class: str, adapter_id: str | None, arrived_at: float,
+                              prefix: tuple[str, ...] = ()) -> Granted | None:
         """Park the request at the controller until it is granted a replica (see `admit`)."""
         ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
-                  "adapter_id": adapter_id}
+                  "adapter_id": adapter_id, "prefix": list(prefix)}
         give_up_reaching = None
         while True:
             now = self._clock()
