@@ -3,7 +3,8 @@ through the OpenAI API with transformers + PEFT's greedy tokens.
 
 One Ray app per family (the base model is the app's), shared by that family's checks: Phi-3 (fused
 checkpoint projections, adapters on the fused names, sliding window, partial rotary) and Gemma 2
-(sandwich norms, soft-capping, alternating sliding windows). Every family's engine parity is
+(sandwich norms, soft-capping, alternating sliding windows), Mixtral (a mixture of experts with
+attention adapters). Every family's engine parity is
 tests/test_family_parity.py; this is the serving path around it.
 """
 
@@ -21,7 +22,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog near the river and the tow
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=["phi3", "gemma2"])
+@pytest.fixture(scope="module", params=["phi3", "gemma2", "mixtral"])
 def family(request, ray_app, tmp_path_factory):
     arch = request.param
     zoo = build_family_zoo(tmp_path_factory.mktemp("serve-families") / arch, arch, num_adapters=3)
