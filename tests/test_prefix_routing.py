@@ -227,7 +227,21 @@ async def test_a_parked_request_carries_its_prompts_keys_to_the_controller():
     admission = ClusterAdmission(Controller(), capacity=None, replica_stats=lambda: full, timeout_s=30.0,
                                  clock=lambda: 0.0)
     keys = routing_keys("sql", CHAT)
-    granted = await admission.admit(sla_class="standard", adapter_id="sql", arrived_at=0.0, prefix=keys)
+    granted = await admission.admit(sla_class="standard", adapter_id="sql", arrived_at=0.0,
+                                    prefix_of=lambda: keys)
     assert granted is not None and granted.replica_id == "r2", (
         "a full cluster parks the request at the controller")
     assert calls[0]["prefix"] == list(keys), "the ticket carries the prompt's routing keys"
+
+
+async def test_a_request_on_the_fast_path_leaves_its_keys_to_the_router():
+    from lora_cluster.serve.routing.admission import ClusterAdmission
+
+    def never() -> tuple[str, ...]:
+        raise AssertionError("the keys were computed on the ingress's loop")
+
+    room = {"r1": RoutingStats(num_running=0, max_num_seqs=4)}
+    admission = ClusterAdmission(object(), capacity=None, replica_stats=lambda: room, timeout_s=30.0,
+                                 clock=lambda: 0.0)
+    assert await admission.admit(sla_class="standard", adapter_id="sql", arrived_at=0.0,
+                                 prefix_of=never) is None, "a cluster with room sends it the direct way"

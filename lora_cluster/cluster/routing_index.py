@@ -13,7 +13,7 @@ The full rank builds a `ReplicaView` of every replica (`PlacementTracker.view`) 
   that instant;
 * holders: adapter -> the replicas whose view holds it (resident, loading, or recently placed);
 * prefix holders: routing key of a prompt prefix (`cluster.prefix_keys`) -> the replicas whose
-  view reports it, at most `MAX_KEY_HOLDERS` per key (the latest to report it);
+  view reports it, at most `MAX_KEY_HOLDERS` per key (those that began reporting it last);
 * a heap of every replica keyed by `rank_key(ABSENT, view)`, and one keyed by `rank_key(None,
   view)` from the first base-model request on; entries are invalidated by a per-replica version
   (lazy deletion, compacted when they pile up).

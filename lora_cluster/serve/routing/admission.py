@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,10 +96,11 @@ class ClusterAdmission:
         return free > self.unassigned()
 
     async def admit(self, *, sla_class: str, adapter_id: str | None, arrived_at: float,
-                    prefix: tuple[str, ...] = ()) -> Granted | None:
+                    prefix_of: Callable[[], Sequence[str]] = tuple) -> Granted | None:
         """The replica to pin the request to, or None to send it the direct way (fast path, or no
-        controller). `prefix`: the routing keys of its prompt (`GenerateJob.routing_prefix`), which
-        the controller's grant weighs. Raises ClusterOverloadedError (429) or
+        controller). `prefix_of()`: the routing keys of its prompt (`GenerateJob.routing_prefix`),
+        which the controller's grant weighs; read only when the request parks (the fast path leaves
+        them to the request router, off this loop). Raises ClusterOverloadedError (429) or
         ClusterQueueTimeoutError (503). The caller then reports `started` (first item) or
         `not_started`, and `finished`."""
         self._sync_placement()
@@ -110,7 +111,7 @@ class ClusterAdmission:
         self.counts["parked"] += 1
         self._parked += 1
         try:
-            return await self._wait_for_grant(sla_class, adapter_id, arrived_at, prefix)
+            return await self._wait_for_grant(sla_class, adapter_id, arrived_at, tuple(prefix_of()))
         finally:
             self._parked -= 1
 

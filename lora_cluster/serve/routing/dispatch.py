@@ -211,7 +211,7 @@ class Dispatcher:
         parked.inc()  # seen by a scrape only while the request actually waits (the fast path awaits nothing)
         try:
             granted = await self.admission.admit(sla_class=job.priority_class, adapter_id=job.adapter_id,
-                                                 arrived_at=t0, prefix=job.routing_prefix)
+                                                 arrived_at=t0, prefix_of=lambda: job.routing_prefix)
         finally:
             parked.dec()
         meter.admitted()

@@ -108,17 +108,17 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        adapter_id, target, prefix = None, None, ()
+        adapter_id, target = None, None
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # never spin when all are full
             adapter_id, target = routing_key(pending_request.args)
-            prefix = routing_prefix(pending_request.args)
         self._ensure_synced(candidate_replicas)
         index, by_id = self._index, self._by_id
         if target is not None:
             pinned = [by_id[target]] if target in by_id else []
             if pinned or isinstance(pending_request.args[0], ToReplica):
                 return [pinned]  # an admin call waits for its replica; a granted job is not stranded
+        prefix = routing_prefix(pending_request.args) if pending_request is not None else ()
         if self._rescan:
             index.touch_all()
         for rid in self._last:
