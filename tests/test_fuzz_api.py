@@ -10,11 +10,12 @@ a tenants file (every route open) and with one (an admin key sent; schemathesis 
 request without a key, or with a wrong one, is refused). The schema states every rule of the bodies
 (`schemas.constrain`) but a prompt's token count, which the fuzzed app's `max_prompt_tokens` puts
 out of reach of generated text prompts and which `filter_body` applies to generated chat bodies
-(whose tools and tool calls carry JSON of any size); `SCHEMA_AGREES` pins bodies where schema and server must
-agree. The engine fuzzer calls
-`SamplingParams`, `Engine.add_request`/`step` and `Engine.generate` with random parameters, token ids
-and adapter ids: only domain errors (`LoraClusterError`) may come out, and a valid request still
-succeeds afterwards. Both print how many requests they tried and what they answered.
+(whose tools and tool calls carry JSON of any size), with the rules the schema states in words only
+(a named tool_choice is one of the tools) or by a `format` that the constants schemathesis mixes in
+ignore (`json-schema`, `grammar`); `SCHEMA_AGREES` pins bodies where schema and server must agree.
+The engine fuzzer calls `SamplingParams`, `Engine.add_request`/`step` and `Engine.generate` with
+random parameters, token ids and adapter ids: only domain errors (`LoraClusterError`) may come out,
+and a valid request still succeeds afterwards. Both print how many requests they tried and what they answered.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -254,22 +256,67 @@ class AppSlot:
 SLOTS = {mode: AppSlot(mode) for mode in MODES}
 # the structured-output fields' `format`s that JSON Schema cannot spell: generated values are texts the
 # engine compiles (schemathesis's own `regex` format already generates patterns it compiles)
-schemathesis.openapi.format("grammar", st.sampled_from(['start: "yes" | "no"', "start: /[a-z]{1,8}/"]))
+GRAMMARS = ('start: "yes" | "no"', "start: /[a-z]{1,8}/")
+schemathesis.openapi.format("grammar", st.sampled_from(GRAMMARS))
 schemathesis.openapi.format("json-schema", st.sampled_from(
     ["{}", '{"type": "object"}', '{"type": "integer", "minimum": 0, "maximum": 9}']))
 schema_open = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["open"])
 schema_tenants = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["tenants"], headers=MODES["tenants"])
 
 
-def filter_body(context: Any, body: Any) -> bool:
-    """The one rule of a body the schema cannot state, applied to the chat bodies the fuzzer generates:
-    the conversation as the server renders it (`conversation()`, the tools, the demo chat template)
-    has at most max_prompt_tokens tokens. Tools and tool calls carry JSON of any size (a tool's
-    `parameters`, a call's `arguments`), so no limit on the count of messages, tools or calls keeps
-    every generated conversation within the demo model's positions; a body the server refuses before
-    counting (a 400 of its own) is kept. Every other body, and every check, is unchanged."""
-    if context.operation is None or context.operation.path != "/v1/chat/completions":
+def _grammar(value: Any) -> bool:
+    """Whether `value`, where the schema says `format: grammar`, is one of the format's generated
+    grammars: schemathesis mixes example and source constants into strings without their format."""
+    return value is None or value in GRAMMARS
+
+
+def _schema_text(value: Any) -> bool:
+    """Whether `value`, where the schema says `format: json-schema` (a schema object or its JSON
+    text), is one (constants are mixed in as into `grammar` strings)."""
+    if not isinstance(value, str):
         return True
+    try:
+        return isinstance(json.loads(value), dict)
+    except ValueError:
+        return False
+
+
+def _tools_fit(body: dict[str, Any]) -> bool:
+    """The tool rules JSON Schema cannot state (tools.tool_rules): tool names are unique, a named
+    tool_choice is one of them."""
+    def name(item: Any) -> Any:
+        function = item.get("function") if isinstance(item, dict) else None
+        return function.get("name") if isinstance(function, dict) else None
+
+    tools = body.get("tools")
+    names = [name(tool) for tool in tools] if isinstance(tools, list) else []
+    named = name(body.get("tool_choice"))
+    return len(names) == len(set(names)) and (named is None or named in names)
+
+
+def filter_body(context: Any, body: Any) -> bool:
+    """The rules of an OpenAI body that the schema states only in words (`schemas.constrain`) or by a
+    format that mixed-in constants ignore, applied to the bodies the fuzzer generates: a `json-schema`
+    text is a JSON schema object, a `grammar` one of the format's grammars; a chat body's tool names
+    are unique and a named tool_choice is one of them; its conversation as the server renders it
+    (`conversation()`, the tools, the demo chat template) has at most max_prompt_tokens tokens (tools
+    and tool calls carry JSON of any size, so no count limit keeps every generated conversation
+    within the demo model's positions). A body the server refuses before counting
+    tokens (a 400 of its own) is kept; every other body, and every check, is unchanged."""
+    path = None if context.operation is None else context.operation.path
+    if path not in ("/v1/chat/completions", "/v1/completions") or not isinstance(body, dict):
+        return True
+    outputs = body.get("structured_outputs")
+    texts = [body.get("guided_json"), outputs.get("json") if isinstance(outputs, dict) else None]
+    if not all(_schema_text(text) for text in texts):
+        return False
+    grammars = [body.get("guided_grammar"), outputs.get("grammar") if isinstance(outputs, dict) else None]
+    if not all(_grammar(text) for text in grammars):
+        return False
+    if path != "/v1/chat/completions":
+        return True
+    if not _tools_fit(body):
+        return False
     try:
         chat = ChatCompletionRequest.model_validate(body)
         tools = chat.tool_use().template_tools()
