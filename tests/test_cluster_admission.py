@@ -219,3 +219,25 @@ async def test_a_direct_request_counts_as_on_its_way_only_until_the_reports_can_
     assert not a.has_room(), "the request on its way takes the last free slot"
     clock[0] = 2.0
     assert a.has_room(), "after the report lag the replica's report counts it, not the ingress again"
+
+
+async def test_a_report_that_cannot_be_built_is_logged_as_an_error_and_the_next_one_is_sent(caplog):
+    sink = ReportSink(0)
+    builds = iter([TypeError("build_report() got an unexpected keyword argument 'x'"), {}])
+
+    async def build() -> dict[str, Any]:
+        outcome = next(builds)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def on_reply(reply: dict[str, Any]) -> None:
+        return None
+
+    reporter = ControllerReporter(sink, build, on_reply, period_s=60.0)
+    with caplog.at_level("ERROR", logger="lora_cluster.serve.replica.reporter"):
+        await reporter.report_once()
+    assert "could not be built" in caplog.text, "a replica that cannot build its report says so loudly"
+    assert sink.at == [], "nothing was sent for it"
+    await reporter.report_once()
+    assert len(sink.at) == 1, "the next report is built and sent"

@@ -51,8 +51,18 @@ class ControllerReporter:
             await asyncio.sleep(MIN_GAP_S)
 
     async def report_once(self) -> None:
+        """Build and send one report. A report that cannot be built is a defect of this replica:
+        logged as an error (the controller, which sees no report, grants it nothing); a controller
+        that cannot be reached is retried at the next period."""
         try:
-            reply = await self._controller.report.remote(await self._build())
+            report = await self._build()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the replica's report to the cluster controller could not be built")
+            return
+        try:
+            reply = await self._controller.report.remote(report)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
