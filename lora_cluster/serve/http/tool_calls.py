@@ -26,6 +26,7 @@ its first call only (vLLM's rule; the forced shape allows one). Pure: no torch, 
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -83,7 +84,7 @@ class ToolCallDelta:
 Delta = ContentDelta | ToolCallDelta
 
 
-class ToolCallReader:
+class ToolCallReader(abc.ABC):
     """Reads one choice's output; `feed` each piece of text in order, then `finish` once."""
 
     def __init__(self, parallel: bool = True):
@@ -94,8 +95,9 @@ class ToolCallReader:
     def called(self) -> bool:
         return self.calls > 0
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[Delta]:
-        raise NotImplementedError
+        """The pieces of the answer that `text` (the next piece of output) completes."""
 
     def finish(self) -> list[Delta]:
         return []
