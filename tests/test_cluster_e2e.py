@@ -38,6 +38,10 @@ def app_config(demo_zoo):
         "max_num_batched_tokens": 64, "max_ongoing_requests": 16, "routing_stats_period_s": 0.2,
         "controller_report_period_s": 0.2, "preempt_after_fraction": 0.2,
         "placement_hot_share": 0.05,  # a burst of one adapter spreads (its load: ~0.3 requests in flight)
+        # at most 2 requests per replica beyond its 2 batch slots, so that a burst of 12 waits in the
+        # controller's queue long enough to be seen (the default window, max_ongoing_requests - 2 = 14
+        # per replica, takes such a burst into the replicas' engines within a few grant round trips)
+        "admission_window_max": 2,
         "sla_classes": [{"name": "interactive", "priority": 0, "ttft_s": 2.0},
                         {"name": "standard", "priority": 1, "ttft_s": 30.0},
                         {"name": "batch", "priority": 2}],
