@@ -91,8 +91,9 @@ class AdmissionWindow:
 
     * a step that runs with a free batch seat, nothing waiting in the engine and tickets queued in the
       cluster, after `IDLE_STEPS` - 1 such steps in a row, grows the window by one: a seat idled for
-      want of a request that was waiting elsewhere, longer than the one step that even an immediate
-      grant costs (the finish is reported after the step that ends it);
+      want of a request that was waiting elsewhere, longer than the two steps that even a prompt
+      grant can cost (the finish is reported after the step that ends it, and the granted request
+      joins the batch at a step boundary);
     * a step with no free seat and at least `SURPLUS` requests waiting in the engine shrinks it by
       one, at most once every `SHRINK_EVERY` such steps (the window outgrew the round trip);
     * steps without queued tickets change nothing (a replica with room takes requests by the fast
