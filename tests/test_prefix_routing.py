@@ -14,6 +14,7 @@ import pickle
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from helpers import FakeClock
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
@@ -30,7 +31,9 @@ from lora_cluster.cluster.routing_score import (
 )
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.scheduling import choose_replica
+from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
+from lora_cluster.serve.app import replica_options
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
@@ -128,6 +131,33 @@ def test_a_cached_prefix_never_keeps_a_request_on_an_overloaded_replica():
         "a cached prefix never outweighs loading the adapter on a replica that lacks it")
 
 
+def test_the_configured_share_bounds_the_bonus_and_zero_turns_it_off():
+    keys = routing_keys("sql", CHAT)
+    assert ServeConfig.model_fields["prefix_routing_share"].default == PREFIX_SHARE, (
+        "the score's default share is the config's")
+    assert prefix_bonus(10 * MAX_DEPTH, MISS_COST, 0.25) == 0.25 * MISS_COST, "the bonus is at most the share"
+    # r1 caches the chat (512 tokens: a bonus of share x 2.1 requests) with a queue excess of 2
+    replicas = [view("r0", ongoing=0), view("r1", ongoing=5, prefixes=keys)]
+    assert rank_replicas("sql", replicas, MISS_COST, keys, prefix_share=0.5)[0] == "r0", (
+        "at the default share (a bonus of 1.05), a queue excess of 2 outweighs the cached prefix")
+    assert rank_replicas("sql", replicas, MISS_COST, keys, prefix_share=1.0)[0] == "r1", (
+        "at share 1 (a bonus of 2.1), the cached prefix outweighs a queue excess of 2")
+    equal = [view("r0"), view("r1", prefixes=keys)]
+    assert rank_replicas("sql", equal, MISS_COST, keys, prefix_share=0.0) == ["r0", "r1"], (
+        "at share 0 a cached prefix weighs nothing: by id at equal load")
+
+
+def test_the_share_is_a_validated_setting_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LORA_CLUSTER_PREFIX_ROUTING_SHARE", "0.8")
+    monkeypatch.setenv("LORA_CLUSTER_PREFIX_AWARE_ROUTING", "false")
+    config = ServeConfig()
+    assert config.prefix_routing_share == 0.8, "LORA_CLUSTER_PREFIX_ROUTING_SHARE sets the share"
+    assert config.prefix_aware_routing is False, "LORA_CLUSTER_PREFIX_AWARE_ROUTING=false turns it off"
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="prefix_routing_share"):
+            ServeConfig(prefix_routing_share=bad)
+
+
 # ----- the live router --------------------------------------------------------------------------
 
 DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="prefix-routing-app")
@@ -175,6 +205,43 @@ async def test_the_live_router_sends_a_turn_where_its_prefix_is_cached_unless_th
     router.on_new_queue_len_info(replicas[2].replica_id, 12)  # 9 requests beyond its 4 batch slots
     busy = await router.choose_replicas(replicas, pending(next_turn))
     assert busy[0][0].replica_id.unique_id != "r2", "an overloaded replica loses the turn despite its cache"
+
+
+def live_router(replicas: list[SimpleNamespace], **settings: Any) -> LoraAffinityRouter:
+    """The live router over `replicas` (2 requests on each), built with Serve's `request_router_kwargs`."""
+    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+                                use_replica_queue_len_cache=True)
+    router.initialize_state(miss_cost=MISS_COST, placement_ttl_s=5.0, clock=FakeClock(0.0), **settings)
+    router.update_replicas(replicas)
+    for r in replicas:
+        router.on_new_queue_len_info(r.replica_id, 2)
+    return router
+
+
+async def test_with_prefix_aware_routing_off_the_live_router_ignores_the_cached_prefixes():
+    chat = summary_keys(routing_keys("sql", CHAT))
+    replicas = [replica("r0"), replica("r1"), replica("r2", chat)]
+    next_turn = CHAT + list(range(9000, 9040))
+    app_kwargs = replica_options(ServeConfig(prefix_aware_routing=False))["request_router_config"]
+    router = live_router(replicas, **{k: v for k, v in app_kwargs.request_router_kwargs.items()
+                                      if k not in ("miss_cost", "placement_ttl_s")})
+    ranks = await router.choose_replicas(replicas, pending(next_turn))
+    assert ranks[0][0].replica_id.unique_id == "r0", (
+        "adapter-only routing: the turn goes by load and id, not to r2 which caches its chat")
+    aware = await live_router(replicas).choose_replicas(replicas, pending(next_turn))
+    assert aware[0][0].replica_id.unique_id == "r2", "with the default (on) it goes where its chat is cached"
+
+
+async def test_the_live_router_honours_the_configured_share():
+    chat = summary_keys(routing_keys("sql", CHAT))
+    replicas = [replica("r0"), replica("r1", chat)]
+    next_turn = CHAT + list(range(9000, 9040))
+    for share, expected in ((0.5, "r0"), (1.0, "r1")):
+        router = live_router(replicas, prefix_routing_share=share)
+        router.on_new_queue_len_info(replicas[1].replica_id, 5)  # 2 requests beyond its 4 batch slots
+        ranks = await router.choose_replicas(replicas, pending(next_turn))
+        assert ranks[0][0].replica_id.unique_id == expected, (
+            f"share {share}: a queue excess of 2 against the cached chat sends the turn to {expected}")
 
 
 # ----- the controller's grant -------------------------------------------------------------------
@@ -245,3 +312,18 @@ async def test_a_request_on_the_fast_path_leaves_its_keys_to_the_router():
                                  clock=lambda: 0.0)
     assert await admission.admit(sla_class="standard", adapter_id="sql", arrived_at=0.0,
                                  prefix_of=never) is None, "a cluster with room sends it the direct way"
+
+
+async def test_with_prefix_aware_routing_off_the_controllers_grant_ignores_the_prompt_prefix():
+    from lora_cluster.serve.controller_actor import ClusterController
+
+    chat = summary_keys(routing_keys("sql", CHAT))
+    next_turn = routing_keys("sql", CHAT + [7] * 40)
+    for aware, expected in ((True, "r2"), (False, "r1")):
+        actor = ClusterController.func_or_class(ServeConfig(prefix_aware_routing=aware).model_dump())
+        for rid, running, prefixes in (("r1", 0, ()), ("r2", 2, chat)):
+            await actor.report(grant_report(rid, running, prefixes).to_dict())
+        reply = await actor.admit({"ticket_id": f"t-{aware}", "ingress_id": "i", "sla_class": "standard",
+                                   "adapter_id": "sql", "waited_s": 0.0, "prefix": list(next_turn)}, 5.0)
+        assert reply.get("replica_id") == expected, (
+            f"prefix_aware_routing {aware}: the parked turn is granted to {expected} ({reply})")

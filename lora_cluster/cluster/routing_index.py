@@ -47,7 +47,13 @@ import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from lora_cluster.cluster.routing_score import PlacementTracker, ReplicaView, rank_key, rank_replicas
+from lora_cluster.cluster.routing_score import (
+    PREFIX_SHARE,
+    PlacementTracker,
+    ReplicaView,
+    rank_key,
+    rank_replicas,
+)
 from lora_cluster.cluster.routing_stats import RoutingStats
 
 ABSENT = "\x00absent"  # an adapter id no replica holds (adapter ids cannot contain NUL)
@@ -59,9 +65,11 @@ class RoutingIndex:
     """The replicas one router ranks, indexed by adapter and by rank (see the module docstring)."""
 
     def __init__(self, *, miss_cost: float, placement_ttl_s: float, clock: Callable[[], float],
-                 ongoing: Callable[[str], int]):
-        """`clock`: monotonic seconds (placement ages); `ongoing(replica_id)`: its current ongoing count."""
+                 ongoing: Callable[[str], int], prefix_share: float = PREFIX_SHARE):
+        """`clock`: monotonic seconds (placement ages); `ongoing(replica_id)`: its current ongoing count;
+        `prefix_share`: the most a cached prefix takes off a replica's cost, as a share of `miss_cost`."""
         self.miss_cost, self._clock, self._ongoing = miss_cost, clock, ongoing
+        self.prefix_share = prefix_share
         self.tracker = PlacementTracker(ttl_s=placement_ttl_s)
         self.stats: dict[str, RoutingStats] = {}
         self.views: dict[str, ReplicaView] = {}
@@ -179,7 +187,7 @@ class RoutingIndex:
         chosen += [views[rid] for rid in holders.difference(placed_here)]
         chosen += [views[rid] for rid in others]
         stale = [v.replica_id for v in chosen if self._ongoing(v.replica_id) != v.ongoing]
-        ranked = rank_replicas(adapter_id, chosen, self.miss_cost, prefix)
+        ranked = rank_replicas(adapter_id, chosen, self.miss_cost, prefix, self.prefix_share)
         if len(others) == spare and spare > 0:  # more replicas rank after the last of the others
             ranked = ranked[:ranked.index(others[-1]) + 1]
         return ranked, stale

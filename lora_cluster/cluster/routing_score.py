@@ -13,13 +13,15 @@ costs it a large share of its step or loader time): a miss there costs
 is not thrashing when one is as good otherwise, and still come here when none is.
 A replica whose prefix cache holds the request's prompt prefix (`prefix_keys`: the deepest of
 the request's routing keys that the replica reports, `cached_tokens` deep) costs less by
-`prefix_bonus` = `PREFIX_SHARE * miss_cost * log2(1 + tokens / GRAIN) / log2(1 + MAX_DEPTH / GRAIN)`:
-deeper prefixes weigh more (each doubling about as much), and the bonus never exceeds half a miss
-cost. So among holders of the adapter with room, the one caching the prompt's prefix wins (the
-turns of one chat stay where their earlier turns are cached: sticky sessions without session
-ids), but a replica whose queue excess is more than `PREFIX_SHARE * miss_cost` above another's
-loses to it: a cached prefix never keeps traffic on an overloaded replica. A replica lacking the
-adapter stays costlier than a holder at the same load, prefix or not (a miss costs a full `miss_cost`).
+`prefix_bonus` = `prefix_share * miss_cost * log2(1 + tokens / GRAIN) / log2(1 + MAX_DEPTH / GRAIN)`:
+deeper prefixes weigh more (each doubling about as much), and the bonus never exceeds
+`prefix_share` (0..1, the caller's setting: `ServeConfig.prefix_routing_share`, default
+`PREFIX_SHARE`) of a miss cost. So among holders of the adapter with room, the one caching the
+prompt's prefix wins (the turns of one chat stay where their earlier turns are cached: sticky
+sessions without session ids), but a replica whose queue excess is more than
+`prefix_share * miss_cost` above another's loses to it: a cached prefix never keeps traffic on an
+overloaded replica. A replica lacking the adapter stays costlier than a holder at the same load,
+prefix or not (a miss costs a full `miss_cost`, the bonus at most one).
 Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
 adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
 and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
@@ -41,7 +43,7 @@ from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH, cached_depth
 from lora_cluster.cluster.routing_stats import UNKNOWN_SLOTS, RoutingStats
 
 THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this many miss_costs more
-PREFIX_SHARE = 0.5  # the bonus of a fully cached prefix ladder, as a share of miss_cost
+PREFIX_SHARE = 0.5  # the bonus of a fully cached prefix ladder as a share of miss_cost, by default
 
 
 @dataclass(frozen=True)
@@ -71,21 +73,22 @@ def cached_tokens(prefix: Sequence[str], replica: ReplicaView) -> int:
     return cached_depth(prefix, replica.prefixes)
 
 
-def prefix_bonus(tokens: int, miss_cost: float) -> float:
-    """What a cached prefix of `tokens` takes off the cost (at most PREFIX_SHARE * miss_cost)."""
-    return PREFIX_SHARE * miss_cost * math.log2(1 + min(tokens, MAX_DEPTH) / GRAIN) / _FULL
+def prefix_bonus(tokens: int, miss_cost: float, share: float = PREFIX_SHARE) -> float:
+    """What a cached prefix of `tokens` takes off the cost (at most `share * miss_cost`)."""
+    return share * miss_cost * math.log2(1 + min(tokens, MAX_DEPTH) / GRAIN) / _FULL
 
 
 _FULL = math.log2(1 + MAX_DEPTH / GRAIN)
 
 
 def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
-                 prefix: Sequence[str] = ()) -> float:
+                 prefix: Sequence[str] = (), prefix_share: float = PREFIX_SHARE) -> float:
     """Cost of serving `adapter_id` on `replica`, in requests that would wait (lower is better);
-    `prefix`: the request's routing keys (`prefix_keys.routing_keys`)."""
+    `prefix`: the request's routing keys (`prefix_keys.routing_keys`); `prefix_share`: the most a
+    cached prefix takes off, as a share of `miss_cost`."""
     cost = float(max(0, replica.ongoing + 1 - replica.max_num_seqs))
     if prefix:
-        cost -= prefix_bonus(cached_tokens(prefix, replica), miss_cost)
+        cost -= prefix_bonus(cached_tokens(prefix, replica), miss_cost, prefix_share)
     if adapter_id is not None and adapter_id not in replica.adapters:
         cost += miss_cost
         if replica.empty_adapter_slots <= 0:  # evicts an adapter, which will miss later
@@ -96,19 +99,20 @@ def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
     return cost
 
 
-def rank_key(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
-             prefix: Sequence[str] = ()) -> tuple[float, int, bool, int, int, str]:
+def rank_key(adapter_id: str | None, replica: ReplicaView, miss_cost: float, prefix: Sequence[str] = (),
+             prefix_share: float = PREFIX_SHARE) -> tuple[float, int, bool, int, int, str]:
     """The order of `rank_replicas`: smaller is better (cost, then the tie-breaks of the module docstring)."""
     unconfirmed = adapter_id is not None and adapter_id not in replica.confirmed
-    return (adapter_cost(adapter_id, replica, miss_cost, prefix), replica.oversubscribed, unconfirmed,
-            replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
+    return (adapter_cost(adapter_id, replica, miss_cost, prefix, prefix_share), replica.oversubscribed,
+            unconfirmed, replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
 
 
 def rank_replicas(adapter_id: str | None, replicas: Iterable[ReplicaView], miss_cost: float,
-                  prefix: Sequence[str] = ()) -> list[str]:
+                  prefix: Sequence[str] = (), prefix_share: float = PREFIX_SHARE) -> list[str]:
     """Replica ids, best first, for a request of `adapter_id` (None = the base model) whose prompt
-    has the routing keys `prefix`."""
-    return [r.replica_id for r in sorted(replicas, key=lambda r: rank_key(adapter_id, r, miss_cost, prefix))]
+    has the routing keys `prefix` (a cached prefix weighs up to `prefix_share` of `miss_cost`)."""
+    return [r.replica_id for r in sorted(
+        replicas, key=lambda r: rank_key(adapter_id, r, miss_cost, prefix, prefix_share))]
 
 
 @dataclass

@@ -175,6 +175,21 @@ class ServeConfig(EngineConfig):
         description="Routing: how long the router trusts its own recent placements before the "
         "replicas' reports confirm them.",
     )
+    prefix_aware_routing: bool = Field(
+        True,
+        description="Routing: weigh the prompt prefixes each replica reports caching, so that a request "
+        "goes where its prefix (a shared system prompt, a chat's earlier turns) is cached, unless that "
+        "replica is loaded. Off: adapter-only routing (the router and the cluster queue's grants ignore "
+        "the replicas' prefix summaries).",
+    )
+    prefix_routing_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Routing: the most a cached prefix takes off a replica's cost, as a share of "
+        "router_miss_cost (a fully cached prefix of 4,096 tokens; shorter ones less). A replica more "
+        "loaded than another by more than this share of a miss cost loses the request, prefix or not.",
+    )
     controller: bool = Field(
         True,
         description="Run the cluster controller: the cluster-wide priority queue, cross-replica "

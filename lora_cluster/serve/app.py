@@ -88,7 +88,9 @@ def replica_options(config: ServeConfig, group: ReplicaGroup | None = None) -> d
         "request_router_config": RequestRouterConfig(
             request_router_class=LoraAffinityRouter,
             request_router_kwargs={"miss_cost": config.router_miss_cost,
-                                   "placement_ttl_s": config.router_placement_ttl_s},
+                                   "placement_ttl_s": config.router_placement_ttl_s,
+                                   "prefix_aware_routing": config.prefix_aware_routing,
+                                   "prefix_routing_share": config.prefix_routing_share},
             request_routing_stats_period_s=config.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 5 * config.routing_stats_period_s),
         ),

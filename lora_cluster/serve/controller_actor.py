@@ -45,6 +45,7 @@ class ClusterController:
         cfg = ServeConfig(**config)  # the app's resolved fields (the environment was applied there)
         settings = ControllerSettings.from_config(cfg)
         self.core = Controller(build_sla_classes(cfg), settings, clock=time.monotonic)
+        self._prefix_aware = cfg.prefix_aware_routing  # off: grants ignore prompt prefixes
         self._waiters: dict[str, asyncio.Future[Grant | Refusal]] = {}
         self._ticker: asyncio.Task[None] | None = None
 
@@ -75,8 +76,8 @@ class ClusterController:
 
     async def admit(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Park a ticket for `request` ({ticket_id, ingress_id, sla_class, adapter_id, waited_s, and
-        prefix: its prompt's routing keys, at most MAX_DEPTH / GRAIN kept}) and wait for its grant
-        (see the module docstring)."""
+        prefix: its prompt's routing keys, at most MAX_DEPTH / GRAIN kept, none with
+        prefix_aware_routing off}) and wait for its grant (see the module docstring)."""
         self._ensure_ticker()
         sla = self.core.classes.get(request["sla_class"])
         now = time.monotonic()
@@ -85,7 +86,8 @@ class ClusterController:
             ticket_id=str(request["ticket_id"]), ingress_id=str(request["ingress_id"]), sla_class=sla.name,
             priority=sla.priority, adapter_id=request.get("adapter_id"), enqueued_at=enqueued,
             deadline=None if sla.ttft_s is None else enqueued + sla.ttft_s, ttft_s=sla.ttft_s,
-            prefix=tuple(str(k) for k in list(request.get("prefix") or ())[:MAX_DEPTH // GRAIN]),
+            prefix=tuple(str(k) for k in list(request.get("prefix") or ())[:MAX_DEPTH // GRAIN])
+            if self._prefix_aware else (),
         )
         waiter: asyncio.Future[Grant | Refusal] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.ticket_id] = waiter

@@ -62,11 +62,17 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
 
     def initialize_state(self, miss_cost: float = serve_defaults().router_miss_cost,
                          placement_ttl_s: float = serve_defaults().router_placement_ttl_s,
+                         prefix_aware_routing: bool = serve_defaults().prefix_aware_routing,
+                         prefix_routing_share: float = serve_defaults().prefix_routing_share,
                          clock: Callable[[], float] = time.monotonic, **_: Any) -> None:
-        """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* fields).
-        `clock`: seconds on a monotonic clock, for placement ages (a test injects its own)."""
+        """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* and prefix_*
+        fields). `prefix_aware_routing` False: requests are ranked without their prompt prefix
+        (adapter-only routing). `clock`: seconds on a monotonic clock, for placement ages (a test
+        injects its own)."""
         self._index = RoutingIndex(miss_cost=float(miss_cost), placement_ttl_s=float(placement_ttl_s),
-                                   clock=clock, ongoing=self._ongoing)
+                                   clock=clock, ongoing=self._ongoing,
+                                   prefix_share=float(prefix_routing_share))
+        self._prefix_aware = bool(prefix_aware_routing)
         self._by_id: dict[str, RunningReplica] = {}
         self._synced: list[RunningReplica] | None = None  # the replica list the index holds
         self._last: list[str] = []  # the last prefix returned (Serve may have probed it)
@@ -118,7 +124,8 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
             pinned = [by_id[target]] if target in by_id else []
             if pinned or isinstance(pending_request.args[0], ToReplica):
                 return [pinned]  # an admin call waits for its replica; a granted job is not stranded
-        prefix = routing_prefix(pending_request.args) if pending_request is not None else ()
+        aware = pending_request is not None and self._prefix_aware
+        prefix = routing_prefix(pending_request.args) if aware else ()
         if self._rescan:
             index.touch_all()
         for rid in self._last:
