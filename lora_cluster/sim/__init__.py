@@ -4,8 +4,9 @@ The routing, admission, cluster queue, preemption and placement decisions are ma
 the live system runs, imported unchanged: `cluster.controller.Controller` (with `cluster_queue`,
 `scheduling.choose_replica` / `preemption_target`, `placement.PlacementPolicy` / `DemandTracker`),
 `cluster.routing_score.rank_replicas` (through `PlacementTracker`) and `cluster.report_rules.AdapterDemand`.
-What is simulated is everything around them: time (`events`), the workload (`workload`), the
-replicas' engines (`replica`, `adapters`, `store`), calibrated by a profile (`profile`), the wiring
+What is simulated is everything around them: time (`events`), the workload (`workload`, or
+multi-turn chats: `chats`), the replicas' engines (`replica`, `adapters`, `store`, and the prefix
+cache: `prefix_cache`), calibrated by a profile (`profile`), the wiring
 of the live deployments (`cluster_policy`), the baselines (`baselines`) and the measurements
 (`metrics`, and `census` of the device slots). `simulation.run(SimConfig(...))` runs one;
 `python -m lora_cluster.sim` is its command line, `python -m lora_cluster.sim.experiments`

@@ -2,13 +2,22 @@
 
     python -m lora_cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
         --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile gpu|cpu|PATH] [--preload N] \
-        [--json]
+        [--chats N --turns 8 --think 10 --system-tokens 1000 --prefix-routing on|off] [--json]
 
 The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
 `cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the
 name of the profile the run used), completed, rejected, hit_rate, adapter_loads (by tier), classes (per
 class: ttft_p50_s, ttft_p99_s, slo_attainment) and wall_s. Without it, the same figures and the
 run's details (rates, controller calls and CPU time, queue depth) as text.
+
+`--chats N` replaces the Poisson arrivals (`--load` then does not apply) by N users chatting at once
+(`sim.chats`: multi-turn chats pinned to an adapter drawn Zipf, each turn's prompt the previous one,
+its answer and a new message) on replicas with the engine's prefix cache (`sim.prefix_cache`);
+`--prefix-routing off` ranks by adapter and load alone (`ServeConfig.prefix_aware_routing`). The
+JSON then has a `chats` object: the chat settings, `prefix_aware_routing`, `prefix_routing_share`,
+`cached_token_share` (prompt tokens found in the replica's prefix cache, of measured completed
+requests), `prompt_tokens`, `cached_tokens`, `replica_load` (completed requests per replica: min,
+mean, max, max_over_mean) and `ttft_p50_s` / `ttft_p99_s` over every class.
 """
 
 from __future__ import annotations
@@ -17,9 +26,12 @@ import argparse
 import json
 import sys
 
+from lora_cluster.sim.chats import ChatSettings
+from lora_cluster.sim.context import ServeSettings
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
+_SERVE = ServeSettings()
 
 
 def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
@@ -40,15 +52,33 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--preload", type=int, default=0,
                     help="the N most popular adapters are in every node's store at start, as after the "
                     "engine's `preload` listed them (0: every adapter only in S3)")
+    ap.add_argument("--chats", type=int, default=0,
+                    help="users chatting at once (multi-turn chats with a prefix cache; 0: Poisson arrivals)")
+    ap.add_argument("--turns", type=int, default=8, help="chats: turns per chat at most")
+    ap.add_argument("--think", type=float, default=10.0,
+                    help="chats: mean seconds between an answer and the next turn")
+    ap.add_argument("--system-tokens", type=int, default=1000,
+                    help="chats: tokens of each adapter's system prompt")
+    ap.add_argument("--prefix-routing", choices=("on", "off"),
+                    default="on" if _SERVE.prefix_aware_routing else "off",
+                    help="chats: rank replicas by prompt prefix too (off: adapter-only routing)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
             or a.preload < 0):
         ap.error("--nodes, --adapters, --max-loras must be >= 1; --load and --duration > 0; "
                  "--warmup and --preload >= 0")
+    chats = None
+    if a.chats:
+        try:
+            chats = ChatSettings(sessions=a.chats, turns=a.turns, think_s=a.think,
+                                 system_tokens=a.system_tokens)
+        except ValueError as e:
+            ap.error(f"--chats, --turns, --think, --system-tokens: {e}")
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
-                       profile=a.profile, preload=a.preload)
+                       profile=a.profile, preload=a.preload, chats=chats,
+                       serve=ServeSettings(prefix_aware_routing=a.prefix_routing == "on"))
     return config, a.json
 
 

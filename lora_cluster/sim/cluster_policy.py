@@ -10,7 +10,9 @@ wired to simulated replicas the way the live deployments are wired to each other
   rejection); the request waits until a grant sends it, pinned, to its replica, or until
   `cluster_queue_timeout_s` (then it is rejected, 503). As in `serve.routing.dispatch`, a request counts
   as on its way until its first item (its first token: requests stream) and then as running on
-  its replica until it ends.
+  its replica until it ends. The request's prompt routing keys (`SimRequest.prefix`: chats) go to
+  the router and on the ticket, none with `prefix_aware_routing` off (adapter-only routing, as the
+  live router and controller do).
 * Replicas report to the controller (`Controller.report` with a `ReplicaReport`) every
   `controller_report_period_s` and, as `serve.replica.reporter.ControllerReporter` does, at once (at
   least `MIN_GAP_S` after the previous report) when a request finishes while their last reply
@@ -73,7 +75,8 @@ class LoraClusterPolicy:
         s = ctx.serve
         self.controller = Controller(ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
         self.routing = AffinityRouting(ctx.replicas, miss_cost=s.router_miss_cost,
-                                       placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock)
+                                       placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock,
+                                       prefix_share=s.prefix_routing_share)
         self.capacity = {rid: s.admission_capacity or r.max_num_seqs for rid, r in ctx.replicas.items()}
         self.windows = {rid: AdmissionWindow(window_limit(s.admission_window_max, s.max_ongoing_requests,
                                                           self.capacity[rid]))
@@ -125,11 +128,12 @@ class LoraClusterPolicy:
         return not self._tickets and self._free_total > self._unassigned
 
     def arrive(self, req: SimRequest) -> None:
+        prefix = req.prefix if self.ctx.serve.prefix_aware_routing else ()  # off: adapter-only routing
         if self.has_room():
             self.fast += 1
             self._unassigned += 1
             t0 = time.thread_time()
-            rid = self.routing.choose(req.adapter)
+            rid = self.routing.choose(req.adapter, prefix)
             self.router_s += time.thread_time() - t0
             self._send(req, rid)
             return
@@ -137,7 +141,8 @@ class LoraClusterPolicy:
         tid, sla = str(req.rid), req.sla
         ticket = Ticket(ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
                         adapter_id=req.adapter, enqueued_at=req.arrival,
-                        deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s, ttft_s=sla.ttft_s)
+                        deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s, ttft_s=sla.ttft_s,
+                        prefix=prefix)
         full = len(self.controller.queue) >= self.controller.queue.max_size
         claims = {"inflight": {rid: n for rid, n in self._inflight.items() if n},
                   "unassigned": self._unassigned}

@@ -27,6 +27,8 @@ class ServeSettings:
     routing_stats_period_s: float = _DEFAULTS.routing_stats_period_s
     router_miss_cost: float = _DEFAULTS.router_miss_cost
     router_placement_ttl_s: float = _DEFAULTS.router_placement_ttl_s
+    prefix_aware_routing: bool = _DEFAULTS.prefix_aware_routing
+    prefix_routing_share: float = _DEFAULTS.prefix_routing_share
     admission_capacity: int | None = _DEFAULTS.admission_capacity
     admission_window_max: int | None = _DEFAULTS.admission_window_max
     cluster_queue_size: int = _DEFAULTS.cluster_queue_size

@@ -8,6 +8,7 @@
         --loads 0.5,1,1.5,2,2.5,3 --duration 120 --profile cpu --plot docs/scale_sweep_cpu.png
     python -m lora_cluster.sim.experiments render --save runs.json [--plot FILE]
     python -m lora_cluster.sim.experiments router-cost
+    python -m lora_cluster.sim.experiments chats --nodes 32 --adapters 64 --chats 1600 --turns 8 --think 5
 
 Every subcommand runs the `gpu` profile (docs/profile_gpu_papers.json) unless `--profile` names
 another (`cpu`: measured on this 2-core machine), and every table starts with the profile it ran.
@@ -22,6 +23,10 @@ row per cell with pass/fail against the targets, and exits 1 when a cell fails. 
 (`PlacementTracker.view` for every replica, then `rank_replicas`, the live router's work before
 the index) and `cluster.routing_index.RoutingIndex` (what `LoraAffinityRouter.choose_replicas` and
 the simulator run); `benchmarks/bench_router_index.py` times the live router itself.
+
+`chats` runs multi-turn chats (`--chats` users at once, `sim.chats`) with prefix-aware routing and
+with adapter-only routing, and prints their cached-token share, requests per replica and TTFT
+(`sim.chat_table`).
 
 `table` prints a markdown table (one row per policy and load), then where the adapter slots went
 (`census.SlotCensus`) and which requests each class completed by the popularity rank of their
@@ -47,6 +52,7 @@ from typing import Any
 from lora_cluster.cluster.routing_index import RoutingIndex
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
+from lora_cluster.sim import chat_table
 from lora_cluster.sim import grid as acceptance
 from lora_cluster.sim.context import ServeSettings
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
@@ -276,7 +282,7 @@ def _by_cell(runs: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_cluster.sim.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("grid", "table", "sweep", "render", "router-cost"))
+    ap.add_argument("what", choices=("grid", "table", "sweep", "render", "router-cost", "chats"))
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=1000)
     ap.add_argument("--zipf", type=float, default=1.0)
@@ -300,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                     "default 0, every adapter only in S3; grid: every adapter)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a ServeConfig setting the policies read (repeatable), e.g. admission_capacity=64")
-    ap.add_argument("--save", help="JSON file of the runs (written by table/sweep, read by render)")
+    ap.add_argument("--chats", type=int, default=1600, help="chats: users chatting at once")
+    ap.add_argument("--turns", type=int, default=8, help="chats: turns per chat at most")
+    ap.add_argument("--think", type=float, default=5.0,
+                    help="chats: mean seconds between an answer and the next turn")
+    ap.add_argument("--system-tokens", type=int, default=1000,
+                    help="chats: tokens of each adapter's system prompt")
+    ap.add_argument("--save", help="JSON file of the runs (written by table/sweep/chats, read by render)")
     ap.add_argument("--plot", help="PNG to draw (sweep, render)")
     args = ap.parse_args(argv)
     if any(p not in POLICIES for p in args.policies.split(",")):
@@ -312,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_acceptance(args)
     args.duration = 120.0 if args.duration is None else args.duration
     args.warmup = 30.0 if args.warmup is None else args.warmup
+    if args.what == "chats":
+        runs = chat_table.chat_runs(args, serve_settings(args.set))
+        if args.save:
+            Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
+        print(chat_table.markdown(runs))
+        return 0
     if args.what == "render":
         runs = json.loads(Path(args.save).read_text())
     else:

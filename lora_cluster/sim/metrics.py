@@ -45,12 +45,16 @@ class SimResult:
     wall_s: float
     details: dict[str, Any] = field(default_factory=dict)  # not printed by --json: run and policy figures
     profile: str | None = None  # the replica profile the run used (`ReplicaProfile.name`, e.g. gpu-papers)
+    chats: dict[str, Any] | None = None  # the chat workload's figures (`Metrics.chat_figures`), if any
 
     def to_json(self) -> dict[str, Any]:
-        """The object `--json` prints (exactly these keys)."""
-        return {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
-                "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
-                "wall_s": self.wall_s}
+        """The object `--json` prints (exactly these keys, and `chats` when the run had chats)."""
+        out = {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
+               "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
+               "wall_s": self.wall_s}
+        if self.chats is not None:
+            out["chats"] = self.chats
+        return out
 
 
 class _ClassTally:
@@ -70,14 +74,22 @@ class Metrics:
         self.rejections: Counter[str] = Counter()
         self.hits = self.joined = self.completed = self.preempted_requests = 0
         self.outstanding = 0  # requests arrived and not yet ended (all, measured or not)
+        self.prompt_tokens = self.cached_tokens = 0  # of measured completed requests
+        self.by_replica: Counter[str] = Counter()  # measured completed requests per replica
+        self.on_end: Callable[[SimRequest, bool], None] | None = None  # hears every end (completed or not)
 
     def arrived(self) -> None:
         self.outstanding += 1
 
     def finished(self, req: SimRequest) -> None:
         self.outstanding -= 1
+        if self.on_end is not None:
+            self.on_end(req, True)
         if not req.measured:
             return
+        self.prompt_tokens += req.prompt
+        self.cached_tokens += req.cached
+        self.by_replica[str(req.replica)] += 1
         tally = self.classes[req.sla.name]
         tally.completed += 1
         self._count(req, completed=True)
@@ -91,6 +103,8 @@ class Metrics:
 
     def rejected(self, req: SimRequest, reason: str) -> None:
         self.outstanding -= 1
+        if self.on_end is not None:
+            self.on_end(req, False)
         if req.measured:
             self.classes[req.sla.name].rejected += 1
             self.rejections[reason] += 1
@@ -113,6 +127,19 @@ class Metrics:
                                        strict=True))
                        for label in self._buckets.labels}
                 for name in self.classes}
+
+    def chat_figures(self, replica_ids: Iterable[str]) -> dict[str, Any]:
+        """Of the measured completed requests: the share of prompt tokens found in their replica's
+        prefix cache; requests completed per replica (`replica_load`: min, mean, max, and max over
+        mean: 1.0 is a perfect balance); TTFT p50 and p99 over every class."""
+        per = [self.by_replica.get(rid, 0) for rid in replica_ids]
+        mean = sum(per) / len(per) if per else 0.0
+        ttfts = [t for tally in self.classes.values() for t in tally.ttfts]
+        return {"cached_token_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "replica_load": {"min": min(per, default=0), "mean": mean, "max": max(per, default=0),
+                                 "max_over_mean": max(per) / mean if mean else None},
+                "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
 
     def result(self, unfinished: Iterable[SimRequest], wall_s: float, details: dict[str, Any]) -> SimResult:
         for req in unfinished:

@@ -10,7 +10,10 @@ A profile (JSON, see `benchmarks/profile_replica.py` for the measured one and
   `host` (host memory -> device slot, done inside an engine step), `disk` (local disk -> host,
   off the step loop) and `s3` (S3 -> local disk); a device hit costs nothing;
 * the adapter sizes to draw from (bytes), the node's memory budgets (host cache, disk cache) and
-  the engine's batch shape (`max_num_seqs`, `max_num_batched_tokens`).
+  the engine's batch shape (`max_num_seqs`, `max_num_batched_tokens`);
+* optionally the engine's KV pool in tokens (`engine.kv_cache_tokens`), which bounds the replica's
+  prefix cache (`sim.prefix_cache`); without it, `max_num_seqs` sequences of `max_num_batched_tokens`
+  tokens (the engine's CPU default: `max_num_seqs` full-length sequences).
 
 `profile_path("cpu")` / `profile_path("gpu")` name the committed profiles in `docs/`.
 """
@@ -53,6 +56,12 @@ class ReplicaProfile:
     disk_cache_bytes: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    kv_cache_tokens: int | None = None  # the engine's KV pool (None: see `kv_tokens`)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the engine's KV pool holds (running sequences and cached prefixes together)."""
+        return self.kv_cache_tokens or self.max_num_seqs * self.max_num_batched_tokens
 
     def step_s(self, prefill_tokens: int, decode_tokens: int, adapters: int) -> float:
         """Seconds of one engine step with this composition."""
@@ -82,6 +91,7 @@ class ReplicaProfile:
             host_cache_bytes=int(node["host_cache_bytes"]), disk_cache_bytes=int(node["disk_cache_bytes"]),
             max_num_seqs=int(engine["max_num_seqs"]),
             max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+            kv_cache_tokens=int(engine["kv_cache_tokens"]) if "kv_cache_tokens" in engine else None,
         )
 
 

@@ -34,12 +34,14 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 
+from lora_cluster.cluster.prefix_keys import PrefixSummary
 from lora_cluster.cluster.report_rules import AdapterDemand, ServiceTime, projected_batch
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
 from lora_cluster.sim.events import EventLoop
+from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
 from lora_cluster.sim.workload import SimRequest
@@ -54,7 +56,8 @@ class SimReplica:
                  loop: EventLoop, sizes: dict[str, int], on_finish: Callable[[SimReplica, SimRequest], None],
                  on_load: Callable[[str], None],
                  on_first_token: Callable[[SimReplica, SimRequest], None] | None = None,
-                 on_plan: Callable[[SimReplica], None] | None = None, base: str = "base"):
+                 on_plan: Callable[[SimReplica], None] | None = None, base: str = "base",
+                 prefix_cache: SimPrefixCache | None = None):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
         self.base = base  # the API name of the base model it serves, reported as a live replica does
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
@@ -80,6 +83,8 @@ class SimReplica:
         self._busy = self._in_end = False
         self._version, self._start, self._step_s, self._steps = 0, 0.0, 0.0, 0
         self._chunks: list[tuple[SimRequest, int]] = []
+        self.prefix_cache = prefix_cache  # None: the engine's prefix cache is off (`sim.prefix_cache`)
+        self.prefixes = PrefixSummary()  # prompt prefixes run here lately, reported as a live replica does
 
     # ----- requests in ----------------------------------------------------------------------
 
@@ -88,6 +93,8 @@ class SimReplica:
         req.joined = req.adapter in self.adapters.loading
         req.hit = self.adapters.request_started(req.adapter, req.priority)
         self.demand.record(req.adapter)
+        if self.prefix_cache is not None:  # as the live replica: with the prefix cache on
+            self.prefixes.record(req.prefix)
         self.ongoing += 1
         bisect.insort(self.waiting, req, key=_urgency)
         self._kick(now)
@@ -192,6 +199,8 @@ class SimReplica:
             self.running[req.rid] = req
             self.prefilling.append(req)
             self.running_by_priority[req.priority] = self.running_by_priority.get(req.priority, 0) + 1
+            if self.prefix_cache is not None:
+                self.prefix_cache.admit(req)  # its cached prefix is not computed again
             n = min(req.prefill_left, budget)
             chunks.append((req, n))
             budget -= n
@@ -234,6 +243,8 @@ class SimReplica:
             self.n_decoding -= 1
         else:
             self.prefilling.remove(req)
+        if self.prefix_cache is not None:  # what it computed stays cached for its re-admission
+            self.prefix_cache.release(req, req.prompt + req.generated - max(req.prefill_left, 1))
         req.prefill_left = req.prompt + req.generated
         req.preemptions += 1
         self.preemptions += 1
@@ -261,6 +272,8 @@ class SimReplica:
             if r.prefill_left:
                 continue
             self.prefilling.remove(r)
+            if self.prefix_cache is not None:
+                self.prefix_cache.computed(r, r.prompt + r.generated)
             r.generated += 1
             if r.first_token_at is None:
                 r.first_token_at = now
@@ -286,6 +299,8 @@ class SimReplica:
         self._leave_running(req)
         req.finish_mark = -1
         req.finish_at = now
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req, req.prompt + req.output - 1)
         self.ongoing -= 1
         self.adapters.request_finished(req.adapter, req.priority)
         self.service_time.record(now - req.reached_at)
@@ -300,7 +315,7 @@ class SimReplica:
                             empty_adapter_slots=a.empty_slots, free_adapter_slots=a.free_slots,
                             max_loras=a.max_loras,
                             num_running=len(self.running), num_waiting=len(self.waiting),
-                            max_num_seqs=self.max_num_seqs, base=self.base)
+                            max_num_seqs=self.max_num_seqs, base=self.base, prefixes=self.prefixes.keys())
 
     def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
         """The controller report (`serve.replica.report.build_report` without memory and class stats;
@@ -316,4 +331,5 @@ class SimReplica:
                                                 dict(Counter(r.priority for r in self.waiting)),
                                                 self.max_num_seqs),
             adapter_requests=self.demand.take(), service_time_s=self.service_time.mean, sent_at=now,
-            active=self.ongoing, arrived_tickets=arrived_tickets, base=self.base)
+            active=self.ongoing, arrived_tickets=arrived_tickets, base=self.base,
+            prefixes=self.prefixes.keys())

@@ -6,15 +6,18 @@ controller's table's replicas for it, and the best replicas outside them from a 
 `rank_key` of an id nobody holds); so does this one, the same class, fed from the simulation:
 every change of a replica's ongoing count (`changed`), its routing stats as they arrive
 (`refresh_stats`), and every placement (`record`). The choice is the first of the full rank
-(`rank_replicas` over every replica's view, as `tests/test_cluster_sim.py` checks).
+(`rank_replicas` over every replica's view, as `tests/test_cluster_sim.py` checks). A request's
+prompt routing keys (`SimRequest.prefix`, chats only) are ranked with it as the live router ranks
+`GenerateJob.routing_prefix`, against the prefixes each replica reports (`SimReplica.prefixes`), with
+`ServeSettings.prefix_routing_share`; the policy passes none with `prefix_aware_routing` off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from lora_cluster.cluster.routing_index import RoutingIndex
-from lora_cluster.cluster.routing_score import ReplicaView
+from lora_cluster.cluster.routing_score import PREFIX_SHARE, ReplicaView
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.sim.replica import SimReplica
 
@@ -23,10 +26,10 @@ class AffinityRouting:
     """The simulated ingress's router: one `RoutingIndex` over the simulated replicas."""
 
     def __init__(self, replicas: Mapping[str, SimReplica], *, miss_cost: float, placement_ttl_s: float,
-                 clock: Callable[[], float]):
-        self.replicas, self.miss_cost = replicas, miss_cost
+                 clock: Callable[[], float], prefix_share: float = PREFIX_SHARE):
+        self.replicas, self.miss_cost, self.prefix_share = replicas, miss_cost, prefix_share
         self.index = RoutingIndex(miss_cost=miss_cost, placement_ttl_s=placement_ttl_s, clock=clock,
-                                  ongoing=lambda rid: replicas[rid].ongoing)
+                                  ongoing=lambda rid: replicas[rid].ongoing, prefix_share=prefix_share)
         for rid in replicas:
             self.index.set_stats(rid, RoutingStats())
         self.placement: Mapping[str, tuple[str, ...]] = {}  # the controller's table, as last fetched
@@ -51,10 +54,11 @@ class AffinityRouting:
         """The live router's view of one replica, now."""
         return self.index.view(replica_id, placed)
 
-    def choose(self, adapter_id: str) -> str:
-        """The replica the live router would rank first for a request of `adapter_id`."""
+    def choose(self, adapter_id: str, prefix: Sequence[str] = ()) -> str:
+        """The replica the live router would rank first for a request of `adapter_id` whose prompt has
+        the routing keys `prefix` (empty: ranked by adapter and load alone)."""
         self.decisions += 1
-        choice = self.index.choose(adapter_id, self.placement.get(adapter_id, ()))
+        choice = self.index.choose(adapter_id, self.placement.get(adapter_id, ()), prefix=prefix)
         if choice is None:
             raise RuntimeError("the simulated cluster has no replica")
         self.record(choice, adapter_id)

@@ -16,22 +16,27 @@ adapters, so one replica serves `max_num_seqs / (mean output * step_s)` requests
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
 
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import EngineConfig
 from lora_cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
 from lora_cluster.sim.census import RankBuckets, SlotCensus
+from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.context import Policy, ServeSettings, SimContext
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics, SimResult
 from lora_cluster.sim.popularity import zipf_share
+from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.profile import ReplicaProfile, load_profile
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.workload import DEFAULT_MIX, SimRequest, Workload, mean_lengths
 
+BLOCK_SIZE: int = EngineConfig.model_fields["kv_block_size"].default  # the engine's KV block (tokens)
 POLICIES: dict[str, type] = {"lora-cluster": LoraClusterPolicy, "round-robin": RoundRobinPolicy,
                              "serve-multiplex": ServeMultiplexPolicy}
 
@@ -52,6 +57,7 @@ class SimConfig:
     mix: tuple[tuple[str, float], ...] = DEFAULT_MIX
     drain_limit_s: float = 600.0
     serve: ServeSettings = field(default_factory=ServeSettings)
+    chats: ChatSettings | None = None  # multi-turn chats instead of Poisson arrivals (`sim.chats`)
 
 
 def replica_rate(profile: ReplicaProfile, max_loras: int) -> float:
@@ -75,9 +81,9 @@ class Simulation:
         classes = SlaClasses()
         self.loop = loop = EventLoop()
         self.rated_rps = config.nodes * replica_rate(profile, config.max_loras)
+        mix = [(classes.get(name), share) for name, share in config.mix]
         self.workload = Workload(adapters=config.adapters, zipf=config.zipf,
-                                 rate=config.load * self.rated_rps,
-                                 classes=[(classes.get(name), share) for name, share in config.mix],
+                                 rate=config.load * self.rated_rps, classes=mix,
                                  adapter_sizes=profile.adapter_sizes, seed=config.seed,
                                  measure_from=config.warmup)
         ranks = {name: k + 1 for k, name in enumerate(self.workload.names)}
@@ -88,7 +94,8 @@ class Simulation:
             f"r{i:04d}": SimReplica(f"r{i:04d}", profile=profile, max_num_seqs=profile.max_num_seqs,
                                     max_loras=config.max_loras, loop=loop, sizes=self.workload.sizes,
                                     on_finish=self._finished, on_load=self.metrics.load,
-                                    on_first_token=self._first_token, on_plan=self._planned)
+                                    on_first_token=self._first_token, on_plan=self._planned,
+                                    prefix_cache=self._prefix_cache())
             for i in range(config.nodes)
         }
         preload = self.workload.names[:config.preload]
@@ -102,7 +109,28 @@ class Simulation:
         self.census = SlotCensus(self.replicas, buckets, loop=loop, start=config.warmup,
                                  end=self.end, period_s=max(1.0, config.duration / 120))
         self.policy.start()
-        loop.at(self.workload.next_at, self._arrive)
+        self.chats: ChatWorkload | None = None
+        if config.chats is not None:
+            self.chats = ChatWorkload(config.chats, self.workload, mix, zipf=config.zipf,
+                                      seed=config.seed, block_size=BLOCK_SIZE, loop=loop, end=self.end,
+                                      submit=self._submit)
+            self.metrics.on_end = self.chats.ended
+            self.chats.start()
+        else:
+            loop.at(self.workload.next_at, self._arrive)
+
+    def _prefix_cache(self) -> SimPrefixCache | None:
+        """A replica's prefix cache model: with chats (other requests share no prefix), the engine's
+        pool of `ReplicaProfile.kv_tokens` in blocks."""
+        if self.config.chats is None:
+            return None
+        return SimPrefixCache(max(1, self.profile.kv_tokens // BLOCK_SIZE), BLOCK_SIZE)
+
+    def _submit(self, req: SimRequest) -> None:
+        """A chat's turn arrives."""
+        self.arrivals += 1
+        self.metrics.arrived()
+        self.policy.arrive(req)
 
     def _finished(self, replica: SimReplica, req: SimRequest) -> None:
         self.policy.finished(replica, req)
@@ -142,7 +170,23 @@ class Simulation:
             "slot_census": self.census.result(),
             **self.policy.details(),
         }
-        return self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details)
+        if self.chats is not None:
+            caches = [r.prefix_cache for r in self.replicas.values() if r.prefix_cache is not None]
+            details["chats"] = {
+                "chats_started": self.chats.chats_started, "turns_sent": self.chats.turns_sent,
+                "prefix_cache_evictions": sum(c.evictions for c in caches),
+                "prefix_cache_overcommitted": sum(c.overcommitted for c in caches),
+                "prefix_cache_hit_tokens": sum(c.hit_tokens for c in caches),
+                "prefix_cache_queried_tokens": sum(c.queried_tokens for c in caches),
+                "completed_by_replica": dict(sorted(self.metrics.by_replica.items())),
+            }
+        result = self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details)
+        if self.chats is not None:
+            s = c.serve
+            result.chats = {**dataclasses.asdict(c.chats), "prefix_aware_routing": s.prefix_aware_routing,
+                            "prefix_routing_share": s.prefix_routing_share,
+                            **self.metrics.chat_figures(self.replicas)}
+        return result
 
 
 def run(config: SimConfig, profile: ReplicaProfile | None = None) -> SimResult:

@@ -30,9 +30,9 @@ DEFAULT_MIX = (("interactive", 0.2), ("standard", 0.5), ("batch", 0.3))
 class SimRequest:
     """One request, from arrival to its end. Mutated by the replica that runs it."""
 
-    __slots__ = ("adapter", "arrival", "finish_at", "finish_mark", "first_token_at", "generated", "hit",
-                 "joined", "measured", "order", "output", "preemptions", "prefill_left", "priority", "prompt",
-                 "reached_at", "replica", "rid", "sla", "ticket")
+    __slots__ = ("adapter", "arrival", "blocks", "cached", "finish_at", "finish_mark", "first_token_at",
+                 "generated", "hit", "joined", "measured", "order", "output", "preemptions", "prefill_left",
+                 "prefix", "priority", "prompt", "reached_at", "replica", "rid", "sla", "ticket")
 
     def __init__(self, rid: int, adapter: str, sla: SlaClass, prompt: int, output: int, arrival: float,
                  measured: bool):
@@ -50,6 +50,9 @@ class SimRequest:
         self.prefill_left = prompt  # tokens to (re)compute before the next token is sampled
         self.finish_mark = -1  # the replica's decode-step count at which it ends (-1: not decoding)
         self.preemptions = 0
+        self.prefix: tuple[str, ...] = ()  # its prompt's routing keys (`prefix_keys.routing_keys`, chats)
+        self.blocks: tuple[bytes, ...] = ()  # the engine's keys of its full blocks: prompt, answer (chats)
+        self.cached = 0  # prompt tokens its replica's prefix cache held at its first admission
 
     def tpot_s(self) -> float | None:
         if self.finish_at is None or self.first_token_at is None or self.output < 2:
