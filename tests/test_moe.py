@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from lora_kernels.moe_experts import moe_experts_reference, moe_experts_torch
 from safetensors.torch import load_file, save_file
 
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.demo_families import build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.engine.model_loader import load_base_model
-from lora_cluster.engine.moe import moe_experts, moe_experts_reference, route
+from lora_cluster.engine.moe import route
 from lora_cluster.engine.moe_spec import MoeSpec
 from lora_cluster.errors import AdapterFormatError
 
@@ -46,7 +47,7 @@ def test_grouped_experts_equal_the_per_token_reference(tokens: int) -> None:
     ids = torch.randint(0, experts - 1, (tokens, k), generator=g)  # the last expert is never chosen
     weights = torch.rand(tokens, k, generator=g)
     out, ref = torch.empty(tokens, hidden), torch.empty(tokens, hidden)
-    moe_experts(out, x, ids, weights, gate_up, down, F.silu)
+    moe_experts_torch(out, x, ids, weights, gate_up, down, F.silu)
     moe_experts_reference(ref, x, ids, weights, gate_up, down, F.silu)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4,
                                msg=lambda m: f"grouped experts equal the reference for {tokens} tokens: {m}")

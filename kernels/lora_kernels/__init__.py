@@ -28,6 +28,8 @@ projections, ``sgmv_shrink`` over a stacked A plus one ``sgmv_expand`` per membe
 q/k/v and gate/up groups (``out`` and ``y`` then strided column slices), and the BGMV functions for
 the decode rows of a step when it takes the gathered path (Triton; see ``use_bgmv`` there).
 ``paged_attention`` / ``triton_paged``: decode attention over the engine's paged KV cache.
+``moe_experts`` (``get_moe_experts``; Triton: ``triton_moe``): the experts of a mixture-of-experts
+block with per-token LoRA on them.
 
 Implementations: ``reference`` (plain torch, float32, slow), ``cpu`` (per-segment BLAS, or one
 ``bmm`` over the pool's slots in place for many short segments, see ``slot_batch``, whose

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lora_kernels import LoraOps
+from lora_kernels.moe_experts import get_moe_experts
 from lora_kernels.paged_attention import get_paged_attention
 
 from lora_cluster.engine.adapters.pool import AdapterPool
@@ -63,6 +64,7 @@ class LlamaRunner:
     ):
         self.model, self.kv, self.pool, self.ops = model, kv, pool, ops
         self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
+        self.moe_experts = get_moe_experts("triton" if ops.name == "triton" else "torch", device)
         self.spec = spec = model.spec
         self.ropes = rope_tables(model.text_config, spec.ropes, kv.max_len, device, model.embed.dtype)
         self.act = _ACTIVATIONS[spec.activation]
@@ -131,7 +133,7 @@ class LlamaRunner:
         """Layer i's MLP on x [T, hidden]: the MoE block (`engine.moe`, base weights only: adapters
         target attention on MoE models), else the gated MLP with its LoRA deltas."""
         if layer.moe is not None and self.spec.moe is not None:
-            return moe_block(x, layer.moe, self.spec.moe, self.act)
+            return moe_block(x, layer.moe, self.spec.moe, self.act, self.moe_experts)
         inter = self.model.dims.intermediate
         gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
         self.lora.add(batch.lora, i, "gate_up", gu, x)
