@@ -151,6 +151,11 @@ class ControllerOffError(LoraClusterError):
     """The cluster controller is not running (configured off, or unreachable)."""
 
 
+class RegistryUnavailableError(LoraClusterError):
+    """The adapter registry shared by the ingress replicas cannot be reached: an adapter cannot be
+    loaded or unloaded through the vLLM API now (503)."""
+
+
 class RequestAbortedError(LoraClusterError):
     """The request was cancelled before it finished."""
 

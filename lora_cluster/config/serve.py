@@ -143,9 +143,19 @@ class ServeConfig(EngineConfig):
         description="Requests that may wait in the router for a replica; more are refused with "
         "429. -1 = no limit.",
     )
-    ingress_num_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (API, router).")
+    ingress_num_replicas: int = Field(
+        1, ge=1, description="Replicas of the HTTP ingress (API, router). Several share the tenants' quotas "
+        "(quota ledger), the adapters loaded through the vLLM API (adapter registry) and the cluster queue.",
+    )
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs reserved per ingress replica.")
     ingress_max_ongoing_requests: int = Field(4096, ge=1, description="Requests one ingress replica accepts.")
+    ingress_autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Ray Serve autoscaling of the ingress replicas (Ray's `autoscaling_config`, as for "
+        "autoscaling_config); when set, it replaces ingress_num_replicas. Environment: a JSON object. "
+        "Default: a fixed ingress_num_replicas.",
+        examples=[{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 512}],
+    )
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,

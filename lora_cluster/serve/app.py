@@ -14,6 +14,9 @@ ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). A gr
 controller run its own configuration (`group_bases.group_config`: its `model` and engine settings
 over the top-level ones); the ingress gets the top-level one. With a `tenants_file`,
 a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.routing.quotas`).
+With several ingress replicas (`ingress_num_replicas` > 1 or `ingress_autoscaling_config`), a
+one-replica `AdapterRegistry` holds the adapters loaded through the vLLM API for all of them
+(`serve.http.registry`).
 
 Event loops: Ray Serve runs a replica's code, and the request router of the handles it holds, on
 event loops of their own threads by default, so every request crosses threads on each hop (the
@@ -37,6 +40,7 @@ from lora_cluster.config import ServeConfig, load_config
 from lora_cluster.errors import ConfigError
 from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
+from lora_cluster.serve.http.registry import AdapterRegistry
 from lora_cluster.serve.replica.deployment import LoraReplica
 from lora_cluster.serve.replica.model import check_shared_tokenizer, resolve_model
 from lora_cluster.serve.routing.group_bases import group_configs
@@ -66,12 +70,28 @@ def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
     """`{"num_replicas": n}`, or with `autoscaling_config` set `{"autoscaling_config": ...}` (Ray Serve
     then adds and removes LoRA replicas of every group between min_replicas and max_replicas, to keep
     about target_ongoing_requests per replica). Raises ConfigError for an invalid autoscaling_config."""
-    if config.autoscaling_config is None:
-        return {"num_replicas": group.num_replicas}
+    return _count(group.num_replicas, config.autoscaling_config, "autoscaling_config")
+
+
+def ingress_count(config: ServeConfig) -> dict[str, Any]:
+    """The ingress's `{"num_replicas": ingress_num_replicas}`, or its `{"autoscaling_config": ...}`
+    with `ingress_autoscaling_config` set. Raises ConfigError for an invalid one."""
+    return _count(config.ingress_num_replicas, config.ingress_autoscaling_config,
+                  "ingress_autoscaling_config")
+
+
+def several_ingresses(config: ServeConfig) -> bool:
+    """The ingress may run more than one replica: its registrations then live in `AdapterRegistry`."""
+    return config.ingress_num_replicas > 1 or config.ingress_autoscaling_config is not None
+
+
+def _count(num_replicas: int, autoscaling_config: dict[str, Any] | None, field: str) -> dict[str, Any]:
+    if autoscaling_config is None:
+        return {"num_replicas": num_replicas}
     try:
-        autoscaling = AutoscalingConfig(**config.autoscaling_config)
+        autoscaling = AutoscalingConfig(**autoscaling_config)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid autoscaling_config: {exc}") from exc
+        raise ConfigError(f"invalid {field}: {exc}") from exc
     return {"autoscaling_config": autoscaling.model_dump(exclude_unset=True)}
 
 
@@ -117,7 +137,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         replicas[group.name] = LoraReplica.options(**options).bind(fields, controller, group.name)
         controllers[group.name] = controller
     ingress = LoraIngress.options(
-        num_replicas=config.ingress_num_replicas,
+        **ingress_count(config),
         ray_actor_options=single_loop({"num_cpus": config.ingress_num_cpus}),
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
@@ -125,4 +145,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if config.tenants_file is not None:  # check the file now (a broken one stops the start here)
         read_tenants(config.tenants_file, build_sla_classes(config).names)
         ledger = QuotaLedger.bind(config.quota_ticket_ttl_s)
-    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger)
+    registry = AdapterRegistry.bind() if several_ingresses(config) else None
+    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry)

@@ -10,7 +10,9 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
   returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
   at once or later, when more urgent tickets bump it out of a full queue) or timed out
   (`{"timeout": true}`); a cancelled call (client gone) drops its ticket;
-* `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router.
+* `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router;
+  `ingress_view(ingress_id)`: the placement and how many tickets of *other* ingresses wait, which
+  closes an ingress's fast path while any ingress has a request parked (`routing.admission`).
 
 Everything here runs on the deployment's one event loop, so the controller needs no locks. A
 ticker lets time pass for the controller (stale replicas, preemption of long-waiting tickets).
@@ -19,6 +21,7 @@ ticker lets time pass for the controller (stale replicas, preemption of long-wai
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -47,6 +50,7 @@ class ClusterController:
         self.core = Controller(build_sla_classes(cfg), settings, clock=time.monotonic)
         self._prefix_aware = cfg.prefix_aware_routing  # off: grants ignore prompt prefixes
         self._waiters: dict[str, asyncio.Future[Grant | Refusal]] = {}
+        self._parked_by: collections.Counter[str] = collections.Counter()  # ingress -> its waiting tickets
         self._ticker: asyncio.Task[None] | None = None
 
     def _ensure_ticker(self) -> None:
@@ -98,7 +102,13 @@ class ClusterController:
                 return {"overloaded": str(e), "retry_after_s": e.retry_after_s}
             self._deliver()
             if grant is None:
-                grant = await asyncio.wait_for(waiter, timeout_s)
+                self._parked_by[ticket.ingress_id] += 1
+                try:
+                    grant = await asyncio.wait_for(waiter, timeout_s)
+                finally:
+                    self._parked_by[ticket.ingress_id] -= 1
+                    if self._parked_by[ticket.ingress_id] <= 0:
+                        del self._parked_by[ticket.ingress_id]
             if isinstance(grant, Refusal):  # bumped out of the full queue by more urgent requests
                 return {"overloaded": grant.reason, "retry_after_s": grant.retry_after_s}
             return {"replica_id": grant.replica_id, "preempt": grant.preempt}
@@ -118,6 +128,11 @@ class ClusterController:
 
     async def placement(self) -> dict[str, list[str]]:
         return {a: list(r) for a, r in self.core.placement().items()}
+
+    async def ingress_view(self, ingress_id: str) -> dict[str, Any]:
+        """{"placement": `placement()`, "queued_elsewhere": tickets of other ingresses waiting now}."""
+        elsewhere = sum(self._parked_by.values()) - self._parked_by.get(ingress_id, 0)
+        return {"placement": await self.placement(), "queued_elsewhere": elsewhere}
 
     def __del__(self) -> None:
         ticker = getattr(self, "_ticker", None)

@@ -22,6 +22,7 @@ errors by status code).
 | ClusterQueueTimeoutError                    | 503    | service_unavailable   | queue_timeout       |
 | RoutingUnavailableError (Retry-After)       | 503    | service_unavailable   | routing_unavailable |
 | ControllerOffError                          | 503    | service_unavailable   | controller_unavailable |
+| RegistryUnavailableError                    | 503    | service_unavailable   | registry_unavailable |
 | cancelled call (client disconnect): INFO log | 503   | service_unavailable   | aborted             |
 | AuthenticationError (no or unknown API key) | 401    | invalid_request_error | missing/invalid_api_key |
 | PermissionDeniedError (tenant key, admin route) | 403 | permission_error     | permission_denied   |
@@ -135,6 +136,7 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.EngineStepError, 500, "server_error", "engine_error"),
     (e.ClusterQueueTimeoutError, 503, "service_unavailable", "queue_timeout"),
     (e.ControllerOffError, 503, "service_unavailable", "controller_unavailable"),
+    (e.RegistryUnavailableError, 503, "service_unavailable", "registry_unavailable"),
     (e.PermissionDeniedError, 403, "permission_error", "permission_denied"),
     (e.QuotaUnavailableError, 503, "service_unavailable", "quota_unavailable"),
 ]

@@ -43,7 +43,7 @@ def admin_router(ctx: ApiContext) -> APIRouter:
         name = req.lora_name
         try:
             check_adapter_id(name)
-            ctx.registrations.reserve_load(name)
+            await ctx.registrations.reserve_load(name)
         except AdapterError as exc:
             raise bad_request(str(exc)) from exc
         except RegistrationConflict as exc:
@@ -66,13 +66,13 @@ def admin_router(ctx: ApiContext) -> APIRouter:
                     error = dataclasses.replace(error, message=f"{error.message} (registering on base model "
                                                 f"{base!r})")
                 raise ApiException(error)
-            ctx.registrations.complete_load(name, req.lora_path)
+            await ctx.registrations.complete_load(name, req.lora_path, base)
             if base is not None:
                 grouped.catalog.register(base, name)
             loaded = True
         finally:
             if not loaded:
-                ctx.registrations.release(name)
+                await ctx.registrations.release(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
@@ -81,14 +81,14 @@ def admin_router(ctx: ApiContext) -> APIRouter:
         """Unregister at once (new requests for it get a 404); the name stays reserved until every
         replica has dropped it, so that a load of the same name cannot interleave."""
         name = req.lora_name
-        if not ctx.registrations.reserve_unload(name):
+        if not await ctx.registrations.reserve_unload(name):
             raise not_found(f"the LoRA adapter {name!r} cannot be found", code="adapter_not_found")
         try:
             await dispatcher.broadcast("unregister_adapter", name)
             if isinstance(dispatcher, GroupedDispatcher):
                 dispatcher.catalog.unregister(name)
         finally:
-            ctx.registrations.release(name)
+            await ctx.registrations.release(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @router.get("/health", responses=openapi.HEALTH)

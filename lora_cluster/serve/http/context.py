@@ -35,6 +35,7 @@ from lora_cluster.errors import (
     RequestError,
 )
 from lora_cluster.serve.http.registrations import AdapterRegistrations
+from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.replica.model import served_name
 from lora_cluster.serve.routing.auth import Authenticator, Caller, TenantsSource
@@ -58,7 +59,9 @@ class ApiContext:
     config: ServeConfig
     tokenizer: Any
     dispatcher: Dispatcher | GroupedDispatcher
-    registrations: AdapterRegistrations = field(default_factory=AdapterRegistrations)
+    # adapters loaded through the vLLM API: this process's, or shared by every ingress (http.registry);
+    # an AdapterRegistrations given here is kept in this process
+    registrations: Registrations | AdapterRegistrations = field(default_factory=LocalRegistrations)
     encode_threads: int = ENCODE_THREADS
     tenants: TenantsSource | None = None  # None: no tenants file, every route is open
     quotas: Quotas | None = None  # the tenants' quota ledger (None: quotas are not enforced)
@@ -69,6 +72,8 @@ class ApiContext:
     def __post_init__(self) -> None:
         if self.encode_threads < 1:
             raise ConfigError(f"encode_threads must be at least 1, got {self.encode_threads}")
+        if isinstance(self.registrations, AdapterRegistrations):
+            self.registrations = LocalRegistrations(self.registrations)
         self.sla = build_sla_classes(self.config)
         self.authenticate = Authenticator(self.tenants, self.quotas, self.config.open_routes)
         self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="lora-ingress-encode")

@@ -27,6 +27,7 @@ from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.lorax_api import lorax_router
 from lora_cluster.serve.http.openai_api import openai_router
 from lora_cluster.serve.http.openapi import install_openapi
+from lora_cluster.serve.http.registry import LocalRegistrations, SharedRegistrations
 from lora_cluster.serve.http.schemas import constrain
 from lora_cluster.serve.http_errors import install_handlers
 from lora_cluster.serve.ops import metrics
@@ -102,10 +103,13 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
 @serve.ingress()
 class LoraIngress:
     def __init__(self, replicas: dict[str, Any], config: dict[str, Any],
-                 controllers: dict[str, Any | None] | None = None, quota_ledger: Any | None = None):
+                 controllers: dict[str, Any | None] | None = None, quota_ledger: Any | None = None,
+                 registry: Any | None = None):
         """`replicas`: each replica group's deployment handle by group name (`replica_groups`);
         `controllers`: each group's cluster controller (None or absent: controller off);
-        `quota_ledger`: the tenants' `QuotaLedger` (None: no tenants file)."""
+        `quota_ledger`: the tenants' `QuotaLedger` (None: no tenants file); `registry`: the
+        `AdapterRegistry` that several ingress replicas share (None: one ingress, registrations kept
+        here; `http.registry`)."""
         top = load_config(config)
         configs = group_configs(top)  # each group's base and engine settings (group_bases)
         requested = next(iter(configs.values()))  # the first group's: its base is the first base
@@ -129,8 +133,12 @@ class LoraIngress:
         self.tenants = None if resolved.tenants_file is None else TenantsWatcher(
             resolved.tenants_file, build_sla_classes(resolved).names, resolved.tenants_reload_period_s)
         quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.quota_lease_s)
+        registrations = LocalRegistrations() if registry is None else SharedRegistrations(
+            registry, catalog=dispatcher.catalog)
         self.ctx = ApiContext(config=resolved, tokenizer=tokenizer, dispatcher=dispatcher,
-                              tenants=self.tenants, quotas=quotas)
+                              tenants=self.tenants, quotas=quotas, registrations=registrations)
+        if isinstance(registrations, SharedRegistrations):
+            registrations.start()  # this ingress follows the registry from its start
         metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
         metrics.set_replica_stats_source(dispatcher.replica_stats)
         demo_folder = str(Path(resolved.model).parent) if requested.model == DEMO else None

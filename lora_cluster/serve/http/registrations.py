@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from lora_cluster.errors import ConfigError, RequestError
@@ -81,3 +82,87 @@ class AdapterRegistrations:
     def release(self, name: str) -> None:
         """End the reservation of `name` (an unload that finished, or a load that failed)."""
         self._busy.pop(name, None)
+
+
+BUSY_TTL_S = 600.0  # a load or unload not settled within this long (its ingress died) frees its name
+SUBSCRIBER_TTL_S = 30.0  # an ingress not heard from for this long (3 long polls) is no longer waited for
+
+
+class RegistryBook:
+    """The registrations of every ingress replica in one place (the `AdapterRegistry` deployment).
+
+    It holds an `AdapterRegistrations` (same protocol, same bound) plus, per registered name, the base
+    model it joined, and a `version` that grows with every change of the registered set. Ingresses
+    subscribe: each says which version it has applied (`heard`); `lagging(version)` names the live
+    subscribers that have not applied `version` yet, so that a load or unload answers only once every
+    ingress serves it. A subscriber not heard from for `subscriber_ttl_s` is dropped (bounded by the
+    ingress replicas that lived within it). A name busy for longer than `busy_ttl_s` is released (the
+    ingress that reserved it died before settling it). Pure: the clock is injected."""
+
+    def __init__(self, clock: Callable[[], float], limit: int = MAX_REGISTERED_ADAPTERS,
+                 busy_ttl_s: float = BUSY_TTL_S, subscriber_ttl_s: float = SUBSCRIBER_TTL_S):
+        self.registrations = AdapterRegistrations(limit)
+        self._clock, self.busy_ttl_s, self.subscriber_ttl_s = clock, busy_ttl_s, subscriber_ttl_s
+        self.version = 0
+        self._bases: dict[str, str | None] = {}
+        self._busy_since: dict[str, float] = {}
+        self._heard: dict[str, tuple[int, float]] = {}  # subscriber -> (version applied, when heard)
+
+    def entries(self) -> dict[str, tuple[str, str | None]]:
+        """Every registered adapter: name -> (path, base it joined; None: every group)."""
+        return {name: (path, self._bases.get(name)) for name, path in self.registrations.snapshot().items()}
+
+    def reserve_load(self, name: str) -> None:
+        """`AdapterRegistrations.reserve_load` (raises RegistrationConflict), after releasing the
+        names busy for longer than `busy_ttl_s`."""
+        now = self._clock()
+        for stale in [n for n, since in self._busy_since.items() if now - since > self.busy_ttl_s]:
+            self.release(stale)
+        self.registrations.reserve_load(name)
+        self._busy_since[name] = now
+
+    def complete_load(self, name: str, path: str, base: str | None) -> int:
+        """The reserved load of `name` succeeded; returns the new version."""
+        self.registrations.complete_load(name, path)
+        self._busy_since.pop(name, None)
+        self._bases[name] = base
+        self.version += 1
+        return self.version
+
+    def reserve_unload(self, name: str) -> int | None:
+        """Unregister `name` (busy until `release`); the new version, or None when it is not registered."""
+        if not self.registrations.reserve_unload(name):
+            return None
+        self._bases.pop(name, None)
+        self._busy_since[name] = self._clock()
+        self.version += 1
+        return self.version
+
+    def release(self, name: str) -> None:
+        self.registrations.release(name)
+        self._busy_since.pop(name, None)
+
+    def restore(self, entries: dict[str, tuple[str, str | None]]) -> bool:
+        """Take the registrations an ingress kept from a registry that is gone (this one restarted):
+        only while nothing was loaded or unloaded here yet (version 0), as many as the bound allows.
+        True when they were taken."""
+        if self.version or self._busy_since:
+            return False
+        for name, (path, base) in list(entries.items())[:self.registrations.limit]:
+            self.registrations.reserve_load(name)
+            self.registrations.complete_load(name, path)
+            self._bases[name] = base
+        self.version = 1
+        return True
+
+    def heard(self, subscriber: str, version: int) -> None:
+        """`subscriber` has applied `version` (and is alive now)."""
+        now = self._clock()
+        self._heard[subscriber] = (version, now)
+        for gone in [s for s, (_, at) in self._heard.items() if now - at > self.subscriber_ttl_s]:
+            del self._heard[gone]
+
+    def lagging(self, version: int) -> list[str]:
+        """Live subscribers that have not applied `version` yet."""
+        now = self._clock()
+        return [s for s, (v, at) in self._heard.items() if v < version and now - at <= self.subscriber_ttl_s]

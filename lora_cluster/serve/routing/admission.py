@@ -1,8 +1,11 @@
 """The ingress's side of the cluster queue: send at once while a replica has room, else wait for a grant.
 
 Fast path: the ingress sends a request straight to the replicas (the request router picks one) while
-none of its requests waits in the cluster queue (a new request never overtakes a parked one, which
-may be more urgent) and the replicas have room: their free slots add up to more than this ingress's
+none of its requests waits in the cluster queue, nor, as of its last fetch of the controller's view
+(every `placement_period_s`), a request of another ingress replica (a new request never overtakes a
+parked one, which may be more urgent; with several ingresses a parked request of another one is seen
+up to `placement_period_s` late, and after the queue empties requests park for up to that long,
+each granted at once), and the replicas have room: their free slots add up to more than this ingress's
 requests that are on their way (sent in the last `report_lag_s`, replica not known yet; older ones
 are in the replicas' reports by then, and counting them again would close the fast path on free
 slots). A replica's free slots are its admission capacity (`admission_capacity`, default
@@ -17,7 +20,8 @@ with `Retry-After`; waiting past `cluster_queue_timeout_s` a 503.
 
 Placement: every `placement_period_s` the ingress fetches the controller's placement table (hot
 adapter -> replicas that should hold it) and hands it to its request router (`placement_sink`),
-which then spreads a hot adapter's requests over those replicas.
+which then spreads a hot adapter's requests over those replicas; the same call
+(`ClusterController.ingress_view`) says how many requests of other ingresses wait.
 
 Faults: if the controller dies while a request waits, the request is parked again at its
 restarted successor (Serve starts one); if no controller answers within `REPARK_WINDOW_S`, or
@@ -73,6 +77,7 @@ class ClusterAdmission:
         self._on_their_way: deque[float] = deque()  # send times of direct requests, replica not known yet
         self._down_until = 0.0
         self._parked = 0  # this ingress's requests waiting in the cluster queue now
+        self._parked_elsewhere = 0  # other ingresses' requests waiting there, as of the last fetch
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
 
     @property
@@ -82,7 +87,7 @@ class ClusterAdmission:
     def has_room(self) -> bool:
         """The replicas take one more request now and none of this ingress's requests is parked (see
         the module docstring). A replica without a report yet counts as having room."""
-        if self._parked:
+        if self._parked or self._parked_elsewhere:
             return False
         stats = self._stats()
         if not stats:
@@ -165,13 +170,15 @@ class ClusterAdmission:
     async def _placement_loop(self) -> None:
         while True:
             try:
-                table = await self._controller.placement.remote()
+                view = await self._controller.ingress_view.remote(self.ingress_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the controller restarts: keep the last table meanwhile
                 log.debug("placement not fetched: %s", exc)
+                self._parked_elsewhere = 0
             else:
-                self._placement_sink(table)
+                self._parked_elsewhere = int(view["queued_elsewhere"])
+                self._placement_sink(view["placement"])
             await asyncio.sleep(self.placement_period_s)
 
     async def cluster_view(self) -> dict[str, Any]:
