@@ -1,7 +1,8 @@
 """The cluster controller for real: a three-node Ray cluster (`ray.cluster_utils.Cluster`, one CPU per
 node) running the application with three LoRA replicas of two batch slots each, one per node.
 
-* `GET /v1/cluster` shows the nodes, their replicas, adapters and memory.
+* `GET /v1/cluster` shows the nodes, their replicas, adapters and memory, and each replica's prefix
+  cache (hit and queried tokens, hit rate, cached blocks).
 * While `batch` requests saturate every slot and queue behind them, `interactive` requests start
   before the batch requests that were queued earlier (cluster queue order, and preemption of batch
   work in the engines), and every batch request still completes with the tokens the engine gives
@@ -116,6 +117,31 @@ def test_the_cluster_view_shows_nodes_replicas_adapters_and_memory(http, base_ur
                BOUND_S, "a1 resident on a replica")
     assert set(view["classes"]) == {"interactive", "standard", "batch"}, "the view lists the SLA classes"
     assert "queue" in view, "and the cluster queue"
+
+
+def test_the_cluster_view_shows_each_replicas_prefix_cache(http):
+    prompt = "the river runs past the old mill and the children watch the boats go by " * 8  # > 64 tokens
+    body = {"model": "a2", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    for _ in range(2):  # the second finds the first's blocks where prefix-aware routing sends it
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, f"the prompt is served: {r.text}"
+        time.sleep(0.5)  # a routing report names the first prompt's keys before the second is routed
+    cached = int(r.headers["x-lora-cached-tokens"])
+    assert cached >= 32, f"the second request reused the first's full blocks: {cached} cached tokens"
+
+    def hit_tokens() -> int:
+        return sum(r.get("prefix_cache", {}).get("hit_tokens", 0) for r in _replicas(_view(http)).values())
+
+    wait_until(lambda: hit_tokens() >= cached, BOUND_S, "the view's hit tokens count the cached prompt")
+    replicas = _replicas(_view(http))
+    for rid, replica in replicas.items():
+        figures = replica.get("prefix_cache")
+        assert figures is not None and set(figures) == {"queried_tokens", "hit_tokens", "hit_rate",
+                                                        "cached_blocks", "evictions"}, (
+            f"replica {rid} shows its prefix cache's figures: {figures}")
+    served = next(r["prefix_cache"] for r in replicas.values() if r["prefix_cache"]["hit_tokens"])
+    assert 0 < served["hit_rate"] <= 1 and served["cached_blocks"] >= 2, (
+        f"the replica that served the prompt twice shows its hit rate and cached blocks: {served}")
 
 
 def test_interactive_requests_go_first_and_batch_output_is_unchanged(base_url, http, offline):

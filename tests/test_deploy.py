@@ -178,7 +178,7 @@ def test_dashboard_has_the_sections_and_variables():
     assert {"tenant", "adapter"} <= variables, f"the dashboard has tenant and adapter variables: {variables}"
     rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
     for section in ("Cluster overview", "Per tenant", "Per adapter (top N)", "Adapter cache tiers",
-                    "Memory and engines", "SLA attainment"):
+                    "Memory and engines", "SLA attainment", "Prefix cache"):
         assert section in rows, f"the dashboard has a '{section}' row"
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in panels), "every panel queries"

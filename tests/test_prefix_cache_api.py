@@ -128,9 +128,39 @@ def test_cached_prompt_tokens_are_counted_per_adapter_and_hits_per_replica() -> 
         found = {name: _sample(name, {"replica": "r9"}) for name in (
             "lora_cluster_prefix_cache_queried_tokens_total", "lora_cluster_prefix_cache_hit_tokens_total",
             "lora_cluster_prefix_cache_evictions_total", "lora_cluster_prefix_cache_blocks")}
+        ratio = _sample("lora_cluster_prefix_cache_hit_ratio", {"replica": "r9"})
     finally:
         metrics.set_replica_stats_source(lambda: {})
     assert found == {"lora_cluster_prefix_cache_queried_tokens_total": 500.0,
                      "lora_cluster_prefix_cache_hit_tokens_total": 320.0,
                      "lora_cluster_prefix_cache_evictions_total": 4.0,
                      "lora_cluster_prefix_cache_blocks": 20.0}, "the replica's prefix cache is exported"
+    assert ratio == 0.64, "and its hit rate since it started (hit / queried tokens)"
+
+
+async def test_the_cluster_view_shows_each_replicas_prefix_cache_from_its_last_report() -> None:
+    from types import SimpleNamespace
+
+    from lora_cluster.serve.routing.admission import ClusterAdmission
+    from lora_cluster.serve.routing.dispatch import Dispatcher
+    from lora_cluster.serve.routing.replica_tables import publish_replica_stats
+
+    async def snapshot() -> dict:
+        return {"nodes": {"n1": {"replicas": {"r1": {"running": 0}, "r2": {"running": 0},
+                                              "r3": {"running": 0}}}}}
+
+    controller = SimpleNamespace(snapshot=SimpleNamespace(remote=snapshot))
+    handle = SimpleNamespace(deployment_name="LoraReplica", options=lambda **_: None)
+    dispatcher = Dispatcher(handle, "view-app", admission=ClusterAdmission(
+        controller, capacity=None, replica_stats=dict, timeout_s=1.0))
+    publish_replica_stats("view-app", "LoraReplica", {
+        "r1": RoutingStats(engine={"prefix_cache_queried_tokens": 400, "prefix_cache_hit_tokens": 300,
+                                   "prefix_cache_blocks": 25, "prefix_cache_evictions": 2}),
+        "r2": RoutingStats(engine={"prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0,
+                                   "prefix_cache_blocks": 0, "prefix_cache_evictions": 0})})
+    replicas = (await dispatcher.cluster_view())["nodes"]["n1"]["replicas"]
+    assert replicas["r1"]["prefix_cache"] == {"queried_tokens": 400, "hit_tokens": 300, "hit_rate": 0.75,
+                                              "cached_blocks": 25, "evictions": 2}, (
+        "a replica's entry carries its prefix cache's figures from its last report")
+    assert replicas["r2"]["prefix_cache"]["hit_rate"] is None, "no rate before any token was looked up"
+    assert "prefix_cache" not in replicas["r3"], "a replica the router has no report of yet shows none"

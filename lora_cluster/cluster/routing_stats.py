@@ -77,6 +77,22 @@ class RoutingStats:
         """The adapter is on its device or being placed there."""
         return adapter_id in self.resident or adapter_id in self.loading
 
+    def prefix_cache(self) -> dict[str, Any] | None:
+        """Its engine's prefix cache since it started (None: the report has no engine counters):
+        `queried_tokens` (tokens of admitted requests looked up, re-admissions included),
+        `hit_tokens` (of those, found cached), `hit_rate` (hit / queried; None before any query),
+        `cached_blocks` (KV blocks holding cached content now) and `evictions`. A replica with the
+        cache off reports zeros."""
+        engine = self.engine
+        if "prefix_cache_queried_tokens" not in engine:
+            return None
+        queried = int(engine["prefix_cache_queried_tokens"])
+        hit = int(engine.get("prefix_cache_hit_tokens", 0))
+        return {"queried_tokens": queried, "hit_tokens": hit,
+                "hit_rate": round(hit / queried, 4) if queried else None,
+                "cached_blocks": int(engine.get("prefix_cache_blocks", 0)),
+                "evictions": int(engine.get("prefix_cache_evictions", 0))}
+
     def to_dict(self) -> dict[str, Any]:
         """The wire form (JSON-ready: adapter lists as lists)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

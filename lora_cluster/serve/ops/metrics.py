@@ -328,6 +328,11 @@ _ENGINE_GAUGES = {
         "KV blocks of the replica holding cached prefix content (in use or idle, evictable).",
         lambda s: s.engine.get("prefix_cache_blocks"),
     ),
+    "lora_cluster_prefix_cache_hit_ratio": (
+        "Prefix cache hit tokens / queried tokens of the replica since it started (per adapter and tenant: "
+        "lora_cluster_prompt_cached_tokens_total's rate over lora_cluster_prompt_tokens_total's).",
+        lambda s: (s.prefix_cache() or {}).get("hit_rate"),
+    ),
     "lora_cluster_adapter_miss_penalty_ratio": (
         "Adapter protection's soft routing score for a miss on the replica: 0 (fine) to 1 (in thrash, "
         "misses are better sent elsewhere).",

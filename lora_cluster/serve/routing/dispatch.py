@@ -155,8 +155,17 @@ class Dispatcher:
         return replica_stats(*self._key)
 
     async def cluster_view(self) -> dict[str, Any]:
-        """The cluster controller's view of these replicas (GET /v1/cluster); see `ClusterAdmission`."""
-        return await self.admission.cluster_view()
+        """The cluster controller's view of these replicas (GET /v1/cluster; see `ClusterAdmission`),
+        each replica with its prefix cache's figures from its last routing report (`prefix_cache`,
+        `RoutingStats.prefix_cache`; absent for a replica the router has no report of yet)."""
+        view = await self.admission.cluster_view()
+        stats = self.replica_stats() or {}
+        for node in view.get("nodes", {}).values():
+            for rid, replica in node.get("replicas", {}).items():
+                figures = stats[rid].prefix_cache() if rid in stats else None
+                if figures is not None:
+                    replica["prefix_cache"] = figures
+        return view
 
     def _check_replicas(self) -> None:
         stats = self.replica_stats()
