@@ -69,18 +69,21 @@ async def test_a_load_through_one_ingress_holds_for_every_ingress():
         loaded = await first.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": "/a/mine"})
         listed = await second.get("/v1/models")
         served = await second.post("/v1/completions", json=COMPLETION)
-        again = await second.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": "/a/other"})
+        again = await second.post("/v1/load_lora_adapter",
+                                  json={"lora_name": "mine", "lora_path": "/a/other"})
         unloaded = await second.post("/v1/unload_lora_adapter", json={"lora_name": "mine"})
         after = await first.post("/v1/completions", json=COMPLETION)
         listed_after = await first.get("/v1/models")
-        reloaded = await first.post("/v1/load_lora_adapter", json={"lora_name": "mine", "lora_path": "/a/new"})
+        reloaded = await first.post("/v1/load_lora_adapter",
+                                    json={"lora_name": "mine", "lora_path": "/a/new"})
     assert loaded.status_code == 200, f"the load through the first ingress succeeds: {loaded.text}"
     assert "mine" in [m["id"] for m in listed.json()["data"]], "the second ingress lists it"
     assert served.status_code == 200, f"the second ingress serves it: {served.text}"
     assert two.jobs[-1].adapter_path == "/a/mine", "with its registered path (a new replica registers it)"
-    assert again.status_code == 409, f"loading it again through the second ingress is a conflict: {again.text}"
+    assert again.status_code == 409, f"a second load through the second ingress is a conflict: {again.text}"
     assert again.json()["error"]["code"] == "already_loaded", "which says it is loaded already"
     assert unloaded.status_code == 200, f"the second ingress unloads what the first loaded: {unloaded.text}"
+    assert after.status_code == 200, f"the first ingress serves the name as any other adapter: {after.text}"
     assert one.jobs[-1].adapter_path is None, "after the unload answered, the first ingress sends no path"
     assert "mine" not in [m["id"] for m in listed_after.json()["data"]], "nor lists it"
     assert reloaded.status_code == 200, f"the name can be loaded again: {reloaded.text}"
@@ -208,7 +211,8 @@ async def test_an_ingress_takes_no_fast_path_while_another_has_a_request_parked(
 
 async def test_the_controller_tells_each_ingress_how_many_requests_other_ingresses_parked():
     actor = ClusterController.func_or_class(ServeConfig().model_dump())
-    request = {"ticket_id": "t1", "ingress_id": "i1", "sla_class": "batch", "adapter_id": "a1", "waited_s": 0.0}
+    request = {"ticket_id": "t1", "ingress_id": "i1", "sla_class": "batch", "adapter_id": "a1",
+               "waited_s": 0.0}
     call = asyncio.create_task(actor.admit(request, 30.0))
     for _ in range(100):
         await asyncio.sleep(0.01)
@@ -219,7 +223,8 @@ async def test_the_controller_tells_each_ingress_how_many_requests_other_ingress
     await asyncio.gather(call, return_exceptions=True)
     assert mine["queued_elsewhere"] == 0, "the parking ingress counts its own requests itself"
     assert other["queued_elsewhere"] == 1, "another ingress learns that one request waits"
-    assert (await actor.ingress_view("i2"))["queued_elsewhere"] == 0, "a request that went away is not counted"
+    gone = await actor.ingress_view("i2")
+    assert gone["queued_elsewhere"] == 0, "a request that went away is not counted"
 
 
 # ----- replica count ------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 `lora_cluster.serve.app:build_app` builds it; the modules, one concept each:
 `app` (the graph), `ingress` (FastAPI deployment), `openai_api` / `lorax_api` / `admin_api` (routes),
-`context` (what the routes share), `registrations` (adapters loaded through the vLLM API),
+`context` (what the routes share), `registrations` (adapters loaded through the vLLM API), `registry`
+(those of several ingress replicas),
 `schemas` (request bodies), `http_errors` (exception -> HTTP status), `sse`, `dispatch` (ingress ->
 replicas), `replica` (the engine deployment), `request_router` (Ray request router) and `affinity`
 (its pure policy), `ray_internals` (the private Ray names we rely on), `protocol` (what ingress and

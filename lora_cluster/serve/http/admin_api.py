@@ -5,7 +5,9 @@ replica; each validates it (a missing path is a 404, an invalid adapter a 400, n
 and, if any refuses, it is unregistered from the others. A name is loaded once: loading a name that
 is loaded, or that a concurrent call is loading or unloading, is a 409 (see `registrations`). The
 ingress remembers the registration and sends the path with each request for that adapter, so a
-replica started later registers it on first use. `POST /v1/unload_lora_adapter {"lora_name"}`
+replica started later registers it on first use; several ingress replicas share their
+registrations (`registry`), so what one loads every one serves, refuses to load again, and unloads.
+`POST /v1/unload_lora_adapter {"lora_name"}`
 undoes it (404 when it was not loaded). With several base models (replica groups on several
 bases), an adapter registers on the groups of one base (`GroupedDispatcher.registration_base`: its
 group's base; a 409 when another base already lists the id), whose replicas check it against that

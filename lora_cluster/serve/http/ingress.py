@@ -5,7 +5,8 @@ are checked before a replica is bothered; on the context's tokenizer threads, ne
 loop: see `context`), and sends each generation to the LoRA replicas through a deployment handle
 whose request router is `LoraAffinityRouter`: the handle of the request's replica group
 (`group_dispatch`). Responses carry `x-lora-replica` and `x-lora-adapter-hit`, as reported by the
-replica that served them.
+replica that served them, and every response `x-lora-ingress`: the Serve replica id of the ingress
+that answered (several ingress replicas: `ingress_num_replicas`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ class MetricsMiddleware:
             metrics.REQUEST_LATENCY.labels(route).observe(time.monotonic() - start)
 
 
+class IngressIdMiddleware:
+    """Adds `x-lora-ingress: <ingress_id>` to every HTTP response."""
+
+    def __init__(self, app: Any, ingress_id: str):
+        self.app, self.header = app, (b"x-lora-ingress", ingress_id.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     """The API app; `echo_request_id=False` under Ray Serve, whose proxy already echoes `x-request-id`."""
     app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.",
@@ -116,7 +136,8 @@ class LoraIngress:
         resolved = resolve_model(requested)
         configure_logging(resolved.log_format)
         tokenizer = load_tokenizer(resolved)  # every base's (build_app checked they are the same)
-        app_name = serve.get_replica_context().app_name
+        replica = serve.get_replica_context()
+        app_name, self.ingress_id = replica.app_name, replica.replica_id.unique_id
         groups = []
         for group in replica_groups(top):  # one admission per group, keyed by its deployment
             handle = replicas[group.name]
@@ -147,7 +168,9 @@ class LoraIngress:
             demo_folder=demo_folder))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi(self.ctx, echo_request_id=False)
+        app = build_fastapi(self.ctx, echo_request_id=False)
+        app.add_middleware(IngressIdMiddleware, ingress_id=self.ingress_id)
+        return app
 
     def __del__(self) -> None:
         watch = getattr(self, "_ready_watch", None)

@@ -1,0 +1,142 @@
+"""Four ingress replicas for real (Ray Serve, the tiny demo zoo, one LoRA replica of two batch slots,
+the cluster controller on, a tenants file): every response says which ingress answered
+(`x-lora-ingress`), and
+
+* requests spread over the four ingresses;
+* a tenant's requests_per_minute holds for the cluster, not per ingress;
+* an adapter loaded through one ingress is listed and served by every ingress, a second load of its
+  name through any ingress is a conflict, and an ingress that did not load it unloads it;
+* a burst larger than the replica's slots parks in the cluster queue from several ingresses, and
+  every request completes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from lora_cluster.tenancy.tenants import hash_key
+
+pytestmark = pytest.mark.slow
+
+INGRESSES = 4
+RPM = 8
+ADMIN, FIN = "sk-admin-0123456789", "sk-fin-0123456789"
+BOUND_S = 120.0  # every wait in this module is bounded
+BODY = {"model": "a1", "prompt": "the river", "max_tokens": 1, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_app, demo_zoo, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    path.write_text(f"""
+admin_api_keys: ["{hash_key(ADMIN)}"]
+tenants:
+  - name: finance
+    api_keys: ["{hash_key(FIN)}"]
+    adapters: ["a*"]
+    requests_per_minute: {RPM}
+""")
+    config = {"model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
+              "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
+              "max_num_batched_tokens": 64, "ingress_num_replicas": INGRESSES, "admission_window_max": 0,
+              "routing_stats_period_s": 0.2, "controller_report_period_s": 0.2, "tenants_file": str(path)}
+    with ray_app(config, name="ingresses") as url:
+        yield url
+
+
+def _post(url: str, path: str, body: dict, key: str = ADMIN) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=BOUND_S) as client:
+        return client.post(path, json=body, headers={"authorization": f"Bearer {key}"})
+
+
+def _get(url: str, path: str) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=BOUND_S) as client:
+        return client.get(path, headers={"authorization": f"Bearer {ADMIN}"})
+
+
+def _by_ingress(responses: list[httpx.Response]) -> dict[str, list[httpx.Response]]:
+    out: dict[str, list[httpx.Response]] = {}
+    for r in responses:
+        out.setdefault(r.headers.get("x-lora-ingress", "?"), []).append(r)
+    return out
+
+
+def test_four_ingress_replicas_run_and_requests_spread_over_them(base_url):
+    from ray import serve
+
+    status = serve.status().applications["ingresses"].deployments["LoraIngress"]
+    running = sum(n for state, n in status.replica_states.items() if str(state).endswith("RUNNING"))
+    assert running == INGRESSES, f"{INGRESSES} ingress replicas serve the app: {status.replica_states}"
+    answers = [_post(base_url, "/v1/completions", BODY) for _ in range(40)]
+    assert [r.status_code for r in answers] == [200] * 40, f"every request is served: {answers[-1].text}"
+    spread = Counter(r.headers.get("x-lora-ingress") for r in answers)
+    assert None not in spread, "every response names the ingress that answered it"
+    assert len(spread) == INGRESSES, f"the 40 requests went through all {INGRESSES} ingresses: {spread}"
+
+
+def test_a_tenant_quota_holds_across_the_ingresses(base_url):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        burst = list(pool.map(lambda _: _post(base_url, "/v1/completions", BODY, FIN), range(3 * RPM)))
+    ok = [r for r in burst if r.status_code == 200]
+    refused = [r for r in burst if r.status_code == 429]
+    assert len(ok) + len(refused) == len(burst), f"each is served or refused: {[r.text for r in burst]}"
+    assert len(_by_ingress(burst)) > 1, "the burst went through several ingresses"
+    assert len(ok) <= RPM + 1, (
+        f"{len(ok)} of {len(burst)} requests passed: the {RPM}/min quota is shared by the {INGRESSES} "
+        "ingresses (one quota each would let up to four times as many through), plus at most one refill")
+    assert all("requests_per_minute" in r.json()["error"]["message"] for r in refused), "429s name the limit"
+
+
+def test_an_adapter_loaded_through_one_ingress_is_served_by_all(base_url, demo_zoo):
+    loaded = _post(base_url, "/v1/load_lora_adapter",
+                   {"lora_name": "reg-a3", "lora_path": str(demo_zoo.adapters_dir / "a3")})
+    assert loaded.status_code == 200, f"the load succeeds: {loaded.text}"
+    loader = loaded.headers["x-lora-ingress"]
+    listings = _by_ingress([_get(base_url, "/v1/models") for _ in range(40)])
+    assert len(listings) == INGRESSES, f"the listings came from every ingress: {sorted(listings)}"
+    for ingress, answers in listings.items():
+        for r in answers:
+            assert "reg-a3" in [m["id"] for m in r.json()["data"]], f"ingress {ingress} lists the adapter"
+    served = _by_ingress([_post(base_url, "/v1/completions", {**BODY, "model": "reg-a3"}) for _ in range(40)])
+    assert len(served) == INGRESSES, f"the requests went through every ingress: {sorted(served)}"
+    for ingress, answers in served.items():
+        assert [r.status_code for r in answers] == [200] * len(answers), f"ingress {ingress} serves it"
+    again = [_post(base_url, "/v1/load_lora_adapter", {"lora_name": "reg-a3", "lora_path": "/nowhere"})
+             for _ in range(8)]
+    assert [r.status_code for r in again] == [409] * 8, (
+        f"a second load is a conflict through every ingress: {[(r.status_code, r.text) for r in again]}"
+    )
+    for _ in range(40):  # until an ingress other than the loader answers the unload
+        unload = _post(base_url, "/v1/unload_lora_adapter", {"lora_name": "reg-a3"})
+        if unload.headers.get("x-lora-ingress") != loader or unload.status_code != 200:
+            break
+        _post(base_url, "/v1/load_lora_adapter",
+              {"lora_name": "reg-a3", "lora_path": str(demo_zoo.adapters_dir / "a3")})
+    assert unload.headers.get("x-lora-ingress") != loader, "an ingress other than the loader answered"
+    assert unload.status_code == 200, f"it unloads what another ingress loaded: {unload.text}"
+    gone = [_post(base_url, "/v1/completions", {**BODY, "model": "reg-a3"}) for _ in range(8)]
+    assert [r.status_code for r in gone] == [404] * 8, "no ingress serves it after the unload"
+
+
+def test_requests_parked_from_several_ingresses_all_complete(base_url):
+    body = {**BODY, "max_tokens": 24, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        burst = list(pool.map(lambda _: _post(base_url, "/v1/completions", body), range(24)))
+    assert [r.status_code for r in burst] == [200] * 24, f"every request completes: {burst[-1].text}"
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in burst), "each with all its tokens"
+    views: dict[str, dict] = {}
+    deadline = time.monotonic() + BOUND_S
+    while len(views) < INGRESSES and time.monotonic() < deadline:
+        r = _get(base_url, "/v1/cluster")
+        assert r.status_code == 200, f"/v1/cluster answers: {r.text}"
+        views[r.headers["x-lora-ingress"]] = r.json()["ingress"]["admission"]
+    parked = {ingress: counts.get("parked", 0) for ingress, counts in views.items()}
+    assert sum(1 for n in parked.values() if n) >= 2, f"requests parked from several ingresses: {views}"
+    for ingress, counts in views.items():
+        assert counts.get("parked", 0) == counts.get("granted", 0) + counts.get("preempting", 0) \
+            + counts.get("fallback", 0), f"ingress {ingress}: every parked request was granted: {counts}"
