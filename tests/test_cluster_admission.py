@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from lora_cluster.cluster.report_rules import AdapterDemand
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError
 from lora_cluster.serve.replica.reporter import ControllerReporter
@@ -163,6 +164,10 @@ def test_adapter_demand_is_bounded_and_reset_by_each_report():
     assert demand.take() == {}, "each report takes the counts since the previous one"
 
 
+A_REPORT = ReplicaReport("r1", "n1", capacity=4, max_num_seqs=4, max_loras=2, running=0, waiting=0,
+                         free_adapter_slots=2)
+
+
 class ReportSink:
     """The controller's `report` method: records when each report came; replies `queue_depth`."""
 
@@ -182,8 +187,8 @@ async def _reports_after_finish(queue_depth: int, ongoing_before: int, capacity:
     """Reports a replica sent within 0.5 s of a request's end, its period being 60 s."""
     sink = ReportSink(queue_depth)
 
-    async def build() -> dict[str, Any]:
-        return {}
+    async def build() -> ReplicaReport:
+        return A_REPORT
 
     async def on_reply(reply: dict[str, Any]) -> None:
         return None
@@ -223,9 +228,9 @@ async def test_a_direct_request_counts_as_on_its_way_only_until_the_reports_can_
 
 async def test_a_report_that_cannot_be_built_is_logged_as_an_error_and_the_next_one_is_sent(caplog):
     sink = ReportSink(0)
-    builds = iter([TypeError("build_report() got an unexpected keyword argument 'x'"), {}])
+    builds = iter([TypeError("build_report() got an unexpected keyword argument 'x'"), A_REPORT])
 
-    async def build() -> dict[str, Any]:
+    async def build() -> ReplicaReport:
         outcome = next(builds)
         if isinstance(outcome, BaseException):
             raise outcome

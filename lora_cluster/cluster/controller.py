@@ -13,7 +13,8 @@ classes without a TTFT target: one that waited 3/4 of the bound is granted first
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
 replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
 holds no request bodies and no Ray objects; the actor (`serve.controller_actor`) wraps it. Its state is
-soft: a restarted controller starts empty, rebuilds its view from the next reports, and the
+soft: a restarted controller starts empty, rebuilds its view from the next reports (a delta it
+cannot apply gets `resync`, and the replica sends its full report at once), and the
 ingresses park their waiting requests again. Pure: injected clock.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
+from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import (
     affinity_hit,
@@ -133,14 +135,26 @@ class Controller:
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
-                       "bumped": 0, "shed_cold": 0, "wait_bound": 0, "overdue_grants": 0, "reports": 0}
+                       "bumped": 0, "shed_cold": 0, "wait_bound": 0, "overdue_grants": 0, "reports": 0,
+                       "resyncs": 0}
 
     # ----- inputs ---------------------------------------------------------------------------
 
-    def report(self, report: ReplicaReport) -> dict[str, Any]:
-        """Take a replica's report; returns its reply (`queue_depth`, `prefetch`)."""
+    def report(self, report: ReplicaReport | ReportDelta) -> dict[str, Any]:
+        """Take a replica's report, full or a delta (`report_delta`); returns its reply (`queue_depth`,
+        `prefetch`, and `resync` when a delta's base is not the report held for that replica: after a
+        restart, or a lost reply; its arrived tickets and demand still count, and the replica sends a
+        full report at once)."""
         self.counts["reports"] += 1
-        joined = self.view.get(report.replica_id) is None
+        base = self.view.get(report.replica_id)
+        if isinstance(report, ReportDelta):
+            if base is None or base.seq != report.base_seq:
+                self.counts["resyncs"] += 1
+                self.view.arrived(report.replica_id, report.arrived_tickets)
+                self.demand.record(report.adapter_requests)
+                return {"queue_depth": len(self.queue), "prefetch": [], "resync": True}
+            report = apply_delta(base, report)
+        joined = base is None
         self.view.update(report)
         self._changed.add(report.replica_id)
         self.demand.record(report.adapter_requests)

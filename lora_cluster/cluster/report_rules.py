@@ -1,8 +1,11 @@
 """What a replica reports to the cluster controller, and when (pure rules, shared by the live replica
 and the simulator).
 
-* When: every report period, and at once when a request finishes while the controller said tickets
-  are queued or while the replica was full (`report_on_finish`), at most every `MIN_GAP_S`.
+* When (`ReportPacer`): a report period after the previous report, and at once when a request
+  finishes while the controller said tickets are queued or while the replica was full
+  (`report_on_finish`), unless a report went out within the coalescing window: then at the window's
+  end, one report for every finish inside it. At most one report per window, so a replica reports
+  at most 1 / window + 1 / period times a second however fast its requests end.
 * What, beyond the engine's counts: requests per adapter since the last report (`AdapterDemand`,
   bounded to `MAX_TRACKED_ADAPTERS` ids), the mean time a request held the replica (`ServiceTime`,
   an exponentially weighted average), and the batch per priority once the engine has admitted and
@@ -17,11 +20,11 @@ and the simulator).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from lora_cluster.cluster.reports import MAX_REPORTED_ADAPTERS
 
 MAX_PREFETCHES = 4  # adapter prefetches (placement) in flight at once on one replica
-MIN_GAP_S = 0.02  # reports triggered by finishing requests are at least this far apart
 MAX_TRACKED_ADAPTERS = 4 * MAX_REPORTED_ADAPTERS
 
 
@@ -31,6 +34,28 @@ def report_on_finish(queue_depth: int, ongoing_before: int, capacity: int) -> bo
     (`ongoing_before` >= `capacity`), so that a ticket parked since that reply is granted the freed
     slot now rather than a report period later. A replica with room reports on its period only."""
     return queue_depth > 0 or ongoing_before >= capacity
+
+
+class ReportPacer:
+    """When a replica sends its next report (see the module docstring): `periodic_at` on its period,
+    `finish_at` for a finish `report_on_finish` tells. `sent` records each report. Invariant: two
+    reports of which the later was due to a finish are at least `coalesce_s` apart."""
+
+    def __init__(self, *, period_s: float, coalesce_s: float, clock: Callable[[], float]):
+        self.period_s, self.coalesce_s, self._clock = period_s, coalesce_s, clock
+        self.last = -float("inf")
+
+    def sent(self) -> None:
+        self.last = self._clock()
+
+    def periodic_at(self) -> float:
+        """When the next report is due if no finish asks for one sooner."""
+        return self.last + self.period_s
+
+    def finish_at(self) -> float:
+        """When to report a finish: now, or at the end of the window the last report opened (finishes
+        until then share that report)."""
+        return max(self._clock(), self.last + self.coalesce_s)
 
 
 class AdapterDemand:

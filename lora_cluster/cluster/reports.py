@@ -22,6 +22,14 @@ report built after the claim shows the claimed requests that still run, and not 
 a stale claim would hide a slot freed since, and keep a parked ticket waiting for its TTL). A
 restarted controller starts empty and is whole again once every replica has reported, within one
 report period. Pure: injected clock, no Ray.
+
+Bounded in bytes: a report as the controller takes it (`from_dict`) keeps at most
+`MAX_REPORTED_RESIDENT` resident and `MAX_REPORTED_LOADING` loading adapters (sorted, so that a
+report and the same report rebuilt from deltas are equal), `MAX_REPORTED_ADAPTERS` adapters' demand,
+`MAX_ARRIVED_TICKETS` arrived tickets, `SUMMARY_KEYS` prefix keys and `MAX_REPORTED_CLASSES` classes,
+and drops ids longer than `MAX_ID_LEN`: its JSON is at most `REPORT_MAX_BYTES`, and the view keeps one
+report per replica. A replica mostly sends deltas of its report (`report_delta`); `seq` numbers its
+reports so that a delta is applied only to the report it was computed from.
 """
 
 from __future__ import annotations
@@ -35,6 +43,14 @@ from typing import Any
 from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 
 MAX_REPORTED_ADAPTERS = 64  # per report: the replica's busiest adapters by recent requests
+MAX_REPORTED_RESIDENT = 512  # adapters on the device listed per report (the first, sorted)
+MAX_REPORTED_LOADING = 64  # adapters loading listed per report
+MAX_ARRIVED_TICKETS = 512  # arrived tickets per report (beyond: a grant counts until `grant_ttl_s`)
+MAX_REPORTED_CLASSES = 16  # SLA classes' stats per report
+MAX_ID_LEN = 256  # longest adapter or ticket id kept (adapter ids are validated to this length)
+# the JSON of a report at every bound above, ids at MAX_ID_LEN, plus 16 KiB for the counts and stats
+REPORT_MAX_BYTES = ((MAX_REPORTED_RESIDENT + MAX_REPORTED_LOADING + MAX_REPORTED_ADAPTERS
+                     + MAX_ARRIVED_TICKETS) * (MAX_ID_LEN + 16) + SUMMARY_KEYS * 32 + (16 << 10))
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,7 @@ class ReplicaReport:
     sent_at: float = 0.0  # wall-clock time, for display
     base: str | None = None  # the API name of the base model it serves (None: not reported)
     prefixes: tuple[str, ...] = ()  # routing keys of the prompt prefixes it ran lately
+    seq: int = 0  # the replica's report number (a delta names the one it applies to)
 
     @functools.cached_property
     def prefix_set(self) -> frozenset[str]:
@@ -87,26 +104,67 @@ class ReplicaReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["resident"], d["loading"] = list(self.resident), list(self.loading)
-        d["arrived_tickets"] = list(self.arrived_tickets)
-        d["prefixes"] = list(self.prefixes)
-        d["running_by_priority"] = {str(p): n for p, n in self.running_by_priority.items()}
+        for name in WIRE_FIELDS:
+            d[name] = field_to_wire(name, getattr(self, name))
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaReport:
+        """A report from its dict, within the bounds of the module docstring (`normalized`)."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in d.items() if k in fields}
-        values["resident"] = tuple(values.get("resident", ()))
-        values["loading"] = tuple(values.get("loading", ()))
-        values["arrived_tickets"] = tuple(values.get("arrived_tickets", ()))
-        values["prefixes"] = tuple(str(k) for k in list(values.get("prefixes") or ())[-SUMMARY_KEYS:])
-        by_priority = values.get("running_by_priority") or {}
-        values["running_by_priority"] = {int(p): int(n) for p, n in by_priority.items()}
-        values["memory"] = MemorySplit(**dict(values.get("memory") or {}))
-        demand = sorted(dict(values.get("adapter_requests") or {}).items(), key=lambda kv: -kv[1])
-        values["adapter_requests"] = dict(demand[:MAX_REPORTED_ADAPTERS])
+        values = {k: field_from_wire(k, v) for k, v in d.items() if k in fields}
+        values.setdefault("memory", MemorySplit())
         return cls(**values)
+
+
+WIRE_FIELDS = ("resident", "loading", "arrived_tickets", "prefixes", "running_by_priority", "memory",
+               "adapter_requests", "classes")  # the fields whose dict form differs or is bounded
+
+
+def _ids(values: Iterable[Any], limit: int, *, ordered: bool) -> tuple[str, ...]:
+    ids = [str(v) for v in values if len(str(v)) <= MAX_ID_LEN]
+    return tuple(ids[:limit] if ordered else sorted(set(ids))[:limit])
+
+
+def field_to_wire(name: str, value: Any) -> Any:
+    """A report field's JSON-able form."""
+    if name in ("resident", "loading", "arrived_tickets", "prefixes"):
+        return list(value)
+    if name == "running_by_priority":
+        return {str(p): n for p, n in value.items()}
+    if name == "memory":
+        return dataclasses.asdict(value)
+    if name in ("adapter_requests", "classes"):
+        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()}
+    return value
+
+
+def field_from_wire(name: str, value: Any) -> Any:
+    """A report field from its dict form (or its own form), within the module's bounds; idempotent."""
+    if name in ("resident", "loading"):
+        limit = MAX_REPORTED_RESIDENT if name == "resident" else MAX_REPORTED_LOADING
+        return _ids(value or (), limit, ordered=False)
+    if name == "arrived_tickets":
+        return _ids(value or (), MAX_ARRIVED_TICKETS, ordered=True)
+    if name == "prefixes":
+        return tuple(str(k) for k in list(value or ())[-SUMMARY_KEYS:])
+    if name == "running_by_priority":
+        return {int(p): int(n) for p, n in dict(value or {}).items()}
+    if name == "memory":
+        return value if isinstance(value, MemorySplit) else MemorySplit(**dict(value or {}))
+    if name == "adapter_requests":
+        demand = sorted(((str(a), int(n)) for a, n in dict(value or {}).items() if len(str(a)) <= MAX_ID_LEN),
+                        key=lambda kv: -kv[1])
+        return dict(demand[:MAX_REPORTED_ADAPTERS])
+    if name == "classes":
+        return {str(k): dict(v) if isinstance(v, Mapping) else v
+                for k, v in list(dict(value or {}).items())[:MAX_REPORTED_CLASSES]}
+    return value
+
+
+def normalized(report: ReplicaReport) -> ReplicaReport:
+    """`report` within the module's bounds, as `from_dict(report.to_dict())` gives it."""
+    return dataclasses.replace(report, **{n: field_from_wire(n, getattr(report, n)) for n in WIRE_FIELDS})
 
 
 @dataclass
@@ -167,6 +225,17 @@ class ClusterView:
             seen.preempting = old.preempting & set(seen.outstanding)
         self._seen[report.replica_id] = seen
         self._dirty.add(report.replica_id)
+
+    def arrived(self, replica_id: str, tickets: Iterable[str]) -> None:
+        """Granted tickets that reached the replica, told by a report the view could not use (a
+        delta whose base it lacks): they no longer count against its room."""
+        seen = self._seen.get(replica_id)
+        if seen is None:
+            return
+        for ticket_id in tickets:
+            seen.outstanding.pop(ticket_id, None)
+            seen.preempting.discard(ticket_id)
+        self._dirty.add(replica_id)
 
     def forget(self, replica_id: str) -> None:
         self._seen.pop(replica_id, None)

@@ -266,6 +266,15 @@ class ServeConfig(EngineConfig):
     controller_report_period_s: float = Field(
         0.5, gt=0, description="How often each replica reports its memory, adapters and queues."
     )
+    controller_report_coalesce_s: float = Field(
+        0.2,
+        ge=0,
+        le=10,
+        description="A replica whose request ends while requests wait in the cluster queue reports at "
+        "once, unless it reported less than this many seconds ago: then at the end of that window, one "
+        "report for every request that ended within it. Bounds the reports of a busy replica to one per "
+        "window (plus its period); shorter frees slots to the queue sooner, for more controller work.",
+    )
     placement_hot_share: float = Field(
         0.5,
         gt=0,

@@ -4,8 +4,10 @@ It is part of the application graph (started with it; if its actor dies, Serve s
 which rebuilds its view from the next replica reports, see `controller`). Calls:
 
 * `report(report)` from each LoRA replica, every `controller_report_period_s` and when a request
-  finishes while requests are queued or the replica was full (`cluster.report_rules.report_on_finish`);
-  the reply says how many are queued and what to prefetch;
+  finishes while requests are queued or the replica was full (`cluster.report_rules.report_on_finish`,
+  at most one per `controller_report_coalesce_s`); a full report or a delta
+  (`cluster.report_delta`); the reply says how many are queued, what to prefetch, and `resync` when
+  a delta's base is not held (a restarted actor), so that the replica sends its full report;
 * `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
   returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
   at once or later, when more urgent tickets bump it out of a full queue) or timed out
@@ -33,7 +35,7 @@ from ray import serve
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH
-from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.report_delta import parse_report
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError
@@ -74,7 +76,7 @@ class ClusterController:
 
     async def report(self, report: dict[str, Any]) -> dict[str, Any]:
         self._ensure_ticker()
-        reply = self.core.report(ReplicaReport.from_dict(report))
+        reply = self.core.report(parse_report(report))
         self._deliver()
         return reply
 

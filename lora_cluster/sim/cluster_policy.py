@@ -13,10 +13,11 @@ wired to simulated replicas the way the live deployments are wired to each other
   its replica until it ends. The request's prompt routing keys (`SimRequest.prefix`: chats) go to
   the router and on the ticket, none with `prefix_aware_routing` off (adapter-only routing, as the
   live router and controller do).
-* Replicas report to the controller (`Controller.report` with a `ReplicaReport`) every
-  `controller_report_period_s` and, as `serve.replica.reporter.ControllerReporter` does, at once (at
-  least `MIN_GAP_S` after the previous report) when a request finishes while their last reply
-  said tickets are queued or while the replica was full (`report_on_finish`); a report lists
+* Replicas report to the controller (`Controller.report` with a `ReplicaReport` or, mostly, its
+  delta: `report_delta.ReportEncoder`) every `controller_report_period_s` and, as
+  `serve.replica.reporter.ControllerReporter` does, at once when a request finishes while their last
+  reply said tickets are queued or while the replica was full (`report_on_finish`), at most one
+  such report per `controller_report_coalesce_s` (`report_rules.ReportPacer`); a report lists
   the granted tickets that arrived since the previous one.
   The reply's `prefetch` list is fetched into host memory.
 * The controller ticks every `TICK_S` (stale replicas, preemption of long-waiting urgent tickets);
@@ -40,7 +41,8 @@ from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
-from lora_cluster.cluster.report_rules import MIN_GAP_S, AdmissionWindow, report_on_finish, window_limit
+from lora_cluster.cluster.report_delta import ReportEncoder
+from lora_cluster.cluster.report_rules import AdmissionWindow, ReportPacer, report_on_finish, window_limit
 from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
@@ -91,8 +93,14 @@ class LoraClusterPolicy:
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
         self._report_version = dict.fromkeys(ctx.replicas, 0)
-        self._last_report = dict.fromkeys(ctx.replicas, -MIN_GAP_S)
+        self.pacers = {rid: ReportPacer(period_s=s.controller_report_period_s,
+                                        coalesce_s=s.controller_report_coalesce_s, clock=ctx.loop.clock)
+                       for rid in ctx.replicas}
+        self.encoders = {rid: ReportEncoder(clock=ctx.loop.clock) for rid in ctx.replicas}
         self.controller_s = self.router_s = 0.0
+        # after the warm-up: reports and controller CPU seconds, as of the latest arrival (steady state)
+        self._measured = [0, 0.0]
+        self._steady: tuple[int, float, float] = (0, 0.0, 0.0)
         self.calls: Counter[str] = Counter()
         self.trace: list[tuple[float, str, tuple[Any, ...], Any]] | None = None  # a list: record calls
         self.fast = self.parked = self.preempting = 0
@@ -116,8 +124,12 @@ class LoraClusterPolicy:
             answer = e
             raise
         finally:
-            self.controller_s += time.thread_time() - t0
+            spent = time.thread_time() - t0
+            self.controller_s += spent
             self.calls[name] += 1
+            if self.loop.now >= self.metrics.measure_from:
+                self._measured[0] += name == "report"
+                self._measured[1] += spent
             if self.trace is not None:
                 self.trace.append((self.loop.now, name, args, answer))
 
@@ -128,6 +140,7 @@ class LoraClusterPolicy:
         return not self._tickets and self._free_total > self._unassigned
 
     def arrive(self, req: SimRequest) -> None:
+        self._steady = (self._measured[0], self._measured[1], self.loop.now)
         prefix = req.prefix if self.ctx.serve.prefix_aware_routing else ()  # off: adapter-only routing
         if self.has_room():
             self.fast += 1
@@ -172,7 +185,7 @@ class LoraClusterPolicy:
         self._refree(rid)
         self.routing.changed(rid)
         if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self._taken(rid)):
-            self._schedule_report(rid, max(self.loop.now, self._last_report[rid] + MIN_GAP_S))
+            self._schedule_report(rid, self.pacers[rid].finish_at())
 
     def planned(self, replica: SimReplica) -> None:
         """A replica planned a step: its admission window observes it (as the live replica's does)."""
@@ -234,16 +247,18 @@ class LoraClusterPolicy:
             return
         now = self.loop.now
         del self._report_at[replica_id]
-        self._last_report[replica_id] = now
+        pacer, encoder = self.pacers[replica_id], self.encoders[replica_id]
+        pacer.sent()
         replica = self.replicas[replica_id]
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
-        reply = self._call("report", self.controller.report,
-                           replica.report(self._taken(replica_id), now, arrived))
+        sent = encoder.encode(replica.report(self._taken(replica_id), now, arrived))
+        reply = self._call("report", self.controller.report, sent)
+        encoder.replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])
         for adapter_id in reply["prefetch"]:
             replica.prefetch(adapter_id)
         self._deliver()
-        self._schedule_report(replica_id, now + MIN_GAP_S + self.ctx.serve.controller_report_period_s)
+        self._schedule_report(replica_id, pacer.finish_at() if reply.get("resync") else pacer.periodic_at())
 
     def _tick(self) -> None:
         self._call("tick", self.controller.tick)
@@ -281,4 +296,15 @@ class LoraClusterPolicy:
             "queue_depth_mean": self._depth_sum / max(self._depth_samples, 1),
             "queue_depth_max": self._depth_max,
             "placement_entries": len(c.placement()),
+            "control_plane": self.control_plane(),
         }
+
+    def control_plane(self) -> dict[str, float | None]:
+        """At steady state (from the end of the warm-up to the last arrival): reports per second per
+        replica, and CPU seconds spent in the controller's calls per simulated second."""
+        reports, cpu_s, until = self._steady
+        span = until - self.metrics.measure_from
+        if span <= 0:
+            return {"reports_per_s_per_replica": None, "controller_cpu_s_per_sim_s": None}
+        return {"reports_per_s_per_replica": reports / span / len(self.replicas),
+                "controller_cpu_s_per_sim_s": cpu_s / span}

@@ -39,6 +39,7 @@ class ServeSettings:
     preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
     top_class_preempt_after_fraction: float | None = _DEFAULTS.top_class_preempt_after_fraction
     controller_report_period_s: float = _DEFAULTS.controller_report_period_s
+    controller_report_coalesce_s: float = _DEFAULTS.controller_report_coalesce_s
     placement_hot_share: float = _DEFAULTS.placement_hot_share
 
     def controller_settings(self) -> ControllerSettings:

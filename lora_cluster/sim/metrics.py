@@ -48,12 +48,16 @@ class SimResult:
     chats: dict[str, Any] | None = None  # the chat workload's figures (`Metrics.chat_figures`), if any
 
     def to_json(self) -> dict[str, Any]:
-        """The object `--json` prints (exactly these keys, and `chats` when the run had chats)."""
+        """The object `--json` prints (exactly these keys, `chats` when the run had chats, and
+        `control_plane` with the lora-cluster policy: reports per second per replica and controller
+        CPU seconds per simulated second, at steady state)."""
         out = {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
                "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
                "wall_s": self.wall_s}
         if self.chats is not None:
             out["chats"] = self.chats
+        if self.details.get("control_plane") is not None:  # the lora-cluster policy's controller figures
+            out["control_plane"] = self.details["control_plane"]
         return out
 
 

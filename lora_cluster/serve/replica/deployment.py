@@ -20,7 +20,8 @@ attainment (`lora_cluster.cluster.class_stats`). Each job runs at its class's pr
 
 With a cluster controller, the replica also reports to it (`reporter`, `replica_report`): every
 `controller_report_period_s`, and at once when a request finishes while requests wait in the
-cluster queue; it prefetches the adapters the controller's placement names for it.
+cluster queue (at most one such report per `controller_report_coalesce_s`; mostly deltas of its
+report, `cluster.report_delta`); it prefetches the adapters the controller's placement names for it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from lora_cluster.cluster.report_rules import (
     ServiceTime,
     window_limit,
 )
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
@@ -118,7 +120,8 @@ class LoraReplica:
         self.active = 0  # generate calls in progress: what the controller counts against capacity
         self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
-            controller, self._report, self._on_reply, self.config.controller_report_period_s)
+            controller, self._report, self._on_reply, self.config.controller_report_period_s,
+            self.config.controller_report_coalesce_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 
@@ -253,7 +256,7 @@ class LoraReplica:
         queued = self.reporter is not None and self.reporter.queue_depth > 0
         self.window.observe(free_seats=stats.free_seq_slots, waiting=stats.num_waiting, tickets_queued=queued)
 
-    async def _report(self) -> dict[str, Any]:
+    async def _report(self) -> ReplicaReport:
         # the tickets first, then the stats: a ticket reported as arrived must be in the engine's
         # counts (its request joins the engine from its own task, which the pause lets run first)
         arrived = tuple(self._arrived)

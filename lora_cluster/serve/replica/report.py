@@ -52,9 +52,10 @@ def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineS
                  max_loras: int, classes: dict[str, Any], adapter_requests: dict[str, int],
                  memory: MemorySplit, service_time_s: float | None, sent_at: float, active: int,
                  arrived_tickets: tuple[str, ...], base: str | None = None,
-                 prefixes: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The report as the plain dict the controller's `report` takes; `base`: the served base's API name;
-    `prefixes`: the routing keys of the prompt prefixes the replica ran lately."""
+                 prefixes: tuple[str, ...] = ()) -> ReplicaReport:
+    """The report (the reporter sends it, or its delta, as the plain dict the controller's `report`
+    takes); `base`: the served base's API name; `prefixes`: the routing keys of the prompt prefixes
+    the replica ran lately."""
     return ReplicaReport(
         replica_id=replica_id, node_id=node_id, capacity=capacity, max_num_seqs=max_num_seqs,
         max_loras=max_loras, running=stats.num_running, waiting=stats.num_waiting,
@@ -64,4 +65,4 @@ def build_report(*, replica_id: str, node_id: str, capacity: int, stats: EngineS
                                             max_num_seqs),
         classes=classes, adapter_requests=adapter_requests, memory=memory, service_time_s=service_time_s,
         active=active, arrived_tickets=arrived_tickets, sent_at=sent_at, base=base, prefixes=tuple(prefixes),
-    ).to_dict()
+    )

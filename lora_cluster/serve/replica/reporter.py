@@ -1,13 +1,17 @@
 """A LoRA replica's reports to the cluster controller.
 
-Every `period_s`, and at once when one of its requests finishes while the controller said requests
-are queued or while the replica was full (`report_on_finish`: a freed slot is then granted without
-waiting for the period; a full replica cannot know whether a ticket was parked since its last
-report, so it tells the controller of every slot it frees), the replica sends a
-`ReplicaReport` (built by the replica: engine stats, memory split, per-class stats, requests per
-adapter since the last report). The reply names adapters to prefetch (placement chose this replica
-for them) and how many requests are queued. A controller that cannot be reached is retried at the
-next period; the replica keeps serving meanwhile.
+A report period after its previous report, and when one of its requests finishes while the
+controller said requests are queued or while the replica was full (`report_on_finish`: a freed slot
+is then granted without waiting for the period; a full replica cannot know whether a ticket was
+parked since its last report, so it tells the controller of every slot it frees), the replica sends
+a report: at once, or, when it reported less than `coalesce_s` ago, at the end of that window, one
+report for every finish inside it (`ReportPacer`). The replica builds a `ReplicaReport` (engine
+stats, memory split, per-class stats, requests per adapter since the last report); what goes out
+is, mostly, its delta against the report the controller last acknowledged, and a full report first,
+periodically, and at once when the controller's reply says it lacks the delta's base (`resync`: a
+restarted controller) (`ReportEncoder`). The reply names adapters to prefetch (placement chose this
+replica for them) and how many requests are queued. A controller that cannot be reached is retried
+at the next period; the replica keeps serving meanwhile.
 """
 
 from __future__ import annotations
@@ -15,19 +19,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lora_cluster.cluster.report_rules import MIN_GAP_S, report_on_finish
+from lora_cluster.cluster.report_delta import ReportEncoder
+from lora_cluster.cluster.report_rules import ReportPacer, report_on_finish
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.serve.ops.logs import detached
 
 log = logging.getLogger(__name__)
 
+
 class ControllerReporter:
-    def __init__(self, controller: Any, build_report: Callable[[], Awaitable[dict[str, Any]]],
-                 on_reply: Callable[[dict[str, Any]], Awaitable[None]], period_s: float):
+    def __init__(self, controller: Any, build_report: Callable[[], Awaitable[ReplicaReport]],
+                 on_reply: Callable[[dict[str, Any]], Awaitable[None]], period_s: float,
+                 coalesce_s: float = 0.2, clock: Callable[[], float] = time.monotonic):
         self._controller, self._build, self._on_reply = controller, build_report, on_reply
-        self.period_s = period_s
+        self.period_s, self._clock = period_s, clock
+        self.pacer = ReportPacer(period_s=period_s, coalesce_s=coalesce_s, clock=clock)
+        self.encoder = ReportEncoder(clock=clock)
         self.queue_depth = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -38,24 +49,26 @@ class ControllerReporter:
 
     def request_finished(self, ongoing_before: int, capacity: int) -> None:
         """A request ended here (`ongoing_before` requests ran before it ended, of `capacity`):
-        report now when `report_on_finish` says so."""
+        report now, or at the end of the coalescing window, when `report_on_finish` says so."""
         if report_on_finish(self.queue_depth, ongoing_before, capacity):
             self._wake.set()
 
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.period_s)
+                await asyncio.wait_for(self._wake.wait(), max(0.0, self.pacer.periodic_at() - self._clock()))
+            if self._wake.is_set():  # a finish to tell: finishes until the window's end share the report
+                await asyncio.sleep(max(0.0, self.pacer.finish_at() - self._clock()))
             self._wake.clear()
             await self.report_once()
-            await asyncio.sleep(MIN_GAP_S)
 
     async def report_once(self) -> None:
         """Build and send one report. A report that cannot be built is a defect of this replica:
         logged as an error (the controller, which sees no report, grants it nothing); a controller
         that cannot be reached is retried at the next period."""
+        self.pacer.sent()
         try:
-            report = await self._build()
+            report = self.encoder.encode(await self._build()).to_dict()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -68,6 +81,9 @@ class ControllerReporter:
         except Exception as exc:
             log.debug("cluster controller unreachable: %s", exc)
             return
+        self.encoder.replied(reply)
+        if reply.get("resync"):  # the controller lacks this replica's state: a full report now
+            self._wake.set()
         self.queue_depth = int(reply.get("queue_depth", 0))
         await self._on_reply(reply)
 
