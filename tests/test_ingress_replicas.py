@@ -242,3 +242,11 @@ def test_ingress_autoscaling_config_replaces_ingress_num_replicas(monkeypatch):
         "the environment sets it as JSON")
     with pytest.raises(ConfigError, match="ingress_autoscaling_config"):
         ingress_count(ServeConfig(ingress_autoscaling_config={"min_replicas": 3, "max_replicas": 1}))
+
+
+def test_a_restore_skips_names_being_loaded_and_stops_at_the_bound():
+    book = RegistryBook(lambda: 0.0, limit=2)
+    book.reserve_load("busy")  # a load through the restarted registry is under way
+    assert book.restore({"busy": ("/old", None), "x": ("/x", None), "y": ("/y", None)}), "the copy is taken"
+    assert book.entries() == {"x": ("/x", None)}, "except the busy name, and within the bound of 2 names"
+    assert book.complete_load("busy", "/new", None) == 2, "the load under way completes with its own path"

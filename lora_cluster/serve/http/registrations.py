@@ -144,12 +144,15 @@ class RegistryBook:
 
     def restore(self, entries: dict[str, tuple[str, str | None]]) -> bool:
         """Take the registrations an ingress kept from a registry that is gone (this one restarted):
-        only while nothing was loaded or unloaded here yet (version 0), as many as the bound allows.
-        True when they were taken."""
-        if self.version or self._busy_since:
+        only while nothing was loaded or unloaded here yet (version 0), those whose name is not busy
+        (a load of it is under way here), as many as the bound allows. True when they were taken."""
+        if self.version:
             return False
-        for name, (path, base) in list(entries.items())[:self.registrations.limit]:
-            self.registrations.reserve_load(name)
+        for name, (path, base) in entries.items():
+            try:
+                self.registrations.reserve_load(name)
+            except RegistrationConflict:
+                continue
             self.registrations.complete_load(name, path)
             self._bases[name] = base
         self.version = 1

@@ -167,9 +167,10 @@ class SharedRegistrations:
         while True:
             try:
                 reply = await self._handle.changes.remote(self.subscriber, self.version, self.epoch, POLL_S)
-                if reply["epoch"] != self.epoch and self._entries and reply["version"] == 0:
-                    # a restarted registry: give it what this ingress kept
-                    await self._handle.restore.remote(self._entries)
+                restarted = reply["epoch"] != self.epoch and self._entries and reply["version"] == 0
+                # a restarted registry: give it what this ingress kept (refused when another ingress
+                # did so first: then take the registry's state)
+                if restarted and await self._handle.restore.remote(self._entries):
                     continue
                 self._apply(reply)
             except asyncio.CancelledError:
