@@ -91,7 +91,7 @@ class ChatWorkload:
         self._cum_classes = list(itertools.accumulate(w for _, w in classes))
         self._ids = itertools.count()
         self._system: dict[str, tuple[list[int], list[bytes], bytes]] = {}  # bounded by the adapters
-        self._open: dict[int, tuple[_Chat, int]] = {}  # request id -> its chat and answer length
+        self._open: dict[int, _Chat] = {}  # request id -> its chat (one open request per user at most)
         self.chats_started = self.turns_sent = 0
 
     def start(self) -> None:
@@ -144,14 +144,14 @@ class ChatWorkload:
         req = SimRequest(rid, chat.adapter, chat.sla, prompt, answer, now, now >= self.workload.measure_from)
         req.prefix = routing_keys(chat.adapter, chat.tokens[:prompt])
         req.blocks = tuple(chat.keys)
-        self._open[rid] = (chat, answer)
+        self._open[rid] = chat
         self.turns_sent += 1
         self.submit(req)
 
     def ended(self, req: SimRequest, completed: bool) -> None:
         """The request ended (answered, or refused): the user thinks, then sends the chat's next
         message or, after the last turn or a refusal, starts a new chat."""
-        chat, _ = self._open.pop(req.rid)
+        chat = self._open.pop(req.rid)
         nxt = self._turn if completed and chat.turn < self.settings.turns else None
         when = self.loop.now + self._think()
         if when >= self.end:
