@@ -112,3 +112,54 @@ def test_the_served_configuration_sheds_for_one_second(monkeypatch):
     monkeypatch.setenv("LORA_CLUSTER_COLD_SHED_WINDOW_S", "0")
     assert ControllerSettings.from_config(ServeConfig()).cold_shed_window_s == 0.0, (
         "LORA_CLUSTER_COLD_SHED_WINDOW_S overrides it")
+
+
+def pressured_controller(pressure: float) -> Controller:
+    """One replica full of `standard` work holding `held`; a slow drain (0.4 requests/s) and one
+    `standard` ticket queued, so that the next one would wait 5 s: within its 5 s target (no refusal,
+    and the refusal window is off), but more than 0.75 of it."""
+    clock = FakeClock(100.0)
+    ctl = Controller(CLASSES, ControllerSettings(cold_shed_window_s=0.0, cold_shed_pressure=pressure),
+                     clock=clock)
+    ctl.report(ReplicaReport("r1", "n1", capacity=1, max_num_seqs=1, max_loras=4, running=1, waiting=0,
+                             free_adapter_slots=0, resident=("held",), running_by_priority={1: 1}))
+    ctl.queue.drain.record(1)
+    ctl.park(ticket("s0", "standard", 100.0, "held"))
+    return ctl
+
+
+def test_a_class_under_pressure_sheds_its_cold_requests_before_any_refusal():
+    ctl = pressured_controller(0.75)
+    with pytest.raises(ColdAdapterShedError) as info:
+        ctl.park(ticket("cold", "standard", 100.0, "rare"))
+    assert "cold_shed_pressure" in str(info.value), f"the refusal names the setting: {info.value}"
+    ctl.park(ticket("warm", "standard", 100.0, "held"))
+    assert "warm" in ctl.queue, "a request whose adapter a replica holds is still queued"
+
+
+def test_a_class_below_the_pressure_share_queues_its_cold_requests():
+    ctl = pressured_controller(1.0)
+    ctl.park(ticket("cold", "standard", 100.0, "rare"))
+    assert "cold" in ctl.queue, "a predicted wait of 5 s is not above 1.0 of the 5 s target: queued"
+
+
+def test_a_pressure_of_zero_turns_the_queue_state_rule_off():
+    ctl = pressured_controller(0.0)
+    ctl.park(ticket("cold", "standard", 100.0, "rare"))
+    assert "cold" in ctl.queue, "with cold_shed_pressure 0 (and no window) a cold request is queued"
+
+
+def test_a_class_without_a_target_is_under_pressure_against_half_its_wait_bound():
+    clock = FakeClock(100.0)
+    shedding = ColdShedding(0.0, clock, pressure=0.75, no_target_bound_s=30.0)
+    batch = ticket("b", "batch", 100.0, "rare")
+    assert shedding.under_pressure(batch, 23.0), "23 s predicted is above 0.75 of a 30 s bound"
+    assert not shedding.under_pressure(batch, 22.0), "22 s predicted is not"
+    assert not shedding.under_pressure(batch, None), "no prediction yet: no pressure"
+
+
+def test_the_served_configuration_sheds_under_three_quarters_of_the_target(monkeypatch):
+    assert ControllerSettings.from_config(ServeConfig()).cold_shed_pressure == 0.75, "default: 0.75"
+    monkeypatch.setenv("LORA_CLUSTER_COLD_SHED_PRESSURE", "0")
+    assert ControllerSettings.from_config(ServeConfig()).cold_shed_pressure == 0.0, (
+        "LORA_CLUSTER_COLD_SHED_PRESSURE overrides it")

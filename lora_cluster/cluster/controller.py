@@ -72,6 +72,8 @@ class ControllerSettings:
     queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
     # a class sheds cold misses this long after a deadline refusal (0: off)
     cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
+    # a class whose next request would wait this share of its bound sheds cold misses too (0: off)
+    cold_shed_pressure: float = _DEFAULTS.cold_shed_pressure
     # longest queue wait of a class without a TTFT target (None: unbounded)
     wait_bound_s: float | None = _DEFAULTS.cluster_queue_max_wait_s
 
@@ -95,7 +97,7 @@ class ControllerSettings:
             top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
             stale_after_s=max(2.0, 4 * config.controller_report_period_s),
             hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
-            cold_shed_window_s=config.cold_shed_window_s,
+            cold_shed_window_s=config.cold_shed_window_s, cold_shed_pressure=config.cold_shed_pressure,
             wait_bound_s=config.cluster_queue_max_wait_s or None,
         )
 
@@ -123,7 +125,9 @@ class Controller:
                                   wait_bound_s=settings.wait_bound_s)
         self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
         self.demand = DemandTracker(window_s=settings.demand_window_s, clock=clock)
-        self.shedding = ColdShedding(settings.cold_shed_window_s, clock)
+        self.shedding = ColdShedding(
+            settings.cold_shed_window_s, clock, pressure=settings.cold_shed_pressure,
+            no_target_bound_s=settings.wait_bound_s / 2 if settings.wait_bound_s else None)
         self._placement: dict[str, tuple[str, ...]] = {}
         self._planned_at = -float("inf")
         self._grants: dict[str, Grant | Refusal] = {}
@@ -173,10 +177,11 @@ class Controller:
         replica holds its adapter: `cluster.shedding`)."""
         if claims is not None:
             self.view.claim(ticket.ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
-        if self.shedding.refuses(ticket, self.view, self.queue.top_priority):
+        predicted = self.queue.predicted_wait_s(ticket, self._expected_rate())
+        if self.shedding.refuses(ticket, self.view, self.queue.top_priority, predicted):
             self.counts["rejected"] += 1
             self.counts["shed_cold"] += 1
-            raise self.shedding.error(ticket, self.queue.predicted_wait_s(ticket, self._expected_rate()))
+            raise self.shedding.error(ticket, predicted)
         can_preempt = ticket.ttft_s is not None and preemption_target(ticket, self.view) is not None
         try:
             bumped = self.queue.park(

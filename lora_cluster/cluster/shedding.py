@@ -14,6 +14,15 @@ replica holds is refused at once (429 with Retry-After), and the class's share o
 goes to requests that find their adapter: more of them are served, and each replica's idle
 adapters stay for the requests that want them.
 
+A class sheds load when either holds:
+- one of its requests was refused (its deadline or its wait bound) within the last `window_s`;
+- under pressure (`pressure` > 0): a request of the class parked now would wait more than `pressure`
+  times its bound (the class's TTFT target; for a class without one, half of
+  `cluster_queue_max_wait_s`, where its refusals begin), by the queue's own prediction. The first
+  rule alone sees overload only in the second after a refusal; between refusals the queue still
+  stands near the target, and each cold request admitted then costs a load and pins a slot for its
+  whole run, so the warm requests behind it are refused next. The queue's state says so at once.
+
 Exempt: the most urgent class (its requests preempt less urgent work rather than being refused) and
 the base model (every replica holds it). Nothing changes while no class sheds: under load the cluster
 can carry, every request is queued as before. `window_s` 0 turns the rule off.
@@ -36,10 +45,13 @@ from lora_cluster.errors import ColdAdapterShedError
 
 class ColdShedding:
     """Remembers when each class last shed a request (deadline or wait bound); refuses cold requests of a
-    class while it sheds (`refuses`, then `error`)."""
+    class while it sheds or is under pressure (`refuses`, then `error`)."""
 
-    def __init__(self, window_s: float, clock: Callable[[], float]):
+    def __init__(self, window_s: float, clock: Callable[[], float], pressure: float = 0.0,
+                 no_target_bound_s: float | None = None):
         self.window_s, self._clock = window_s, clock
+        self.pressure = pressure
+        self.no_target_bound_s = no_target_bound_s  # the bound of a class without a TTFT target
         self._shed_at: dict[int, float] = {}  # priority -> last deadline refusal (one per SLA class)
 
     def record(self, priority: int) -> None:
@@ -52,11 +64,19 @@ class ColdShedding:
         at = self._shed_at.get(priority)
         return self.window_s > 0 and at is not None and self._clock() - at < self.window_s
 
-    def refuses(self, ticket: Ticket, view: ClusterView, top_priority: int | None) -> bool:
-        """`ticket` should be refused now: its class sheds load and no replica holds its adapter."""
+    def under_pressure(self, ticket: Ticket, predicted_wait_s: float | None) -> bool:
+        """A request of `ticket`'s class parked now would wait more than `pressure` times its bound."""
+        bound = ticket.ttft_s if ticket.ttft_s is not None else self.no_target_bound_s
+        return (self.pressure > 0 and bound is not None and predicted_wait_s is not None
+                and predicted_wait_s > self.pressure * bound)
+
+    def refuses(self, ticket: Ticket, view: ClusterView, top_priority: int | None,
+                predicted_wait_s: float | None = None) -> bool:
+        """`ticket` should be refused now: its class sheds load (a recent refusal, or the queue's
+        `predicted_wait_s` for it under pressure) and no replica holds its adapter."""
         if ticket.adapter_id is None or ticket.priority == top_priority:
             return False
-        if not self.shedding(ticket.priority):
+        if not (self.shedding(ticket.priority) or self.under_pressure(ticket, predicted_wait_s)):
             return False
         return not any(holds(view, rid, ticket.adapter_id) for rid in view.ids())
 
@@ -65,7 +85,7 @@ class ColdShedding:
         return ColdAdapterShedError(
             f"the {ticket.sla_class} class is over capacity and adapter {ticket.adapter_id!r} is loaded on "
             f"no replica: while a class sheds load, its requests that need their adapter loaded are refused "
-            f"first (cold_shed_window_s)",
+            f"first (cold_shed_window_s, cold_shed_pressure)",
             retry_after_s=max(1.0, self.window_s, retry_after_s or 0.0),
         )
 

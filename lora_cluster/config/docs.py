@@ -99,7 +99,7 @@ GROUPS = (
     Group("controller", "Cluster controller: cluster queue, preemption, placement",
           ("controller", "admission_capacity", "admission_window_max", "cluster_queue_size",
            "cluster_queue_aging_s", "cluster_queue_timeout_s", "cluster_queue_max_wait_s",
-           "cold_shed_window_s",
+           "cold_shed_window_s", "cold_shed_pressure",
            "preempt_after_fraction", "top_class_preempt_after_fraction", "controller_report_period_s",
            "controller_report_coalesce_s", "placement_hot_share"),
           ("docs/serving.md", "cluster-controller")),

@@ -251,6 +251,15 @@ class ServeConfig(EngineConfig):
         "are refused first (429): they "
         "would cost a load and an adapter slot. Not the most urgent class. 0 turns it off.",
     )
+    cold_shed_pressure: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="A class also sheds load (its requests whose adapter no replica holds are refused first, "
+        "429) while a request of it parked now would wait more than this share of its TTFT target (a class "
+        "without one: of half of cluster_queue_max_wait_s), by the cluster queue's prediction: the queue "
+        "stands near the target between refusals too. Not the most urgent class. 0 turns it off.",
+    )
     preempt_after_fraction: float = Field(
         0.5,
         ge=0,

@@ -36,6 +36,7 @@ class ServeSettings:
     cluster_queue_timeout_s: float = _DEFAULTS.cluster_queue_timeout_s
     cluster_queue_max_wait_s: float = _DEFAULTS.cluster_queue_max_wait_s
     cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
+    cold_shed_pressure: float = _DEFAULTS.cold_shed_pressure
     preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
     top_class_preempt_after_fraction: float | None = _DEFAULTS.top_class_preempt_after_fraction
     controller_report_period_s: float = _DEFAULTS.controller_report_period_s
