@@ -1,13 +1,15 @@
 """Prefix caching: time to first token of requests that share a long system prompt, with the engine's
 prefix cache on (the default) and off, at the same open-loop load.
 
-Workload: one system prompt shared by every request (1,500 tokens where the model's context holds
-1,550 plus the output; otherwise the longest that leaves room for the user turn and the output, and
-the report says so), then a 50-token user turn of random tokens unique to each request; 16 adapters
-(a0..a15) taken in random order; 16 greedy output tokens (EOS ignored). One engine per setting, built
-as a replica builds it (`ServeConfig` defaults, the demo zoo). Each engine first serves the system
-prompt once per adapter, one at a time: that places the adapters and, with the cache, leaves each
-adapter's system-prompt blocks cached (its KV differs per adapter: nothing is shared across them).
+Workload: one system prompt shared by every request (`--system-tokens`, 1,500 by default, the
+issue's size, where the model's context holds it plus the user turn and the output; otherwise the
+longest that leaves room for them, and the report says so; the tiny demo model takes 512 tokens,
+`--size base`, the ~88M demo, 2,048), then a 50-token user turn of random tokens unique to each
+request; 16 adapters (a0..a15) taken in random order; 16 greedy output tokens (EOS ignored). One
+engine per setting, built as a replica builds it (`ServeConfig` defaults, the demo zoo). Each engine
+first serves the system prompt once per adapter, one at a time: that places the adapters and, with
+the cache, leaves each adapter's system-prompt blocks cached (its KV differs per adapter: nothing is
+shared across them).
 
 Load: Poisson arrivals at `--load` (default 0.5) times the cache-off engine's serial rate (one over
 its median TTFT for a request alone), the same arrival times for both engines, so the figures compare
@@ -16,8 +18,11 @@ off, on, off, on (`--reps`) and keep each setting's best run (lowest p50), as th
 noisy. Reported: TTFT mean, p50 and p90 per setting, their ratios (off / on), and the share of prompt
 tokens served from the cache.
 
-Run: python benchmarks/bench_prefix_cache.py [--requests 48] [--reps 2] [--threads 1] [--max-loras 16]
+Run: python benchmarks/bench_prefix_cache.py [--size tiny|base] [--system-tokens 1500] [--requests 48]
+                                             [--reps 2] [--alone 16] [--threads 1] [--max-loras 16]
                                              [--out report.md]
+The issue's size (1,500 + 50 tokens) on the CPU, about 6 minutes:
+     python benchmarks/bench_prefix_cache.py --size base --requests 16 --reps 1 --alone 8
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from lora_cluster.store import build_adapter_loader
 
 SYSTEM_TOKENS, USER_TOKENS, OUTPUT_TOKENS, ADAPTERS = 1500, 50, 16, 16
 REASONS = {
+    "demo_size": "the issue's 1,500-token system prompt with 50-token turns and the output needs more "
+                 "than the tiny demo's 512 positions: the base demo (~88M parameters) has 2,048",
     "demo_num_adapters": "the workload uses 16 adapters; a smaller zoo builds faster",
     "demo_dir": "a scratch folder for the demo zoo, not the user's cache",
     "max_loras": "every one of the 16 adapters keeps a device slot, so that TTFT measures the prefill and "
@@ -59,6 +66,12 @@ def ttfts(run) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=("tiny", "base"), default="tiny",
+                        help="the demo zoo's model (default: the shipped demo_size, tiny)")
+    parser.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS,
+                        help="tokens of the shared system prompt (cut to what the model's context holds)")
+    parser.add_argument("--alone", type=int, default=16,
+                        help="requests timed alone per setting (the serial rate: those without the cache)")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--load", type=float, default=0.5, help="arrival rate / the cache-off serial rate")
@@ -75,19 +88,19 @@ def main() -> None:
         notes.append(f"torch runs {args.threads} thread(s): on a 2-core machine that other jobs load, a "
                      "parallel matmul waits for whichever of its threads is descheduled, and step times "
                      "swing by 2-5x (docs/bench_decode.md)")
-    settings = {"demo_num_adapters": ADAPTERS, "demo_dir": args.demo_dir}
+    settings = {"demo_num_adapters": ADAPTERS, "demo_dir": args.demo_dir, "demo_size": args.size}
     if args.max_loras is not None:
         settings["max_loras"] = args.max_loras
     config = resolve_model(ServeConfig(**settings))
     engines = {cache: build(config, cache) for cache in (False, True)}
     rng = random.Random(args.seed)
     vocab, max_len = engines[True].model.dims.vocab_size, engines[True].max_model_len
-    system = SYSTEM_TOKENS
+    system = args.system_tokens
     if system + USER_TOKENS + OUTPUT_TOKENS > max_len:
         system = max_len - USER_TOKENS - OUTPUT_TOKENS
         notes.append(f"the demo zoo's model takes at most {max_len} tokens (prompt + output): the system "
-                     f"prompt is {system} tokens, not {SYSTEM_TOKENS}, so that its {USER_TOKENS}-token user "
-                     f"turn and {OUTPUT_TOKENS} output tokens fit")
+                     f"prompt is {system} tokens, not {args.system_tokens}, so that its {USER_TOKENS}-token "
+                     f"user turn and {OUTPUT_TOKENS} output tokens fit")
     print(*notes, sep="\n", file=sys.stderr)
     head = [rng.randrange(10, vocab) for _ in range(system)]
     adapters = [f"a{i}" for i in range(ADAPTERS)]
@@ -100,7 +113,8 @@ def main() -> None:
         for adapter in adapters:
             engine.generate([turn()], [adapter], params)
     alone: dict[bool, list[float]] = {False: [], True: []}  # each alone, its adapter placed, interleaved
-    for adapter in adapters[:8] * 2:
+    for i in range(args.alone):
+        adapter = adapters[i % 8]
         for cache in (False, True):
             alone[cache].append(engines[cache].generate([turn()], [adapter], params)[0].time_to_first_token)
     serial_rate = 1.0 / statistics.median(alone[False])
@@ -162,7 +176,8 @@ def main() -> None:
         row(True),
         "",
         f"TTFT without / with the cache: mean {ratio(None):.1f}x, p50 {ratio(0.5):.1f}x, "
-        f"p90 {ratio(0.9):.1f}x. A request alone (no other load, its adapter placed; median of 16): "
+        f"p90 {ratio(0.9):.1f}x. A request alone (no other load, its adapter placed; median of "
+        f"{args.alone}): "
         f"{statistics.median(alone[False]) * 1000:.1f} ms without the cache, "
         f"{statistics.median(alone[True]) * 1000:.1f} ms with it "
         f"({statistics.median(alone[False]) / statistics.median(alone[True]):.1f}x).",
