@@ -108,6 +108,10 @@ def test_a_delta_carries_only_what_changed() -> None:
     assert delta.arrived_tickets == ("t9",), "the events since the last report ride along"
     assert apply_delta(old, delta) == new, "applied to its base, the delta gives the new report"
     assert len(json.dumps(delta.to_dict())) < len(json.dumps(new.to_dict())), "a delta is smaller"
+    reused = diff(normalized(a_report(prefixes=("k1", "k2", "k3"), seq=1)),
+                  normalized(a_report(prefixes=("k3", "k1", "k4"), seq=2)))
+    assert (reused.prefixes_added, reused.prefixes_removed, dict(reused.changed)) == (("k4",), ("k2",), {}), (
+        "prefix keys used again in another order are no change; only keys added and dropped travel")
 
 
 def test_a_restarted_controller_asks_for_a_full_report_and_its_view_is_whole_again() -> None:

@@ -8,10 +8,11 @@ acknowledged, and a full report now and then (pure; the live replica and the sim
   unreachable) leaves the base where it was: the controller may or may not hold the lost one, and if
   it does, the next delta's base is not its own, so it asks for a full report.
 * `ReportDelta` carries the fields whose value changed (`changed`), the adapters loaded and evicted
-  (`resident_added`/`resident_removed`, likewise `loading_*`), and, as every report, the events since
-  the previous report (requests per adapter, arrived tickets). `apply_delta(base, delta)` is the
-  report the replica built, as `ReplicaReport.from_dict` bounds it: applying every delta of a
-  sequence gives the latest full report exactly (tested on random sequences).
+  (`resident_added`/`resident_removed`, likewise `loading_*` and the prefix keys, `prefixes_*`), and,
+  as every report, the events since the previous report (requests per adapter, arrived tickets).
+  `apply_delta(base, delta)` is the report the replica built, as `ReplicaReport.from_dict` bounds it:
+  applying every delta of a sequence gives the latest full report exactly (tested on random
+  sequences).
 * `parse_report` reads either from its dict (the controller actor's path), within the bounds of
   `reports`: a delta lists at most as many adapters as a full report.
 
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 from lora_cluster.cluster.reports import (
     MAX_ARRIVED_TICKETS,
     MAX_REPORTED_LOADING,
@@ -37,7 +39,7 @@ from lora_cluster.cluster.reports import (
 )
 
 FULL_REPORT_EVERY_S = 30.0  # a replica sends a full report at least this often
-SET_FIELDS = {"resident": MAX_REPORTED_RESIDENT, "loading": MAX_REPORTED_LOADING}
+SET_FIELDS = {"resident": MAX_REPORTED_RESIDENT, "loading": MAX_REPORTED_LOADING, "prefixes": SUMMARY_KEYS}
 EVENT_FIELDS = ("adapter_requests", "arrived_tickets")  # since the previous report: in every report
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaReport)
                      if f.name not in {"replica_id", "seq", *SET_FIELDS, *EVENT_FIELDS})
@@ -55,6 +57,8 @@ class ReportDelta:
     resident_removed: tuple[str, ...] = ()
     loading_added: tuple[str, ...] = ()
     loading_removed: tuple[str, ...] = ()
+    prefixes_added: tuple[str, ...] = ()  # routing keys of prompt prefixes run since, and those dropped
+    prefixes_removed: tuple[str, ...] = ()
     adapter_requests: Mapping[str, int] = field(default_factory=dict)
     arrived_tickets: tuple[str, ...] = ()
 

@@ -26,7 +26,8 @@ report period. Pure: injected clock, no Ray.
 Bounded in bytes: a report as the controller takes it (`from_dict`) keeps at most
 `MAX_REPORTED_RESIDENT` resident and `MAX_REPORTED_LOADING` loading adapters (sorted, so that a
 report and the same report rebuilt from deltas are equal), `MAX_REPORTED_ADAPTERS` adapters' demand,
-`MAX_ARRIVED_TICKETS` arrived tickets, `SUMMARY_KEYS` prefix keys and `MAX_REPORTED_CLASSES` classes,
+`MAX_ARRIVED_TICKETS` arrived tickets, `SUMMARY_KEYS` prefix keys (the last, sorted) and
+`MAX_REPORTED_CLASSES` classes,
 and drops ids longer than `MAX_ID_LEN`: its JSON is at most `REPORT_MAX_BYTES`, and the view keeps one
 report per replica. A replica mostly sends deltas of its report (`report_delta`); `seq` numbers its
 reports so that a delta is applied only to the report it was computed from.
@@ -146,8 +147,8 @@ def field_from_wire(name: str, value: Any) -> Any:
         return _ids(value or (), limit, ordered=False)
     if name == "arrived_tickets":
         return _ids(value or (), MAX_ARRIVED_TICKETS, ordered=True)
-    if name == "prefixes":
-        return tuple(str(k) for k in list(value or ())[-SUMMARY_KEYS:])
+    if name == "prefixes":  # the most recently used (last) SUMMARY_KEYS, as a sorted set
+        return _ids(list(value or ())[-SUMMARY_KEYS:], SUMMARY_KEYS, ordered=False)
     if name == "running_by_priority":
         return {int(p): int(n) for p, n in dict(value or {}).items()}
     if name == "memory":
