@@ -17,8 +17,13 @@ fused names; such a pair (A [r, in], B [sum of outs, r]) is split exactly into i
 (A, B rows of that member) pairs, the same delta. What the engine cannot apply is refused by name:
 DoRA (`use_dora`, whose magnitude rescales the merged weight per output row, not a low-rank add),
 `modules_to_save` (full copies of base modules), `trainable_token_indices`, LoRA biases. On a
-mixture-of-experts model (Qwen3-MoE, Mixtral) LoRA is served on attention only: LoRA on the experts
-or router (`target_parameters`, per-expert `experts.{e}.w1`, ...) is refused by name. On a
+mixture-of-experts model (Qwen3-MoE, Mixtral) LoRA is served on attention and on the experts as
+PEFT 0.21 writes it for transformers 5's stacked experts (`target_parameters` naming the experts'
+`gate_up_proj` / `down_proj`: A [E * r, in] expert-major, B [out, r * E] rank-major, one
+`ParamWrapper` nested in the other, told apart by their shapes), split per expert into
+`experts.{e}.gate_up_proj` / `experts.{e}.down_proj` pairs (`expert_module`); LoRA on the router,
+on other parameters, or per-expert `experts.{e}.w1` tensors (as PEFT wrote them before
+transformers 5) is refused by name. On a
 multimodal checkpoint served as text (Gemma 3), LoRA on the vision tower or projector is not loaded:
 text requests never run those modules, in transformers either. The LoRA
 scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rslora, per-module `rank_pattern` /
@@ -54,8 +59,13 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
-# a mixture-of-experts block's experts or router (LoRA on them is not served; attention is)
+# a mixture-of-experts block's experts or router (LoRA on them is refused unless _EXPERTS matches)
 _MOE = re.compile(r"\.(?:block_sparse_moe|mlp\.experts|mlp\.gate)\.")
+# PEFT's LoRA on transformers' stacked experts (target_parameters): the outer ParamWrapper's tensors,
+# or (one `base_layer.` deeper) the inner one's
+_EXPERTS = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.\w+)?\.weight$")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the experts' stacked parameters LoRA may target
 # a multimodal checkpoint's modules that text requests never run (LoRA on them has no effect there)
 _NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
 # adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
@@ -87,6 +97,23 @@ class ModelShapes:
     modules: dict[str, tuple[int, int]]  # projection name -> (in_features, out_features)
     # a fused checkpoint projection adapters may target -> its members, in output-row order
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)
+    # each expert's projection LoRA may target ("gate_up_proj", "down_proj") -> (in_features, out_features)
+    expert_modules: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def expert_module(expert: int, param: str) -> str:
+    """The module name of expert `expert`'s `param` ("gate_up_proj", "down_proj") in `LoraWeights`."""
+    return f"experts.{expert}.{param}"
+
+
+def expert_unit(module: str) -> str | None:
+    """"experts.gate_up_proj" for every expert's "experts.{e}.gate_up_proj" (the pool stores the
+    experts of one projection together), None for other modules."""
+    if not module.startswith("experts."):
+        return None
+    parts = module.split(".")
+    return f"experts.{parts[2]}" if len(parts) == 3 else None
 
 
 @dataclass
@@ -110,8 +137,12 @@ class LoraWeights:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
     def module_rank(self, module: str) -> int:
-        """Rank of `module` (0 when the adapter does not target it)."""
-        ranks = [t.shape[0] for (_, m), t in self.a.items() if m == module]
+        """Rank of `module` (0 when the adapter does not target it); for "experts.{param}", the
+        largest rank over the experts' `param` modules."""
+        if module.startswith("experts.") and module.count(".") == 1:
+            ranks = [t.shape[0] for (_, m), t in self.a.items() if expert_unit(m) == module]
+        else:
+            ranks = [t.shape[0] for (_, m), t in self.a.items() if m == module]
         return max(ranks, default=0)
 
 
@@ -175,10 +206,13 @@ def parse_adapter_config(adapter_id: str, data: bytes | str) -> dict:
         raise AdapterFormatError(adapter_id, "lora_bias=true is not supported (only bias-free LoRA)")
     if config.get("bias", "none") != "none":
         raise AdapterFormatError(adapter_id, f"bias={config.get('bias')!r} is not supported (only 'none')")
-    if config.get("target_parameters"):
-        raise AdapterFormatError(adapter_id, f"target_parameters={config['target_parameters']!r} (LoRA on "
-                                 "parameters such as MoE experts' stacked weights) is not served; target "
-                                 "attention projections (target_modules) instead")
+    params = config.get("target_parameters") or []
+    other = [p for p in params if not isinstance(p, str) or p.rpartition(".")[2] not in EXPERT_PARAMS
+             or p.rpartition(".")[0] not in ("", "experts", "mlp.experts")]  # fmt: skip
+    if other:
+        raise AdapterFormatError(adapter_id, f"target_parameters {other!r} is not served: LoRA on parameters "
+                                 "is served for a mixture of experts' mlp.experts.gate_up_proj and "
+                                 "mlp.experts.down_proj only (not the router's or any other)")
     if config.get("fan_in_fan_out"):
         raise AdapterFormatError(adapter_id, "fan_in_fan_out adapters are not supported")
     r = config.get("r")
@@ -250,15 +284,22 @@ def parse_lora_tensors(
     """Map PEFT tensor names to (layer, module) pairs and check them against the model."""
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
-    targets = ", ".join(sorted([*shapes.modules, *shapes.fused]))
+    experts = [f"mlp.experts.{p}" for p in shapes.expert_modules]
+    targets = ", ".join(sorted([*shapes.modules, *shapes.fused, *experts]))
+    stacked: dict[tuple[int, str, str], torch.Tensor] = {}  # (layer, nesting, A|B) -> PEFT's expert tensor
     for key, tensor in tensors.items():
         if _NOT_TEXT.search(key):
+            continue
+        expert = _EXPERTS.match(key)
+        if expert is not None and shapes.experts:
+            stacked[(int(expert[1]), expert[2], expert[3])] = tensor
             continue
         match = _KEY.match(key)
         if match is None and _MOE.search(key):
             raise AdapterFormatError(
-                adapter_id, f"tensor {key!r} is LoRA on a mixture-of-experts block (its experts or router), "
-                f"which is not served; on MoE models adapters may target {targets}")
+                adapter_id, f"tensor {key!r} is LoRA on a mixture-of-experts block that is not served (the "
+                "router, per-expert modules as PEFT wrote them before transformers 5, or a dense model); "
+                f"adapters may target {targets}")
         if match is None:
             raise AdapterFormatError(
                 adapter_id, f"tensor {key!r} is not a LoRA weight of a supported projection ({targets})")
@@ -271,6 +312,7 @@ def parse_lora_tensors(
             _split_fused(adapter_id, layer, module, which, tensor, shapes, a, b)
             continue
         (a if which == "A" else b)[(layer, module)] = tensor.float().contiguous()
+    expert_scaling = _split_experts(adapter_id, config, stacked, shapes, max_rank, a, b)
     if not a:
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
     if a.keys() != b.keys():
@@ -282,7 +324,8 @@ def parse_lora_tensors(
     fused_of = {m: name for name, members in shapes.fused.items() for m in members}
     for (layer, module), wa in a.items():
         wb = b[(layer, module)]
-        in_f, out_f = shapes.modules[module]
+        unit = expert_unit(module)
+        in_f, out_f = shapes.expert_modules[unit[8:]] if unit else shapes.modules[module]
         if (
             wa.dim() != 2
             or wb.dim() != 2
@@ -300,7 +343,8 @@ def parse_lora_tensors(
             raise AdapterRankError(adapter_id, rank, max_rank)
         if not (torch.isfinite(wa).all() and torch.isfinite(wb).all()):
             raise AdapterFormatError(adapter_id, f"layer {layer} {module} holds NaN or infinite values")
-        scaling[module] = _module_scaling(config, fused_of.get(module, module), rank)
+        scaling[module] = expert_scaling[(layer, unit)] if unit else _module_scaling(
+            config, fused_of.get(module, module), rank)
     return LoraWeights(
         adapter_id=adapter_id,
         rank=max(t.shape[0] for t in a.values()),
@@ -325,6 +369,43 @@ def _split_fused(adapter_id: str, layer: int, module: str, which: str, tensor: t
                                 f"fit the model's {module} (out_features={sum(outs)})")
     for m, part in zip(members, tensor.float().split(outs), strict=True):
         b[(layer, m)] = part.contiguous()
+
+
+def _split_experts(adapter_id: str, config: dict, stacked: dict[tuple[int, str, str], torch.Tensor],
+                   shapes: ModelShapes, max_rank: int, a: dict, b: dict) -> dict[tuple[int, str], float]:
+    """PEFT's LoRA on the stacked experts of each layer (its `ParamWrapper`s: A [E * r, in] with
+    expert e's rank rows at e * r, B [out, r * E] with expert e's column j at j * E + e) split into
+    per-expert (A [r, in], B [out, r]) pairs in `a` / `b`. Which parameter a wrapper adapts is read
+    from its shapes: gate_up_proj is (hidden -> 2 x width), down_proj (width -> hidden), never equal.
+    Returns the scaling of each (layer, "experts.{param}")."""
+    scaling: dict[tuple[int, str], float] = {}
+    by_shape = {shape: p for p, shape in shapes.expert_modules.items()}
+    experts = shapes.experts
+    for layer, nesting in sorted({(k[0], k[1]) for k in stacked}):
+        wa, wb = stacked.get((layer, nesting, "A")), stacked.get((layer, nesting, "B"))
+        where = f"layer {layer} mlp.experts{'.' + nesting.rstrip('.') if nesting else ''}"
+        if wa is None or wb is None:
+            raise AdapterFormatError(adapter_id, f"lora_A and lora_B do not pair up at {where}")
+        param = by_shape.get((wa.shape[-1], wb.shape[0])) if wa.dim() == 2 and wb.dim() == 2 else None
+        if param is None or wa.shape[0] % experts or wb.shape[1] != wa.shape[0]:
+            raise AdapterShapeError(adapter_id, f"{where}: lora_A {tuple(wa.shape)} / lora_B "
+                                    f"{tuple(wb.shape)} are not LoRA on the model's {experts} experts "
+                                    f"(gate_up_proj {shapes.expert_modules['gate_up_proj']}, down_proj "
+                                    f"{shapes.expert_modules['down_proj']} as (in, out))")
+        if layer >= shapes.num_layers:
+            raise AdapterShapeError(adapter_id, f"layer {layer} >= the model's {shapes.num_layers} layers")
+        rank = wa.shape[0] // experts
+        if rank > max_rank:
+            raise AdapterRankError(adapter_id, rank, max_rank)
+        if (layer, expert_module(0, param)) in a:
+            raise AdapterFormatError(adapter_id, f"{where}: two LoRA weights on the experts' {param}")
+        per_a = wa.float().reshape(experts, rank, -1)
+        per_b = wb.float().reshape(wb.shape[0], rank, experts)
+        for e in range(experts):
+            a[(layer, expert_module(e, param))] = per_a[e].contiguous()
+            b[(layer, expert_module(e, param))] = per_b[:, :, e].contiguous()
+        scaling[(layer, f"experts.{param}")] = _module_scaling(config, f"mlp.experts.{param}", rank)
+    return scaling
 
 
 def _module_scaling(config: dict, module: str, rank: int) -> float:

@@ -12,8 +12,10 @@ target names are what PEFT writes for the family: `qkv_proj` / `gate_up_proj` on
   4-8 experts, top-2, with and without renormalisation, on the mixtures of experts).
 * Every weight random from `torch.Generator(seed)` (norm weights around their identity, linear
   weights ~ N(0, 1/in), LoRA A and B both non-zero), so adapters visibly change outputs.
-* Adapter a{i} has the shape `ADAPTERS[i % 5]`: ranks 4-64, attention and MLP targets, rslora
-  (attention only on the mixtures of experts, whose expert LoRA is not served).
+* Adapter a{i} has the shape `ADAPTERS[i % 5]`: ranks 4-64, attention and MLP targets, rslora. On
+  the mixtures of experts an MLP target becomes LoRA on every expert's `gate_up_proj` and
+  `down_proj` (PEFT's `target_parameters`, both: PEFT requires every adapter on one model that
+  targets parameters to target the same ones), attention targets stay `target_modules`.
 * Deterministic and reusable like `lora_cluster.demo`: a folder whose `manifest.json` matches
   (version, arch, seed, num_adapters) is returned untouched; the zoo is written in a temporary
   sibling and renamed into place.
@@ -34,7 +36,7 @@ import torch
 
 from lora_cluster.demo import DemoZoo, train_tokenizer
 
-FAMILY_ZOO_VERSION = 1
+FAMILY_ZOO_VERSION = 2
 WINDOW = 8  # sliding window of the tiny models that have one (prompts in the tests are longer)
 _DIMS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -146,12 +148,16 @@ def _randomize(model: torch.nn.Module, g: torch.Generator, norm_center: float) -
                 p.copy_(noise * p.shape[-1] ** -0.5)  # in_features (last dim of stacked experts too)
 
 
-def _targets(spec: FamilyAdapter, fused: bool, moe: bool) -> list[str]:
-    """PEFT target names: fused ones on fused checkpoints; on MoE models attention only (LoRA on
-    experts is not served), all of it for an MLP-only shape."""
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _targets(spec: FamilyAdapter, fused: bool, moe: bool) -> tuple[list[str], list[str] | None]:
+    """PEFT's (target_modules, target_parameters): fused names on fused checkpoints; on MoE models
+    the attention targets, and every expert's projections when the shape has an MLP target."""
     if moe:
-        return sorted({t for t in spec.targets if t in _ATTN} or set(_ATTN))
-    return sorted({_FUSED.get(t, t) if fused else t for t in spec.targets})
+        mlp = any(t in _MLP for t in spec.targets)
+        return sorted(t for t in spec.targets if t in _ATTN), EXPERT_PARAMETERS if mlp else None
+    return sorted({_FUSED.get(t, t) if fused else t for t in spec.targets}), None
 
 
 def _write_family(tmp: Path, zoo: DemoZoo, arch: str, seed: int, num_adapters: int) -> None:
@@ -171,8 +177,10 @@ def _write_family(tmp: Path, zoo: DemoZoo, arch: str, seed: int, num_adapters: i
     moe = arch in MOE_ARCHS
     for i, adapter_id in enumerate(zoo.adapter_ids):
         spec = ADAPTERS[i % len(ADAPTERS)]
-        lora = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=_targets(spec, fused, moe),
-                          use_rslora=spec.use_rslora, lora_dropout=0.0, task_type="CAUSAL_LM")
+        modules, parameters = _targets(spec, fused, moe)
+        lora = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=modules or None,
+                          target_parameters=parameters, use_rslora=spec.use_rslora, lora_dropout=0.0,
+                          task_type="CAUSAL_LM")  # fmt: skip
         peft_model = get_peft_model(copy.deepcopy(model), lora)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i + 1)
         with torch.no_grad():

@@ -1,8 +1,10 @@
 """Every supported family is token-exact with transformers + PEFT, in mixed batches.
 
 For each family's tiny zoo (`lora_cluster.demo_families`: 5 PEFT adapters, ranks 4-64, attention
-and MLP targets, two rslora; fused `qkv_proj` / `gate_up_proj` targets on Phi-3; attention targets
-on the mixtures of experts Qwen3-MoE and Mixtral, whose expert LoRA is not served), the engine runs
+and MLP targets, two rslora; fused `qkv_proj` / `gate_up_proj` targets on Phi-3; on the mixtures of
+experts Qwen3-MoE and Mixtral, LoRA on every expert's `gate_up_proj` / `down_proj` through PEFT's
+`target_parameters` for the MLP targets: a batch of expert-LoRA adapters, an attention-only one and
+base rows, which the expert mix of each token routes differently), the engine runs
 the adapters and base-model rows in shared steps with chunked prefills, fewer adapter slots than
 adapters, and requests that join while others decode. Prompts are longer than the sliding window
 (`WINDOW`, 8 tokens) and decoding runs past it again, so windowed layers read only part of what the

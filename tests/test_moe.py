@@ -3,8 +3,10 @@
 `moe_experts` (grouped by expert) equals its one-token-at-a-time reference; the router follows each
 family's rules (Mixtral renormalises the top k, Qwen3-MoE only with `norm_topk_prob`); a checkpoint
 in transformers' stacked expert layout serves the same tokens as the per-expert one; LoRA on the
-experts (PEFT 0.21's `target_parameters`, or per-expert `experts.{e}.w1` tensors) is refused naming
-the module, while attention LoRA loads. (Token parity with PEFT: tests/test_family_parity.py.)
+experts as PEFT 0.21 writes it (`target_parameters`, also when it converts per-expert
+`target_modules`) loads as each expert's PEFT delta, while LoRA on the router or per-expert
+`experts.{e}.w1` tensors is refused naming it. (Token parity with PEFT, expert LoRA included:
+tests/test_family_parity.py.)
 """
 
 from __future__ import annotations
@@ -94,29 +96,69 @@ def test_a_checkpoint_with_stacked_experts_serves_the_same_tokens(zoos, tmp_path
         str(zoo.model_dir), str(zoo.adapters_dir), "a1"), "both layouts decode the same tokens"
 
 
-def _moe_adapter(zoo, out: Path) -> Path:
+def _moe_adapter(zoo, out: Path, **targets) -> tuple[Path, object]:
+    """A PEFT adapter on the zoo's model with random non-zero A and B (PEFT starts B at zero)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(zoo.model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    get_peft_model(base, lora).save_pretrained(out)
-    return out
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **targets))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(out)
+    return out, model
+
+
+EXPERT_TARGETS = {
+    "target_parameters": dict(target_modules=["q_proj"],
+                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "gate_up_only": dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
+    # per-expert names, which PEFT converts to target_parameters (gate and up at rank 2r, rank_pattern)
+    "target_modules": dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("targets", list(EXPERT_TARGETS))
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+def test_peft_expert_lora_loads_as_each_experts_delta(zoos, tmp_path: Path, arch: str, targets: str) -> None:
+    """Every expert's scaled B_e @ A_e, as the loader splits PEFT's stacked tensors, equals the delta
+    PEFT's ParamWrapper adds to that expert's slice of the stacked parameter."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    zoo = zoos(arch)
+    model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    folder, peft_model = _moe_adapter(zoo, tmp_path / "experts", **EXPERT_TARGETS[targets])
+    ours = load_peft_adapter("experts", folder, model.dims.shapes(), max_rank=64)
+    wrappers = [(name, m) for name, m in peft_model.named_modules() if isinstance(m, ParamWrapper)]
+    assert wrappers, f"PEFT wrote LoRA on the {arch} experts ({targets})"
+    for name, wrapper in wrappers:
+        layer = int(name.split("layers.")[1].split(".")[0])
+        delta = wrapper.get_delta_weight("default")  # [E, out, in], as the stacked parameter
+        for e in range(delta.shape[0]):
+            key = (layer, f"experts.{e}.{wrapper.parameter_name}")
+            mine = ours.scaling[key[1]] * ours.b[key] @ ours.a[key]
+            torch.testing.assert_close(mine, delta[e], atol=1e-6, rtol=1e-5, msg=lambda m, k=key: (
+                f"{arch} ({targets}) layer {k[0]} {k[1]}: the loaded delta is PEFT's: {m}"))
+    assert "q_proj" in ours.target_modules, "attention LoRA loads beside the experts'"
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
-def test_lora_on_the_experts_is_refused_naming_it(zoos, tmp_path: Path, arch: str) -> None:
+def test_lora_on_the_router_or_per_expert_modules_is_refused(zoos, tmp_path: Path, arch: str) -> None:
     zoo = zoos(arch)
     model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
     shapes = model.dims.shapes()
-    folder = _moe_adapter(zoo, tmp_path / "experts")
-    with pytest.raises(AdapterFormatError) as info:
-        load_peft_adapter("experts", folder, shapes, max_rank=64)
-    assert "target_parameters" in str(info.value) and "mlp.experts" in str(info.value), (
-        f"PEFT's expert LoRA is refused naming the field and the experts: {info.value}")
-    # an adapter of per-expert Linear modules (as PEFT wrote them before transformers 5)
+    folder, _ = _moe_adapter(zoo, tmp_path / "experts", **EXPERT_TARGETS["target_parameters"])
     config = json.loads((folder / "adapter_config.json").read_text())
+    router = {**config, "target_parameters": ["mlp.gate.weight"]}
+    (folder / "adapter_config.json").write_text(json.dumps(router))
+    with pytest.raises(AdapterFormatError) as info:
+        load_peft_adapter("router", folder, shapes, max_rank=64)
+    assert "mlp.gate.weight" in str(info.value) and "router" in str(info.value), (
+        f"LoRA on the router's parameter is refused naming it: {info.value}")
+    # an adapter of per-expert Linear modules (as PEFT wrote them before transformers 5)
     config.update(target_parameters=None, target_modules=["q_proj", "w1"])
     (folder / "adapter_config.json").write_text(json.dumps(config))
     tensors = {k: v for k, v in load_file(folder / "adapter_model.safetensors").items() if "experts" not in k}
@@ -125,8 +167,8 @@ def test_lora_on_the_experts_is_refused_naming_it(zoos, tmp_path: Path, arch: st
     tensors[f"{expert}.lora_B.weight"] = torch.zeros(128, 4)
     save_file(tensors, folder / "adapter_model.safetensors")
     with pytest.raises(AdapterFormatError) as info:
-        load_peft_adapter("experts", folder, shapes, max_rank=64)
-    assert "experts.0.w1" in str(info.value) and "mixture-of-experts" in str(info.value), (
+        load_peft_adapter("legacy", folder, shapes, max_rank=64)
+    assert "experts.0.w1" in str(info.value) and "before transformers 5" in str(info.value), (
         f"per-expert LoRA is refused naming the module: {info.value}")
-    served = load_peft_adapter("a1", zoo.adapters_dir / "a1", shapes, max_rank=64)
-    assert served.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj"}, "attention LoRA loads"
+    served = load_peft_adapter("a0", zoo.adapters_dir / "a0", shapes, max_rank=64)
+    assert served.target_modules == {"q_proj", "v_proj"}, "attention-only LoRA loads"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lora_kernels import LoraOps
-from lora_kernels.moe_experts import get_moe_experts
+from lora_kernels.moe_experts import ExpertLora, get_moe_experts
 from lora_kernels.paged_attention import get_paged_attention
 
 from lora_cluster.engine.adapters.pool import AdapterPool
@@ -26,7 +26,7 @@ from lora_cluster.engine.attention import layer_attention
 from lora_cluster.engine.batch import StepBatch
 from lora_cluster.engine.family import FamilySpec
 from lora_cluster.engine.kv_cache import PagedKVCache
-from lora_cluster.engine.lora_layer import LoraLayer
+from lora_cluster.engine.lora_layer import LoraLayer, StepLora
 from lora_cluster.engine.model_loader import BaseModel, LayerWeights
 from lora_cluster.engine.moe import moe_block
 from lora_cluster.engine.rope import rope_tables, rotate
@@ -95,6 +95,7 @@ class LlamaRunner:
         if spec.embed_scale != 1.0:
             h = h * self.embed_scale
         tables = {key: (cos[batch.positions], sin[batch.positions]) for key, (cos, sin) in self.ropes.items()}
+        expert_rows = self._expert_rows(batch.lora) if self.pool.expert_a else None
         for i, layer in enumerate(m.layers):
             ls = spec.layers[i]
             x = norm(h, layer.pre_attn_norm)
@@ -119,7 +120,7 @@ class LlamaRunner:
             self.lora.add(batch.lora, i, "o_proj", o, attn)
             h = self._residual(h, norm(o, layer.post_attn_norm))
             x = norm(h, layer.pre_mlp_norm)
-            down = self._mlp(batch, i, layer, x)
+            down = self._mlp(batch, i, layer, x, expert_rows)
             h = self._residual(h, norm(down, layer.post_mlp_norm))
         rows = batch.sample_rows if batch.logit_rows is None else batch.logit_rows
         logits = F.linear(norm(h[rows], m.norm), m.lm_head)
@@ -129,11 +130,29 @@ class LlamaRunner:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits.float()
 
-    def _mlp(self, batch: StepBatch, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.moe`, base weights only: adapters
-        target attention on MoE models), else the gated MLP with its LoRA deltas."""
+    def _expert_rows(self, step: StepLora) -> tuple[torch.Tensor, int] | None:
+        """The step's LoRA on the experts: each token's row in the pool's expert tensors (-1: none)
+        and the largest expert rank among them; None when no token's adapter targets the experts.
+        Both expert projections share one row per adapter (the pool's unit "experts")."""
+        keys = [k for k in self.pool.expert_a if step.bgmv_rank.get(k) or step.metas[k].max_rank]
+        if not keys:
+            return None
+        rank = max(max(step.bgmv_rank.get(k, 0), step.metas[k].max_rank) for k in keys)
+        per_key = [torch.cat([step.token_row[k][: step.bgmv_rows], step.metas[k].token_slot]) for k in keys]
+        rows = per_key[0] if len(per_key) == 1 else torch.maximum(*per_key)
+        return rows, rank
+
+    def _mlp(self, batch: StepBatch, i: int, layer: LayerWeights, x: torch.Tensor,
+             expert_rows: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
+        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.moe`) with the LoRA of each token's
+        adapter on its chosen experts (`expert_rows`), else the gated MLP with its LoRA deltas."""
         if layer.moe is not None and self.spec.moe is not None:
-            return moe_block(x, layer.moe, self.spec.moe, self.act, self.moe_experts)
+            lora = None
+            if expert_rows is not None:
+                a, b = self.pool.expert_a, self.pool.expert_b
+                gu, dn = "experts.gate_up_proj", "experts.down_proj"
+                lora = ExpertLora(expert_rows[0], a[gu][i], b[gu][i], a[dn][i], b[dn][i], expert_rows[1])
+            return moe_block(x, layer.moe, self.spec.moe, self.act, self.moe_experts, lora)
         inter = self.model.dims.intermediate
         gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
         self.lora.add(batch.lora, i, "gate_up", gu, x)

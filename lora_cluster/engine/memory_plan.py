@@ -117,7 +117,11 @@ def plan_engine_memory(config: EngineConfig, dims: ModelDims, dtype: torch.dtype
         dtype=dtype,
     )  # fmt: skip
     elem = torch.empty((), dtype=dtype).element_size()
-    slot_bytes = adapter_slot_bytes(dims.shapes().modules, dims.num_layers, config.max_lora_rank, elem)
+    shapes = dims.shapes()
+    slot_bytes = adapter_slot_bytes(shapes.modules, dims.num_layers, config.max_lora_rank, elem)
+    # LoRA on every expert of a mixture of experts (AdapterPool.expert_a / expert_b)
+    slot_bytes += shapes.experts * adapter_slot_bytes(shapes.expert_modules, dims.num_layers,
+                                                      config.max_lora_rank, elem)  # fmt: skip
     min_blocks = blocks_for(max_model_len, block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -66,7 +66,9 @@ class ModelDims:
     rms_norm_eps: float
     max_position_embeddings: int  # the longest sequence served exactly (longrope: its original context)
     fused_targets: bool = False  # adapters target qkv_proj / gate_up_proj (fused checkpoints)
-    moe: bool = False  # the MLP is a mixture of experts: adapters may target attention only
+    moe: bool = False  # the MLP is a mixture of experts: adapters target attention and the experts
+    experts: int = 0  # experts per layer (mixture of experts)
+    expert_intermediate: int = 0  # each expert's width (mixture of experts)
 
     @property
     def q_dim(self) -> int:
@@ -79,6 +81,8 @@ class ModelDims:
     def shapes(self) -> ModelShapes:
         h, i = self.hidden, self.intermediate
         mlp = {} if self.moe else {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        w = self.expert_intermediate
+        experts = {"gate_up_proj": (h, 2 * w), "down_proj": (w, h)} if self.moe else {}
         return ModelShapes(
             num_layers=self.num_layers,
             modules={
@@ -90,6 +94,8 @@ class ModelDims:
             },
             fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
             if self.fused_targets else {},
+            experts=self.experts if self.moe else 0,
+            expert_modules=experts,
         )
 
 
@@ -182,6 +188,8 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
     dims = _dims(text)
     dims.fused_targets = spec.fused_checkpoint
     dims.moe = spec.moe is not None
+    if spec.moe is not None:
+        dims.experts, dims.expert_intermediate = spec.moe.num_experts, spec.moe.intermediate
     if spec.max_positions is not None:
         dims.max_position_embeddings = min(dims.max_position_embeddings, spec.max_positions)
     w = _read_weights(path)

@@ -11,6 +11,11 @@ of the 7 projections; docs/bench_decode.md). Loading an adapter copies its weigh
 (scaling folded into B, rows/columns past its rank zeroed); nothing is allocated per switch, so the
 tensors the forward pass reads never move.
 
+On a mixture of experts, each slot also holds LoRA on every expert's projections (`expert_a[u]`
+[num_layers, rows, experts, max_rank, in], `expert_b[u]` [num_layers, rows, experts, out,
+max_rank], u = "experts.gate_up_proj" / "experts.down_proj", one unit "experts" for their rows):
+an adapter's `experts.{e}.{param}` weights land in expert e of its row (`engine.moe` reads them).
+
 Invariants: a slot holds at most one adapter version; an adapter id maps to at most one slot (its
 current version); a slot with references (running sequences) is never overwritten; eviction picks
 the least recently used unreferenced slot. An adapter whose id now names newer weights is
@@ -28,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes
+from lora_cluster.adapter_format import LoraWeights, ModelShapes, expert_unit
 from lora_cluster.errors import AdapterCapacityError
 from lora_cluster.store.loader import SlotPolicy
 
@@ -68,8 +73,17 @@ class AdapterPool:
         for m, (i, _) in shapes.modules.items():
             if m not in self.a:
                 self.a[m] = torch.zeros((n, num_slots, max_rank, i), dtype=dtype, device=device)
+        # LoRA on the experts (mixtures of experts): per projection, every expert of every slot's row
+        self.expert_a: dict[str, torch.Tensor] = {}
+        self.expert_b: dict[str, torch.Tensor] = {}
+        for p, (i, o) in shapes.expert_modules.items():
+            experts = (n, num_slots, shapes.experts, max_rank)
+            self.expert_a[f"experts.{p}"] = torch.zeros((*experts, i), dtype=dtype, device=device)
+            self.expert_b[f"experts.{p}"] = torch.zeros((*experts, o), dtype=dtype, device=device).mT
         grouped = {m for ms in self.groups.values() for m in ms}
         self.units = {**self.groups, **{m: (m,) for m in shapes.modules if m not in grouped}}
+        if self.expert_a:
+            self.units["experts"] = tuple(self.expert_a)
         # projection or group -> row of each slot (-1: none); the members of a unit share one list
         self.rows: dict[str, list[int]] = {}
         self._row_slot: dict[str, list[int]] = {}  # unit -> slot of each row (-1: free)
@@ -84,10 +98,10 @@ class AdapterPool:
             for m, (_, o) in shapes.modules.items()
         }
         # module -> rank of that projection in each slot (0: not targeted / empty)
-        self.module_ranks = {m: [0] * num_slots for m in shapes.modules}
+        self.module_ranks = {m: [0] * num_slots for m in [*shapes.modules, *self.expert_a]}
         # module -> rank rows that may be non-zero in each row of its tensors (an evicted adapter's rows
         # stay until the row is reused, and only they are cleared then)
-        self._written = {m: [0] * num_slots for m in shapes.modules}
+        self._written = {m: [0] * num_slots for m in self.module_ranks}
         self._owner: list[str | None] = [None] * num_slots  # current or retired adapter of each slot
         self._version = [0] * num_slots
         self._retired = [False] * num_slots
@@ -181,21 +195,31 @@ class AdapterPool:
     def write(self, slot: int, weights: LoraWeights) -> None:
         """Copy `weights` into the rows of a slot reserved for them; touches no other slot's rows (safe
         on a copy thread while a forward pass reads the others)."""
-        for m in self.a:
+        for m in self.module_ranks:
             row = self.rows[m][slot]
             if row < 0:
                 continue
             stale, rank = self._written[m][row], weights.module_rank(m)
             self._written[m][row] = max(stale, rank)
-            if stale:
+            if stale and m in self.expert_a:
+                self.expert_a[m][:, row, :, :stale].zero_()
+                self.expert_b[m][:, row, :, :, :stale].zero_()
+            elif stale:
                 self.a[m][:, row, :stale].zero_()
                 self.b[m][:, row, :, :stale].zero_()
         for (layer, m), wa in weights.a.items():
-            r, scaling, row = wa.shape[0], weights.scaling[m], self.rows[m][slot]
+            r, scaling, unit = wa.shape[0], weights.scaling[m], expert_unit(m)
             wb = weights.b[(layer, m)]
+            wb = wb * scaling if scaling != 1 else wb
+            if unit is not None:
+                row, e = self.rows[unit][slot], int(m.split(".")[1])
+                self.expert_a[unit][layer, row, e, :r].copy_(wa, non_blocking=True)
+                self.expert_b[unit][layer, row, e, :, :r].copy_(wb, non_blocking=True)
+                continue
+            row = self.rows[m][slot]
             self.a[m][layer, row, :r].copy_(wa, non_blocking=True)
-            self.b[m][layer, row, :, :r].copy_(wb * scaling if scaling != 1 else wb, non_blocking=True)
-        for m in self.a:
+            self.b[m][layer, row, :, :r].copy_(wb, non_blocking=True)
+        for m in self.module_ranks:
             row = self.rows[m][slot]
             if row >= 0:
                 self._written[m][row] = weights.module_rank(m)
@@ -282,6 +306,9 @@ class AdapterPool:
         slots); 0.0 when no slot holds a live adapter. Empty slots are free memory, not fragmentation."""
         row_bytes = {m: a.shape[0] * (a.shape[-1] + self.b[m].shape[-2]) * a.element_size()
                      for m, a in self.a.items()}  # one rank row of one slot, over every layer
+        for m, a in self.expert_a.items():  # every expert's rank row
+            layers, _, experts, _, width = a.shape
+            row_bytes[m] = layers * experts * (width + self.expert_b[m].shape[-2]) * a.element_size()
         live = [s for s in range(self.num_slots) if any(r[s] for r in self.module_ranks.values())]
         if not live:
             return 0.0
@@ -292,4 +319,5 @@ class AdapterPool:
     def nbytes(self) -> int:
         fused = {m for ms in self.groups.values() for m in ms}
         a = [*self.a_fused.values(), *(t for m, t in self.a.items() if m not in fused)]
-        return sum(t.numel() * t.element_size() for t in (*a, *self.b.values()))
+        tensors = (*a, *self.b.values(), *self.expert_a.values(), *self.expert_b.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
