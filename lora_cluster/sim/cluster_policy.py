@@ -100,6 +100,7 @@ class LoraClusterPolicy:
         self.controller_s = self.router_s = 0.0
         # after the warm-up: reports and controller CPU seconds, as of the latest arrival (steady state)
         self._measured = [0, 0.0]
+        self.cpu_by_call: Counter[str] = Counter()  # after the warm-up: CPU seconds per controller call
         self._steady: tuple[int, float, float] = (0, 0.0, 0.0)
         self.calls: Counter[str] = Counter()
         self.trace: list[tuple[float, str, tuple[Any, ...], Any]] | None = None  # a list: record calls
@@ -130,6 +131,7 @@ class LoraClusterPolicy:
             if self.loop.now >= self.metrics.measure_from:
                 self._measured[0] += name == "report"
                 self._measured[1] += spent
+                self.cpu_by_call[name] += spent
             if self.trace is not None:
                 self.trace.append((self.loop.now, name, args, answer))
 
@@ -292,6 +294,7 @@ class LoraClusterPolicy:
             "fast_path": self.fast, "parked": self.parked, "preempting_grants": self.preempting,
             "controller_counts": dict(c.counts), "controller_calls": dict(self.calls),
             "controller_cpu_s": self.controller_s, "router_cpu_s": self.router_s,
+            "controller_cpu_s_by_call_after_warmup": dict(self.cpu_by_call),
             "router_decisions": self.routing.decisions,
             "queue_depth_mean": self._depth_sum / max(self._depth_samples, 1),
             "queue_depth_max": self._depth_max,
