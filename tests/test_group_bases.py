@@ -291,27 +291,7 @@ async def test_a_stale_listing_is_refreshed_and_a_new_adapter_waits_for_it():
     assert qwen.listed == 3, "the stale listing is refreshed behind a placed adapter's request"
 
 
-# ----- one tokenizer for every base ---------------------------------------------------------------------
-
-
-def test_bases_that_tokenize_differently_stop_the_start_naming_the_group(demo_zoo, tmp_path):
-    import json
-    import shutil
-
-    from lora_cluster.serve.replica.model import check_shared_tokenizer
-
-    same, other = tmp_path / "same", tmp_path / "other"
-    shutil.copytree(demo_zoo.model_dir, same)
-    shutil.copytree(demo_zoo.model_dir, other)
-    config_file = other / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_file.read_text())
-    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    config_file.write_text(json.dumps(tokenizer_config))
-    top = {"model": str(demo_zoo.model_dir)}
-    check_shared_tokenizer(group_configs(_config([{"name": "a"}, {"name": "b", "model": str(same)}], **top)))
-    with pytest.raises(ConfigError, match="replica group 'b': its base model's tokenizer differs"):
-        check_shared_tokenizer(group_configs(_config([{"name": "a"}, {"name": "b", "model": str(other)}],
-                                                     **top)))
+# ----- the environment -------------------------------------------------------------------------------
 
 
 def test_group_bases_come_from_the_environment_as_json(monkeypatch):

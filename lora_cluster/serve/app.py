@@ -42,7 +42,7 @@ from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.http.registry import AdapterRegistry
 from lora_cluster.serve.replica.deployment import LoraReplica
-from lora_cluster.serve.replica.model import check_shared_tokenizer, resolve_model
+from lora_cluster.serve.replica.model import load_tokenizers, resolve_model
 from lora_cluster.serve.routing.group_bases import group_configs
 from lora_cluster.serve.routing.quotas import QuotaLedger
 from lora_cluster.serve.routing.replica_groups import ReplicaGroup, replica_groups
@@ -122,7 +122,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     config = load_config(args)
     configs = group_configs(config)  # each group's model and engine settings (group_bases)
     resolved = {name: resolve_model(c) for name, c in configs.items()}  # demo zoos: built once, here
-    check_shared_tokenizer(resolved)  # the ingress encodes every base's requests with one tokenizer
+    load_tokenizers(resolved)  # each base's tokenizer loads (the ingress encodes with it), or no start
     replicas: dict[str, Application] = {}
     controllers: dict[str, Application | None] = {}
     for group in replica_groups(config):  # each group: its own replicas and cluster controller

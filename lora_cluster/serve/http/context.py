@@ -1,4 +1,14 @@
-"""What every API route of the ingress shares: limits, tokenizer, model names, the dispatcher.
+"""What every API route of the ingress shares: limits, tokenizers, model names, the dispatcher.
+
+Several base models (replica groups on several bases) may tokenize differently: the context holds
+each base's tokenizer (`tokenizers`, by the base's API name; the first base's is `tokenizer`). A
+route first asks which base a request runs on (`request_base`: the base its `model` names, or that of
+the group its adapter or merge goes to, as the dispatcher will pick it), then encodes, renders its
+chat template, checks token ids, reads tool calls (`tool_parser`: `auto` reads that base's chat
+template) and decodes with that base's tokenizer (every call below takes that `base`; None: the first
+base), and sends its jobs with `base` set, so the dispatcher runs them on that base only.
+`max_prompt_tokens` bounds every base's prompts; each engine refuses prompts over its own
+`max_model_len` too.
 
 Tokenization and chat templates never run on the event loop. The ingress is one process with one
 event loop serving every request; a long prompt or a slow Jinja chat template would stall every
@@ -18,7 +28,7 @@ import asyncio
 import contextvars
 import functools
 import uuid
-from collections.abc import AsyncIterator, Callable, Sized
+from collections.abc import AsyncIterator, Callable, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -34,6 +44,7 @@ from lora_cluster.errors import (
     RequestAbortedError,
     RequestError,
 )
+from lora_cluster.serve.http import tool_calls
 from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
 from lora_cluster.serve.http_errors import ApiException, describe
@@ -57,8 +68,9 @@ class ApiContext:
     """Shared by the routes of one ingress. Call `close()` when the ingress goes away."""
 
     config: ServeConfig
-    tokenizer: Any
+    tokenizer: Any  # the first base's
     dispatcher: Dispatcher | GroupedDispatcher
+    tokenizers: dict[str, Any] = field(default_factory=dict)  # each base's, by API name (absent: the first's)
     # adapters loaded through the vLLM API: this process's, or shared by every ingress (http.registry);
     # an AdapterRegistrations given here is kept in this process
     registrations: Registrations | AdapterRegistrations = field(default_factory=LocalRegistrations)
@@ -100,11 +112,38 @@ class ApiContext:
             return self.base_name
         return model if model in self.base_names else None
 
+    def tokenizer_of(self, base: str | None) -> Any:
+        """The tokenizer of a base model, by API name (None, or the first base: `tokenizer`)."""
+        return self.tokenizer if base is None else self.tokenizers.get(base, self.tokenizer)
+
+    def vocab_size_of(self, base: str | None) -> int | None:
+        """Token ids a prompt for that base may use: [0, vocab_size), its tokenizer's vocabulary with
+        its added tokens (None: no tokenizer, e.g. a schema-only app, or one that does not say its size)."""
+        tokenizer = self.tokenizer_of(base)
+        return len(tokenizer) if isinstance(tokenizer, Sized) else None
+
     @property
     def vocab_size(self) -> int | None:
-        """Token ids a prompt may use: [0, vocab_size), the tokenizer's vocabulary with its added
-        tokens (None: no tokenizer, e.g. a schema-only app, or one that does not say its size)."""
-        return len(self.tokenizer) if isinstance(self.tokenizer, Sized) else None
+        """The largest base vocabulary (the API schema's bound on token ids; each request is checked
+        against its own base's, `vocab_size_of`)."""
+        sizes = [self.vocab_size_of(b) for b in [None, *self.tokenizers]]
+        return None if None in sizes else max(s for s in sizes if s is not None)
+
+    def tool_parser(self, base: str | None) -> tool_calls.ParserName:
+        """The tool-call parser of a base's outputs: its `tool_call_parser`, `auto` read from its chat
+        template."""
+        return tool_calls.parser_for(self.config.tool_call_parser,
+                                     getattr(self.tokenizer_of(base), "chat_template", None))
+
+    async def request_base(self, model: str | None, adapter: str | None, merged: Sequence[str] | None,
+                           tenant: str | None) -> str | None:
+        """The API name of the base model a request runs on (None: a one-base cluster, the first base):
+        the base its `model` names, or that of the group its adapter (or merge) goes to. The dispatcher
+        answers 404/409/400 here as it would when starting the request."""
+        grouped = self.dispatcher
+        if not isinstance(grouped, GroupedDispatcher) or not grouped.several_bases:
+            return self.base_for(model)
+        return await grouped.base_of(adapter, tenant, self.base_for(model), merged)
 
     def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False) -> str | None:
         """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
@@ -147,36 +186,40 @@ class ApiContext:
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await loop.run_in_executor(self._pool, call)
 
-    async def encode(self, prompt: str | list[int], *, special: bool = True) -> list[int]:
-        """Prompt token ids (as the engine would tokenize the text), checked against max_prompt_tokens.
-        Text is tokenized on the tokenizer threads; token ids are only checked."""
+    async def encode(self, prompt: str | list[int], *, special: bool = True, base: str | None = None,
+                     ) -> list[int]:
+        """Prompt token ids (as `base`'s engine would tokenize the text), checked against
+        max_prompt_tokens. Text is tokenized on the tokenizer threads; token ids are only checked
+        (against that base's vocabulary)."""
         if isinstance(prompt, str):
-            ids = await self._off_loop(self.tokenizer.encode, prompt, add_special_tokens=special)
+            ids = await self._off_loop(self.tokenizer_of(base).encode, prompt, add_special_tokens=special)
         else:
             ids = list(prompt)
-            vocab = self.vocab_size
+            vocab = self.vocab_size_of(base)
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise ApiException(describe(RequestError(f"prompt token ids must be in [0, {vocab})")))
         return self._checked(ids)
 
-    async def encode_chat(self, messages: list[dict[str, Any]],
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the tokenizer's chat template (+ generation prompt),
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          base: str | None = None) -> list[int]:
+        """Token ids of a conversation rendered with `base`'s chat template (+ generation prompt),
         rendered and tokenized on the tokenizer threads (one job). `tools` (OpenAI's function
         definitions) go to the template as `tools`, which the template renders as it was trained to."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer_of(base), "chat_template", None):
             raise ApiException(describe(RequestError("the base model's tokenizer has no chat template")))
-        return self._checked(await self._off_loop(self._render_chat, messages, tools))
+        return self._checked(await self._off_loop(self._render_chat, messages, tools, base))
 
-    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     base: str | None) -> list[int]:
         """Runs on a tokenizer thread."""
+        tokenizer = self.tokenizer_of(base)
         extra = {} if tools is None else {"tools": tools}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                      **extra)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **extra)
         except Exception as exc:  # a template may reject roles or orders it does not support
             raise ApiException(describe(RequestError(f"cannot apply the chat template: {exc}"))) from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def _checked(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -186,15 +229,16 @@ class ApiContext:
             raise ApiException(describe(PromptTooLongError(len(ids), limit)))
         return ids
 
-    async def decode(self, ids: list[int]) -> str:
-        """The text of token ids (completions' `echo` of a token prompt), on the tokenizer threads."""
-        return await self._off_loop(self.tokenizer.decode, ids)
+    async def decode(self, ids: list[int], base: str | None = None) -> str:
+        """The text of token ids in `base`'s vocabulary (completions' `echo` of a token prompt), on the
+        tokenizer threads."""
+        return await self._off_loop(self.tokenizer_of(base).decode, ids)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def token_text(self, token_id: int, base: str | None = None) -> str:
+        return self.tokenizer_of(base).decode([token_id])
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self.tokenizer.all_special_ids
+    def is_special(self, token_id: int, base: str | None = None) -> bool:
+        return token_id in self.tokenizer_of(base).all_special_ids
 
     @staticmethod
     def new_id(prefix: str) -> str:

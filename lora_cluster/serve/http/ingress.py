@@ -1,8 +1,9 @@
 """The ingress deployment: the HTTP API (FastAPI through `@serve.ingress`) and the model router.
 
-It parses and validates requests, tokenizes prompts (the same tokenizer as the engines, so limits
-are checked before a replica is bothered; on the context's tokenizer threads, never on the event
-loop: see `context`), and sends each generation to the LoRA replicas through a deployment handle
+It parses and validates requests, tokenizes prompts (with the tokenizer of the base the request
+runs on, the same as its engines', so limits are checked before a replica is bothered; each distinct
+base's tokenizer loaded once, here; on the context's tokenizer threads, never on the event loop: see
+`context`), and sends each generation to the LoRA replicas through a deployment handle
 whose request router is `LoraAffinityRouter`: the handle of the request's replica group
 (`group_dispatch`). Responses carry `x-lora-replica` and `x-lora-adapter-hit`, as reported by the
 replica that served them, and every response `x-lora-ingress`: the Serve replica id of the ingress
@@ -35,7 +36,7 @@ from lora_cluster.serve.ops import metrics
 from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
 from lora_cluster.serve.ops.ray_internals import serve_root_url
 from lora_cluster.serve.ops.ready import ready_line, watch_in_background
-from lora_cluster.serve.replica.model import DEMO, load_tokenizer, resolve_model, served_name
+from lora_cluster.serve.replica.model import DEMO, load_tokenizers, resolve_model, served_name
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.auth import CallerMiddleware
 from lora_cluster.serve.routing.dispatch import Dispatcher
@@ -135,7 +136,8 @@ class LoraIngress:
         requested = next(iter(configs.values()))  # the first group's: its base is the first base
         resolved = resolve_model(requested)
         configure_logging(resolved.log_format)
-        tokenizer = load_tokenizer(resolved)  # every base's (build_app checked they are the same)
+        by_group = {name: resolve_model(c) for name, c in configs.items()}
+        tokenizers = load_tokenizers(by_group)  # one per base, by API name; the first group's first
         replica = serve.get_replica_context()
         app_name, self.ingress_id = replica.app_name, replica.replica_id.unique_id
         groups = []
@@ -156,7 +158,8 @@ class LoraIngress:
         quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.quota_lease_s)
         registrations = LocalRegistrations() if registry is None else SharedRegistrations(
             registry, catalog=dispatcher.catalog)
-        self.ctx = ApiContext(config=resolved, tokenizer=tokenizer, dispatcher=dispatcher,
+        self.ctx = ApiContext(config=resolved, tokenizer=tokenizers[served_name(resolved)],
+                              dispatcher=dispatcher, tokenizers=tokenizers,
                               tenants=self.tenants, quotas=quotas, registrations=registrations)
         if isinstance(registrations, SharedRegistrations):
             registrations.start()  # this ingress follows the registry from its start

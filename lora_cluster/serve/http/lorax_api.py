@@ -20,6 +20,7 @@ highest mean logprob per token; with `details`, the others are `details.best_of_
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
@@ -41,17 +42,18 @@ from lora_cluster.serve.routing.dispatch import Generation, routing_headers
 def lorax_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
 
-    def token(token_id: int, lp: Any, alternatives: bool, texts: TokenTexts,
+    def token(token_id: int, lp: Any, alternatives: bool, texts: TokenTexts, base: str | None,
               text: str | None = None) -> dict[str, Any]:
         out = {"id": token_id, "text": texts(token_id) if text is None else text,
-               "logprob": 0.0 if lp is None else lp.logprob, "special": ctx.is_special(token_id)}
+               "logprob": 0.0 if lp is None else lp.logprob, "special": ctx.is_special(token_id, base)}
         if alternatives and lp is not None:
             out["alternative_tokens"] = lorax_alternatives(lp, texts)
         return out
 
-    async def start(body: LoraxRequest, stream: bool, route: str,
-                    sla: SlaClass, caller: Caller) -> tuple[list[Generation], list[int | None], list[int]]:
-        """The request's generations (best_of candidates: several), the seed each reports, the prompt."""
+    async def start(body: LoraxRequest, stream: bool, route: str, sla: SlaClass, caller: Caller,
+                    ) -> tuple[list[Generation], list[int | None], list[int], str | None]:
+        """The request's generations (best_of candidates: several), the seed each reports, the prompt,
+        the base model it runs on (whose tokenizer encoded it; `ApiContext.request_base`)."""
         p = body.parameters
         p.check()
         p.check_best_of(ctx.config, streamed=stream or body.stream)
@@ -62,31 +64,33 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         adapter = merge.adapter_id if merge is not None else adapter
         samplings = [p.sampling(ctx.config) for _ in range(p.candidates)]  # a seed of its own each
         caller.check()  # the tenant's requests_per_minute, before any tokenizing
-        prompt = await ctx.encode(body.inputs)
+        base = await ctx.request_base(p.adapter_id, adapter if merge is None else None,
+                                      None if merge is None else merge.ids, caller.tenant)
+        prompt = await ctx.encode(body.inputs, base=base)
         await caller.admit(len(prompt))  # the tenant's quota: 429 naming the limit
         request_id = ctx.new_id("lorax")
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
         jobs = [GenerateJob(request_id=ids[i], prompt=prompt, adapter_id=adapter, sampling=sampling,
                             stream=stream, adapter_path=path, priority_class=sla.name, priority=sla.priority,
-                            merge=merge, tenant=caller.tenant)
+                            merge=merge, tenant=caller.tenant, base=base)
                 for i, (sampling, _) in enumerate(samplings)]
         if len(jobs) == 1:
             generations = [await ctx.dispatcher.start(jobs[0], route)]
             caller.track(generations)
         else:  # each candidate is charged from its start, as OpenAI's choices
             generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
-        return generations, [seed for _, seed in samplings], prompt
+        return generations, [seed for _, seed in samplings], prompt, base
 
     def headers_of(generations: list[Generation], sla: SlaClass) -> dict[str, str]:
         return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
 
     async def generate(body: LoraxRequest, route: str, sla: SlaClass,
                        caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
-        generations, seeds, prompt = await start(body, False, route, sla, caller)
+        generations, seeds, prompt, base = await start(body, False, route, sla, caller)
         done = await finals(generations)
         best, others = best_one(done) if len(done) > 1 else (0, [])
         p = body.parameters
-        texts = TokenTexts(ctx.token_text)
+        texts = TokenTexts(partial(ctx.token_text, base=base))
 
         def text_of(final: dict[str, Any]) -> str:
             return (body.inputs + final["text"]) if p.return_full_text else final["text"]
@@ -97,7 +101,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
             prefill = []
             if p.decoder_input_details:
                 prefill = lorax_prefill(prompt, final.get("prompt_logprobs"), texts)
-            tokens = [token(t, lp, p.return_k_alternatives is not None, texts)
+            tokens = [token(t, lp, p.return_k_alternatives is not None, texts, base)
                       for t, lp in zip(final["token_ids"], lps, strict=True)]
             return {"prefill": prefill, "tokens": tokens}
 
@@ -110,9 +114,10 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         return {"generated_text": text_of(done[best]), "details": details}, headers_of(generations, sla)
 
     async def generate_stream(body: LoraxRequest, route: str, sla: SlaClass, caller: Caller) -> EventStream:
-        generations, seeds, _ = await start(body, True, route, sla, caller)
+        generations, seeds, _, base = await start(body, True, route, sla, caller)
         generation = generations[0]  # a stream has one (check_best_of)
-        return EventStream(_events(ctx, generation, body, seeds[0], token), headers_of(generations, sla),
+        return EventStream(_events(ctx, generation, body, seeds[0], partial(token, base=base), base),
+                           headers_of(generations, sla),
                            on_close=generation.cancel)
 
     @router.post("/generate", responses=openapi.GENERATION_JSON)
@@ -153,10 +158,11 @@ def _sequence_details(final: dict[str, Any], seed: int | None) -> dict[str, Any]
 
 
 async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, seed: int | None,
-                  token: Any) -> AsyncIterator[bytes]:
+                  token: Any, base: str | None) -> AsyncIterator[bytes]:
     p = body.parameters
     last_id, last_lp = None, None
-    texts, alternatives = TokenTexts(ctx.token_text), p.return_k_alternatives is not None
+    texts = TokenTexts(partial(ctx.token_text, base=base))
+    alternatives = p.return_k_alternatives is not None
     try:
         async for item in generation.items():
             ids, lps = item["delta_token_ids"], item.get("delta_logprobs")
@@ -164,15 +170,15 @@ async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, s
             last_lp = lps[-1] if lps else last_lp
             if not item["finished"]:
                 if ids:
-                    yield event({"token": token(last_id, last_lp, alternatives, texts, item["delta_text"]),
-                                 "generated_text": None, "details": None})
+                    head = token(last_id, last_lp, alternatives, texts, text=item["delta_text"])
+                    yield event({"token": head, "generated_text": None, "details": None})
                 continue
             text = (body.inputs + item["text"]) if p.return_full_text else item["text"]
             details = None
             if p.details:
                 details = _details(item, seed)
             final_id = last_id if last_id is not None else (item["token_ids"] or [0])[-1]
-            yield event({"token": token(final_id, last_lp, alternatives, texts, item["delta_text"]),
+            yield event({"token": token(final_id, last_lp, alternatives, texts, text=item["delta_text"]),
                          "generated_text": text, "details": details})
     except ApiException as exc:
         yield event(exc.error.body())

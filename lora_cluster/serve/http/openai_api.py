@@ -61,10 +61,16 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[
 
 def openai_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter()
-    parser = tool_calls.parser_for(ctx.config.tool_call_parser, getattr(ctx.tokenizer, "chat_template", None))
+
+    async def base_of(body: CompletionRequest | ChatCompletionRequest, caller: Caller) -> str | None:
+        """The base model the request runs on, whose tokenizer encodes and renders it (`request_base`)."""
+        adapter = ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        merge = merge_of(body.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
+        merged = None if merge is None else merge.ids
+        return await ctx.request_base(body.model, adapter, merged, caller.tenant)
 
     def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
-                 sla: SlaClass, caller: Caller) -> list[GenerateJob]:
+                 sla: SlaClass, caller: Caller, base: str | None) -> list[GenerateJob]:
         adapter = ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
         merge = merge_of(body.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
         path = ctx.adapter_path(adapter)
@@ -76,24 +82,24 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                     request_id=f"{request_id}-{len(jobs)}", prompt=prompt, adapter_id=adapter,
                     sampling=body.sampling(ctx.config, default_max, choice), stream=body.stream,
                     adapter_path=path, priority_class=sla.name, priority=sla.priority, merge=merge,
-                    tenant=caller.tenant, base=ctx.base_for(body.model)))
+                    tenant=caller.tenant, base=base))
         return jobs
 
     async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str,
-                  sla: SlaClass, caller: Caller, echoes: list[str] | None = None,
+                  sla: SlaClass, caller: Caller, base: str | None, echoes: list[str] | None = None,
                   reader: Callable[[], ToolCallReader] = tool_calls.PlainReader) -> Any:
-        """Start the jobs and answer; `echoes` (completions' `echo`): each prompt's text, prepended;
-        `reader` (chat): a fresh reader of one choice's output (content and tool calls)."""
+        """Start the jobs on `base` and answer; `echoes` (completions' `echo`): each prompt's text,
+        prepended; `reader` (chat): a fresh reader of one choice's output (content and tool calls)."""
         request_id = ctx.new_id("cmpl" if kind == "text" else "chatcmpl")
         created = int(time.time())
-        jobs = jobs_for(body, prompts, default_max, request_id, sla, caller)
+        jobs = jobs_for(body, prompts, default_max, request_id, sla, caller, base)
         prompt_tokens = sum(len(p) for p in prompts)
         await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
         # each choice is charged from its start: a fan-out cancelled while starting charges what ran
         generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
         cached = cached_tokens(generations, len(prompts))
         headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name}
-        texts = TokenTexts(ctx.token_text)
+        texts = TokenTexts(partial(ctx.token_text, base=base))
         if not body.stream:
             done = await finals(generations)
             completion_tokens = sum(item["completion_tokens"] for item in done)  # every candidate's
@@ -142,21 +148,24 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     async def completions(body: CompletionRequest, caller: CallerDep,
                           x_lora_priority: PriorityHeader = None) -> Any:
         sla = screen(body, caller, x_lora_priority)
+        base = await base_of(body, caller)
         raw = body.prompts()
-        prompts = [await ctx.encode(p) for p in raw]  # in turn: one pool job per request
-        echoes = [p if isinstance(p, str) else await ctx.decode(p) for p in raw] if body.echo else None
+        prompts = [await ctx.encode(p, base=base) for p in raw]  # in turn: one pool job per request
+        echoes = ([p if isinstance(p, str) else await ctx.decode(p, base) for p in raw]
+                  if body.echo else None)
         return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
-                         caller, echoes)
+                         caller, base, echoes)
 
     @router.post("/v1/chat/completions", responses=openapi.GENERATION)
     async def chat_completions(body: ChatCompletionRequest, caller: CallerDep,
                                x_lora_priority: PriorityHeader = None) -> Any:
         sla = screen(body, caller, x_lora_priority)
+        base = await base_of(body, caller)
         use = body.tool_use()
-        prompt = await ctx.encode_chat(body.conversation(), use.template_tools())
-        reader = partial(tool_calls.reader_for, use.mode, parser, use.name, use.parallel)
+        prompt = await ctx.encode_chat(body.conversation(), use.template_tools(), base)
+        reader = partial(tool_calls.reader_for, use.mode, ctx.tool_parser(base), use.name, use.parallel)
         return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
-                         caller, reader=reader)
+                         caller, base, reader=reader)
 
     @router.get("/v1/models", responses=openapi.LISTING)
     async def models(caller: CallerDep) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from typing import Any
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.routing.group_bases import same_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +40,25 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     return config.model_copy(update=update)
 
 
-def check_shared_tokenizer(configs: dict[str, ServeConfig]) -> None:
-    """Raise ConfigError naming the first replica group whose base model tokenizes differently from the
-    first group's (same vocabulary, special tokens and chat template): the ingress encodes every
-    request with one tokenizer. Groups on the first group's model are not loaded again."""
-    first = next(iter(configs.values()))
-    tokenizer = None
+def load_tokenizers(configs: dict[str, ServeConfig]) -> dict[str, Any]:
+    """Each base model's tokenizer by its API name (`served_name`), from replica groups' `configs`
+    (by group name, their `model: demo` resolved): loaded once per distinct base, so at most one per
+    group. Raises ConfigError naming the first group whose base's tokenizer cannot be loaded (the
+    error's type, never a server path)."""
+    tokenizers: dict[str, Any] = {}
+    by_model: dict[str, Any] = {}
     for name, config in configs.items():
-        if config.model == first.model:
+        base = served_name(config)
+        if base in tokenizers:
             continue
-        tokenizer = tokenizer or load_tokenizer(first)
-        if not same_tokenizer(tokenizer, load_tokenizer(config)):
-            raise ConfigError(f"replica group {name!r}: its base model's tokenizer differs from the first "
-                              "group's; the ingress tokenizes with one tokenizer: every base must share it")
+        if config.model not in by_model:
+            try:
+                by_model[config.model] = load_tokenizer(config)
+            except Exception as exc:  # a missing, partial or unreadable tokenizer: the start stops here
+                raise ConfigError(f"replica group {name!r}: the tokenizer of its base model {base!r} cannot "
+                                  f"be loaded ({type(exc).__name__})") from None
+        tokenizers[base] = by_model[config.model]
+    return tokenizers
 
 
 def load_tokenizer(config: ServeConfig) -> Any:

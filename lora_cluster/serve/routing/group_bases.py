@@ -29,7 +29,6 @@ replaced whole by each refresh; its age says when the caller should refresh it (
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from lora_cluster.config import ReplicaGroupConfig, ServeConfig
 from lora_cluster.errors import AdapterBaseConflictError, RequestError
@@ -63,13 +62,6 @@ def group_configs(config: ServeConfig) -> dict[str, ServeConfig]:
     if not config.replica_groups:
         return {DEFAULT_GROUP: config}
     return {g.name: group_config(config, g) for g in config.replica_groups}
-
-
-def same_tokenizer(a: Any, b: Any) -> bool:
-    """Two bases' tokenizers give the same ids and chat template (the ingress tokenizes once for all)."""
-    template_a, template_b = getattr(a, "chat_template", None), getattr(b, "chat_template", None)
-    return (a.get_vocab() == b.get_vocab() and template_a == template_b
-            and list(a.all_special_ids) == list(b.all_special_ids))
 
 
 def several_bases(groups: Sequence[ReplicaGroup]) -> bool:

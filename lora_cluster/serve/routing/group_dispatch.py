@@ -89,17 +89,16 @@ class GroupedDispatcher:
             self.catalog.replace(by_base)
         return {base: list(dict.fromkeys(ids)) for base, ids in by_base.items()}
 
-    async def _fresh_catalog(self, job: GenerateJob) -> None:
+    async def _fresh_catalog(self, ids: Sequence[str | None]) -> None:
         """Refresh a stale catalog (several bases only), one refresh at a time for all callers. A job
-        whose adapters the stale listing already places does not wait for it (it refreshes behind);
-        one it does not place waits, so a new adapter is found. A refresh that fails is logged and
-        the previous listing kept."""
+        whose adapters (`ids`) the stale listing already places does not wait for it (it refreshes
+        behind); one it does not place waits, so a new adapter is found. A refresh that fails is
+        logged and the previous listing kept."""
         if not self.several_bases or not self.catalog.stale():
             return
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.get_running_loop().create_task(self.listings())
             self._refresh.add_done_callback(_log_failure)
-        ids = job.merge.ids if job.merge is not None else (job.adapter_id,)
         if all(self.catalog.bases_of(str(a)) for a in ids):
             return
         with contextlib.suppress(Exception):  # logged by its callback; the old listing stays
@@ -123,20 +122,41 @@ class GroupedDispatcher:
             raise ApiException(describe(AdapterNotFoundError(str(adapter_id), reason)))
         return group
 
-    def _for_job(self, job: GenerateJob) -> Dispatcher:
-        if job.merge is None:
-            return self._dispatchers[self.group_for(job.adapter_id, job.tenant, job.base).name]
+    def _group_of(self, adapter_id: str | None, tenant: str | None, base: str | None,
+                  merged: Sequence[str] | None) -> ReplicaGroup:
+        if merged is None:
+            return self.group_for(adapter_id, tenant, base)
         try:
-            candidates = merge_groups(self.groups, job.merge.ids, self.catalog)
-            group = select_merge_group(candidates, job.merge.ids, job.tenant)
+            candidates = merge_groups(self.groups, merged, self.catalog)
+            if base is not None and self.several_bases:  # the base its prompt was tokenized for
+                candidates = [g for g in candidates if g.base == base] or candidates
+            return select_merge_group(candidates, merged, tenant)
         except (AdapterNotFoundError, RequestError, AdapterBaseConflictError) as exc:
             raise ApiException(describe(exc)) from None
+
+    def _for_job(self, job: GenerateJob) -> Dispatcher:
+        merged = None if job.merge is None else job.merge.ids
+        group = self._group_of(job.adapter_id, job.tenant, job.base, merged)
+        if job.base is not None and self.several_bases and group.base != job.base:
+            raise ApiException(describe(AdapterBaseConflictError(
+                str(job.adapter_id), f"is now listed under base model {group.base!r}, not {job.base!r} "
+                "that its prompt was tokenized for; send the request again")))
         return self._dispatchers[group.name]
+
+    async def base_of(self, adapter_id: str | None, tenant: str | None = None, base: str | None = None,
+                      merged: Sequence[str] | None = None) -> str:
+        """The API name of the base model a request runs on: that of the group `start` would pick for
+        its adapter (or merge of adapters `merged`), tenant and named `base` (refreshing a stale
+        catalog as `start` does); the ingress tokenizes its prompt with that base's tokenizer and
+        sends the job with `base` set to it. ApiException 404/409/400 as `start` raises them."""
+        if adapter_id is not None or merged is not None:
+            await self._fresh_catalog(merged if merged is not None else (adapter_id,))
+        return self._group_of(adapter_id, tenant, base, merged).base
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         """Start `job` on a replica of its group (see `Dispatcher.start`)."""
         if job.adapter_id is not None:
-            await self._fresh_catalog(job)
+            await self._fresh_catalog(job.merge.ids if job.merge is not None else (job.adapter_id,))
         return await self._for_job(job).start(job, route)
 
     async def start_all(self, jobs: list[GenerateJob], route: str,
@@ -145,7 +165,8 @@ class GroupedDispatcher:
         if not jobs:
             return []
         if jobs[0].adapter_id is not None:
-            await self._fresh_catalog(jobs[0])
+            job = jobs[0]
+            await self._fresh_catalog(job.merge.ids if job.merge is not None else (job.adapter_id,))
         return await self._for_job(jobs[0]).start_all(jobs, route, on_started)
 
     def replica_stats(self) -> dict[str, RoutingStats] | None:
