@@ -278,3 +278,39 @@ def test_the_controllers_view_of_a_replica_stays_bounded_over_many_deltas() -> N
     held = ctl.view.get("r1")
     assert len(held.resident) == MAX_REPORTED_RESIDENT, "the view lists at most the capped resident adapters"
     assert len(json.dumps(held.to_dict())) <= REPORT_MAX_BYTES, "the view's report is within the bound"
+
+
+def test_the_live_reporter_answers_a_resync_with_a_full_report_at_once() -> None:
+    sent: list[dict[str, Any]] = []
+    replies = iter([{"queue_depth": 0}, {"queue_depth": 0, "resync": True}, {"queue_depth": 0},
+                    {"queue_depth": 0}])
+
+    class RestartingController:
+        def __init__(self) -> None:
+            self.report = self
+
+        def remote(self, report: dict[str, Any]) -> Any:
+            sent.append(report)
+            reply = next(replies)
+
+            async def answer() -> dict[str, Any]:
+                return reply
+            return answer()
+
+    async def build() -> ReplicaReport:
+        return a_report(running=len(sent) % 2)
+
+    async def on_reply(reply: dict[str, Any]) -> None:
+        return None
+
+    async def scenario() -> None:
+        reporter = ControllerReporter(RestartingController(), build, on_reply, period_s=60.0, coalesce_s=0.05)
+        await reporter.report_once()  # full, acknowledged
+        await reporter.report_once()  # a delta the restarted controller cannot apply
+        reporter.start()  # its period is 60 s: only the resync makes it report now
+        await asyncio.sleep(0.5)
+        reporter.stop()
+
+    asyncio.run(scenario())
+    kinds = ["delta" if r.get("delta") else "full" for r in sent]
+    assert kinds == ["full", "delta", "full"], f"a resync is answered by one full report at once: {kinds}"
