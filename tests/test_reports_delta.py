@@ -237,7 +237,7 @@ def test_the_simulated_replicas_report_at_most_once_per_window_plus_their_period
     result = run(SimConfig(nodes=4, adapters=40, load=2.0, duration=20, warmup=5, seed=1, max_loras=4,
                            profile="gpu", serve=serve))
     figures = result.to_json()["control_plane"]
-    assert figures["reports_per_s_per_replica"] <= 1 / 0.25 + 1 / 0.5, "at most one report per window"
+    assert figures["reports_per_s_per_replica"] <= 1 / 0.25 + 1 / 20, "at most one report per window"
     assert figures["reports_per_s_per_replica"] > 1 / 0.5, "finishes while tickets wait add reports"
     assert figures["controller_cpu_s_per_sim_s"] > 0, "the controller's CPU per simulated second is measured"
     assert result.details["controller_counts"]["resyncs"] == 0, "nothing lost between replica and controller"

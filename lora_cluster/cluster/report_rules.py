@@ -4,8 +4,8 @@ and the simulator).
 * When (`ReportPacer`): a report period after the previous report, and at once when a request
   finishes while the controller said tickets are queued or while the replica was full
   (`report_on_finish`), unless a report went out within the coalescing window: then at the window's
-  end, one report for every finish inside it. At most one report per window, so a replica reports
-  at most 1 / window + 1 / period times a second however fast its requests end.
+  end, one report for every finish inside it. Two reports are at least min(window, period) apart,
+  so a replica reports at most 1 / min(window, period) times a second however fast its requests end.
 * What, beyond the engine's counts: requests per adapter since the last report (`AdapterDemand`,
   bounded to `MAX_TRACKED_ADAPTERS` ids), the mean time a request held the replica (`ServiceTime`,
   an exponentially weighted average), and the batch per priority once the engine has admitted and
