@@ -21,9 +21,10 @@ mixture-of-experts model (Qwen3-MoE, Mixtral) LoRA is served on attention and on
 PEFT 0.21 writes it for transformers 5's stacked experts (`target_parameters` naming the experts'
 `gate_up_proj` / `down_proj`: A [E * r, in] expert-major, B [out, r * E] rank-major, one
 `ParamWrapper` nested in the other, told apart by their shapes), split per expert into
-`experts.{e}.gate_up_proj` / `experts.{e}.down_proj` pairs (`expert_module`); LoRA on the router,
-on other parameters, or per-expert `experts.{e}.w1` tensors (as PEFT wrote them before
-transformers 5) is refused by name. On a
+`experts.{e}.gate_up_proj` / `experts.{e}.down_proj` pairs (`expert_module`); per-expert tensors as
+PEFT wrote them before transformers 5 (`experts.{e}.w1/w3/w2`, `gate_proj/up_proj/down_proj`) are
+joined as PEFT 0.21 converts them (gate and up into one `gate_up_proj` pair); LoRA on the router or
+on other parameters is refused by name. On a
 multimodal checkpoint served as text (Gemma 3), LoRA on the vision tower or projector is not loaded:
 text requests never run those modules, in transformers either. The LoRA
 scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rslora, per-module `rank_pattern` /
@@ -66,6 +67,12 @@ _MOE = re.compile(r"\.(?:block_sparse_moe|mlp\.experts|mlp\.gate)\.")
 _EXPERTS = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.\w+)?\.weight$")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the experts' stacked parameters LoRA may target
+# per-expert LoRA as PEFT wrote it before transformers 5 (per-expert nn.Linear): Mixtral's w1/w3/w2
+# under block_sparse_moe, Qwen3-MoE's gate_proj/up_proj/down_proj under mlp
+_PER_EXPERT = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                         r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+_PER_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
+                    "down_proj": "down"}  # fmt: skip
 # a multimodal checkpoint's modules that text requests never run (LoRA on them has no effect there)
 _NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
 # adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
@@ -287,6 +294,7 @@ def parse_lora_tensors(
     experts = [f"mlp.experts.{p}" for p in shapes.expert_modules]
     targets = ", ".join(sorted([*shapes.modules, *shapes.fused, *experts]))
     stacked: dict[tuple[int, str, str], torch.Tensor] = {}  # (layer, nesting, A|B) -> PEFT's expert tensor
+    per_expert: dict[tuple[int, int, str], dict[str, object]] = {}  # (layer, expert, part) -> name, A, B
     for key, tensor in tensors.items():
         if _NOT_TEXT.search(key):
             continue
@@ -294,11 +302,16 @@ def parse_lora_tensors(
         if expert is not None and shapes.experts:
             stacked[(int(expert[1]), expert[2], expert[3])] = tensor
             continue
+        single = _PER_EXPERT.match(key)
+        if single is not None and shapes.experts:
+            entry = per_expert.setdefault((int(single[1]), int(single[2]), _PER_EXPERT_PART[single[3]]), {})
+            entry.update({"name": single[3], single[4]: tensor})
+            continue
         match = _KEY.match(key)
         if match is None and _MOE.search(key):
             raise AdapterFormatError(
                 adapter_id, f"tensor {key!r} is LoRA on a mixture-of-experts block that is not served (the "
-                "router, per-expert modules as PEFT wrote them before transformers 5, or a dense model); "
+                "router, or experts on a dense model); "
                 f"adapters may target {targets}")
         if match is None:
             raise AdapterFormatError(
@@ -313,6 +326,9 @@ def parse_lora_tensors(
             continue
         (a if which == "A" else b)[(layer, module)] = tensor.float().contiguous()
     expert_scaling = _split_experts(adapter_id, config, stacked, shapes, max_rank, a, b)
+    if per_expert and stacked:
+        raise AdapterFormatError(adapter_id, "LoRA on the experts both per expert and on the stacked experts")
+    expert_scaling.update(_join_per_expert(adapter_id, config, per_expert, shapes, a, b))
     if not a:
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
     if a.keys() != b.keys():
@@ -405,6 +421,53 @@ def _split_experts(adapter_id: str, config: dict, stacked: dict[tuple[int, str, 
             a[(layer, expert_module(e, param))] = per_a[e].contiguous()
             b[(layer, expert_module(e, param))] = per_b[:, :, e].contiguous()
         scaling[(layer, f"experts.{param}")] = _module_scaling(config, f"mlp.experts.{param}", rank)
+    return scaling
+
+
+def _join_per_expert(adapter_id: str, config: dict, per_expert: dict[tuple[int, int, str], dict[str, object]],
+                     shapes: ModelShapes, a: dict, b: dict) -> dict[tuple[int, str], float]:  # fmt: skip
+    """Per-expert LoRA as PEFT wrote it before transformers 5 (`experts.{e}.w1/w3/w2` or
+    `gate_proj/up_proj/down_proj`), joined as PEFT 0.21 converts it: gate and up become one
+    `gate_up_proj` pair of rank r_gate + r_up (A stacked, B block-diagonal: gate rows from the gate's
+    B, up rows from the up's), each part's scaling folded into its B (so the pairs' scaling is 1).
+    Returns the scaling of each (layer, "experts.{param}")."""
+    hidden, width = shapes.expert_modules["down_proj"][1], shapes.expert_modules["down_proj"][0]
+    want = {"gate": (hidden, width), "up": (hidden, width), "down": (width, hidden)}  # (in, out)
+    parts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, e, part), entry in per_expert.items():
+        wa, wb, name = entry.get("A"), entry.get("B"), entry["name"]
+        where = f"layer {layer} experts.{e}.{name}"
+        if wa is None or wb is None:
+            raise AdapterFormatError(adapter_id, f"lora_A and lora_B do not pair up at {where}")
+        if layer >= shapes.num_layers or e >= shapes.experts:
+            raise AdapterShapeError(adapter_id, f"{where}: the model has {shapes.num_layers} layers of "
+                                    f"{shapes.experts} experts")
+        in_f, out_f = want[part]
+        fits = wa.dim() == 2 and wb.dim() == 2 and wb.shape[1] == wa.shape[0]
+        if not (fits and wa.shape[1] == in_f and wb.shape[0] == out_f):
+            raise AdapterShapeError(adapter_id, f"{where}: lora_A {tuple(wa.shape)} / lora_B "
+                                    f"{tuple(wb.shape)} do not fit the expert's {name} "
+                                    f"(in_features={in_f}, out_features={out_f})")
+        scale = _module_scaling(config, f"experts.{e}.{name}", wa.shape[0])
+        parts[(layer, e, part)] = (wa.float(), wb.float() * scale)
+    scaling: dict[tuple[int, str], float] = {}
+    for layer, e in sorted({(k[0], k[1]) for k in parts}):
+        gate, up = parts.get((layer, e, "gate")), parts.get((layer, e, "up"))
+        if gate is not None or up is not None:
+            ranks = [p[0].shape[0] if p is not None else 0 for p in (gate, up)]
+            wb = torch.zeros(2 * width, sum(ranks))
+            if gate is not None:
+                wb[:width, : ranks[0]] = gate[1]
+            if up is not None:
+                wb[width:, ranks[0] :] = up[1]
+            key = (layer, expert_module(e, "gate_up_proj"))
+            a[key] = torch.cat([p[0] for p in (gate, up) if p is not None]).contiguous()
+            b[key] = wb
+            scaling[(layer, "experts.gate_up_proj")] = 1.0
+        down = parts.get((layer, e, "down"))
+        if down is not None:
+            a[(layer, expert_module(e, "down_proj"))], b[(layer, expert_module(e, "down_proj"))] = down
+            scaling[(layer, "experts.down_proj")] = 1.0
     return scaling
 
 

@@ -4,9 +4,9 @@
 family's rules (Mixtral renormalises the top k, Qwen3-MoE only with `norm_topk_prob`); a checkpoint
 in transformers' stacked expert layout serves the same tokens as the per-expert one; LoRA on the
 experts as PEFT 0.21 writes it (`target_parameters`, also when it converts per-expert
-`target_modules`) loads as each expert's PEFT delta, while LoRA on the router or per-expert
-`experts.{e}.w1` tensors is refused naming it. (Token parity with PEFT, expert LoRA included:
-tests/test_family_parity.py.)
+`target_modules`), and per-expert `experts.{e}.w1` tensors as PEFT wrote them before
+transformers 5, load as each expert's PEFT delta, while LoRA on the router is refused naming it.
+(Token parity with PEFT, expert LoRA included: tests/test_family_parity.py.)
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_peft_expert_lora_loads_as_each_experts_delta(zoos, tmp_path: Path, arch
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
-def test_lora_on_the_router_or_per_expert_modules_is_refused(zoos, tmp_path: Path, arch: str) -> None:
+def test_lora_on_the_router_is_refused(zoos, tmp_path: Path, arch: str) -> None:
     zoo = zoos(arch)
     model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
     shapes = model.dims.shapes()
@@ -158,17 +158,64 @@ def test_lora_on_the_router_or_per_expert_modules_is_refused(zoos, tmp_path: Pat
         load_peft_adapter("router", folder, shapes, max_rank=64)
     assert "mlp.gate.weight" in str(info.value) and "router" in str(info.value), (
         f"LoRA on the router's parameter is refused naming it: {info.value}")
-    # an adapter of per-expert Linear modules (as PEFT wrote them before transformers 5)
-    config.update(target_parameters=None, target_modules=["q_proj", "w1"])
+    # LoRA tensors on the router module (as PEFT wrote them before transformers 5)
+    config.update(target_parameters=None, target_modules=["q_proj", "gate"])
     (folder / "adapter_config.json").write_text(json.dumps(config))
     tensors = {k: v for k, v in load_file(folder / "adapter_model.safetensors").items() if "experts" not in k}
-    expert = "base_model.model.model.layers.0.block_sparse_moe.experts.0.w1"
-    tensors[f"{expert}.lora_A.weight"] = torch.zeros(4, 64)
-    tensors[f"{expert}.lora_B.weight"] = torch.zeros(128, 4)
+    gate = "base_model.model.model.layers.0.mlp.gate"
+    tensors[f"{gate}.lora_A.weight"] = torch.zeros(4, 64)
+    tensors[f"{gate}.lora_B.weight"] = torch.zeros(shapes.experts, 4)
     save_file(tensors, folder / "adapter_model.safetensors")
     with pytest.raises(AdapterFormatError) as info:
-        load_peft_adapter("legacy", folder, shapes, max_rank=64)
-    assert "experts.0.w1" in str(info.value) and "before transformers 5" in str(info.value), (
-        f"per-expert LoRA is refused naming the module: {info.value}")
+        load_peft_adapter("router-module", folder, shapes, max_rank=64)
+    assert "mlp.gate.lora_" in str(info.value) and "router" in str(info.value), (
+        f"LoRA on the router module is refused naming the tensor: {info.value}")
     served = load_peft_adapter("a0", zoo.adapters_dir / "a0", shapes, max_rank=64)
     assert served.target_modules == {"q_proj", "v_proj"}, "attention-only LoRA loads"
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+def test_per_expert_lora_of_transformers_4_loads_as_peft_converts_it(zoos, tmp_path: Path, arch: str) -> None:
+    """Per-expert tensors (`block_sparse_moe.experts.{e}.w1/w3/w2`, `mlp.experts.{e}.gate_proj/...`)
+    at rank 4: each expert's loaded delta equals the one PEFT 0.21 applies after converting the
+    adapter to transformers 5's stacked experts (PEFT's conversion fails to load parts of unequal
+    ranks, so only equal ones are compared)."""
+    from peft import PeftModel
+    from peft.tuners.lora.layer import ParamWrapper
+    from transformers import AutoModelForCausalLM
+
+    zoo = zoos(arch)
+    model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    shapes = model.dims.shapes()
+    names, block = (("w1", "w3", "w2"), "block_sparse_moe") if arch == "mixtral" else (
+        ("gate_proj", "up_proj", "down_proj"), "mlp")
+    width, hidden = shapes.expert_modules["down_proj"]
+    g = torch.Generator().manual_seed(2)
+    tensors = {}
+    for layer in range(shapes.num_layers):
+        for e in range(shapes.experts):
+            for name in names:
+                i, o = (width, hidden) if name in ("w2", "down_proj") else (hidden, width)
+                prefix = f"base_model.model.model.layers.{layer}.{block}.experts.{e}.{name}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(4, i, generator=g) * 0.1
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(o, 4, generator=g) * 0.1
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8,
+        "target_modules": list(names), "base_model_name_or_path": str(zoo.model_dir),
+        "task_type": "CAUSAL_LM", "lora_dropout": 0.0}))  # fmt: skip
+    ours = load_peft_adapter("legacy", folder, shapes, max_rank=64)
+    base = AutoModelForCausalLM.from_pretrained(zoo.model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, folder)
+    wrappers = [(name, m) for name, m in peft_model.named_modules() if isinstance(m, ParamWrapper)]
+    assert len(wrappers) == 2 * shapes.num_layers, f"PEFT converts the {arch} per-expert LoRA to its wrappers"
+    for name, wrapper in wrappers:
+        layer = int(name.split("layers.")[1].split(".")[0])
+        delta = wrapper.get_delta_weight("default")
+        for e in range(shapes.experts):
+            key = (layer, f"experts.{e}.{wrapper.parameter_name}")
+            mine = ours.scaling[key[1]] * ours.b[key] @ ours.a[key]
+            torch.testing.assert_close(mine, delta[e], atol=1e-6, rtol=1e-5, msg=lambda m, k=key: (
+                f"{arch} layer {k[0]} {k[1]}: the joined per-expert delta is PEFT's: {m}"))
