@@ -119,10 +119,14 @@ def test_a_cached_prefix_never_keeps_a_request_on_an_overloaded_replica():
     keys = routing_keys("sql", CHAT)
     bound = PREFIX_SHARE * MISS_COST
     assert prefix_bonus(10 * MAX_DEPTH, MISS_COST) == bound, "the bonus is at most a share of a miss"
-    # 4 batch slots: ongoing 4 is one request of queue excess, 4 + k is 1 + k
+    # 4 batch slots: ongoing 4 is one request of queue excess, 4 + k is 1 + k; the chat's 512 cached
+    # tokens are a bonus of 1.05, less the batch's occupancy (ongoing / 4, at most 1)
+    half = [view("r0", ongoing=0), view("r1", ongoing=2, prefixes=keys)]
+    assert rank_replicas("sql", half, MISS_COST, keys)[0] == "r1", (
+        "a half-full batch (a discount of 0.5) leaves the cached prefix worth more than an idle replica")
     slightly = [view("r0", ongoing=0), view("r1", ongoing=4, prefixes=keys)]
-    assert rank_replicas("sql", slightly, MISS_COST, keys)[0] == "r1", (
-        f"a queue excess of 1 (< {bound}) is worth the cached prefix")
+    assert rank_replicas("sql", slightly, MISS_COST, keys)[0] == "r0", (
+        "a full batch and one queued request (1 + a discount of 1) outweigh a 512-token cached prefix")
     overloaded = [view("r0", ongoing=0), view("r1", ongoing=3 + int(bound) + 1, prefixes=keys)]
     assert rank_replicas("sql", overloaded, MISS_COST, keys)[0] == "r0", (
         f"a queue excess above {bound} outweighs any cached prefix")
@@ -136,12 +140,13 @@ def test_the_configured_share_bounds_the_bonus_and_zero_turns_it_off():
     assert ServeConfig.model_fields["prefix_routing_share"].default == PREFIX_SHARE, (
         "the score's default share is the config's")
     assert prefix_bonus(10 * MAX_DEPTH, MISS_COST, 0.25) == 0.25 * MISS_COST, "the bonus is at most the share"
-    # r1 caches the chat (512 tokens: a bonus of share x 2.1 requests) with a queue excess of 2
-    replicas = [view("r0", ongoing=0), view("r1", ongoing=5, prefixes=keys)]
+    # r1 caches the chat (512 tokens: a bonus of share x 2.1 requests, less its full batch's discount of
+    # 1) with a queue excess of 1
+    replicas = [view("r0", ongoing=0), view("r1", ongoing=4, prefixes=keys)]
     assert rank_replicas("sql", replicas, MISS_COST, keys, prefix_share=0.5)[0] == "r0", (
-        "at the default share (a bonus of 1.05), a queue excess of 2 outweighs the cached prefix")
+        "at the default share (a bonus of 1.05 - 1), a queue excess of 1 outweighs the cached prefix")
     assert rank_replicas("sql", replicas, MISS_COST, keys, prefix_share=1.0)[0] == "r1", (
-        "at share 1 (a bonus of 2.1), the cached prefix outweighs a queue excess of 2")
+        "at share 1 (a bonus of 2.1 - 1), the cached prefix outweighs a queue excess of 1")
     equal = [view("r0"), view("r1", prefixes=keys)]
     assert rank_replicas("sql", equal, MISS_COST, keys, prefix_share=0.0) == ["r0", "r1"], (
         "at share 0 a cached prefix weighs nothing: by id at equal load")
@@ -238,10 +243,10 @@ async def test_the_live_router_honours_the_configured_share():
     next_turn = CHAT + list(range(9000, 9040))
     for share, expected in ((0.5, "r0"), (1.0, "r1")):
         router = live_router(replicas, prefix_routing_share=share)
-        router.on_new_queue_len_info(replicas[1].replica_id, 5)  # 2 requests beyond its 4 batch slots
+        router.on_new_queue_len_info(replicas[1].replica_id, 4)  # its 4 batch slots full: 1 beyond
         ranks = await router.choose_replicas(replicas, pending(next_turn))
         assert ranks[0][0].replica_id.unique_id == expected, (
-            f"share {share}: a queue excess of 2 against the cached chat sends the turn to {expected}")
+            f"share {share}: a queue excess of 1 against the cached chat sends the turn to {expected}")
 
 
 # ----- the controller's grant -------------------------------------------------------------------

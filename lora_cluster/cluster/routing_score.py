@@ -20,8 +20,12 @@ deeper prefixes weigh more (each doubling about as much), and the bonus never ex
 prompt's prefix wins (the turns of one chat stay where their earlier turns are cached: sticky
 sessions without session ids), but a replica whose queue excess is more than
 `prefix_share * miss_cost` above another's loses to it: a cached prefix never keeps traffic on an
-overloaded replica. A replica lacking the adapter stays costlier than a holder at the same load,
-prefix or not (a miss costs a full `miss_cost`, the bonus at most one).
+overloaded replica. Below the batch slots, where every replica's queue excess is 0, the bonus is
+discounted by the replica's `batch_occupancy` (0..1: a full batch costs one queued request; the bonus
+never goes below 0), so new chats spread over the replicas caching their system prompt and a chat
+leaves a replica whose batch is much fuller than another's that caches most of it. A replica
+lacking the adapter stays costlier than a holder at the same load, prefix or not (a miss costs a
+full `miss_cost`, the bonus at most one).
 Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
 adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
 and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
@@ -81,14 +85,27 @@ def prefix_bonus(tokens: int, miss_cost: float, share: float = PREFIX_SHARE) -> 
 _FULL = math.log2(1 + MAX_DEPTH / GRAIN)
 
 
+def batch_occupancy(replica: ReplicaView) -> float:
+    """The share of its batch slots a replica fills, 0..1 (a full batch weighs one queued request):
+    what a cached prefix's bonus is worth less there. The bonus differs from replica to replica, so
+    the tie-break on `ongoing` never comes into play between replicas caching a prompt's prefix;
+    without this discount every chat of a hot adapter stays on the replicas that first cached its
+    system prompt while their batches have room, however much emptier another holder's is
+    (measured in the simulator: up to 1.7x the mean load on one replica). Only a replica caching the
+    prefix pays it, so the others rank as for a request without a prefix (`routing_index` relies
+    on that)."""
+    return min(replica.ongoing, replica.max_num_seqs) / max(1, replica.max_num_seqs)
+
+
 def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
                  prefix: Sequence[str] = (), prefix_share: float = PREFIX_SHARE) -> float:
     """Cost of serving `adapter_id` on `replica`, in requests that would wait (lower is better);
     `prefix`: the request's routing keys (`prefix_keys.routing_keys`); `prefix_share`: the most a
     cached prefix takes off, as a share of `miss_cost`."""
     cost = float(max(0, replica.ongoing + 1 - replica.max_num_seqs))
-    if prefix:
-        cost -= prefix_bonus(cached_tokens(prefix, replica), miss_cost, prefix_share)
+    tokens = cached_tokens(prefix, replica) if prefix else 0
+    if tokens:
+        cost -= max(0.0, prefix_bonus(tokens, miss_cost, prefix_share) - batch_occupancy(replica))
     if adapter_id is not None and adapter_id not in replica.adapters:
         cost += miss_cost
         if replica.empty_adapter_slots <= 0:  # evicts an adapter, which will miss later
