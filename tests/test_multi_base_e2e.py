@@ -1,12 +1,16 @@
 """Two base models in one cluster, end to end: one `serve run`-equivalent Ray app with two replica
 groups, `llama` on the tiny demo Llama (its adapters a0..a15) and `qwen` on a tiny Qwen3 checkpoint
-(its adapters q0, q1 from its own adapter source), each group naming its own `model`.
+(its adapters q0, q1 from its own adapter source), each group naming its own `model`. The two bases
+tokenize differently: the Qwen3 checkpoint's tokenizer gives every piece another id and has another
+chat template (`other_tokenizer`), so the ingress must encode and template each request with its own
+base's tokenizer for the texts below to match.
 
 What must hold: /v1/models lists both bases, each followed by its adapters with `parent` set to it; a
 request's `model` (a base name or an adapter id) runs on that base, with transformers + PEFT's greedy
-text for that base; an adapter of the Qwen3 base registered where the Llama base serves it is refused
-(a 400 naming the adapter, the base it was trained for and the base that refused it, never a server
-path), and the Llama base keeps serving; `/v1/cluster` names each replica's base.
+text for that base, for completions and chats (each rendered with its base's chat template); an
+adapter of the Qwen3 base registered where the Llama base serves it is refused (a 400 naming the
+adapter, the base it was trained for and the base that refused it, never a server path), and the
+Llama base keeps serving; `/v1/cluster` names each replica's base.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import httpx
 import pytest
 import torch
+from other_tokenizer import write_other_tokenizer
 
 from lora_cluster.demo_families import build_family_zoo
 
@@ -30,12 +35,14 @@ QWEN_ADAPTERS = ["q0", "q1"]
 
 @pytest.fixture(scope="module")
 def qwen_zoo(tmp_path_factory):
-    """The tiny Qwen3 checkpoint in a folder named `qwen3-tiny`, and its PEFT adapters as q0, q1 declaring
-    `org/qwen3-tiny` as their base (a hub id and a local copy of it match by their last component)."""
+    """The tiny Qwen3 checkpoint in a folder named `qwen3-tiny`, with a tokenizer of its own, and its PEFT
+    adapters as q0, q1 declaring `org/qwen3-tiny` as their base (a hub id and a local copy of it match
+    by their last component)."""
     root = tmp_path_factory.mktemp("multi-base")
     zoo = build_family_zoo(root / "zoo", "qwen3", num_adapters=2)
     model_dir = root / QWEN
     shutil.copytree(zoo.model_dir, model_dir)
+    write_other_tokenizer(model_dir)
     adapters = root / "qwen-adapters"
     for index, name in enumerate(QWEN_ADAPTERS):
         shutil.copytree(zoo.adapters_dir / f"a{index}", adapters / name)
@@ -63,15 +70,16 @@ def http(ray_app, demo_zoo, qwen_zoo):
         yield client
 
 
-def _peft_text(model_dir, adapter_dir, tokenizer) -> str:
-    """transformers + PEFT's greedy continuation of PROMPT (NEW_TOKENS tokens, EOS not stopping it)."""
+def _peft_text(model_dir, adapter_dir, tokenizer, ids: list[int] | None = None) -> str:
+    """transformers + PEFT's greedy continuation of `ids` (default: PROMPT's; NEW_TOKENS tokens, EOS
+    not stopping it)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
-    ids = tokenizer(PROMPT).input_ids
+    ids = tokenizer(PROMPT).input_ids if ids is None else ids
     out = model.eval().generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                 do_sample=False, eos_token_id=None, pad_token_id=3)
     return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
@@ -99,6 +107,36 @@ def test_each_bases_requests_answer_peft_greedy_text_for_that_base(http, demo_zo
     assert r.status_code == 200, f"{model}: the completion succeeds: {r.text}"
     want = _peft_text(model_dir, adapter_dir, AutoTokenizer.from_pretrained(model_dir))
     assert r.json()["choices"][0]["text"] == want, f"{model}: the text is PEFT's greedy text on its base"
+
+
+def test_the_two_bases_tokenize_differently(demo_zoo, qwen_zoo):
+    from transformers import AutoTokenizer
+
+    llama = AutoTokenizer.from_pretrained(demo_zoo.model_dir)
+    qwen = AutoTokenizer.from_pretrained(qwen_zoo[0])
+    assert llama(PROMPT).input_ids != qwen(PROMPT).input_ids, "the prompt encodes to other ids on each base"
+    assert llama.chat_template != qwen.chat_template, "each base has its own chat template"
+
+
+@pytest.mark.parametrize("model", ["a1", "q0"])
+def test_each_bases_chats_are_rendered_with_its_template_and_answer_peft_greedy_text(http, demo_zoo, qwen_zoo,
+                                                                                     model):
+    from transformers import AutoTokenizer
+
+    model_dir, adapters = (qwen_zoo[0], qwen_zoo[1]) if model.startswith("q") else (
+        demo_zoo.model_dir, demo_zoo.adapters_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"model": model, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, f"{model}: the chat succeeds: {r.text}"
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids), f"{model}: the prompt is its base's rendering"
+    want = _peft_text(model_dir, adapters / model, tokenizer, ids)
+    assert r.json()["choices"][0]["message"]["content"] == want, (
+        f"{model}: the answer is PEFT's greedy text for its base's chat template")
 
 
 def test_an_adapter_of_the_other_base_is_refused_where_it_is_registered(http, qwen_zoo):
