@@ -219,3 +219,27 @@ def test_per_expert_lora_of_transformers_4_loads_as_peft_converts_it(zoos, tmp_p
             mine = ours.scaling[key[1]] * ours.b[key] @ ours.a[key]
             torch.testing.assert_close(mine, delta[e], atol=1e-6, rtol=1e-5, msg=lambda m, k=key: (
                 f"{arch} layer {k[0]} {k[1]}: the joined per-expert delta is PEFT's: {m}"))
+
+
+def test_a_linear_merge_of_expert_adapters_sums_each_experts_delta(zoos) -> None:
+    """Merged adapters (LoRAX's merged_adapters) over LoRA on the experts: linear is each expert's
+    exact weighted sum of deltas; ties / dare are refused naming the strategy."""
+    from lora_cluster.errors import AdapterMergeError
+    from lora_cluster.store.merge import MergeSpec, merge
+
+    zoo = zoos("qwen3moe")
+    model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    shapes = model.dims.shapes()
+    adapters = [load_peft_adapter(a, zoo.adapters_dir / a, shapes, max_rank=64) for a in ("a0", "a1")]
+    spec = MergeSpec.parse(["a0", "a1"], [0.5, 2.0], "linear", max_ids=4)
+    merged = merge(spec, adapters, list(shapes.modules), adapter_id="merged/x", max_rank=64, seed=0)
+    key = (1, "experts.3.gate_up_proj")
+    want = 2.0 * adapters[1].scaling[key[1]] * adapters[1].b[key] @ adapters[1].a[key]
+    got = merged.scaling[key[1]] * merged.b[key] @ merged.a[key]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5,
+                               msg=lambda m: f"the merged expert delta is the weighted one: {m}")
+    assert merged.module_rank("experts.down_proj") == 16, "the merged adapter keeps a1's expert rank"
+    ties = MergeSpec.parse(["a0", "a1"], [0.5, 2.0], "ties", density=0.5, max_ids=4)
+    with pytest.raises(AdapterMergeError, match="ties merge of LoRA on a mixture of experts"):
+        merge(ties, adapters, list(shapes.modules), adapter_id="merged/y", max_rank=64, seed=0)
+

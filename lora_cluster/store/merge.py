@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_cluster.adapter_format import LoraWeights, check_adapter_id
+from lora_cluster.adapter_format import LoraWeights, check_adapter_id, expert_unit
 from lora_cluster.errors import AdapterMergeError, RequestError
 
 STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
@@ -115,7 +115,12 @@ def merge(spec: MergeSpec, adapters: Sequence[LoraWeights], module_order: Sequen
     strategy = "linear" if len(adapters) == 1 else spec.strategy
     generator = torch.Generator().manual_seed(seed)
     order = {m: i for i, m in enumerate(module_order)}
-    keys = sorted({k for w in adapters for k in w.a}, key=lambda k: (k[0], order[k[1]]))
+    # LoRA on a mixture of experts' experts (per-expert modules) comes after the model's projections
+    keys = sorted({k for w in adapters for k in w.a}, key=lambda k: (k[0], order.get(k[1], len(order)), k[1]))
+    if strategy != "linear" and any(expert_unit(m) for _, m in keys):
+        raise AdapterMergeError(adapter_id, f"a {strategy} merge of LoRA on a mixture of experts' experts "
+                                "is not served (its pruning over PEFT's stacked expert matrices is not "
+                                "reproduced per expert); use linear, the exact weighted sum")
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     for key in keys:
