@@ -328,7 +328,8 @@ def parse_lora_tensors(
     expert_scaling = _split_experts(adapter_id, config, stacked, shapes, max_rank, a, b)
     if per_expert and stacked:
         raise AdapterFormatError(adapter_id, "LoRA on the experts both per expert and on the stacked experts")
-    expert_scaling.update(_join_per_expert(adapter_id, config, per_expert, shapes, a, b))
+    if per_expert:  # a dense base has no expert shapes to join against
+        expert_scaling.update(_join_per_expert(adapter_id, config, per_expert, shapes, a, b))
     if not a:
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
     if a.keys() != b.keys():
