@@ -33,6 +33,7 @@ from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ClusterView, ReplicaReport
 from lora_cluster.cluster.scheduling import (
     affinity_hit,
+    can_preempt,
     choose_replica,
     hit_window_s,
     holder_preemption_target,
@@ -136,6 +137,7 @@ class Controller:
         self._preempt_at: list[tuple[float, int, Ticket]] = []
         self._due: dict[int, list[tuple[Any, Ticket]]] = {}  # priority -> heap of (queue order, ticket)
         self._changed: set[str] = set()  # replicas that reported since the last look for preempting hits
+        self._rate: tuple[int, float | None] = (-1, None)  # (view version, expected rate) last computed
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
@@ -182,10 +184,10 @@ class Controller:
             self.counts["rejected"] += 1
             self.counts["shed_cold"] += 1
             raise self.shedding.error(ticket, predicted)
-        can_preempt = ticket.ttft_s is not None and preemption_target(ticket, self.view) is not None
+        may_preempt = ticket.ttft_s is not None and can_preempt(ticket, self.view)
         try:
             bumped = self.queue.park(
-                ticket, deadline_at_risk=not can_preempt, expected_rate=self._expected_rate(),
+                ticket, deadline_at_risk=not may_preempt, expected_rate=self._expected_rate(),
                 max_wait_s=self.settings.queue_timeout_s)
         except DeadlineOutOfReachError:
             self.counts["rejected"] += 1
@@ -310,7 +312,7 @@ class Controller:
             if len(due) > 2 * len(self.queue) + 64:  # bounded: drop what left the queue
                 due[:] = [e for e in due if e[1].ticket_id in self.queue]
                 heapq.heapify(due)
-            if not any(self.view.preemptible(rid, priority) > 0 for rid in self.view.ids()):
+            if not self.view.preemptible_ids(priority):
                 return  # no work less urgent than this anywhere, so none less urgent than the next
             while due:  # then the due misses, in queue order
                 ticket = due[0][1]
@@ -333,9 +335,12 @@ class Controller:
         return affinity_hit(priority, self.queue.best_for, self.queue.sort_key, self.view, room)
 
     def _expected_rate(self) -> float | None:
-        """Requests per second the live replicas should complete: batch slots over service time."""
-        rate = sum(r.capacity / r.service_time_s for r in self.view.replicas() if r.service_time_s)
-        return rate or None
+        """Requests per second the live replicas should complete: batch slots over service time
+        (summed again only when the view's reports changed)."""
+        if self._rate[0] != self.view.version:
+            rate = sum(r.capacity / r.service_time_s for r in self.view.replicas() if r.service_time_s)
+            self._rate = (self.view.version, rate or None)
+        return self._rate[1]
 
     def _replan(self) -> None:
         self._planned_at = self._clock()

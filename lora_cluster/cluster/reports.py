@@ -99,9 +99,23 @@ class ReplicaReport:
     def ongoing(self) -> int:
         return self.running + self.waiting if self.active is None else self.active
 
+    @functools.cached_property
+    def _less_urgent(self) -> dict[int, int]:
+        """`less_urgent_running` by priority, as asked (a report is immutable: computed once each)."""
+        return {}
+
     def less_urgent_running(self, priority: int) -> int:
         """Running requests strictly less urgent than `priority` (what a preemption could free)."""
-        return sum(n for p, n in self.running_by_priority.items() if int(p) > priority)
+        memo = self._less_urgent
+        n = memo.get(priority)
+        if n is None:
+            n = memo[priority] = sum(n for p, n in self.running_by_priority.items() if int(p) > priority)
+        return n
+
+    @functools.cached_property
+    def held(self) -> frozenset[str]:
+        """The adapters it holds: resident or loading (built once per report)."""
+        return frozenset((*self.resident, *self.loading))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -192,13 +206,17 @@ class ClusterView:
         self._room: dict[str, int] = {}
         self._room_sum = 0
         self._dirty: set[str] = set()
+        self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
+        self.version = 0  # counts the changes of the set of reports (an update, a replica forgotten)
+        # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
+        self._preemptible: dict[int, set[str]] = {}
 
     def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int) -> None:
         """An ingress's requests in flight per replica, and those on their way to an unknown one."""
         old = self._claims.pop(ingress_id, None)
         new = dict(inflight)
         if old is not None:
-            self._dirty.update(rid for rid in old[1].keys() | new.keys() if old[1].get(rid) != new.get(rid))
+            self._dirty.update(rid for rid, _ in old[1].items() ^ new.items())  # the counts that changed
         else:
             self._dirty.update(new)
         self._claims[ingress_id] = (self._clock(), new, max(0, int(unassigned)))
@@ -224,8 +242,25 @@ class ClusterView:
             seen.outstanding = {t: at for t, at in old.outstanding.items()
                                 if t not in arrived and now - at < self.grant_ttl_s}
             seen.preempting = old.preempting & set(seen.outstanding)
+        self._hold(report.replica_id, None if old is None else old.report, report)
         self._seen[report.replica_id] = seen
         self._dirty.add(report.replica_id)
+        self.version += 1
+        self._repreempt(report.replica_id)
+
+    def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
+        """The holders index follows the replica's report from `old` to `new` (None: none)."""
+        before = frozenset() if old is None else old.held
+        after = frozenset() if new is None else new.held
+        if before is after or before == after:
+            return
+        for aid in before - after:
+            holders = self._holders[aid]
+            holders.discard(replica_id)
+            if not holders:
+                del self._holders[aid]
+        for aid in after - before:
+            self._holders.setdefault(aid, set()).add(replica_id)
 
     def arrived(self, replica_id: str, tickets: Iterable[str]) -> None:
         """Granted tickets that reached the replica, told by a report the view could not use (a
@@ -237,9 +272,14 @@ class ClusterView:
             seen.outstanding.pop(ticket_id, None)
             seen.preempting.discard(ticket_id)
         self._dirty.add(replica_id)
+        self._repreempt(replica_id)
 
     def forget(self, replica_id: str) -> None:
-        self._seen.pop(replica_id, None)
+        seen = self._seen.pop(replica_id, None)
+        if seen is not None:
+            self._hold(replica_id, seen.report, None)
+            self.version += 1
+            self._repreempt(replica_id)
         self._room_sum -= self._room.pop(replica_id, 0)
         self._dirty.discard(replica_id)
 
@@ -262,6 +302,11 @@ class ClusterView:
         """Requests the replica can still be given: capacity - in flight - grants on their way (in
         flight: the larger of its report and what the ingresses claim there)."""
         return self._free(replica_id, self._seen[replica_id], self._fresh_claims())
+
+    def free_ids(self) -> list[str]:
+        """The replicas with `free` > 0, in `ids` order (one pass, the claims read once)."""
+        claims = self._fresh_claims()
+        return [rid for rid, s in self._seen.items() if self._free(rid, s, claims) > 0]
 
     def total_free(self) -> int:
         """The sum of `free` over the replicas with room: O(replicas changed since the last call)."""
@@ -290,6 +335,25 @@ class ClusterView:
         s = self._seen[replica_id]
         return s.report.less_urgent_running(priority) - len(s.preempting)
 
+    def preemptible_ids(self, priority: int) -> set[str]:
+        """The replicas where `preemptible(rid, priority)` > 0 (read-only): built at the first ask
+        for `priority`, then kept up to date with every report, arrival, preempting grant and
+        forgotten replica, so that "where could a ticket of this priority preempt?" costs O(answer)."""
+        ids = self._preemptible.get(priority)
+        if ids is None:
+            ids = {rid for rid in self._seen if self.preemptible(rid, priority) > 0}
+            self._preemptible[priority] = ids
+        return ids
+
+    def _repreempt(self, replica_id: str) -> None:
+        """`preemptible_ids` follows a change of the replica's report or of its preempting grants."""
+        seen = self._seen.get(replica_id)
+        for priority, ids in self._preemptible.items():
+            if seen is not None and seen.report.less_urgent_running(priority) - len(seen.preempting) > 0:
+                ids.add(replica_id)
+            else:
+                ids.discard(replica_id)
+
     def granted(self, replica_id: str, ticket_id: str, *, preempting: bool = False) -> None:
         s = self._seen.get(replica_id)
         if s is not None:
@@ -297,9 +361,14 @@ class ClusterView:
             s.outstanding[ticket_id] = self._clock()
             if preempting:
                 s.preempting.add(ticket_id)
+                self._repreempt(replica_id)
 
     def ids(self) -> Iterable[str]:
         return self._seen.keys()
+
+    def holders(self, adapter_id: str) -> frozenset[str] | set[str]:
+        """The replicas whose report holds `adapter_id` (resident or loading); read-only."""
+        return self._holders.get(adapter_id, frozenset())
 
     def __len__(self) -> int:
         return len(self._seen)

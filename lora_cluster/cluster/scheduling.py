@@ -44,7 +44,7 @@ from lora_cluster.cluster.reports import ClusterView
 
 def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tuple[str, ...]]) -> str | None:
     """The replica with room that should take `ticket` now, or None when none has room."""
-    candidates = [rid for rid in view.ids() if view.free(rid) > 0]
+    candidates = view.free_ids()
     if not candidates:
         return None
     aid, prefix = ticket.adapter_id, ticket.prefix
@@ -80,7 +80,7 @@ def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
     if adapter_id is None:
         return True
     report = view.get(replica_id)
-    return report is not None and (adapter_id in report.resident or adapter_id in report.loading)
+    return report is not None and adapter_id in report.held
 
 
 def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
@@ -119,7 +119,7 @@ def holder_wait_until(ticket: Ticket, target: str, view: ClusterView, wait_fract
     replica holds its adapter; else -inf (no reason to wait: preempt now). A miss then costs a load
     and a slot, and evicts another adapter on a full replica, where a hit costs nothing."""
     if (ticket.ttft_s is None or ticket.adapter_id is None or holds(view, target, ticket.adapter_id)
-            or not any(holds(view, rid, ticket.adapter_id) for rid in view.ids())):
+            or not view.holders(ticket.adapter_id)):
         return -math.inf
     return ticket.enqueued_at + wait_fraction * ticket.ttft_s
 
@@ -129,8 +129,17 @@ def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:
     such holder, or the base model, which every replica holds)."""
     if ticket.adapter_id is None:
         return None
-    holders = [rid for rid in view.ids() if holds(view, rid, ticket.adapter_id)]
+    holders = view.holders(ticket.adapter_id)
     return preemption_target(ticket, view, holders) if holders else None
+
+
+def can_preempt(ticket: Ticket, view: ClusterView) -> bool:
+    """Whether `preemption_target(ticket, view)` names a replica, without ranking them all: some
+    replica runs work strictly less urgent than the ticket and outscores no replica at all (a
+    replica that neither holds the adapter nor hashes above zero for it does not)."""
+    aid = ticket.adapter_id
+    return any(aid is None or holds(view, rid, aid) or home_score(aid, rid) > 0
+               for rid in view.preemptible_ids(ticket.priority))
 
 
 def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str] | None = None,
@@ -141,15 +150,15 @@ def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[s
     `free_slot_first` is for the most urgent class: on a replica whose adapter slots all serve
     running requests of that class, a miss waits for one of them to finish (seconds), which its
     TTFT target cannot absorb; the other classes go home, where the next request finds the adapter."""
-    best, most = None, (False, False, 0)
+    best, most = None, (False, False, 0)  # the best score, and the first replica id that has it
     aid = ticket.adapter_id
-    for rid in sorted(view.ids() if replica_ids is None else replica_ids):
+    for rid in view.preemptible_ids(ticket.priority) if replica_ids is None else replica_ids:
         n = view.preemptible(rid, ticket.priority)
         if n <= 0:
             continue
         report = view.get(rid)
         slot = free_slot_first and report is not None and report.free_adapter_slots > 0
         score = (holds(view, rid, aid), slot, n if aid is None else home_score(aid, rid))
-        if score > most:
+        if score > most or (best is not None and score == most and rid < best):
             best, most = rid, score
     return best

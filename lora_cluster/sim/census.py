@@ -28,11 +28,16 @@ class RankBuckets:
         bounds = (0, *self.edges)
         self.labels = [f"{lo + 1}-{hi}" for lo, hi in zip(bounds, self.edges, strict=False)]
         self.labels.append(f"{self.edges[-1] + 1}+")
+        self._label: dict[str, str] = {}  # adapter -> its label, as asked (bounded by the run's adapters)
 
     def __call__(self, adapter_id: str) -> str:
-        r = self.rank(adapter_id)
-        return next((label for label, edge in zip(self.labels, self.edges, strict=False) if r <= edge),
-                    self.labels[-1])
+        label = self._label.get(adapter_id)
+        if label is None:
+            r = self.rank(adapter_id)
+            label = next((label for label, edge in zip(self.labels, self.edges, strict=False) if r <= edge),
+                         self.labels[-1])
+            self._label[adapter_id] = label
+        return label
 
 
 class SlotCensus:
