@@ -2,7 +2,8 @@
 
     python -m lora_cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
         --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile gpu|cpu|PATH] [--preload N] \
-        [--chats N --turns 8 --think 10 --system-tokens 1000 --prefix-routing on|off] [--json]
+        [--chats N --turns 8 --think 10 --system-tokens 1000 --prefix-routing on|off] \
+        [--bases K | --base-nodes 20,12] [--json]
 
 The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
 `cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the
@@ -10,6 +11,13 @@ name of the profile the run used), completed, rejected, hit_rate, adapter_loads 
 class: ttft_p50_s, ttft_p99_s, slo_attainment) and wall_s, and with the lora-cluster policy control_plane
 (reports_per_s_per_replica, controller_cpu_s_per_sim_s, at steady state). Without it, the same figures and the
 run's details (rates, controller calls and CPU time, queue depth) as text.
+
+`--bases K` (or `--base-nodes 20,12`) splits the nodes into K replica groups, one base model each
+(`sim.bases`): adapter i is listed under base i % K, a request runs only on its adapter's base's
+replicas, each group with its own controller, router and admission check. The JSON then has a
+`bases` object: per base its `replicas`, `adapters`, `traffic_share`, `offered`, `completed`,
+`rejected`, `unfinished`, `hit_rate`, `hit_rate_ceiling` and `slo_attainment` per class; the
+details list `replica_bases` (replica id -> base) and each group's policy figures (`by_base`).
 
 `--chats N` replaces the Poisson arrivals (`--load` then does not apply) by N users chatting at once
 (`sim.chats`: multi-turn chats pinned to an adapter drawn Zipf, each turn's prompt the previous one,
@@ -27,6 +35,7 @@ import argparse
 import json
 import sys
 
+from lora_cluster.sim.bases import node_shares
 from lora_cluster.sim.chats import ChatSettings
 from lora_cluster.sim.context import ServeSettings
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
@@ -63,12 +72,27 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--prefix-routing", choices=("on", "off"),
                     default="on" if _SERVE.prefix_aware_routing else "off",
                     help="chats: rank replicas by prompt prefix too (off: adapter-only routing)")
+    ap.add_argument("--bases", type=int, default=1,
+                    help="base models: the nodes split into this many replica groups, one base each, "
+                    "adapter i under base i %% K (sim.bases)")
+    ap.add_argument("--base-nodes", default="",
+                    help="each base's nodes, comma-separated, adding up to --nodes (default: equal shares)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
             or a.preload < 0):
         ap.error("--nodes, --adapters, --max-loras must be >= 1; --load and --duration > 0; "
                  "--warmup and --preload >= 0")
+    try:
+        base_nodes = tuple(int(n) for n in a.base_nodes.split(",")) if a.base_nodes else ()
+        bases = len(base_nodes) or a.bases
+        if base_nodes and a.bases not in (1, bases):
+            raise ValueError(f"--bases {a.bases} but {bases} counts")
+        node_shares(a.nodes, bases, base_nodes)
+        if bases > a.adapters:
+            raise ValueError(f"{bases} bases need at least {bases} adapters")
+    except ValueError as e:
+        ap.error(f"--bases, --base-nodes: {e}")
     chats = None
     if a.chats:
         try:
@@ -78,7 +102,7 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
             ap.error(f"--chats, --turns, --think, --system-tokens: {e}")
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
-                       profile=a.profile, preload=a.preload, chats=chats,
+                       profile=a.profile, preload=a.preload, chats=chats, bases=bases, base_nodes=base_nodes,
                        serve=ServeSettings(prefix_aware_routing=a.prefix_routing == "on"))
     return config, a.json
 

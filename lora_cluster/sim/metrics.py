@@ -46,16 +46,19 @@ class SimResult:
     details: dict[str, Any] = field(default_factory=dict)  # not printed by --json: run and policy figures
     profile: str | None = None  # the replica profile the run used (`ReplicaProfile.name`, e.g. gpu-papers)
     chats: dict[str, Any] | None = None  # the chat workload's figures (`Metrics.chat_figures`), if any
+    bases: dict[str, Any] | None = None  # per base model, with several (`sim.bases.BaseFigures`)
 
     def to_json(self) -> dict[str, Any]:
         """The object `--json` prints (exactly these keys, `chats` when the run had chats, and
         `control_plane` with the lora-cluster policy: reports per second per replica and controller
-        CPU seconds per simulated second, at steady state)."""
+        CPU seconds per simulated second, at steady state; `bases` with several base models)."""
         out = {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
                "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
                "wall_s": self.wall_s}
         if self.chats is not None:
             out["chats"] = self.chats
+        if self.bases is not None:
+            out["bases"] = self.bases
         if self.details.get("control_plane") is not None:  # the lora-cluster policy's controller figures
             out["control_plane"] = self.details["control_plane"]
         return out

@@ -5,7 +5,8 @@ node's store, as after the engine's `preload` setting listed them. A run lasts `
 simulated seconds of arrivals, then drains (no new arrivals) until
 every request has ended or `drain_limit_s` passed. Requests that arrive during the warm-up load the
 cluster but are not measured. Each node runs one replica (one GPU, or one CPU engine for the
-measured profile), with its own host and disk tiers.
+measured profile), with its own host and disk tiers. With `bases` K > 1 the nodes form K replica
+groups, one base model each, and a request runs only in its adapter's base's group (`sim.bases`).
 
 Offered load: `load` times the cluster's *rated capacity*, the rate at which every replica keeps a
 full batch of `max_num_seqs` requests with no adapter loads: a request holds its batch slot for
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import EngineConfig
 from lora_cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
+from lora_cluster.sim.bases import BaseFigures, BaseSplit, GroupedPolicy, base_name, node_shares
 from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
@@ -58,6 +60,8 @@ class SimConfig:
     drain_limit_s: float = 600.0
     serve: ServeSettings = field(default_factory=ServeSettings)
     chats: ChatSettings | None = None  # multi-turn chats instead of Poisson arrivals (`sim.chats`)
+    bases: int = 1  # replica groups, one base model each (`sim.bases`); 1: one base, as before
+    base_nodes: tuple[int, ...] = ()  # each group's nodes (empty: equal shares of `nodes`)
 
 
 def replica_rate(profile: ReplicaProfile, max_loras: int) -> float:
@@ -98,12 +102,19 @@ class Simulation:
                                     prefix_cache=self._prefix_cache())
             for i in range(config.nodes)
         }
-        preload = self.workload.names[:config.preload]
-        for replica in self.replicas.values():
-            replica.preload(preload)
+        self.split: BaseSplit | None = None
+        if config.bases > 1 or len(config.base_nodes) > 1:
+            if config.base_nodes and config.bases not in (1, len(config.base_nodes)):
+                raise ValueError(f"{config.bases} bases but {len(config.base_nodes)} base node counts")
+            sizes = node_shares(config.nodes, len(config.base_nodes) or config.bases, config.base_nodes)
+            self.split = BaseSplit.build(list(self.replicas), self.workload.names, sizes)
+        for rid, replica in self.replicas.items():
+            replica.preload(self._preloaded(rid))
         self.ctx = SimContext(loop=loop, replicas=self.replicas, metrics=self.metrics, classes=classes,
                               serve=config.serve, rng=random.Random(config.seed + 2))
-        self.policy: Policy = POLICIES[config.policy](self.ctx)
+        self.policy: Policy = (POLICIES[config.policy](self.ctx) if self.split is None
+                               else GroupedPolicy(self.ctx, self.split, POLICIES[config.policy]))
+        self.base_figures: BaseFigures | None = None
         self.end = config.warmup + config.duration
         self.arrivals = 0
         self.census = SlotCensus(self.replicas, buckets, loop=loop, start=config.warmup,
@@ -118,6 +129,18 @@ class Simulation:
             self.chats.start()
         else:
             loop.at(self.workload.next_at, self._arrive)
+        if self.split is not None:
+            self.base_figures = BaseFigures(self.split, classes, then=self.metrics.on_end)
+            self.metrics.on_end = self.base_figures.ended
+
+    def _preloaded(self, replica_id: str) -> list[str]:
+        """The adapters the node's store holds at start: the `preload` most popular of those its
+        replica can serve (every adapter; with bases, its base's)."""
+        names = self.workload.names
+        if self.split is not None:
+            base = self.split.replica_base[replica_id]
+            names = [a for a in names if self.split.adapter_base[a] == base]
+        return names[:self.config.preload]
 
     def _prefix_cache(self) -> SimPrefixCache | None:
         """A replica's prefix cache model: with chats (other requests share no prefix), the engine's
@@ -170,6 +193,10 @@ class Simulation:
             "slot_census": self.census.result(),
             **self.policy.details(),
         }
+        if self.split is not None and self.base_figures is not None:
+            details["hit_rate_ceiling"] = self.split.cluster_ceiling(c.zipf, c.max_loras)
+            details["replica_bases"] = {rid: base_name(b) for rid, b in self.split.replica_base.items()}
+            details["bases"] = self.base_figures.result(unfinished, zipf=c.zipf, max_loras=c.max_loras)
         if self.chats is not None:
             caches = [r.prefix_cache for r in self.replicas.values() if r.prefix_cache is not None]
             details["chats"] = {
@@ -181,6 +208,8 @@ class Simulation:
                 "completed_by_replica": dict(sorted(self.metrics.by_replica.items())),
             }
         result = self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details)
+        if "bases" in details:
+            result.bases = details["bases"]
         if self.chats is not None:
             s = c.serve
             result.chats = {**dataclasses.asdict(c.chats), "prefix_aware_routing": s.prefix_aware_routing,
