@@ -3,7 +3,7 @@
     python -m lora_cluster.sim.experiments grid [--duration 60 --warmup 20 --workers 2] \
         [--save runs.json]
     python -m lora_cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
-        --loads 1,2 --duration 300 [--profile gpu|cpu|PATH] [--save runs.json]
+        --loads 1,2 --duration 300 [--profile gpu|cpu|PATH] [--bases K] [--save runs.json]
     python -m lora_cluster.sim.experiments sweep --nodes 32 --adapters 1000 --max-loras 16 \
         --loads 0.5,1,1.5,2,2.5,3 --duration 120 --profile cpu --plot docs/scale_sweep_cpu.png
     python -m lora_cluster.sim.experiments render --save runs.json [--plot FILE]
@@ -33,7 +33,9 @@ with adapter-only routing, and prints their cached-token share, requests per rep
 adapter; `sweep` runs the same grid and plots
 SLO attainment (interactive, standard) and hit rate against load (needs matplotlib, which the
 project does not depend on: `pip install matplotlib`); `--save` keeps every run's result as JSON so
-that `render` can redraw without running again. Each run is `simulation.run`, one after another.
+that `render` can redraw without running again. `--bases K` splits the nodes into K replica
+groups, one base model each (`sim.bases`), and adds a table of per-base figures. Each run is
+`simulation.run`, one after another.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             config = SimConfig(nodes=args.nodes, adapters=args.adapters, zipf=args.zipf, load=load,
                                duration=args.duration, warmup=args.warmup, seed=args.seed,
                                max_loras=args.max_loras, policy=policy, profile=args.profile,
-                               preload=args.preload or 0, serve=serve_settings(args.set))
+                               preload=args.preload or 0, serve=serve_settings(args.set),
+                               bases=args.bases)
             result = run(config)
             print(f"# {policy} load {load:g}: wall {result.wall_s:.1f} s", file=sys.stderr, flush=True)
             runs.append({"config": {k: v for k, v in asdict(config).items() if k != "serve"},
@@ -118,6 +121,27 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"| {_pct(res['hit_rate'])} ({_pct(d['hit_rate_ceiling'])}) "
             f"| {loads['host']} / {loads['disk']} / {loads['s3']} | {' | '.join(classes)} "
             f"| {controller} | {res['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def bases_markdown(runs: list[dict[str, Any]]) -> str:
+    """With several base models (`sim.bases`): one row per run and base, its replicas, share of
+    the traffic, completed and rejected requests, hit rate (and its ceiling), per-class SLO."""
+    with_bases = [r for r in runs if r["result"].get("bases")]
+    if not with_bases:
+        return ""
+    names = list(with_bases[0]["result"]["classes"])
+    lines = ["| policy | load | base | replicas | traffic share | completed | rejected "
+             "| hit rate (ceiling) | " + " | ".join(f"{n} SLO" for n in names) + " |",
+             "|" + "---|" * (8 + len(names))]
+    ranked = sorted(with_bases, key=lambda r: (r["config"]["load"], ORDER.index(r["config"]["policy"])))
+    for r in ranked:
+        for base, b in r["result"]["bases"].items():
+            slo = " | ".join(_pct(b["slo_attainment"][n]) for n in names)
+            lines.append(f"| {r['config']['policy']} | {r['config']['load']:g}x | {base} "
+                         f"| {len(b['replicas'])} | {_pct(b['traffic_share'])} | {b['completed']} "
+                         f"| {b['rejected']} "
+                         f"| {_pct(b['hit_rate'])} ({_pct(b['hit_rate_ceiling'])}) | {slo} |")
     return "\n".join(lines)
 
 
@@ -312,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="chats: mean seconds between an answer and the next turn")
     ap.add_argument("--system-tokens", type=int, default=1000,
                     help="chats: tokens of each adapter's system prompt")
+    ap.add_argument("--bases", type=int, default=1,
+                    help="table/sweep: base models, the nodes split into this many replica groups "
+                    "(sim.bases)")
     ap.add_argument("--save", help="JSON file of the runs (written by table/sweep/chats, read by render)")
     ap.add_argument("--plot", help="PNG to draw (sweep, render)")
     args = ap.parse_args(argv)
@@ -337,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.save:
             Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
     print(markdown(runs))
+    if per_base := bases_markdown(runs):
+        print("\nPer base model (replica groups, one base each; adapter i under base i % K)\n")
+        print(per_base)
     if census := census_markdown(runs):
         print("\nAdapter slots by the popularity rank of their adapter, mean over the run (running: "
               "pinned by running requests; cached: evictable)\n")
