@@ -137,7 +137,8 @@ class Controller:
         self._preempt_at: list[tuple[float, int, Ticket]] = []
         self._due: dict[int, list[tuple[Any, Ticket]]] = {}  # priority -> heap of (queue order, ticket)
         self._changed: set[str] = set()  # replicas that reported since the last look for preempting hits
-        self._rate: tuple[int, float | None] = (-1, None)  # (view version, expected rate) last computed
+        # replica -> its batch slots over its service time (0.0 without one), in the view's order
+        self._rates: dict[str, float] = {}
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
@@ -162,6 +163,8 @@ class Controller:
             report = apply_delta(base, report)
         joined = base is None
         self.view.update(report)
+        service = report.service_time_s
+        self._rates[report.replica_id] = report.capacity / service if service else 0.0
         self._changed.add(report.replica_id)
         self.demand.record(report.adapter_requests)
         if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
@@ -221,7 +224,9 @@ class Controller:
 
     def tick(self) -> None:
         """Forget replicas that stopped reporting; let long-waiting urgent tickets preempt."""
-        if self.view.prune():
+        if gone := self.view.prune():
+            for rid in gone:
+                del self._rates[rid]
             self._replan()
         self._dispatch()
 
@@ -336,11 +341,8 @@ class Controller:
 
     def _expected_rate(self) -> float | None:
         """Requests per second the live replicas should complete: batch slots over service time
-        (summed again only when the view's reports changed)."""
-        if self._rate[0] != self.view.version:
-            rate = sum(r.capacity / r.service_time_s for r in self.view.replicas() if r.service_time_s)
-            self._rate = (self.view.version, rate or None)
-        return self._rate[1]
+        (each replica's share kept from its report, summed in the view's order)."""
+        return sum(self._rates.values()) or None
 
     def _replan(self) -> None:
         self._planned_at = self._clock()

@@ -207,7 +207,6 @@ class ClusterView:
         self._room_sum = 0
         self._dirty: set[str] = set()
         self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
-        self.version = 0  # counts the changes of the set of reports (an update, a replica forgotten)
         # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
         self._preemptible: dict[int, set[str]] = {}
 
@@ -245,7 +244,6 @@ class ClusterView:
         self._hold(report.replica_id, None if old is None else old.report, report)
         self._seen[report.replica_id] = seen
         self._dirty.add(report.replica_id)
-        self.version += 1
         self._repreempt(report.replica_id)
 
     def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
@@ -278,7 +276,6 @@ class ClusterView:
         seen = self._seen.pop(replica_id, None)
         if seen is not None:
             self._hold(replica_id, seen.report, None)
-            self.version += 1
             self._repreempt(replica_id)
         self._room_sum -= self._room.pop(replica_id, 0)
         self._dirty.discard(replica_id)
