@@ -136,8 +136,9 @@ class GroupedPolicy:
         return [req for policy in self.groups for req in policy.pending()]
 
     def details(self) -> dict[str, object]:
-        """Every group's policy details, by base; numbers that add up (calls, counts, CPU seconds)
-        also summed over the groups at the top level, as a one-base run reports them."""
+        """Every group's policy details, by base (`by_base`); the numbers (calls, counts, CPU seconds,
+        queue depths: `queue_depth_max` is then the sum of the groups' maxima, a bound of the
+        cluster's) also summed over the groups at the top level, as a one-base run reports them."""
         per = [policy.details() for policy in self.groups]
         out: dict[str, object] = {"by_base": {base_name(b): d for b, d in enumerate(per)}}
         for key, value in per[0].items():
@@ -153,10 +154,8 @@ class GroupedPolicy:
                         for k, v in d[key].items():
                             summed[k] = summed.get(k, 0) + v
                     out[key] = summed
-            elif key == "queue_depth_max":
-                out[key] = max(d[key] for d in per)
-            else:  # queue_depth_mean: every group's queue is sampled at the same ticks, so means add up
-                out[key] = sum(d[key] for d in per)
+            else:  # queue_depth_mean: the groups' queues are sampled at the same ticks, so means add
+                out[key] = sum(d[key] for d in per)  # up; queue_depth_max: the sum of their maxima
         return out
 
     def _control_plane(self, per: list[dict[str, object]]) -> dict[str, float | None]:

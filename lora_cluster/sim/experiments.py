@@ -3,7 +3,8 @@
     python -m lora_cluster.sim.experiments grid [--duration 60 --warmup 20 --workers 2] \
         [--save runs.json]
     python -m lora_cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
-        --loads 1,2 --duration 300 [--profile gpu|cpu|PATH] [--bases K] [--save runs.json]
+        --loads 1,2 --duration 300 [--profile gpu|cpu|PATH] [--bases K | --base-nodes 18,14] \
+        [--save runs.json]
     python -m lora_cluster.sim.experiments sweep --nodes 32 --adapters 1000 --max-loras 16 \
         --loads 0.5,1,1.5,2,2.5,3 --duration 120 --profile cpu --plot docs/scale_sweep_cpu.png
     python -m lora_cluster.sim.experiments render --save runs.json [--plot FILE]
@@ -33,9 +34,9 @@ with adapter-only routing, and prints their cached-token share, requests per rep
 adapter; `sweep` runs the same grid and plots
 SLO attainment (interactive, standard) and hit rate against load (needs matplotlib, which the
 project does not depend on: `pip install matplotlib`); `--save` keeps every run's result as JSON so
-that `render` can redraw without running again. `--bases K` splits the nodes into K replica
-groups, one base model each (`sim.bases`), and adds a table of per-base figures. Each run is
-`simulation.run`, one after another.
+that `render` can redraw without running again. `--bases K` (or `--base-nodes 18,14`) splits the
+nodes into K replica groups, one base model each (`sim.bases`), and adds a table of per-base
+figures. Each run is `simulation.run`, one after another.
 """
 
 from __future__ import annotations
@@ -71,12 +72,20 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                                duration=args.duration, warmup=args.warmup, seed=args.seed,
                                max_loras=args.max_loras, policy=policy, profile=args.profile,
                                preload=args.preload or 0, serve=serve_settings(args.set),
-                               bases=args.bases)
+                               bases=args.bases, base_nodes=base_nodes(args.base_nodes))
             result = run(config)
             print(f"# {policy} load {load:g}: wall {result.wall_s:.1f} s", file=sys.stderr, flush=True)
             runs.append({"config": {k: v for k, v in asdict(config).items() if k != "serve"},
                          "result": result.to_json(), "details": result.details})
     return runs
+
+
+def base_nodes(spec: str) -> tuple[int, ...]:
+    """`--base-nodes 20,12`: each base's nodes (empty: equal shares)."""
+    try:
+        return tuple(int(n) for n in spec.split(",")) if spec else ()
+    except ValueError:
+        raise SystemExit(f"--base-nodes: comma-separated node counts, got {spec!r}") from None
 
 
 def serve_settings(pairs: list[str]) -> ServeSettings:
@@ -339,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bases", type=int, default=1,
                     help="table/sweep: base models, the nodes split into this many replica groups "
                     "(sim.bases)")
+    ap.add_argument("--base-nodes", default="",
+                    help="table/sweep: each base's nodes, comma-separated (default: equal shares)")
     ap.add_argument("--save", help="JSON file of the runs (written by table/sweep/chats, read by render)")
     ap.add_argument("--plot", help="PNG to draw (sweep, render)")
     args = ap.parse_args(argv)
