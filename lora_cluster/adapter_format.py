@@ -14,9 +14,12 @@ Policy: an adapter is admitted only if every tensor maps to a (layer, projection
 model with matching shapes, its rank is <= `max_lora_rank`, and its values are finite. On a model
 whose checkpoint fuses projections (Phi-3's `qkv_proj`, `gate_up_proj`), PEFT's adapters target the
 fused names; such a pair (A [r, in], B [sum of outs, r]) is split exactly into its members'
-(A, B rows of that member) pairs, the same delta. What the engine cannot apply is refused by name:
-DoRA (`use_dora`, whose magnitude rescales the merged weight per output row, not a low-rank add),
-`modules_to_save` (full copies of base modules), `trainable_token_indices`, LoRA biases. On a
+(A, B rows of that member) pairs, the same delta. DoRA (`use_dora`) is served on the dense
+projections: each `lora_magnitude_vector` [out_features] is kept per (layer, module) in
+`LoraWeights.magnitude` (split by member rows on a fused projection) and turned into a per-row scale
+when copied into a slot (`engine.adapters.dora`); DoRA on anything else (embeddings, experts) is
+refused by name. What the engine cannot apply is refused by name: `modules_to_save` (full copies of
+base modules), `trainable_token_indices`, LoRA biases. On a
 mixture-of-experts model (Qwen3-MoE, Mixtral) LoRA is served on attention and on the experts as
 PEFT 0.21 writes it for transformers 5's stacked experts (`target_parameters` naming the experts'
 `gate_up_proj` / `down_proj`: A [E * r, in] expert-major, B [out, r * E] rank-major, one
@@ -60,6 +63,10 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
 # PEFT key: base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+# PEFT DoRA's magnitude vector of a projection (per output feature)
+_MAG_KEY = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_magnitude_vector(?:\.\w+)?$")
+_MAGNITUDE = re.compile(r"\.lora_magnitude_vector(?:\.\w+)?$")
 # a mixture-of-experts block's experts or router (LoRA on them is refused unless _EXPERTS matches)
 _MOE = re.compile(r"\.(?:block_sparse_moe|mlp\.experts|mlp\.gate)\.")
 # PEFT's LoRA on transformers' stacked experts (target_parameters): the outer ParamWrapper's tensors,
@@ -138,10 +145,13 @@ class LoraWeights:
     a: dict[tuple[int, str], torch.Tensor]
     b: dict[tuple[int, str], torch.Tensor]
     version: int = 0  # the loader's version of the adapter id when these weights were read
+    # DoRA: the magnitude vector [out_features] of each (layer, module), empty for plain LoRA
+    magnitude: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        tensors = (*self.a.values(), *self.b.values(), *self.magnitude.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def module_rank(self, module: str) -> int:
         """Rank of `module` (0 when the adapter does not target it); for "experts.{param}", the
@@ -200,9 +210,6 @@ def parse_adapter_config(adapter_id: str, data: bytes | str) -> dict:
         raise AdapterFormatError(adapter_id, f"{CONFIG_FILE} must hold a JSON object")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterFormatError(adapter_id, f"peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("use_dora"):
-        raise AdapterFormatError(adapter_id, "DoRA (use_dora=true) is not supported: its per-row magnitude "
-                                 "rescales the merged weight, which the batched LoRA kernels do not apply")
     if config.get("modules_to_save"):
         raise AdapterFormatError(adapter_id, f"modules_to_save={config['modules_to_save']!r} is not "
                                  "supported: only LoRA deltas are served over the shared base weights")
@@ -291,8 +298,20 @@ def parse_lora_tensors(
     """Map PEFT tensor names to (layer, module) pairs and check them against the model."""
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
+    magnitude: dict[tuple[int, str], torch.Tensor] = {}
+    dora = bool(config.get("use_dora"))
+    if dora and config.get("target_parameters"):
+        raise AdapterFormatError(adapter_id, "DoRA (use_dora=true) on a mixture of experts' experts "
+                                 "(target_parameters) is not supported: DoRA is served on attention "
+                                 "and dense MLP projections only")
     experts = [f"mlp.experts.{p}" for p in shapes.expert_modules]
     targets = ", ".join(sorted([*shapes.modules, *shapes.fused, *experts]))
+    odd = next((k for k in tensors if _MAGNITUDE.search(k) and not _MAG_KEY.match(k)
+                and not _NOT_TEXT.search(k)), None)
+    if odd is not None:
+        raise AdapterFormatError(adapter_id, f"DoRA on tensor {odd!r} is not supported: DoRA is served on "
+                                 "dense attention and MLP projections only (not on embeddings, a mixture "
+                                 "of experts' experts or other modules)")
     stacked: dict[tuple[int, str, str], torch.Tensor] = {}  # (layer, nesting, A|B) -> PEFT's expert tensor
     per_expert: dict[tuple[int, int, str], dict[str, object]] = {}  # (layer, expert, part) -> name, A, B
     for key, tensor in tensors.items():
@@ -306,6 +325,13 @@ def parse_lora_tensors(
         if single is not None and shapes.experts:
             entry = per_expert.setdefault((int(single[1]), int(single[2]), _PER_EXPERT_PART[single[3]]), {})
             entry.update({"name": single[3], single[4]: tensor})
+            continue
+        mag = _MAG_KEY.match(key)
+        if mag is not None:
+            if not dora:
+                raise AdapterFormatError(adapter_id,
+                                         f"tensor {key!r} is a DoRA magnitude but use_dora is not set")
+            _magnitude(adapter_id, int(mag[1]), mag[2], tensor, shapes, targets, magnitude)
             continue
         match = _KEY.match(key)
         if match is None and _MOE.search(key):
@@ -337,6 +363,10 @@ def parse_lora_tensors(
         raise AdapterFormatError(
             adapter_id, f"lora_A and lora_B do not pair up at layer {missing[0]} {missing[1]}"
         )
+    if dora and magnitude.keys() != a.keys():
+        missing = sorted(set(a) ^ set(magnitude))[0]
+        raise AdapterFormatError(adapter_id, f"DoRA: lora_A/lora_B and lora_magnitude_vector do not pair up "
+                                 f"at layer {missing[0]} {missing[1]}")
     scaling: dict[str, float] = {}
     fused_of = {m: name for name, members in shapes.fused.items() for m in members}
     for (layer, module), wa in a.items():
@@ -369,7 +399,30 @@ def parse_lora_tensors(
         scaling=scaling,
         a=a,
         b=b,
+        magnitude=magnitude,
     )
+
+
+def _magnitude(adapter_id: str, layer: int, module: str, tensor: torch.Tensor, shapes: ModelShapes,
+               targets: str, magnitude: dict) -> None:  # fmt: skip
+    """A DoRA magnitude vector [out_features] of a dense projection, split by member rows on a fused one
+    (DoRA's weight norm is per output row, so a fused row's norm is its member row's)."""
+    if module not in shapes.modules and module not in shapes.fused:
+        raise AdapterFormatError(adapter_id, f"DoRA on {module!r} is not supported: DoRA is served on "
+                                 f"dense projections ({targets})")
+    if layer >= shapes.num_layers:
+        raise AdapterShapeError(adapter_id, f"layer {layer} >= the model's {shapes.num_layers} layers")
+    members = shapes.fused.get(module, (module,))
+    outs = [shapes.modules[m][1] for m in members]
+    if tensor.dim() != 1 or tensor.shape[0] != sum(outs):
+        raise AdapterShapeError(adapter_id, f"layer {layer} {module}: lora_magnitude_vector "
+                                f"{tuple(tensor.shape)} does not fit the model's {module} "
+                                f"(out_features={sum(outs)})")
+    if not torch.isfinite(tensor).all():
+        raise AdapterFormatError(adapter_id, f"layer {layer} {module}: lora_magnitude_vector holds NaN or "
+                                 "infinite values")
+    for m, part in zip(members, tensor.float().split(outs), strict=True):
+        magnitude[(layer, m)] = part.contiguous()
 
 
 def _split_fused(adapter_id: str, layer: int, module: str, which: str, tensor: torch.Tensor,

@@ -3,7 +3,7 @@ family, and `lora-cluster demo --arch`.
 
 A config value the runner cannot honour fails `build_engine` at start with a `ConfigError` naming
 the field and the value; an unknown architecture with `UnsupportedModelError` listing the supported
-ones. Adapters that the batched LoRA cannot serve exactly (DoRA, `modules_to_save`) are refused by
+ones. Adapters that the batched LoRA cannot serve exactly (`modules_to_save`) are refused by
 name. (Token parity of every family: tests/test_family_parity.py.)
 """
 
@@ -125,9 +125,8 @@ def _peft_adapter(zoo: DemoZoo, out: Path, **lora: object) -> Path:
 
 
 @pytest.mark.parametrize(("lora", "named"), [
-    ({"target_modules": ["q_proj", "v_proj"], "use_dora": True}, "DoRA"),
     ({"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save"),
-], ids=["dora", "modules_to_save"])
+], ids=["modules_to_save"])
 def test_adapters_the_batched_lora_cannot_serve_are_refused_by_name(zoos, tmp_path, lora, named):
     zoo = zoos("qwen3")
     _peft_adapter(zoo, tmp_path / "adapters" / "odd", **lora)

@@ -71,12 +71,14 @@ def build_step_batch(
     groups: dict[str, tuple[str, ...]] | None = None,
     decode_kernel: str = "auto",
     ops_name: str = "cpu",
+    dora_slots: Seq[bool] = (),
 ) -> StepBatch:
     """Lay out the step's tokens (see module docstring) and derive every index the forward needs.
 
     `rows`: the pool row of each slot per projection and group (`AdapterPool.rows`); `groups`: fused
     LoRA groups (the pool's, when the engine fuses shrinks); `decode_kernel` and
-    `ops_name` (the LoRA ops implementation) choose the path of decode rows (`lora_layer.use_bgmv`)."""
+    `ops_name` (the LoRA ops implementation) choose the path of decode rows (`lora_layer.use_bgmv`);
+    `dora_slots`: whether each slot holds a DoRA adapter (`AdapterPool.dora_slots`)."""
     work = [(s, 1, True) for s in decodes] + [(s, n, False) for s, n in prefills]
     work.sort(key=lambda item: (not item[2], item[0].lora_slot))
     bs = kv_blocks.block_size
@@ -111,7 +113,7 @@ def build_step_batch(
             sample_rows.append(len(ids) - 1)
             sampled.append(seq)
     lora = StepLoraPlan(
-        lora_slots, len(decode_lens), module_ranks, rows, groups or {}, decode_kernel, ops_name
+        lora_slots, len(decode_lens), module_ranks, rows, groups or {}, decode_kernel, ops_name, dora_slots
     )
     width = max((len(t) for t in decode_tables), default=0)
     flat_tables = [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]

@@ -100,7 +100,7 @@ class LlamaRunner:
             ls = spec.layers[i]
             x = norm(h, layer.pre_attn_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            self.lora.add(batch.lora, i, "qkv", qkv, x)
+            self.lora.add(batch.lora, i, "qkv", qkv, x, layer.qkv_bias)
             q, k = qkv[:, : d.q_dim], qkv[:, d.q_dim : d.q_dim + d.kv_dim]
             if spec.qk_norm == "all":
                 q, k = norm(q, layer.q_norm), norm(k, layer.k_norm)
@@ -117,7 +117,7 @@ class LlamaRunner:
                 window=ls.window, softcap=spec.attn_softcap,
             ).reshape(-1, d.q_dim)  # fmt: skip
             o = F.linear(attn, layer.o, layer.o_bias)
-            self.lora.add(batch.lora, i, "o_proj", o, attn)
+            self.lora.add(batch.lora, i, "o_proj", o, attn, layer.o_bias)
             h = self._residual(h, norm(o, layer.post_attn_norm))
             x = norm(h, layer.pre_mlp_norm)
             down = self._mlp(batch, i, layer, x, expert_rows)
@@ -155,10 +155,10 @@ class LlamaRunner:
             return moe_block(x, layer.moe, self.spec.moe, self.act, self.moe_experts, lora)
         inter = self.model.dims.intermediate
         gu = F.linear(x, layer.gate_up, layer.gate_up_bias)
-        self.lora.add(batch.lora, i, "gate_up", gu, x)
+        self.lora.add(batch.lora, i, "gate_up", gu, x, layer.gate_up_bias)
         act = self.act(gu[:, :inter]) * gu[:, inter:]
         down = F.linear(act, layer.down, layer.down_bias)
-        self.lora.add(batch.lora, i, "down_proj", down, act)
+        self.lora.add(batch.lora, i, "down_proj", down, act, layer.down_bias)
         return down
 
     def _residual(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

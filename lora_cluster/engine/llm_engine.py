@@ -54,6 +54,7 @@ from lora_kernels import native as native_kernel
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine.adapters.copier import AdapterCopier
+from lora_cluster.engine.adapters.dora import projection_weights
 from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.residency import AdapterResidency
@@ -176,6 +177,7 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             policy=self.loader.slot_policy(),
+            base_weight=projection_weights(self.model.layers, self.model.dims),
         )
         self.adapter_guard = AdapterGuard(config)
         self.counters = EngineCounters()  # steps, batch sizes, tokens, adapter placements (metrics)
@@ -410,6 +412,7 @@ class Engine:
             plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
             kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
             decode_kernel=self.config.lora_decode_kernel, ops_name=self.runner.ops.name,
+            dora_slots=self.pool.dora_slots,
         )  # fmt: skip
         masks: TokenMasks | None = None
         try:

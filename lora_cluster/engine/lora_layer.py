@@ -14,6 +14,9 @@ Per step (`StepLoraPlan`, host-side, no device reads):
   distinct adapters (benchmarks/bench_lora_layer.py, docs/bench_lora_layer.md). The CPU SGMV ops
   themselves run many short segments as one bmm over the pool's rows read in place
   (`lora_kernels.slot_batch`; docs/bench_decode.md).
+* DoRA adapters (`adapters.dora`): when a step has DoRA rows, `StepLora.dora_slot` gives each
+  token's slot, and each projection's bias-free base output is scaled per row by the pool's
+  `dora[m]` (g - 1, zero for plain LoRA and base rows) before the LoRA delta is added.
 * Fused groups (q/k/v, gate/up) share one shrink over stacked A (the pool stores A rank-major,
   [rank, group member, in], so the first G*r rows are ranks < r of all members): the shrink
   writes [rows, G*r] and each member's expand reads its strided column slice `h[:, j::G]`, as
@@ -69,6 +72,9 @@ class StepLora:
     token_row: dict[str, torch.Tensor]  # projection or group -> [bgmv_rows] pool row of each BGMV row
     bgmv_rank: dict[str, int]  # projection or group -> width of its BGMV shrink (0 = skip)
     metas: dict[str, LoraMeta]  # projection or group -> segments of rows [bgmv_rows, T) (pool rows)
+    # DoRA: each token's slot, or num_slots (a zero row) for tokens of other adapters or none; None
+    # when no token of the step has a DoRA adapter
+    dora_slot: torch.Tensor | None = None
 
 
 def seg_ranks(key: str, seg_slots: Sequence[int], module_ranks: dict[str, list[int]],
@@ -99,7 +105,10 @@ class StepLoraPlan:
 
     def __init__(self, token_slots: Sequence[int], num_decodes: int, module_ranks: dict[str, list[int]],
                  rows: dict[str, list[int]], groups: dict[str, tuple[str, ...]], mode: str,
-                 ops_name: str = "triton"):  # fmt: skip
+                 ops_name: str = "triton", dora_slots: Sequence[bool] = ()):  # fmt: skip
+        dora = {s for s in set(token_slots) if s >= 0 and s < len(dora_slots) and dora_slots[s]}
+        none = len(dora_slots)
+        self.dora_slot = [s if s in dora else none for s in token_slots] if dora else None
         d = num_decodes if use_bgmv(mode, token_slots[:num_decodes], ops_name) else 0
         self.bgmv_rows = d
         bgmv_slots, rest = list(token_slots[:d]), list(token_slots[d:])
@@ -116,12 +125,14 @@ class StepLoraPlan:
         self.seg_row = {k: pool_rows(seg_slot, self.ranks[k], rows[k]) for k in self.keys}
 
     def lists(self) -> list[list[int]]:
-        return [*self.token_row.values(), self.indptr, *self.seg_row.values(), *self.ranks.values()]
+        dora = [self.dora_slot] if self.dora_slot is not None else []
+        return [*self.token_row.values(), self.indptr, *self.seg_row.values(), *self.ranks.values(), *dora]
 
     def build(self, tensors: Sequence[torch.Tensor]) -> StepLora:
         n = len(self.keys)
         token_row, indptr = tensors[:n], tensors[n]
-        seg_row, ranks = tensors[n + 1 : 2 * n + 1], tensors[2 * n + 1 :]
+        seg_row, ranks = tensors[n + 1 : 2 * n + 1], tensors[2 * n + 1 : 3 * n + 1]
+        dora_slot = tensors[3 * n + 1] if self.dora_slot is not None else None
         common = {
             "seg_indptr": indptr, "seg_indptr_list": tuple(self.indptr), "seg_len_list": tuple(self.seg_len),
             "max_seg_len": max(self.seg_len, default=0),
@@ -132,7 +143,8 @@ class StepLoraPlan:
                         max_rank=max(self.ranks[k], default=0), **common)
             for i, k in enumerate(self.keys)
         }  # fmt: skip
-        return StepLora(self.bgmv_rows, dict(zip(self.keys, token_row, strict=True)), self.bgmv_rank, metas)
+        token_rows = dict(zip(self.keys, token_row, strict=True))
+        return StepLora(self.bgmv_rows, token_rows, self.bgmv_rank, metas, dora_slot)
 
 
 class LoraLayer:
@@ -161,9 +173,16 @@ class LoraLayer:
             work = self._work = torch.empty(size, dtype=dtype, device=like.device)
         return work[: rows * cols].view(rows, cols)
 
-    def add(self, step: StepLora, layer: int, key: str, out: torch.Tensor, x: torch.Tensor) -> None:
+    def add(self, step: StepLora, layer: int, key: str, out: torch.Tensor, x: torch.Tensor,
+            bias: torch.Tensor | None = None) -> None:  # fmt: skip
         """out += LoRA(x) for projection `key` ("o_proj", "down_proj") or fused output `key` ("qkv",
-        "gate_up", whose members write their column ranges of `out`)."""
+        "gate_up", whose members write their column ranges of `out`). `out` holds the base output
+        plus `bias` (the projection's, or None): DoRA rows first scale their bias-free base output
+        (`adapters.dora`), then every row adds its (for DoRA, row-scaled) LoRA delta."""
+        if step.dora_slot is not None:
+            for m, lo, hi in self.members.get(key, [(key, 0, out.shape[1])]):
+                base = out[:, lo:hi] if bias is None else out[:, lo:hi] - bias[lo:hi]
+                out[:, lo:hi] += self.pool.dora[m][layer][step.dora_slot] * base
         if key in self.groups:
             self._fused(step, layer, key, out, x)
             return

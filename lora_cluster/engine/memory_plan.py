@@ -106,6 +106,11 @@ def adapter_slot_bytes(modules: dict[str, tuple[int, int]], num_layers: int, max
     return num_layers * max_rank * sum(i + o for i, o in modules.values()) * elem
 
 
+def dora_slot_bytes(modules: dict[str, tuple[int, int]], num_layers: int, elem: int) -> int:
+    """Device bytes of one slot's DoRA scale: one value per output feature of every projection and layer."""
+    return num_layers * sum(o for _, o in modules.values()) * elem
+
+
 def plan_engine_memory(config: EngineConfig, dims: ModelDims, dtype: torch.dtype, device: torch.device,
                        max_model_len: int) -> MemoryPlan:  # fmt: skip
     """The engine's plan: from the device's free memory on CUDA (call it once the base model is
@@ -119,6 +124,9 @@ def plan_engine_memory(config: EngineConfig, dims: ModelDims, dtype: torch.dtype
     elem = torch.empty((), dtype=dtype).element_size()
     shapes = dims.shapes()
     slot_bytes = adapter_slot_bytes(shapes.modules, dims.num_layers, config.max_lora_rank, elem)
+    # DoRA's scale per output feature of every projection and layer (AdapterPool.dora); the pool's one
+    # extra zero row of it (< 1/(2 * max_rank) of one slot) is left to the buffer
+    slot_bytes += dora_slot_bytes(shapes.modules, dims.num_layers, elem)
     # LoRA on every expert of a mixture of experts (AdapterPool.expert_a / expert_b)
     slot_bytes += shapes.experts * adapter_slot_bytes(shapes.expert_modules, dims.num_layers,
                                                       config.max_lora_rank, elem)  # fmt: skip

@@ -9,7 +9,8 @@ adapters of a projection sit in few consecutive rows and a batched matmul over a
 no other adapter's zero padding (`lora_kernels.slot_batch`: the demo zoo's adapters target 2 to 7
 of the 7 projections; docs/bench_decode.md). Loading an adapter copies its weights into its rows
 (scaling folded into B, rows/columns past its rank zeroed); nothing is allocated per switch, so the
-tensors the forward pass reads never move.
+tensors the forward pass reads never move. A DoRA adapter's magnitude becomes a per-row scale
+folded into B plus `dora[m]` (g - 1 per layer, slot and output feature; see `adapters.dora`).
 
 On a mixture of experts, each slot also holds LoRA on every expert's projections (`expert_a[u]`
 [num_layers, rows, experts, max_rank, in], `expert_b[u]` [num_layers, rows, experts, out,
@@ -34,7 +35,8 @@ from collections.abc import Callable
 import torch
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, expert_unit
-from lora_cluster.errors import AdapterCapacityError
+from lora_cluster.engine.adapters import dora
+from lora_cluster.errors import AdapterCapacityError, AdapterFormatError
 from lora_cluster.store.loader import SlotPolicy
 
 # fused projections of one input: the LoRA layer runs one shrink per group (see `AdapterPool.a_fused`)
@@ -52,9 +54,11 @@ class AdapterPool:
         device: torch.device,
         clock: Callable[[], float] = time.monotonic,
         policy: SlotPolicy | None = None,
+        base_weight: Callable[[int, str], torch.Tensor] | None = None,
     ):
         self.num_slots, self.max_rank = num_slots, max_rank
         self.policy = policy
+        self._base_weight = base_weight  # (layer, projection) -> base weight [out, in], for DoRA
         n = shapes.num_layers
         # Fused groups (q/k/v, gate/up: one input) store A rank-major, [layers, rows, rank, member, in]:
         # `a_fused[g]` [layers, rows, rank * members, in] has the ranks < r of every member in its first
@@ -97,6 +101,13 @@ class AdapterPool:
             m: torch.zeros((n, num_slots, max_rank, o), dtype=dtype, device=device).mT
             for m, (_, o) in shapes.modules.items()
         }
+        # DoRA (`adapters.dora`): g - 1 per [layer, slot, output feature] of each projection, indexed by
+        # *slot*; the extra last slot row stays zero (the index of base rows), as do plain LoRA slots
+        self.dora = {
+            m: torch.zeros((n, num_slots + 1, o), dtype=dtype, device=device)
+            for m, (_, o) in shapes.modules.items()
+        }
+        self.dora_slots = [False] * num_slots  # whether each slot's live adapter is DoRA
         # module -> rank of that projection in each slot (0: not targeted / empty)
         self.module_ranks = {m: [0] * num_slots for m in [*shapes.modules, *self.expert_a]}
         # module -> rank rows that may be non-zero in each row of its tensors (an evicted adapter's rows
@@ -178,6 +189,7 @@ class AdapterPool:
                 self.policy.on_device(old, False)
         for m in self.module_ranks:
             self.module_ranks[m][slot] = 0
+        self.dora_slots[slot] = False
         self._free_rows(slot)
         for u, ms in self.units.items():
             if any(weights.module_rank(m) for m in ms):
@@ -207,10 +219,19 @@ class AdapterPool:
             elif stale:
                 self.a[m][:, row, :stale].zero_()
                 self.b[m][:, row, :, :stale].zero_()
+        for t in self.dora.values():
+            t[:, slot].zero_()
+        if weights.magnitude and self._base_weight is None:
+            raise AdapterFormatError(weights.adapter_id, "DoRA needs the base weights, which this pool lacks")
         for (layer, m), wa in weights.a.items():
             r, scaling, unit = wa.shape[0], weights.scaling[m], expert_unit(m)
             wb = weights.b[(layer, m)]
             wb = wb * scaling if scaling != 1 else wb
+            magnitude = weights.magnitude.get((layer, m))
+            if magnitude is not None:
+                g = dora.row_scale(self._base_weight(layer, m), wa, wb, magnitude)
+                self.dora[m][layer, slot].copy_(g - 1)
+                wb = wb * g.to(wb.device)[:, None]
             if unit is not None:
                 row, e = self.rows[unit][slot], int(m.split(".")[1])
                 self.expert_a[unit][layer, row, e, :r].copy_(wa, non_blocking=True)
@@ -229,6 +250,7 @@ class AdapterPool:
         dropped (a slot retired meanwhile is freed then)."""
         for m in self.module_ranks:
             self.module_ranks[m][slot] = weights.module_rank(m)
+        self.dora_slots[slot] = bool(weights.magnitude)
         if not self._retired[slot] and self.policy is not None:
             self.policy.on_device(weights.adapter_id, True)
         self.release(slot)
@@ -274,6 +296,7 @@ class AdapterPool:
         self._retired[slot] = False
         for m in self.module_ranks:
             self.module_ranks[m][slot] = 0
+        self.dora_slots[slot] = False
         self._free_rows(slot)
 
     def _free_rows(self, slot: int) -> None:
