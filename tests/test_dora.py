@@ -25,7 +25,9 @@ from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.demo_families import build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.engine.model_loader import load_base_model
-from lora_cluster.errors import AdapterFormatError
+from lora_cluster.errors import AdapterFormatError, AdapterMergeError
+from lora_cluster.store.host_cache import HostCache
+from lora_cluster.store.merge import MergeSpec, merge
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -96,12 +98,15 @@ def _peft(zoo, adapter_ids: list[str]) -> object:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "phi3"])
-def test_dora_and_lora_mixed_batch_matches_peft(arch: str, zoos: Path) -> None:
+@pytest.mark.parametrize(("arch", "kernels"), [
+    ("llama3", {}), ("llama3", {"lora_decode_kernel": "bgmv", "lora_fused_shrink": True}), ("qwen2", {}),
+    ("phi3", {}),
+], ids=["llama3", "llama3-bgmv-fused", "qwen2", "phi3"])
+def test_dora_and_lora_mixed_batch_matches_peft(arch: str, kernels: dict, zoos: Path) -> None:
     zoo = _zoo(zoos, arch)
     adapter_ids = [DORA[0][0], *zoo.adapter_ids, DORA[1][0]]
     engine = build_engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=3,
-                          max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=24)
+                          max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=24, **kernels)
     captured: dict[str, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 
@@ -216,5 +221,30 @@ def test_the_memory_plan_counts_the_dora_scale_of_every_slot(zoos: Path) -> None
         zero_row = sum(t[:, -1].numel() * t.element_size() for t in pool.dora.values())
     finally:
         engine.close()
+    assert pool.nbytes == sum(storages.values()), "the pool reports every byte it holds, DoRA scale included"
     assert sum(storages.values()) == planned + zero_row, (
         "the plan counts every slot's A, B and DoRA scale (the pool adds one zero row of DoRA scale)")
+
+
+def test_an_int8_host_copy_keeps_the_dora_magnitudes(zoos: Path) -> None:
+    zoo = _zoo(zoos, "llama3")
+    model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    weights = load_peft_adapter("d8", zoo.adapters_dir / "d8", model.dims.shapes(), max_rank=32)
+    cache = HostCache(1 << 30, int8=True)
+    assert cache.put(weights, reload_cost_s=1.0), "the int8 host tier admits the DoRA adapter"
+    back = cache.get("d8")
+    assert back is not None and back.magnitude.keys() == weights.magnitude.keys(), (
+        "the int8 host copy keeps every magnitude vector (else DoRA would be served as plain LoRA)")
+    assert all(torch.equal(back.magnitude[k], t) for k, t in weights.magnitude.items()), (
+        "the magnitudes come back exactly (they are not quantized)")
+
+
+def test_merging_a_dora_adapter_is_refused_naming_it(zoos: Path) -> None:
+    zoo = _zoo(zoos, "llama3")
+    model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    shapes = model.dims.shapes()
+    adapters = [load_peft_adapter(a, zoo.adapters_dir / a, shapes, max_rank=32) for a in ("d8", "a0")]
+    spec = MergeSpec.parse(["d8", "a0"], [0.5, 0.5], max_ids=4)
+    with pytest.raises(AdapterMergeError) as info:
+        merge(spec, adapters, list(shapes.modules), adapter_id=spec.adapter_id, max_rank=64, seed=0)
+    assert "d8" in str(info.value) and "DoRA" in str(info.value), f"the error names d8 and DoRA: {info.value}"

@@ -112,6 +112,10 @@ def merge(spec: MergeSpec, adapters: Sequence[LoraWeights], module_order: Sequen
     """The merged adapter of `adapters` (one per `spec.ids`, same order), named `adapter_id`.
     `module_order` is the model's projection order (PEFT's merge order). Raises AdapterMergeError
     (ranks that differ for ties/dare, a merged rank above `max_rank`)."""
+    dora = [w.adapter_id for w in adapters if w.magnitude]
+    if dora:
+        raise AdapterMergeError(adapter_id, f"DoRA adapters ({', '.join(dora)}) cannot be merged: their "
+                                "magnitude rescales each one's merged weight, which no LoRA sum reproduces")
     strategy = "linear" if len(adapters) == 1 else spec.strategy
     generator = torch.Generator().manual_seed(seed)
     order = {m: i for i, m in enumerate(module_order)}

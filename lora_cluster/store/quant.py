@@ -9,7 +9,7 @@ always receive float weights: `dequantize` runs in the loader thread, off the st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,13 +47,17 @@ class Int8LoraWeights:
     scaling: dict[str, float]
     a: dict[tuple[int, str], QTensor]
     b: dict[tuple[int, str], QTensor]
+    # DoRA magnitude vectors, kept float32 (one value per output feature: not worth quantizing)
+    magnitude: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+        return sum(t.nbytes for t in (*self.a.values(), *self.b.values())) + sum(
+            t.numel() * t.element_size() for t in self.magnitude.values())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for q in (*self.a.values(), *self.b.values()) for t in (q.q, q.scale)]
+        return [*(t for q in (*self.a.values(), *self.b.values()) for t in (q.q, q.scale)),
+                *self.magnitude.values()]
 
 
 def quantize(weights: LoraWeights) -> Int8LoraWeights:
@@ -62,6 +66,7 @@ def quantize(weights: LoraWeights) -> Int8LoraWeights:
         scaling=dict(weights.scaling),
         a={k: quantize_rows(t) for k, t in weights.a.items()},
         b={k: quantize_rows(t) for k, t in weights.b.items()},
+        magnitude=dict(weights.magnitude),
     )
 
 
@@ -71,4 +76,5 @@ def dequantize(weights: Int8LoraWeights) -> LoraWeights:
         scaling=dict(weights.scaling),
         a={k: dequantize_rows(t) for k, t in weights.a.items()},
         b={k: dequantize_rows(t) for k, t in weights.b.items()},
+        magnitude=dict(weights.magnitude),
     )

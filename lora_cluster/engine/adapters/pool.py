@@ -342,5 +342,6 @@ class AdapterPool:
     def nbytes(self) -> int:
         fused = {m for ms in self.groups.values() for m in ms}
         a = [*self.a_fused.values(), *(t for m, t in self.a.items() if m not in fused)]
-        tensors = (*a, *self.b.values(), *self.expert_a.values(), *self.expert_b.values())
+        experts = (*self.expert_a.values(), *self.expert_b.values())
+        tensors = (*a, *self.b.values(), *experts, *self.dora.values())
         return sum(t.numel() * t.element_size() for t in tensors)
