@@ -20,7 +20,8 @@
 #     Gemma 3 multimodal, Phi-3/4-mini, Granite, OLMo 2, SmolLM3, Qwen3-MoE, Mixtral) token-exact with
 #     PEFT on the GPU, float32, through the engine's CUDA path: Triton LoRA kernels, the Triton paged
 #     decode with sliding windows and soft-caps, and the Triton MoE experts with LoRA on the experts;
-#     then tests/test_moe.py (expert LoRA loading, both checkpoint layouts). On CPU the same tests run
+#     then tests/test_moe.py (expert LoRA loading, both checkpoint layouts) and tests/test_dora.py (DoRA
+#     adapters mixed with LoRA and base rows, PEFT-exact). On CPU the same tests run
 #     the same path with LORA_CLUSTER_KERNEL=triton TRITON_INTERPRET=1 (docs/model_families.md).
 #  4. Whole distinct-adapter generations vs base-only and PEFT's mixed batch (bench_engine.py).
 #  5. The memory plan on the device: KV blocks and adapter slots from gpu_memory_utilization.
@@ -59,8 +60,8 @@ step decode_base 110 python3 benchmarks/bench_decode_step.py --zoo /tmp/zoo/base
 LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=1024 step engine_tests 100 python3 -m pytest -q \
     -p no:cacheprovider tests/test_engine_parity.py tests/test_logprobs.py tests/test_merge.py \
     tests/test_paged_kv.py tests/test_lora_slot_batch.py tests/test_engine_behaviour.py
-LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=512 step families 240 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_family_parity.py tests/test_moe.py
+LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=512 step families 300 python3 -m pytest -q \
+    -p no:cacheprovider tests/test_family_parity.py tests/test_moe.py tests/test_dora.py
 LORA_CLUSTER_NUM_KV_BLOCKS=2048 step bench_engine 90 python3 benchmarks/bench_engine.py \
     --scenario distinct-decode --zoo /tmp/zoo/base96 --reps 3 --out "$OUT/bench_engine.md"
 step memory_plan 60 python3 -c '
