@@ -115,6 +115,39 @@ def peft_logits(model: PeftModel, adapter_id: str | None, ids: list[int]) -> tor
         return model(torch.tensor([ids])).logits[0]
 
 
+def capture_logits(engine: Any) -> dict[str, list[torch.Tensor]]:
+    """Wrap `engine.runner.forward` so that every sampled row's logits are kept, per request id, in
+    step order (the engine works unchanged); returns that record, filled as the engine steps."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    forward = engine.runner.forward
+
+    def spy(batch: Any) -> torch.Tensor:
+        logits = forward(batch)
+        for seq, row in zip(batch.sampled, logits, strict=True):
+            captured.setdefault(seq.request_id, []).append(row.clone())
+        return logits
+
+    engine.runner.forward = spy
+    return captured
+
+
+def run_joining(engine: Any, requests: list[tuple[str, str, str | None]], sampling: SamplingParams,
+                first: int, steps_before: int) -> dict[str, Any]:
+    """Add the `first` of `requests` (request id, prompt, adapter), step `steps_before` times so that
+    they prefill and start decoding, add the rest (they join the running batch), and step until all
+    finish; returns each request's final output by id."""
+    finals: dict[str, Any] = {}
+    for rid, prompt, aid in requests[:first]:
+        engine.add_request(rid, prompt, aid, sampling)
+    for _ in range(steps_before):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, prompt, aid in requests[first:]:
+        engine.add_request(rid, prompt, aid, sampling)
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    return finals
+
+
 def free_tcp_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:

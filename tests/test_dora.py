@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import peft_logits
+from helpers import capture_logits, peft_logits, run_joining
 
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.demo_families import build_family_zoo
@@ -107,28 +107,11 @@ def test_dora_and_lora_mixed_batch_matches_peft(arch: str, kernels: dict, zoos: 
     adapter_ids = [DORA[0][0], *zoo.adapter_ids, DORA[1][0]]
     engine = build_engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=3,
                           max_lora_rank=32, max_num_seqs=8, max_num_batched_tokens=24, **kernels)
-    captured: dict[str, list[torch.Tensor]] = {}
-    forward = engine.runner.forward
-
-    def spy(batch):
-        logits = forward(batch)
-        for seq, row in zip(batch.sampled, logits, strict=True):
-            captured.setdefault(seq.request_id, []).append(row.clone())
-        return logits
-
-    engine.runner.forward = spy
+    captured = capture_logits(engine)
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], aid) for i, aid in enumerate([None, *adapter_ids, None])]
-    finals = {}
     try:
-        for rid, prompt, aid in requests[:4]:
-            engine.add_request(rid, prompt, aid, sampling)
-        for _ in range(4):  # the first requests prefill and start decoding, then the rest join
-            finals.update({o.request_id: o for o in engine.step() if o.finished})
-        for rid, prompt, aid in requests[4:]:
-            engine.add_request(rid, prompt, aid, sampling)
-        while engine.has_unfinished():
-            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        finals = run_joining(engine, requests, sampling, first=4, steps_before=4)
     finally:
         engine.close()
 

@@ -10,7 +10,7 @@ PEFT's within 1e-4 (float32).
 from __future__ import annotations
 
 import torch
-from helpers import greedy, peft_logits
+from helpers import capture_logits, greedy, peft_logits, run_joining
 
 from lora_cluster.engine import SamplingParams
 
@@ -33,27 +33,10 @@ def test_mixed_batch_with_joins_matches_peft(make_engine, peft_model):
         max_num_seqs=8,
         max_num_batched_tokens=24,  # forces chunked prefills that share steps with decodes
     )
-    captured: dict[str, list[torch.Tensor]] = {}
-    forward = engine.runner.forward
-
-    def spy(batch):
-        logits = forward(batch)
-        for seq, row in zip(batch.sampled, logits, strict=True):
-            captured.setdefault(seq.request_id, []).append(row.clone())
-        return logits
-
-    engine.runner.forward = spy
+    captured = capture_logits(engine)
     sampling = greedy(NEW_TOKENS)
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], aid) for i, aid in enumerate([*ADAPTERS, None, None])]
-    for rid, prompt, aid in requests[:5]:
-        engine.add_request(rid, prompt, aid, sampling)
-    finals = {}
-    for _ in range(6):  # the first requests prefill and start decoding ...
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-    for rid, prompt, aid in requests[5:]:  # ... then the rest join the running batch
-        engine.add_request(rid, prompt, aid, sampling)
-    while engine.has_unfinished():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    finals = run_joining(engine, requests, sampling, first=5, steps_before=6)
 
     mixed_steps = 0
     for rid, _prompt, aid in requests:

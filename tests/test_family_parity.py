@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import peft_logits
+from helpers import capture_logits, peft_logits, run_joining
 
 from lora_cluster.demo_families import ADAPTERS, ARCHS, WINDOW, build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
@@ -59,29 +59,12 @@ def test_mixed_batch_matches_peft(arch: str, zoos: Path) -> None:
     zoo = build_family_zoo(zoos / arch, arch, num_adapters=len(ADAPTERS))
     engine = build_engine(model=str(zoo.model_dir), adapter_source=str(zoo.adapters_dir), max_loras=3,
                           max_lora_rank=64, max_num_seqs=8, max_num_batched_tokens=24)
-    captured: dict[str, list[torch.Tensor]] = {}
-    forward = engine.runner.forward
-
-    def spy(batch):
-        logits = forward(batch)
-        for seq, row in zip(batch.sampled, logits, strict=True):
-            captured.setdefault(seq.request_id, []).append(row.clone())
-        return logits
-
-    engine.runner.forward = spy
+    captured = capture_logits(engine)
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)
     requests = [(f"r{i}", PROMPTS[i % len(PROMPTS)], aid)
                 for i, aid in enumerate([None, *zoo.adapter_ids, None])]  # fmt: skip
-    finals = {}
     try:
-        for rid, prompt, aid in requests[:4]:
-            engine.add_request(rid, prompt, aid, sampling)
-        for _ in range(5):  # the first requests prefill and start decoding, then the rest join
-            finals.update({o.request_id: o for o in engine.step() if o.finished})
-        for rid, prompt, aid in requests[4:]:
-            engine.add_request(rid, prompt, aid, sampling)
-        while engine.has_unfinished():
-            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        finals = run_joining(engine, requests, sampling, first=4, steps_before=5)
     finally:
         engine.close()
 
