@@ -24,7 +24,7 @@ mixture-of-experts model (Qwen3-MoE, Mixtral) LoRA is served on attention and on
 PEFT 0.21 writes it for transformers 5's stacked experts (`target_parameters` naming the experts'
 `gate_up_proj` / `down_proj`: A [E * r, in] expert-major, B [out, r * E] rank-major, one
 `ParamWrapper` nested in the other, told apart by their shapes), split per expert into
-`experts.{e}.gate_up_proj` / `experts.{e}.down_proj` pairs (`expert_module`); per-expert tensors as
+`experts.{e}.gate_up_proj` / `experts.{e}.down_proj` pairs (`adapter_experts`); per-expert tensors as
 PEFT wrote them before transformers 5 (`experts.{e}.w1/w3/w2`, `gate_proj/up_proj/down_proj`) are
 joined as PEFT 0.21 converts them (gate and up into one `gate_up_proj` pair); LoRA on the router or
 on other parameters is refused by name. On a
@@ -47,6 +47,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from lora_cluster.adapter_experts import (
+    EXPERT_PARAMS,
+    PER_EXPERT,
+    PER_EXPERT_PART,
+    STACKED_EXPERTS,
+    expert_unit,
+    join_per_expert,
+    split_experts,
+)
 from lora_cluster.errors import (
     AdapterError,
     AdapterFormatError,
@@ -67,19 +76,9 @@ _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_
 _MAG_KEY = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_magnitude_vector(?:\.\w+)?$")
 _MAGNITUDE = re.compile(r"\.lora_magnitude_vector(?:\.\w+)?$")
-# a mixture-of-experts block's experts or router (LoRA on them is refused unless _EXPERTS matches)
+# a mixture-of-experts block's experts or router (LoRA on them is refused unless
+# adapter_experts.STACKED_EXPERTS or PER_EXPERT matches)
 _MOE = re.compile(r"\.(?:block_sparse_moe|mlp\.experts|mlp\.gate)\.")
-# PEFT's LoRA on transformers' stacked experts (target_parameters): the outer ParamWrapper's tensors,
-# or (one `base_layer.` deeper) the inner one's
-_EXPERTS = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.\w+)?\.weight$")
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the experts' stacked parameters LoRA may target
-# per-expert LoRA as PEFT wrote it before transformers 5 (per-expert nn.Linear): Mixtral's w1/w3/w2
-# under block_sparse_moe, Qwen3-MoE's gate_proj/up_proj/down_proj under mlp
-_PER_EXPERT = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-                         r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
-_PER_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
-                    "down_proj": "down"}  # fmt: skip
 # a multimodal checkpoint's modules that text requests never run (LoRA on them has no effect there)
 _NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
 # adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
@@ -114,20 +113,6 @@ class ModelShapes:
     experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)
     # each expert's projection LoRA may target ("gate_up_proj", "down_proj") -> (in_features, out_features)
     expert_modules: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-def expert_module(expert: int, param: str) -> str:
-    """The module name of expert `expert`'s `param` ("gate_up_proj", "down_proj") in `LoraWeights`."""
-    return f"experts.{expert}.{param}"
-
-
-def expert_unit(module: str) -> str | None:
-    """"experts.gate_up_proj" for every expert's "experts.{e}.gate_up_proj" (the pool stores the
-    experts of one projection together), None for other modules."""
-    if not module.startswith("experts."):
-        return None
-    parts = module.split(".")
-    return f"experts.{parts[2]}" if len(parts) == 3 else None
 
 
 @dataclass
@@ -317,13 +302,13 @@ def parse_lora_tensors(
     for key, tensor in tensors.items():
         if _NOT_TEXT.search(key):
             continue
-        expert = _EXPERTS.match(key)
+        expert = STACKED_EXPERTS.match(key)
         if expert is not None and shapes.experts:
             stacked[(int(expert[1]), expert[2], expert[3])] = tensor
             continue
-        single = _PER_EXPERT.match(key)
+        single = PER_EXPERT.match(key)
         if single is not None and shapes.experts:
-            entry = per_expert.setdefault((int(single[1]), int(single[2]), _PER_EXPERT_PART[single[3]]), {})
+            entry = per_expert.setdefault((int(single[1]), int(single[2]), PER_EXPERT_PART[single[3]]), {})
             entry.update({"name": single[3], single[4]: tensor})
             continue
         mag = _MAG_KEY.match(key)
@@ -351,11 +336,14 @@ def parse_lora_tensors(
             _split_fused(adapter_id, layer, module, which, tensor, shapes, a, b)
             continue
         (a if which == "A" else b)[(layer, module)] = tensor.float().contiguous()
-    expert_scaling = _split_experts(adapter_id, config, stacked, shapes, max_rank, a, b)
+    def module_scaling(module: str, rank: int) -> float:
+        return _module_scaling(config, module, rank)
+
+    expert_scaling = split_experts(adapter_id, stacked, shapes, max_rank, module_scaling, a, b)
     if per_expert and stacked:
         raise AdapterFormatError(adapter_id, "LoRA on the experts both per expert and on the stacked experts")
     if per_expert:  # a dense base has no expert shapes to join against
-        expert_scaling.update(_join_per_expert(adapter_id, config, per_expert, shapes, a, b))
+        expert_scaling.update(join_per_expert(adapter_id, per_expert, shapes, module_scaling, a, b))
     if not a:
         raise AdapterFormatError(adapter_id, f"{WEIGHTS_FILE} holds no LoRA weights")
     if a.keys() != b.keys():
@@ -439,90 +427,6 @@ def _split_fused(adapter_id: str, layer: int, module: str, which: str, tensor: t
                                 f"fit the model's {module} (out_features={sum(outs)})")
     for m, part in zip(members, tensor.float().split(outs), strict=True):
         b[(layer, m)] = part.contiguous()
-
-
-def _split_experts(adapter_id: str, config: dict, stacked: dict[tuple[int, str, str], torch.Tensor],
-                   shapes: ModelShapes, max_rank: int, a: dict, b: dict) -> dict[tuple[int, str], float]:
-    """PEFT's LoRA on the stacked experts of each layer (its `ParamWrapper`s: A [E * r, in] with
-    expert e's rank rows at e * r, B [out, r * E] with expert e's column j at j * E + e) split into
-    per-expert (A [r, in], B [out, r]) pairs in `a` / `b`. Which parameter a wrapper adapts is read
-    from its shapes: gate_up_proj is (hidden -> 2 x width), down_proj (width -> hidden), never equal.
-    Returns the scaling of each (layer, "experts.{param}")."""
-    scaling: dict[tuple[int, str], float] = {}
-    by_shape = {shape: p for p, shape in shapes.expert_modules.items()}
-    experts = shapes.experts
-    for layer, nesting in sorted({(k[0], k[1]) for k in stacked}):
-        wa, wb = stacked.get((layer, nesting, "A")), stacked.get((layer, nesting, "B"))
-        where = f"layer {layer} mlp.experts{'.' + nesting.rstrip('.') if nesting else ''}"
-        if wa is None or wb is None:
-            raise AdapterFormatError(adapter_id, f"lora_A and lora_B do not pair up at {where}")
-        param = by_shape.get((wa.shape[-1], wb.shape[0])) if wa.dim() == 2 and wb.dim() == 2 else None
-        if param is None or wa.shape[0] % experts or wb.shape[1] != wa.shape[0]:
-            raise AdapterShapeError(adapter_id, f"{where}: lora_A {tuple(wa.shape)} / lora_B "
-                                    f"{tuple(wb.shape)} are not LoRA on the model's {experts} experts "
-                                    f"(gate_up_proj {shapes.expert_modules['gate_up_proj']}, down_proj "
-                                    f"{shapes.expert_modules['down_proj']} as (in, out))")
-        if layer >= shapes.num_layers:
-            raise AdapterShapeError(adapter_id, f"layer {layer} >= the model's {shapes.num_layers} layers")
-        rank = wa.shape[0] // experts
-        if rank > max_rank:
-            raise AdapterRankError(adapter_id, rank, max_rank)
-        if (layer, expert_module(0, param)) in a:
-            raise AdapterFormatError(adapter_id, f"{where}: two LoRA weights on the experts' {param}")
-        per_a = wa.float().reshape(experts, rank, -1)
-        per_b = wb.float().reshape(wb.shape[0], rank, experts)
-        for e in range(experts):
-            a[(layer, expert_module(e, param))] = per_a[e].contiguous()
-            b[(layer, expert_module(e, param))] = per_b[:, :, e].contiguous()
-        scaling[(layer, f"experts.{param}")] = _module_scaling(config, f"mlp.experts.{param}", rank)
-    return scaling
-
-
-def _join_per_expert(adapter_id: str, config: dict, per_expert: dict[tuple[int, int, str], dict[str, object]],
-                     shapes: ModelShapes, a: dict, b: dict) -> dict[tuple[int, str], float]:  # fmt: skip
-    """Per-expert LoRA as PEFT wrote it before transformers 5 (`experts.{e}.w1/w3/w2` or
-    `gate_proj/up_proj/down_proj`), joined as PEFT 0.21 converts it: gate and up become one
-    `gate_up_proj` pair of rank r_gate + r_up (A stacked, B block-diagonal: gate rows from the gate's
-    B, up rows from the up's), each part's scaling folded into its B (so the pairs' scaling is 1).
-    Returns the scaling of each (layer, "experts.{param}")."""
-    hidden, width = shapes.expert_modules["down_proj"][1], shapes.expert_modules["down_proj"][0]
-    want = {"gate": (hidden, width), "up": (hidden, width), "down": (width, hidden)}  # (in, out)
-    parts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (layer, e, part), entry in per_expert.items():
-        wa, wb, name = entry.get("A"), entry.get("B"), entry["name"]
-        where = f"layer {layer} experts.{e}.{name}"
-        if wa is None or wb is None:
-            raise AdapterFormatError(adapter_id, f"lora_A and lora_B do not pair up at {where}")
-        if layer >= shapes.num_layers or e >= shapes.experts:
-            raise AdapterShapeError(adapter_id, f"{where}: the model has {shapes.num_layers} layers of "
-                                    f"{shapes.experts} experts")
-        in_f, out_f = want[part]
-        fits = wa.dim() == 2 and wb.dim() == 2 and wb.shape[1] == wa.shape[0]
-        if not (fits and wa.shape[1] == in_f and wb.shape[0] == out_f):
-            raise AdapterShapeError(adapter_id, f"{where}: lora_A {tuple(wa.shape)} / lora_B "
-                                    f"{tuple(wb.shape)} do not fit the expert's {name} "
-                                    f"(in_features={in_f}, out_features={out_f})")
-        scale = _module_scaling(config, f"experts.{e}.{name}", wa.shape[0])
-        parts[(layer, e, part)] = (wa.float(), wb.float() * scale)
-    scaling: dict[tuple[int, str], float] = {}
-    for layer, e in sorted({(k[0], k[1]) for k in parts}):
-        gate, up = parts.get((layer, e, "gate")), parts.get((layer, e, "up"))
-        if gate is not None or up is not None:
-            ranks = [p[0].shape[0] if p is not None else 0 for p in (gate, up)]
-            wb = torch.zeros(2 * width, sum(ranks))
-            if gate is not None:
-                wb[:width, : ranks[0]] = gate[1]
-            if up is not None:
-                wb[width:, ranks[0] :] = up[1]
-            key = (layer, expert_module(e, "gate_up_proj"))
-            a[key] = torch.cat([p[0] for p in (gate, up) if p is not None]).contiguous()
-            b[key] = wb
-            scaling[(layer, "experts.gate_up_proj")] = 1.0
-        down = parts.get((layer, e, "down"))
-        if down is not None:
-            a[(layer, expert_module(e, "down_proj"))], b[(layer, expert_module(e, "down_proj"))] = down
-            scaling[(layer, "experts.down_proj")] = 1.0
-    return scaling
 
 
 def _module_scaling(config: dict, module: str, rank: int) -> float:

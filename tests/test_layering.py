@@ -5,7 +5,7 @@ module; inside `serve/`, each room and shared module), the units it may import. 
 not listed, at module level or inside a function, fails the test with the importing file and line.
 The table is acyclic, so the layers read bottom to top:
 
-    errors, progress | adapter_format, breaker | config | cluster, tenancy, store | engine | sim |
+    errors, progress | adapter_experts < adapter_format, breaker | config | cluster, tenancy, store | engine | sim |
     client, demo < demo_families | serve: http_errors, ops < protocol < routing < replica < http < app | cli
 """
 
@@ -21,7 +21,7 @@ PACKAGE = ROOT / "lora_cluster"
 SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "app", "controller_actor")
 
 BASE = {"errors", "progress"}
-FORMAT = BASE | {"adapter_format", "breaker"}
+FORMAT = BASE | {"adapter_experts", "adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
 POLICY = CONFIG | {"cluster", "tenancy", "store"}
 ENGINE = POLICY | {"engine"}
@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "lora_cluster": set(),
     "errors": set(),
     "progress": set(),
-    "adapter_format": {"errors"},
+    "adapter_experts": {"errors"},
+    "adapter_format": {"errors", "adapter_experts"},
     "breaker": {"errors"},
     "config": {"errors"},
     "cluster": {"errors", "config"},

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_cluster.adapter_format import LoraWeights, check_adapter_id, expert_unit
+from lora_cluster.adapter_experts import expert_unit
+from lora_cluster.adapter_format import LoraWeights, check_adapter_id
 from lora_cluster.errors import AdapterMergeError, RequestError
 
 STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")

@@ -34,7 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes, expert_unit
+from lora_cluster.adapter_experts import expert_unit
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.adapters import dora
 from lora_cluster.errors import AdapterCapacityError, AdapterFormatError
 from lora_cluster.store.loader import SlotPolicy
