@@ -5,8 +5,9 @@ module; inside `serve/`, each room and shared module), the units it may import. 
 not listed, at module level or inside a function, fails the test with the importing file and line.
 The table is acyclic, so the layers read bottom to top:
 
-    errors, progress | adapter_experts < adapter_format, breaker | config | cluster, tenancy, store | engine | sim |
-    client, demo < demo_families | serve: http_errors, ops < protocol < routing < replica < http < app | cli
+    errors, progress | adapter_experts < adapter_format, breaker | config | cluster, tenancy, store |
+    engine | sim | client, demo < demo_families |
+    serve: http_errors, ops < protocol < routing < replica < http < app | cli
 """
 
 from __future__ import annotations
