@@ -25,7 +25,7 @@ A class sheds load when either holds:
 
 Exempt: the most urgent class (its requests preempt less urgent work rather than being refused) and
 the base model (every replica holds it). Nothing changes while no class sheds: under load the cluster
-can carry, every request is queued as before. `window_s` 0 turns the rule off.
+can carry, every request is queued as before. `window_s` 0 and `pressure` 0 turn the rule off.
 
 Trade-off (measured in docs/scale.md): under sustained overload the adapters that are rarely used
 (the tail of the popularity curve) get more of their class's 429s than the popular ones, as with a

@@ -249,7 +249,8 @@ class ServeConfig(EngineConfig):
         description="While a class sheds load (one of its requests was refused for its TTFT target, or for "
         "cluster_queue_max_wait_s, within this many seconds), its requests whose adapter no replica holds "
         "are refused first (429): they "
-        "would cost a load and an adapter slot. Not the most urgent class. 0 turns it off.",
+        "would cost a load and an adapter slot. Not the most urgent class. 0 turns this trigger off "
+        "(cold_shed_pressure is the other one).",
     )
     cold_shed_pressure: float = Field(
         0.75,
