@@ -148,6 +148,27 @@ def run_joining(engine: Any, requests: list[tuple[str, str, str | None]], sampli
     return finals
 
 
+def assert_matches_peft(model: PeftModel, adapter_id: str | None, out: Any, rows: list[torch.Tensor],
+                        new_tokens: int, tol: float, label: str) -> torch.Tensor:
+    """An engine's greedy output `out` (`new_tokens` tokens) against PEFT's `model` on the same ids:
+    all its tokens, each token PEFT's argmax, each logprob (if asked) PEFT's within `tol`, and the
+    logits it sampled from (`rows`, kept by `capture_logits`) PEFT's within `tol`. `label` names the
+    request in the messages. Returns PEFT's logits at those positions [new_tokens, vocab]."""
+    import torch
+
+    assert len(out.token_ids) == new_tokens, f"{label} gets all {new_tokens} tokens"
+    ref = peft_logits(model, adapter_id, out.prompt_token_ids + out.token_ids)
+    ref = ref[out.prompt_tokens - 1 : out.prompt_tokens - 1 + new_tokens].float()
+    assert ref.argmax(-1).tolist() == out.token_ids, f"{label}: tokens diverge from PEFT"
+    ref_lp = torch.log_softmax(ref, dim=-1)
+    for i, lp in enumerate(out.logprobs or ()):
+        assert abs(lp.logprob - ref_lp[i, lp.token_id].item()) <= tol, (
+            f"{label} token {i}: the logprob is PEFT's within {tol}")
+    torch.testing.assert_close(torch.stack(rows).cpu(), ref, atol=tol, rtol=0,
+                               msg=lambda m: f"{label}: logits must equal PEFT's within {tol}: {m}")
+    return ref
+
+
 def free_tcp_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:

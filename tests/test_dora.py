@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import capture_logits, peft_logits, run_joining
+from helpers import assert_matches_peft, capture_logits, peft_logits, run_joining
 
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.demo_families import build_family_zoo
@@ -117,19 +117,7 @@ def test_dora_and_lora_mixed_batch_matches_peft(arch: str, kernels: dict, zoos: 
 
     model = _peft(zoo, adapter_ids)
     for rid, _prompt, aid in requests:
-        out = finals[rid]
-        assert len(out.token_ids) == NEW_TOKENS, f"{arch} {rid} ({aid}) gets all {NEW_TOKENS} tokens"
-        ref = peft_logits(model, aid, out.prompt_token_ids + out.token_ids)
-        ref = ref[out.prompt_tokens - 1 : out.prompt_tokens - 1 + NEW_TOKENS].float()
-        assert ref.argmax(-1).tolist() == out.token_ids, f"{arch} {rid} ({aid}): tokens diverge from PEFT"
-        ref_lp = torch.log_softmax(ref, dim=-1)
-        for i, lp in enumerate(out.logprobs):
-            assert abs(lp.logprob - ref_lp[i, lp.token_id].item()) <= TOL, (
-                f"{arch} {rid} ({aid}) token {i}: the logprob is PEFT's within {TOL}")
-        torch.testing.assert_close(
-            torch.stack(captured[rid]).cpu(), ref, atol=TOL, rtol=0,
-            msg=lambda m, r=rid, a=aid: f"{arch} {r} ({a}): logits must equal PEFT's within {TOL}: {m}",
-        )
+        assert_matches_peft(model, aid, finals[rid], captured[rid], NEW_TOKENS, TOL, f"{arch} {rid} ({aid})")
     for aid in (d[0] for d in DORA):
         ids = finals[next(r for r, _, a in requests if a == aid)]
         full = ids.prompt_token_ids + ids.token_ids

@@ -9,8 +9,7 @@ PEFT's within 1e-4 (float32).
 
 from __future__ import annotations
 
-import torch
-from helpers import capture_logits, greedy, peft_logits, run_joining
+from helpers import assert_matches_peft, capture_logits, greedy, run_joining
 
 from lora_cluster.engine import SamplingParams
 
@@ -42,15 +41,7 @@ def test_mixed_batch_with_joins_matches_peft(make_engine, peft_model):
     for rid, _prompt, aid in requests:
         out = finals[rid]
         assert out.finish_reason == "length", f"{rid} ({aid}) runs to max_new_tokens with ignore_eos"
-        assert len(out.token_ids) == NEW_TOKENS, f"{rid} ({aid}) gets all {NEW_TOKENS} tokens"
-        ref = peft_logits(peft_model, aid, out.prompt_token_ids + out.token_ids)
-        ref = ref[out.prompt_tokens - 1 : out.prompt_tokens - 1 + NEW_TOKENS]
-        ours = torch.stack(captured[rid])
-        assert ref.argmax(-1).tolist() == out.token_ids, f"{rid} ({aid}) diverges from PEFT"
-        torch.testing.assert_close(
-            ours, ref, atol=1e-4, rtol=0,
-            msg=lambda m, r=rid, a=aid: f"{r} ({a}) logits must equal PEFT's within 1e-4: {m}",
-        )
+        assert_matches_peft(peft_model, aid, out, captured[rid], NEW_TOKENS, 1e-4, f"{rid} ({aid})")
         mixed_steps += len(captured[rid])
     assert mixed_steps == len(requests) * NEW_TOKENS, "every sampled token's logits were compared with PEFT"
 
