@@ -39,15 +39,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-from ray.serve.request_router import ReplicaID
-
 from lora_cluster.cluster.routing_index import RoutingIndex
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import serve_defaults
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.ops.ray_internals import cached_queue_len
+from lora_cluster.serve.ops.ray_internals import cached_queue_len, offline_replica_id, offline_router
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.replica_tables import publish_placement
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
@@ -67,17 +64,15 @@ def run_sync(coro: Any) -> Any:
 
 def cluster(n: int, rng: random.Random) -> tuple[LoraAffinityRouter, list[SimpleNamespace]]:
     app = f"bench-{n}"
-    deployment = DeploymentID(name="LoraReplica", app_name=app)
     per = max(16, math.ceil(ADAPTERS / n))
     replicas = []
     for i in range(n):
         resident = [f"a{(i * per + j) % ADAPTERS}" for j in range(per)]
         replicas.append(SimpleNamespace(
-            replica_id=ReplicaID(unique_id=f"r{i:04d}", deployment_id=deployment), max_ongoing_requests=96,
+            replica_id=offline_replica_id(f"r{i:04d}", app), max_ongoing_requests=96,
             routing_stats={"resident": resident, "max_loras": per, "empty_adapter_slots": 0,
                            "free_adapter_slots": 4, "max_num_seqs": 64, "num_running": 32, "num_waiting": 0}))
-    router = LoraAffinityRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
+    router = offline_router(LoraAffinityRouter, app)
     defaults = serve_defaults()
     router.initialize_state(miss_cost=defaults.router_miss_cost,
                             placement_ttl_s=defaults.router_placement_ttl_s)

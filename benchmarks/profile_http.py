@@ -52,7 +52,7 @@ POINTS = ["c_send", "mw_in", "rcv_in", "rcv_out", "route_in", "enc_in", "enc_out
 def install(folder: str) -> None:
     """Wrap the timeline's points in this process (the workers' setup hook); points go to `folder`."""
     from lora_cluster.engine import async_engine
-    from lora_cluster.serve.http import body_limits, context, ingress, schemas
+    from lora_cluster.serve.http import body_limits, context, ingress, openai_schemas
     from lora_cluster.serve.ops import logs
     from lora_cluster.serve.routing import dispatch
 
@@ -102,7 +102,7 @@ def install(folder: str) -> None:
 
         setattr(cls, name, wrapper)
 
-    check = schemas.CompletionRequest.check
+    check = openai_schemas.CompletionRequest.check
 
     def timed_check(self: Any, limits: Any) -> None:
         rec(logs.request_id(), "route_in")
@@ -130,7 +130,7 @@ def install(folder: str) -> None:
     body_limits.BodyLimitsMiddleware.__call__ = limits_mw
     around(context.ApiContext, "encode", "enc")
     around(dispatch.Dispatcher, "start", "start")
-    schemas.CompletionRequest.check = timed_check
+    openai_schemas.CompletionRequest.check = timed_check
     async_engine.AsyncEngine.generate = timed_generate
 
 

@@ -198,3 +198,15 @@ def adapter_order(adapters: list[str], rounds: int) -> list[str]:
     """The order in which `adapter_hits` sends its `rounds` completions."""
     n = len(adapters)
     return [adapters[(i * 5 + i // n) % n] for i in range(rounds)]
+
+
+def cluster_view(http: Any) -> dict[str, Any]:
+    """`GET /v1/cluster` of the app behind the httpx client `http` (asserted 200)."""
+    r = http.get("/v1/cluster")
+    assert r.status_code == 200, f"/v1/cluster answers: {r.text}"
+    return r.json()
+
+
+def cluster_replicas(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The replicas of a `/v1/cluster` view, by replica id, over all its nodes."""
+    return {rid: r for node in view["nodes"].values() for rid, r in node["replicas"].items()}

@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from helpers import wait_until
+from helpers import cluster_replicas, cluster_view, wait_until
 
 from lora_cluster.engine import SamplingParams
 
@@ -71,16 +71,6 @@ def offline(make_engine, app_config):
     engine.close()
 
 
-def _view(http) -> dict:
-    r = http.get("/v1/cluster")
-    assert r.status_code == 200, f"/v1/cluster answers: {r.text}"
-    return r.json()
-
-
-def _replicas(view: dict) -> dict[str, dict]:
-    return {rid: r for node in view["nodes"].values() for rid, r in node["replicas"].items()}
-
-
 def _stream(base_url: str, model: str, cls: str, max_tokens: int) -> dict:
     """One streamed completion: its class, when it was sent, its first token and its text."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -104,16 +94,18 @@ def _stream(base_url: str, model: str, cls: str, max_tokens: int) -> dict:
 def test_the_cluster_view_shows_nodes_replicas_adapters_and_memory(http, base_url):
     r = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200, f"a first request is served: {r.text}"
-    wait_until(lambda: len(_replicas(_view(http))) == 3, BOUND_S, "three replicas in the controller's view")
-    view = _view(http)
+    wait_until(lambda: len(cluster_replicas(cluster_view(http))) == 3, BOUND_S,
+               "three replicas in the controller's view")
+    view = cluster_view(http)
     assert len(view["nodes"]) == 3, "the three replicas run on three nodes, and the view says which"
-    replicas = _replicas(view)
+    replicas = cluster_replicas(view)
     some = next(iter(replicas.values()))
     assert some["memory"]["kv_cache"] > 0, "the memory split counts the KV cache"
     assert some["memory"]["base_weights"] > 0, "and the base model's weights"
     assert some["memory"]["adapter_pool"] > 0, "and the adapter slot pool"
     assert some["capacity"] == 2, "each replica's admission capacity is its batch slots"
-    wait_until(lambda: any("a1" in r["adapters"]["resident"] for r in _replicas(_view(http)).values()),
+    wait_until(lambda: any("a1" in r["adapters"]["resident"]
+                           for r in cluster_replicas(cluster_view(http)).values()),
                BOUND_S, "a1 resident on a replica")
     assert set(view["classes"]) == {"interactive", "standard", "batch"}, "the view lists the SLA classes"
     assert "queue" in view, "and the cluster queue"
@@ -130,10 +122,11 @@ def test_the_cluster_view_shows_each_replicas_prefix_cache(http):
     assert cached >= 32, f"the second request reused the first's full blocks: {cached} cached tokens"
 
     def hit_tokens() -> int:
-        return sum(r.get("prefix_cache", {}).get("hit_tokens", 0) for r in _replicas(_view(http)).values())
+        replicas = cluster_replicas(cluster_view(http)).values()
+        return sum(r.get("prefix_cache", {}).get("hit_tokens", 0) for r in replicas)
 
     wait_until(lambda: hit_tokens() >= cached, BOUND_S, "the view's hit tokens count the cached prompt")
-    replicas = _replicas(_view(http))
+    replicas = cluster_replicas(cluster_view(http))
     for rid, replica in replicas.items():
         figures = replica.get("prefix_cache")
         assert figures is not None and set(figures) == {"queried_tokens", "hit_tokens", "hit_rate",
@@ -148,7 +141,7 @@ def test_interactive_requests_go_first_and_batch_output_is_unchanged(base_url, h
     adapters = [f"a{i % 4}" for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         batch = [pool.submit(_stream, base_url, a, "batch", BATCH_TOKENS) for a in adapters]
-        wait_until(lambda: _view(http)["queue"]["depth"] >= 3, BOUND_S,
+        wait_until(lambda: cluster_view(http)["queue"]["depth"] >= 3, BOUND_S,
                    "batch requests queued behind full replicas")
         urgent = [pool.submit(_stream, base_url, "a5", "interactive", 4) for _ in range(3)]
         urgent_results = [f.result(timeout=BOUND_S) for f in urgent]
@@ -161,8 +154,8 @@ def test_interactive_requests_go_first_and_batch_output_is_unchanged(base_url, h
         "the interactive requests start before the batch requests that were queued ahead of them")
     for adapter, r in zip(adapters, batch_results, strict=True):
         assert r["text"] == offline(adapter, BATCH_TOKENS), f"batch output on {adapter} equals the engine's"
-    view = _view(http)
-    stats = {rid: r["classes"].get("interactive", {}) for rid, r in _replicas(view).items()}
+    view = cluster_view(http)
+    stats = {rid: r["classes"].get("interactive", {}) for rid, r in cluster_replicas(view).items()}
     finished = sum(s.get("finished") or 0 for s in stats.values())
     assert finished >= 3, "the replicas counted the interactive requests"
     attained = [s["slo_attainment"] for s in stats.values() if s.get("finished")]
@@ -174,9 +167,9 @@ def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_ur
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         load = [pool.submit(_stream, base_url, f"a{i % 3}", "standard", 200) for i in range(12)]
-        wait_until(lambda: _view(http)["queue"]["depth"] >= 1, BOUND_S,
+        wait_until(lambda: cluster_view(http)["queue"]["depth"] >= 1, BOUND_S,
                    "requests waiting in the controller's queue")
-        actor = _view(http)["controller"]["actor"]
+        actor = cluster_view(http)["controller"]["actor"]
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=False)
         results = [f.result(timeout=BOUND_S) for f in load]
     assert [r["status"] for r in results] == [200] * 12, "no request is lost when the controller dies"
@@ -184,9 +177,9 @@ def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_ur
 
     def rebuilt() -> bool:
         r = http.get("/v1/cluster")
-        return r.status_code == 200 and len(_replicas(r.json())) == 3
+        return r.status_code == 200 and len(cluster_replicas(r.json())) == 3
     wait_until(rebuilt, BOUND_S, "the restarted controller's view of all three replicas")
-    assert _view(http)["controller"]["actor"] != actor, "the view comes from a new controller"
+    assert cluster_view(http)["controller"]["actor"] != actor, "the view comes from a new controller"
 
 
 def test_a_hot_adapter_is_placed_on_more_replicas_and_prefetched_there(base_url, http):
@@ -194,14 +187,14 @@ def test_a_hot_adapter_is_placed_on_more_replicas_and_prefetched_there(base_url,
         burst = [pool.submit(_stream, base_url, "a7", "standard", 60) for _ in range(16)]
 
         def spread() -> bool:
-            return len(_view(http)["placement"].get("a7", ())) >= 2
+            return len(cluster_view(http)["placement"].get("a7", ())) >= 2
         wait_until(spread, BOUND_S, "the controller's placement to give the hot a7 more than one replica")
         results = [f.result(timeout=BOUND_S) for f in burst]
     assert [r["status"] for r in results] == [200] * 16, "every request of the burst completes"
-    holders = set(_view(http)["placement"].get("a7", ()))
+    holders = set(cluster_view(http)["placement"].get("a7", ()))
 
     def prefetched() -> bool:
-        replicas = _replicas(_view(http))
+        replicas = cluster_replicas(cluster_view(http))
         held = {rid for rid, r in replicas.items()
                 if "a7" in r["adapters"]["resident"] or "a7" in r["adapters"]["loading"]}
         return len(held) >= 2

@@ -3,6 +3,7 @@ grants by affinity, preemption choice, placement targets, and the view rebuilt a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -12,10 +13,11 @@ from helpers import FakeClock
 from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue
+from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Refusal
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.report_rules import projected_batch
-from lora_cluster.cluster.reports import ClusterView, ReplicaReport
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError, WaitBoundError
@@ -420,6 +422,30 @@ def test_the_queue_finds_the_most_urgent_ticket_of_an_adapter_and_class():
     q.remove("x-late")
     assert q.best_for("x", 1) is None, "no standard ticket for x is left"
     assert q.best_for("z", 1) is None, "an adapter without tickets has none"
+
+
+def test_the_queue_knows_exactly_which_adapters_have_tickets_of_each_class():
+    rng = random.Random(7)
+    clock = FakeClock(100.0)
+    q = ClusterQueue(max_size=40, aging_s=10.0, clock=clock, top_priority=0)
+    names = {0: "interactive", 1: "standard", 2: "batch"}
+    for step in range(3000):
+        clock.now += 0.01
+        if rng.random() < 0.55:
+            priority = rng.randint(0, 2)
+            with contextlib.suppress(ClusterOverloadedError):  # full, and nothing less urgent to bump
+                q.park(ticket(f"t{step}", names[priority], clock.now, rng.choice(["a", "b", "c", "d", None])))
+        else:
+            queued = list(q.in_order())
+            if queued:
+                q.remove(rng.choice(queued[:3] + queued[-2:]).ticket_id)  # the most urgent, or bumped ones
+        for priority in names:
+            expected = {t.adapter_id for t in q.in_order() if t.priority == priority}
+            assert q.queued_adapters(priority) == expected, f"step {step}: the adapters with class {priority}"
+            for adapter_id in ("a", "b", "c", "d", None):
+                best = min((t for t in q.in_order() if t.priority == priority and t.adapter_id == adapter_id),
+                           key=lambda t: q.sort_key(t.ticket_id), default=None)
+                assert q.best_for(adapter_id, priority) == best, f"step {step}: best for {adapter_id}"
 
 
 def test_a_hit_far_back_in_its_class_gets_the_room_before_a_miss_at_the_head():

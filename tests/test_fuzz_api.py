@@ -8,7 +8,7 @@ through ASGI as in test_serve_app) whose dispatcher runs a real engine on the ti
 a replica does: generated prompts, token ids and parameters reach the engine. It runs twice: without
 a tenants file (every route open) and with one (an admin key sent; schemathesis also checks that a
 request without a key, or with a wrong one, is refused). The schema states every rule of the bodies
-(`schemas.constrain`) but a prompt's token count, which the fuzzed app's `max_prompt_tokens` puts
+(`schema_limits.constrain`) but a prompt's token count, which the fuzzed app's `max_prompt_tokens` puts
 out of reach of generated text prompts and which `filter_body` applies to generated chat bodies
 (whose tools and tool calls carry JSON of any size), with the rules the schema states in words only
 (a named tool_choice is one of the tools) or by a `format` that the constants schemathesis mixes in
@@ -44,7 +44,7 @@ from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.ingress import build_fastapi
-from lora_cluster.serve.http.schemas import ChatCompletionRequest
+from lora_cluster.serve.http.openai_schemas import ChatCompletionRequest
 from lora_cluster.serve.http_errors import ApiError, ApiException, describe
 from lora_cluster.serve.protocol import GenerateJob, output_item
 from lora_cluster.serve.replica.deployment import coalesce
@@ -295,7 +295,7 @@ def _tools_fit(body: dict[str, Any]) -> bool:
 
 
 def filter_body(context: Any, body: Any) -> bool:
-    """The rules of an OpenAI body that the schema states only in words (`schemas.constrain`) or by a
+    """The rules of an OpenAI body that the schema states only in words (`schema_limits.constrain`) or by a
     format that mixed-in constants ignore, applied to the bodies the fuzzer generates: a `json-schema`
     text is a JSON schema object, a `grammar` one of the format's grammars; a chat body's tool names
     are unique and a named tool_choice is one of them; its conversation as the server renders it

@@ -7,7 +7,8 @@ the cluster controller on, a tenants file): every response says which ingress an
 * an adapter loaded through one ingress is listed and served by every ingress, a second load of its
   name through any ingress is a conflict, and an ingress that did not load it unloads it;
 * a burst larger than the replica's slots parks in the cluster queue from several ingresses, and
-  every request completes.
+  every request completes;
+* every scrape of /metrics, whichever ingress answers it, counts the requests of all of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import Counter
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lora_cluster.tenancy.tenants import hash_key
 
@@ -140,3 +142,39 @@ def test_requests_parked_from_several_ingresses_all_complete(base_url):
     for ingress, counts in views.items():
         assert counts.get("parked", 0) == counts.get("granted", 0) + counts.get("preempting", 0) \
             + counts.get("fallback", 0), f"ingress {ingress}: every parked request was granted: {counts}"
+
+
+def _scrape(url: str) -> tuple[str, float, dict[str, float]]:
+    """(the ingress that answered, its lora_cluster_requests_total of /v1/completions, hub gauges)."""
+    r = _get(url, "/metrics")
+    assert r.status_code == 200, f"/metrics answers: {r.text[:200]}"
+    completions, hub = 0.0, {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name == "lora_cluster_requests_total" and s.labels.get("route") == "/v1/completions":
+                completions += s.value
+            elif s.name.startswith("lora_cluster_metrics_hub_"):
+                hub[s.name] = s.value
+    return r.headers["x-lora-ingress"], completions, hub
+
+
+def test_every_scrape_of_metrics_counts_the_requests_of_every_ingress(base_url):
+    n = 24
+    answers = [_post(base_url, "/v1/completions", BODY) for _ in range(n)]
+    assert [r.status_code for r in answers] == [200] * n, f"every request is served: {answers[-1].text}"
+    assert len(_by_ingress(answers)) > 1, "the requests went through several ingresses"
+    deadline = time.monotonic() + BOUND_S  # each ingress's figures reach the hub within its push period
+    while True:
+        scrapes = [_scrape(base_url) for _ in range(8)]
+        answered = {ingress for ingress, _, _ in scrapes}
+        totals = {total for _, total, _ in scrapes}
+        summed = {hub.get("lora_cluster_metrics_hub_ingresses") for _, _, hub in scrapes}
+        if (len(answered) > 1 and len(totals) == 1 and summed == {INGRESSES}) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert len(answered) > 1, f"several ingresses answered the scrapes: {scrapes}"
+    assert len(totals) == 1, f"every scrape, whichever ingress answered, reports the same total: {scrapes}"
+    assert totals.pop() >= n, f"that total counts the {n} requests spread over the ingresses: {scrapes}"
+    assert all(hub.get("lora_cluster_metrics_hub_up") == 1 for _, _, hub in scrapes), (
+        f"each scrape is the hub's sum: {scrapes}")
+    assert summed == {INGRESSES}, f"each sums the {INGRESSES} ingresses: {scrapes}"

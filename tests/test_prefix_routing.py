@@ -16,12 +16,11 @@ from typing import Any
 
 import pytest
 from helpers import FakeClock
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-from ray.serve.request_router import ReplicaID
 
 from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH, PrefixSummary, routing_keys, summary_keys
-from lora_cluster.cluster.reports import ClusterView, ReplicaReport
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_score import (
     PREFIX_SHARE,
     ReplicaView,
@@ -34,6 +33,7 @@ from lora_cluster.cluster.scheduling import choose_replica
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.app import replica_options
+from lora_cluster.serve.ops.ray_internals import offline_replica_id, offline_router
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
@@ -165,12 +165,12 @@ def test_the_share_is_a_validated_setting_read_from_the_environment(monkeypatch)
 
 # ----- the live router --------------------------------------------------------------------------
 
-DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="prefix-routing-app")
+APP = "prefix-routing-app"
 
 
 def replica(rid: str, prefixes: tuple[str, ...] = ()) -> SimpleNamespace:
     """A `RunningReplica` as the router reads it: 4 seqs, 4 adapter slots, `sql` resident."""
-    return SimpleNamespace(replica_id=ReplicaID(unique_id=rid, deployment_id=DEPLOYMENT),
+    return SimpleNamespace(replica_id=offline_replica_id(rid, APP),
                            max_ongoing_requests=48,
                            routing_stats={"resident": ["sql"], "max_loras": 4, "empty_adapter_slots": 3,
                                           "free_adapter_slots": 4, "max_num_seqs": 4, "num_running": 0,
@@ -192,8 +192,7 @@ async def test_the_live_router_sends_a_turn_where_its_prefix_is_cached_unless_th
     others = [SYSTEM + [i] * 70 for i in range(3)]  # other chats with the same system prompt
     replicas = [replica("r0", ran(others[0])), replica("r1", ran(others[1])),
                 replica("r2", ran(others[2], CHAT)), replica("r3")]  # r2 ran the chat's earlier turn
-    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
+    router = offline_router(LoraAffinityRouter, APP)
     router.initialize_state(miss_cost=MISS_COST, placement_ttl_s=5.0, clock=FakeClock(0.0))
     router.update_replicas(replicas)
     for r in replicas:
@@ -214,8 +213,7 @@ async def test_the_live_router_sends_a_turn_where_its_prefix_is_cached_unless_th
 
 def live_router(replicas: list[SimpleNamespace], **settings: Any) -> LoraAffinityRouter:
     """The live router over `replicas` (2 requests on each), built with Serve's `request_router_kwargs`."""
-    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
+    router = offline_router(LoraAffinityRouter, APP)
     router.initialize_state(miss_cost=MISS_COST, placement_ttl_s=5.0, clock=FakeClock(0.0), **settings)
     router.update_replicas(replicas)
     for r in replicas:

@@ -13,15 +13,14 @@ from typing import Any
 
 import pytest
 from helpers import FakeClock
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-from ray.serve.request_router import ReplicaID
 
 from lora_cluster.cluster.prefix_keys import routing_keys, summary_keys
 from lora_cluster.engine import SamplingParams
+from lora_cluster.serve.ops.ray_internals import offline_replica_id, offline_router
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
-DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="prefix-replica-app")
+APP = "prefix-replica-app"
 SYSTEM = [(7 * i) % 400 + 20 for i in range(200)]  # a 200-token system prompt (ids of the demo vocabulary)
 
 
@@ -62,11 +61,10 @@ async def test_a_replica_reports_the_prefixes_it_ran_and_the_next_turn_is_routed
     assert set(summary_keys(routing_keys("a1", chat))) <= set(report["prefixes"]), (
         "the report names the ladder and deepest keys of the prompt the replica ran")
 
-    replicas = [SimpleNamespace(replica_id=ReplicaID(unique_id=rid, deployment_id=DEPLOYMENT),
+    replicas = [SimpleNamespace(replica_id=offline_replica_id(rid, APP),
                                 max_ongoing_requests=16, routing_stats=await r.record_routing_stats())
                 for rid, r in (("r1", r1), ("r2", r2))]
-    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
+    router = offline_router(LoraAffinityRouter, APP)
     router.initialize_state(miss_cost=4.0, placement_ttl_s=5.0, clock=FakeClock(0.0))
     router.update_replicas(replicas)
     turn = SimpleNamespace(args=(job(chat + [44] * 30),),

@@ -314,3 +314,30 @@ def test_the_live_reporter_answers_a_resync_with_a_full_report_at_once() -> None
     asyncio.run(scenario())
     kinds = ["delta" if r.get("delta") else "full" for r in sent]
     assert kinds == ["full", "delta", "full"], f"a resync is answered by one full report at once: {kinds}"
+
+
+def test_what_a_report_derives_follows_the_deltas_that_change_a_few_fields_at_a_time() -> None:
+    adapters = [f"adapter-{k}" for k in range(12)]
+    for trial in range(40):
+        rng, tickets = random.Random(1000 + trial), [0]
+        clock = FakeClock()
+        controller = Controller(SlaClasses(), clock=clock)
+        encoder = ReportEncoder(clock=clock, full_every_s=1e9)
+        report = random_report(rng, adapters, tickets)
+        for step in range(40):
+            clock.now += 0.2
+            name = rng.choice(["resident", "loading", "running_by_priority", "prefixes", "running", None])
+            if name is not None:
+                other = random_report(rng, adapters, tickets)
+                report = dataclasses.replace(report, **{name: getattr(other, name)})
+            held = controller.view.get("r1")
+            if held is not None:  # read before the delta, so that the view's report has them to keep
+                assert held.held == frozenset((*held.resident, *held.loading)), f"trial {trial}: held"
+            encoder.replied(controller.report(wire(encoder.encode(report))))
+            held = controller.view.get("r1")
+            fresh = ReplicaReport.from_dict(held.to_dict())
+            assert held.held == fresh.held, f"trial {trial} step {step}: the adapters held after {name}"
+            assert held.prefix_set == fresh.prefix_set, f"trial {trial} step {step}: prefix keys after {name}"
+            assert [held.less_urgent_running(p) for p in range(4)] == [
+                fresh.less_urgent_running(p) for p in range(4)], (
+                f"trial {trial} step {step}: the less urgent running counts after {name}")

@@ -12,21 +12,20 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import FakeClock
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-from ray.serve.request_router import ReplicaID
 
 from lora_cluster.engine import SamplingParams
+from lora_cluster.serve.ops.ray_internals import offline_replica_id, offline_router
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
-DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="router-clock-app")
+APP = "router-clock-app"
 TTL_S = 5.0
 
 
 def replica(rid: str) -> SimpleNamespace:
     """A `RunningReplica` as the router reads it: its id, its queue bound and its last report (one
     adapter slot, free)."""
-    return SimpleNamespace(replica_id=ReplicaID(unique_id=rid, deployment_id=DEPLOYMENT),
+    return SimpleNamespace(replica_id=offline_replica_id(rid, APP),
                            max_ongoing_requests=8,
                            routing_stats={"max_loras": 1, "empty_adapter_slots": 1, "free_adapter_slots": 1,
                                           "max_num_seqs": 8, "num_running": 0, "num_waiting": 0})
@@ -44,8 +43,7 @@ Clocks = tuple[LoraAffinityRouter, FakeClock, list[float], list[SimpleNamespace]
 def router_on_fake_clocks(monkeypatch: pytest.MonkeyPatch) -> Clocks:
     """A router whose monotonic clock (the FakeClock) and wall clock (`time.time`, read from the
     one-element list) the test moves apart; two free replicas r1 and r2."""
-    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
+    router = offline_router(LoraAffinityRouter, APP)
     clock = FakeClock(100.0)
     router.initialize_state(placement_ttl_s=TTL_S, clock=clock)
     wall = [1_800_000_000.0]

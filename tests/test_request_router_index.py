@@ -12,23 +12,21 @@ import random
 from types import SimpleNamespace
 
 from helpers import FakeClock
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-from ray.serve.request_router import ReplicaID
 
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.ops.ray_internals import cached_queue_len
+from lora_cluster.serve.ops.ray_internals import cached_queue_len, offline_replica_id, offline_router
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.request_router import SPARE, LoraAffinityRouter
 
-DEPLOYMENT = DeploymentID(name="LoraReplica", app_name="router-index-app")
+APP = "router-index-app"
 MAX_ONGOING = 48
 
 
 def replica(rid: str, resident: tuple[str, ...] = (), running: int = 0) -> SimpleNamespace:
     """A `RunningReplica` as the router reads it: id, queue bound, last report (8 seqs, 4 adapter slots)."""
-    return SimpleNamespace(replica_id=ReplicaID(unique_id=rid, deployment_id=DEPLOYMENT),
+    return SimpleNamespace(replica_id=offline_replica_id(rid, APP),
                            max_ongoing_requests=MAX_ONGOING,
                            routing_stats={"resident": list(resident), "max_loras": 4,
                                           "empty_adapter_slots": 4 - len(resident), "free_adapter_slots": 4,
@@ -42,8 +40,7 @@ def pending(adapter_id: str) -> SimpleNamespace:
 
 
 def new_router() -> LoraAffinityRouter:
-    router = LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                                use_replica_queue_len_cache=True)
+    router = offline_router(LoraAffinityRouter, APP)
     router.initialize_state(miss_cost=4.0, placement_ttl_s=5.0, clock=FakeClock(0.0))
     return router
 

@@ -187,7 +187,8 @@ def test_http_bodies_pass_the_controls_to_the_engine():
     from pydantic import ValidationError
 
     from lora_cluster.config import ServeConfig
-    from lora_cluster.serve.http.schemas import ChatCompletionRequest, CompletionRequest, LoraxParameters
+    from lora_cluster.serve.http.lorax_schemas import LoraxParameters
+    from lora_cluster.serve.http.openai_schemas import ChatCompletionRequest, CompletionRequest
 
     limits = ServeConfig()
     body = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1.0,

@@ -21,6 +21,8 @@ from lora_cluster.serve.ops.ray_internals import (
     CHECKED_RAY_VERSION,
     cached_queue_len,
     deployment_key,
+    offline_replica_id,
+    offline_router,
     own_request_id,
 )
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
@@ -39,6 +41,17 @@ def router() -> LoraAffinityRouter:
     """The project's router, constructed with the arguments Serve's handle router passes."""
     return LoraAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
                               use_replica_queue_len_cache=True)
+
+
+def test_an_offline_router_is_built_as_serve_builds_one():
+    router = offline_router(LoraAffinityRouter, "lora-app")
+    assert isinstance(router, LoraAffinityRouter), broken(
+        "RequestRouter.__init__ no longer takes deployment_id, handle_source, use_replica_queue_len_cache")
+    assert deployment_key(router) == ("lora-app", "LoraReplica"), broken(
+        "an offline router no longer routes to the DeploymentID it was given")
+    replica = offline_replica_id("r1", "lora-app")
+    assert replica == ReplicaID(unique_id="r1", deployment_id=DEPLOYMENT), broken(
+        "ReplicaID no longer takes the private DeploymentID as its deployment_id")
 
 
 def test_request_router_keeps_its_deployment_id(router):

@@ -13,12 +13,8 @@ from lora_cluster.cluster.routing_score import PlacementTracker, ReplicaView, ad
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.http.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    LoraxParameters,
-    LoraxRequest,
-)
+from lora_cluster.serve.http.lorax_schemas import LoraxParameters, LoraxRequest
+from lora_cluster.serve.http.openai_schemas import ChatCompletionRequest, CompletionRequest
 from lora_cluster.serve.http.sse import DONE, event
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe, validation_error
 from lora_cluster.serve.ops import metrics

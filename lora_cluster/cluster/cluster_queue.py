@@ -135,6 +135,9 @@ class ClusterQueue:
         # (adapter, priority) -> heap of its entries, removed ones dropped lazily (see `best_for`)
         self._by_adapter: dict[tuple[str | None, int], list[_Entry]] = {}
         self._indexed = 0  # entries in `_by_adapter`, removed ones included
+        # priority -> the adapters with a queued ticket of it (exact), from the queued count of each
+        self._adapters: dict[int, set[str | None]] = {}
+        self._queued: Counter[tuple[str | None, int]] = Counter()
         self._seq = itertools.count()
         self.drain = DrainMeter(drain_window_s, clock)
 
@@ -208,6 +211,7 @@ class ClusterQueue:
         heapq.heappush(self._heap, entry)
         heapq.heappush(self._by_adapter.setdefault((ticket.adapter_id, ticket.priority), []), entry)
         self._indexed += 1
+        self._count(ticket, 1)
         bisect.insort(self._ranks, (*entry.key[:2], entry.key[4], ticket.ticket_id))
         if ticket.ttft_s is None:
             heapq.heappush(self._untargeted.setdefault(ticket.priority, []),
@@ -282,8 +286,18 @@ class ClusterQueue:
         if entry is None:
             return None
         entry.removed = True
-        if entry.ticket.ttft_s is None:
-            self._untargeted_count[entry.ticket.priority] -= 1
+        ticket = entry.ticket
+        if ticket.ttft_s is None:
+            self._untargeted_count[ticket.priority] -= 1
+        self._count(ticket, -1)
+        key = (ticket.adapter_id, ticket.priority)
+        heap = self._by_adapter.get(key)
+        if heap and heap[0] is entry:  # mostly the adapter's most urgent one goes: drop it now
+            while heap and heap[0].removed:
+                heapq.heappop(heap)
+                self._indexed -= 1
+            if not heap:
+                del self._by_adapter[key]
         i = bisect.bisect_left(self._ranks, (*entry.key[:2], entry.key[4], ticket_id))
         del self._ranks[i]
         self._compact()
@@ -301,6 +315,22 @@ class ClusterQueue:
         if ticket is not None:
             self.remove(ticket.ticket_id)
         return ticket
+
+    def _count(self, ticket: Ticket, n: int) -> None:
+        """`queued_adapters` follows a ticket parked (n = 1) or gone (n = -1)."""
+        key = (ticket.adapter_id, ticket.priority)
+        left = self._queued[key] = self._queued[key] + n
+        if left == 0:
+            del self._queued[key]
+            self._adapters[ticket.priority].discard(ticket.adapter_id)
+        elif left == n:
+            self._adapters.setdefault(ticket.priority, set()).add(ticket.adapter_id)
+
+    def queued_adapters(self, priority: int) -> set[str | None]:
+        """The adapters with a queued ticket of `priority` (read-only; kept with every park and
+        removal), so that a look for the tickets some replica's adapters could take costs O(the
+        adapters in both), not a `best_for` per adapter."""
+        return self._adapters.get(priority) or set()
 
     def best_for(self, adapter_id: str | None, priority: int) -> Ticket | None:
         """The most urgent queued ticket of `priority` for `adapter_id` (None: none), in O(log n)

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
+from lora_cluster.cluster.cluster_view import ClusterView
+from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
-from lora_cluster.cluster.reports import ClusterView, ReplicaReport
+from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
     affinity_hit,
     can_preempt,
@@ -43,64 +45,13 @@ from lora_cluster.cluster.scheduling import (
 )
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.config import serve_defaults
 from lora_cluster.errors import DeadlineOutOfReachError, WaitBoundError
 
 DEFAULT_SERVICE_TIME_S = 1.0
 TICK_S = 0.05  # `tick` runs this often: stale replicas, preemption of long-waiting urgent tickets
 REPLAN_EVERY_S = 1.0  # placement is recomputed this often, and when a replica joins or goes away
 MAX_UNCLAIMED_GRANTS = 65_536
-
-
-_DEFAULTS = serve_defaults()
-
-
-@dataclass(frozen=True)
-class ControllerSettings:
-    """The controller's knobs. Those that are `ServeConfig` fields default to its defaults (read
-    from the config, never copied); `from_config` maps a config onto them. The others are the
-    controller's own constants."""
-
-    queue_size: int = _DEFAULTS.cluster_queue_size
-    aging_s: float = _DEFAULTS.cluster_queue_aging_s
-    preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
-    top_class_preempt_after_fraction: float | None = None  # the most urgent class's (None: the above)
-    stale_after_s: float = 5.0  # a replica silent this long is forgotten
-    hot_share: float = _DEFAULTS.placement_hot_share
-    demand_window_s: float = 30.0
-    affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
-    holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
-    queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
-    # a class sheds cold misses this long after a deadline refusal (0: off)
-    cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
-    # a class whose next request would wait this share of its bound sheds cold misses too (0: off)
-    cold_shed_pressure: float = _DEFAULTS.cold_shed_pressure
-    # longest queue wait of a class without a TTFT target (None: unbounded)
-    wait_bound_s: float | None = _DEFAULTS.cluster_queue_max_wait_s
-
-    def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
-        """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
-        top = self.top_class_preempt_after_fraction
-        fraction = top if top is not None and ticket.priority == top_priority else self.preempt_after_fraction
-        return fraction * (ticket.ttft_s or 0.0)
-
-    def holder_wait(self, ticket: Ticket, top_priority: int | None) -> float:
-        """The share of its TTFT target a due miss waits for a holder of its adapter
-        (`scheduling.holder_wait_until`): none for the most urgent class, whose tickets go at once."""
-        return 0.0 if ticket.priority == top_priority else self.holder_wait_fraction
-
-    @classmethod
-    def from_config(cls, config: Any) -> ControllerSettings:
-        """From a `ServeConfig`, or anything with its field names (the simulator's settings)."""
-        return cls(
-            queue_size=config.cluster_queue_size, aging_s=config.cluster_queue_aging_s,
-            preempt_after_fraction=config.preempt_after_fraction,
-            top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
-            stale_after_s=max(2.0, 4 * config.controller_report_period_s),
-            hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
-            cold_shed_window_s=config.cold_shed_window_s, cold_shed_pressure=config.cold_shed_pressure,
-            wait_bound_s=config.cluster_queue_max_wait_s or None,
-        )
+_SETTINGS = ControllerSettings()  # the defaults (`controller_settings`)
 
 
 @dataclass(frozen=True)
@@ -118,7 +69,7 @@ class Refusal:
 
 
 class Controller:
-    def __init__(self, classes: SlaClasses, settings: ControllerSettings = ControllerSettings(),
+    def __init__(self, classes: SlaClasses, settings: ControllerSettings = _SETTINGS,
                  clock: Callable[[], float] = time.monotonic):
         self.classes, self.settings, self._clock = classes, settings, clock
         self.queue = ClusterQueue(max_size=settings.queue_size, aging_s=settings.aging_s, clock=clock,
@@ -137,8 +88,11 @@ class Controller:
         self._preempt_at: list[tuple[float, int, Ticket]] = []
         self._due: dict[int, list[tuple[Any, Ticket]]] = {}  # priority -> heap of (queue order, ticket)
         self._changed: set[str] = set()  # replicas that reported since the last look for preempting hits
+        self._urgent_set = frozenset(c.priority for c in classes.classes if c.ttft_s is not None)
+        self._urgent = sorted(self._urgent_set)  # the classes with a TTFT target, most urgent first
         # replica -> its batch slots over its service time (0.0 without one), in the view's order
         self._rates: dict[str, float] = {}
+        self._rate_sum: float | None = None  # their sum, until one of them changes (None: to sum again)
         self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
@@ -164,7 +118,10 @@ class Controller:
         joined = base is None
         self.view.update(report)
         service = report.service_time_s
-        self._rates[report.replica_id] = report.capacity / service if service else 0.0
+        rate = report.capacity / service if service else 0.0
+        if self._rates.get(report.replica_id) != rate:
+            self._rate_sum = None
+        self._rates[report.replica_id] = rate
         self._changed.add(report.replica_id)
         self.demand.record(report.adapter_requests)
         if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
@@ -227,6 +184,7 @@ class Controller:
         if gone := self.view.prune():
             for rid in gone:
                 del self._rates[rid]
+            self._rate_sum = None
             self._replan()
         self._dispatch()
 
@@ -272,7 +230,8 @@ class Controller:
             if overdue is None and not holds(self.view, replica_id, ticket.adapter_id):  # a hit first?
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
                 hit = affinity_hit(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
-                                   self.view.with_room(), ticket.enqueued_at + window)
+                                   self.view.with_room(), ticket.enqueued_at + window,
+                                   self.queue.queued_adapters(ticket.priority))
                 if hit is not None:
                     ticket, replica_id = hit
                 elif ticket.ttft_s is not None and (holder := holder_preemption_target(ticket, self.view)):
@@ -305,9 +264,11 @@ class Controller:
         # hits can only have appeared where a replica reported (a new ticket's hit is found at park)
         changed = [rid for rid in sorted(self._changed) if self.view.get(rid) is not None]
         self._changed.clear()
-        urgent = {c.priority for c in self.classes.classes if c.ttft_s is not None} | set(self._due)
-        for priority in sorted(urgent):
-            while (hit := self._preempting_hit(priority, changed)) is not None:  # hits first, due or not
+        urgent = self._urgent
+        if not self._due.keys() <= self._urgent_set:
+            urgent = sorted(self._urgent_set | self._due.keys())
+        for priority in urgent:
+            while changed and (hit := self._preempting_hit(priority, changed)) is not None:  # hits first
                 self._grant(hit[0], hit[1], preempt=True)
             due = self._due.get(priority)
             while due and due[0][1].ticket_id not in self.queue:  # granted or gone since
@@ -337,12 +298,15 @@ class Controller:
         """The most urgent queued ticket of `priority`, due or not, whose adapter one of
         `replica_ids` holds while running less urgent work there, and that replica (None: none)."""
         room = [rid for rid in replica_ids if self.view.preemptible(rid, priority) > 0]
-        return affinity_hit(priority, self.queue.best_for, self.queue.sort_key, self.view, room)
+        return affinity_hit(priority, self.queue.best_for, self.queue.sort_key, self.view, room,
+                            queued=self.queue.queued_adapters(priority))
 
     def _expected_rate(self) -> float | None:
         """Requests per second the live replicas should complete: batch slots over service time
-        (each replica's share kept from its report, summed in the view's order)."""
-        return sum(self._rates.values()) or None
+        (each replica's share kept from its report, summed in the view's order when one changed)."""
+        if self._rate_sum is None:
+            self._rate_sum = sum(self._rates.values())
+        return self._rate_sum * self.settings.rate_share or None
 
     def _replan(self) -> None:
         self._planned_at = self._clock()

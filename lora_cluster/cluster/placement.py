@@ -83,16 +83,21 @@ class PlacementPolicy:
             return {}
         max_num_seqs = min(r.max_num_seqs for r in live)
         planned_new: dict[str, int] = {r.replica_id: 0 for r in live}  # new holders assigned this round
+        # new holders are taken least loaded first: an order that does not depend on the adapter
+        by_load = sorted(live, key=lambda r: (r.ongoing / max(r.capacity, 1), r.replica_id))
         out: dict[str, tuple[str, ...]] = {}
         for adapter_id, rate in sorted(rates.items(), key=lambda kv: (-kv[1], kv[0])):
             need = self.replicas_needed(rate, max_num_seqs, len(live))
             if need < 2:
                 continue
-            holders = [r for r in live if adapter_id in r.resident or adapter_id in r.loading]
+            holders = [r for r in live if adapter_id in r.held]
             held = {r.replica_id for r in holders}
-            others = [r for r in live if r.replica_id not in held
-                      and r.free_adapter_slots - planned_new[r.replica_id] > 0]
-            others.sort(key=lambda r: (r.ongoing / max(r.capacity, 1), r.replica_id))
+            others: list[ReplicaReport] = []
+            for r in by_load:  # the first `need - holders` of them that can take it
+                if len(holders) + len(others) >= need:
+                    break
+                if r.replica_id not in held and r.free_adapter_slots - planned_new[r.replica_id] > 0:
+                    others.append(r)
             chosen = [*holders, *others][:need]
             for r in chosen:
                 if r.replica_id not in held:

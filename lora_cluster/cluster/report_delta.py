@@ -110,8 +110,9 @@ def apply_delta(base: ReplicaReport, delta: ReportDelta) -> ReplicaReport:
         added, removed = getattr(delta, f"{name}_added"), getattr(delta, f"{name}_removed")
         if added or removed:
             values[name] = tuple(sorted((set(getattr(base, name)) - set(removed)) | set(added)))[:limit]
-    return dataclasses.replace(base, seq=delta.seq, adapter_requests=delta.adapter_requests,
-                               arrived_tickets=delta.arrived_tickets, **values)
+    values.update(seq=delta.seq, adapter_requests=delta.adapter_requests,
+                  arrived_tickets=delta.arrived_tickets)
+    return base.updated(values)
 
 
 class ReportEncoder:

@@ -33,13 +33,13 @@ a TTFT target never preempt. Pure functions.
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any
 
 from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.cluster_view import ClusterView
+from lora_cluster.cluster.homes import home_score
 from lora_cluster.cluster.prefix_keys import cached_depth
-from lora_cluster.cluster.reports import ClusterView
 
 
 def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tuple[str, ...]]) -> str | None:
@@ -66,15 +66,6 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
     return min(candidates, key=key)
 
 
-def home_score(adapter_id: str, replica_id: str) -> int:
-    """Rendezvous (highest random weight) hashing: the replica with the highest score among the
-    candidates is the adapter's home there. Misses of one adapter thus go to the same replica while
-    it can take them, where the next request finds the adapter loaded, instead of loading it on
-    every replica in turn; when a replica comes or goes, only its own adapters move. Stable across
-    processes (crc32, not Python's salted `hash`)."""
-    return zlib.crc32(f"{adapter_id}\0{replica_id}".encode())
-
-
 def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
     """The replica has the adapter on its device or loading it (the base model: always)."""
     if adapter_id is None:
@@ -84,19 +75,21 @@ def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
 
 
 def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
-                 view: ClusterView, replica_ids: Iterable[str],
-                 latest: float = math.inf) -> tuple[Ticket, str] | None:
+                 view: ClusterView, replica_ids: Iterable[str], latest: float = math.inf,
+                 queued: Set[str | None] | None = None) -> tuple[Ticket, str] | None:
     """The most urgent queued ticket of `priority` that arrived at `latest` or before and whose
     adapter one of `replica_ids` holds, and that replica (None: no such hit). `best_for(adapter,
     priority)` gives an adapter's most urgent ticket of that priority (`ClusterQueue.best_for`),
-    `order(ticket_id)` the queue's order of a ticket. O(replicas x adapters each holds), whatever
-    the queue's length."""
+    `order(ticket_id)` the queue's order of a ticket, `queued` the adapters with a ticket of
+    `priority` queued (`ClusterQueue.queued_adapters`; None: look up every adapter held).
+    O(replicas x adapters each holds), whatever the queue's length; with `queued`, a `best_for` per
+    adapter both held and queued only."""
     best: tuple[Any, Ticket, str] | None = None
     for rid in replica_ids:
         report = view.get(rid)
         if report is None:
             continue
-        for adapter_id in (*report.resident, *report.loading):
+        for adapter_id in report.held if queued is None else report.held & queued:
             ticket = best_for(adapter_id, priority)
             if ticket is None or ticket.enqueued_at > latest:
                 continue
@@ -129,8 +122,9 @@ def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:
     such holder, or the base model, which every replica holds)."""
     if ticket.adapter_id is None:
         return None
-    holders = view.holders(ticket.adapter_id)
-    return preemption_target(ticket, view, holders) if holders else None
+    # only those with such work can be chosen: O(the smaller of the two sets), not a score per holder
+    holders = view.holders(ticket.adapter_id) & view.preemptible_ids(ticket.priority)
+    return _best_target(ticket, view, holders, False) if holders else None
 
 
 def can_preempt(ticket: Ticket, view: ClusterView) -> bool:
@@ -149,10 +143,30 @@ def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[s
     them (`home_score`); for the base model, the one with the most such work (None: nowhere).
     `free_slot_first` is for the most urgent class: on a replica whose adapter slots all serve
     running requests of that class, a miss waits for one of them to finish (seconds), which its
-    TTFT target cannot absorb; the other classes go home, where the next request finds the adapter."""
+    TTFT target cannot absorb; the other classes go home, where the next request finds the adapter.
+
+    Over every replica with such work (`replica_ids` None) and an adapter, when they are more than a
+    `WALK_SHARE` of the replicas: the holders among them are scored, and without one the adapter's
+    home ranking (`ClusterView.homes`) is walked to the first of them (with a slot, first, for
+    `free_slot_first`): the same choice as scoring them all, without a hash per replica."""
+    aid = ticket.adapter_id
+    if replica_ids is None:
+        candidates = view.preemptible_ids(ticket.priority)
+        if aid is not None and len(candidates) * WALK_SHARE > len(view):
+            return _walk_home(ticket, aid, view, candidates, free_slot_first)
+        replica_ids = candidates
+    return _best_target(ticket, view, replica_ids, free_slot_first)
+
+
+WALK_SHARE = 16  # walk the home ranking when more than 1/WALK_SHARE of the replicas are candidates
+
+
+def _best_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str],
+                 free_slot_first: bool) -> str | None:
+    """`preemption_target` by scoring each of `replica_ids`."""
     best, most = None, (False, False, 0)  # the best score, and the first replica id that has it
     aid = ticket.adapter_id
-    for rid in view.preemptible_ids(ticket.priority) if replica_ids is None else replica_ids:
+    for rid in replica_ids:
         n = view.preemptible(rid, ticket.priority)
         if n <= 0:
             continue
@@ -162,3 +176,29 @@ def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[s
         if score > most or (best is not None and score == most and rid < best):
             best, most = rid, score
     return best
+
+
+def _walk_home(ticket: Ticket, aid: str, view: ClusterView, candidates: set[str],
+               free_slot_first: bool) -> str | None:
+    """`preemption_target` over `candidates` (the replicas with less urgent work) for adapter `aid`:
+    a holder among them scores above every other (scored among themselves); else the first
+    candidate of the adapter's home ranking (descending score, ties by id) with an adapter slot
+    free or idle (`free_slot_first`), else the first candidate, unless its score is 0 (it
+    outscores no replica, as in `_best_target`)."""
+    priority = ticket.priority
+    held = [rid for rid in view.holders(aid) if rid in candidates]
+    if held:
+        return _best_target(ticket, view, held, free_slot_first)
+    first = None
+    for rid in view.homes.ranking(aid):
+        if rid not in candidates or view.preemptible(rid, priority) <= 0:
+            continue
+        if not free_slot_first:
+            first = rid
+            break
+        report = view.get(rid)
+        if report is not None and report.free_adapter_slots > 0:
+            return rid
+        if first is None:
+            first = rid
+    return None if first is None or home_score(aid, first) == 0 else first

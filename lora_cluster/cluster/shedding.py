@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.cluster.reports import ClusterView
+from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.scheduling import holds
 from lora_cluster.errors import ColdAdapterShedError
 

@@ -205,6 +205,15 @@ class ServeConfig(EngineConfig):
         description="Run the cluster controller: the cluster-wide priority queue, cross-replica "
         "preemption and adapter placement. Off: requests wait in Ray Serve's own queue (FIFO).",
     )
+    controller_shards: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Cluster controller actors per replica group: each owns the cluster queue, grants and "
+        "placement of the adapters a stable hash of the adapter id gives it (base-model requests: shard 0), "
+        "over every replica (each replica reports to each, with a share of its free room). Shard 0 keeps "
+        "the deployment name `ClusterController[-<group>]`, shard k > 0 adds `-shard<k>` (docs/scale.md).",
+    )
     admission_capacity: int | None = Field(
         None,
         ge=1,

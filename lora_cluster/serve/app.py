@@ -16,7 +16,10 @@ over the top-level ones); the ingress gets the top-level one. With a `tenants_fi
 a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.routing.quotas`).
 With several ingress replicas (`ingress_num_replicas` > 1 or `ingress_autoscaling_config`), a
 one-replica `AdapterRegistry` holds the adapters loaded through the vLLM API for all of them
-(`serve.http.registry`).
+(`serve.http.registry`), and a one-replica `MetricsHub` sums their request metrics so that each
+one's /metrics counts every request (`serve.ops.metrics_hub`). With `controller_shards` n > 1, a
+group's controller runs as n deployments (`ClusterController[-<name>]`, then `-shard1` ...;
+`cluster.sharding`), and the group's replicas and the ingress get the list of their handles.
 
 Event loops: Ray Serve runs a replica's code, and the request router of the handles it holds, on
 event loops of their own threads by default, so every request crosses threads on each hop (the
@@ -35,12 +38,14 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from lora_cluster.cluster.sharding import shard_deployment
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig, load_config
 from lora_cluster.errors import ConfigError
 from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.http.registry import AdapterRegistry
+from lora_cluster.serve.ops.metrics_hub import MetricsHub
 from lora_cluster.serve.replica.deployment import LoraReplica
 from lora_cluster.serve.replica.model import load_tokenizers, resolve_model
 from lora_cluster.serve.routing.group_bases import group_configs
@@ -81,7 +86,8 @@ def ingress_count(config: ServeConfig) -> dict[str, Any]:
 
 
 def several_ingresses(config: ServeConfig) -> bool:
-    """The ingress may run more than one replica: its registrations then live in `AdapterRegistry`."""
+    """The ingress may run more than one replica: its registrations then live in `AdapterRegistry`
+    and its request metrics are summed by `MetricsHub`."""
     return config.ingress_num_replicas > 1 or config.ingress_autoscaling_config is not None
 
 
@@ -124,14 +130,17 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     resolved = {name: resolve_model(c) for name, c in configs.items()}  # demo zoos: built once, here
     load_tokenizers(resolved)  # each base's tokenizer loads (the ingress encodes with it), or no start
     replicas: dict[str, Application] = {}
-    controllers: dict[str, Application | None] = {}
+    controllers: dict[str, Application | list[Application] | None] = {}
     for group in replica_groups(config):  # each group: its own replicas and cluster controller
         fields = configs[group.name].model_dump(exclude_unset=False)
-        controller = None
+        controller: Application | list[Application] | None = None
         if config.controller:  # every waiting request holds one call to it: room for the whole queue
             room = config.cluster_queue_size + 4096
-            controller = ClusterController.options(name=group.controller,
-                                                   max_ongoing_requests=room).bind(fields)
+            n = config.controller_shards
+            shards = [ClusterController.options(name=shard_deployment(group.controller, k),
+                                                max_ongoing_requests=room).bind(fields, k, n)
+                      for k in range(n)]
+            controller = shards[0] if n == 1 else shards
         options = replica_options(config, group)
         options["ray_actor_options"] = single_loop(options["ray_actor_options"])
         replicas[group.name] = LoraReplica.options(**options).bind(fields, controller, group.name)
@@ -145,5 +154,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if config.tenants_file is not None:  # check the file now (a broken one stops the start here)
         read_tenants(config.tenants_file, build_sla_classes(config).names)
         ledger = QuotaLedger.bind(config.quota_ticket_ttl_s)
-    registry = AdapterRegistry.bind() if several_ingresses(config) else None
-    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry)
+    registry = hub = None
+    if several_ingresses(config):
+        registry = AdapterRegistry.bind()
+        hub = MetricsHub.bind(config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
+                              config.metrics_label_window_s)
+    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub)

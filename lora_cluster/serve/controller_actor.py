@@ -18,6 +18,11 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
 
 Everything here runs on the deployment's one event loop, so the controller needs no locks. A
 ticker lets time pass for the controller (stale replicas, preemption of long-waiting tickets).
+
+With `controller_shards` > 1 this deployment runs once per shard (`shard`, of `shards`; see
+`cluster.sharding`): it is sent only the tickets of its own adapters, sees every replica (each
+report caps its room there), and places and prefetches only its own adapters, so that the shards'
+placement tables, united, are the one table of the cluster.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH
 from lora_cluster.cluster.report_delta import parse_report
+from lora_cluster.cluster.sharding import owns
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError
@@ -46,7 +52,7 @@ log = logging.getLogger(__name__)
 @serve.deployment(name="ClusterController", num_replicas=1, ray_actor_options={"num_cpus": 0},
                   max_ongoing_requests=100_000, health_check_period_s=2.0)
 class ClusterController:
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], shard: int = 0, shards: int = 1):
         cfg = ServeConfig(**config)  # the app's resolved fields (the environment was applied there)
         settings = ControllerSettings.from_config(cfg)
         self.core = Controller(build_sla_classes(cfg), settings, clock=time.monotonic)
@@ -54,6 +60,10 @@ class ClusterController:
         self._waiters: dict[str, asyncio.Future[Grant | Refusal]] = {}
         self._parked_by: collections.Counter[str] = collections.Counter()  # ingress -> its waiting tickets
         self._ticker: asyncio.Task[None] | None = None
+        self.shard, self.shards = shard, shards
+
+    def _own(self, adapter_id: str) -> bool:
+        return self.shards <= 1 or owns(adapter_id, self.shard, self.shards)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
@@ -78,6 +88,8 @@ class ClusterController:
         self._ensure_ticker()
         reply = self.core.report(parse_report(report))
         self._deliver()
+        if self.shards > 1:  # another shard places (and has prefetched) the other adapters
+            reply["prefetch"] = [a for a in reply.get("prefetch", ()) if self._own(a)]
         return reply
 
     async def admit(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -126,10 +138,13 @@ class ClusterController:
         view = self.core.snapshot()
         context = ray.get_runtime_context()
         view["controller"].update(actor=context.get_actor_name(), node_id=context.get_node_id())
+        if self.shards > 1:
+            view["controller"].update(shard=self.shard, shards=self.shards)
+            view["placement"] = {a: r for a, r in view["placement"].items() if self._own(a)}
         return view
 
     async def placement(self) -> dict[str, list[str]]:
-        return {a: list(r) for a, r in self.core.placement().items()}
+        return {a: list(r) for a, r in self.core.placement().items() if self._own(a)}
 
     async def ingress_view(self, ingress_id: str) -> dict[str, Any]:
         """{"placement": `placement()`, "queued_elsewhere": tickets of other ingresses waiting now}."""

@@ -77,12 +77,15 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
                     "adapter i under base i %% K (sim.bases)")
     ap.add_argument("--base-nodes", default="",
                     help="each base's nodes, comma-separated, adding up to --nodes (default: equal shares)")
+    ap.add_argument("--controller-shards", type=int, default=_SERVE.controller_shards,
+                    help="cluster controller shards (controller_shards: the queue and grants split by "
+                    "a hash of the adapter; control_plane gives the busiest shard's CPU)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
-            or a.preload < 0):
-        ap.error("--nodes, --adapters, --max-loras must be >= 1; --load and --duration > 0; "
-                 "--warmup and --preload >= 0")
+            or a.preload < 0 or a.controller_shards < 1):
+        ap.error("--nodes, --adapters, --max-loras, --controller-shards must be >= 1; --load and "
+                 "--duration > 0; --warmup and --preload >= 0")
     try:
         base_nodes = tuple(int(n) for n in a.base_nodes.split(",")) if a.base_nodes else ()
         bases = len(base_nodes) or a.bases
@@ -103,7 +106,8 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
                        profile=a.profile, preload=a.preload, chats=chats, bases=bases, base_nodes=base_nodes,
-                       serve=ServeSettings(prefix_aware_routing=a.prefix_routing == "on"))
+                       serve=ServeSettings(prefix_aware_routing=a.prefix_routing == "on",
+                                           controller_shards=a.controller_shards))
     return config, a.json
 
 

@@ -25,6 +25,10 @@ wired to simulated replicas the way the live deployments are wired to each other
   its router every `controller_report_period_s`; each replica's routing stats refresh every
   `routing_stats_period_s`, staggered.
 
+With `controller_shards` > 1 the controller is the shards as the live deployment runs them
+(`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
+of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.
+
 One ingress is modelled. The control plane has no latency: a report, a grant and a send happen at
 the same simulated instant. The CPU time spent inside the controller's methods is measured (the
 simulating thread's CPU clock, so that other jobs on the machine do not inflate it) and reported
@@ -52,6 +56,7 @@ from lora_cluster.errors import (
 from lora_cluster.sim.context import SimContext
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.routing import AffinityRouting
+from lora_cluster.sim.sharded_controller import ShardedController
 from lora_cluster.sim.workload import SimRequest
 
 INGRESS_ID = "sim-ingress"
@@ -75,7 +80,11 @@ class LoraClusterPolicy:
     def __init__(self, ctx: SimContext):
         self.ctx, self.loop, self.replicas, self.metrics = ctx, ctx.loop, ctx.replicas, ctx.metrics
         s = ctx.serve
-        self.controller = Controller(ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
+        self.sharded = None if s.controller_shards <= 1 else ShardedController(
+            ctx.classes, s.controller_settings(), shards=s.controller_shards, clock=ctx.loop.clock,
+            measure_from=ctx.metrics.measure_from)
+        self.controller = self.sharded if self.sharded is not None else Controller(
+            ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
         self.routing = AffinityRouting(ctx.replicas, miss_cost=s.router_miss_cost,
                                        placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock,
                                        prefix_share=s.prefix_routing_share)
@@ -85,6 +94,7 @@ class LoraClusterPolicy:
                         for rid in ctx.replicas}
         self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
         self._inflight = dict.fromkeys(ctx.replicas, 0)  # the ingress's requests running on each replica
+        self._claimed: dict[str, int] = {}  # those of `_inflight` above 0: what the ingress claims
         self._unassigned = 0  # fast-path requests on their way (no first item yet)
         self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
         self._free_total = sum(self._free.values())
@@ -102,6 +112,7 @@ class LoraClusterPolicy:
         self._measured = [0, 0.0]
         self.cpu_by_call: Counter[str] = Counter()  # after the warm-up: CPU seconds per controller call
         self._steady: tuple[int, float, float] = (0, 0.0, 0.0)
+        self._shards_steady: tuple[float, ...] = ()  # each shard's CPU seconds, as of the latest arrival
         self.calls: Counter[str] = Counter()
         self.trace: list[tuple[float, str, tuple[Any, ...], Any]] | None = None  # a list: record calls
         self.fast = self.parked = self.preempting = 0
@@ -143,6 +154,8 @@ class LoraClusterPolicy:
 
     def arrive(self, req: SimRequest) -> None:
         self._steady = (self._measured[0], self._measured[1], self.loop.now)
+        if self.sharded is not None:
+            self._shards_steady = tuple(self.sharded.cpu_s)
         prefix = req.prefix if self.ctx.serve.prefix_aware_routing else ()  # off: adapter-only routing
         if self.has_room():
             self.fast += 1
@@ -158,8 +171,9 @@ class LoraClusterPolicy:
                         adapter_id=req.adapter, enqueued_at=req.arrival,
                         deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s, ttft_s=sla.ttft_s,
                         prefix=prefix)
-        full = len(self.controller.queue) >= self.controller.queue.max_size
-        claims = {"inflight": {rid: n for rid, n in self._inflight.items() if n},
+        queue = self.controller.queue if self.sharded is None else self.sharded.queue_for(req.adapter)
+        full = len(queue) >= queue.max_size
+        claims = {"inflight": dict(self._claimed),
                   "unassigned": self._unassigned}
         try:
             grant = self._call("park", self.controller.park, ticket, claims)
@@ -177,13 +191,18 @@ class LoraClusterPolicy:
         """The request's first item reached the ingress (`ClusterAdmission.started`)."""
         if req.ticket is None:
             self._unassigned -= 1
-        self._inflight[replica.replica_id] += 1
-        self._refree(replica.replica_id)
+        rid = replica.replica_id
+        self._inflight[rid] = self._claimed[rid] = self._inflight[rid] + 1
+        self._refree(rid)
 
     def finished(self, replica: SimReplica, req: SimRequest) -> None:
         self.metrics.finished(req)
         rid = replica.replica_id
         self._inflight[rid] -= 1
+        if self._inflight[rid]:
+            self._claimed[rid] = self._inflight[rid]
+        else:
+            del self._claimed[rid]
         self._refree(rid)
         self.routing.changed(rid)
         if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self._taken(rid)):
@@ -253,9 +272,11 @@ class LoraClusterPolicy:
         pacer.sent()
         replica = self.replicas[replica_id]
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
-        sent = encoder.encode(replica.report(self._taken(replica_id), now, arrived))
+        built = replica.report(self._taken(replica_id), now, arrived)
+        sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
         reply = self._call("report", self.controller.report, sent)
-        encoder.replied(reply)
+        if self.sharded is None:
+            encoder.replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])
         for adapter_id in reply["prefetch"]:
             replica.prefetch(adapter_id)
@@ -265,7 +286,7 @@ class LoraClusterPolicy:
     def _tick(self) -> None:
         self._call("tick", self.controller.tick)
         self._deliver()
-        depth = len(self.controller.queue)
+        depth = len(self.controller.queue) if self.sharded is None else self.sharded.queue_depth()
         self._depth_sum += depth
         self._depth_samples += 1
         self._depth_max = max(self._depth_max, depth)
@@ -304,10 +325,15 @@ class LoraClusterPolicy:
 
     def control_plane(self) -> dict[str, float | None]:
         """At steady state (from the end of the warm-up to the last arrival): reports per second per
-        replica, and CPU seconds spent in the controller's calls per simulated second."""
+        replica (rounds: one report to each shard counts once), and CPU seconds spent in the
+        controller's calls per simulated second (with shards: all of them, and also the busiest one)."""
         reports, cpu_s, until = self._steady
         span = until - self.metrics.measure_from
         if span <= 0:
             return {"reports_per_s_per_replica": None, "controller_cpu_s_per_sim_s": None}
-        return {"reports_per_s_per_replica": reports / span / len(self.replicas),
-                "controller_cpu_s_per_sim_s": cpu_s / span}
+        plane = {"reports_per_s_per_replica": reports / span / len(self.replicas),
+                 "controller_cpu_s_per_sim_s": cpu_s / span}
+        if self.sharded is not None:
+            plane["shards"] = len(self.sharded.shards)
+            plane["busiest_shard_cpu_s_per_sim_s"] = max(self._shards_steady, default=0.0) / span
+        return plane

@@ -42,6 +42,7 @@ class ServeSettings:
     controller_report_period_s: float = _DEFAULTS.controller_report_period_s
     controller_report_coalesce_s: float = _DEFAULTS.controller_report_coalesce_s
     placement_hot_share: float = _DEFAULTS.placement_hot_share
+    controller_shards: int = _DEFAULTS.controller_shards
 
     def controller_settings(self) -> ControllerSettings:
         """As `serve.controller_actor` maps a ServeConfig."""

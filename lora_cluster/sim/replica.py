@@ -69,6 +69,7 @@ class SimReplica:
                                        sizes=sizes, on_ready=self._kick_now, on_load=on_load)
         self.waiting: list[SimRequest] = []
         self.running: dict[int, SimRequest] = {}
+        self._least: SimRequest | None = None  # the least urgent of `running` (None: to find again)
         self.prefilling: list[SimRequest] = []
         self.kv_free = max_num_seqs
         self.n_decoding = 0
@@ -197,6 +198,7 @@ class SimReplica:
                 preempted.append(victim)
             self.kv_free -= 1
             self.running[req.rid] = req
+            self._least = None
             self.prefilling.append(req)
             self.running_by_priority[req.priority] = self.running_by_priority.get(req.priority, 0) + 1
             if self.prefix_cache is not None:
@@ -232,7 +234,9 @@ class SimReplica:
         """The least urgent running request if it is strictly less urgent than `priority`."""
         if max((p for p, n in self.running_by_priority.items() if n), default=priority) <= priority:
             return None
-        victim = max(self.running.values(), key=_urgency)
+        if self._least is None:  # kept until `running` changes: a step asks once per waiting request
+            self._least = max(self.running.values(), key=_urgency)
+        victim = self._least
         return victim if victim.priority > priority else None
 
     def _preempt(self, req: SimRequest) -> None:
@@ -251,6 +255,7 @@ class SimReplica:
 
     def _leave_running(self, req: SimRequest) -> None:
         del self.running[req.rid]
+        self._least = None
         self.kv_free += 1
         self.running_by_priority[req.priority] -= 1
         self.adapters.release(req.adapter)

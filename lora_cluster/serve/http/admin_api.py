@@ -105,7 +105,10 @@ def admin_router(ctx: ApiContext) -> APIRouter:
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+        """Several ingress replicas: the request metrics of all of them (ops.metrics_hub)."""
+        if ctx.metrics_hub is None:
+            return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+        return Response(await ctx.metrics_hub.render(), media_type=metrics.CONTENT_TYPE)
 
     @router.get("/v1/cluster", responses=openapi.ADMIN_VIEW)
     async def cluster() -> dict[str, Any]:

@@ -48,6 +48,7 @@ from lora_cluster.serve.http import tool_calls
 from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
 from lora_cluster.serve.http_errors import ApiException, describe
+from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.replica.model import served_name
 from lora_cluster.serve.routing.auth import Authenticator, Caller, TenantsSource
 from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
@@ -77,6 +78,7 @@ class ApiContext:
     encode_threads: int = ENCODE_THREADS
     tenants: TenantsSource | None = None  # None: no tenants file, every route is open
     quotas: Quotas | None = None  # the tenants' quota ledger (None: quotas are not enforced)
+    metrics_hub: SharedMetrics | None = None  # several ingress replicas: /metrics sums them (ops.metrics_hub)
     sla: SlaClasses = field(init=False, repr=False)
     authenticate: Authenticator = field(init=False, repr=False)  # THE auth dependency (routing.auth)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
@@ -91,8 +93,10 @@ class ApiContext:
         self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="lora-ingress-encode")
 
     def close(self) -> None:
-        """Stop the tokenizer threads (jobs not started yet are dropped)."""
+        """Stop the tokenizer threads (jobs not started yet are dropped) and the metrics pushes."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.metrics_hub is not None:
+            self.metrics_hub.stop()
 
     @property
     def base_name(self) -> str:

@@ -30,10 +30,11 @@ from lora_cluster.serve.http.lorax_api import lorax_router
 from lora_cluster.serve.http.openai_api import openai_router
 from lora_cluster.serve.http.openapi import install_openapi
 from lora_cluster.serve.http.registry import LocalRegistrations, SharedRegistrations
-from lora_cluster.serve.http.schemas import constrain
+from lora_cluster.serve.http.schema_limits import constrain
 from lora_cluster.serve.http_errors import install_handlers
 from lora_cluster.serve.ops import metrics
 from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
+from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.ops.ray_internals import serve_root_url
 from lora_cluster.serve.ops.ready import ready_line, watch_in_background
 from lora_cluster.serve.replica.model import DEMO, load_tokenizers, resolve_model, served_name
@@ -125,12 +126,13 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
 class LoraIngress:
     def __init__(self, replicas: dict[str, Any], config: dict[str, Any],
                  controllers: dict[str, Any | None] | None = None, quota_ledger: Any | None = None,
-                 registry: Any | None = None):
+                 registry: Any | None = None, metrics_hub: Any | None = None):
         """`replicas`: each replica group's deployment handle by group name (`replica_groups`);
         `controllers`: each group's cluster controller (None or absent: controller off);
         `quota_ledger`: the tenants' `QuotaLedger` (None: no tenants file); `registry`: the
         `AdapterRegistry` that several ingress replicas share (None: one ingress, registrations kept
-        here; `http.registry`)."""
+        here; `http.registry`); `metrics_hub`: the `MetricsHub` that sums several ingress replicas'
+        request metrics (None: this ingress's own; `ops.metrics_hub`)."""
         top = load_config(config)
         configs = group_configs(top)  # each group's base and engine settings (group_bases)
         requested = next(iter(configs.values()))  # the first group's: its base is the first base
@@ -158,13 +160,17 @@ class LoraIngress:
         quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.quota_lease_s)
         registrations = LocalRegistrations() if registry is None else SharedRegistrations(
             registry, catalog=dispatcher.catalog)
+        shared_metrics = None if metrics_hub is None else SharedMetrics(metrics_hub, self.ingress_id)
         self.ctx = ApiContext(config=resolved, tokenizer=tokenizers[served_name(resolved)],
                               dispatcher=dispatcher, tokenizers=tokenizers,
-                              tenants=self.tenants, quotas=quotas, registrations=registrations)
+                              tenants=self.tenants, quotas=quotas, registrations=registrations,
+                              metrics_hub=shared_metrics)
         if isinstance(registrations, SharedRegistrations):
             registrations.start()  # this ingress follows the registry from its start
         metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
         metrics.set_replica_stats_source(dispatcher.replica_stats)
+        if self.ctx.metrics_hub is not None:
+            self.ctx.metrics_hub.start()  # pushes from the ingress's start (on its event loop)
         demo_folder = str(Path(resolved.model).parent) if requested.model == DEMO else None
         self._ready_watch = watch_in_background(serve_root_url, functools.partial(
             ready_line, model=served_name(resolved), adapter_source=resolved.adapter_source,

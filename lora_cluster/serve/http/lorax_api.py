@@ -31,7 +31,8 @@ from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.best_of import best_one
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals
 from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
-from lora_cluster.serve.http.schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest, merge_of
+from lora_cluster.serve.http.lorax_schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest
+from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import EventStream, event
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob

@@ -41,7 +41,8 @@ from lora_cluster.serve.http.logprob_format import (
     completion_logprobs,
     echo_logprobs,
 )
-from lora_cluster.serve.http.schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest, merge_of
+from lora_cluster.serve.http.openai_schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
+from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
 from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
 from lora_cluster.serve.http_errors import ApiException

@@ -168,7 +168,7 @@ def install_openapi(app: FastAPI, priority_classes: Sequence[str] = (), auth: Au
     the values the `x-lora-priority` header may take (another name is a 400), and, when `auth`
     requires keys, the key headers on every route but the open ones. `bodies(component_schemas)`
     adds the configured limits and the rules between fields to the request bodies
-    (`schemas.constrain`). ConfigError when an open route is not a route of the app."""
+    (`schema_limits.constrain`). ConfigError when an open route is not a route of the app."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -35,7 +35,7 @@ from lora_cluster.serve.http.registrations import (
     RegistrationConflict,
     RegistryBook,
 )
-from lora_cluster.serve.ops.logs import detached
+from lora_cluster.serve.ops.background import keep_running
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,7 @@ class SharedRegistrations:
     def start(self) -> None:
         """Follow the registry from now on (again if the poll task ended). Called off an event loop,
         it does nothing: the first call on one starts it."""
-        if self._poller is not None and not self._poller.done():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._poller = loop.create_task(self._follow(), context=detached())
+        self._poller = keep_running(self._poller, self._follow)
 
     async def reserve_load(self, name: str) -> None:
         self.start()

@@ -135,7 +135,7 @@ CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guide
 
 
 def tool_rules() -> list[dict[str, Any]]:
-    """The rules between a chat body's fields that the OpenAPI schema states (`schemas.constrain`):
+    """The rules between a chat body's fields that the OpenAPI schema states (`schema_limits.constrain`):
     a forced tool choice (`required`, a named function) needs tools and no other output constraint.
     What JSON Schema cannot state is in the fields' descriptions: a named function is one of the
     tools, tool names are unique."""

@@ -8,7 +8,9 @@ processes: they are computed at scrape time from the replicas' routing-stats rep
 ingress's request router already receives (at most `routing_stats_period_s` old), so no second
 transport is needed. (`ray.util.metrics` would export through Ray's per-node metrics agent on
 another port, with its own delay; prometheus_client's multiprocess mode needs a shared folder and
-one host.) With several ingress replicas each exports its own counters: scrape them all (or keep one).
+one host.) With several ingress replicas each measures its own requests and sends them to the
+`MetricsHub` (`serve.ops.metrics_hub`): every ingress's /metrics shows the request metrics of all of
+them (`render(merged, ...)`), with the replica metrics once.
 
 The adapter store's per-tier counters travel the same way (the `store` part of each report), and so
 do each replica's engine counters (steps, batch sizes, tokens, preemptions, prefix cache hits,
@@ -41,13 +43,14 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import SlaClasses, build_sla_classes
 from lora_cluster.config import ServeConfig
+from lora_cluster.serve.ops.metrics_merge import Snapshot
 from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
 from lora_cluster.store.stats import LOAD_BUCKETS_S
 
@@ -135,7 +138,7 @@ QUEUE_WAIT = Histogram(
     "Time a generation waited for admission (the cluster queue; about 0 on the fast path).",
     ["priority_class"], buckets=_LATENCY_BUCKETS, registry=REGISTRY)
 QUEUE_DEPTH = Gauge("lora_cluster_queue_depth",
-                    "Generations of this ingress waiting in the cluster queue now.",
+                    "Generations waiting in the cluster queue now (several ingress replicas: all of theirs).",
                     ["priority_class"], registry=REGISTRY)
 ROUTING_DECISIONS = Counter(
     "lora_cluster_routing_decisions_total",
@@ -147,6 +150,12 @@ ROUTING_ERRORS = Counter(
     "ended a stream without output (before or after the first item).", registry=REGISTRY)
 for _decision in ROUTING_DECISION_VALUES:
     ROUTING_DECISIONS.labels(_decision)
+
+# every metric measured by this ingress: what several ingress replicas sum (serve.ops.metrics_hub)
+REQUEST_METRICS = (REQUESTS, REQUEST_LATENCY, ADAPTER_HITS, ADAPTER_MISSES, CANCELLED, RETRIES,
+                   TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, GENERATIONS, PROMPT_TOKENS,
+                   GENERATED_TOKENS, PROMPT_CACHED_TOKENS, SLO_REQUESTS, QUEUE_WAIT, QUEUE_DEPTH,
+                   ROUTING_DECISIONS, ROUTING_ERRORS)
 
 
 class _Labels:
@@ -524,6 +533,46 @@ def set_replica_stats_source(source: Callable[[], Mapping[str, RoutingStats] | N
     REGISTRY.register(_replica_collector)
 
 
-def render() -> bytes:
-    """The exposition text of every metric."""
-    return generate_latest(REGISTRY)
+def request_snapshot() -> Snapshot:
+    """This process's request metrics (REQUEST_METRICS) as plain data: every family's samples."""
+    return [(family.name, family.type, family.documentation,
+             [(s.name, tuple(s.labels.items()), s.value) for s in family.samples])
+            for metric in REQUEST_METRICS for family in metric.collect()]
+
+
+class _Merged(Collector):
+    """The request metrics of every ingress (`merged`), this process's replica metrics, and whether
+    the sum was had."""
+
+    def __init__(self, merged: Snapshot | None, ingresses: int):
+        self._merged, self._ingresses = merged, ingresses
+
+    def collect(self) -> Iterable[Metric]:
+        if self._merged is None:
+            yield from (family for metric in REQUEST_METRICS for family in metric.collect())
+        else:
+            for name, kind, help_text, samples in self._merged:
+                family = Metric(name, help_text, kind)
+                for sample_name, labels, value in samples:
+                    family.add_sample(sample_name, dict(labels), value)
+                yield family
+        if _replica_collector is not None:
+            yield from _replica_collector.collect()
+        up = GaugeMetricFamily("lora_cluster_metrics_hub_up",
+                               "1: the request metrics of this scrape are the sum over every ingress replica "
+                               "(the metrics hub answered); 0: this ingress replica's own only.")
+        up.add_metric([], 1.0 if self._merged is not None else 0.0)
+        yield up
+        summed = GaugeMetricFamily("lora_cluster_metrics_hub_ingresses",
+                                   "Ingress replicas whose request metrics this scrape sums.")
+        summed.add_metric([], float(self._ingresses))
+        yield summed
+
+
+def render(merged: Snapshot | None = None, ingresses: int | None = None) -> bytes:
+    """The exposition text of every metric. `ingresses` None (one ingress replica): this process's
+    metrics. Several ingress replicas: `merged` is their request metrics' sum over `ingresses`
+    ingresses (serve.ops.metrics_hub), None when it could not be had (then this process's own)."""
+    if ingresses is None:
+        return generate_latest(REGISTRY)
+    return generate_latest(_Merged(merged, ingresses))

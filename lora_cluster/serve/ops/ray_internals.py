@@ -77,6 +77,30 @@ def serve_root_url() -> str | None:
     return url or None
 
 
+def offline_router(router_cls: type[Any], app_name: str, deployment_name: str = "LoraReplica") -> Any:
+    """A `RequestRouter` of `router_cls` built outside Serve, as Serve's handle router builds it
+    (tests and benchmarks drive it with replicas of `offline_replica_id`; call its
+    `initialize_state` next).
+
+    Ray 2.60's `RequestRouter.__init__` takes a `DeploymentID` and a `DeploymentHandleSource`, both
+    in `ray.serve._private.common`: no public constructor makes a router outside a deployment.
+    """
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    deployment = DeploymentID(name=deployment_name, app_name=app_name)
+    return router_cls(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN,
+                      use_replica_queue_len_cache=True)
+
+
+def offline_replica_id(unique_id: str, app_name: str, deployment_name: str = "LoraReplica") -> Any:
+    """A `ReplicaID` (public) of a replica of the deployment `offline_router` routes to; its
+    `deployment_id` is the `DeploymentID` of `ray.serve._private.common`."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.request_router import ReplicaID
+
+    return ReplicaID(unique_id=unique_id, deployment_id=DeploymentID(name=deployment_name, app_name=app_name))
+
+
 class QueueLengthListener:
     """A `RequestRouter` mixin: `queue_len_changed(replica_id)` (its unique id) after every change that
     Serve's handle router makes to the router's queue-length cache through the router's own methods.

@@ -12,6 +12,15 @@ periodically, and at once when the controller's reply says it lacks the delta's 
 restarted controller) (`ReportEncoder`). The reply names adapters to prefetch (placement chose this
 replica for them) and how many requests are queued. A controller that cannot be reached is retried
 at the next period; the replica keeps serving meanwhile.
+
+A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles):
+each round of reports goes to every shard at once (one pacer: the rounds per second do not grow with
+the shards), through one encoder per shard (deltas and resyncs per shard), each report listing that
+shard's adapters only and carrying the share of the replica's free room that shard may grant
+(`split_room`, from the queued counts of the shards' last replies). The replies are merged
+(`merge_replies`): the queue depth the replica acts on is the sum, its prefetch list the union. A
+shard that cannot be reached counts as queueing nothing (no room is held back for it: its tickets park
+again at its successor, which starts empty) and is retried with the next round.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from typing import Any
 from lora_cluster.cluster.report_delta import ReportEncoder
 from lora_cluster.cluster.report_rules import ReportPacer, report_on_finish
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.serve.ops.logs import detached
+from lora_cluster.cluster.sharding import merge_replies, shard_report, split_room
+from lora_cluster.serve.ops.background import keep_running
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +45,20 @@ class ControllerReporter:
     def __init__(self, controller: Any, build_report: Callable[[], Awaitable[ReplicaReport]],
                  on_reply: Callable[[dict[str, Any]], Awaitable[None]], period_s: float,
                  coalesce_s: float = 0.2, clock: Callable[[], float] = time.monotonic):
-        self._controller, self._build, self._on_reply = controller, build_report, on_reply
+        """`controller`: the controller's handle, or the list of its shards' handles."""
+        self._shards = list(controller) if isinstance(controller, list | tuple) else [controller]
+        self._build, self._on_reply = build_report, on_reply
         self.period_s, self._clock = period_s, clock
         self.pacer = ReportPacer(period_s=period_s, coalesce_s=coalesce_s, clock=clock)
-        self.encoder = ReportEncoder(clock=clock)
+        self.encoders = [ReportEncoder(clock=clock) for _ in self._shards]
+        self.queued = [0] * len(self._shards)  # each shard's queue depth, from its last reply
         self.queue_depth = 0
+        self._rounds = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), context=detached())
+        self._task = keep_running(self._task, self._run)
 
     def request_finished(self, ongoing_before: int, capacity: int) -> None:
         """A request ended here (`ongoing_before` requests ran before it ended, of `capacity`):
@@ -67,25 +80,47 @@ class ControllerReporter:
         logged as an error (the controller, which sees no report, grants it nothing); a controller
         that cannot be reached is retried at the next period."""
         self.pacer.sent()
+        self._rounds += 1
         try:
-            report = self.encoder.encode(await self._build()).to_dict()
+            report = await self._build()
+            n = len(self._shards)
+            rooms: list[int | None] = [None]
+            if n > 1:
+                rooms = list(split_room(report.capacity - report.ongoing, self.queued, turn=self._rounds))
+            payloads = [encoder.encode(shard_report(report, k, n, rooms[k])).to_dict()
+                        for k, encoder in enumerate(self.encoders)]
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("the replica's report to the cluster controller could not be built")
             return
+        replies = await asyncio.gather(*(self._send(shard, payload)
+                                         for shard, payload in zip(self._shards, payloads, strict=True)))
+        answered = []
+        for k, reply in enumerate(replies):
+            if reply is None:  # its tickets park again at its successor, which starts empty
+                self.queued[k] = 0
+                continue
+            self.encoders[k].replied(reply)
+            if reply.get("resync"):  # the controller lacks this replica's state: a full report now
+                self._wake.set()
+            self.queued[k] = int(reply.get("queue_depth", 0))
+            answered.append(reply)
+        if not answered:
+            return
+        self.queue_depth = sum(self.queued)
+        await self._on_reply(answered[0] if len(self._shards) == 1 else merge_replies(answered))
+
+    @staticmethod
+    async def _send(controller: Any, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """One shard's reply to `payload` (None: the shard could not be reached)."""
         try:
-            reply = await self._controller.report.remote(report)
+            return await controller.report.remote(payload)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.debug("cluster controller unreachable: %s", exc)
-            return
-        self.encoder.replied(reply)
-        if reply.get("resync"):  # the controller lacks this replica's state: a full report now
-            self._wake.set()
-        self.queue_depth = int(reply.get("queue_depth", 0))
-        await self._on_reply(reply)
+            return None
 
     def stop(self) -> None:
         if self._task is not None:

@@ -27,6 +27,13 @@ Faults: if the controller dies while a request waits, the request is parked agai
 restarted successor (Serve starts one); if no controller answers within `REPARK_WINDOW_S`, or
 the controller is off, requests go the direct way (Serve's own queue) and the ingress stops asking
 for `BACKOFF_S`. No accepted request is lost to a controller failure.
+
+A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles): a
+request parks at the shard that owns its adapter (`shard_of`), and re-parks at that shard's
+successor when it dies, as above; the placement is the union of the shards' tables (each places its
+own adapters), the requests waiting elsewhere the sum over the shards (a shard that does not answer
+counts none and keeps its last table), and the cluster view one view of every shard
+(`merge_snapshots`).
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.cluster.routing_stats import RoutingStats
+from lora_cluster.cluster.sharding import merge_placement, merge_snapshots, shard_of
 from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
-from lora_cluster.serve.ops.logs import detached
+from lora_cluster.serve.ops.background import keep_running
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +73,13 @@ class ClusterAdmission:
                  placement_sink: Callable[[Mapping[str, list[str]]], None] | None = None,
                  placement_period_s: float = 1.0, report_lag_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
-        """`controller`: a handle to the ClusterController deployment (None: controller off);
-        `capacity`: requests per replica before parking (None: each replica's max_num_seqs)."""
-        self._controller, self._capacity, self._stats = controller, capacity, replica_stats
+        """`controller`: a handle to the ClusterController deployment, or the list of its shards'
+        handles (None: controller off); `capacity`: requests per replica before parking (None: each
+        replica's max_num_seqs)."""
+        self._shards = list(controller) if isinstance(controller, list | tuple) else [controller]
+        self._controller = None if controller is None else self._shards[0]
+        self._tables: list[Mapping[str, list[str]]] = [{} for _ in self._shards]  # each shard's placement
+        self._capacity, self._stats = capacity, replica_stats
         self.timeout_s, self._clock = timeout_s, clock
         self._placement_sink, self.placement_period_s = placement_sink, placement_period_s
         self._placement_task: asyncio.Task[None] | None = None
@@ -133,7 +145,8 @@ class ClusterAdmission:
                 raise ClusterQueueTimeoutError(
                     f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
             claims = {"inflight": dict(self._inflight), "unassigned": self.unassigned()}
-            response = self._controller.admit.remote(
+            controller = self._shards[shard_of(adapter_id, len(self._shards))]
+            response = controller.admit.remote(
                 {**ticket, "waited_s": now - arrived_at, "claims": claims}, remaining)
             try:
                 reply = await response
@@ -163,22 +176,27 @@ class ClusterAdmission:
         """Start the placement fetch loop (once, on the serving event loop)."""
         if self._controller is None or self._placement_sink is None:
             return
-        if self._placement_task is None or self._placement_task.done():
-            self._placement_task = asyncio.get_running_loop().create_task(self._placement_loop(),
-                                                                          context=detached())
+        self._placement_task = keep_running(self._placement_task, self._placement_loop)
 
     async def _placement_loop(self) -> None:
         while True:
-            try:
-                view = await self._controller.ingress_view.remote(self.ingress_id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the controller restarts: keep the last table meanwhile
-                log.debug("placement not fetched: %s", exc)
-                self._parked_elsewhere = 0
-            else:
-                self._parked_elsewhere = int(view["queued_elsewhere"])
-                self._placement_sink(view["placement"])
+            calls = [shard.ingress_view.remote(self.ingress_id) for shard in self._shards]
+            views = await asyncio.gather(*calls, return_exceptions=True)
+            elsewhere = 0
+            for k, view in enumerate(views):
+                if isinstance(view, asyncio.CancelledError):
+                    raise view
+                if isinstance(view, BaseException):  # the shard restarts: keep its last table meanwhile
+                    log.debug("placement not fetched: %s", view)
+                    continue
+                elsewhere += int(view["queued_elsewhere"])
+                self._tables[k] = view["placement"]
+            self._parked_elsewhere = elsewhere
+            if len(self._shards) == 1:
+                if not isinstance(views[0], BaseException):
+                    self._placement_sink(views[0]["placement"])
+            elif any(not isinstance(v, BaseException) for v in views):
+                self._placement_sink(merge_placement(self._tables))
             await asyncio.sleep(self.placement_period_s)
 
     async def cluster_view(self) -> dict[str, Any]:
@@ -186,7 +204,12 @@ class ClusterAdmission:
         Raises ControllerOffError when there is no controller; a failed call raises its error."""
         if self._controller is None:
             raise ControllerOffError("the cluster controller is off (controller: false)")
-        view = await self._controller.snapshot.remote()
+        if len(self._shards) == 1:
+            view = await self._controller.snapshot.remote()
+        else:
+            views = await asyncio.gather(*(shard.snapshot.remote() for shard in self._shards),
+                                         return_exceptions=True)
+            view = merge_snapshots(views)
         view["ingress"] = {"id": self.ingress_id, "admission": dict(self.counts),
                            "in_flight": dict(self._inflight)}
         return view

@@ -1,0 +1,275 @@
+"""The controller's view of the cluster: the latest report of every live replica, and the grants
+on their way to each.
+
+`ClusterView` keeps the latest report of each replica and forgets a replica that has not reported
+for `stale_after_s` (it died or was scaled down). Room on a replica is its capacity minus its
+requests in flight (`active`, counted by the replica itself) minus the grants sent its way that
+have not arrived yet: each grant is a ticket id, and each report lists the ticket ids that arrived
+since the previous one, so no grant is counted twice or lost between two reports (a grant that
+never arrives, its request gone, is dropped after `grant_ttl_s`). Requests an ingress sent the
+direct way (its fast path) reach a replica before the replica reports them; each ingress therefore
+states, with every ticket it parks, its requests in flight per replica and those on their way to
+a replica not known yet (`claim`). A claim counts for `claim_ttl_s`, after which the replicas'
+reports, which include those requests, are the truth again; for one replica, a claim is
+superseded sooner by that replica's first report received `claim_superseded_after_s` after it (a
+report built after the claim shows the claimed requests that still run, and not those that ended:
+a stale claim would hide a slot freed since, and keep a parked ticket waiting for its TTL). With
+the controller in shards, a report's `room` caps the room one shard sees there, less its own grants
+not arrived yet (`sharding`). A restarted controller starts empty and is whole again once every
+replica has reported, within one report period. Pure: injected clock, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from lora_cluster.cluster.homes import HomeRanks
+from lora_cluster.cluster.reports import ReplicaReport
+
+
+@dataclass
+class _Seen:
+    report: ReplicaReport
+    at: float  # controller clock
+    outstanding: dict[str, float] = field(default_factory=dict)  # granted ticket -> when, not arrived yet
+    preempting: set[str] = field(default_factory=set)  # those of them that preempt
+
+
+class ClusterView:
+    """The latest report of every live replica, plus grants on their way to each."""
+
+    def __init__(self, *, stale_after_s: float, clock: Callable[[], float], grant_ttl_s: float = 10.0,
+                 claim_ttl_s: float = 1.0, claim_superseded_after_s: float = 0.1, max_ingresses: int = 1024):
+        self.stale_after_s, self.grant_ttl_s, self._clock = stale_after_s, grant_ttl_s, clock
+        self.claim_ttl_s, self.max_ingresses = claim_ttl_s, max_ingresses
+        self.claim_superseded_after_s = claim_superseded_after_s
+        self._seen: dict[str, _Seen] = {}
+        # ingress -> (when, its requests in flight per replica, its requests on their way)
+        self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
+        # the room of every replica (max(0, free)) and its sum, kept up to date incrementally: a
+        # replica's room changes only with its report, a grant to it, or a claim naming it (changed
+        # counts, expired, or renewed where their report had superseded the previous one)
+        self._room: dict[str, int] = {}
+        self._room_sum = 0
+        self._dirty: set[str] = set()
+        self._roomy: set[str] = set()  # the replicas whose kept room is > 0
+        # the replicas with `free` > 0 (`free_ids`), kept exactly: refreshed for those in `_stale`,
+        # every replica whose `free` may have changed (what `_dirty` gets; each set is cleared by its
+        # own reader)
+        self._has_room: set[str] = set()
+        self._stale: set[str] = set()
+        self._reported_at: dict[str, float] = {}  # replica -> when its latest report came, oldest first
+        self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
+        # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
+        self._preemptible: dict[int, set[str]] = {}
+        # each adapter's replicas by rendezvous score (`homes.HomeRanks`), rebuilt when one joins or goes
+        self.homes = HomeRanks(self.ids)
+
+    def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int) -> None:
+        """An ingress's requests in flight per replica, and those on their way to an unknown one."""
+        old = self._claims.pop(ingress_id, None)
+        new = dict(inflight)
+        now = self._clock()
+        if old is not None:
+            if old[1] != new:  # mostly equal: an ingress parks more often than its counts change
+                self._touch({rid for rid, _ in old[1].items() ^ new.items()})  # the counts that changed
+            self._touch(self._recounted(old[0], now, new))
+        else:
+            self._touch(new)
+        self._claims[ingress_id] = (now, new, max(0, int(unassigned)))
+        while len(self._claims) > self.max_ingresses:
+            self._touch(self._claims.pop(next(iter(self._claims)))[1])
+
+    def _recounted(self, old_at: float, now: float, inflight: Mapping[str, int]) -> list[str]:
+        """The replicas of `inflight` where a claim made at `old_at` no longer counted (superseded by
+        a later report) and the same claim renewed at `now` counts: those that reported since
+        `old_at` + `claim_superseded_after_s`, newest report first, so O(those replicas)."""
+        out = []
+        for rid in reversed(self._reported_at):
+            since = self._reported_at[rid] - self.claim_superseded_after_s
+            if old_at > since:
+                break  # the old claim counted here, and at every replica that reported earlier
+            if now > since and inflight.get(rid, 0):
+                out.append(rid)
+        return out
+
+    def _touch(self, replica_ids: Iterable[str]) -> None:
+        """The room of these replicas may have changed."""
+        for rid in replica_ids:
+            self._dirty.add(rid)
+            self._stale.add(rid)
+
+    def _fresh_claims(self) -> list[tuple[float, Mapping[str, int], int]]:
+        now = self._clock()
+        for ingress in [i for i, (at, _, _) in self._claims.items() if now - at > self.claim_ttl_s]:
+            self._touch(self._claims.pop(ingress)[1])
+        return list(self._claims.values())
+
+    def unassigned(self) -> int:
+        """Requests the ingresses sent the direct way that no replica has answered yet."""
+        return sum(n for _, _, n in self._fresh_claims())
+
+    def update(self, report: ReplicaReport) -> None:
+        now = self._clock()
+        old = self._seen.get(report.replica_id)
+        seen = _Seen(report, now)
+        if old is not None:
+            arrived = set(report.arrived_tickets)
+            seen.outstanding = {t: at for t, at in old.outstanding.items()
+                                if t not in arrived and now - at < self.grant_ttl_s}
+            seen.preempting = old.preempting & set(seen.outstanding)
+        self._hold(report.replica_id, None if old is None else old.report, report)
+        self._seen[report.replica_id] = seen
+        if old is None:
+            self.homes.reset()
+        self._reported_at.pop(report.replica_id, None)
+        self._reported_at[report.replica_id] = now
+        self._touch((report.replica_id,))
+        if (old is None or old.report.running_by_priority is not report.running_by_priority
+                or len(old.preempting) != len(seen.preempting)):  # else `preemptible` is as it was
+            self._repreempt(report.replica_id)
+
+    def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
+        """The holders index follows the replica's report from `old` to `new` (None: none)."""
+        before = frozenset() if old is None else old.held
+        after = frozenset() if new is None else new.held
+        if before is after or before == after:
+            return
+        for aid in before - after:
+            holders = self._holders[aid]
+            holders.discard(replica_id)
+            if not holders:
+                del self._holders[aid]
+        for aid in after - before:
+            self._holders.setdefault(aid, set()).add(replica_id)
+
+    def arrived(self, replica_id: str, tickets: Iterable[str]) -> None:
+        """Granted tickets that reached the replica, told by a report the view could not use (a
+        delta whose base it lacks): they no longer count against its room."""
+        seen = self._seen.get(replica_id)
+        if seen is None:
+            return
+        for ticket_id in tickets:
+            seen.outstanding.pop(ticket_id, None)
+            seen.preempting.discard(ticket_id)
+        self._touch((replica_id,))
+        self._repreempt(replica_id)
+
+    def forget(self, replica_id: str) -> None:
+        seen = self._seen.pop(replica_id, None)
+        if seen is not None:
+            self._hold(replica_id, seen.report, None)
+            self._repreempt(replica_id)
+            self.homes.reset()
+        self._room_sum -= self._room.pop(replica_id, 0)
+        self._dirty.discard(replica_id)
+        for ids in (self._roomy, self._has_room, self._stale):
+            ids.discard(replica_id)
+        self._reported_at.pop(replica_id, None)
+
+    def prune(self) -> list[str]:
+        """Forget replicas silent for `stale_after_s`; returns their ids."""
+        now = self._clock()
+        gone = [rid for rid, s in self._seen.items() if now - s.at > self.stale_after_s]
+        for rid in gone:
+            self.forget(rid)
+        return gone
+
+    def replicas(self) -> list[ReplicaReport]:
+        return [s.report for s in self._seen.values()]
+
+    def get(self, replica_id: str) -> ReplicaReport | None:
+        seen = self._seen.get(replica_id)
+        return None if seen is None else seen.report
+
+    def free(self, replica_id: str) -> int:
+        """Requests the replica can still be given: capacity - in flight - grants on their way (in
+        flight: the larger of its report and what the ingresses claim there)."""
+        return self._free(replica_id, self._seen[replica_id], self._fresh_claims())
+
+    def free_ids(self) -> set[str]:
+        """The replicas with `free` > 0 (read-only, in no order): O(replicas whose `free` may have
+        changed since the last call: a report, an arrival, a grant, a claim naming them or expired)."""
+        claims = self._fresh_claims()
+        for rid in self._stale:
+            seen = self._seen.get(rid)
+            if seen is not None and self._free(rid, seen, claims) > 0:
+                self._has_room.add(rid)
+            else:
+                self._has_room.discard(rid)
+        self._stale.clear()
+        return self._has_room
+
+    def total_free(self) -> int:
+        """The sum of `free` over the replicas with room: O(replicas changed since the last call)."""
+        claims = self._fresh_claims()
+        for rid in self._dirty:
+            seen = self._seen.get(rid)
+            if seen is not None:
+                room = max(0, self._free(rid, seen, claims))
+                self._room_sum += room - self._room.get(rid, 0)
+                self._room[rid] = room
+                if room > 0:
+                    self._roomy.add(rid)
+                else:
+                    self._roomy.discard(rid)
+        self._dirty.clear()
+        return self._room_sum
+
+    def with_room(self) -> list[str]:
+        """The replicas with room (`free` > 0), in id order."""
+        self.total_free()
+        return sorted(self._roomy)
+
+    def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
+        since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report
+        claimed = sum(inflight.get(replica_id, 0) for at, inflight, _ in claims if at > since)
+        free = s.report.capacity - max(s.report.ongoing + len(s.outstanding), claimed)
+        return free if s.report.room is None else min(free, s.report.room - len(s.outstanding))
+
+    def preemptible(self, replica_id: str, priority: int) -> int:
+        """Less urgent running requests a grant over capacity could still preempt there."""
+        s = self._seen[replica_id]
+        return s.report.less_urgent_running(priority) - len(s.preempting)
+
+    def preemptible_ids(self, priority: int) -> set[str]:
+        """The replicas where `preemptible(rid, priority)` > 0 (read-only): built at the first ask
+        for `priority`, then kept up to date with every report, arrival, preempting grant and
+        forgotten replica, so that "where could a ticket of this priority preempt?" costs O(answer)."""
+        ids = self._preemptible.get(priority)
+        if ids is None:
+            ids = {rid for rid in self._seen if self.preemptible(rid, priority) > 0}
+            self._preemptible[priority] = ids
+        return ids
+
+    def _repreempt(self, replica_id: str) -> None:
+        """`preemptible_ids` follows a change of the replica's report or of its preempting grants."""
+        seen = self._seen.get(replica_id)
+        for priority, ids in self._preemptible.items():
+            if seen is not None and seen.report.less_urgent_running(priority) - len(seen.preempting) > 0:
+                ids.add(replica_id)
+            else:
+                ids.discard(replica_id)
+
+    def granted(self, replica_id: str, ticket_id: str, *, preempting: bool = False) -> None:
+        s = self._seen.get(replica_id)
+        if s is not None:
+            self._touch((replica_id,))
+            s.outstanding[ticket_id] = self._clock()
+            if preempting:
+                s.preempting.add(ticket_id)
+                self._repreempt(replica_id)
+
+    def ids(self) -> Iterable[str]:
+        return self._seen.keys()
+
+    def holders(self, adapter_id: str) -> frozenset[str] | set[str]:
+        """The replicas whose report holds `adapter_id` (resident or loading); read-only."""
+        return self._holders.get(adapter_id, frozenset())
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def age_s(self, replica_id: str) -> float:
+        return self._clock() - self._seen[replica_id].at

@@ -1,0 +1,67 @@
+"""The cluster controller's knobs (`ControllerSettings`): the `ServeConfig` fields it reads, with the
+config's defaults, and its own constants; `from_config` maps a config (or the simulator's settings)
+onto them, one of `controller_shards` shards holding its share of the queue. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.config import serve_defaults
+
+_DEFAULTS = serve_defaults()
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """The controller's knobs. Those that are `ServeConfig` fields default to its defaults (read
+    from the config, never copied); `from_config` maps a config onto them. The others are the
+    controller's own constants."""
+
+    queue_size: int = _DEFAULTS.cluster_queue_size
+    aging_s: float = _DEFAULTS.cluster_queue_aging_s
+    preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
+    top_class_preempt_after_fraction: float | None = None  # the most urgent class's (None: the above)
+    stale_after_s: float = 5.0  # a replica silent this long is forgotten
+    hot_share: float = _DEFAULTS.placement_hot_share
+    demand_window_s: float = 30.0
+    affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
+    holder_wait_fraction: float = 0.8  # a due miss whose adapter a replica holds waits this share for it
+    queue_timeout_s: float | None = None  # the ingresses' wait limit: longer predicted waits are refused
+    # a class sheds cold misses this long after a deadline refusal (0: off)
+    cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
+    # a class whose next request would wait this share of its bound sheds cold misses too (0: off)
+    cold_shed_pressure: float = _DEFAULTS.cold_shed_pressure
+    # longest queue wait of a class without a TTFT target (None: unbounded)
+    wait_bound_s: float | None = _DEFAULTS.cluster_queue_max_wait_s
+    # the share of the replicas' completion rate this queue drains by, for its wait predictions:
+    # 1/n for one of n controller shards (`sharding`: an adapter hash spreads demand evenly)
+    rate_share: float = 1.0
+
+    def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
+        """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
+        top = self.top_class_preempt_after_fraction
+        fraction = top if top is not None and ticket.priority == top_priority else self.preempt_after_fraction
+        return fraction * (ticket.ttft_s or 0.0)
+
+    def holder_wait(self, ticket: Ticket, top_priority: int | None) -> float:
+        """The share of its TTFT target a due miss waits for a holder of its adapter
+        (`scheduling.holder_wait_until`): none for the most urgent class, whose tickets go at once."""
+        return 0.0 if ticket.priority == top_priority else self.holder_wait_fraction
+
+    @classmethod
+    def from_config(cls, config: Any) -> ControllerSettings:
+        """From a `ServeConfig`, or anything with its field names (the simulator's settings). One of
+        `controller_shards` shards holds its share of the queue and drains by its share of the rate."""
+        shards = config.controller_shards
+        return cls(
+            queue_size=-(-config.cluster_queue_size // shards), rate_share=1.0 / shards,
+            aging_s=config.cluster_queue_aging_s,
+            preempt_after_fraction=config.preempt_after_fraction,
+            top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
+            stale_after_s=max(2.0, 4 * config.controller_report_period_s),
+            hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
+            cold_shed_window_s=config.cold_shed_window_s, cold_shed_pressure=config.cold_shed_pressure,
+            wait_bound_s=config.cluster_queue_max_wait_s or None,
+        )

@@ -1,0 +1,57 @@
+"""An adapter's home: rendezvous hashing of adapters onto replicas, and each adapter's ranking.
+
+`home_score(adapter, replica)` is the rendezvous (highest random weight) score: among any set of
+candidates, the one with the highest score is the adapter's home there. `HomeRanks` keeps, per
+adapter, every replica id ordered by descending score (ties by id), so that "the adapter's home
+among the replicas that satisfy P" is the first replica of the ranking that satisfies P, found
+without hashing every candidate again. Rankings hold for one set of replicas: `reset` when it
+changes. Bounded: at most `max_ids` replica ids in all, the least recently used adapters' rankings
+dropped first. Pure.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+MAX_RANKED_IDS = 1 << 22  # replica ids kept in all rankings (8 bytes each: 32 MiB)
+
+
+def home_score(adapter_id: str, replica_id: str) -> int:
+    """Rendezvous (highest random weight) hashing: the replica with the highest score among the
+    candidates is the adapter's home there. Misses of one adapter thus go to the same replica while
+    it can take them, where the next request finds the adapter loaded, instead of loading it on
+    every replica in turn; when a replica comes or goes, only its own adapters move. Stable across
+    processes (crc32, not Python's salted `hash`)."""
+    return zlib.crc32(f"{adapter_id}\0{replica_id}".encode())
+
+
+class HomeRanks:
+    """Per adapter, the replica ids of `ids()` by descending `home_score`, ties by ascending id."""
+
+    def __init__(self, ids: Callable[[], Iterable[str]], max_ids: int = MAX_RANKED_IDS):
+        self._ids, self.max_ids = ids, max_ids
+        self._ranks: OrderedDict[str, list[str]] = OrderedDict()
+        self._kept = 0  # replica ids held in all rankings
+
+    def ranking(self, adapter_id: str) -> list[str]:
+        """The adapter's ranking (read-only): built at the first ask after a `reset`."""
+        ranks = self._ranks.get(adapter_id)
+        if ranks is not None:
+            self._ranks.move_to_end(adapter_id)
+            return ranks
+        ranks = sorted(self._ids(), key=lambda rid: (-home_score(adapter_id, rid), rid))
+        self._ranks[adapter_id] = ranks
+        self._kept += len(ranks)
+        while self._kept > self.max_ids and len(self._ranks) > 1:
+            self._kept -= len(self._ranks.popitem(last=False)[1])
+        return ranks
+
+    def reset(self) -> None:
+        """The set of replicas changed: every ranking is rebuilt at its next ask."""
+        self._ranks.clear()
+        self._kept = 0
+
+    def __len__(self) -> int:
+        return len(self._ranks)

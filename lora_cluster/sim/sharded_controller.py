@@ -1,0 +1,120 @@
+"""The cluster controller in shards, in one process: n `Controller`s wired as the live shards, the
+replicas' reporters and the ingress wire them (`cluster.sharding`), behind the calls the simulator's
+`LoraClusterPolicy` makes of one controller.
+
+* `park` goes to the shard that owns the ticket's adapter (`shard_of`); `cancel` to every shard (a
+  ticket lives in one; the others look it up and find nothing); `tick` and `take_grants` to all.
+* `report` takes a replica's full report and sends each shard its own encoding of its part of it
+  (`shard_report`: the shard's adapters only; one `ReportEncoder` per replica and shard, as the live
+  `ControllerReporter`), with that shard's share of the replica's free room (`split_room`, from the
+  queued counts of the shard's last reply to that replica); the replies merge (`merge_replies`), each
+  shard's prefetch list holding only its own adapters; a resync from any shard is passed on (the
+  caller reports again soon, and only that shard's encoder sends a full report).
+* `placement` is the union of each shard's table, each keeping its own adapters.
+
+The CPU time each shard spends in its calls is kept per shard (`cpu_s`, from `measure_from` on, by
+`cpu_clock`: the simulating thread's CPU clock), so that the busiest shard's cost per simulated
+second can be read (`LoraClusterPolicy.control_plane`). Pure: injected clocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
+from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant, Refusal
+from lora_cluster.cluster.report_delta import ReportEncoder
+from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.sharding import (
+    merge_placement,
+    merge_replies,
+    owns,
+    shard_of,
+    shard_report,
+    split_room,
+)
+from lora_cluster.cluster.sla import SlaClasses
+
+T = TypeVar("T")
+
+
+class ShardedController:
+    def __init__(self, classes: SlaClasses, settings: ControllerSettings, *, shards: int,
+                 clock: Callable[[], float], measure_from: float = 0.0,
+                 cpu_clock: Callable[[], float] = time.thread_time):
+        self.classes, self.settings, self._clock, self._cpu = classes, settings, clock, cpu_clock
+        self.shards = [Controller(classes, settings, clock=clock) for _ in range(shards)]
+        self.measure_from = measure_from
+        self.cpu_s = [0.0] * shards  # CPU seconds in each shard's calls since `measure_from`
+        self._encoders: dict[tuple[str, int], ReportEncoder] = {}
+        self._queued: dict[str, list[int]] = {}  # replica -> each shard's queue depth in its last reply
+        self._rounds: dict[str, int] = {}
+
+    def _timed(self, k: int, fn: Callable[..., T], *args: Any) -> T:
+        t0 = self._cpu()
+        try:
+            return fn(*args)
+        finally:
+            if self._clock() >= self.measure_from:
+                self.cpu_s[k] += self._cpu() - t0
+
+    def queue_for(self, adapter_id: str | None) -> ClusterQueue:
+        """The cluster queue of the shard that owns `adapter_id`."""
+        return self.shards[shard_of(adapter_id, len(self.shards))].queue
+
+    def queue_depth(self) -> int:
+        return sum(len(c.queue) for c in self.shards)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for c in self.shards:
+            for name, n in c.counts.items():
+                total[name] = total.get(name, 0) + n
+        return total
+
+    def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | Refusal | None:
+        k = shard_of(ticket.adapter_id, len(self.shards))
+        return self._timed(k, self.shards[k].park, ticket, claims)
+
+    def cancel(self, ticket_id: str) -> None:
+        for k, c in enumerate(self.shards):
+            self._timed(k, c.cancel, ticket_id)
+
+    def tick(self) -> None:
+        for k, c in enumerate(self.shards):
+            self._timed(k, c.tick)
+
+    def take_grants(self) -> dict[str, Grant | Refusal]:
+        grants: dict[str, Grant | Refusal] = {}
+        for k, c in enumerate(self.shards):
+            grants.update(self._timed(k, c.take_grants))
+        return grants
+
+    def placement(self) -> dict[str, tuple[str, ...]]:
+        n = len(self.shards)
+        tables = [{a: r for a, r in self._timed(k, c.placement).items() if owns(a, k, n)}
+                  for k, c in enumerate(self.shards)]
+        return {a: tuple(r) for a, r in merge_placement(tables).items()}
+
+    def report(self, report: ReplicaReport) -> dict[str, Any]:
+        """One round of a replica's reports, one to each shard (see the module docstring)."""
+        rid, n = report.replica_id, len(self.shards)
+        queued = self._queued.setdefault(rid, [0] * n)
+        self._rounds[rid] = turn = self._rounds.get(rid, 0) + 1
+        rooms = split_room(report.capacity - report.ongoing, queued, turn=turn)
+        replies, resync = [], False
+        for k, c in enumerate(self.shards):
+            encoder = self._encoders.get((rid, k))
+            if encoder is None:
+                encoder = self._encoders[(rid, k)] = ReportEncoder(clock=self._clock)
+            sent = encoder.encode(shard_report(report, k, n, rooms[k]))
+            reply = self._timed(k, c.report, sent)
+            encoder.replied(reply)
+            queued[k] = int(reply["queue_depth"])
+            resync = resync or bool(reply.get("resync"))
+            replies.append({**reply, "prefetch": [a for a in reply["prefetch"] if owns(a, k, n)]})
+        merged = merge_replies(replies)
+        return {**merged, "resync": True} if resync else merged

@@ -1,0 +1,109 @@
+"""The cluster view's kept indexes and the policies that read them choose what a scan of every
+replica chooses: the preemption target through each adapter's home ranking (`homes.HomeRanks`),
+on random cluster states, with replicas joining and going away."""
+
+from __future__ import annotations
+
+import random
+
+from helpers import FakeClock
+from tickets import ticket
+
+from lora_cluster.cluster.cluster_view import ClusterView
+from lora_cluster.cluster.homes import HomeRanks, home_score
+from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.scheduling import preemption_target
+
+ADAPTERS = [f"a{i}" for i in range(30)]
+
+
+def random_report(rng: random.Random, rid: str) -> ReplicaReport:
+    running = {p: rng.choice((0, 0, 1, 3)) for p in (0, 1, 2)}
+    return ReplicaReport(rid, "n1", capacity=8, max_num_seqs=8, max_loras=4, running=sum(running.values()),
+                         waiting=rng.randrange(3), free_adapter_slots=rng.choice((0, 0, 1, 2)),
+                         resident=tuple(rng.sample(ADAPTERS, rng.randrange(4))),
+                         running_by_priority=running)
+
+
+def scan_target(view: ClusterView, adapter: str, priority: int, free_slot_first: bool) -> str | None:
+    """The preemption target by scoring every replica (ties to the first id)."""
+    best, most = None, (False, False, 0)
+    for rid in sorted(view.ids()):
+        if view.preemptible(rid, priority) <= 0:
+            continue
+        report = view.get(rid)
+        score = (adapter in report.held, free_slot_first and report.free_adapter_slots > 0,
+                 home_score(adapter, rid))
+        if score > most:
+            best, most = rid, score
+    return best
+
+
+def test_the_preemption_target_walks_the_home_ranking_to_what_a_full_scan_chooses():
+    rng = random.Random(7)
+    clock = FakeClock(100.0)
+    view = ClusterView(stale_after_s=5.0, clock=clock)
+    ids = [f"r{i:02d}" for i in range(40)]
+    checked = 0
+    for step in range(400):
+        rid = rng.choice(ids)
+        if step % 37 == 36:
+            view.forget(rid)  # a replica goes away: every ranking is rebuilt
+        else:
+            view.update(random_report(rng, rid))
+        if rng.random() < 0.2 and len(view):  # a preempting grant takes away preemptible work
+            view.granted(rng.choice(list(view.ids())), f"t{step}", preempting=True)
+        for cls in ("interactive", "standard"):
+            t = ticket(f"q{step}", cls, 100.0, rng.choice(ADAPTERS))
+            for top in (False, True):
+                want = scan_target(view, t.adapter_id, t.priority, top)
+                got = preemption_target(t, view, free_slot_first=top)
+                assert got == want, f"step {step}, {cls}, {t.adapter_id}, slot first {top}: {got} != {want}"
+                checked += want is not None
+    assert checked > 500, f"most states have a target to compare: {checked}"
+
+
+def test_home_ranks_order_by_score_then_id_and_stay_bounded():
+    ids = [f"r{i}" for i in range(10)]
+    ranks = HomeRanks(lambda: ids, max_ids=25)
+    ranking = ranks.ranking("a")
+    assert ranking == sorted(ids, key=lambda rid: (-home_score("a", rid), rid)), "descending score, then id"
+    for adapter in ("b", "c", "d"):
+        ranks.ranking(adapter)
+    assert len(ranks) == 2, "at most 25 ids kept: the least recently used rankings are dropped"
+    ids.append("r10")
+    ranks.reset()
+    assert "r10" in ranks.ranking("a"), "after a reset, a ranking covers the replicas now present"
+
+
+def test_the_replicas_with_room_are_kept_exactly_through_reports_grants_and_claims():
+    rng = random.Random(11)
+    clock = FakeClock(100.0)
+    view = ClusterView(stale_after_s=5.0, clock=clock, claim_ttl_s=1.0, claim_superseded_after_s=0.1)
+    ids = [f"r{i:02d}" for i in range(24)]
+    inflight: dict[str, dict[str, int]] = {"i1": {}, "i2": {}}
+    renewed = 0
+    for step in range(1500):
+        clock.now += rng.choice((0.0, 0.01, 0.05, 0.2))
+        action = rng.random()
+        rid = rng.choice(ids)
+        if action < 0.35:
+            view.update(random_report(rng, rid))
+        elif action < 0.7:  # an ingress parks: its claim, often the same counts renewed
+            ingress = rng.choice(("i1", "i2"))
+            if rng.random() < 0.5:
+                inflight[ingress][rid] = rng.randrange(10)
+            renewed += 1
+            view.claim(ingress, inflight[ingress], 0)
+        elif action < 0.85 and len(view):
+            view.granted(rng.choice(list(view.ids())), f"t{step}", preempting=rng.random() < 0.3)
+        elif action < 0.97 and view.get(rid) is not None:
+            view.arrived(rid, [t for t in (f"t{step - k}" for k in range(1, 30))])
+        else:
+            view.forget(rid)
+        want = {r for r in view.ids() if view.free(r) > 0}
+        assert view.free_ids() == want, f"step {step}: the replicas with room, as free() says"
+        assert view.total_free() == sum(view.free(r) for r in want), (
+            f"step {step}: the room summed over the replicas with room, as free() says")
+        assert view.with_room() == sorted(want), f"step {step}: with_room, as free() says"
+    assert renewed > 400, "claims were renewed often"

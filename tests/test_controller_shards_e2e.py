@@ -1,0 +1,106 @@
+"""The cluster controller in two shards for real: a three-node Ray cluster (`ray.cluster_utils.Cluster`,
+one CPU per node) running three LoRA replicas of two batch slots each, two ingress replicas and
+`controller_shards: 2` (`cluster.sharding`).
+
+* Both shards run, as `ClusterController` and `ClusterController-shard1`, each seeing all three
+  replicas, and `GET /v1/cluster` lists both.
+* Under load that parks requests in both shards (adapters owned by each), one shard's actor is
+  killed: every request still completes with its tokens, every response's replica holds the
+  adapter it served (it held it, or loaded it: `x-lora-adapter-hit`), and the restarted shard
+  rebuilds its view of every replica.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+from helpers import cluster_replicas, cluster_view, wait_until
+
+from lora_cluster.cluster.sharding import shard_of
+
+pytestmark = pytest.mark.slow
+
+SHARDS = 2
+ADAPTERS = [a for a in (f"a{i}" for i in range(16)) if shard_of(a, SHARDS) == 0][:2] + \
+           [a for a in (f"a{i}" for i in range(16)) if shard_of(a, SHARDS) == 1][:2]
+REQUESTS = 24
+TOKENS = 120
+BOUND_S = 180.0  # every wait in this module is bounded
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_app, demo_zoo):
+    config = {
+        "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
+        "num_replicas": 3, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
+        "max_num_batched_tokens": 64, "max_ongoing_requests": 16, "routing_stats_period_s": 0.2,
+        "controller_report_period_s": 0.2, "controller_shards": SHARDS, "ingress_num_replicas": 2,
+        "admission_window_max": 0,  # two requests per replica, the rest wait in the shards' queues
+    }
+    with ray_app(config, name="shards", nodes=3) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=BOUND_S) as client:
+        yield client
+
+
+def _all_shards_see_every_replica(http) -> bool:
+    r = http.get("/v1/cluster")
+    if r.status_code != 200:
+        return False
+    shards = r.json()["controller"].get("shards", [])
+    return len(shards) == SHARDS and all(s.get("replicas") == 3 for s in shards)
+
+
+def _complete(base_url: str, adapter: str) -> httpx.Response:
+    body = {"model": adapter, "prompt": "the quick brown fox", "max_tokens": TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=BOUND_S)
+
+
+def test_both_shards_run_and_see_every_replica(http):
+    from ray import serve
+
+    deployments = set(serve.status().applications["shards"].deployments)
+    assert {"ClusterController", "ClusterController-shard1"} <= deployments, \
+        f"shard 0 keeps the controller's name, shard 1 has a suffix: {deployments}"
+    wait_until(lambda: _all_shards_see_every_replica(http), BOUND_S, "both shards' view of the 3 replicas")
+    assert [shard_of(a, SHARDS) for a in ADAPTERS] == [0, 0, 1, 1], "the load uses both shards' adapters"
+
+
+def test_killing_a_shard_under_load_loses_no_request(base_url, http):
+    import ray
+
+    wait_until(lambda: _all_shards_see_every_replica(http), BOUND_S, "both shards' view of the 3 replicas")
+    with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
+        load = [pool.submit(_complete, base_url, ADAPTERS[i % len(ADAPTERS)]) for i in range(REQUESTS)]
+
+        def both_queue() -> bool:
+            shards = cluster_view(http)["controller"]["shards"]
+            return all(s.get("queue_depth", 0) >= 1 for s in shards)
+        wait_until(both_queue, BOUND_S, "requests waiting in both shards' queues")
+        killed = cluster_view(http)["controller"]["shards"][1]["actor"]
+        ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=False)
+        results = [(i, f.result(timeout=BOUND_S)) for i, f in enumerate(load)]
+    statuses = [r.status_code for _, r in results]
+    assert statuses == [200] * REQUESTS, f"no request is lost when a shard dies: {statuses}"
+    tokens = [r.json()["usage"]["completion_tokens"] for _, r in results]
+    assert tokens == [TOKENS] * REQUESTS, "every request produced all its tokens"
+
+    wait_until(lambda: _all_shards_see_every_replica(http), BOUND_S,
+               "the restarted shard's view of all three replicas")
+    view = cluster_view(http)
+    assert view["controller"]["shards"][1]["actor"] != killed, "shard 1's view comes from a new actor"
+    replicas = cluster_replicas(view)
+    for i, r in results:
+        adapter, replica = ADAPTERS[i % len(ADAPTERS)], r.headers["x-lora-replica"]
+        assert replica in replicas, f"request {i} was served by a replica of the cluster: {replica}"
+        held = replicas[replica]["adapters"]
+        assert adapter in held["resident"] + held["loading"], \
+            f"request {i}: replica {replica} holds {adapter}, which it served " \
+            f"(hit: {r.headers.get('x-lora-adapter-hit')}): {held}"
