@@ -9,8 +9,11 @@ clients for `--calibrate-s` seconds (each sends its next request when the last o
 give the saturation rate: what the server completes at full capacity. Open-loop arrivals at that
 rate are past the knee (a queue at utilisation 1 grows without bound, whatever the server), so the
 rated QPS is the knee: Poisson arrivals at `--knee-fractions` of the saturation rate, lowest first,
-`--knee-step-s` seconds each, and the rated QPS is the highest step whose every answer was a 200
-with a p99 latency within `--knee-p99-s` (the lowest step, with a warning, when none was).
+`--knee-step-s` seconds each, and the rated QPS is the highest step that held: every answer a 200,
+p99 latency within `--knee-p99-s`, and no upward latency trend over the step (the last third's
+median at most `--knee-growth` times the first third's): a backlog that grows by a few requests a
+second stays under any p99 bound for a short step but shows as that trend. The lowest step, with a
+warning, when none held.
 Then it sends requests open-loop at that rate (Poisson arrivals, fixed seed) for `--minutes`,
 whatever the answers, with at most `--max-in-flight` outstanding (more are counted as `skipped`,
 so a stuck server cannot grow the client without bound). Requests: `/v1/completions`,
@@ -127,19 +130,17 @@ async def calibrate(client: httpx.AsyncClient, models: list, args: argparse.Name
 async def knee_step(client: httpx.AsyncClient, models: list, qps: float, first: int, rng: random.Random,
                     args: argparse.Namespace) -> tuple[int, Counter, list[float]]:
     """Poisson arrivals at `qps` for `--knee-step-s`, from request `first` on; (requests sent,
-    answers by status, latencies of the 200s). Beyond `--max-in-flight` outstanding a request is
-    counted as `skipped` instead of sent."""
+    answers by status, latencies of the 200s in send order). Beyond `--max-in-flight` outstanding a
+    request is counted as `skipped` instead of sent."""
     statuses: Counter = Counter()
-    latencies: list[float] = []
     outstanding = 0
 
-    async def run(model: str, stream: bool) -> None:
+    async def run(model: str, stream: bool) -> float | None:
         nonlocal outstanding
         status, latency = await one(client, model, stream, args.max_tokens)
         outstanding -= 1
         statuses[status] += 1
-        if status == "200":
-            latencies.append(latency)
+        return latency if status == "200" else None
 
     tasks, i, next_send = [], first, time.monotonic()
     end = next_send + args.knee_step_s
@@ -152,14 +153,36 @@ async def knee_step(client: httpx.AsyncClient, models: list, qps: float, first: 
             tasks.append(asyncio.create_task(run(models[i % len(models)], i % 4 == 0)))
         i += 1
         next_send += rng.expovariate(qps)
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return i - first, statuses, latencies
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return i - first, statuses, [r for r in results if isinstance(r, float)]
+
+
+def step_verdict(sent: int, statuses: Counter, latencies: list[float], p99_bound_s: float,
+                 growth: float) -> tuple[bool, str]:
+    """Whether a knee step held, and why not. It holds when every request sent was answered 200,
+    the p99 latency is within `p99_bound_s`, and latency did not trend up over the step: the median
+    of the last third of the answers (in send order) is at most `growth` times the first third's
+    (plus 50 ms of jitter). A backlog that grows by a few requests a second stays under any p99 bound
+    for a short step, but it shows as that trend, and at a sustained rate it grows without bound."""
+    if statuses["200"] != sent:
+        return False, "not every request was answered 200"
+    p99 = percentile(latencies, 99)
+    if not p99 <= p99_bound_s:
+        return False, f"p99 {1000 * p99:.0f} ms above {1000 * p99_bound_s:.0f} ms"
+    third = len(latencies) // 3
+    if third:
+        head = statistics.median(latencies[:third])
+        tail = statistics.median(latencies[-third:])
+        if tail > growth * head + 0.05:
+            return False, (f"latency grew over the step (median {1000 * head:.0f} -> {1000 * tail:.0f} ms): "
+                           "a backlog builds")
+    return True, ""
 
 
 async def knee(client: httpx.AsyncClient, models: list, saturation: float,
                args: argparse.Namespace) -> tuple[float, list[str]]:
-    """The highest step of `--knee-fractions` x `saturation` whose answers were all 200 with p99
-    within `--knee-p99-s` (see the module docstring), and one line per step tried."""
+    """The highest step of `--knee-fractions` x `saturation` that held (`step_verdict`, see the
+    module docstring), and one line per step tried."""
     rng = random.Random(args.seed + 1)
     fractions = sorted(float(f) for f in args.knee_fractions.split(","))
     rated, lines, first = None, [], 0
@@ -167,18 +190,17 @@ async def knee(client: httpx.AsyncClient, models: list, saturation: float,
         qps = fraction * saturation
         sent, statuses, latencies = await knee_step(client, models, qps, first, rng, args)
         first += sent
-        p99 = percentile(latencies, 99)
-        ok = statuses["200"] == sent and p99 <= args.knee_p99_s
+        ok, why = step_verdict(sent, statuses, latencies, args.knee_p99_s, args.knee_growth)
         lines.append(f"knee step: {qps:.2f} req/s ({fraction:.0%} of saturation), {sent} sent, "
-                     f"{dict(statuses)}, p99 {1000 * p99:.0f} ms: {'within' if ok else 'beyond'} the knee")
+                     f"{dict(statuses)}, p99 {1000 * percentile(latencies, 99):.0f} ms: "
+                     f"{'within the knee' if ok else 'beyond the knee: ' + why}")
         print(lines[-1], flush=True)
         if not ok:
             break
         rated = qps
     if rated is None:
         rated = fractions[0] * saturation
-        lines.append(f"warning: no step met p99 <= {args.knee_p99_s:g} s; "
-                     f"soaking at the lowest, {rated:.2f} req/s")
+        lines.append(f"warning: no step held; soaking at the lowest, {rated:.2f} req/s")
         print(lines[-1], flush=True)
     return rated, lines
 
@@ -268,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate-s", type=float, default=30.0)
     p.add_argument("--knee-fractions", default="0.5,0.6,0.7,0.8,0.9,1.0",
                    help="open-loop steps, as fractions of the closed-loop saturation rate")
-    p.add_argument("--knee-step-s", type=float, default=30.0, help="seconds per knee step")
+    p.add_argument("--knee-step-s", type=float, default=60.0, help="seconds per knee step")
     p.add_argument("--knee-p99-s", type=float, default=2.0, help="p99 latency bound of the knee")
+    p.add_argument("--knee-growth", type=float, default=1.5,
+                   help="a step whose last third's median latency exceeds this times its first "
+                        "third's (+50 ms) is past the knee: a backlog builds")
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--adapters", type=int, default=16)
     p.add_argument("--base-model", default="demo", help="the base model's name in the API")
