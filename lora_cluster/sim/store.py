@@ -40,6 +40,27 @@ class _LruBytes:
     def __len__(self) -> int:
         return len(self._items)
 
+    def fill(self, oldest_first: Sequence[str], sizes: Mapping[str, int]) -> None:
+        """The tier as after `put` of `oldest_first` in order into an empty tier, computed directly:
+        LRU keeps the longest run of the latest puts that fits the budget (an adapter larger than
+        the whole budget is never put), in put order. O(what fits), not O(len(oldest_first))."""
+        if self._items:
+            for adapter_id in oldest_first:
+                self.put(adapter_id, sizes[adapter_id])
+            return
+        kept: list[tuple[str, int]] = []
+        used = 0
+        for adapter_id in reversed(oldest_first):
+            nbytes = sizes[adapter_id]
+            if nbytes > self.budget:
+                continue
+            if used + nbytes > self.budget:
+                break
+            kept.append((adapter_id, nbytes))
+            used += nbytes
+        self._items = OrderedDict(reversed(kept))
+        self.used = used
+
 
 class NodeStore:
     def __init__(self, *, host_bytes: int, disk_bytes: int):
@@ -56,8 +77,9 @@ class NodeStore:
         """The store as after the engine's `preload` fetched `adapter_ids` (most popular first) from
         S3 at start: on disk, and in host memory as far as its budget goes; fetched least popular
         first, so that LRU keeps the most popular in host memory."""
-        for adapter_id in reversed(adapter_ids):
-            self.fetched(adapter_id, sizes[adapter_id], "s3")
+        oldest_first = list(reversed(adapter_ids))
+        self.disk.fill(oldest_first, sizes)
+        self.host.fill(oldest_first, sizes)
 
     def fetched(self, adapter_id: str, nbytes: int, tier: str) -> None:
         """A fetch from `tier` completed: the adapter is now in host memory (and on disk if from S3)."""
