@@ -217,9 +217,15 @@ class FakeShard:
         self.reports.append(payload)
         return {"queue_depth": self.queue_depth, "prefetch": [f"p{self.k}"], "resync": self.resync}
 
-    def _admit(self, request: dict, _timeout_s: float) -> dict:
+    def _admit(self, request: dict, _timeout_s: float) -> dict | BaseException:
+        if self.dead:
+            self.on_dead_call()
+            return RuntimeError("actor died")  # raised where the caller awaits the reply
         self.tickets.append(request)
         return {"replica_id": f"r{self.k}"}
+
+    def on_dead_call(self) -> None:
+        """What a call to this shard while dead does besides failing (a test moves its clock here)."""
 
 
 async def test_the_reporter_tells_each_shard_its_room_and_merges_their_replies():
@@ -294,6 +300,24 @@ async def test_a_request_parks_at_its_adapters_shard():
         assert granted is not None and granted.replica_id == f"r{shard_of(a, 2)}", f"{a} parks at its shard"
     assert {t["adapter_id"] for t in shards[1].tickets} == {a for a in adapters if shard_of(a, 2) == 1}, \
         "shard 1 saw exactly its own adapters' tickets"
+
+
+async def test_an_unreachable_shard_sends_only_its_own_adapters_the_direct_way():
+    clock = FakeClock()
+    shards = [FakeShard(0, 0, {}), FakeShard(1, 0, {})]
+    shards[1].dead = True
+    shards[1].on_dead_call = lambda: clock.advance(3.0)  # each failed call takes 3 s
+    admission = ClusterAdmission(shards, capacity=None, replica_stats=full, timeout_s=60.0, clock=clock)
+    mine = {k: next(a for a in IDS if shard_of(a, 2) == k) for k in (0, 1)}
+    assert await admission.admit(sla_class="standard", adapter_id=mine[1], arrived_at=clock()) is None, \
+        "shard 1 unreachable past the re-park window: its adapter's request goes the direct way"
+    granted = await admission.admit(sla_class="standard", adapter_id=mine[0], arrived_at=clock())
+    assert granted is not None and granted.replica_id == "r0", \
+        "shard 0 still answers: its adapter's request still parks there and is granted"
+    calls = len(shards[0].tickets)
+    assert await admission.admit(sla_class="standard", adapter_id=mine[1], arrived_at=clock()) is None, \
+        "shard 1 backs off: direct at once"
+    assert len(shards[0].tickets) == calls, "a request of shard 1's adapter never parks at shard 0"
 
 
 async def test_the_ingress_unites_the_shards_placement_and_counts_their_waiting_requests():

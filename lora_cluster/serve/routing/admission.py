@@ -30,10 +30,11 @@ for `BACKOFF_S`. No accepted request is lost to a controller failure.
 
 A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles): a
 request parks at the shard that owns its adapter (`shard_of`), and re-parks at that shard's
-successor when it dies, as above; the placement is the union of the shards' tables (each places its
-own adapters), the requests waiting elsewhere the sum over the shards (a shard that does not answer
-counts none and keeps its last table), and the cluster view one view of every shard
-(`merge_snapshots`).
+successor when it dies, as above; when a shard does not answer within `REPARK_WINDOW_S`, only its
+own adapters' requests go the direct way for `BACKOFF_S` (the other shards' requests still park).
+The placement is the union of the shards' tables (each places its own adapters), the requests
+waiting elsewhere the sum over the shards (a shard that does not answer counts none and keeps its
+last table), and the cluster view one view of every shard (`merge_snapshots`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class ClusterAdmission:
         self._inflight: Counter[str] = Counter()  # this ingress's requests per replica, in flight
         self.report_lag_s = report_lag_s
         self._on_their_way: deque[float] = deque()  # send times of direct requests, replica not known yet
-        self._down_until = 0.0
+        self._down_until = [0.0] * len(self._shards)  # per shard: direct routing until then
         self._parked = 0  # this ingress's requests waiting in the cluster queue now
         self._parked_elsewhere = 0  # other ingresses' requests waiting there, as of the last fetch
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
@@ -121,20 +122,21 @@ class ClusterAdmission:
         ClusterQueueTimeoutError (503). The caller then reports `started` (first item) or
         `not_started`, and `finished`."""
         self._sync_placement()
-        if self._controller is None or self._clock() < self._down_until or self.has_room():
+        shard = shard_of(adapter_id, len(self._shards))
+        if self._controller is None or self._clock() < self._down_until[shard] or self.has_room():
             self.counts["fast"] += 1
             self._on_their_way.append(self._clock())
             return None
         self.counts["parked"] += 1
         self._parked += 1
         try:
-            return await self._wait_for_grant(sla_class, adapter_id, arrived_at, tuple(prefix_of()))
+            return await self._wait_for_grant(shard, sla_class, adapter_id, arrived_at, tuple(prefix_of()))
         finally:
             self._parked -= 1
 
-    async def _wait_for_grant(self, sla_class: str, adapter_id: str | None, arrived_at: float,
+    async def _wait_for_grant(self, shard: int, sla_class: str, adapter_id: str | None, arrived_at: float,
                               prefix: tuple[str, ...] = ()) -> Granted | None:
-        """Park the request at the controller until it is granted a replica (see `admit`)."""
+        """Park the request at `shard`, its adapter's, until it is granted a replica (see `admit`)."""
         ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
                   "adapter_id": adapter_id, "prefix": list(prefix)}
         give_up_reaching = None
@@ -145,8 +147,7 @@ class ClusterAdmission:
                 raise ClusterQueueTimeoutError(
                     f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
             claims = {"inflight": dict(self._inflight), "unassigned": self.unassigned()}
-            controller = self._shards[shard_of(adapter_id, len(self._shards))]
-            response = controller.admit.remote(
+            response = self._shards[shard].admit.remote(
                 {**ticket, "waited_s": now - arrived_at, "claims": claims}, remaining)
             try:
                 reply = await response
@@ -156,9 +157,9 @@ class ClusterAdmission:
             except Exception as exc:  # the controller died or is restarting: park again there
                 give_up_reaching = give_up_reaching or self._clock() + REPARK_WINDOW_S
                 if self._clock() >= give_up_reaching:
-                    log.warning("cluster controller unreachable (%s); routing directly for %.0f s",
-                                exc, BACKOFF_S)
-                    self._down_until = self._clock() + BACKOFF_S
+                    log.warning("cluster controller shard %d unreachable (%s); routing its adapters "
+                                "directly for %.0f s", shard, exc, BACKOFF_S)
+                    self._down_until[shard] = self._clock() + BACKOFF_S
                     self.counts["fallback"] += 1
                     self._on_their_way.append(self._clock())
                     return None
