@@ -1,5 +1,5 @@
 """Small shared pieces of the tests: bounded waits, a fake clock, a fake adapter loader, the greedy
-sampling parameters, PEFT's logits.
+sampling parameters, PEFT's logits, a script of the repository loaded as a module.
 
 Every wait is bounded: the bound is a safety net reached only when the behaviour under test is broken,
 never a performance figure (a wait that runs out fails with the message of what it waited for).
@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import socket
+import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_cluster.engine import SamplingParams
@@ -24,6 +28,20 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 T = TypeVar("T")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def script_module(relative_path: str, name: str) -> Iterator[ModuleType]:
+    """A script of the repository that is not in a package (`benchmarks/common.py`,
+    `load_tests/soak.py`) loaded as the module `name`, for a fixture to yield (removed afterwards)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(name, None)
 
 
 def poll(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.2) -> T:

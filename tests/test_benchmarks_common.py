@@ -4,25 +4,16 @@ keep each report's figures, and the report header says where and at which commit
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def common():
-    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_common"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_common", None)
+    yield from script_module("benchmarks/common.py", "bench_common")
 
 
 def test_a_changed_setting_is_reported_with_its_reason(common) -> None:

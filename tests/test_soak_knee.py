@@ -5,24 +5,15 @@ run: a 30 s step at 44 req/s held, the same rate sustained reached a 21 s p99)."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak_script", ROOT / "load_tests" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak_script"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("soak_script", None)
+    yield from script_module("load_tests/soak.py", "soak_script")
 
 
 def test_a_flat_step_within_the_bound_holds(soak) -> None:
