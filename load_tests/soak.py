@@ -112,19 +112,38 @@ async def one(client: httpx.AsyncClient, model: str, stream: bool,
     return str(status), time.monotonic() - start
 
 
-async def calibrate(client: httpx.AsyncClient, models: list, args: argparse.Namespace) -> float:
-    done, stop = 0, time.monotonic() + args.calibrate_s
+async def calibrate(client: httpx.AsyncClient, models: list,
+                    args: argparse.Namespace) -> tuple[float, Counter]:
+    """The closed-loop saturation rate (200s per second) and the answers by status."""
+    statuses: Counter = Counter()
+    stop = time.monotonic() + args.calibrate_s
 
     async def worker(k: int) -> None:
-        nonlocal done
         i = k
         while time.monotonic() < stop:
             status, _ = await one(client, models[i % len(models)], False, args.max_tokens)
-            done += status == "200"
+            statuses[status] += 1
             i += args.concurrency
     start = time.monotonic()
     await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
-    return done / (time.monotonic() - start)
+    return statuses["200"] / (time.monotonic() - start), statuses
+
+
+async def rated_load(client: httpx.AsyncClient, models: list,
+                     args: argparse.Namespace) -> tuple[float, list[str]]:
+    """The rated QPS (`--qps`, else measured: saturation, then the knee) and the lines that say how.
+    Exits with a clear message when the calibration gets no 200 (a server not ready, or refusing)."""
+    if args.qps:
+        return args.qps, []
+    saturation, statuses = await calibrate(client, models, args)
+    if saturation <= 0:
+        raise SystemExit(f"calibration: no request was answered 200 in {args.calibrate_s:g} s "
+                         f"(answers: {dict(statuses)}); is the server at {args.url} ready?")
+    steps = [f"saturation ({args.concurrency} closed-loop clients): {saturation:.2f} req/s"]
+    print(steps[-1], flush=True)
+    qps, knee_lines = await knee(client, models, saturation, args)
+    print("", flush=True)
+    return qps, [*steps, *knee_lines, ""]
 
 
 async def knee_step(client: httpx.AsyncClient, models: list, qps: float, first: int, rng: random.Random,
@@ -216,16 +235,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
     models = zipf_models(args.adapters, args.base_model, rng)
     limits = httpx.Limits(max_connections=args.max_in_flight, max_keepalive_connections=args.max_in_flight)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
-        steps: list[str] = []
-        if args.qps:
-            qps = args.qps
-        else:
-            saturation = await calibrate(client, models, args)
-            steps.append(f"saturation ({args.concurrency} closed-loop clients): {saturation:.2f} req/s")
-            print(steps[-1], flush=True)
-            qps, knee_lines = await knee(client, models, saturation, args)
-            steps += [*knee_lines, ""]
-            print("", flush=True)
+        qps, steps = await rated_load(client, models, args)
         lines = [*steps, f"rated load: {qps:.2f} req/s ({'given' if args.qps else 'measured: the knee'}), "
                  f"{args.minutes:g} min, max_tokens {args.max_tokens}, {args.adapters} adapters (Zipf 1.1)",
                  "", "| t (s) | sent | 200 | 429 | 503 | other | skipped | p50 ms | p99 ms | "
@@ -281,7 +291,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
     return lines + tail
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--minutes", type=float, default=10.0)
@@ -305,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.add_argument("--ray-root-pid", type=int, default=None,
                    help="count only the descendants of this process (e.g. `serve run`'s pid)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     lines = asyncio.run(soak(args))
     if args.out:
         with open(args.out, "w") as f:

@@ -5,8 +5,11 @@ run: a 30 s step at 44 req/s held, the same rate sustained reached a 21 s p99)."
 
 from __future__ import annotations
 
+import http.server
+import threading
 from collections import Counter
 
+import httpx
 import pytest
 from helpers import script_module
 
@@ -38,3 +41,34 @@ def test_a_p99_above_the_bound_is_past_the_knee(soak) -> None:
 def test_a_step_with_an_answer_other_than_200_is_past_the_knee(soak) -> None:
     ok, why = soak.step_verdict(300, Counter({"200": 299, "skipped": 1}), [0.1] * 299, 2.0, 1.5)
     assert not ok and "200" in why, f"a skipped request fails the step: {why!r}"
+
+
+class NotReady(http.server.BaseHTTPRequestHandler):
+    """A server that answers every completion 503, as the ingress does before its replicas are up."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+async def test_a_calibration_without_a_200_stops_with_the_answers_it_got(soak) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotReady)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        args = soak.parser().parse_args(["--url", url, "--calibrate-s", "0.3", "--concurrency", "2"])
+        async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+            with pytest.raises(SystemExit) as stopped:
+                await soak.rated_load(client, ["a0", "demo"], args)
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = str(stopped.value)
+    assert "no request was answered 200" in message and "'503'" in message, \
+        f"the calibration says it got no 200 and what it got instead: {message!r}"
