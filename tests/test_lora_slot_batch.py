@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 from types import ModuleType
@@ -367,27 +365,67 @@ def test_native_kernel_refuses_malformed_segments(native_kernel: None) -> None:
     assert out.abs().sum() == 0, "a refused call writes nothing"
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
-    """Torch waits for its build lock without a time limit; a process killed while building leaves
-    it behind, and every later engine start would hang on it."""
-    lock = tmp_path / "lock"
-    assert native.clear_stale_lock(tmp_path) is False, "no lock: nothing to remove"
-    lock.touch()
-    assert native.clear_stale_lock(tmp_path) is False and lock.exists(), "a lock of a build under way stays"
-    old = time.time() - native.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    assert native.clear_stale_lock(tmp_path) is True and not lock.exists(), "a stale lock is removed"
+HOLD_BUILD_LOCK = """
+import sys, time
+from pathlib import Path
+from lora_kernels import native
+folder = Path(sys.argv[1])
+with native.build_lock(folder, 5.0):
+    (folder / "lock").touch()  # torch's lock, as a build under way holds it
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    print("kept" if (folder / "lock").exists() else "removed", flush=True)
+    (folder / "lock").unlink(missing_ok=True)
+"""
 
 
-def test_native_load_does_not_hang_on_a_stale_lock(native_kernel: None) -> None:
-    """A new process loads the cached kernel although a killed build left its lock behind."""
+def hold_build_lock(folder: Path, seconds: float) -> subprocess.Popen:
+    """Another process that holds the build lock of `folder` for `seconds`, once it printed "held"."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_BUILD_LOCK, str(folder), str(seconds)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held", "the other process took the build lock"
+    return holder
+
+
+def test_the_build_lock_waits_a_bounded_time_for_another_process(tmp_path: Path) -> None:
+    holder = hold_build_lock(tmp_path, 30.0)
+    try:
+        with pytest.raises(TimeoutError, match="BUILD_WAIT_S"), native.build_lock(tmp_path, 0.3):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_killed_holder_leaves_the_build_lock_free(tmp_path: Path) -> None:
+    """The operating system releases the lock of a process killed while building."""
+    holder = hold_build_lock(tmp_path, 30.0)
+    holder.kill()
+    holder.wait()
+    with native.build_lock(tmp_path, 5.0):
+        assert (tmp_path / "lock").exists(), "the killed build left torch's lock behind (the case at hand)"
+
+
+LOAD = "from lora_kernels import native; print(native.load(), native.load_error())"
+
+
+def test_native_load_does_not_hang_on_the_lock_of_a_killed_build(native_kernel: None) -> None:
+    """A process killed while building leaves torch's lock behind, however recent; a new process
+    loads the cached kernel instead of waiting for it forever (a replica that never starts)."""
     lock = native.build_folder() / "lock"
     lock.touch()
-    old = time.time() - native.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    code = "from lora_kernels import native; print(native.load(), native.load_error())"
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=120)
     finally:
         lock.unlink(missing_ok=True)
     assert done.stdout.split() == ["True", "None"], f"the kernel loads: {done.stdout} {done.stderr[-500:]}"
+
+
+def test_native_load_waits_for_a_build_under_way(native_kernel: None) -> None:
+    holder = hold_build_lock(native.build_folder(), 2.0)
+    try:
+        done = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=120)
+    finally:
+        verdict = holder.communicate(timeout=30)[0].strip()
+    assert verdict == "kept", "a build under way in another process keeps its lock until it is done"
+    assert done.stdout.split() == ["True", "None"], f"then it loads: {done.stdout} {done.stderr[-500:]}"

@@ -31,16 +31,23 @@ x86-64 with GCC the per-token function is cloned for x86-64-v4 (AVX-512) and v3 
 the clone for the CPU at hand is chosen when the module loads (``target_clones``).
 Without a compiler, :func:`load` returns False with the reason in :func:`load_error`, and the
 torch ops are used. Torch guards the build folder with a lock file that every load, cached or not,
-waits for without a time limit; a process killed while building leaves it behind, so :func:`load`
-first removes a lock older than ``STALE_LOCK_S`` (no build takes that long).
+waits for without a time limit, and a process killed while building leaves it behind: every later
+load would hang (a replica that never starts). So :func:`load` first takes its own lock on the folder,
+an advisory ``flock`` that the kernel releases when its holder exits, however it exits
+(:func:`build_lock`): holding it, no live process of ours is building, so a torch lock found there
+was left by a killed one and is removed. A build under way in another process is waited for, at
+most ``BUILD_WAIT_S``; past that :func:`load` fails (the torch ops stay) with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -50,13 +57,13 @@ from torch import Tensor
 from .meta import LoraMeta
 
 __all__ = [
-    "add_lora", "build_folder", "clear_stale_lock", "load", "load_error", "loaded", "openmp_flags",
-    "supports",
+    "add_lora", "build_folder", "build_lock", "load", "load_error", "loaded", "openmp_flags", "supports",
 ]
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
 NAME = "lora_cluster_cpu_lora"
-STALE_LOCK_S = 600.0
+BUILD_WAIT_S = 600.0  # the longest a load waits for another process's build (one takes ~30 s)
+BUILD_LOCK = "lora_cluster.build.lock"  # our lock file in the build folder (torch's is "lock")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
@@ -73,12 +80,13 @@ def load() -> bool:
 
                 folder = build_folder()
                 folder.mkdir(parents=True, exist_ok=True)
-                clear_stale_lock(folder)
                 omp = openmp_flags()
-                _module = cpp_extension.load(
-                    name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", *(omp or ["-fopenmp-simd"])],
-                    extra_ldflags=omp, build_directory=str(folder), verbose=False,
-                )  # fmt: skip
+                with build_lock(folder, BUILD_WAIT_S):
+                    (folder / "lock").unlink(missing_ok=True)  # under our lock: a killed build's
+                    _module = cpp_extension.load(
+                        name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", *(omp or ["-fopenmp-simd"])],
+                        extra_ldflags=omp, build_directory=str(folder), verbose=False,
+                    )  # fmt: skip
             except Exception as e:  # no compiler, no ninja, a failed build: the torch ops stay
                 last = (str(e).strip().splitlines() or [""])[-1]
                 _error = f"{type(e).__name__}: {last}"
@@ -110,17 +118,29 @@ def build_folder() -> Path:
     return Path(root) / f"{NAME}_py{sys.version_info.major}{sys.version_info.minor}"
 
 
-def clear_stale_lock(folder: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove torch's build lock in `folder` when it is older than `max_age_s` (left by a process
-    killed while building); True when one was removed."""
-    lock = folder / "lock"
+@contextlib.contextmanager
+def build_lock(folder: Path, wait_s: float, poll_s: float = 0.1) -> Iterator[None]:
+    """Hold the exclusive advisory lock ``BUILD_LOCK`` of `folder` (see the module docstring); raises
+    TimeoutError when another process holds it for `wait_s` seconds. Released on exit, and by the
+    operating system when the holding process dies."""
+    fd = os.open(folder / BUILD_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        if time.time() - lock.stat().st_mtime <= max_age_s:
-            return False
-        lock.unlink()
-    except FileNotFoundError:
-        return False
-    return True
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process has been building the kernel for {wait_s:g} s "
+                                       f"(BUILD_WAIT_S)") from None
+                time.sleep(poll_s)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def loaded() -> bool:
