@@ -298,8 +298,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--qps", type=float, default=None, help="rated load; default: measured first")
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients of the calibration")
     p.add_argument("--calibrate-s", type=float, default=30.0)
-    p.add_argument("--knee-fractions", default="0.5,0.6,0.7,0.8,0.9,1.0",
-                   help="open-loop steps, as fractions of the closed-loop saturation rate")
+    p.add_argument("--knee-fractions", default="0.5,0.6,0.7,0.8,0.9",
+                   help="open-loop steps, as fractions of the closed-loop saturation rate (1.0, "
+                        "utilisation 1, is past the knee by definition)")
     p.add_argument("--knee-step-s", type=float, default=60.0, help="seconds per knee step")
     p.add_argument("--knee-p99-s", type=float, default=2.0, help="p99 latency bound of the knee")
     p.add_argument("--knee-growth", type=float, default=1.5,
