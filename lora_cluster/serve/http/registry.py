@@ -35,7 +35,7 @@ from lora_cluster.serve.http.registrations import (
     RegistrationConflict,
     RegistryBook,
 )
-from lora_cluster.serve.ops.background import keep_running
+from lora_cluster.serve.ops.background import keep_running, within
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class SharedRegistrations:
     async def _call(self, method: str, *args: Any) -> Any:
         response = getattr(self._handle, method).remote(*args)
         try:
-            return await asyncio.wait_for(response, self.timeout_s)
+            return await within(response, self.timeout_s)
         except Exception as exc:
             cancel = getattr(response, "cancel", None)
             if cancel is not None:

@@ -25,7 +25,7 @@ from typing import Any
 from ray import serve
 
 from lora_cluster.serve.ops import metrics
-from lora_cluster.serve.ops.background import keep_running
+from lora_cluster.serve.ops.background import keep_running, within
 from lora_cluster.serve.ops.metrics_merge import MetricsBook, Snapshot
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class SharedMetrics:
     async def _call(self, method: str, snapshot: Snapshot) -> Any:
         response = getattr(self._handle, method).remote(self.ingress_id, snapshot)
         try:
-            return await asyncio.wait_for(response, self.timeout_s)
+            return await within(response, self.timeout_s)
         except BaseException:
             cancel = getattr(response, "cancel", None)
             if cancel is not None:

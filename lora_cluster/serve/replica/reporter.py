@@ -36,7 +36,7 @@ from lora_cluster.cluster.report_delta import ReportEncoder
 from lora_cluster.cluster.report_rules import ReportPacer, report_on_finish
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.sharding import merge_replies, shard_report, split_room
-from lora_cluster.serve.ops.background import keep_running
+from lora_cluster.serve.ops.background import keep_running, within
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ControllerReporter:
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, self.pacer.periodic_at() - self._clock()))
+                await within(self._wake.wait(), max(0.0, self.pacer.periodic_at() - self._clock()))
             if self._wake.is_set():  # a finish to tell: finishes until the window's end share the report
                 await asyncio.sleep(max(0.0, self.pacer.finish_at() - self._clock()))
             self._wake.clear()

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from ray import serve
 
 from lora_cluster.errors import QuotaUnavailableError
+from lora_cluster.serve.ops.background import within
 from lora_cluster.tenancy.lease import TenantLease
 from lora_cluster.tenancy.quota import Account, Admission, Amounts, Grant, QuotaBook, QuotaLimits
 
@@ -155,7 +156,7 @@ class RemoteQuotas:
         self.ledger_calls += 1
         response = getattr(self._handle, method).remote(*args)
         try:
-            return await asyncio.wait_for(response, self.timeout_s)
+            return await within(response, self.timeout_s)
         except Exception as exc:
             response.cancel()
             raise QuotaUnavailableError(f"the quota ledger cannot be reached ({type(exc).__name__})") from exc
