@@ -105,7 +105,9 @@ class EngineConfig(BaseSettings):
     lora_cpu_native: bool = Field(
         True, description="With the CPU ops, build (once, ~30 s, cached by torch under TORCH_EXTENSIONS_DIR) "
         "and use a C++ kernel for decode-like LoRA batches (each token's adapter weights read in place); "
-        "without a C++ compiler the engine logs why and keeps the torch ops. Results are the same."
+        "without a C++ compiler the engine logs why and keeps the torch ops. Results are the same. A start "
+        "waits for another process's build (at most 10 min), and a build killed half-way (a server stopped "
+        "during its first start) does not hang the next start."
     )
 
     @field_validator("kv_block_size")
