@@ -44,6 +44,24 @@ def script_module(relative_path: str, name: str) -> Iterator[ModuleType]:
     sys.modules.pop(name, None)
 
 
+class FakeResponse:
+    """A Ray call's response in a test: awaiting it gives `outcome`, or raises it when it is an
+    exception; `cancel()` is recorded in `cancelled`."""
+
+    def __init__(self, outcome: Any):
+        self.outcome, self.cancelled = outcome, False
+
+    def __await__(self):
+        async def result() -> Any:
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+        return result().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 def poll(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.2) -> T:
     """Call `predicate` until it returns a true value (returned) or `timeout_s` has passed (its last,
     false, value is returned). It is called at least once, and once more after the bound."""

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from helpers import FakeResponse
 
 from lora_cluster.cluster.report_rules import AdapterDemand
 from lora_cluster.cluster.reports import ReplicaReport
@@ -16,21 +17,6 @@ from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.serve.routing import admission as admission_module
 from lora_cluster.serve.routing.admission import ClusterAdmission
-
-
-class Response:
-    def __init__(self, outcome: Any):
-        self._outcome, self.cancelled = outcome, False
-
-    def __await__(self):
-        async def result():
-            if isinstance(self._outcome, BaseException):
-                raise self._outcome
-            return self._outcome
-        return result().__await__()
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class FakeController:
@@ -42,11 +28,11 @@ class FakeController:
         self.calls: list[dict] = []
         self.admit = self
 
-    def remote(self, ticket: dict, timeout_s: float) -> Response:
+    def remote(self, ticket: dict, timeout_s: float) -> FakeResponse:
         self.calls.append(ticket)
         if self.clock is not None:
             self.clock[0] += self.step_s
-        return Response(self.outcomes.pop(0))
+        return FakeResponse(self.outcomes.pop(0))
 
 
 def full_stats() -> dict[str, RoutingStats]:

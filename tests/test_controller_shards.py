@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from helpers import FakeClock
+from helpers import FakeClock, FakeResponse
 from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.controller import Controller
@@ -179,21 +179,6 @@ def test_a_shard_that_does_not_answer_is_listed_with_its_error():
 # ----- the replica's reports and the ingress's admission, with fake shards ----------------------
 
 
-class Reply:
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __await__(self):
-        async def result():
-            if isinstance(self.value, BaseException):
-                raise self.value
-            return self.value
-        return result().__await__()
-
-    def cancel(self) -> None:
-        pass
-
-
 class FakeShard:
     """One shard's handle: `report`, `admit`, `ingress_view` and `snapshot` answer from its fields."""
 
@@ -209,7 +194,7 @@ class FakeShard:
 
     @staticmethod
     def _method(fn: Any) -> Any:
-        return type("Method", (), {"remote": staticmethod(lambda *a: Reply(fn(*a)))})()
+        return type("Method", (), {"remote": staticmethod(lambda *a: FakeResponse(fn(*a)))})()
 
     def _report(self, payload: dict) -> dict:
         if self.dead:
