@@ -1,0 +1,126 @@
+"""Where a backlog's capacity goes (not a pytest test): closed-loop throughput against a running server
+at several depths (clients in flight), with the CPU seconds each role spent per completed request.
+
+    RAY_AUTH_MODE=disabled .venv/bin/serve run serve_config.yaml &      # or any running server
+    .venv/bin/python load_tests/depth.py --url http://127.0.0.1:8000 --ray-root-pid $!
+
+For each `--depths` entry, that many closed-loop clients (each sends its next request when the last
+one is answered; the soak's requests: `/v1/completions`, `--max-tokens` tokens, adapters a0..a{N-1}
+by Zipf(1.1) plus the base model) run for `--seconds`. A row gives the 200s per second, the p50
+latency, and the CPU seconds per completed request of the LoRA replicas, the ingress replicas, the
+cluster controller, Serve's HTTP proxy, the other Ray processes and this client, read from /proc
+before and after the step (`--ray-root-pid` restricts the processes to one server's tree). On a
+machine whose cores the client shares with the server, the last column is capacity the server does
+not get: a deeper backlog costs the client CPU, whichever way the server queues it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections import Counter
+
+import httpx
+import psutil
+from soak import one, percentile, ray_processes, zipf_models
+
+ROLES = ("replicas", "ingress", "controller", "proxy", "ray", "client")
+
+
+def cpu_seconds(root_pid: int | None) -> Counter[str]:
+    """role -> CPU seconds (user + system) so far of the server's processes and of this client. Serve's
+    controller actor and proxy are split out of the other Ray processes by their process titles."""
+    out: Counter[str] = Counter()
+    for role, procs in ray_processes(root_pid).items():
+        for proc in procs:
+            try:
+                title = " ".join(proc.cmdline())
+                times = proc.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if role == "ray" and "ClusterController" in title:
+                role_of = "controller"
+            elif role == "ray" and "ProxyActor" in title:
+                role_of = "proxy"
+            else:
+                role_of = role
+            out[role_of] += times.user + times.system
+    own = psutil.Process().cpu_times()
+    out["client"] = own.user + own.system
+    return out
+
+
+async def step(client: httpx.AsyncClient, models: list[str], depth: int, seconds: float,
+               max_tokens: int) -> tuple[Counter, list[float], float]:
+    """`depth` closed-loop clients for `seconds`: answers by status and the latencies of the 200s
+    (both counted only for requests that end within the step) and the step's length."""
+    statuses: Counter = Counter()
+    latencies: list[float] = []
+    start = time.monotonic()
+    stop = start + seconds
+
+    async def worker(k: int) -> None:
+        i = k
+        while time.monotonic() < stop:
+            status, latency = await one(client, models[i % len(models)], False, max_tokens)
+            if time.monotonic() < stop:
+                statuses[status] += 1
+                if status == "200":
+                    latencies.append(latency)
+            i += depth
+    await asyncio.gather(*(worker(k) for k in range(depth)))
+    return statuses, latencies, seconds
+
+
+async def depths(args: argparse.Namespace) -> list[str]:
+    models = zipf_models(args.adapters, args.base_model, random.Random(args.seed))
+    most = max(args.depths)
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    lines = ["| clients | 200/s | p50 ms | other answers | CPU ms per request: "
+             + " | ".join(ROLES) + " |", "|---|---|---|---|" + "---|" * len(ROLES)]
+    print("\n".join(lines), flush=True)
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
+        await step(client, models, min(args.depths), args.warmup_s, args.max_tokens)
+        for depth in args.depths:
+            before = await asyncio.to_thread(cpu_seconds, args.ray_root_pid)
+            statuses, latencies, seconds = await step(client, models, depth, args.seconds, args.max_tokens)
+            after = await asyncio.to_thread(cpu_seconds, args.ray_root_pid)
+            done = max(1, statuses["200"])
+            per = " | ".join(f"{1000 * (after[r] - before[r]) / done:.1f}" for r in ROLES)
+            other = {k: v for k, v in statuses.items() if k != "200"} or "none"
+            row = (f"| {depth} | {statuses['200'] / seconds:.1f} | {1000 * percentile(latencies, 50):.0f} "
+                   f"| {other} | {per} |")
+            print(row, flush=True)
+            lines.append(row)
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64, 256, 8],
+                   help="closed-loop clients of each step, in order")
+    p.add_argument("--seconds", type=float, default=40.0, help="seconds per step")
+    p.add_argument("--warmup-s", type=float, default=20.0,
+                   help="a first step at the smallest depth, not shown")
+    p.add_argument("--adapters", type=int, default=16)
+    p.add_argument("--base-model", default="demo", help="the base model's name in the API")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray-root-pid", type=int, default=None,
+                   help="count only the descendants of this process (e.g. `serve run`'s pid)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    asyncio.run(depths(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
