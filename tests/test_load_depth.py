@@ -37,13 +37,14 @@ class Completes(http.server.BaseHTTPRequestHandler):
         pass
 
 
-async def test_each_depth_gives_its_rate_and_the_cpu_per_request_of_every_role(depth) -> None:
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
+async def test_each_depth_gives_its_rate_and_the_cpu_per_request_of_every_role(depth, client: str) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completes)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         args = depth.parser().parse_args(["--url", url, "--depths", "1,4", "--seconds", "0.5",
-                                          "--warmup-s", "0.1",
+                                          "--warmup-s", "0.1", "--client", client,
                                           "--ray-root-pid", str(os.getpid())])  # no Ray beneath it
         lines = await depth.depths(args)
     finally:
