@@ -12,8 +12,8 @@ cluster controller, Serve's HTTP proxy, the other Ray processes and this client,
 before and after the step (`--ray-root-pid` restricts the processes to one server's tree). On a
 machine whose cores the client shares with the server, the last column is capacity the server does
 not get: a deeper backlog costs the client CPU, whichever way the server queues it. `--client aiohttp`
-sends the same requests with aiohttp instead of httpx (the soak's client), to see how much of that
-cost is the client library's.
+sends the same requests with aiohttp instead of httpx (as `load_tests/soak.py --client`), to see how
+much of that cost is the client library's.
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 import httpx
 import psutil
-from soak import PROMPT, one, percentile, ray_processes, zipf_models
-
-Send = Callable[[str], Awaitable[tuple[str, float]]]
+from soak import http_client, one, percentile, ray_processes, zipf_models
 
 ROLES = ("replicas", "ingress", "controller", "proxy", "ray", "client")
 
@@ -59,25 +56,8 @@ def cpu_seconds(root_pid: int | None) -> Counter[str]:
     return out
 
 
-def sender(client: httpx.AsyncClient | aiohttp.ClientSession, max_tokens: int) -> Send:
-    """One non-streamed completion of `model` with `client`: (status or exception name, seconds)."""
-    if isinstance(client, httpx.AsyncClient):
-        return lambda model: one(client, model, False, max_tokens)
-
-    async def send(model: str) -> tuple[str, float]:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
-        start = time.monotonic()
-        try:
-            async with client.post("/v1/completions", json=body) as r:
-                await r.read()
-                return str(r.status), time.monotonic() - start
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return type(exc).__name__, time.monotonic() - start
-    return send
-
-
-async def step(send: Send, models: list[str], depth: int,
-               seconds: float) -> tuple[Counter, list[float], float]:
+async def step(client: httpx.AsyncClient | aiohttp.ClientSession, models: list[str], depth: int,
+               seconds: float, max_tokens: int) -> tuple[Counter, list[float], float]:
     """`depth` closed-loop clients for `seconds`: answers by status and the latencies of the 200s
     (both counted only for requests that end within the step) and the step's length."""
     statuses: Counter = Counter()
@@ -88,7 +68,7 @@ async def step(send: Send, models: list[str], depth: int,
     async def worker(k: int) -> None:
         i = k
         while time.monotonic() < stop:
-            status, latency = await send(models[i % len(models)])
+            status, latency = await one(client, models[i % len(models)], False, max_tokens)
             if time.monotonic() < stop:
                 statuses[status] += 1
                 if status == "200":
@@ -100,22 +80,14 @@ async def step(send: Send, models: list[str], depth: int,
 
 async def depths(args: argparse.Namespace) -> list[str]:
     models = zipf_models(args.adapters, args.base_model, random.Random(args.seed))
-    most = max(args.depths)
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
     lines = ["| clients | 200/s | p50 ms | other answers | CPU ms per request: "
              + " | ".join(ROLES) + " |", "|---|---|---|---|" + "---|" * len(ROLES)]
     print("\n".join(lines), flush=True)
-    if args.client == "aiohttp":
-        client = aiohttp.ClientSession(base_url=args.url, timeout=aiohttp.ClientTimeout(total=args.timeout_s),
-                                       connector=aiohttp.TCPConnector(limit=most))
-    else:
-        client = httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits)
-    async with client:
-        send = sender(client, args.max_tokens)
-        await step(send, models, min(args.depths), args.warmup_s)
+    async with http_client(args.client, args.url, max(args.depths), args.timeout_s) as client:
+        await step(client, models, min(args.depths), args.warmup_s, args.max_tokens)
         for depth in args.depths:
             before = await asyncio.to_thread(cpu_seconds, args.ray_root_pid)
-            statuses, latencies, seconds = await step(send, models, depth, args.seconds)
+            statuses, latencies, seconds = await step(client, models, depth, args.seconds, args.max_tokens)
             after = await asyncio.to_thread(cpu_seconds, args.ray_root_pid)
             done = max(1, statuses["200"])
             per = " | ".join(f"{1000 * (after[r] - before[r]) / done:.1f}" for r in ROLES)

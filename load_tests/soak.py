@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 import psutil
 
@@ -94,11 +95,20 @@ def zipf_models(n: int, base: str, rng: random.Random) -> list[str]:
     return [names[i] for i in ZipfSampler(n, 1.1, extra_weights=[1.0]).draws(rng, 100_000)]
 
 
-async def one(client: httpx.AsyncClient, model: str, stream: bool,
+async def one(client: httpx.AsyncClient | aiohttp.ClientSession, model: str, stream: bool,
               max_tokens: int) -> tuple[str, float]:
+    """One completion of `model` (streamed or not): (status or the client exception's name, seconds)."""
     body: dict = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                   "stream": stream}
     start = time.monotonic()
+    if isinstance(client, aiohttp.ClientSession):
+        try:
+            async with client.post("/v1/completions", json=body) as r:
+                async for _ in r.content:
+                    pass
+                return str(r.status), time.monotonic() - start
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return type(exc).__name__, time.monotonic() - start
     try:
         if stream:
             async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -110,6 +120,17 @@ async def one(client: httpx.AsyncClient, model: str, stream: bool,
     except httpx.HTTPError as exc:
         return type(exc).__name__, time.monotonic() - start
     return str(status), time.monotonic() - start
+
+
+def http_client(library: str, url: str, connections: int,
+                timeout_s: float) -> httpx.AsyncClient | aiohttp.ClientSession:
+    """The load's HTTP client: `library` ("httpx" or "aiohttp") with at most `connections` open to
+    `url` and `timeout_s` per request."""
+    if library == "aiohttp":
+        return aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     connector=aiohttp.TCPConnector(limit=connections))
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
 
 
 async def calibrate(client: httpx.AsyncClient, models: list,
@@ -233,8 +254,7 @@ def percentile(values: list[float], q: float) -> float:
 async def soak(args: argparse.Namespace) -> list[str]:
     rng = random.Random(args.seed)
     models = zipf_models(args.adapters, args.base_model, rng)
-    limits = httpx.Limits(max_connections=args.max_in_flight, max_keepalive_connections=args.max_in_flight)
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout_s, limits=limits) as client:
+    async with http_client(args.client, args.url, args.max_in_flight, args.timeout_s) as client:
         qps, steps = await rated_load(client, models, args)
         lines = [*steps, f"rated load: {qps:.2f} req/s ({'given' if args.qps else 'measured: the knee'}), "
                  f"{args.minutes:g} min, max_tokens {args.max_tokens}, {args.adapters} adapters (Zipf 1.1)",
@@ -313,6 +333,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client", choices=("httpx", "aiohttp"), default="httpx",
+                   help="the HTTP client library of the load")
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.add_argument("--ray-root-pid", type=int, default=None,
                    help="count only the descendants of this process (e.g. `serve run`'s pid)")

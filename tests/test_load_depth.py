@@ -11,15 +11,26 @@ import threading
 import time
 
 import pytest
-from helpers import script_module
+from helpers import free_tcp_port, script_module
 
 
 @pytest.fixture(scope="module")
-def depth():
-    soak = script_module("load_tests/soak.py", "soak")  # depth.py imports it as `soak`
-    next(soak)
+def soak():
+    yield from script_module("load_tests/soak.py", "soak")  # depth.py imports it as `soak`
+
+
+@pytest.fixture(scope="module")
+def depth(soak):
     yield from script_module("load_tests/depth.py", "depth_script")
-    next(soak, None)
+
+
+@pytest.fixture
+def url():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
 
 
 class Completes(http.server.BaseHTTPRequestHandler):
@@ -38,18 +49,12 @@ class Completes(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize("client", ["httpx", "aiohttp"])
-async def test_each_depth_gives_its_rate_and_the_cpu_per_request_of_every_role(depth, client: str) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completes)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        args = depth.parser().parse_args(["--url", url, "--depths", "1,4", "--seconds", "0.5",
-                                          "--warmup-s", "0.1", "--client", client,
-                                          "--ray-root-pid", str(os.getpid())])  # no Ray beneath it
-        lines = await depth.depths(args)
-    finally:
-        server.shutdown()
-        server.server_close()
+async def test_each_depth_gives_its_rate_and_the_cpu_per_request_of_every_role(depth, url,
+                                                                               client: str) -> None:
+    no_ray = str(os.getpid())  # no Ray process beneath it
+    args = depth.parser().parse_args(["--url", url, "--depths", "1,4", "--seconds", "0.5",
+                                      "--warmup-s", "0.1", "--client", client, "--ray-root-pid", no_ray])
+    lines = await depth.depths(args)
     header, rows = lines[0], lines[2:]
     assert all(role in header for role in depth.ROLES), f"the header names every role: {header}"
     assert [r.split("|")[1].strip() for r in rows] == ["1", "4"], f"one row per depth, in order: {rows}"
@@ -58,3 +63,19 @@ async def test_each_depth_gives_its_rate_and_the_cpu_per_request_of_every_role(d
         assert float(cells[1]) > 0, f"the stand-in's 200s are counted: {row}"
         assert cells[3] == "none", f"no answer other than 200: {row}"
         assert float(cells[-1]) > 0, f"the client's own CPU per request is measured: {row}"
+
+
+@pytest.mark.parametrize("library", ["httpx", "aiohttp"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_soak_sends_with_either_client_streamed_or_not(soak, url, library: str,
+                                                                 stream: bool) -> None:
+    async with soak.http_client(library, url, 4, 5.0) as client:
+        status, seconds = await soak.one(client, "a0", stream, 4)
+    assert status == "200", f"{library} (stream={stream}) gets the stand-in's 200: {status}"
+    assert seconds > 0, "and times it"
+
+
+async def test_a_refused_connection_is_an_answer_named_by_its_exception(soak) -> None:
+    async with soak.http_client("aiohttp", f"http://127.0.0.1:{free_tcp_port()}", 1, 5.0) as client:
+        status, _ = await soak.one(client, "a0", False, 4)
+    assert status == "ClientConnectorError", f"no server there: the exception's name is the answer: {status}"
