@@ -18,7 +18,10 @@ Then it sends requests open-loop at that rate (Poisson arrivals, fixed seed) for
 whatever the answers, with at most `--max-in-flight` outstanding (more are counted as `skipped`,
 so a stuck server cannot grow the client without bound). Requests: `/v1/completions`,
 `--max-tokens` tokens, adapters a0..a{N-1} with Zipf(1.1) popularity plus the base model, one in
-four streamed.
+four streamed. `--client aiohttp` sends them with aiohttp instead of httpx: on a machine whose cores
+the client shares with the server, httpx's CPU per request grows with the requests in flight (2.6
+ms at 8, 16.2 ms at 256; aiohttp 0.9-1.0 ms at any depth: docs/soak.md), so a backlog costs the
+server the client's CPU.
 
 Every `--interval-s` it prints one row: answers by status, latency p50/p99 of that interval, the RSS
 and open fds summed over the Ray processes on this machine (by role: replicas, ingress, other Ray
