@@ -4,16 +4,16 @@ at several depths (clients in flight), with the CPU seconds each role spent per 
     RAY_AUTH_MODE=disabled .venv/bin/serve run serve_config.yaml &      # or any running server
     .venv/bin/python load_tests/depth.py --url http://127.0.0.1:8000 --ray-root-pid $!
 
-For each `--depths` entry, that many closed-loop clients (each sends its next request when the last
-one is answered; the soak's requests: `/v1/completions`, `--max-tokens` tokens, adapters a0..a{N-1}
-by Zipf(1.1) plus the base model) run for `--seconds`. A row gives the 200s per second, the p50
-latency, and the CPU seconds per completed request of the LoRA replicas, the ingress replicas, the
-cluster controller, Serve's HTTP proxy, the other Ray processes and this client, read from /proc
-before and after the step (`--ray-root-pid` restricts the processes to one server's tree). On a
-machine whose cores the client shares with the server, the last column is capacity the server does
-not get: a deeper backlog costs the client CPU, whichever way the server queues it. `--client aiohttp`
-sends the same requests with aiohttp instead of httpx (as `load_tests/soak.py --client`), to see how
-much of that cost is the client library's.
+For each `--depths` entry, that many closed-loop clients (each sends its next request when the
+last one is answered; the soak's requests, none streamed: `/v1/completions`, `--max-tokens` tokens,
+adapters a0..a{N-1} by Zipf(1.1) plus the base model) run for `--seconds`. A row gives the 200s per
+second, the p50 latency, and the CPU milliseconds per completed request of the LoRA replicas, the
+ingress replicas, the cluster controller, Serve's HTTP proxy, the other Ray processes and this
+client, read from /proc before and after the step (`--ray-root-pid` restricts the processes to one
+server's tree). On a machine whose cores the client shares with the server, the last column is
+capacity the server does not get: a deeper backlog costs the client CPU, whichever way the server
+queues it. `--client aiohttp` sends the same requests with aiohttp instead of httpx (as
+`load_tests/soak.py --client`), to see how much of that cost is the client library's.
 """
 
 from __future__ import annotations
