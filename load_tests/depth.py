@@ -1,5 +1,5 @@
 """Where a backlog's capacity goes (not a pytest test): closed-loop throughput against a running server
-at several depths (clients in flight), with the CPU seconds each role spent per completed request.
+at several depths (clients in flight), with the CPU milliseconds each role spent per completed request.
 
     RAY_AUTH_MODE=disabled .venv/bin/serve run serve_config.yaml &      # or any running server
     .venv/bin/python load_tests/depth.py --url http://127.0.0.1:8000 --ray-root-pid $!
@@ -22,13 +22,10 @@ import argparse
 import asyncio
 import random
 import sys
-import time
 from collections import Counter
 
-import aiohttp
-import httpx
 import psutil
-from soak import http_client, one, percentile, ray_processes, zipf_models
+from soak import closed_loop, http_client, percentile, ray_processes, zipf_models
 
 ROLES = ("replicas", "ingress", "controller", "proxy", "ray", "client")
 
@@ -56,44 +53,22 @@ def cpu_seconds(root_pid: int | None) -> Counter[str]:
     return out
 
 
-async def step(client: httpx.AsyncClient | aiohttp.ClientSession, models: list[str], depth: int,
-               seconds: float, max_tokens: int) -> tuple[Counter, list[float], float]:
-    """`depth` closed-loop clients for `seconds`: answers by status and the latencies of the 200s
-    (both counted only for requests that end within the step) and the step's length."""
-    statuses: Counter = Counter()
-    latencies: list[float] = []
-    start = time.monotonic()
-    stop = start + seconds
-
-    async def worker(k: int) -> None:
-        i = k
-        while time.monotonic() < stop:
-            status, latency = await one(client, models[i % len(models)], False, max_tokens)
-            if time.monotonic() < stop:
-                statuses[status] += 1
-                if status == "200":
-                    latencies.append(latency)
-            i += depth
-    await asyncio.gather(*(worker(k) for k in range(depth)))
-    return statuses, latencies, seconds
-
-
 async def depths(args: argparse.Namespace) -> list[str]:
     models = zipf_models(args.adapters, args.base_model, random.Random(args.seed))
     lines = ["| clients | 200/s | p50 ms | other answers | CPU ms per request: "
              + " | ".join(ROLES) + " |", "|---|---|---|---|" + "---|" * len(ROLES)]
     print("\n".join(lines), flush=True)
     async with http_client(args.client, args.url, max(args.depths), args.timeout_s) as client:
-        await step(client, models, min(args.depths), args.warmup_s, args.max_tokens)
+        await closed_loop(client, models, min(args.depths), args.warmup_s, args.max_tokens)
         for depth in args.depths:
             before = await asyncio.to_thread(cpu_seconds, args.ray_root_pid)
-            statuses, latencies, seconds = await step(client, models, depth, args.seconds, args.max_tokens)
+            statuses, latencies = await closed_loop(client, models, depth, args.seconds, args.max_tokens)
             after = await asyncio.to_thread(cpu_seconds, args.ray_root_pid)
             done = max(1, statuses["200"])
             per = " | ".join(f"{1000 * (after[r] - before[r]) / done:.1f}" for r in ROLES)
             other = {k: v for k, v in statuses.items() if k != "200"} or "none"
-            row = (f"| {depth} | {statuses['200'] / seconds:.1f} | {1000 * percentile(latencies, 50):.0f} "
-                   f"| {other} | {per} |")
+            rate, p50 = statuses["200"] / args.seconds, 1000 * percentile(latencies, 50)
+            row = f"| {depth} | {rate:.1f} | {p50:.0f} | {other} | {per} |"
             print(row, flush=True)
             lines.append(row)
     return lines

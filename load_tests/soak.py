@@ -136,21 +136,33 @@ def http_client(library: str, url: str, connections: int,
     return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
 
 
-async def calibrate(client: httpx.AsyncClient, models: list,
-                    args: argparse.Namespace) -> tuple[float, Counter]:
-    """The closed-loop saturation rate (200s per second) and the answers by status."""
+async def closed_loop(client: httpx.AsyncClient | aiohttp.ClientSession, models: list, clients: int,
+                      seconds: float, max_tokens: int) -> tuple[Counter, list[float]]:
+    """`clients` closed-loop clients (each sends its next request, not streamed, when its last one is
+    answered) for `seconds`: the answers by status and the latencies of the 200s, both of the
+    requests that ended within the `seconds`."""
     statuses: Counter = Counter()
-    stop = time.monotonic() + args.calibrate_s
+    latencies: list[float] = []
+    stop = time.monotonic() + seconds
 
     async def worker(k: int) -> None:
         i = k
         while time.monotonic() < stop:
-            status, _ = await one(client, models[i % len(models)], False, args.max_tokens)
-            statuses[status] += 1
-            i += args.concurrency
-    start = time.monotonic()
-    await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
-    return statuses["200"] / (time.monotonic() - start), statuses
+            status, latency = await one(client, models[i % len(models)], False, max_tokens)
+            if time.monotonic() < stop:
+                statuses[status] += 1
+                if status == "200":
+                    latencies.append(latency)
+            i += clients
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+    return statuses, latencies
+
+
+async def calibrate(client: httpx.AsyncClient | aiohttp.ClientSession, models: list,
+                    args: argparse.Namespace) -> tuple[float, Counter]:
+    """The closed-loop saturation rate (200s per second) and the answers by status."""
+    statuses, _ = await closed_loop(client, models, args.concurrency, args.calibrate_s, args.max_tokens)
+    return statuses["200"] / args.calibrate_s, statuses
 
 
 async def rated_load(client: httpx.AsyncClient, models: list,
