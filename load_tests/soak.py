@@ -12,16 +12,18 @@ rated QPS is the knee: Poisson arrivals at `--knee-fractions` of the saturation 
 `--knee-step-s` seconds each, and the rated QPS is the highest step that held: every answer a 200,
 p99 latency within `--knee-p99-s`, and no upward latency trend over the step (the last third's
 median at most `--knee-growth` times the first third's): a backlog that grows by a few requests a
-second stays under any p99 bound for a short step but shows as that trend. The lowest step, with a
-warning, when none held.
+second stays under any p99 bound for a short step but shows as that trend. A step that fails is run
+once more before the search stops (`--knee-retries`): on a machine shared with other work one slow
+minute would otherwise set the rating, and the soak itself is what shows whether the rate holds for
+long. The lowest step, with a warning, when none held.
 Then it sends requests open-loop at that rate (Poisson arrivals, fixed seed) for `--minutes`,
 whatever the answers, with at most `--max-in-flight` outstanding (more are counted as `skipped`,
 so a stuck server cannot grow the client without bound). Requests: `/v1/completions`,
 `--max-tokens` tokens, adapters a0..a{N-1} with Zipf(1.1) popularity plus the base model, one in
-four streamed. `--client aiohttp` sends them with aiohttp instead of httpx: on a machine whose cores
-the client shares with the server, httpx's CPU per request grows with the requests in flight (2.6
-ms at 8, 16.2 ms at 256; aiohttp 0.9-1.0 ms at any depth: docs/soak.md), so a backlog costs the
-server the client's CPU.
+four streamed, sent with aiohttp (`--client httpx` for httpx): on a machine whose cores the client
+shares with the server, httpx's CPU per request grows with the requests in flight (2.6 ms at 8,
+16.2 ms at 256; aiohttp 0.9-1.0 ms at any depth: docs/soak.md), so under httpx a backlog costs the
+server the client's CPU and the load generator, not the server, sets where it drains.
 
 Every `--interval-s` it prints one row: answers by status, latency p50/p99 of that interval, the RSS
 and open fds summed over the Ray processes on this machine (by role: replicas, ingress, other Ray
@@ -243,13 +245,17 @@ async def knee(client: httpx.AsyncClient, models: list, saturation: float,
     rated, lines, first = None, [], 0
     for fraction in fractions:
         qps = fraction * saturation
-        sent, statuses, latencies = await knee_step(client, models, qps, first, rng, args)
-        first += sent
-        ok, why = step_verdict(sent, statuses, latencies, args.knee_p99_s, args.knee_growth)
-        lines.append(f"knee step: {qps:.2f} req/s ({fraction:.0%} of saturation), {sent} sent, "
-                     f"{dict(statuses)}, p99 {1000 * percentile(latencies, 99):.0f} ms: "
-                     f"{'within the knee' if ok else 'beyond the knee: ' + why}")
-        print(lines[-1], flush=True)
+        for attempt in range(1 + args.knee_retries):
+            sent, statuses, latencies = await knee_step(client, models, qps, first, rng, args)
+            first += sent
+            ok, why = step_verdict(sent, statuses, latencies, args.knee_p99_s, args.knee_growth)
+            lines.append(f"knee step: {qps:.2f} req/s ({fraction:.0%} of saturation"
+                         f"{f', try {attempt + 1}' if attempt else ''}), {sent} sent, "
+                         f"{dict(statuses)}, p99 {1000 * percentile(latencies, 99):.0f} ms: "
+                         f"{'within the knee' if ok else 'beyond the knee: ' + why}")
+            print(lines[-1], flush=True)
+            if ok:
+                break
         if not ok:
             break
         rated = qps
@@ -341,6 +347,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--knee-growth", type=float, default=1.5,
                    help="a step whose last third's median latency exceeds this times its first "
                         "third's (+50 ms) is past the knee: a backlog builds")
+    p.add_argument("--knee-retries", type=int, default=1,
+                   help="times a failed knee step is run again before the search stops")
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--adapters", type=int, default=16)
     p.add_argument("--base-model", default="demo", help="the base model's name in the API")
@@ -348,7 +356,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--client", choices=("httpx", "aiohttp"), default="httpx",
+    p.add_argument("--client", choices=("httpx", "aiohttp"), default="aiohttp",
                    help="the HTTP client library of the load")
     p.add_argument("--out", default=None, help="also write the table to this file")
     p.add_argument("--ray-root-pid", type=int, default=None,

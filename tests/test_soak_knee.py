@@ -72,3 +72,42 @@ async def test_a_calibration_without_a_200_stops_with_the_answers_it_got(soak) -
     message = str(stopped.value)
     assert "no request was answered 200" in message and "'503'" in message, \
         f"the calibration says it got no 200 and what it got instead: {message!r}"
+
+
+def scripted_steps(soak, monkeypatch, p99s: list[float]) -> list[float]:
+    """Replace the knee's open-loop step by one whose k-th run answers every request 200 with a flat
+    latency of `p99s[k]` seconds; returns the rates the search asked for, in order."""
+    asked: list[float] = []
+
+    async def step(_client, _models, qps, _first, _rng, _args):
+        latency = p99s[len(asked)]
+        asked.append(qps)
+        return 100, Counter({"200": 100}), [latency] * 100
+
+    monkeypatch.setattr(soak, "knee_step", step)
+    return asked
+
+
+async def test_a_step_that_fails_once_and_then_holds_counts_as_held(soak, monkeypatch) -> None:
+    asked = scripted_steps(soak, monkeypatch, [0.2, 3.0, 0.2, 0.2, 0.2, 0.2])
+    args = soak.parser().parse_args(["--knee-fractions", "0.5,0.6,0.7"])
+    rated, lines = await soak.knee(None, ["a0"], 10.0, args)
+    assert asked == [5.0, 6.0, 6.0, 7.0], f"the 60% step is run again after one slow try: {asked}"
+    assert rated == 7.0, f"the highest step held on some try is the rating: {rated} ({lines})"
+    assert "try 2" in lines[2], f"the second try is labelled: {lines[2]!r}"
+
+
+async def test_a_step_that_fails_on_every_try_stops_the_search(soak, monkeypatch) -> None:
+    asked = scripted_steps(soak, monkeypatch, [0.2, 3.0, 3.0, 0.2])
+    args = soak.parser().parse_args(["--knee-fractions", "0.5,0.6,0.7"])
+    rated, _lines = await soak.knee(None, ["a0"], 10.0, args)
+    assert asked == [5.0, 6.0, 6.0], f"two failed tries of 60% end the search: {asked}"
+    assert rated == 5.0, f"the rating is the last step that held: {rated}"
+
+
+async def test_no_retry_when_retries_are_zero(soak, monkeypatch) -> None:
+    asked = scripted_steps(soak, monkeypatch, [3.0, 0.2])
+    args = soak.parser().parse_args(["--knee-fractions", "0.5,0.6", "--knee-retries", "0"])
+    rated, lines = await soak.knee(None, ["a0"], 10.0, args)
+    assert asked == [5.0], f"with --knee-retries 0 one failed try ends the search: {asked}"
+    assert rated == 5.0 and "warning" in lines[-1], f"no step held: the lowest, with a warning: {lines}"
