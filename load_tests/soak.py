@@ -27,8 +27,11 @@ server the client's CPU and the load generator, not the server, sets where it dr
 
 Every `--interval-s` it prints one row: answers by status, latency p50/p99 of that interval, the RSS
 and open fds summed over the Ray processes on this machine (by role: replicas, ingress, other Ray
-processes), so that leaks show as drift. It must run on the server's machine to see the processes;
-`--ray-root-pid` restricts them to one server's process tree.
+processes), so that leaks show as drift; after the last send it waits for every answer and prints
+a last row for them (the last interval's, and those that came after the end), then the whole run:
+requests sent and skipped, answers by status, the p99 over every 200 and the worst interval's p99.
+It must run on the server's machine to see the processes; `--ray-root-pid` restricts them to one
+server's process tree.
 """
 
 from __future__ import annotations
@@ -285,6 +288,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
         for line in lines[len(steps):]:  # the calibration's lines were printed as they came
             print(line, flush=True)
         current, in_flight, tasks, others = Interval(), 0, set(), Counter()
+        total, everything, worst = Counter(), [], [0.0]  # the whole soak, for its summary
         start = time.monotonic()
         end = start + args.minutes * 60
         next_report, next_send, i, sent, skipped = start + args.interval_s, start, 0, 0, 0
@@ -296,6 +300,29 @@ async def soak(args: argparse.Namespace) -> list[str]:
             current.statuses[status] += 1
             if status == "200":
                 current.latencies.append(latency)
+
+        async def report(now: float) -> None:
+            """One row for the answers since the last one; the counts start again."""
+            nonlocal current, sent, skipped
+            res = await asyncio.to_thread(resources, args.ray_root_pid)
+            s, p99 = current.statuses, percentile(current.latencies, 99)
+            other = sum(v for k, v in s.items() if k not in ("200", "429", "503"))
+            row = (f"| {now - start:.0f} | {sent} | {s['200']} | {s['429']} | {s['503']} | {other} "
+                   f"| {skipped} "
+                   f"| {1000 * percentile(current.latencies, 50):.0f} "
+                   f"| {1000 * p99:.0f} "
+                   f"| {res['replicas'][0]:.0f} | {res['ingress'][0]:.0f} | {res['ray'][0]:.0f} "
+                   f"| {sum(r[1] for r in res.values())} |")
+            print(row, flush=True)
+            lines.append(row)
+            others.update({k: v for k, v in s.items() if k not in ("200", "429", "503")})
+            total.update(s)
+            total["sent"] += sent
+            total["skipped"] += skipped
+            everything.extend(current.latencies)
+            if current.latencies:
+                worst[0] = max(worst[0], p99)
+            current, sent, skipped = Interval(), 0, 0
 
         while time.monotonic() < end:
             now = time.monotonic()
@@ -311,23 +338,16 @@ async def soak(args: argparse.Namespace) -> list[str]:
                 i += 1
                 next_send += rng.expovariate(qps)
             if now >= next_report:
-                res = await asyncio.to_thread(resources, args.ray_root_pid)
-                s = current.statuses
-                other = sum(v for k, v in s.items() if k not in ("200", "429", "503"))
-                row = (f"| {now - start:.0f} | {sent} | {s['200']} | {s['429']} | {s['503']} | {other} "
-                       f"| {skipped} "
-                       f"| {1000 * percentile(current.latencies, 50):.0f} "
-                       f"| {1000 * percentile(current.latencies, 99):.0f} "
-                       f"| {res['replicas'][0]:.0f} | {res['ingress'][0]:.0f} | {res['ray'][0]:.0f} "
-                       f"| {sum(r[1] for r in res.values())} |")
-                print(row, flush=True)
-                lines.append(row)
-                others.update({k: v for k, v in s.items() if k not in ("200", "429", "503")})
-                current, sent, skipped = Interval(), 0, 0
+                await report(now)
                 next_report += args.interval_s
-            await asyncio.sleep(min(next_send, next_report) - time.monotonic())
+            await asyncio.sleep(max(0.0, min(next_send, next_report, end) - time.monotonic()))
         await asyncio.gather(*tasks, return_exceptions=True)
-    tail = ["", f"other answers (status or client exception: count): {dict(others) or 'none'}"]
+        await report(time.monotonic())  # the last interval and the answers that came after the end
+    tail = ["", f"whole run: {total['sent']} sent, {total['skipped']} skipped, "
+                f"{dict((k, v) for k, v in total.items() if k not in ('sent', 'skipped'))}; "
+                f"p99 {1000 * percentile(everything, 99):.0f} ms over every 200, "
+                f"{1000 * worst[0]:.0f} ms in the worst interval"]
+    tail += [f"other answers (status or client exception: count): {dict(others) or 'none'}"]
     print("\n".join(tail), flush=True)
     return lines + tail
 

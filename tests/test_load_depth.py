@@ -79,3 +79,18 @@ async def test_a_refused_connection_is_an_answer_named_by_its_exception(soak) ->
     async with soak.http_client("aiohttp", f"http://127.0.0.1:{free_tcp_port()}", 1, 5.0) as client:
         status, _ = await soak.one(client, "a0", False, 4)
     assert status == "ClientConnectorError", f"no server there: the exception's name is the answer: {status}"
+
+
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
+async def test_the_soak_reports_every_answer_its_last_interval_included(soak, url, client: str) -> None:
+    args = soak.parser().parse_args(["--url", url, "--qps", "40", "--minutes", "0.05", "--interval-s", "1",
+                                     "--client", client, "--ray-root-pid", str(os.getpid())])
+    lines = await soak.soak(args)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines
+            if line.startswith("| ") and line[2].isdigit()]
+    sent, answered = sum(int(r[1]) for r in rows), sum(int(r[2]) for r in rows)
+    assert len(rows) >= 3, f"a row a second, and one for the last interval: {rows}"
+    assert float(rows[-1][0]) >= 3.0, f"the last row reaches the end of the 3 s run: {rows[-1]}"
+    assert sent > 0 and answered == sent, f"every request sent is answered 200 in a row: {sent}, {answered}"
+    summary = next(line for line in lines if line.startswith("whole run:"))
+    assert f"{sent} sent" in summary and f"'200': {sent}" in summary, f"the summary counts them: {summary}"
