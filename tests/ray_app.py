@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import free_tcp_port
+
+_session: dict[str, Path] = {}  # the running app's Ray session folder ("dir"), while `run_app` runs
+
+
+def serve_log(deployment: str) -> str:
+    """The text of Ray Serve's log files of `deployment`'s replicas in the running app's Ray session
+    (Serve writes them under `<session>/logs/serve/`, access lines included)."""
+    folder = _session["dir"] / "logs" / "serve"
+    files = sorted(folder.glob(f"replica_*_{deployment}_*.log"))
+    return "".join(p.read_text(errors="replace") for p in files)
 
 
 @contextlib.contextmanager
@@ -37,16 +48,19 @@ def run_app(config: dict[str, Any], *, name: str = "lora", env: dict[str, str] |
                                                                     "include_dashboard": False})
             for _ in range(nodes - 1):
                 cluster.add_node(num_cpus=1)
-            ray.init(address=cluster.address, configure_logging=False, log_to_driver=False, **workers)
+            context = ray.init(address=cluster.address, configure_logging=False, log_to_driver=False,
+                               **workers)
         else:  # "local": a Ray of its own, even while another test's Ray runs on this machine
-            ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
-                     log_to_driver=False, **workers)
+            context = ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
+                               log_to_driver=False, **workers)
+        _session["dir"] = Path(context.address_info["session_dir"])
         port = free_tcp_port()
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(build_app(config), name=name, route_prefix="/")
             yield f"http://127.0.0.1:{port}"
         finally:
+            _session.pop("dir", None)
             serve.shutdown()
             ray.shutdown()
     finally:

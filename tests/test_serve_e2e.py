@@ -16,6 +16,7 @@ import socket
 import httpx
 import pytest
 from helpers import adapter_hits, adapter_order, poll
+from ray_app import serve_log
 
 from lora_cluster.engine import SamplingParams
 
@@ -402,6 +403,20 @@ def test_metrics_are_exported(http):
 
 
 # ----- operator tooling against the running server: x-request-id, `lora-cluster status` / `adapters` -----
+
+
+def test_serves_access_lines_are_the_ingresss_http_lines_not_the_internal_calls(http):
+    r = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200, f"a completion is served: {r.text}"
+    internal = ("LoraReplica", "ClusterController")
+
+    def logged() -> bool:
+        return "POST /v1/completions 200" in serve_log("LoraIngress")
+
+    assert poll(logged, 10), "the ingress writes Serve's HTTP access line (method, path, status, latency)"
+    for deployment in internal:
+        lines = [line for line in serve_log(deployment).splitlines() if " CALL " in line]
+        assert not lines, f"{deployment} writes no access line per internal call by default: {lines[:3]}"
 
 
 def test_x_request_id_is_echoed_once_by_the_served_app(http):

@@ -547,3 +547,18 @@ async def test_a_cancelled_choice_ends_a_merged_response_with_an_abort_error():
         await asyncio.wait_for(consume(), 20)
     assert (1, {"n": 1}) in got, "the cancelled choice's items before the cancellation were delivered"
     assert all(c.cancelled for c in choices), "leaving the merge cancels every choice"
+
+
+def test_only_the_ingress_keeps_serves_access_line_unless_internal_calls_are_asked_for(monkeypatch):
+    from lora_cluster.serve.app import internal_logging
+    from lora_cluster.serve.controller_actor import ClusterController
+    from lora_cluster.serve.http.ingress import LoraIngress
+
+    config = ServeConfig()
+    assert ClusterController.options(logging_config=internal_logging(config)).logging_config[
+        "enable_access_log"] is False, "an internal deployment writes no access line per call by default"
+    assert LoraIngress.logging_config is None, (
+        "the ingress's logging_config is left to the application (Serve's HTTP access line stays on)")
+    monkeypatch.setenv("LORA_CLUSTER_INTERNAL_ACCESS_LOG", "true")
+    assert internal_logging(ServeConfig()) == {"enable_access_log": True}, (
+        "LORA_CLUSTER_INTERNAL_ACCESS_LOG=true turns the internal calls' access lines on")

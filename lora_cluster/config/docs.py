@@ -119,7 +119,8 @@ GROUPS = (
           ("tenants_file", "tenants_reload_period_s", "open_routes", "quota_lease_s", "quota_ticket_ttl_s"),
           ("docs/serving.md", "tenants-and-quotas")),
     Group("ops", "Metrics and logs",
-          ("metrics_max_adapter_labels", "metrics_max_tenant_labels", "metrics_label_window_s", "log_format"),
+          ("metrics_max_adapter_labels", "metrics_max_tenant_labels", "metrics_label_window_s", "log_format",
+           "internal_access_log"),
           ("docs/serving.md", "metrics")),
 )
 NESTED: dict[str, tuple[str, type[BaseModel]]] = {

@@ -346,6 +346,17 @@ class ServeConfig(EngineConfig):
         "object per line: ts, level, logger, message, request_id). Every line of a request carries its "
         "`x-request-id`.",
     )
+    internal_access_log: bool = Field(
+        False,
+        description="Ray Serve's access line (`CALL <method> OK <ms>`) for every call between lora-cluster's "
+        "own deployments: the ingress's calls to the LoRA replicas and the cluster controller, the replicas' "
+        "reports, the registry, quota ledger and metrics hub (three to five lines per request). Off: on the "
+        "demo server they cost 12% of the server's CPU per request (docs/soak.md, \"Serve's access lines\"), "
+        "and lora-cluster's metrics count those calls. The ingress's HTTP access line (method, path, "
+        "status, latency) is not one of them and follows the application's `logging_config` as before. "
+        "These deployments get `logging_config: {enable_access_log: <this>}` from the application; "
+        "serve_config.yaml's per-deployment `logging_config` still overrides it (log level, encoding).",
+    )
 
     # ----- overload protection: the ingress's routing-error breaker -----
     breaker_routing_warn: float = Field(

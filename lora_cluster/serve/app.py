@@ -28,6 +28,11 @@ code, and the way back). The ingress and the LoRA replicas keep blocking work of
 (tokenizer threads, the engine's loop thread), so both run on Serve's main loop instead
 (`SINGLE_LOOP_ENV` in their actors' environment); measured in docs/bench_router.md. An environment
 that sets either variable itself (`serve run`'s, the cluster's) keeps its value.
+
+Logs: every deployment but the ingress gets `logging_config` `{enable_access_log:
+internal_access_log}` (off by default): Serve's access line for each internal call (3-5 a request)
+costs more CPU than it tells (docs/soak.md, "Serve's access lines"); the ingress keeps Serve's HTTP
+access line under the application's own `logging_config`.
 """
 
 from __future__ import annotations
@@ -69,6 +74,14 @@ def single_loop(ray_actor_options: dict[str, Any]) -> dict[str, Any]:
     if not added:
         return ray_actor_options
     return {**ray_actor_options, "runtime_env": {**runtime_env, "env_vars": {**env_vars, **added}}}
+
+
+def internal_logging(config: ServeConfig) -> dict[str, Any]:
+    """The `logging_config` of every deployment but the ingress: Serve's access line for each call
+    only with `internal_access_log`. Set in code, it stands in for an application-level
+    `logging_config` on these deployments (Serve applies that only where code set none); a
+    per-deployment one in serve_config.yaml still overrides it."""
+    return {"enable_access_log": config.internal_access_log}
 
 
 def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
@@ -138,10 +151,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             room = config.cluster_queue_size + 4096
             n = config.controller_shards
             shards = [ClusterController.options(name=shard_deployment(group.controller, k),
-                                                max_ongoing_requests=room).bind(fields, k, n)
+                                                max_ongoing_requests=room,
+                                                logging_config=internal_logging(config)).bind(fields, k, n)
                       for k in range(n)]
             controller = shards[0] if n == 1 else shards
-        options = replica_options(config, group)
+        options = {**replica_options(config, group), "logging_config": internal_logging(config)}
         options["ray_actor_options"] = single_loop(options["ray_actor_options"])
         replicas[group.name] = LoraReplica.options(**options).bind(fields, controller, group.name)
         controllers[group.name] = controller
@@ -153,10 +167,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ledger = None
     if config.tenants_file is not None:  # check the file now (a broken one stops the start here)
         read_tenants(config.tenants_file, build_sla_classes(config).names)
-        ledger = QuotaLedger.bind(config.quota_ticket_ttl_s)
+        ledger = QuotaLedger.options(logging_config=internal_logging(config)).bind(config.quota_ticket_ttl_s)
     registry = hub = None
     if several_ingresses(config):
-        registry = AdapterRegistry.bind()
-        hub = MetricsHub.bind(config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
-                              config.metrics_label_window_s)
+        registry = AdapterRegistry.options(logging_config=internal_logging(config)).bind()
+        hub = MetricsHub.options(logging_config=internal_logging(config)).bind(
+            config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
+            config.metrics_label_window_s)
     return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub)
