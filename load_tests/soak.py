@@ -288,7 +288,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
         for line in lines[len(steps):]:  # the calibration's lines were printed as they came
             print(line, flush=True)
         current, in_flight, tasks, others = Interval(), 0, set(), Counter()
-        total, everything, worst = Counter(), [], [0.0]  # the whole soak, for its summary
+        total, everything, worst = Counter(), [], 0.0  # the whole soak, for its summary
         start = time.monotonic()
         end = start + args.minutes * 60
         next_report, next_send, i, sent, skipped = start + args.interval_s, start, 0, 0, 0
@@ -303,7 +303,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
 
         async def report(now: float) -> None:
             """One row for the answers since the last one; the counts start again."""
-            nonlocal current, sent, skipped
+            nonlocal current, sent, skipped, worst
             res = await asyncio.to_thread(resources, args.ray_root_pid)
             s, p99 = current.statuses, percentile(current.latencies, 99)
             other = sum(v for k, v in s.items() if k not in ("200", "429", "503"))
@@ -321,7 +321,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
             total["skipped"] += skipped
             everything.extend(current.latencies)
             if current.latencies:
-                worst[0] = max(worst[0], p99)
+                worst = max(worst, p99)
             current, sent, skipped = Interval(), 0, 0
 
         while time.monotonic() < end:
@@ -346,7 +346,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
     tail = ["", f"whole run: {total['sent']} sent, {total['skipped']} skipped, "
                 f"{dict((k, v) for k, v in total.items() if k not in ('sent', 'skipped'))}; "
                 f"p99 {1000 * percentile(everything, 99):.0f} ms over every 200, "
-                f"{1000 * worst[0]:.0f} ms in the worst interval"]
+                f"{1000 * worst:.0f} ms in the worst interval"]
     tail += [f"other answers (status or client exception: count): {dict(others) or 'none'}"]
     print("\n".join(tail), flush=True)
     return lines + tail
