@@ -350,7 +350,7 @@ class ServeConfig(EngineConfig):
         False,
         description="Ray Serve's access line (`CALL <method> OK <ms>`) for every call between lora-cluster's "
         "own deployments: the ingress's calls to the LoRA replicas and the cluster controller, the replicas' "
-        "reports, the registry, quota ledger and metrics hub (three to five lines per request). Off: on the "
+        "reports, the registry, quota ledger and metrics hub (one to three lines per request). Off: on the "
         "demo server they cost 5% of the server's CPU per request (docs/soak.md, \"Serve's access lines\"), "
         "and lora-cluster's metrics count those calls. The ingress's HTTP access line (method, path, "
         "status, latency) is not one of them and follows the application's `logging_config` as before. "

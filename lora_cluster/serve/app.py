@@ -30,7 +30,7 @@ code, and the way back). The ingress and the LoRA replicas keep blocking work of
 that sets either variable itself (`serve run`'s, the cluster's) keeps its value.
 
 Logs: every deployment but the ingress gets `logging_config` `{enable_access_log:
-internal_access_log}` (off by default): Serve's access lines for the internal calls (3-5 a request)
+internal_access_log}` (off by default): Serve's access lines for the internal calls (1-3 a request)
 cost about 5% of the server's CPU per request (docs/soak.md, "Serve's access lines"); the ingress
 keeps Serve's HTTP access line under the application's own `logging_config`.
 """
