@@ -87,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--client", choices=("httpx", "aiohttp"), default="httpx",
-                   help="the HTTP client library (httpx: the soak's)")
+                   help="the HTTP client library (httpx: as the first depth runs of docs/soak.md; "
+                        "load_tests/soak.py defaults to aiohttp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-root-pid", type=int, default=None,
                    help="count only the descendants of this process (e.g. `serve run`'s pid)")

@@ -52,6 +52,7 @@ import psutil
 from lora_cluster.sim.popularity import ZipfSampler
 
 PROMPT = "the river runs through the old town and"
+Client = httpx.AsyncClient | aiohttp.ClientSession  # the load's HTTP client (`http_client`)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def zipf_models(n: int, base: str, rng: random.Random) -> list[str]:
     return [names[i] for i in ZipfSampler(n, 1.1, extra_weights=[1.0]).draws(rng, 100_000)]
 
 
-async def one(client: httpx.AsyncClient | aiohttp.ClientSession, model: str, stream: bool,
+async def one(client: Client, model: str, stream: bool,
               max_tokens: int) -> tuple[str, float]:
     """One completion of `model` (streamed or not): (status or the client exception's name, seconds)."""
     body: dict = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
@@ -131,7 +132,7 @@ async def one(client: httpx.AsyncClient | aiohttp.ClientSession, model: str, str
 
 
 def http_client(library: str, url: str, connections: int,
-                timeout_s: float) -> httpx.AsyncClient | aiohttp.ClientSession:
+                timeout_s: float) -> Client:
     """The load's HTTP client: `library` ("httpx" or "aiohttp") with at most `connections` open to
     `url` and `timeout_s` per request."""
     if library == "aiohttp":
@@ -141,7 +142,7 @@ def http_client(library: str, url: str, connections: int,
     return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
 
 
-async def closed_loop(client: httpx.AsyncClient | aiohttp.ClientSession, models: list, clients: int,
+async def closed_loop(client: Client, models: list, clients: int,
                       seconds: float, max_tokens: int) -> tuple[Counter, list[float]]:
     """`clients` closed-loop clients (each sends its next request, not streamed, when its last one is
     answered) for `seconds`: the answers by status and the latencies of the 200s, both of the
@@ -163,14 +164,14 @@ async def closed_loop(client: httpx.AsyncClient | aiohttp.ClientSession, models:
     return statuses, latencies
 
 
-async def calibrate(client: httpx.AsyncClient | aiohttp.ClientSession, models: list,
+async def calibrate(client: Client, models: list,
                     args: argparse.Namespace) -> tuple[float, Counter]:
     """The closed-loop saturation rate (200s per second) and the answers by status."""
     statuses, _ = await closed_loop(client, models, args.concurrency, args.calibrate_s, args.max_tokens)
     return statuses["200"] / args.calibrate_s, statuses
 
 
-async def rated_load(client: httpx.AsyncClient, models: list,
+async def rated_load(client: Client, models: list,
                      args: argparse.Namespace) -> tuple[float, list[str]]:
     """The rated QPS (`--qps`, else measured: saturation, then the knee) and the lines that say how.
     Exits with a clear message when the calibration gets no 200 (a server not ready, or refusing)."""
@@ -187,7 +188,7 @@ async def rated_load(client: httpx.AsyncClient, models: list,
     return qps, [*steps, *knee_lines, ""]
 
 
-async def knee_step(client: httpx.AsyncClient, models: list, qps: float, first: int, rng: random.Random,
+async def knee_step(client: Client, models: list, qps: float, first: int, rng: random.Random,
                     args: argparse.Namespace) -> tuple[int, Counter, list[float]]:
     """Poisson arrivals at `qps` for `--knee-step-s`, from request `first` on; (requests sent,
     answers by status, latencies of the 200s in send order). Beyond `--max-in-flight` outstanding a
@@ -239,7 +240,7 @@ def step_verdict(sent: int, statuses: Counter, latencies: list[float], p99_bound
     return True, ""
 
 
-async def knee(client: httpx.AsyncClient, models: list, saturation: float,
+async def knee(client: Client, models: list, saturation: float,
                args: argparse.Namespace) -> tuple[float, list[str]]:
     """The highest step of `--knee-fractions` x `saturation` that held (`step_verdict`, see the
     module docstring), and one line per step tried."""
@@ -352,6 +353,13 @@ async def soak(args: argparse.Namespace) -> list[str]:
     return lines + tail
 
 
+def non_negative(value: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value!r}")
+    return int(value)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -367,7 +375,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--knee-growth", type=float, default=1.5,
                    help="a step whose last third's median latency exceeds this times its first "
                         "third's (+50 ms) is past the knee: a backlog builds")
-    p.add_argument("--knee-retries", type=int, default=1,
+    p.add_argument("--knee-retries", type=non_negative, default=1,
                    help="times a failed knee step is run again before the search stops")
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--adapters", type=int, default=16)
