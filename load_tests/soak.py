@@ -27,9 +27,12 @@ server the client's CPU and the load generator, not the server, sets where it dr
 
 Every `--interval-s` it prints one row: answers by status, latency p50/p99 of that interval, the RSS
 and open fds summed over the Ray processes on this machine (by role: replicas, ingress, other Ray
-processes), so that leaks show as drift; after the last send it waits for every answer and prints
-a last row for them (the last interval's, and those that came after the end), then the whole run:
-requests sent and skipped, answers by status, the p99 over every 200 and the worst interval's p99.
+processes), so that leaks show as drift, and the machine's CPU steal (the share of CPU time its
+hypervisor gave to other guests, `CpuSteal`; the calibration and every knee step say it too): on a
+shared VM a slow interval with a high steal is the host's, not the server's. After the last send
+it waits for every answer and prints a last row for them (the last interval's, and those that came
+after the end), then the whole run: requests sent and skipped, answers by status, the p99 over
+every 200 and the worst interval's p99.
 It must run on the server's machine to see the processes; `--ray-root-pid` restricts them to one
 server's process tree.
 """
@@ -59,6 +62,39 @@ Client = httpx.AsyncClient | aiohttp.ClientSession  # the load's HTTP client (`h
 class Interval:
     statuses: Counter = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
+
+
+class CpuSteal:
+    """The share of this machine's CPU time its hypervisor gave to other guests (the `steal` field of
+    /proc/stat's `cpu` line, over the sum of its fields) since the last call: on a shared VM the
+    server gets less of its cores while it is high, so a slow interval is read together with it.
+    None where /proc/stat is missing or has no steal field (not Linux)."""
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            with open(self.path) as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if len(fields) < 9 or fields[0] != "cpu":
+            return None
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        return ticks[7], sum(ticks)
+
+    def share_since_last(self) -> float | None:
+        now, last = self._read(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        return (now[0] - last[0]) / (now[1] - last[1])
+
+
+def steal_text(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}"
 
 
 def ray_processes(root_pid: int | None) -> dict[str, list[psutil.Process]]:
@@ -177,11 +213,13 @@ async def rated_load(client: Client, models: list,
     Exits with a clear message when the calibration gets no 200 (a server not ready, or refusing)."""
     if args.qps:
         return args.qps, []
+    steal = CpuSteal()
     saturation, statuses = await calibrate(client, models, args)
     if saturation <= 0:
         raise SystemExit(f"calibration: no request was answered 200 in {args.calibrate_s:g} s "
                          f"(answers: {dict(statuses)}); is the server at {args.url} ready?")
-    steps = [f"saturation ({args.concurrency} closed-loop clients): {saturation:.2f} req/s"]
+    steps = [f"saturation ({args.concurrency} closed-loop clients): {saturation:.2f} req/s, "
+             f"CPU steal {steal_text(steal.share_since_last())}%"]
     print(steps[-1], flush=True)
     qps, knee_lines = await knee(client, models, saturation, args)
     print("", flush=True)
@@ -250,12 +288,14 @@ async def knee(client: Client, models: list, saturation: float,
     for fraction in fractions:
         qps = fraction * saturation
         for attempt in range(1 + args.knee_retries):
+            steal = CpuSteal()
             sent, statuses, latencies = await knee_step(client, models, qps, first, rng, args)
             first += sent
             ok, why = step_verdict(sent, statuses, latencies, args.knee_p99_s, args.knee_growth)
             lines.append(f"knee step: {qps:.2f} req/s ({fraction:.0%} of saturation"
                          f"{f', try {attempt + 1}' if attempt else ''}), {sent} sent, "
-                         f"{dict(statuses)}, p99 {1000 * percentile(latencies, 99):.0f} ms: "
+                         f"{dict(statuses)}, p99 {1000 * percentile(latencies, 99):.0f} ms, "
+                         f"CPU steal {steal_text(steal.share_since_last())}%: "
                          f"{'within the knee' if ok else 'beyond the knee: ' + why}")
             print(lines[-1], flush=True)
             if ok:
@@ -283,14 +323,15 @@ async def soak(args: argparse.Namespace) -> list[str]:
         qps, steps = await rated_load(client, models, args)
         lines = [*steps, f"rated load: {qps:.2f} req/s ({'given' if args.qps else 'measured: the knee'}), "
                  f"{args.minutes:g} min, max_tokens {args.max_tokens}, {args.adapters} adapters (Zipf 1.1)",
-                 "", "| t (s) | sent | 200 | 429 | 503 | other | skipped | p50 ms | p99 ms | "
-                 "RSS replicas MiB | RSS ingress MiB | RSS other Ray MiB | open fds (all Ray) |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "",
+                 "| t (s) | sent | 200 | 429 | 503 | other | skipped | p50 ms | p99 ms | RSS replicas MiB | "
+                 "RSS ingress MiB | RSS other Ray MiB | open fds (all Ray) | CPU steal % |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for line in lines[len(steps):]:  # the calibration's lines were printed as they came
             print(line, flush=True)
         current, in_flight, tasks, others = Interval(), 0, set(), Counter()
         total, everything, worst = Counter(), [], 0.0  # the whole soak, for its summary
-        start = time.monotonic()
+        start, steal = time.monotonic(), CpuSteal()
         end = start + args.minutes * 60
         next_report, next_send, i, sent, skipped = start + args.interval_s, start, 0, 0, 0
 
@@ -313,7 +354,7 @@ async def soak(args: argparse.Namespace) -> list[str]:
                    f"| {1000 * percentile(current.latencies, 50):.0f} "
                    f"| {1000 * p99:.0f} "
                    f"| {res['replicas'][0]:.0f} | {res['ingress'][0]:.0f} | {res['ray'][0]:.0f} "
-                   f"| {sum(r[1] for r in res.values())} |")
+                   f"| {sum(r[1] for r in res.values())} | {steal_text(steal.share_since_last())} |")
             print(row, flush=True)
             lines.append(row)
             others.update({k: v for k, v in s.items() if k not in ("200", "429", "503")})
