@@ -94,6 +94,7 @@ class CpuSteal:
 
 
 def steal_text(share: float | None) -> str:
+    """A steal share as a whole percentage, "-" where there is none."""
     return "-" if share is None else f"{100 * share:.0f}"
 
 
