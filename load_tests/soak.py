@@ -46,7 +46,9 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import httpx
@@ -65,25 +67,25 @@ class Interval:
 
 
 class CpuSteal:
-    """The share of this machine's CPU time its hypervisor gave to other guests (the `steal` field of
-    /proc/stat's `cpu` line, over the sum of its fields) since the last call: on a shared VM the
-    server gets less of its cores while it is high, so a slow interval is read together with it.
-    None where /proc/stat is missing or has no steal field (not Linux)."""
+    """The share of this machine's CPU time its hypervisor gave to other guests (`steal` of
+    `psutil.cpu_times()`, over the sum of user, nice, system, idle, iowait, irq, softirq and steal)
+    since the last call: on a shared VM the server gets less of its cores while it is high, so a slow
+    interval is read together with it. None where there is no steal time (not Linux) or no reading."""
 
-    def __init__(self, path: str = "/proc/stat") -> None:
-        self.path = path
+    FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+    def __init__(self, cpu_times: Callable[[], Any] = psutil.cpu_times) -> None:
+        self.cpu_times = cpu_times
         self._last = self._read()
 
-    def _read(self) -> tuple[int, int] | None:
+    def _read(self) -> tuple[float, float] | None:
         try:
-            with open(self.path) as f:
-                fields = f.readline().split()
-        except OSError:
+            times = self.cpu_times()
+        except OSError:  # psutil reads /proc/stat
             return None
-        if len(fields) < 9 or fields[0] != "cpu":
+        if not hasattr(times, "steal"):
             return None
-        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
-        return ticks[7], sum(ticks)
+        return times.steal, sum(getattr(times, name, 0.0) for name in self.FIELDS)
 
     def share_since_last(self) -> float | None:
         now, last = self._read(), self._last

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import free_tcp_port, script_module
@@ -99,24 +100,26 @@ async def test_the_soak_reports_every_answer_its_last_interval_included(soak, ur
     assert all(len(r) == 14 for r in rows), f"every row has a value for each of the 14 columns: {rows}"
 
 
-def _stat_line(steal: int, others: int) -> str:
-    """/proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice."""
-    return f"cpu  {others} 0 0 0 0 0 0 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"
+def _times(steal: float, others: float) -> SimpleNamespace:
+    """What `psutil.cpu_times()` gives on Linux: seconds per kind of CPU time (here all but steal in user)."""
+    return SimpleNamespace(user=others, nice=0.0, system=0.0, idle=0.0, iowait=0.0, irq=0.0, softirq=0.0,
+                           steal=steal, guest=0.0, guest_nice=0.0)
 
 
-def test_the_steal_share_is_the_hypervisors_ticks_over_all_since_the_last_reading(soak, tmp_path) -> None:
-    stat = tmp_path / "stat"
-    stat.write_text(_stat_line(steal=100, others=900))
-    steal = soak.CpuSteal(str(stat))
-    stat.write_text(_stat_line(steal=400, others=1600))  # +300 stolen of +1000 ticks
+def test_the_steal_share_is_the_hypervisors_ticks_over_all_since_the_last_reading(soak) -> None:
+    # +300 stolen of +1000, then +0 of +1000, then no tick at all
+    readings = iter([_times(steal=100, others=900), _times(steal=400, others=1600),
+                     _times(steal=400, others=2600), _times(steal=400, others=2600)])
+    steal = soak.CpuSteal(lambda: next(readings))
     assert steal.share_since_last() == pytest.approx(0.3), "300 of the 1,000 ticks since were stolen"
-    stat.write_text(_stat_line(steal=400, others=2600))  # +0 of +1000
     assert steal.share_since_last() == 0.0, "each reading counts from the one before"
     assert steal.share_since_last() is None, "no tick since the last reading: no share"
     assert soak.steal_text(0.304) == "30" and soak.steal_text(None) == "-", "a percentage, or a dash"
 
 
-def test_no_proc_stat_gives_no_steal_share(soak, tmp_path) -> None:
-    assert soak.CpuSteal(str(tmp_path / "missing")).share_since_last() is None, "no /proc/stat: None"
-    (tmp_path / "short").write_text("cpu  1 2 3 4\n")
-    assert soak.CpuSteal(str(tmp_path / "short")).share_since_last() is None, "no steal field: None"
+def test_no_proc_stat_gives_no_steal_share(soak) -> None:
+    def missing() -> None:
+        raise FileNotFoundError("/proc/stat")
+    assert soak.CpuSteal(missing).share_since_last() is None, "no /proc/stat: None"
+    no_steal = SimpleNamespace(user=1.0, nice=2.0, system=3.0, idle=4.0)
+    assert soak.CpuSteal(lambda: no_steal).share_since_last() is None, "no steal field: None"
