@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helpers import free_tcp_port
-from ray_app import run_app
+from ray_app import run_app, stop_shared_ray
 from remote_sources import S3, TcpProxy
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
@@ -77,11 +77,28 @@ def free_port() -> Callable[[], int]:
     return free_tcp_port
 
 
-# ----- Ray Serve: one app per use, on a Ray of its own, the environment restored afterwards -----
+# ----- Ray Serve: one app per use, on a Ray kept between apps, the environment restored after -----
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that start Ray Serve applications run last, those marked `own_ray` (not on the local
+    Ray: `ray_app(..., env=...)` or `nodes=`) first among them; otherwise in the collected order. So
+    the local Ray kept between applications (`ray_app.run_app`) starts once and no other test runs
+    beside it."""
+    def module_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    rank: dict[str, int] = {}  # module -> 0: no application, 1: own_ray, 2: on the local Ray
+    for item in items:
+        if "ray_app" in getattr(item, "fixturenames", ()):
+            own = item.get_closest_marker("own_ray") is not None
+            rank[module_of(item)] = max(rank.get(module_of(item), 0), 1 if own else 2)
+    position = {id(item): k for k, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(module_of(item), 0), position[id(item)]))
 
 
 @pytest.fixture(scope="session")
-def ray_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
+def ray_app() -> Iterator[Callable[..., contextlib.AbstractContextManager[str]]]:
     """`with ray_app(config, name="lora", env=None, nodes=0) as url:` runs the application built from
     `config` on Ray Serve for the `with` block (see `ray_app.run_app`). Use it in a module-scoped fixture so
     that a module's tests share one app:
@@ -91,7 +108,8 @@ def ray_app() -> Callable[..., contextlib.AbstractContextManager[str]]:
             with ray_app(app_config) as url:
                 yield url
     """
-    return run_app
+    yield run_app
+    stop_shared_ray()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,14 @@
-"""One Ray Serve application per use, on a Ray of its own, the environment restored afterwards
-(conftest's `ray_app` fixture hands out `run_app`)."""
+"""Ray Serve applications for the end-to-end tests, the environment restored afterwards (conftest's
+`ray_app` fixture hands out `run_app`).
+
+Applications run one after the other on one Ray with Serve started once, kept between them
+(`_Ray`): starting and stopping a local Ray and Serve costs about 18 s on this machine, deleting an
+application 3 s. The Ray is kept while the next application asks for the same kind (local, or a
+multi-node cluster of as many nodes); an application with an environment of its own for the workers
+(`env`: Ray fixes a job's environment when it starts) gets a Ray of its own, stopped after it.
+conftest runs the modules that start applications last, those not on the local Ray (marked
+`own_ray`) first among them, so that the local Ray starts once and idles through no other test.
+"""
 
 from __future__ import annotations
 
@@ -11,59 +20,111 @@ from typing import Any
 import pytest
 from helpers import free_tcp_port
 
-_session: dict[str, Path] = {}  # the running app's Ray session folder ("dir"), while `run_app` runs
+_session: dict[str, Any] = {}  # the running app's Ray session folder ("dir") and its older log files ("old")
 
 
 def serve_log(deployment: str) -> str:
-    """The text of Ray Serve's log files of `deployment`'s replicas in the running app's Ray session
-    (Serve writes them under `<session>/logs/serve/`, access lines included)."""
+    """The text of Ray Serve's log files of `deployment`'s replicas in the running app (Serve writes them
+    under `<session>/logs/serve/`, access lines included; files of the applications before it on the
+    same Ray are left out)."""
     folder = _session["dir"] / "logs" / "serve"
-    files = sorted(folder.glob(f"replica_*_{deployment}_*.log"))
+    files = sorted(set(folder.glob(f"replica_*_{deployment}_*.log")) - _session["old"])
     return "".join(p.read_text(errors="replace") for p in files)
+
+
+def _log_files(session_dir: Path) -> set[Path]:
+    return set((session_dir / "logs" / "serve").glob("replica_*.log"))
+
+
+class _Ray:
+    """Ray started on 127.0.0.1 with token auth off (`RAY_AUTH_MODE=disabled`, which Ray would
+    otherwise require) and Serve on a free port: a local Ray of 4 CPUs (`nodes` 0) or a multi-node
+    `ray.cluster_utils.Cluster` of `nodes` one-CPU nodes; `env` set in this process and in every Ray
+    worker until `stop`."""
+
+    def __init__(self, nodes: int, env: dict[str, str] | None):
+        import ray
+        from ray import serve
+
+        self.nodes, self.env = nodes, env
+        self._patch = pytest.MonkeyPatch()
+        for key, value in {"RAY_AUTH_MODE": "disabled", **(env or {})}.items():
+            self._patch.setenv(key, value)
+        workers = {"runtime_env": {"env_vars": env}} if env else {}  # beyond what they inherit from here
+        self._cluster: Any = None
+        try:
+            if nodes:
+                from ray.cluster_utils import Cluster
+
+                self._cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
+                                                                              "include_dashboard": False})
+                for _ in range(nodes - 1):
+                    self._cluster.add_node(num_cpus=1)
+                context = ray.init(address=self._cluster.address, configure_logging=False,
+                                   log_to_driver=False, **workers)
+            else:  # "local": a Ray of its own, even while another test's Ray runs on this machine
+                context = ray.init(address="local", num_cpus=4, include_dashboard=False,
+                                   configure_logging=False, log_to_driver=False, **workers)
+            self.dir = Path(context.address_info["session_dir"])
+            port = free_tcp_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            self.url = f"http://127.0.0.1:{port}"
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Serve, Ray, the cluster and the environment given back."""
+        import ray
+        from ray import serve
+
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+                ray.shutdown()
+        finally:
+            if self._cluster is not None:
+                self._cluster.shutdown()
+            self._patch.undo()
+
+
+_kept: list[_Ray] = []  # the Ray kept for the next application (at most one)
+
+
+def stop_shared_ray() -> None:
+    """Stop the Ray kept between applications, if there is one (at the end of the test session)."""
+    while _kept:
+        _kept.pop().stop()
 
 
 @contextlib.contextmanager
 def run_app(config: dict[str, Any], *, name: str = "lora", env: dict[str, str] | None = None,
-             nodes: int = 0) -> Iterator[str]:
-    """Ray started on 127.0.0.1 with token auth off (`RAY_AUTH_MODE=disabled`, which Ray would
-    otherwise require), Serve on a free port and `build_app(config)` deployed as `name` at "/"; yields
-    the app's URL. `env` is set in this process and in every Ray worker for as long as the app runs.
-    `nodes` > 0 runs a multi-node `ray.cluster_utils.Cluster` of that many one-CPU nodes instead of a
-    local Ray of 4 CPUs. Serve, Ray, the cluster and the environment are all given back afterwards."""
-    import ray
+            nodes: int = 0) -> Iterator[str]:
+    """`build_app(config)` deployed as `name` at "/" on Ray Serve (see `_Ray` for `nodes` and `env`);
+    yields the app's URL. The app is deleted afterwards, and its Ray kept for the next application
+    of the same `nodes` without `env`; with `env`, its own Ray is stopped with it."""
     from ray import serve
 
     from lora_cluster.serve.app import build_app
 
-    workers = {"runtime_env": {"env_vars": env}} if env else {}  # beyond what they inherit from here
-    patch = pytest.MonkeyPatch()
-    for key, value in {"RAY_AUTH_MODE": "disabled", **(env or {})}.items():
-        patch.setenv(key, value)
-    cluster = None
+    if _kept and (env or _kept[0].nodes != nodes):
+        stop_shared_ray()
+    current = _kept.pop() if _kept else _Ray(nodes, env)
+    _session.update(dir=current.dir, old=_log_files(current.dir))
     try:
-        if nodes:
-            from ray.cluster_utils import Cluster
-
-            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
-                                                                    "include_dashboard": False})
-            for _ in range(nodes - 1):
-                cluster.add_node(num_cpus=1)
-            context = ray.init(address=cluster.address, configure_logging=False, log_to_driver=False,
-                               **workers)
-        else:  # "local": a Ray of its own, even while another test's Ray runs on this machine
-            context = ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
-                               log_to_driver=False, **workers)
-        _session["dir"] = Path(context.address_info["session_dir"])
-        port = free_tcp_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(config), name=name, route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            _session.pop("dir", None)
-            serve.shutdown()
-            ray.shutdown()
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-        patch.undo()
+        serve.run(build_app(config), name=name, route_prefix="/")
+        yield current.url
+    except BaseException:
+        _session.clear()
+        current.stop()
+        raise
+    _session.clear()
+    if env:
+        current.stop()
+        return
+    try:
+        serve.delete(name)
+    except BaseException:
+        current.stop()  # a Serve that cannot delete an application is not kept
+        raise
+    _kept.append(current)
