@@ -1,15 +1,18 @@
 // lora_kernels.native: add_lora for decode-like batches on CPU, each token's weights read in place.
 // Semantics, shapes and the policy that calls it: kernels/lora_kernels/native.py.
-#include <torch/extension.h>
+// Only the headers it needs (ATen's Tensor, its thread pool, torch's pybind11 casters), not
+// <torch/extension.h>, which includes the whole C++ frontend: the build takes 16 s here instead of 45.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <vector>
 
 namespace {
 
-void check_rows(const torch::Tensor& t, const char* name, int64_t dims) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+void check_rows(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == dims && t.stride(dims - 1) == 1, name, " must be ", dims, "-D with unit last stride");
 }
 
@@ -60,8 +63,8 @@ void token_lora(float* __restrict ot, const float* __restrict xt, const float* _
 // out[t] += (x[t] @ a[s, :r].T) @ b_t[s, :r] for every token t of a segment with slot s >= 0 and rank
 // r = min(seg_rank, R) > 0; other rows of out untouched. a: [L, R, K], b_t: [L, R, N] (the pool's B
 // stored rank-major), x: [T, K], out: [T, N]; any row strides, unit last stride.
-void add_lora(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b_t,
-              torch::Tensor seg_indptr, torch::Tensor seg_slot, torch::Tensor seg_rank) {
+void add_lora(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b_t,
+              at::Tensor seg_indptr, at::Tensor seg_slot, at::Tensor seg_rank) {
   check_rows(out, "out", 2);
   check_rows(x, "x", 2);
   check_rows(a, "lora_a", 3);
@@ -70,7 +73,7 @@ void add_lora(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
   TORCH_CHECK(out.size(0) == T && a.size(2) == K && b_t.size(0) == L && b_t.size(1) == R && b_t.size(2) == N,
               "add_lora: shapes do not match");
   for (const auto* t : {&seg_indptr, &seg_slot, &seg_rank})
-    TORCH_CHECK(t->dim() == 1 && t->is_contiguous() && t->scalar_type() == torch::kInt64,
+    TORCH_CHECK(t->dim() == 1 && t->is_contiguous() && t->scalar_type() == at::kLong,
                 "add_lora: segment tensors must be contiguous 1-D int64");
   const int64_t S = seg_slot.size(0);
   const int64_t* ip = seg_indptr.data_ptr<int64_t>();
