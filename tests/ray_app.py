@@ -46,7 +46,7 @@ class _Ray:
         import ray
         from ray import serve
 
-        self.nodes, self.env = nodes, env
+        self.nodes = nodes
         self._patch = pytest.MonkeyPatch()
         for key, value in {"RAY_AUTH_MODE": "disabled", **(env or {})}.items():
             self._patch.setenv(key, value)

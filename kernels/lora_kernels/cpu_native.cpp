@@ -1,7 +1,7 @@
 // lora_kernels.native: add_lora for decode-like batches on CPU, each token's weights read in place.
 // Semantics, shapes and the policy that calls it: kernels/lora_kernels/native.py.
 // Only the headers it needs (ATen's Tensor, its thread pool, torch's pybind11 casters), not
-// <torch/extension.h>, which includes the whole C++ frontend: the build takes 16 s here instead of 45.
+// <torch/extension.h>, which includes the whole C++ frontend: the build takes 17 s here instead of 43.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
