@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helpers import free_tcp_port
-from ray_app import run_app, stop_shared_ray
+from ray_app import run_app, stop_kept_ray
 from remote_sources import S3, TcpProxy
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
@@ -109,7 +109,7 @@ def ray_app() -> Iterator[Callable[..., contextlib.AbstractContextManager[str]]]
                 yield url
     """
     yield run_app
-    stop_shared_ray()
+    stop_kept_ray()
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,7 @@ class _Ray:
 _kept: list[_Ray] = []  # the Ray kept for the next application (at most one)
 
 
-def stop_shared_ray() -> None:
+def stop_kept_ray() -> None:
     """Stop the Ray kept between applications, if there is one (at the end of the test session)."""
     while _kept:
         _kept.pop().stop()
@@ -108,23 +108,17 @@ def run_app(config: dict[str, Any], *, name: str = "lora", env: dict[str, str] |
     from lora_cluster.serve.app import build_app
 
     if _kept and (env or _kept[0].nodes != nodes):
-        stop_shared_ray()
-    current = _kept.pop() if _kept else _Ray(nodes, env)
+        stop_kept_ray()
+    current: _Ray | None = _kept.pop() if _kept else _Ray(nodes, env)
     _session.update(dir=current.dir, old=_log_files(current.dir))
     try:
         serve.run(build_app(config), name=name, route_prefix="/")
         yield current.url
-    except BaseException:
+        if not env:  # kept for the next application (a Serve that cannot delete one is not)
+            serve.delete(name)
+            _kept.append(current)
+            current = None
+    finally:
         _session.clear()
-        current.stop()
-        raise
-    _session.clear()
-    if env:
-        current.stop()
-        return
-    try:
-        serve.delete(name)
-    except BaseException:
-        current.stop()  # a Serve that cannot delete an application is not kept
-        raise
-    _kept.append(current)
+        if current is not None:
+            current.stop()
