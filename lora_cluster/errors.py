@@ -120,6 +120,11 @@ class ClusterOverloadedError(LoraClusterError):
         super().__init__(message)
 
 
+class QueueFullError(ClusterOverloadedError):
+    """The cluster queue is full (`cluster_queue_size`) of requests at least as urgent (429 with
+    Retry-After; `cluster.cluster_queue`)."""
+
+
 class DeadlineOutOfReachError(ClusterOverloadedError):
     """The cluster queue refused a request because its predicted wait would miss its class's TTFT
     target (429). Its class is then shedding load (`cluster.shedding`)."""

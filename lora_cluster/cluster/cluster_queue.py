@@ -51,7 +51,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from lora_cluster.errors import ClusterOverloadedError, DeadlineOutOfReachError, RequestError, WaitBoundError
+from lora_cluster.errors import (
+    ClusterOverloadedError,
+    DeadlineOutOfReachError,
+    QueueFullError,
+    RequestError,
+    WaitBoundError,
+)
 
 ADMIT_WAIT_SHARE = 0.5  # of the wait bound: a class without a TTFT target admits while its backlog waits less
 OVERDUE_SHARE = 0.75  # of the wait bound: such a ticket then goes first (the rest is left for a slot to free)
@@ -184,7 +190,7 @@ class ClusterQueue:
             if self._ranks and self._ranks[-1][:2] > self._rank(ticket):
                 bump = self._entries[self._ranks[-1][3]].ticket
             else:
-                raise ClusterOverloadedError(
+                raise QueueFullError(
                     f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size)",
                     retry_after_s=self._retry_after(len(self._entries)),
                 )

@@ -1,7 +1,9 @@
 """The cluster controller's state machine: replica reports in, queued requests out to replicas.
 
 Inputs: `report` (each replica, every period and when a request finishes while requests are
-queued), `park` (an ingress has a request that no replica can take now), `cancel` (the request went
+queued), `park` / `park_many` (an ingress has a request that no replica can take now; the actor
+hands over the parks of one batch window at once, and dispatches once for that window's reports:
+`report(..., dispatch=False)`, then `dispatch`), `cancel` (the request went
 away) and `tick` (time passes: stale replicas are forgotten, waiting tickets may now preempt).
 Outputs: grants (`take_grants`: ticket -> replica, and whether it preempts), each report's reply
 (how many requests are queued, so the replica reports again as soon as it frees a slot, and which
@@ -23,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +47,7 @@ from lora_cluster.cluster.scheduling import (
 )
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.errors import DeadlineOutOfReachError, WaitBoundError
+from lora_cluster.errors import DeadlineOutOfReachError, LoraClusterError, WaitBoundError
 
 DEFAULT_SERVICE_TIME_S = 1.0
 TICK_S = 0.05  # `tick` runs this often: stale replicas, preemption of long-waiting urgent tickets
@@ -101,11 +103,13 @@ class Controller:
 
     # ----- inputs ---------------------------------------------------------------------------
 
-    def report(self, report: ReplicaReport | ReportDelta) -> dict[str, Any]:
+    def report(self, report: ReplicaReport | ReportDelta, dispatch: bool = True) -> dict[str, Any]:
         """Take a replica's report, full or a delta (`report_delta`); returns its reply (`queue_depth`,
         `prefetch`, and `resync` when a delta's base is not the report held for that replica: after a
         restart, or a lost reply; its arrived tickets and demand still count, and the replica sends a
-        full report at once)."""
+        full report at once). With `dispatch` False the queue is not dispatched for the room it
+        reports: the caller calls `dispatch` later, once for every report of its batch window (the
+        reply's `queue_depth` then counts tickets that dispatch may grant)."""
         self.counts["reports"] += 1
         base = self.view.get(report.replica_id)
         if isinstance(report, ReportDelta):
@@ -126,7 +130,8 @@ class Controller:
         self.demand.record(report.adapter_requests)
         if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
             self._replan()
-        self._dispatch()
+        if dispatch:
+            self._dispatch()
         targeted = self._by_replica.get(report.replica_id, ())
         prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
         return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch)}
@@ -137,8 +142,50 @@ class Controller:
         requests in flight (`{"inflight": {replica: n}, "unassigned": n}`, see `ClusterView.claim`).
         Raises ClusterOverloadedError (a `ColdAdapterShedError` while its class sheds load and no
         replica holds its adapter: `cluster.shedding`)."""
-        if claims is not None:
-            self.view.claim(ticket.ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
+        outcome = self.park_many([(ticket, claims)])[0]
+        if isinstance(outcome, LoraClusterError):
+            raise outcome
+        return outcome
+
+    def park_many(self, parks: Sequence[tuple[Ticket, Mapping[str, Any] | None]]
+                  ) -> list[Grant | Refusal | LoraClusterError | None]:
+        """Queue several tickets at once (the parks that reached the controller within one batch
+        window: `controller_batch_window_s`), each admitted as `park` admits it, in the order given;
+        then the queue is dispatched once for all of them. Returns each ticket's outcome, in order:
+        its grant or refusal if decided at once, None if it waits, or the error that refused it (a
+        ClusterOverloadedError; a RequestError for a ticket id already queued), returned, not
+        raised: the others still count. Each ingress's latest claims are applied once. Equal to
+        parking them one by one except that a ticket granted at once is granted at the batch's end,
+        in queue order, so the batch's most urgent go first; while the queue is full and replicas
+        have room, the queue is dispatched before the next ticket is admitted (so a full queue
+        never refuses a ticket a free slot could take). Cost: O(batch) for the admission plus one
+        dispatch, where one by one costs a dispatch and a claim comparison per ticket."""
+        latest: dict[str, Mapping[str, Any]] = {}
+        for ticket, claims in parks:
+            if claims is not None:
+                latest[ticket.ingress_id] = claims
+        for ingress_id, claims in latest.items():
+            self.view.claim(ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
+        outcomes: list[Grant | Refusal | LoraClusterError | None] = []
+        room = self._room()  # admitting tickets changes no replica's room; a dispatch does
+        for ticket, _ in parks:
+            if room > 0 and len(self.queue) >= self.queue.max_size:
+                full = len(self.queue)
+                self._dispatch()
+                room = self._room() if len(self.queue) < full else 0  # 0: nothing it can grant now
+            try:
+                self._admit(ticket)
+            except LoraClusterError as error:
+                outcomes.append(error)
+            else:
+                outcomes.append(None)
+        self._dispatch()
+        return [self._grants.pop(t.ticket_id, None) if outcome is None else outcome
+                for (t, _), outcome in zip(parks, outcomes, strict=True)]
+
+    def _admit(self, ticket: Ticket) -> None:
+        """Shed, refuse or queue one ticket (no dispatch); raises ClusterOverloadedError (or
+        RequestError: its id is already queued)."""
         predicted = self.queue.predicted_wait_s(ticket, self._expected_rate())
         if self.shedding.refuses(ticket, self.view, self.queue.top_priority, predicted):
             self.counts["rejected"] += 1
@@ -171,8 +218,11 @@ class Controller:
             if holder_preemption_target(ticket, self.view) is not None:
                 at = ticket.enqueued_at  # a hit by preemption now beats a miss later
             heapq.heappush(self._preempt_at, (at, next(self._seq), ticket))
+
+    def dispatch(self) -> None:
+        """Grant what the replicas' room allows, and let urgent tickets preempt (after reports taken
+        with `dispatch=False`); `take_grants` then has the grants."""
         self._dispatch()
-        return self._grants.pop(ticket.ticket_id, None)
 
     def cancel(self, ticket_id: str) -> None:
         """The request went away: drop its ticket or its unclaimed grant."""
@@ -213,11 +263,14 @@ class Controller:
         if len(self._grants) > MAX_UNCLAIMED_GRANTS:  # nobody takes them: the actor is gone
             self._grants.pop(next(iter(self._grants)))
 
+    def _room(self) -> int:
+        """The free room to grant: direct requests on their way will take some of it."""
+        return self.view.total_free() - self.view.unassigned()
+
     def _dispatch(self) -> None:
         if not len(self.queue):
             return
-        # direct requests on their way will take some of the room: grant only what is left
-        room = self.view.total_free() - self.view.unassigned()
+        room = self._room()
         while room > 0:
             overdue = self.queue.overdue()  # waited the bound of its class: it goes first, wherever
             ticket = overdue or self.queue.peek()

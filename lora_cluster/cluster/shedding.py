@@ -30,7 +30,7 @@ can carry, every request is queued as before. `window_s` 0 and `pressure` 0 turn
 Trade-off (measured in docs/scale.md): under sustained overload the adapters that are rarely used
 (the tail of the popularity curve) get more of their class's 429s than the popular ones, as with a
 cost-aware admission; their requests of the most urgent class are still served.
-Pure: injected clock; O(classes) state, O(replicas) per checked ticket.
+Pure: injected clock; O(classes) state, O(1) per checked ticket (the view's holders index).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from collections.abc import Callable
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
-from lora_cluster.cluster.scheduling import holds
 from lora_cluster.errors import ColdAdapterShedError
 
 
@@ -78,7 +77,7 @@ class ColdShedding:
             return False
         if not (self.shedding(ticket.priority) or self.under_pressure(ticket, predicted_wait_s)):
             return False
-        return not any(holds(view, rid, ticket.adapter_id) for rid in view.ids())
+        return not view.holders(ticket.adapter_id)
 
     def error(self, ticket: Ticket, retry_after_s: float | None) -> ColdAdapterShedError:
         """The refusal of a ticket that `refuses` names: which class, which adapter, which setting."""

@@ -102,7 +102,7 @@ GROUPS = (
            "cluster_queue_aging_s", "cluster_queue_timeout_s", "cluster_queue_max_wait_s",
            "cold_shed_window_s", "cold_shed_pressure",
            "preempt_after_fraction", "top_class_preempt_after_fraction", "controller_report_period_s",
-           "controller_report_coalesce_s", "placement_hot_share"),
+           "controller_report_coalesce_s", "controller_batch_window_s", "placement_hot_share"),
           ("docs/serving.md", "cluster-controller")),
     Group("groups", "Replica groups",
           ("replica_groups",),

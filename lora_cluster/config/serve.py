@@ -296,6 +296,15 @@ class ServeConfig(EngineConfig):
         "#reports-that-scale: 0.02 completed 3-4% more requests at 2x load in the simulator, at 8 reports "
         "a second per replica).",
     )
+    controller_batch_window_s: float = Field(
+        0.002,
+        ge=0,
+        le=0.1,
+        description="The cluster controller takes the parked requests and replica reports of this many "
+        "seconds as one batch: one dispatch of its queue and one update of each ingress's claims per "
+        "batch, not per call (a parked request, or a slot a report frees, waits at most this much longer "
+        "for its grant; 0: a batch per event-loop turn). See docs/scale.md#batch-windows.",
+    )
     placement_hot_share: float = Field(
         0.5,
         gt=0,

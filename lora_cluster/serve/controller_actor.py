@@ -7,9 +7,11 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
   finishes while requests are queued or the replica was full (`cluster.report_rules.report_on_finish`,
   at most one per `controller_report_coalesce_s`); a full report or a delta
   (`cluster.report_delta`); the reply says how many are queued, what to prefetch, and `resync` when
-  a delta's base is not held (a restarted actor), so that the replica sends its full report;
-* `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket and
-  returns when it is granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
+  a delta's base is not held (a restarted actor), so that the replica sends its full report; the
+  room it reports is granted when its batch window is sent (`serve.batch_window`);
+* `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket (with the
+  other parks of its `controller_batch_window_s` window, `serve.batch_window`) and returns when it is
+  granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
   at once or later, when more urgent tickets bump it out of a full queue) or timed out
   (`{"timeout": true}`); a cancelled call (client gone) drops its ticket;
 * `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router;
@@ -44,7 +46,8 @@ from lora_cluster.cluster.report_delta import parse_report
 from lora_cluster.cluster.sharding import owns
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import ClusterOverloadedError
+from lora_cluster.errors import ClusterOverloadedError, LoraClusterError
+from lora_cluster.serve.batch_window import BatchWindow
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class ClusterController:
         self._waiters: dict[str, asyncio.Future[Grant | Refusal]] = {}
         self._parked_by: collections.Counter[str] = collections.Counter()  # ingress -> its waiting tickets
         self._ticker: asyncio.Task[None] | None = None
+        self._window = BatchWindow(self.core.park_many, self.core.dispatch, cfg.controller_batch_window_s,
+                                   after=self._deliver)
         self.shard, self.shards = shard, shards
 
     def _own(self, adapter_id: str) -> bool:
@@ -86,8 +91,8 @@ class ClusterController:
 
     async def report(self, report: dict[str, Any]) -> dict[str, Any]:
         self._ensure_ticker()
-        reply = self.core.report(parse_report(report))
-        self._deliver()
+        reply = self.core.report(parse_report(report), dispatch=False)
+        self._window.dispatch_soon()  # the room it reports is granted with the window's other inputs
         if self.shards > 1:  # another shard places (and has prefetched) the other adapters
             reply["prefetch"] = [a for a in reply.get("prefetch", ()) if self._own(a)]
         return reply
@@ -110,11 +115,11 @@ class ClusterController:
         waiter: asyncio.Future[Grant | Refusal] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.ticket_id] = waiter
         try:
-            try:
-                grant = self.core.park(ticket, request.get("claims"))
-            except ClusterOverloadedError as e:
-                return {"overloaded": str(e), "retry_after_s": e.retry_after_s}
-            self._deliver()
+            grant = await self._window.park(ticket, request.get("claims"))
+            if isinstance(grant, ClusterOverloadedError):
+                return {"overloaded": str(grant), "retry_after_s": grant.retry_after_s}
+            if isinstance(grant, LoraClusterError):
+                raise grant
             if grant is None:
                 self._parked_by[ticket.ingress_id] += 1
                 try:

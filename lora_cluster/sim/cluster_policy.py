@@ -6,7 +6,8 @@ wired to simulated replicas the way the live deployments are wired to each other
   and the ingress's own requests running there, add up to more than the ingress's requests on
   their way), the request goes the fast path: the affinity router picks the replica
   (`routing.AffinityRouting`, i.e. `rank_replicas`). Otherwise a `Ticket` is parked at the
-  `Controller` with the ingress's claims (`Controller.park(ticket, claims)`; a refusal is a
+  `Controller` with the ingress's claims, with the other parks of its batch window
+  (`controller_batch_window_s`: `Controller.park_many`, as the live actor batches them; a refusal is a
   rejection); the request waits until a grant sends it, pinned, to its replica, or until
   `cluster_queue_timeout_s` (then it is rejected, 503). As in `serve.routing.dispatch`, a request counts
   as on its way until its first item (its first token: requests stream) and then as running on
@@ -29,10 +30,10 @@ With `controller_shards` > 1 the controller is the shards as the live deployment
 (`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
 of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.
 
-One ingress is modelled. The control plane has no latency: a report, a grant and a send happen at
-the same simulated instant. The CPU time spent inside the controller's methods is measured (the
-simulating thread's CPU clock, so that other jobs on the machine do not inflate it) and reported
-with the calls, so that its cost at scale is visible; with
+One ingress is modelled. The control plane has no latency but the parks' batch window: a report,
+a grant and a send happen at the same simulated instant. The CPU time spent inside the controller's
+methods is measured (the simulating thread's CPU clock, so that other jobs on the machine do not
+inflate it) and reported with the calls, so that its cost at scale is visible; with
 `trace` set to a list, every controller call and its answer is recorded there, for replay.
 """
 
@@ -51,6 +52,8 @@ from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
     DeadlineOutOfReachError,
+    LoraClusterError,
+    QueueFullError,
     WaitBoundError,
 )
 from lora_cluster.sim.context import SimContext
@@ -63,7 +66,7 @@ INGRESS_ID = "sim-ingress"
 T = TypeVar("T")
 
 
-def _refusal_reason(error: ClusterOverloadedError, queue_was_full: bool) -> str:
+def _refusal_reason(error: ClusterOverloadedError) -> str:
     """The reason a parked request was refused, as the result's `rejections` count it."""
     if isinstance(error, ColdAdapterShedError):
         return "adapter on no replica while its class sheds"
@@ -71,7 +74,7 @@ def _refusal_reason(error: ClusterOverloadedError, queue_was_full: bool) -> str:
         return "deadline out of reach"
     if isinstance(error, WaitBoundError):
         return "class over its wait bound"
-    return "cluster queue full" if queue_was_full else "wait over the queue timeout"
+    return "cluster queue full" if isinstance(error, QueueFullError) else "wait over the queue timeout"
 
 
 class LoraClusterPolicy:
@@ -98,7 +101,9 @@ class LoraClusterPolicy:
         self._unassigned = 0  # fast-path requests on their way (no first item yet)
         self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
         self._free_total = sum(self._free.values())
-        self._tickets: dict[str, SimRequest] = {}
+        self._tickets: dict[str, SimRequest] = {}  # parked: in `_inbox` or at the controller
+        self._inbox: list[Ticket] = []  # parked within the current batch window, not yet sent
+        self._window_open = False  # the controller's batch window: parks and reports since it opened
         self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
@@ -167,25 +172,44 @@ class LoraClusterPolicy:
             return
         self.parked += 1
         tid, sla = str(req.rid), req.sla
-        ticket = Ticket(ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
-                        adapter_id=req.adapter, enqueued_at=req.arrival,
-                        deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s, ttft_s=sla.ttft_s,
-                        prefix=prefix)
-        queue = self.controller.queue if self.sharded is None else self.sharded.queue_for(req.adapter)
-        full = len(queue) >= queue.max_size
-        claims = {"inflight": dict(self._claimed),
-                  "unassigned": self._unassigned}
-        try:
-            grant = self._call("park", self.controller.park, ticket, claims)
-        except ClusterOverloadedError as e:
-            self.metrics.rejected(req, _refusal_reason(e, full))
+        self._tickets[tid] = req  # parked from now: the fast path stays closed
+        self._inbox.append(Ticket(
+            ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
+            adapter_id=req.adapter, enqueued_at=req.arrival, ttft_s=sla.ttft_s, prefix=prefix,
+            deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s))
+        self._open_window()
+
+    def _open_window(self) -> None:
+        """The controller's batch window (`controller_batch_window_s`, as `serve.batch_window` runs it):
+        opened by the first park or report, sent that long after."""
+        if not self._window_open:
+            self._window_open = True
+            self.loop.after(self.ctx.serve.controller_batch_window_s, self._send_window)
+
+    def _send_window(self) -> None:
+        """The window's parks reach the controller at once (`Controller.park_many`, each with the
+        ingress's claims as of now), which dispatches the queue once for them and for the window's
+        reports; a window of reports alone: `Controller.dispatch`."""
+        self._window_open = False
+        tickets, self._inbox = self._inbox, []
+        if not tickets:
+            self._call("dispatch", self.controller.dispatch)
+            self._deliver()
             return
-        self._tickets[tid] = req
-        if grant is not None:
-            self._grant(tid, grant)
+        claims = {"inflight": dict(self._claimed), "unassigned": self._unassigned}
+        outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t in tickets])
+        for ticket, outcome in zip(tickets, outcomes, strict=True):
+            if isinstance(outcome, ClusterOverloadedError):
+                self.metrics.rejected(self._tickets.pop(ticket.ticket_id), _refusal_reason(outcome))
+            elif isinstance(outcome, LoraClusterError):
+                raise outcome
+            elif outcome is not None:
+                self._grant(ticket.ticket_id, outcome)
         self._deliver()
-        if tid in self._tickets:
-            self.loop.at(req.arrival + self.ctx.serve.cluster_queue_timeout_s, self._timeout, tid)
+        timeout = self.ctx.serve.cluster_queue_timeout_s
+        for ticket in tickets:
+            if ticket.ticket_id in self._tickets:
+                self.loop.at(ticket.enqueued_at + timeout, self._timeout, ticket.ticket_id)
 
     def first_token(self, replica: SimReplica, req: SimRequest) -> None:
         """The request's first item reached the ingress (`ClusterAdmission.started`)."""
@@ -274,13 +298,13 @@ class LoraClusterPolicy:
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
         built = replica.report(self._taken(replica_id), now, arrived)
         sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
-        reply = self._call("report", self.controller.report, sent)
+        reply = self._call("report", self.controller.report, sent, False)
+        self._open_window()  # the room it reports is granted when the window is sent
         if self.sharded is None:
             encoder.replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])
         for adapter_id in reply["prefetch"]:
             replica.prefetch(adapter_id)
-        self._deliver()
         self._schedule_report(replica_id, pacer.finish_at() if reply.get("resync") else pacer.periodic_at())
 
     def _tick(self) -> None:

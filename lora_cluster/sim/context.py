@@ -41,6 +41,7 @@ class ServeSettings:
     top_class_preempt_after_fraction: float | None = _DEFAULTS.top_class_preempt_after_fraction
     controller_report_period_s: float = _DEFAULTS.controller_report_period_s
     controller_report_coalesce_s: float = _DEFAULTS.controller_report_coalesce_s
+    controller_batch_window_s: float = _DEFAULTS.controller_batch_window_s
     placement_hot_share: float = _DEFAULTS.placement_hot_share
     controller_shards: int = _DEFAULTS.controller_shards
 

@@ -2,8 +2,12 @@
 replicas' reporters and the ingress wire them (`cluster.sharding`), behind the calls the simulator's
 `LoraClusterPolicy` makes of one controller.
 
-* `park` goes to the shard that owns the ticket's adapter (`shard_of`); `cancel` to every shard (a
+* `park` (and each ticket of `park_many`) goes to the shard that owns the ticket's adapter
+  (`shard_of`), a batch split into one batch per shard; `cancel` to every shard (a
   ticket lives in one; the others look it up and find nothing); `tick` and `take_grants` to all.
+* `dispatch` goes to every shard that took a report with `dispatch=False` since its last dispatch,
+  and `park_many` dispatches them too, each once (as each live shard dispatches once per batch
+  window, for its parks and its reports).
 * `report` takes a replica's full report and sends each shard its own encoding of its part of it
   (`shard_report`: the shard's adapters only; one `ReportEncoder` per replica and shard, as the live
   `ControllerReporter`), with that shard's share of the replica's free room (`split_room`, from the
@@ -20,7 +24,7 @@ second can be read (`LoraClusterPolicy.control_plane`). Pure: injected clocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
@@ -36,6 +40,7 @@ from lora_cluster.cluster.sharding import (
     split_room,
 )
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.errors import LoraClusterError
 
 T = TypeVar("T")
 
@@ -51,6 +56,7 @@ class ShardedController:
         self._encoders: dict[tuple[str, int], ReportEncoder] = {}
         self._queued: dict[str, list[int]] = {}  # replica -> each shard's queue depth in its last reply
         self._rounds: dict[str, int] = {}
+        self._undispatched: set[int] = set()  # shards that took a report with dispatch=False since then
 
     def _timed(self, k: int, fn: Callable[..., T], *args: Any) -> T:
         t0 = self._cpu()
@@ -79,6 +85,22 @@ class ShardedController:
         k = shard_of(ticket.adapter_id, len(self.shards))
         return self._timed(k, self.shards[k].park, ticket, claims)
 
+    def park_many(self, parks: Sequence[tuple[Ticket, Mapping[str, Any] | None]]
+                  ) -> list[Grant | Refusal | LoraClusterError | None]:
+        """Each shard's part of the batch, as one batch to that shard; the outcomes in `parks`' order."""
+        n = len(self.shards)
+        by_shard: dict[int, list[int]] = {}
+        for i, (ticket, _) in enumerate(parks):
+            by_shard.setdefault(shard_of(ticket.adapter_id, n), []).append(i)
+        outcomes: list[Grant | Refusal | LoraClusterError | None] = [None] * len(parks)
+        for k, positions in by_shard.items():
+            got = self._timed(k, self.shards[k].park_many, [parks[i] for i in positions])
+            for i, outcome in zip(positions, got, strict=True):
+                outcomes[i] = outcome
+        self._undispatched -= by_shard.keys()
+        self.dispatch()  # the shards without parks in this window dispatch for its reports
+        return outcomes
+
     def cancel(self, ticket_id: str) -> None:
         for k, c in enumerate(self.shards):
             self._timed(k, c.cancel, ticket_id)
@@ -99,7 +121,13 @@ class ShardedController:
                   for k, c in enumerate(self.shards)]
         return {a: tuple(r) for a, r in merge_placement(tables).items()}
 
-    def report(self, report: ReplicaReport) -> dict[str, Any]:
+    def dispatch(self) -> None:
+        """Every shard that took a report without dispatching since its last dispatch dispatches."""
+        for k in sorted(self._undispatched):
+            self._timed(k, self.shards[k].dispatch)
+        self._undispatched.clear()
+
+    def report(self, report: ReplicaReport, dispatch: bool = True) -> dict[str, Any]:
         """One round of a replica's reports, one to each shard (see the module docstring)."""
         rid, n = report.replica_id, len(self.shards)
         queued = self._queued.setdefault(rid, [0] * n)
@@ -111,7 +139,9 @@ class ShardedController:
             if encoder is None:
                 encoder = self._encoders[(rid, k)] = ReportEncoder(clock=self._clock)
             sent = encoder.encode(shard_report(report, k, n, rooms[k]))
-            reply = self._timed(k, c.report, sent)
+            reply = self._timed(k, c.report, sent, dispatch)
+            if not dispatch:
+                self._undispatched.add(k)
             encoder.replied(reply)
             queued[k] = int(reply["queue_depth"])
             resync = resync or bool(reply.get("resync"))
