@@ -61,17 +61,21 @@ def test_a_refusal_in_a_batch_is_returned_and_the_others_still_park():
     assert "b1" in ctl.queue, "the refusals did not undo the first park"
 
 
+def _one_slot_free(queue_size: int = 100) -> Controller:
+    ctl, _ = _busy_controller(queue_size)
+    ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}))
+    return ctl
+
+
 def test_a_batch_grants_its_most_urgent_ticket_first_when_room_is_short():
-    ctl, _ = _busy_controller()
-    ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}))  # one slot free
+    ctl = _one_slot_free()
     outcomes = ctl.park_many([(ticket("b", "batch", 100.0), None), (ticket("i", "interactive", 100.0), None)])
     assert outcomes[1] == Grant("r1"), "the interactive ticket, parked second, gets the one free slot"
     assert outcomes[0] is None, "the batch ticket, parked first, waits"
 
 
 def test_a_full_queue_does_not_refuse_a_ticket_while_a_replica_has_room():
-    ctl, _ = _busy_controller(queue_size=1)
-    ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}))  # one slot free
+    ctl = _one_slot_free(queue_size=1)
     outcomes = ctl.park_many([(ticket("b1", "batch", 100.0), None), (ticket("b2", "batch", 100.1), None)])
     assert outcomes[0] == Grant("r1"), "the first ticket gets the free slot before the second is admitted"
     assert outcomes[1] is None, "the second waits in the place the first left, rather than being refused"

@@ -1,5 +1,6 @@
 """The controller deployment's own logic, without Ray: a parked request that goes away (cancelled or
-timed out) leaves no ticket behind, and one bumped out of a full queue is refused.
+timed out) leaves no ticket behind, one bumped out of a full queue is refused, and the room a
+report frees is granted through the batch window (`serve.batch_window`).
 
 Regression: `admit` dropped its ticket only when its waiter was not done, but `asyncio.wait_for`
 cancels the waiter on a timeout or a cancellation, so stale tickets held the queue and counted
@@ -57,3 +58,19 @@ async def test_a_request_bumped_out_of_the_full_queue_is_refused_with_a_retry_af
         "the waiting batch request is refused at once, with a retry-after, when an urgent one needs it")
     assert "t-urgent" in actor.core.queue, "the urgent request holds the place"
     await asyncio.gather(urgent, return_exceptions=True)
+
+
+async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batch_window():
+    from test_cluster_policies import report
+
+    actor = controller()
+    await actor.report(report("r1", capacity=2, running=2, by_priority={2: 2}).to_dict())
+    call = asyncio.create_task(actor.admit(request("t3"), 30.0))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if len(actor.core.queue):
+            break
+    assert len(actor.core.queue) == 1, "no replica has room: the request waits"
+    await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
+    reply = await asyncio.wait_for(call, 5.0)
+    assert reply == {"replica_id": "r1", "preempt": False}, "the room the report frees is granted to it"
