@@ -227,3 +227,22 @@ def test_the_served_configuration_batches_the_controller_s_inputs_of_one_loop_tu
     assert ServeConfig().controller_batch_window_s == 0.0, "no added wait by default (docs/scale.md)"
     monkeypatch.setenv("LORA_CLUSTER_CONTROLLER_BATCH_WINDOW_S", "0.002")
     assert load_config({}).controller_batch_window_s == 0.002, "the window is set by its environment variable"
+
+
+def test_a_report_s_reply_waits_for_its_window_s_dispatch_even_a_failed_one():
+    async def scenario() -> list[str]:
+        events: list[str] = []
+
+        def dispatch():
+            events.append("dispatch")
+            raise RuntimeError("controller bug")
+
+        window = BatchWindow(lambda parks: [None] * len(parks), dispatch, 0.01)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: events.append("logged"))
+        await asyncio.gather(window.dispatched(), window.dispatched())
+        events.append("replied")
+        return events
+
+    assert asyncio.run(scenario()) == ["dispatch", "logged", "replied"], (
+        "both replies wait for the one dispatch, and still go out when it fails (the error logged)")

@@ -71,6 +71,7 @@ async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batc
         if len(actor.core.queue):
             break
     assert len(actor.core.queue) == 1, "no replica has room: the request waits"
-    await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
+    freed = await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
+    assert freed["queue_depth"] == 0, "the report's reply counts the queue after its room was granted"
     reply = await asyncio.wait_for(call, 5.0)
     assert reply == {"replica_id": "r1", "preempt": False}, "the room the report frees is granted to it"

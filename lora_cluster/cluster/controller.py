@@ -108,8 +108,9 @@ class Controller:
         `prefetch`, and `resync` when a delta's base is not the report held for that replica: after a
         restart, or a lost reply; its arrived tickets and demand still count, and the replica sends a
         full report at once). With `dispatch` False the queue is not dispatched for the room it
-        reports: the caller calls `dispatch` later, once for every report of its batch window (the
-        reply's `queue_depth` then counts tickets that dispatch may grant)."""
+        reports: the caller calls `dispatch` later, once for every report of its batch window, and
+        reads the queue's depth after it for the reply (`queue_depth` here counts tickets that
+        dispatch may grant)."""
         self.counts["reports"] += 1
         base = self.view.get(report.replica_id)
         if isinstance(report, ReportDelta):
@@ -167,12 +168,14 @@ class Controller:
         for ingress_id, claims in latest.items():
             self.view.claim(ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
         outcomes: list[Grant | Refusal | LoraClusterError | None] = []
-        room = self._room()  # admitting tickets changes no replica's room; a dispatch does
+        room: int | None = None  # read when the queue is full: admitting changes no replica's room
         for ticket, _ in parks:
-            if room > 0 and len(self.queue) >= self.queue.max_size:
-                full = len(self.queue)
-                self._dispatch()
-                room = self._room() if len(self.queue) < full else 0  # 0: nothing it can grant now
+            if len(self.queue) >= self.queue.max_size:
+                room = self._room() if room is None else room
+                if room > 0:
+                    full = len(self.queue)
+                    self._dispatch()
+                    room = None if len(self.queue) < full else 0  # 0: nothing it can grant now
             try:
                 self._admit(ticket)
             except LoraClusterError as error:

@@ -1,7 +1,8 @@
 """The cluster controller's inputs in batch windows (`controller_batch_window_s`): the actor hands the
 parks that reach it within one window to `Controller.park_many` at once, and the replica reports of
-the window, each taken at once (`Controller.report(..., dispatch=False)`: its reply needs nothing
-more), share that window's one dispatch of the queue. A burst of parks and reports thus costs the
+the window, each taken at once (`Controller.report(..., dispatch=False)`), share that window's one
+dispatch of the queue; a report's reply waits for it (`dispatched`), so that its queue depth counts
+what is left after the grants of the report's room. A burst of parks and reports thus costs the
 controller one dispatch (and one update of each ingress's claims), not one per call.
 
 A window opens with its first park or report and is sent `window_s` later (0: at the end of the
@@ -35,6 +36,7 @@ class BatchWindow:
         self.window_s = window_s
         self._pending: list[tuple[Ticket, Mapping[str, Any] | None, asyncio.Future[Outcome]]] = []
         self._open = False  # a window is open: its send is scheduled
+        self._sent: asyncio.Future[None] | None = None  # resolved when the open window is sent
         self.windows = 0  # windows sent (each one `park_many` or one dispatch)
 
     async def park(self, ticket: Ticket, claims: Mapping[str, Any] | None) -> Outcome:
@@ -43,6 +45,13 @@ class BatchWindow:
         self._pending.append((ticket, claims, future))
         self.dispatch_soon()
         return await future
+
+    async def dispatched(self) -> None:
+        """Return once the current window (opened now if none is) has been sent: its dispatch done."""
+        self.dispatch_soon()
+        if self._sent is None:
+            self._sent = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._sent)
 
     def dispatch_soon(self) -> None:
         """The queue is to be dispatched at the end of the current window (opened now if none is)."""
@@ -58,20 +67,24 @@ class BatchWindow:
     def _send(self) -> None:
         self._open = False
         parks = [p for p in self._pending if not p[2].cancelled()]
-        self._pending = []
+        sent, self._pending, self._sent = self._sent, [], None
         self.windows += 1
-        if not parks:
-            self._dispatch()
-            self._after()
-            return
         try:
-            outcomes = self._park_many([(ticket, claims) for ticket, claims, _ in parks])
-        except Exception as error:  # every caller of the window hears of it
-            for _, _, future in parks:
+            if not parks:
+                self._dispatch()
+                self._after()
+                return
+            try:
+                outcomes = self._park_many([(ticket, claims) for ticket, claims, _ in parks])
+            except Exception as error:  # every caller of the window hears of it
+                for _, _, future in parks:
+                    if not future.done():
+                        future.set_exception(error)
+                return
+            for (_, _, future), outcome in zip(parks, outcomes, strict=True):
                 if not future.done():
-                    future.set_exception(error)
-            return
-        for (_, _, future), outcome in zip(parks, outcomes, strict=True):
-            if not future.done():
-                future.set_result(outcome)
-        self._after()
+                    future.set_result(outcome)
+            self._after()
+        finally:
+            if sent is not None and not sent.done():
+                sent.set_result(None)  # a failed dispatch too: the reports' replies go out

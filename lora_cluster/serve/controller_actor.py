@@ -92,7 +92,8 @@ class ClusterController:
     async def report(self, report: dict[str, Any]) -> dict[str, Any]:
         self._ensure_ticker()
         reply = self.core.report(parse_report(report), dispatch=False)
-        self._window.dispatch_soon()  # the room it reports is granted with the window's other inputs
+        await self._window.dispatched()  # its room granted with the window's other inputs
+        reply["queue_depth"] = len(self.core.queue)  # what is left queued after those grants
         if self.shards > 1:  # another shard places (and has prefetched) the other adapters
             reply["prefetch"] = [a for a in reply.get("prefetch", ()) if self._own(a)]
         return reply

@@ -104,6 +104,7 @@ class LoraClusterPolicy:
         self._tickets: dict[str, SimRequest] = {}  # parked: in `_inbox` or at the controller
         self._inbox: list[Ticket] = []  # parked within the current batch window, not yet sent
         self._window_open = False  # the controller's batch window: parks and reports since it opened
+        self._window_reports: list[str] = []  # the replicas that reported in it (their replies wait)
         self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
@@ -195,6 +196,7 @@ class LoraClusterPolicy:
         if not tickets:
             self._call("dispatch", self.controller.dispatch)
             self._deliver()
+            self._replies_sent()
             return
         claims = {"inflight": dict(self._claimed), "unassigned": self._unassigned}
         outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t in tickets])
@@ -206,10 +208,18 @@ class LoraClusterPolicy:
             elif outcome is not None:
                 self._grant(ticket.ticket_id, outcome)
         self._deliver()
+        self._replies_sent()
         timeout = self.ctx.serve.cluster_queue_timeout_s
         for ticket in tickets:
             if ticket.ticket_id in self._tickets:
                 self.loop.at(ticket.enqueued_at + timeout, self._timeout, ticket.ticket_id)
+
+    def _replies_sent(self) -> None:
+        """The window's reports get their replies' queue depth: what is left after its dispatch."""
+        depth = len(self.controller.queue) if self.sharded is None else self.sharded.queue_depth()
+        for replica_id in self._window_reports:
+            self._queue_depth[replica_id] = depth
+        self._window_reports.clear()
 
     def first_token(self, replica: SimReplica, req: SimRequest) -> None:
         """The request's first item reached the ingress (`ClusterAdmission.started`)."""
@@ -299,7 +309,8 @@ class LoraClusterPolicy:
         built = replica.report(self._taken(replica_id), now, arrived)
         sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
         reply = self._call("report", self.controller.report, sent, False)
-        self._open_window()  # the room it reports is granted when the window is sent
+        self._open_window()  # the room it reports is granted when the window is sent, then its reply
+        self._window_reports.append(replica_id)
         if self.sharded is None:
             encoder.replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])

@@ -57,6 +57,7 @@ class ShardedController:
         self._queued: dict[str, list[int]] = {}  # replica -> each shard's queue depth in its last reply
         self._rounds: dict[str, int] = {}
         self._undispatched: set[int] = set()  # shards that took a report with dispatch=False since then
+        self._replying: set[str] = set()  # the replicas of those reports (their replies' depths wait)
 
     def _timed(self, k: int, fn: Callable[..., T], *args: Any) -> T:
         t0 = self._cpu()
@@ -122,10 +123,15 @@ class ShardedController:
         return {a: tuple(r) for a, r in merge_placement(tables).items()}
 
     def dispatch(self) -> None:
-        """Every shard that took a report without dispatching since its last dispatch dispatches."""
+        """Every shard that took a report without dispatching since its last dispatch dispatches;
+        then the replicas that reported since learn each shard's queue depth (their replies)."""
         for k in sorted(self._undispatched):
             self._timed(k, self.shards[k].dispatch)
         self._undispatched.clear()
+        depths = [len(c.queue) for c in self.shards]
+        for rid in self._replying:
+            self._queued[rid] = list(depths)
+        self._replying.clear()
 
     def report(self, report: ReplicaReport, dispatch: bool = True) -> dict[str, Any]:
         """One round of a replica's reports, one to each shard (see the module docstring)."""
@@ -142,6 +148,7 @@ class ShardedController:
             reply = self._timed(k, c.report, sent, dispatch)
             if not dispatch:
                 self._undispatched.add(k)
+                self._replying.add(rid)
             encoder.replied(reply)
             queued[k] = int(reply["queue_depth"])
             resync = resync or bool(reply.get("resync"))
