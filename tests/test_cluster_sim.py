@@ -23,6 +23,7 @@ from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.sim import SimConfig, Simulation, run
 from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
+from lora_cluster.sim.context import ServeSettings
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile, TierCost
 from lora_cluster.sim.replica import SimReplica
@@ -105,12 +106,13 @@ def test_the_admission_check_is_the_live_ingress_check(paused: Simulation) -> No
     assert not ingress.has_room(), "the fixture is meant to be overloaded"
 
 
-def test_the_controller_decides_as_the_live_one_on_the_same_calls() -> None:
+@pytest.mark.parametrize("window_s", [0.0, 0.002])
+def test_the_controller_decides_as_the_live_one_on_the_same_calls(window_s: float) -> None:
     """Replay every controller call of a run through a fresh Controller, reports (full or deltas)
     through the actor's dict path (`parse_report(report.to_dict())`): the same grants, replies and
-    refusals."""
-    sim = Simulation(SimConfig(nodes=5, adapters=40, load=2.0, duration=15, warmup=0, seed=5, max_loras=4),
-                     PROFILE)
+    refusals; with the default batch window (each input its own batch) and a 2 ms one."""
+    sim = Simulation(SimConfig(nodes=5, adapters=40, load=2.0, duration=15, warmup=0, seed=5, max_loras=4,
+                               serve=ServeSettings(controller_batch_window_s=window_s)), PROFILE)
     policy = sim.policy
     assert isinstance(policy, LoraClusterPolicy)
     policy.trace = []
@@ -128,7 +130,8 @@ def test_the_controller_decides_as_the_live_one_on_the_same_calls() -> None:
                             for o in outcomes] for outcomes in (got, answer))
         assert got == answer, f"{name} at {when:.3f}: {got!r} != {answer!r}"
         kinds.add(name)
-    assert {"report", "park_many", "dispatch", "tick", "take_grants"} <= kinds, "every controller input"
+    inputs = {"report", "park_many", "tick", "take_grants"} | ({"dispatch"} if window_s else set())
+    assert inputs <= kinds, "the run exercised every controller input"
     assert live.counts == policy.controller.counts, "the same counts of grants, preemptions and refusals"
     assert policy.controller.counts["preempting_grants"] > 0, "the run includes preempting grants"
 

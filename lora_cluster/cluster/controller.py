@@ -152,7 +152,8 @@ class Controller:
                   ) -> list[Grant | Refusal | LoraClusterError | None]:
         """Queue several tickets at once (the parks that reached the controller within one batch
         window: `controller_batch_window_s`), each admitted as `park` admits it, in the order given;
-        then the queue is dispatched once for all of them. Returns each ticket's outcome, in order:
+        then the queue is dispatched once for all of them (not when every one was refused: the
+        queue did not change). Returns each ticket's outcome, in order:
         its grant or refusal if decided at once, None if it waits, or the error that refused it (a
         ClusterOverloadedError; a RequestError for a ticket id already queued), returned, not
         raised: the others still count. Each ingress's latest claims are applied once. Equal to
@@ -182,7 +183,8 @@ class Controller:
                 outcomes.append(error)
             else:
                 outcomes.append(None)
-        self._dispatch()
+        if any(outcome is None for outcome in outcomes):  # refusals change nothing to dispatch for
+            self._dispatch()
         return [self._grants.pop(t.ticket_id, None) if outcome is None else outcome
                 for (t, _), outcome in zip(parks, outcomes, strict=True)]
 

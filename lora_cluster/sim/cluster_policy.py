@@ -178,11 +178,16 @@ class LoraClusterPolicy:
             ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
             adapter_id=req.adapter, enqueued_at=req.arrival, ttft_s=sla.ttft_s, prefix=prefix,
             deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s))
-        self._open_window()
+        if self.ctx.serve.controller_batch_window_s > 0:
+            self._open_window()
+        else:
+            self._send_window()
 
     def _open_window(self) -> None:
-        """The controller's batch window (`controller_batch_window_s`, as `serve.batch_window` runs it):
-        opened by the first park or report, sent that long after."""
+        """The controller's batch window (`controller_batch_window_s` > 0, as `serve.batch_window` runs
+        it): opened by the first park or report, sent that long after. At 0 (the default) the live
+        actor batches what reaches it within one event-loop turn; here, without control-plane
+        latency, that is one input, sent at once (a report then dispatches itself)."""
         if not self._window_open:
             self._window_open = True
             self.loop.after(self.ctx.serve.controller_batch_window_s, self._send_window)
@@ -308,14 +313,18 @@ class LoraClusterPolicy:
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
         built = replica.report(self._taken(replica_id), now, arrived)
         sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
-        reply = self._call("report", self.controller.report, sent, False)
-        self._open_window()  # the room it reports is granted when the window is sent, then its reply
-        self._window_reports.append(replica_id)
+        batched = self.ctx.serve.controller_batch_window_s > 0
+        reply = self._call("report", self.controller.report, sent, not batched)
+        if batched:  # its room is granted when the window is sent, and its reply's depth set then
+            self._open_window()
+            self._window_reports.append(replica_id)
         if self.sharded is None:
             encoder.replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])
         for adapter_id in reply["prefetch"]:
             replica.prefetch(adapter_id)
+        if not batched:
+            self._deliver()
         self._schedule_report(replica_id, pacer.finish_at() if reply.get("resync") else pacer.periodic_at())
 
     def _tick(self) -> None:
