@@ -246,3 +246,12 @@ def test_a_report_s_reply_waits_for_its_window_s_dispatch_even_a_failed_one():
 
     assert asyncio.run(scenario()) == ["dispatch", "logged", "replied"], (
         "both replies wait for the one dispatch, and still go out when it fails (the error logged)")
+
+
+def test_a_batch_of_refused_parks_still_dispatches_the_room_of_its_window_s_reports():
+    ctl, _ = _busy_controller()
+    assert ctl.park(ticket("s", "standard", 100.0)) is None, "no room: the ticket waits"
+    ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}), dispatch=False)  # a slot frees
+    outcomes = ctl.park_many([(ticket("s", "standard", 100.0), None)])
+    assert isinstance(outcomes[0], RequestError), "the batch's one park is refused (its id is queued)"
+    assert ctl.take_grants() == {"s": Grant("r1")}, "the report's room is granted with the batch anyway"

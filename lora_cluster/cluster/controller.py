@@ -90,6 +90,7 @@ class Controller:
         self._preempt_at: list[tuple[float, int, Ticket]] = []
         self._due: dict[int, list[tuple[Any, Ticket]]] = {}  # priority -> heap of (queue order, ticket)
         self._changed: set[str] = set()  # replicas that reported since the last look for preempting hits
+        self._dispatch_due = False  # a report was taken without its dispatch (`report(dispatch=False)`)
         self._urgent_set = frozenset(c.priority for c in classes.classes if c.ttft_s is not None)
         self._urgent = sorted(self._urgent_set)  # the classes with a TTFT target, most urgent first
         # replica -> its batch slots over its service time (0.0 without one), in the view's order
@@ -133,6 +134,8 @@ class Controller:
             self._replan()
         if dispatch:
             self._dispatch()
+        else:
+            self._dispatch_due = True  # by `dispatch`, or the next `park_many`
         targeted = self._by_replica.get(report.replica_id, ())
         prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
         return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch)}
@@ -152,8 +155,9 @@ class Controller:
                   ) -> list[Grant | Refusal | LoraClusterError | None]:
         """Queue several tickets at once (the parks that reached the controller within one batch
         window: `controller_batch_window_s`), each admitted as `park` admits it, in the order given;
-        then the queue is dispatched once for all of them (not when every one was refused: the
-        queue did not change). Returns each ticket's outcome, in order:
+        then the queue is dispatched once for all of them and for the reports taken without a
+        dispatch since the last one (not when every ticket was refused and no such report waits:
+        nothing changed). Returns each ticket's outcome, in order:
         its grant or refusal if decided at once, None if it waits, or the error that refused it (a
         ClusterOverloadedError; a RequestError for a ticket id already queued), returned, not
         raised: the others still count. Each ingress's latest claims are applied once. Equal to
@@ -183,7 +187,7 @@ class Controller:
                 outcomes.append(error)
             else:
                 outcomes.append(None)
-        if any(outcome is None for outcome in outcomes):  # refusals change nothing to dispatch for
+        if self._dispatch_due or any(outcome is None for outcome in outcomes):  # refusals change nothing
             self._dispatch()
         return [self._grants.pop(t.ticket_id, None) if outcome is None else outcome
                 for (t, _), outcome in zip(parks, outcomes, strict=True)]
@@ -273,6 +277,7 @@ class Controller:
         return self.view.total_free() - self.view.unassigned()
 
     def _dispatch(self) -> None:
+        self._dispatch_due = False
         if not len(self.queue):
             return
         room = self._room()
