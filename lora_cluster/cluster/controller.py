@@ -163,8 +163,9 @@ class Controller:
         raised: the others still count. Each ingress's latest claims are applied once. Equal to
         parking them one by one except that a ticket granted at once is granted at the batch's end,
         in queue order, so the batch's most urgent go first; while the queue is full and replicas
-        have room, the queue is dispatched before the next ticket is admitted (so a full queue
-        never refuses a ticket a free slot could take). Cost: O(batch) for the admission plus one
+        have room after admissions (or reports) it was not dispatched for, it is dispatched before
+        the next ticket is admitted (so a full queue never refuses a ticket a free slot could
+        take; a batch of one decides exactly as one `park` did). Cost: O(batch) for the admission plus one
         dispatch, where one by one costs a dispatch and a claim comparison per ticket."""
         latest: dict[str, Mapping[str, Any]] = {}
         for ticket, claims in parks:
@@ -174,19 +175,22 @@ class Controller:
             self.view.claim(ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
         outcomes: list[Grant | Refusal | LoraClusterError | None] = []
         room: int | None = None  # read when the queue is full: admitting changes no replica's room
+        undispatched = self._dispatch_due  # admissions (or reports) the queue was not dispatched for
         for ticket, _ in parks:
-            if len(self.queue) >= self.queue.max_size:
+            if undispatched and len(self.queue) >= self.queue.max_size:
                 room = self._room() if room is None else room
                 if room > 0:
                     full = len(self.queue)
                     self._dispatch()
                     room = None if len(self.queue) < full else 0  # 0: nothing it can grant now
+                    undispatched = False
             try:
                 self._admit(ticket)
             except LoraClusterError as error:
                 outcomes.append(error)
             else:
                 outcomes.append(None)
+                undispatched = True
         if self._dispatch_due or any(outcome is None for outcome in outcomes):  # refusals change nothing
             self._dispatch()
         return [self._grants.pop(t.ticket_id, None) if outcome is None else outcome
