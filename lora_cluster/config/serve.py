@@ -305,7 +305,7 @@ class ServeConfig(EngineConfig):
         "batch is what reached it within one turn of its event loop (while it was busy), with no added "
         "wait. A positive window also holds them this many seconds (a parked request, or a slot a report "
         "frees, waits that much longer for its grant): in the simulator, 0.002 cut the controller's CPU "
-        "by a fifth at 256 replicas and 2x load, but cost 1-2 points of hit rate at 32 replicas "
+        "by a fifth to a third at 256 replicas and 2x load, but cost 1-2 points of hit rate at 32 replicas "
         "(docs/scale.md#batch-windows).",
     )
     placement_hot_share: float = Field(
