@@ -24,13 +24,18 @@ def request(ticket_id: str) -> dict:
             "waited_s": 0.0}
 
 
-async def test_a_cancelled_admit_call_drops_its_ticket():
-    actor = controller()
-    call = asyncio.create_task(actor.admit(request("t1"), 30.0))
+async def _until_queued(actor: ClusterController) -> None:
+    """Wait (at most a second) until a ticket waits in the actor's cluster queue."""
     for _ in range(100):
         await asyncio.sleep(0.01)
         if len(actor.core.queue):
-            break
+            return
+
+
+async def test_a_cancelled_admit_call_drops_its_ticket():
+    actor = controller()
+    call = asyncio.create_task(actor.admit(request("t1"), 30.0))
+    await _until_queued(actor)
     assert len(actor.core.queue) == 1, "the request waits in the cluster queue (no replica has room)"
     call.cancel()  # what Serve does to the coroutine when the ingress cancels its call
     await asyncio.gather(call, return_exceptions=True)
@@ -48,10 +53,7 @@ async def test_a_timed_out_admit_call_drops_its_ticket():
 async def test_a_request_bumped_out_of_the_full_queue_is_refused_with_a_retry_after():
     actor = ClusterController.func_or_class(ServeConfig(cluster_queue_size=1).model_dump())
     batch = asyncio.create_task(actor.admit(request("t-batch"), 30.0))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if len(actor.core.queue):
-            break
+    await _until_queued(actor)
     urgent = asyncio.create_task(actor.admit({**request("t-urgent"), "sla_class": "interactive"}, 0.5))
     reply = await asyncio.wait_for(batch, 5.0)
     assert "overloaded" in reply and reply["retry_after_s"] >= 1.0, (
@@ -66,10 +68,7 @@ async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batc
     actor = controller()
     await actor.report(report("r1", capacity=2, running=2, by_priority={2: 2}).to_dict())
     call = asyncio.create_task(actor.admit(request("t3"), 30.0))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if len(actor.core.queue):
-            break
+    await _until_queued(actor)
     assert len(actor.core.queue) == 1, "no replica has room: the request waits"
     freed = await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
     assert freed["queue_depth"] == 0, "the report's reply counts the queue after its room was granted"
