@@ -37,7 +37,6 @@ class BatchWindow:
         self._pending: list[tuple[Ticket, Mapping[str, Any] | None, asyncio.Future[Outcome]]] = []
         self._open = False  # a window is open: its send is scheduled
         self._sent: asyncio.Future[None] | None = None  # resolved when the open window is sent
-        self.windows = 0  # windows sent (each one `park_many` or one dispatch)
 
     async def park(self, ticket: Ticket, claims: Mapping[str, Any] | None) -> Outcome:
         """`ticket`'s outcome as `Controller.park_many` gives it, once its window is sent."""
@@ -68,7 +67,6 @@ class BatchWindow:
         self._open = False
         parks = [p for p in self._pending if not p[2].cancelled()]
         sent, self._pending, self._sent = self._sent, [], None
-        self.windows += 1
         try:
             if not parks:
                 self._dispatch()
