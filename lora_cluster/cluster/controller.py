@@ -153,20 +153,20 @@ class Controller:
 
     def park_many(self, parks: Sequence[tuple[Ticket, Mapping[str, Any] | None]]
                   ) -> list[Grant | Refusal | LoraClusterError | None]:
-        """Queue several tickets at once (the parks that reached the controller within one batch
-        window: `controller_batch_window_s`), each admitted as `park` admits it, in the order given;
-        then the queue is dispatched once for all of them and for the reports taken without a
-        dispatch since the last one (not when every ticket was refused and no such report waits:
-        nothing changed). Returns each ticket's outcome, in order:
-        its grant or refusal if decided at once, None if it waits, or the error that refused it (a
-        ClusterOverloadedError; a RequestError for a ticket id already queued), returned, not
-        raised: the others still count. Each ingress's latest claims are applied once. Equal to
-        parking them one by one except that a ticket granted at once is granted at the batch's end,
-        in queue order, so the batch's most urgent go first; while the queue is full and replicas
-        have room after admissions (or reports) it was not dispatched for, it is dispatched before
-        the next ticket is admitted (so a full queue never refuses a ticket a free slot could
-        take; a batch of one decides exactly as one `park` did). Cost: O(batch) for the admission plus one
-        dispatch, where one by one costs a dispatch and a claim comparison per ticket."""
+        """Queue several tickets at once (the parks that reached the controller in one batch:
+        `serve.batch_window`), each admitted as `park` admits it, in the order given; then the queue
+        is dispatched once for all of them and for the reports taken without a dispatch since the
+        last one (not when every ticket was refused and no such report waits: nothing changed).
+        Returns each ticket's outcome, in order: its grant or refusal if decided at once, None if it
+        waits, or the error that refused it (a ClusterOverloadedError; a RequestError for a ticket
+        id already queued), returned, not raised: the others still count. Each ingress's latest
+        claims are applied once. Equal to parking them one by one except that a ticket granted at
+        once is granted at the batch's end, in queue order, so the batch's most urgent go first;
+        while the queue is full and replicas have room after admissions (or reports) it was not
+        dispatched for, it is dispatched before the next admission (a full queue never refuses a
+        ticket a free slot could take; a batch of one decides exactly as one `park` did). Cost:
+        O(batch) for the admission plus one dispatch, where one by one costs a dispatch and a claim
+        comparison per ticket."""
         latest: dict[str, Mapping[str, Any]] = {}
         for ticket, claims in parks:
             if claims is not None:
