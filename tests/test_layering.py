@@ -7,7 +7,8 @@ The table is acyclic, so the layers read bottom to top:
 
     errors, progress | adapter_experts < adapter_format, breaker | config | cluster, tenancy, store |
     engine | sim | client, demo < demo_families |
-    serve: http_errors, ops < protocol < routing < replica < http < app | cli
+    serve: http_errors, ops < protocol < routing < replica < http < app;
+           batch_window < controller_actor < app | cli
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lora_cluster"
-SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "app", "controller_actor")
+SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "app", "controller_actor",
+               "batch_window")
 
 BASE = {"errors", "progress"}
 FORMAT = BASE | {"adapter_experts", "adapter_format", "breaker"}
@@ -50,7 +52,8 @@ ALLOWED: dict[str, set[str]] = {
     "serve.routing": SERVE_BASE | {"serve.protocol"},
     "serve.replica": SERVE_BASE | {"serve.protocol", "serve.routing"},
     "serve.http": SERVE_BASE | {"serve.protocol", "serve.routing", "serve.replica"},
-    "serve.controller_actor": POLICY,
+    "serve.batch_window": POLICY,
+    "serve.controller_actor": POLICY | {"serve.batch_window"},
     "serve.app": SERVE_BASE | {"serve.protocol", "serve.routing", "serve.replica", "serve.http",
                                "serve.controller_actor"},
     "serve": set(),  # serve/__init__.py imports nothing
