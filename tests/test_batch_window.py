@@ -17,11 +17,11 @@ from lora_cluster.errors import ClusterOverloadedError, QueueFullError, RequestE
 from lora_cluster.serve.batch_window import BatchWindow
 
 
-def _busy_controller(queue_size: int = 100) -> tuple[Controller, FakeClock]:
-    clock = FakeClock(100.0)
-    ctl = Controller(CLASSES, ControllerSettings(queue_size=queue_size), clock=clock)
+def _busy_controller(queue_size: int = 100) -> Controller:
+    """A controller whose one replica, r1, runs two batch requests in its two slots."""
+    ctl = Controller(CLASSES, ControllerSettings(queue_size=queue_size), clock=FakeClock(100.0))
     ctl.report(report("r1", capacity=2, running=2, by_priority={2: 2}))
-    return ctl, clock
+    return ctl
 
 
 def test_a_batch_decides_as_parking_one_by_one_when_no_replica_has_room():
@@ -34,14 +34,14 @@ def test_a_batch_decides_as_parking_one_by_one_when_no_replica_has_room():
         return [(type(o), str(o)) if isinstance(o, ClusterOverloadedError) else later.get(t.ticket_id, o)
                 for t, o in zip(tickets, outcomes, strict=True)]
 
-    one, _ = _busy_controller(queue_size=6)
+    one = _busy_controller(queue_size=6)
     singly: list[object] = []
     for t in tickets:
         try:
             singly.append(one.park(t))
         except ClusterOverloadedError as e:
             singly.append(e)
-    many, _ = _busy_controller(queue_size=6)
+    many = _busy_controller(queue_size=6)
     batched = fates(many, many.park_many([(t, None) for t in tickets]))
     assert batched == fates(one, singly), "the same fate for every ticket"
     assert any(isinstance(f, Refusal) for f in batched), "the batch includes a ticket bumped by a later one"
@@ -51,7 +51,7 @@ def test_a_batch_decides_as_parking_one_by_one_when_no_replica_has_room():
 
 
 def test_a_refusal_in_a_batch_is_returned_and_the_others_still_park():
-    ctl, _ = _busy_controller(queue_size=1)
+    ctl = _busy_controller(queue_size=1)
     outcomes = ctl.park_many([(ticket("b1", "batch", 100.0), None), (ticket("b2", "batch", 100.0), None),
                               (ticket("b1", "batch", 100.0), None)])
     assert outcomes[0] is None, "the first batch ticket waits"
@@ -62,7 +62,7 @@ def test_a_refusal_in_a_batch_is_returned_and_the_others_still_park():
 
 
 def _one_slot_free(queue_size: int = 100) -> Controller:
-    ctl, _ = _busy_controller(queue_size)
+    ctl = _busy_controller(queue_size)
     ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}))
     return ctl
 
@@ -82,7 +82,7 @@ def test_a_full_queue_does_not_refuse_a_ticket_while_a_replica_has_room():
 
 
 def test_a_ticket_bumped_by_a_later_one_of_its_batch_gets_its_refusal_in_the_batch():
-    ctl, _ = _busy_controller(queue_size=1)
+    ctl = _busy_controller(queue_size=1)
     outcomes = ctl.park_many([(ticket("b", "batch", 100.0), None), (ticket("i", "interactive", 100.0), None)])
     assert isinstance(outcomes[0], Refusal), "the batch ticket is bumped out of the full queue"
     assert outcomes[1] is None, "the interactive ticket takes its place"
@@ -90,7 +90,7 @@ def test_a_ticket_bumped_by_a_later_one_of_its_batch_gets_its_refusal_in_the_bat
 
 
 def test_each_ingress_s_latest_claims_count_once_per_batch():
-    ctl, _ = _busy_controller()
+    ctl = _busy_controller()
     ctl.report(report("r1", capacity=4, running=0))
     first = {"inflight": {"r1": 1}, "unassigned": 0}
     latest = {"inflight": {"r1": 3}, "unassigned": 0}
@@ -104,7 +104,7 @@ def _standard(n: int) -> list[tuple]:
 
 
 def _batcher(window_s: float) -> tuple[BatchWindow, list[list[str]], Controller]:
-    ctl, _ = _busy_controller()
+    ctl = _busy_controller()
     calls: list[list[str]] = []
 
     def park_many(parks):
@@ -182,7 +182,7 @@ def test_the_window_runs_its_after_hook_once_per_window(window_s: float):
 
 
 def test_a_report_taken_without_a_dispatch_grants_its_room_at_the_window_s_dispatch():
-    ctl, _ = _busy_controller()
+    ctl = _busy_controller()
     assert ctl.park(ticket("s", "standard", 100.0)) is None, "no room: the ticket waits"
     reply = ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}), dispatch=False)
     assert reply["queue_depth"] == 1, "the reply counts the ticket the window's dispatch may grant"
@@ -194,7 +194,7 @@ def test_a_report_taken_without_a_dispatch_grants_its_room_at_the_window_s_dispa
 def test_reports_and_parks_of_one_window_share_one_dispatch():
     async def scenario() -> tuple[list[str], object]:
         calls: list[str] = []
-        ctl, _ = _busy_controller()
+        ctl = _busy_controller()
 
         def park_many(parks):
             calls.append("park_many")
@@ -249,7 +249,7 @@ def test_a_report_s_reply_waits_for_its_window_s_dispatch_even_a_failed_one():
 
 
 def test_a_batch_of_refused_parks_still_dispatches_the_room_of_its_window_s_reports():
-    ctl, _ = _busy_controller()
+    ctl = _busy_controller()
     assert ctl.park(ticket("s", "standard", 100.0)) is None, "no room: the ticket waits"
     ctl.report(report("r1", capacity=2, running=1, by_priority={2: 1}), dispatch=False)  # a slot frees
     outcomes = ctl.park_many([(ticket("s", "standard", 100.0), None)])
