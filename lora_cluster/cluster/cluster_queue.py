@@ -175,13 +175,14 @@ class ClusterQueue:
         ahead = bisect.bisect_right(self._ranks, (*self._rank(ticket), math.inf))
         return (ahead + 1) / rate
 
-    def park(self, ticket: Ticket, *, deadline_at_risk: bool = True,
+    def park(self, ticket: Ticket, *, deadline_at_risk: bool | Callable[[], bool] = True,
              expected_rate: float | None = None, max_wait_s: float | None = None) -> Ticket | None:
         """Queue `ticket`. A full queue makes room by bumping its least urgent ticket when that one
         is strictly less urgent than `ticket` (returned: its request is refused, so that an urgent
         request never waits behind a full queue of less urgent ones); otherwise raises
         ClusterOverloadedError, as it does when the deadline cannot be met and `deadline_at_risk`
-        (see the module docstring). `max_wait_s` (the ingress's queue timeout): a ticket without a
+        (see the module docstring; a callable is asked only past the full queue's refusal, where
+        the answer is needed). `max_wait_s` (the ingress's queue timeout): a ticket without a
         deadline is refused at once when its predicted wait is longer, rather than timing out later."""
         if ticket.ticket_id in self._entries:
             raise RequestError(f"ticket {ticket.ticket_id!r} is already queued")
@@ -195,7 +196,8 @@ class ClusterQueue:
                     retry_after_s=self._retry_after(len(self._entries)),
                 )
         now = self._clock()
-        wait = self.predicted_wait_s(ticket, expected_rate) if deadline_at_risk else None
+        at_risk = deadline_at_risk() if callable(deadline_at_risk) else deadline_at_risk
+        wait = self.predicted_wait_s(ticket, expected_rate) if at_risk else None
         if ticket.deadline is not None and wait is not None and now + wait > ticket.deadline:
             raise DeadlineOutOfReachError(
                 f"the {ticket.sla_class} class's time-to-first-token target of {ticket.ttft_s:g} s cannot be "

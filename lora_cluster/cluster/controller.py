@@ -13,7 +13,8 @@ view served at `GET /v1/cluster`).
 Policies (each in its own module): `cluster_queue` orders and admits tickets (and bounds the wait of
 classes without a TTFT target: one that waited 3/4 of the bound is granted first), `shedding` refuses
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
-replica for a ticket and when to preempt, `placement` spreads hot adapters. The controller
+replica for a ticket, `preemption` sends urgent tickets over capacity where less urgent work runs,
+`placement` spreads hot adapters. The controller
 holds no request bodies and no Ray objects; the actor (`serve.controller_actor`) wraps it. Its state is
 soft: a restarted controller starts empty, rebuilds its view from the next reports (a delta it
 cannot apply gets `resync`, and the replica sends its full report at once), and the
@@ -22,8 +23,6 @@ ingresses park their waiting requests again. Pure: injected clock.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
+from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
@@ -41,9 +41,7 @@ from lora_cluster.cluster.scheduling import (
     choose_replica,
     hit_window_s,
     holder_preemption_target,
-    holder_wait_until,
     holds,
-    preemption_target,
 )
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
@@ -86,17 +84,13 @@ class Controller:
         self._planned_at = -float("inf")
         self._grants: dict[str, Grant | Refusal] = {}
         self._by_replica: dict[str, list[str]] = {}  # the placement table by replica
-        # tickets with a TTFT target by when they may preempt: (time, seq, ticket); then those due
-        self._preempt_at: list[tuple[float, int, Ticket]] = []
-        self._due: dict[int, list[tuple[Any, Ticket]]] = {}  # priority -> heap of (queue order, ticket)
-        self._changed: set[str] = set()  # replicas that reported since the last look for preempting hits
+        urgent = frozenset(c.priority for c in classes.classes if c.ttft_s is not None)  # with a TTFT target
+        self.preemption = Preemption(self.queue, self.view, settings, urgent, clock,
+                                     lambda ticket, replica_id: self._grant(ticket, replica_id, preempt=True))
         self._dispatch_due = False  # a report was taken without its dispatch (`report(dispatch=False)`)
-        self._urgent_set = frozenset(c.priority for c in classes.classes if c.ttft_s is not None)
-        self._urgent = sorted(self._urgent_set)  # the classes with a TTFT target, most urgent first
         # replica -> its batch slots over its service time (0.0 without one), in the view's order
         self._rates: dict[str, float] = {}
         self._rate_sum: float | None = None  # their sum, until one of them changes (None: to sum again)
-        self._seq = itertools.count()
         self.started = clock()
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
                        "bumped": 0, "shed_cold": 0, "wait_bound": 0, "overdue_grants": 0, "reports": 0,
@@ -128,7 +122,7 @@ class Controller:
         if self._rates.get(report.replica_id) != rate:
             self._rate_sum = None
         self._rates[report.replica_id] = rate
-        self._changed.add(report.replica_id)
+        self.preemption.reported(report.replica_id)
         self.demand.record(report.adapter_requests)
         if joined or self._clock() - self._planned_at >= REPLAN_EVERY_S:
             self._replan()
@@ -199,16 +193,22 @@ class Controller:
     def _admit(self, ticket: Ticket) -> None:
         """Shed, refuse or queue one ticket (no dispatch); raises ClusterOverloadedError (or
         RequestError: its id is already queued)."""
-        predicted = self.queue.predicted_wait_s(ticket, self._expected_rate())
+        rate = self._expected_rate()
+
+        def predicted() -> float | None:
+            return self.queue.predicted_wait_s(ticket, rate)
+
         if self.shedding.refuses(ticket, self.view, self.queue.top_priority, predicted):
             self.counts["rejected"] += 1
             self.counts["shed_cold"] += 1
-            raise self.shedding.error(ticket, predicted)
-        may_preempt = ticket.ttft_s is not None and can_preempt(ticket, self.view)
+            raise self.shedding.error(ticket, predicted())
+
+        def at_risk() -> bool:  # asked by the queue only once it has room for the ticket
+            return ticket.ttft_s is None or not can_preempt(ticket, self.view)
+
         try:
-            bumped = self.queue.park(
-                ticket, deadline_at_risk=not may_preempt, expected_rate=self._expected_rate(),
-                max_wait_s=self.settings.queue_timeout_s)
+            bumped = self.queue.park(ticket, deadline_at_risk=at_risk, expected_rate=rate,
+                                     max_wait_s=self.settings.queue_timeout_s)
         except DeadlineOutOfReachError:
             self.counts["rejected"] += 1
             self.shedding.record(ticket.priority)
@@ -227,10 +227,7 @@ class Controller:
             self._grants[bumped.ticket_id] = Refusal(str(error), error.retry_after_s)
             self.counts["bumped"] += 1
         if ticket.ttft_s is not None:
-            at = ticket.enqueued_at + self.settings.preempt_wait_s(ticket, self.queue.top_priority)
-            if holder_preemption_target(ticket, self.view) is not None:
-                at = ticket.enqueued_at  # a hit by preemption now beats a miss later
-            heapq.heappush(self._preempt_at, (at, next(self._seq), ticket))
+            self.preemption.watch(ticket)
 
     def dispatch(self) -> None:
         """Grant what the replicas' room allows, and let urgent tickets preempt (after reports taken
@@ -307,66 +304,7 @@ class Controller:
             self._grant(ticket, replica_id, preempt=False)
             room -= 1
         if len(self.queue):
-            self._preempt()
-
-    def _preempt(self) -> None:
-        """Send urgent tickets over capacity to replicas running less urgent work, most urgent
-        class first. Within a class: first every ticket, due or not, whose adapter a replica that
-        reported since the last look holds while running less urgent work (a hit by preemption;
-        found through the queue's per-adapter index, and a new ticket's hit is found at park),
-        then the tickets that have waited `preempt_after_fraction` of their TTFT target (due), in
-        queue order, wherever less urgent work runs (`preemption_target`). Only the tickets due are
-        looked at (a heap by due time, then a heap per class in queue order), and once no replica
-        has work less urgent than priority p, tickets of priority p or less urgent are skipped:
-        O((grants + 1) x replicas + reported replicas x their adapters) per call, not O(queue)."""
-        now = self._clock()
-        while self._preempt_at and self._preempt_at[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._preempt_at)
-            key = self.queue.sort_key(ticket.ticket_id)
-            if key is not None:
-                heapq.heappush(self._due.setdefault(ticket.priority, []), (key, ticket))
-        if len(self._preempt_at) > 2 * len(self.queue) + 64:
-            self._preempt_at = [e for e in self._preempt_at if e[2].ticket_id in self.queue]
-            heapq.heapify(self._preempt_at)
-        # hits can only have appeared where a replica reported (a new ticket's hit is found at park)
-        changed = [rid for rid in sorted(self._changed) if self.view.get(rid) is not None]
-        self._changed.clear()
-        urgent = self._urgent
-        if not self._due.keys() <= self._urgent_set:
-            urgent = sorted(self._urgent_set | self._due.keys())
-        for priority in urgent:
-            while changed and (hit := self._preempting_hit(priority, changed)) is not None:  # hits first
-                self._grant(hit[0], hit[1], preempt=True)
-            due = self._due.get(priority)
-            while due and due[0][1].ticket_id not in self.queue:  # granted or gone since
-                heapq.heappop(due)
-            if not due:
-                continue
-            if len(due) > 2 * len(self.queue) + 64:  # bounded: drop what left the queue
-                due[:] = [e for e in due if e[1].ticket_id in self.queue]
-                heapq.heapify(due)
-            if not self.view.preemptible_ids(priority):
-                return  # no work less urgent than this anywhere, so none less urgent than the next
-            while due:  # then the due misses, in queue order
-                ticket = due[0][1]
-                if ticket.ticket_id in self.queue:
-                    top = ticket.priority == self.queue.top_priority
-                    replica_id = preemption_target(ticket, self.view, free_slot_first=top)
-                    if replica_id is None:
-                        return  # all taken: none is left for this or a less urgent class
-                    wait = self.settings.holder_wait(ticket, self.queue.top_priority)
-                    if (until := holder_wait_until(ticket, replica_id, self.view, wait)) > now:  # a hit later
-                        heapq.heappush(self._preempt_at, (until, next(self._seq), ticket))
-                    else:
-                        self._grant(ticket, replica_id, preempt=True)
-                heapq.heappop(due)
-
-    def _preempting_hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:
-        """The most urgent queued ticket of `priority`, due or not, whose adapter one of
-        `replica_ids` holds while running less urgent work there, and that replica (None: none)."""
-        room = [rid for rid in replica_ids if self.view.preemptible(rid, priority) > 0]
-        return affinity_hit(priority, self.queue.best_for, self.queue.sort_key, self.view, room,
-                            queued=self.queue.queued_adapters(priority))
+            self.preemption.run()
 
     def _expected_rate(self) -> float | None:
         """Requests per second the live replicas should complete: batch slots over service time

@@ -70,14 +70,13 @@ class ColdShedding:
                 and predicted_wait_s > self.pressure * bound)
 
     def refuses(self, ticket: Ticket, view: ClusterView, top_priority: int | None,
-                predicted_wait_s: float | None = None) -> bool:
-        """`ticket` should be refused now: its class sheds load (a recent refusal, or the queue's
-        `predicted_wait_s` for it under pressure) and no replica holds its adapter."""
-        if ticket.adapter_id is None or ticket.priority == top_priority:
+                predicted_wait_s: Callable[[], float | None] = lambda: None) -> bool:
+        """`ticket` should be refused now: no replica holds its adapter and its class sheds load (a
+        recent refusal, or the queue's predicted wait for it under pressure: `predicted_wait_s()`,
+        asked only for a cold adapter of a class not shedding already)."""
+        if ticket.adapter_id is None or ticket.priority == top_priority or view.holders(ticket.adapter_id):
             return False
-        if not (self.shedding(ticket.priority) or self.under_pressure(ticket, predicted_wait_s)):
-            return False
-        return not view.holders(ticket.adapter_id)
+        return self.shedding(ticket.priority) or self.under_pressure(ticket, predicted_wait_s())
 
     def error(self, ticket: Ticket, retry_after_s: float | None) -> ColdAdapterShedError:
         """The refusal of a ticket that `refuses` names: which class, which adapter, which setting."""
