@@ -41,7 +41,9 @@ class HomeRanks:
         if ranks is not None:
             self._ranks.move_to_end(adapter_id)
             return ranks
-        ranks = sorted(self._ids(), key=lambda rid: (-home_score(adapter_id, rid), rid))
+        # the same scores as `home_score`: crc32 continued from the adapter's part of the input
+        seed, crc32 = zlib.crc32(f"{adapter_id}\0".encode()), zlib.crc32
+        ranks = [rid for _, rid in sorted((-crc32(rid.encode(), seed), rid) for rid in self._ids())]
         self._ranks[adapter_id] = ranks
         self._kept += len(ranks)
         while self._kept > self.max_ids and len(self._ranks) > 1:
