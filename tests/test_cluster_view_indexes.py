@@ -91,8 +91,8 @@ def test_the_replicas_with_room_are_kept_exactly_through_reports_grants_and_clai
             view.update(random_report(rng, rid))
         elif action < 0.7:  # an ingress parks: its claim, often the same counts renewed
             ingress = rng.choice(("i1", "i2"))
-            if rng.random() < 0.5:
-                inflight[ingress][rid] = rng.randrange(10)
+            if rng.random() < 0.5:  # new counts: a new mapping (the view keeps the one it was given)
+                inflight[ingress] = {**inflight[ingress], rid: rng.randrange(10)}
             renewed += 1
             view.claim(ingress, inflight[ingress], 0)
         elif action < 0.85 and len(view):

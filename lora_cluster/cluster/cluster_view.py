@@ -67,12 +67,15 @@ class ClusterView:
         self.homes = HomeRanks(self.ids)
 
     def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int) -> None:
-        """An ingress's requests in flight per replica, and those on their way to an unknown one."""
+        """An ingress's requests in flight per replica, and those on their way to an unknown one.
+        `inflight` is kept as given (the caller does not change it afterwards): a caller that sends
+        the same mapping again while its counts are unchanged spares the comparison."""
         old = self._claims.pop(ingress_id, None)
-        new = dict(inflight)
+        new = inflight
         now = self._clock()
         if old is not None:
-            if old[1] != new:  # mostly equal: an ingress parks more often than its counts change
+            # mostly equal: an ingress parks more often than its counts change
+            if old[1] is not new and old[1] != new:
                 self._touch({rid for rid, _ in old[1].items() ^ new.items()})  # the counts that changed
             self._touch(self._recounted(old[0], now, new))
         else:
@@ -112,23 +115,33 @@ class ClusterView:
 
     def update(self, report: ReplicaReport) -> None:
         now = self._clock()
-        old = self._seen.get(report.replica_id)
-        seen = _Seen(report, now)
-        if old is not None:
-            arrived = set(report.arrived_tickets)
-            seen.outstanding = {t: at for t, at in old.outstanding.items()
-                                if t not in arrived and now - at < self.grant_ttl_s}
-            seen.preempting = old.preempting & set(seen.outstanding)
-        self._hold(report.replica_id, None if old is None else old.report, report)
-        self._seen[report.replica_id] = seen
-        if old is None:
+        rid = report.replica_id
+        seen = self._seen.get(rid)
+        if seen is None:
+            self._hold(rid, None, report)
+            self._seen[rid] = _Seen(report, now)
             self.homes.reset()
-        self._reported_at.pop(report.replica_id, None)
-        self._reported_at[report.replica_id] = now
-        self._touch((report.replica_id,))
-        if (old is None or old.report.running_by_priority is not report.running_by_priority
-                or len(old.preempting) != len(seen.preempting)):  # else `preemptible` is as it was
-            self._repreempt(report.replica_id)
+            changed = True
+        else:  # in place: the grants that arrived, or outlived `grant_ttl_s`, leave `outstanding`
+            old = seen.report
+            self._hold(rid, old, report)
+            outstanding, preempting = seen.outstanding, seen.preempting
+            for ticket_id in report.arrived_tickets:
+                outstanding.pop(ticket_id, None)
+            for ticket_id in [t for t, at in outstanding.items() if now - at >= self.grant_ttl_s]:
+                del outstanding[ticket_id]
+            preempting_before = len(preempting)
+            if preempting:
+                preempting.intersection_update(outstanding)
+            seen.report, seen.at = report, now
+            # else `preemptible` is as it was
+            changed = old.running_by_priority is not report.running_by_priority or (
+                len(preempting) != preempting_before)
+        self._reported_at.pop(rid, None)
+        self._reported_at[rid] = now
+        self._touch((rid,))
+        if changed:
+            self._repreempt(rid)
 
     def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
         """The holders index follows the replica's report from `old` to `new` (None: none)."""

@@ -98,6 +98,7 @@ class LoraClusterPolicy:
         self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
         self._inflight = dict.fromkeys(ctx.replicas, 0)  # the ingress's requests running on each replica
         self._claimed: dict[str, int] = {}  # those of `_inflight` above 0: what the ingress claims
+        self._claim: dict[str, int] | None = None  # the copy of `_claimed` sent last (None: changed since)
         self._unassigned = 0  # fast-path requests on their way (no first item yet)
         self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
         self._free_total = sum(self._free.values())
@@ -203,7 +204,9 @@ class LoraClusterPolicy:
             self._deliver()
             self._replies_sent()
             return
-        claims = {"inflight": dict(self._claimed), "unassigned": self._unassigned}
+        if self._claim is None:  # the counts changed since the last claim sent: a new mapping
+            self._claim = dict(self._claimed)
+        claims = {"inflight": self._claim, "unassigned": self._unassigned}
         outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t in tickets])
         for ticket, outcome in zip(tickets, outcomes, strict=True):
             if isinstance(outcome, ClusterOverloadedError):
@@ -232,6 +235,7 @@ class LoraClusterPolicy:
             self._unassigned -= 1
         rid = replica.replica_id
         self._inflight[rid] = self._claimed[rid] = self._inflight[rid] + 1
+        self._claim = None
         self._refree(rid)
 
     def finished(self, replica: SimReplica, req: SimRequest) -> None:
@@ -242,6 +246,7 @@ class LoraClusterPolicy:
             self._claimed[rid] = self._inflight[rid]
         else:
             del self._claimed[rid]
+        self._claim = None
         self._refree(rid)
         self.routing.changed(rid)
         if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self._taken(rid)):
