@@ -95,7 +95,10 @@ def diff(base: ReplicaReport, new: ReplicaReport) -> ReportDelta:
     changed = {name: getattr(new, name) for name in STATE_FIELDS if getattr(new, name) != getattr(base, name)}
     sets: dict[str, tuple[str, ...]] = {}
     for name in SET_FIELDS:
-        old, now = set(getattr(base, name)), set(getattr(new, name))
+        before, after = getattr(base, name), getattr(new, name)
+        if before == after:  # mostly: both sorted (`normalized`), so equal sets are equal tuples
+            continue
+        old, now = set(before), set(after)
         sets[f"{name}_added"] = tuple(sorted(now - old))
         sets[f"{name}_removed"] = tuple(sorted(old - now))
     return ReportDelta(replica_id=new.replica_id, seq=new.seq, base_seq=base.seq, changed=changed, **sets,
@@ -134,7 +137,7 @@ class ReportEncoder:
     def encode(self, report: ReplicaReport) -> ReplicaReport | ReportDelta:
         """Number `report` and return what to send for it: itself (bounded) or its delta."""
         self._seq += 1
-        current = dataclasses.replace(normalized(report), seq=self._seq)
+        current = normalized(report, seq=self._seq)
         self._sent, self._sent_full = current, self.needs_full
         if self._sent_full or self._acked is None:
             return current

@@ -205,6 +205,8 @@ def field_from_wire(name: str, value: Any) -> Any:
     return value
 
 
-def normalized(report: ReplicaReport) -> ReplicaReport:
-    """`report` within the module's bounds, as `from_dict(report.to_dict())` gives it."""
-    return dataclasses.replace(report, **{n: field_from_wire(n, getattr(report, n)) for n in WIRE_FIELDS})
+def normalized(report: ReplicaReport, **values: Any) -> ReplicaReport:
+    """`report` within the module's bounds, as `from_dict(report.to_dict())` gives it, with `values`
+    (other fields' new values, such as its `seq`) in the same copy."""
+    return dataclasses.replace(report, **{n: field_from_wire(n, getattr(report, n)) for n in WIRE_FIELDS},
+                               **values)
