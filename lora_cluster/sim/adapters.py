@@ -143,7 +143,7 @@ class DeviceAdapters:
             return True
         if priority is None:
             return False
-        victim = idle_victim(self._holders(), priority)
+        victim = idle_victim(self._holders(priority, idle=True), priority)
         if victim is None:
             return False
         del self.idle[victim]
@@ -154,11 +154,17 @@ class DeviceAdapters:
     def slot_to_preempt(self, priority: int) -> str | None:
         """The adapter in a referenced slot that only requests strictly less urgent than `priority`
         want, with the fewest running requests (None: none): the engine's `busy_victim`."""
-        return busy_victim(self._holders(), priority)
+        return busy_victim(self._holders(priority, idle=False), priority)
 
-    def _holders(self) -> list[SlotHolder]:
-        """The adapters in device slots that some request wants, as `engine.adapters.urgency` sees them."""
-        return [SlotHolder(a, refs, min(self.wanted[a])) for a, refs in self.refs.items() if a in self.wanted]
+    def _holders(self, priority: int, *, idle: bool) -> list[SlotHolder]:
+        """The adapters in device slots that some request wants, as `engine.adapters.urgency` sees
+        them: only those that policy could choose for a request of `priority` (the idle slots, or
+        the referenced ones, that only strictly less urgent requests want), so that a step blocked
+        on slots builds none of the others."""
+        wanted = self.wanted
+        slots = ((a, 0) for a in self.idle) if idle else ((a, r) for a, r in self.refs.items() if r)
+        return [SlotHolder(a, refs, most) for a, refs in slots
+                if a in wanted and (most := min(wanted[a])) > priority]
 
     # ----- fetches --------------------------------------------------------------------------
 
