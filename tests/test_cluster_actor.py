@@ -74,3 +74,29 @@ async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batc
     assert freed["queue_depth"] == 0, "the report's reply counts the queue after its room was granted"
     reply = await asyncio.wait_for(call, 5.0)
     assert reply == {"replica_id": "r1", "preempt": False}, "the room the report frees is granted to it"
+
+
+async def test_a_grant_whose_caller_went_away_frees_its_room_at_once():
+    from test_cluster_policies import report
+
+    actor = controller()
+    await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
+    call = asyncio.create_task(actor.admit(request("t4"), 30.0))
+    await asyncio.sleep(0)  # the park is in the batch window
+    await asyncio.sleep(0)  # the window is sent: the free slot is granted to it
+    assert actor.core.view.free("r1") == 0, "the grant reserves r1's free slot"
+    call.cancel()  # the caller goes away before the grant reaches it
+    await asyncio.gather(call, return_exceptions=True)
+    assert actor.core.view.free("r1") == 1, "the grant nobody will use gives its slot back at once"
+
+
+async def test_an_ingress_that_will_not_use_a_grant_gives_its_room_back():
+    from test_cluster_policies import report
+
+    actor = controller()
+    await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
+    reply = await asyncio.wait_for(actor.admit(request("t5"), 30.0), 5.0)
+    assert reply["replica_id"] == "r1", "the free slot is granted"
+    assert actor.core.view.free("r1") == 0, "and reserved until r1 reports the request"
+    await actor.cancel_ticket("t5", "r1")  # sending the request to r1 failed
+    assert actor.core.view.free("r1") == 1, "the ingress's release frees it at once"

@@ -63,7 +63,7 @@ async def test_own_requests_in_flight_count_before_the_next_report():
     assert await a.admit(sla_class="standard", adapter_id=None, arrived_at=0.0) is None, "fast path"
     assert not a.has_room(), "two requests on their way fill the two slots before any replica reports them"
     a.started("r1", granted=False)
-    a.not_started(granted=False)
+    a.not_started()
     assert a.has_room(), "a request that failed before reaching a replica gives its slot back"
     a.started("r1", granted=False)
     assert not a.has_room(), "two requests run on the replica"
@@ -232,3 +232,42 @@ async def test_a_report_that_cannot_be_built_is_logged_as_an_error_and_the_next_
     assert sink.at == [], "nothing was sent for it"
     await reporter.report_once()
     assert len(sink.at) == 1, "the next report is built and sent"
+
+
+class Releases:
+    """`cancel_ticket.remote(ticket_id, replica_id=None)`: the releases an ingress sends, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.cancel_ticket = self
+
+    def remote(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+class CancellableGate(GatedController):
+    """A `GatedController` whose calls can be cancelled, as a Serve response can."""
+
+    def remote(self, ticket: dict, timeout_s: float) -> Any:
+        return asyncio.ensure_future(super().remote(ticket, timeout_s))
+
+
+async def test_a_request_that_goes_away_while_parked_releases_any_grant_decided_meanwhile():
+    controller, releases = CancellableGate(), Releases()
+    controller.cancel_ticket = releases
+    a = admission(controller)
+    parked = asyncio.create_task(a.admit(sla_class="standard", adapter_id="x", arrived_at=0.0))
+    await asyncio.sleep(0)
+    parked.cancel()  # the client went away; the controller may have granted it meanwhile
+    await asyncio.gather(parked, return_exceptions=True)
+    assert releases.calls == [(controller.calls[0]["ticket_id"], None)], (
+        "the controller is told to drop the ticket and the room a grant decided for it took")
+
+
+async def test_a_granted_request_that_never_started_gives_its_grant_back():
+    controller, releases = FakeController({"replica_id": "r2", "preempt": False}), Releases()
+    controller.cancel_ticket = releases
+    a = admission(controller)
+    granted = await a.admit(sla_class="interactive", adapter_id="x", arrived_at=0.0)
+    a.not_started(granted)  # sending it to r2 failed before r2 answered
+    assert releases.calls == [(granted.ticket_id, "r2")], "the grant's room at r2 is released at once"

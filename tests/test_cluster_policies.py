@@ -199,6 +199,19 @@ def test_cancelled_tickets_leave_no_trace():
     assert ctl.snapshot()["queue"]["depth"] == 0, "and does not stay queued"
 
 
+def test_a_grant_that_will_not_be_used_frees_its_room_before_the_grant_ttl():
+    ctl = Controller(CLASSES, clock=FakeClock(100.0))
+    ctl.report(report("r1", capacity=2, running=0))
+    assert ctl.park(ticket("a", "standard", 100.0)) is not None, "r1 has room: granted at once"
+    assert ctl.park(ticket("b", "standard", 100.0)) is not None, "and room for a second one"
+    assert ctl.view.free("r1") == 0, "both grants reserve r1's room until r1 reports them"
+    ctl.cancel("a")  # its caller went away after the grant was decided: which replica is not said
+    assert ctl.view.free("r1") == 1, "the grant nobody will use frees its slot at once"
+    ctl.cancel("b", "r1")  # the ingress could not send it to r1
+    assert ctl.view.free("r1") == 2, "so does one the ingress gives back"
+    assert ctl.counts["cancelled"] == 2, "both are counted as cancelled"
+
+
 # ----- placement ------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ for `stale_after_s` (it died or was scaled down). Room on a replica is its capac
 requests in flight (`active`, counted by the replica itself) minus the grants sent its way that
 have not arrived yet: each grant is a ticket id, and each report lists the ticket ids that arrived
 since the previous one, so no grant is counted twice or lost between two reports (a grant that
-never arrives, its request gone, is dropped after `grant_ttl_s`). Requests an ingress sent the
+never arrives, its request gone, is dropped when its ingress says so, `release`, or after
+`grant_ttl_s`). Requests an ingress sent the
 direct way (its fast path) reach a replica before the replica reports them; each ingress therefore
 states, with every ticket it parks, its requests in flight per replica and those on their way to
 a replica not known yet (`claim`). A claim counts for `claim_ttl_s`, after which the replicas'
@@ -273,6 +274,22 @@ class ClusterView:
             if preempting:
                 s.preempting.add(ticket_id)
                 self._repreempt(replica_id)
+
+    def release(self, ticket_id: str, replica_id: str | None = None) -> bool:
+        """A grant whose request will not reach its replica (its caller went away, or sending it
+        failed) counts against that replica's room no longer, rather than until `grant_ttl_s`;
+        without `replica_id`, every replica's grants are looked at (O(replicas): a cancellation's
+        cost, not a grant's). Returns whether such a grant was counted."""
+        for rid in (replica_id,) if replica_id is not None else list(self._seen):
+            s = self._seen.get(rid)
+            if s is None or s.outstanding.pop(ticket_id, None) is None:
+                continue
+            self._touch((rid,))
+            if ticket_id in s.preempting:
+                s.preempting.discard(ticket_id)
+                self._repreempt(rid)
+            return True
+        return False
 
     def ids(self) -> Iterable[str]:
         return self._seen.keys()

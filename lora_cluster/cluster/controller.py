@@ -234,9 +234,15 @@ class Controller:
         with `dispatch=False`); `take_grants` then has the grants."""
         self._dispatch()
 
-    def cancel(self, ticket_id: str) -> None:
-        """The request went away: drop its ticket or its unclaimed grant."""
-        if self.queue.remove(ticket_id) is not None or self._grants.pop(ticket_id, None) is not None:
+    def cancel(self, ticket_id: str, replica_id: str | None = None) -> None:
+        """The request went away, or its grant will not be used (the caller left after it was
+        decided, or sending the request to `replica_id`, its grant, failed): drop its ticket, its
+        unclaimed grant, and the room its grant reserved at its replica (`ClusterView.release`;
+        without `replica_id` every replica is looked at)."""
+        queued = self.queue.remove(ticket_id) is not None
+        unclaimed = self._grants.pop(ticket_id, None) is not None
+        released = not queued and self.view.release(ticket_id, replica_id)
+        if queued or unclaimed or released:
             self.counts["cancelled"] += 1
 
     def tick(self) -> None:

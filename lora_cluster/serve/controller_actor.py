@@ -13,7 +13,11 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
   other parks of its `controller_batch_window_s` window, `serve.batch_window`) and returns when it is
   granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
   at once or later, when more urgent tickets bump it out of a full queue) or timed out
-  (`{"timeout": true}`); a cancelled call (client gone) drops its ticket;
+  (`{"timeout": true}`); a cancelled call (client gone) drops its ticket, or the room its grant
+  took if one was decided;
+* `cancel_ticket(ticket_id, replica_id=None)` from an ingress that will not use a grant (its client
+  went away while the grant was on its way, or sending the request to the replica failed): the
+  room the grant reserved is free again at once, not after `grant_ttl_s`;
 * `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router;
   `ingress_view(ingress_id)`: the placement and how many tickets of *other* ingresses wait, which
   closes an ingress's fast path while any ingress has a request parked (`routing.admission`).
@@ -115,9 +119,11 @@ class ClusterController:
         )
         waiter: asyncio.Future[Grant | Refusal] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.ticket_id] = waiter
+        answered = False  # its outcome is on its way to the caller
         try:
             grant = await self._window.park(ticket, request.get("claims"))
             if isinstance(grant, ClusterOverloadedError):
+                answered = True
                 return {"overloaded": str(grant), "retry_after_s": grant.retry_after_s}
             if isinstance(grant, LoraClusterError):
                 raise grant
@@ -129,6 +135,7 @@ class ClusterController:
                     self._parked_by[ticket.ingress_id] -= 1
                     if self._parked_by[ticket.ingress_id] <= 0:
                         del self._parked_by[ticket.ingress_id]
+            answered = True
             if isinstance(grant, Refusal):  # bumped out of the full queue by more urgent requests
                 return {"overloaded": grant.reason, "retry_after_s": grant.retry_after_s}
             return {"replica_id": grant.replica_id, "preempt": grant.preempt}
@@ -136,8 +143,13 @@ class ClusterController:
             return {"timeout": True}
         finally:
             self._waiters.pop(ticket.ticket_id, None)
-            if not waiter.done() or waiter.cancelled():  # timed out or the caller went away
+            if not answered:  # timed out, or the caller went away: its ticket, or the room its grant took
                 self.core.cancel(ticket.ticket_id)
+
+    async def cancel_ticket(self, ticket_id: str, replica_id: str | None = None) -> None:
+        """The ingress will not use the ticket's grant, or gave up its wait (`Controller.cancel`):
+        the room the grant reserved at its replica is free again at once, not after `grant_ttl_s`."""
+        self.core.cancel(str(ticket_id), None if replica_id is None else str(replica_id))
 
     async def snapshot(self) -> dict[str, Any]:
         """The controller's view, plus where the controller itself runs (its actor and node)."""

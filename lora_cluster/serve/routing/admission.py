@@ -16,7 +16,9 @@ immediate). The check reads memory only: the fast path makes no actor call.
 Slow path: no replica has room (or a request is parked already), so the request is parked in the
 cluster queue (`ClusterController.admit`) and sent to the replica it is granted (pinned) once one
 frees a slot, in class-then-deadline order. A refusal (full queue, deadline out of reach) is a 429
-with `Retry-After`; waiting past `cluster_queue_timeout_s` a 503.
+with `Retry-After`; waiting past `cluster_queue_timeout_s` a 503. A grant the ingress will not use
+(its client went away while parked, or sending the request failed before the replica answered) is
+given back (`ClusterController.cancel_ticket`), so its replica's room is free again at once.
 
 Placement: every `placement_period_s` the ingress fetches the controller's placement table (hot
 adapter -> replicas that should hold it) and hands it to its request router (`placement_sink`),
@@ -62,10 +64,12 @@ RETRY_PAUSE_S = 0.2
 
 @dataclass(frozen=True)
 class Granted:
-    """A request's grant: run it on `replica_id`; the replica reports `ticket_id` when it arrives."""
+    """A request's grant: run it on `replica_id`; the replica reports `ticket_id` when it arrives.
+    `shard`: the controller shard that granted it."""
 
     replica_id: str
     ticket_id: str
+    shard: int = 0
 
 
 class ClusterAdmission:
@@ -153,6 +157,7 @@ class ClusterAdmission:
                 reply = await response
             except asyncio.CancelledError:
                 response.cancel()  # the client went away: drop the ticket
+                self._release(shard, ticket["ticket_id"])  # and a grant decided meanwhile, if any
                 raise
             except Exception as exc:  # the controller died or is restarting: park again there
                 give_up_reaching = give_up_reaching or self._clock() + REPARK_WINDOW_S
@@ -167,7 +172,7 @@ class ClusterAdmission:
                 continue
             if "replica_id" in reply:
                 self.counts["preempting" if reply.get("preempt") else "granted"] += 1
-                return Granted(str(reply["replica_id"]), ticket["ticket_id"])
+                return Granted(str(reply["replica_id"]), ticket["ticket_id"], shard)
             if "overloaded" in reply:
                 self.counts["refused"] += 1
                 raise ClusterOverloadedError(str(reply["overloaded"]), float(reply["retry_after_s"]))
@@ -221,10 +226,24 @@ class ClusterAdmission:
             self._on_their_way.popleft()
         self._inflight[replica_id] += 1
 
-    def not_started(self, *, granted: bool) -> None:
-        """The request failed before any replica answered."""
-        if not granted and self._on_their_way:
+    def not_started(self, grant: Granted | None = None) -> None:
+        """The request failed before any replica answered (`grant`: the grant it was pinned by, None
+        for the direct way). A grant's controller shard is told to release the room it reserved
+        (`cancel_ticket`): the request may never have reached the replica, which would then never
+        report it (if it did, the release only counts it a report period early)."""
+        if grant is not None:
+            self._release(grant.shard, grant.ticket_id, grant.replica_id)
+        elif self._on_their_way:
             self._on_their_way.popleft()
+
+    def _release(self, shard: int, ticket_id: str, replica_id: str | None = None) -> None:
+        """Tell `shard` (not waiting for its answer) that this ingress will not use the ticket's grant
+        (`ClusterController.cancel_ticket`); a failure to send is logged, never raised: the caller
+        is on an error or cancellation path, and the grant's reservation still ends at its TTL."""
+        try:
+            self._shards[shard].cancel_ticket.remote(ticket_id, replica_id)
+        except Exception as exc:
+            log.debug("ticket %s not released at shard %d: %s", ticket_id, shard, exc)
 
     def unassigned(self) -> int:
         """Direct requests sent in the last `report_lag_s` that no replica has answered yet."""

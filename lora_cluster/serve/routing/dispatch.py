@@ -231,7 +231,7 @@ class Dispatcher:
         try:
             first, stream = await self._first_item(job)
         except BaseException:
-            self.admission.not_started(granted=pinned)
+            self.admission.not_started(granted)
             raise
         replica = first["replica"]
         self.admission.started(replica, granted=pinned)
