@@ -162,8 +162,11 @@ class ClusterView:
         """Granted tickets that reached the replica, told by a report the view could not use (a
         delta whose base it lacks): they no longer count against its room."""
         seen = self._seen.get(replica_id)
-        if seen is None:
-            return
+        if seen is not None:
+            self._drop_grants(replica_id, seen, tickets)
+
+    def _drop_grants(self, replica_id: str, seen: _Seen, tickets: Iterable[str]) -> None:
+        """These grants count against the replica's room no longer."""
         for ticket_id in tickets:
             seen.outstanding.pop(ticket_id, None)
             seen.preempting.discard(ticket_id)
@@ -281,14 +284,10 @@ class ClusterView:
         without `replica_id`, every replica's grants are looked at (O(replicas): a cancellation's
         cost, not a grant's). Returns whether such a grant was counted."""
         for rid in (replica_id,) if replica_id is not None else list(self._seen):
-            s = self._seen.get(rid)
-            if s is None or s.outstanding.pop(ticket_id, None) is None:
-                continue
-            self._touch((rid,))
-            if ticket_id in s.preempting:
-                s.preempting.discard(ticket_id)
-                self._repreempt(rid)
-            return True
+            seen = self._seen.get(rid)
+            if seen is not None and ticket_id in seen.outstanding:
+                self._drop_grants(rid, seen, (ticket_id,))
+                return True
         return False
 
     def ids(self) -> Iterable[str]:
