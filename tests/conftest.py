@@ -21,7 +21,6 @@ import pytest
 from helpers import free_tcp_port
 from ray_app import run_app, stop_kept_ray
 from remote_sources import S3, TcpProxy
-from xdist_units import ModuleUnits
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
 
@@ -81,52 +80,21 @@ def free_port() -> Callable[[], int]:
 # ----- Ray Serve: one app per use, on a Ray kept between apps, the environment restored after -----
 
 
-# The modules that start Ray (Serve applications through `ray_app`, or `serve run` itself: marked
-# `slow`): one unit of work under xdist; collection fails on such a module missing here.
-RAY_MODULES = frozenset(f"tests/{name}.py" for name in (
-    "test_cluster_e2e", "test_controller_shards_e2e", "test_faults", "test_family_serve_e2e",
-    "test_ingress_replicas_e2e", "test_multi_base_e2e", "test_observability_e2e", "test_quotas",
-    "test_replica_groups", "test_serve_e2e", "test_serve_throughput_mode", "test_structured_output_e2e",
-    "test_tool_calls_e2e"))
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules that start Ray run after the others: first those that start a Ray of their own
-    (marked `own_ray`: `ray_app(..., env=...)` or `nodes=`; or `serve run` itself), then those on
-    the local Ray kept between applications (`ray_app.run_app`), so that it starts once; otherwise
-    in the collected order. Under pytest-xdist they are one unit of work, run by one worker in this
-    order while the other worker runs the rest (`pytest_xdist_make_scheduler`)."""
+    """The modules that start Ray Serve applications run last, those marked `own_ray` (not on the local
+    Ray: `ray_app(..., env=...)` or `nodes=`) first among them; otherwise in the collected order. So
+    the local Ray kept between applications (`ray_app.run_app`) starts once and no other test runs
+    beside it."""
     def module_of(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 
-    rank: dict[str, int] = {}  # module -> 0: no Ray, 1: a Ray of its own, 2: on the local Ray
+    rank: dict[str, int] = {}  # module -> 0: no application, 1: own_ray, 2: on the local Ray
     for item in items:
         if "ray_app" in getattr(item, "fixturenames", ()):
             own = item.get_closest_marker("own_ray") is not None
             rank[module_of(item)] = max(rank.get(module_of(item), 0), 1 if own else 2)
-    for item in items:
-        if module_of(item) not in rank and item.get_closest_marker("slow") is not None:
-            rank[module_of(item)] = 1
-    if unlisted := sorted(m for m in rank if m not in RAY_MODULES):
-        raise pytest.UsageError(f"modules that start Ray, missing from conftest.RAY_MODULES: {unlisted}")
     position = {id(item): k for k, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(module_of(item), 0), position[id(item)]))
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: no error where xdist is not loaded
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under `--dist loadfile` (pyproject's addopts: `-n 2 --dist loadfile`): each module one unit of
-    work, the modules that start Ray one unit together, queued first (`xdist_units.ModuleUnits`).
-    Other `--dist` modes are left to xdist."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.workermanage import parse_tx_spec_config
-
-    def unit_of(node_id: str) -> str:
-        module = node_id.split("::", 1)[0]
-        return "ray" if module in RAY_MODULES else module
-
-    return ModuleUnits(len(parse_tx_spec_config(config)), log.moduleunits, unit_of, first="ray")
 
 
 @pytest.fixture(scope="session")

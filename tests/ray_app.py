@@ -6,10 +6,8 @@ Applications run one after the other on one Ray with Serve started once, kept be
 application 3 s. The Ray is kept while the next application asks for the same kind (local, or a
 multi-node cluster of as many nodes); an application with an environment of its own for the workers
 (`env`: Ray fixes a job's environment when it starts) gets a Ray of its own, stopped after it.
-conftest orders the modules that start applications after the others, those not on the local Ray
-(marked `own_ray`) first among them, so that the local Ray starts once; under pytest-xdist they are
-one unit of work, run by one worker in that order while the other worker runs the other modules
-(`tests/xdist_units.py`).
+conftest runs the modules that start applications last, those not on the local Ray (marked
+`own_ray`) first among them, so that the local Ray starts once and idles through no other test.
 """
 
 from __future__ import annotations
