@@ -30,7 +30,8 @@ slow stretch with a high steal is the host's, not the server's):
     `--overload-s`: answers by status, whether every 429 carried `Retry-After`, the p99 of the 200s.
     At most `--overload-max-in-flight` (1,024) outstanding, on a client of its own: at 1.2x of ~100
     req/s a minute's excess is ~1,200 requests, so the server, not the client's bound, meets it.
-The verdict's rules are `verdict`'s docstring.
+The verdict's rules are `verdict`'s docstring. With `--qps` the script runs the soak phase alone at
+that rate, with no verdict (for experiments at a chosen rate).
 
 Load: open loop (fixed seed), whatever the answers, with at most `--max-in-flight` outstanding (more
 are counted as `skipped`, so a stuck server cannot grow the client without bound). Requests:
@@ -155,8 +156,8 @@ def zipf_models(n: int, base: str, rng: random.Random) -> list[str]:
     return [names[i] for i in ZipfSampler(n, 1.1, extra_weights=[1.0]).draws(rng, 100_000)]
 
 
-async def one(client: Client, model: str, stream: bool,
-              max_tokens: int) -> tuple[str, float, bool]:
+async def answer(client: Client, model: str, stream: bool,
+                 max_tokens: int) -> tuple[str, float, bool]:
     """One completion of `model` (streamed or not): (status or the client exception's name, seconds,
     whether the answer carried a `Retry-After` header)."""
     body: dict = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
@@ -177,6 +178,12 @@ async def one(client: Client, model: str, stream: bool,
     except httpx.HTTPError as exc:
         return type(exc).__name__, time.monotonic() - start, False
     return str(r.status_code), time.monotonic() - start, "Retry-After" in r.headers
+
+
+async def one(client: Client, model: str, stream: bool, max_tokens: int) -> tuple[str, float]:
+    """`answer` without the header: (status or the client exception's name, seconds)."""
+    status, seconds, _retry_after = await answer(client, model, stream, max_tokens)
+    return status, seconds
 
 
 def http_client(library: str, url: str, connections: int,
@@ -262,7 +269,12 @@ class OpenLoop:
             self.next_send += self.rng.expovariate(self.qps)
 
     async def _one(self, model: str, stream: bool) -> None:
-        status, latency, retry_after = await one(self.client, model, stream, self.max_tokens)
+        """One request; a failure `answer` does not name (not the client library's own error) is
+        recorded by its exception's name too, so that no request sent goes unanswered."""
+        try:
+            status, latency, retry_after = await answer(self.client, model, stream, self.max_tokens)
+        except Exception as exc:
+            status, latency, retry_after = type(exc).__name__, math.nan, False
         self.in_flight -= 1
         self.tally.record(status, latency, retry_after)
 
@@ -291,21 +303,25 @@ class Log:
 
 
 async def closed_loop(client: Client, models: list, clients: int,
-                      seconds: float, max_tokens: int) -> Counter:
+                      seconds: float, max_tokens: int) -> tuple[Counter, list[float]]:
     """`clients` closed-loop clients (each sends its next request, not streamed, when its last one is
-    answered) for `seconds`: the answers by status of the requests that ended within the `seconds`."""
+    answered) for `seconds`: the answers by status and the latencies of the 200s, both of the
+    requests that ended within the `seconds` (load_tests/depth.py uses it too)."""
     statuses: Counter = Counter()
+    latencies: list[float] = []
     stop = time.monotonic() + seconds
 
     async def worker(k: int) -> None:
         for i in range(k, k + clients * MAX_REQUESTS_PER_CLIENT, clients):
             if time.monotonic() >= stop:
                 return
-            status, _latency, _retry_after = await one(client, models[i % len(models)], False, max_tokens)
+            status, latency = await one(client, models[i % len(models)], False, max_tokens)
             if time.monotonic() < stop:
                 statuses[status] += 1
+                if status == "200":
+                    latencies.append(latency)
     await asyncio.gather(*(worker(k) for k in range(clients)))
-    return statuses
+    return statuses, latencies
 
 
 async def saturation(client: Client, models: list, args: argparse.Namespace, name: str,
@@ -313,7 +329,7 @@ async def saturation(client: Client, models: list, args: argparse.Namespace, nam
     """The closed-loop saturation rate (200s per second) and the answers by status, logged with the
     CPU steal."""
     steal = CpuSteal()
-    statuses = await closed_loop(client, models, args.concurrency, args.calibrate_s, args.max_tokens)
+    statuses, _ = await closed_loop(client, models, args.concurrency, args.calibrate_s, args.max_tokens)
     rate = statuses["200"] / args.calibrate_s
     log(f"{name} ({args.concurrency} closed-loop clients, {args.calibrate_s:g} s): {rate:.2f} req/s, "
         f"answers {dict(statuses)}, CPU steal {steal_text(steal.share_since_last())}%")
@@ -474,6 +490,14 @@ class Verdict:
     lines: list[str]
 
 
+def whole_of(rows: list[Row]) -> Tally:
+    """The soak's rows' tallies in one."""
+    whole = Tally()
+    for row in rows:
+        whole.add(row.tally)
+    return whole
+
+
 def verdict(rows: list[Row], p99_low: float, overload: Tally, policy: Policy) -> Verdict:
     """PASS iff all of:
     - every soak request was answered 200 (a skipped request, one the client did not send because
@@ -489,9 +513,7 @@ def verdict(rows: list[Row], p99_low: float, overload: Tally, policy: Policy) ->
       allocator noise at this load stayed within +1-13 MiB over earlier soaks (docs/soak.md), most
       of it in the first minutes, which the saturation and low phases now precede;
     - the overload phase answered only 200 or 429 with Retry-After (`overload_ok`)."""
-    whole = Tally()
-    for row in rows:
-        whole.add(row.tally)
+    whole = whole_of(rows)
     all_200 = whole.statuses["200"] == whole.sent and not whole.skipped and whole.sent > 0
     kept, excluded = steal_split(rows, policy.steal_limit)
     p99 = percentile([lat for row in kept for lat in row.tally.latencies], 99)
@@ -551,12 +573,24 @@ async def phases(args: argparse.Namespace, log: Log) -> Verdict:
     return result
 
 
+async def soak(args: argparse.Namespace) -> list[str]:
+    """`--qps` given: the soak phase alone at that rate (no saturation, low or overload phase, and no
+    verdict), for experiments at a chosen rate; the report's lines."""
+    log = Log()
+    models = zipf_models(args.adapters, args.base_model, random.Random(args.seed))
+    async with http_client(args.client, args.url, args.max_in_flight, args.timeout_s) as client:
+        log(f"the soak: {args.qps:.2f} req/s (given), {args.minutes:g} min, max_tokens {args.max_tokens}, "
+            f"{args.adapters} adapters (Zipf 1.1)")
+        loop = OpenLoop(client, models, args.qps, random.Random(args.seed + 1), itertools.count(), args)
+        rows = await soak_phase(loop, args, log)
+    log(f"whole run: {whole_of(rows).text()}")
+    return log.lines
+
+
 def summary(rows: list[Row], qps: float, before: float, after: float, low: Tally, log: Log) -> None:
     """The run's figures: the soak rate against the lower saturation, the low phase's and the whole
     soak's latency, the other answers."""
-    whole = Tally()
-    for row in rows:
-        whole.add(row.tally)
+    whole = whole_of(rows)
     lower = min(before, after)
     fraction = f"{qps / lower:.2f}" if lower > 0 else "- (no 200 after)"
     log()
@@ -573,6 +607,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--minutes", type=float, default=10.0, help="the soak's length")
+    p.add_argument("--qps", type=float, default=None,
+                   help="soak at this rate alone: no other phase and no verdict (an experiment's rate)")
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients of the saturation phases")
     p.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of each saturation phase")
     p.add_argument("--low-fraction", type=float, default=0.2, help="the low phase's rate / saturation")
@@ -608,14 +644,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the phases; 0 on PASS, 1 on FAIL."""
+    """Runs the phases; 0 on PASS, 1 on FAIL (with `--qps`: the soak alone, 0)."""
     args = parser().parse_args(argv)
-    log = Log()
-    result = asyncio.run(phases(args, log))
+    if args.qps:
+        lines, code = asyncio.run(soak(args)), 0
+    else:
+        log = Log()
+        result = asyncio.run(phases(args, log))
+        lines, code = log.lines, 0 if result.passed else 1
     if args.out:
         with open(args.out, "w") as f:
-            f.write("\n".join(log.lines) + "\n")
-    return 0 if result.passed else 1
+            f.write("\n".join(lines) + "\n")
+    return code
 
 
 if __name__ == "__main__":
