@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import math
+import socket
 import threading
 
 import aiohttp
@@ -252,3 +253,33 @@ async def test_an_open_phase_counts_the_429s_without_retry_after(soak, handler, 
     expected = 0 if with_header else refused
     assert refused > 0 and loop.tally.bare_429 == expected, \
         f"{handler.__name__}: {expected} of {refused} 429s counted without Retry-After: {loop.tally.bare_429}"
+
+
+def test_fds_that_follow_the_loads_connections_are_flat(soak) -> None:
+    soak_rows = rows(soak, fds_per_row=10)  # +190 fds over the soak, 19% of the start
+    for k, row in enumerate(soak_rows):
+        row.conns = 100 + 10 * k  # the client's connections grew by as many
+    result = judge(soak, soak_rows)
+    assert result.passed, f"fds held by the load's own connections are not the server's leak: {result.lines}"
+
+
+def test_fds_beyond_the_loads_connections_fail(soak) -> None:
+    soak_rows = rows(soak, fds_per_row=10)
+    for row in soak_rows:
+        row.conns = 100  # the client's connections stayed as they were
+    result = judge(soak, soak_rows)
+    assert not result.passed, f"fds growing while the connections do not are not flat: {result.lines}"
+
+
+def test_the_fds_cell_gives_the_loads_connections(soak) -> None:
+    row = rows(soak, n=1)[0]
+    row.conns = 42
+    assert "| 1000 (42) |" in row.text(), f"the fds cell shows the load's connections: {row.text()!r}"
+
+
+def test_the_load_counts_its_connections_to_the_server(soak) -> None:
+    with Server(Answers) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+            counted = soak.client_connections(port)
+    assert counted == 2, f"two connections open to the server, counted: {counted}"
