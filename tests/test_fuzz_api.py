@@ -560,7 +560,7 @@ SCHEMA_AGREES = [
     ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": NAMED, "parallel_tool_calls": False},
      True),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, False),
-    ("/v1/chat/completions", {**CHAT, "tools": [], "tool_choice": NAMED}, False),
+    ("/v1/chat/completions", {**CHAT, "tools": [], "tool_choice": NAMED}, True),  # no parameters: {}
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]}, False),
     ("/v1/chat/completions", {**CHAT, "messages": [*CHAT["messages"], {"role": "tool", "content": "x"}]},
      False),
@@ -577,7 +577,7 @@ SCHEMA_AGREES = [
      False),
     ("/v1/completions", {**COMPLETION, "merged_adapters": MERGE}, False),
     ("/v1/completions", {**COMPLETION, "model": "demo", "merged_adapters": MERGE}, True),
-    ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}, False),
+    ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}, True),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 512]}, False),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 511]}, True),
     ("/v1/completions", {**COMPLETION, "n": 3}, False),

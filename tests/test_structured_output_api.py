@@ -257,10 +257,41 @@ async def test_best_of_equal_to_n_streams_every_choice():
     assert r.text.count('"finish_reason":"length"') == 2, "both choices are streamed to their end"
 
 
+async def test_best_of_below_n_is_raised_to_n():
+    dispatcher = ScoredDispatcher([(1, -1.0), (1, -0.5), (1, -2.0)])
+    r = await post(dispatcher, "/v1/completions", {**COMPLETION, "max_tokens": 1, "n": 3, "best_of": 2})
+    assert r.status_code == 200, f"best_of below n is served (raised to n): {r.text}"
+    assert len(dispatcher.jobs) == 3, "n candidates run: every choice is a candidate"
+    assert len(r.json()["choices"]) == 3, "n choices come back"
+
+
+async def test_a_streamed_best_of_selection_sends_each_chosen_choice_whole():
+    dispatcher = ScoredDispatcher([(2, -1.0), (3, -0.1), (1, -0.5)])
+    r = await post(dispatcher, "/v1/completions", {**COMPLETION, "max_tokens": 3, "best_of": 3,
+                                                   "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, f"served: {r.text}"
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", f"the stream ends with [DONE]: {events}"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["bbb"], (
+        f"the best candidate, whole, in one chunk: {chunks}")
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 + 3 + 1, "the usage chunk counts every candidate"
+    assert all(not job.stream for job in dispatcher.jobs), "the candidates run to their end unstreamed"
+
+
+async def test_a_streamed_echo_sends_the_prompt_and_the_text_in_one_chunk():
+    dispatcher = ScoredDispatcher([(2, -1.0)])
+    r = await post(dispatcher, "/v1/completions", {**COMPLETION, "prompt": "hi ", "max_tokens": 2,
+                                                   "echo": True, "stream": True})
+    assert r.status_code == 200, f"echo with stream is served: {r.text}"
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    chunk = json.loads(events[0])
+    assert chunk["choices"][0]["text"] == "hi aa", f"the prompt, then the generated text: {chunk}"
+    assert chunk["object"] == "text_completion", "a completions chunk"
+
+
 @pytest.mark.parametrize(("body", "needle"), [
-    ({**COMPLETION, "n": 3, "best_of": 2}, "best_of=2 must be at least n=3"),
     ({**COMPLETION, "best_of": 5}, "max_n"),
-    ({**COMPLETION, "best_of": 2, "stream": True}, "best_of with stream"),
     ({**COMPLETION, "best_of": 0}, "best_of"),
 ])
 async def test_best_of_out_of_its_rules_is_a_400(body, needle):
@@ -362,12 +393,12 @@ BEST_OF_AGREES = [
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 4}, True),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 2, "stream": True}, True),
     ("/v1/completions", {**COMPLETION, "best_of": 1, "stream": True}, True),
-    ("/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, False),
-    ("/v1/completions", {**COMPLETION, "n": 3, "best_of": 4, "stream": True}, False),
-    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, False),
+    ("/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, True),
+    ("/v1/completions", {**COMPLETION, "n": 3, "best_of": 4, "stream": True}, True),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, True),
     ("/v1/completions", {**COMPLETION, "best_of": 5}, False),
     ("/v1/chat/completions", {**CHAT, "n": 2, "best_of": 3}, True),
-    ("/v1/chat/completions", {**CHAT, "n": 3, "best_of": 2}, False),
+    ("/v1/chat/completions", {**CHAT, "n": 3, "best_of": 2}, True),
     ("/generate", lorax(best_of=2, do_sample=True), True),
     ("/generate", lorax(best_of=3, top_p=0.9), True),
     ("/generate", lorax(best_of=2, temperature=1.5), True),

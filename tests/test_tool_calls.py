@@ -276,11 +276,22 @@ def test_auto_and_none_are_not_forced_and_defaults_follow_openai():
     assert tool_use(None, None, None).mode == "none", "without tools the default is none"
 
 
+def test_a_named_function_not_among_the_tools_is_called_without_parameters():
+    use = tool_use([_tool("a")], _named("b"), None)
+    assert use.mode == "named" and use.name == "b", "the named function is forced, not refused"
+    assert use.guided() is not None, "its call is forced by a grammar (arguments: an empty parameter list)"
+
+
+def test_of_two_tools_of_one_name_the_first_is_used():
+    first = {"type": "function", "function": {"name": "a", "description": "first"}}
+    second = {"type": "function", "function": {"name": "a", "description": "second"}}
+    tools = [ToolDefinition.model_validate(first), ToolDefinition.model_validate(second)]
+    use = tool_use(tools, "auto", None)
+    assert [t.function.description for t in use.tools] == ["first"], "the first definition of a name is kept"
+
+
 @pytest.mark.parametrize(("tools", "choice", "needle"), [
     ([], "required", "at least one tool"),
-    ([], "named", "'a'"),
-    (["a"], "named-b", "'b'"),
-    (["a", "a"], "auto", "repeated: a"),
 ])
 def test_inconsistent_tools_are_a_400_naming_the_problem(tools, choice, needle):
     choice_value: Any = {"named": _named("a"), "named-b": _named("b")}.get(choice, choice)

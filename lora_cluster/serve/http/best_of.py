@@ -40,38 +40,3 @@ def best_one(candidates: list[dict[str, Any]]) -> tuple[int, list[int]]:
     indices of the others in their order."""
     best = max(range(len(candidates)), key=lambda i: (mean_logprob(candidates[i]), -i))
     return best, [i for i in range(len(candidates)) if i != best]
-
-
-def openai_rules(max_n: int) -> list[dict[str, Any]]:
-    """The OpenAPI rule of best_of in an OpenAI body: at least n, and with stream only equal to n (n
-    defaults to 1). JSON Schema cannot compare two fields, so each allowed value is spelled out, in as
-    few cases as it takes (a client generating bodies from the schema expands every case against the
-    body's other rules): unset; equal to n; or above n without stream. With max_n 1 both are 1 at
-    most and there is nothing to state."""
-    if max_n == 1:
-        return []
-    equal_n = [{"properties": {"best_of": {"const": k}, "n": {"const": k}},
-                "required": ["n"] if k > 1 else []} for k in range(1, max_n + 1)]
-    above_n = [{"properties": {"best_of": {"const": k}, "n": {"maximum": k - 1}, "stream": {"const": False}}}
-               for k in range(2, max_n + 1)]
-    return [{"anyOf": [{"properties": {"best_of": {"type": "null"}}}, *equal_n, *above_n]}]
-
-
-LORAX_ONE = {"properties": {"best_of": {"anyOf": [{"type": "null"}, {"maximum": 1}]}}}
-
-
-def lorax_rule() -> dict[str, Any]:
-    """The OpenAPI rule of best_of in LoRAX's parameters: above 1 only with sampling (do_sample, or a
-    temperature, top_k or top_p that warps; temperature 0 is greedy) and without a seed."""
-    sampled = {"properties": {"seed": {"type": "null"}, "temperature": {"not": {"const": 0}}}, "anyOf": [
-        {"properties": {"do_sample": {"const": True}}, "required": ["do_sample"]},
-        {"properties": {"temperature": {"type": "number", "not": {"const": 1}}}, "required": ["temperature"]},
-        {"properties": {"top_k": {"type": "integer"}}, "required": ["top_k"]},
-        {"properties": {"top_p": {"type": "number", "not": {"const": 1}}}, "required": ["top_p"]}]}
-    return {"anyOf": [LORAX_ONE, sampled]}
-
-
-def lorax_stream_rule() -> dict[str, Any]:
-    """The OpenAPI rule of a LoRAX body: with `stream: true`, best_of at most 1."""
-    not_streamed = {"properties": {"stream": {"const": False}}}
-    return {"anyOf": [not_streamed, {"properties": {"parameters": LORAX_ONE}}]}

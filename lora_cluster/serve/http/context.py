@@ -126,6 +126,38 @@ class ApiContext:
         tokenizer = self.tokenizer_of(base)
         return len(tokenizer) if isinstance(tokenizer, Sized) else None
 
+    def prompt_limit_of(self, base: str | None) -> int:
+        """The most tokens a prompt for that base may have: max_prompt_tokens, at most the engine's
+        max_model_len - 1, at most the model's context less one (its tokenizer's `model_max_length`,
+        where it states one), as that base's engine will refuse anything longer."""
+        limit = self.config.max_model_len - 1
+        if self.config.max_prompt_tokens is not None:
+            limit = min(limit, self.config.max_prompt_tokens)
+        context = getattr(self.tokenizer_of(base), "model_max_length", None)
+        if isinstance(context, int) and 1 < context < 2**31:
+            limit = min(limit, context - 1)
+        return limit
+
+    @property
+    def prompt_limit(self) -> int:
+        """The largest prompt limit over the bases (the API schema's bound on token-id prompts; each
+        request is checked against its own base's, `prompt_limit_of`)."""
+        return max(self.prompt_limit_of(b) for b in [None, *self.tokenizers])
+
+    def messages_limit_of(self, base: str | None) -> int:
+        """The most messages a conversation for that base may have: max_chat_messages, at most as
+        many as fit in its prompt limit at the chat template's cost of an empty message (more can
+        never fit: they are a 400 prompt_too_long). max_chat_messages where the template cannot say
+        (no template, or one that refuses two user messages in a row)."""
+        empty = {"role": "user", "content": ""}
+        try:
+            one, two = (len(self._render_chat([empty] * k, None, base)) for k in (1, 2))
+        except Exception:  # no template, or one with rules of its own: the configured limit
+            return self.config.max_chat_messages
+        per_message = max(1, two - one)
+        fits = max(1, (self.prompt_limit_of(base) - (one - per_message)) // per_message)
+        return min(self.config.max_chat_messages, fits)
+
     @property
     def vocab_size(self) -> int | None:
         """The largest base vocabulary (the API schema's bound on token ids; each request is checked
@@ -202,7 +234,7 @@ class ApiContext:
             vocab = self.vocab_size_of(base)
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise ApiException(describe(RequestError(f"prompt token ids must be in [0, {vocab})")))
-        return self._checked(ids)
+        return self._checked(ids, base)
 
     async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                           base: str | None = None) -> list[int]:
@@ -211,7 +243,7 @@ class ApiContext:
         definitions) go to the template as `tools`, which the template renders as it was trained to."""
         if not getattr(self.tokenizer_of(base), "chat_template", None):
             raise ApiException(describe(RequestError("the base model's tokenizer has no chat template")))
-        return self._checked(await self._off_loop(self._render_chat, messages, tools, base))
+        return self._checked(await self._off_loop(self._render_chat, messages, tools, base), base)
 
     def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      base: str | None) -> list[int]:
@@ -225,11 +257,11 @@ class ApiContext:
             raise ApiException(describe(RequestError(f"cannot apply the chat template: {exc}"))) from exc
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _checked(self, ids: list[int]) -> list[int]:
+    def _checked(self, ids: list[int], base: str | None) -> list[int]:
         if not ids:
             raise ApiException(describe(RequestError("the prompt is empty")))
-        limit = self.config.max_prompt_tokens
-        if limit is not None and len(ids) > limit:
+        limit = self.prompt_limit_of(base)
+        if len(ids) > limit:
             raise ApiException(describe(PromptTooLongError(len(ids), limit)))
         return ids
 

@@ -116,8 +116,9 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(admin_router(ctx))
     # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
     install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate,
-                    bodies=functools.partial(constrain, limits=ctx.config, vocab_size=ctx.vocab_size,
-                                             base_models=ctx.base_names))
+                    bodies=lambda components: constrain(  # when the schema is first asked for
+                        components, limits=ctx.config, vocab_size=ctx.vocab_size, base_models=ctx.base_names,
+                        prompt_tokens=ctx.prompt_limit, messages=ctx.messages_limit_of(None)))
     return app
 
 

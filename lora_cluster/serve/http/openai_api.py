@@ -1,18 +1,20 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
 `model` is an adapter id, or the base model's name for no adapter. `n` choices run as separate
-engine requests (choice i of a seeded request uses seed + i); with `best_of`, best_of candidates run
-and the n with the highest cumulative logprob are the choices, best first (`best_of`; not streamed;
+engine requests (choice i of a seeded request uses seed + i); with `best_of` (raised to n), best_of
+candidates run and the n with the highest cumulative logprob are the choices, best first (`best_of`;
 the usage counts every candidate's tokens, as they were all generated and charged).
 `stream: true` sends SSE chunks and ends with `data: [DONE]`; `stream_options.include_usage` adds a
 last chunk with the usage. An error after the first token arrives as a `data: {"error": ...}` event
-before `[DONE]`. The SLA class is the
+before `[DONE]`. A streamed request whose choices are known only at the end (a best_of selection,
+completions' `echo`, whose prompt logprobs come with the last token) gets each choice whole in one
+chunk once every job is done (`whole_chunks`), then the usage chunk and `[DONE]`. The SLA class is the
 `x-lora-priority` header's, else vLLM's integer `priority` field's, else the default (see `context`);
 every choice's job runs in it, and the response names it in `x-lora-priority-class`. Log-probabilities
 (completions `logprobs: k`, chat `logprobs: true` + `top_logprobs: k`) come in each choice's `logprobs`,
 streamed chunks included, in OpenAI's shapes (`logprob_format`); they are of the raw model
 distribution, whatever the temperature (see `engine.logprobs`). Completions' `echo` prepends each
-prompt to its choices' text and, with `logprobs`, its tokens' logprobs (the first null); not with `stream`.
+prompt to its choices' text and, with `logprobs`, its tokens' logprobs (the first null).
 `usage.prompt_tokens_details.cached_tokens` and the `x-lora-cached-tokens` header count the prompt
 tokens whose KV the replicas' prefix caches held, once per prompt (as `prompt_tokens`).
 Chat `tools` go to the chat template; each choice's output is read for tool calls (`tool_calls`: the
@@ -81,7 +83,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             for choice in range(body.candidates):
                 jobs.append(GenerateJob(
                     request_id=f"{request_id}-{len(jobs)}", prompt=prompt, adapter_id=adapter,
-                    sampling=body.sampling(ctx.config, default_max, choice), stream=body.stream,
+                    sampling=body.sampling(ctx.config, default_max, choice),
+                    stream=body.stream and not body.whole,
                     adapter_path=path, priority_class=sla.name, priority=sla.priority, merge=merge,
                     tenant=caller.tenant, base=base))
         return jobs
@@ -101,39 +104,26 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         cached = cached_tokens(generations, len(prompts))
         headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name}
         texts = TokenTexts(partial(ctx.token_text, base=base))
-        if not body.stream:
-            done = await finals(generations)
-            completion_tokens = sum(item["completion_tokens"] for item in done)  # every candidate's
-            if body.selects:
-                done = _selected(done, body.candidates, body.n, asked=body.logprobs_k() is not None)
-            choices = []
-            for index, item in enumerate(done):
-                finish = OPENAI_FINISH.get(item["finish_reason"], item["finish_reason"])
-                logprobs = _logprobs(kind, item.get("logprobs"), texts)
-                if kind == "text":
-                    text = item["text"]
-                    if echoes is not None:
-                        prompt_index = index // body.n
-                        text = echoes[prompt_index] + text
-                        logprobs = _echoed(prompts[prompt_index], item, texts)
-                    choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": finish})
-                else:
-                    content, calls = tool_calls.collect(reader(), item["text"])
-                    message: dict[str, Any] = {"role": "assistant", "content": content}
-                    if calls:
-                        message["tool_calls"] = calls
-                        finish = "tool_calls" if finish == "stop" else finish
-                    choices.append({"index": index, "message": message, "logprobs": logprobs,
-                                    "finish_reason": finish})
-            return JSONResponse({
-                "id": request_id, "object": "text_completion" if kind == "text" else "chat.completion",
-                "created": created, "model": body.model, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens, cached)}, headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
-                         texts, reader, cached=cached)
-        return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
+        if body.stream and not body.whole:
+            events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
+                             texts, reader, cached=cached)
+            return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
+        done = await finals(generations)
+        completion_tokens = sum(item["completion_tokens"] for item in done)  # every candidate's
+        if body.selects:
+            done = _selected(done, body.candidates, body.n, asked=body.logprobs_k() is not None)
+        choices = [_choice(kind, index, item, texts, reader, body.n, prompts, echoes)
+                   for index, item in enumerate(done)]
+        usage = _usage(prompt_tokens, completion_tokens, cached)
+        obj = "text_completion" if kind == "text" else "chat.completion"
+        if body.stream:
+            head = {"id": request_id, "object": obj if kind == "text" else "chat.completion.chunk",
+                    "created": created, "model": body.model}
+            chunks = whole_chunks(head, kind, choices, usage if include_usage else None)
+            return EventStream(chunks, headers, on_close=lambda: None)  # every job is done
+        return JSONResponse({"id": request_id, "object": obj, "created": created, "model": body.model,
+                             "choices": choices, "usage": usage}, headers=headers)
 
     def screen(body: CompletionRequest | ChatCompletionRequest, caller: Caller,
                x_lora_priority: str | None) -> SlaClass:
@@ -195,6 +185,42 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         return {"object": "list", "data": data}
 
     return router
+
+
+def _choice(kind: str, index: int, item: dict[str, Any], texts: TokenTexts,
+            reader: Callable[[], ToolCallReader], n: int, prompts: list[list[int]],
+            echoes: list[str] | None) -> dict[str, Any]:
+    """Choice `index` of a response answered whole, from its final item: completions' text (the
+    prompt first with `echo`) or chat's message with its tool calls."""
+    finish = OPENAI_FINISH.get(item["finish_reason"], item["finish_reason"])
+    logprobs = _logprobs(kind, item.get("logprobs"), texts)
+    if kind == "text":
+        text = item["text"]
+        if echoes is not None:
+            prompt_index = index // n
+            text = echoes[prompt_index] + text
+            logprobs = _echoed(prompts[prompt_index], item, texts)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    content, calls = tool_calls.collect(reader(), item["text"])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+        finish = "tool_calls" if finish == "stop" else finish
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+async def whole_chunks(head: dict[str, Any], kind: str, choices: list[dict[str, Any]],
+                       usage: dict[str, Any] | None) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed response answered whole (`head`: its id, object, created and
+    model): one chunk per choice (chat: its message as the delta), the usage chunk when asked, `[DONE]`."""
+    for choice in choices:
+        if kind == "chat":
+            choice = {"index": choice["index"], "delta": choice["message"], "logprobs": choice["logprobs"],
+                      "finish_reason": choice["finish_reason"]}
+        yield event({**head, "choices": [choice]})
+    if usage is not None:
+        yield event({**head, "choices": [], "usage": usage})
+    yield DONE
 
 
 def _selected(done: list[dict[str, Any]], candidates: int, n: int, asked: bool) -> list[dict[str, Any]]:

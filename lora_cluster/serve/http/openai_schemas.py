@@ -40,6 +40,7 @@ from lora_cluster.serve.http.schemas import (
     check_stops,
 )
 from lora_cluster.serve.http.structured_output import (
+    ONE_CONSTRAINT,
     Choices,
     Grammar,
     Pattern,
@@ -89,43 +90,46 @@ class _OpenAISampling(Body):
                      Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         None, max_length=LOGIT_BIAS_MAX_TOKENS, description="Token id (a string) -> added to its logit, "
         f"in [-100, 100] (OpenAI); at most {LOGIT_BIAS_MAX_TOKENS} ids.")
-    best_of: int | None = Field(None, ge=1, description="Generate this many candidates per prompt and "
-                                "return the n with the highest cumulative logprob (vLLM); n <= best_of <= "
-                                "max_n; not with stream unless equal to n.")
+    best_of: int | None = Field(None, ge=1, description="Generate this many candidates per prompt (at most "
+                                "max_n; below n it is raised to n) and return the n with the highest "
+                                "cumulative logprob (vLLM). With stream, the n chosen arrive once every "
+                                "candidate is done, each choice in one chunk.")
     user: str | None = None
     merged_adapters: MergedAdaptersBody | None = Field(
-        None, description="LoRAX extension: merge these adapters for the request; `model` then names the "
-        "base model.")
+        None, description="LoRAX extension: merge these adapters for the request; `model` must then name "
+        "the base model (another model with merged_adapters is a 400 naming both).")
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema "
-                                                   "(OpenAI): the output's form, enforced while decoding.")
+                                                   "(OpenAI): the output's form, enforced while decoding. "
+                                                   f"{ONE_CONSTRAINT}")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension (0.10.2 and "
-                                                         "later): one output constraint.")
+                                                         f"later): one output constraint. {ONE_CONSTRAINT}")
     guided_json: SchemaOrText | None = Field(None, description="vLLM extension (before 0.12): the output "
-                                             "is JSON that fits this schema.")
-    guided_regex: Pattern | None = Field(None, description="vLLM extension (before 0.12).")
-    guided_choice: Choices | None = Field(None, description="vLLM extension (before 0.12).")
-    guided_grammar: Grammar | None = Field(None, description="vLLM extension (before 0.12).")
+                                             f"is JSON that fits this schema. {ONE_CONSTRAINT}")
+    guided_regex: Pattern | None = Field(None, description=f"vLLM extension (before 0.12). {ONE_CONSTRAINT}")
+    guided_choice: Choices | None = Field(None, description=f"vLLM extension (before 0.12). {ONE_CONSTRAINT}")
+    guided_grammar: Grammar | None = Field(None,
+                                           description=f"vLLM extension (before 0.12). {ONE_CONSTRAINT}")
     priority: int | None = Field(
         None, description="vLLM extension: lower is more urgent; picks the SLA class with that priority "
         "(see SlaClasses.resolve) unless the x-lora-priority header names one.")
 
     def _check_shared(self, limits: ServeConfig) -> None:
-        """What both routes check: best_of (n <= best_of <= max_n; a selection is not streamed, as in
-        vLLM and OpenAI) and the output constraint (at most one)."""
-        if self.best_of is not None:
-            if self.best_of < self.n:
-                raise bad_request(f"best_of={self.best_of} must be at least n={self.n}")
-            if self.best_of > limits.max_n:
-                raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.max_n} (max_n)")
-            if self.stream and self.selects:
-                raise bad_request("unsupported parameter(s): best_of with stream (the best choices are "
-                                  "known only at the end)", code="unsupported_parameter")
+        """What both routes check: best_of (at most max_n), the output constraint (at most one) and
+        merged_adapters only onto the base model (`merge_of`)."""
+        if self.best_of is not None and self.best_of > limits.max_n:
+            raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.max_n} (max_n)")
         _ = self.output_constraint
 
     @property
     def candidates(self) -> int:
-        """Generations per prompt: best_of, else n."""
-        return self.best_of if self.best_of is not None else self.n
+        """Generations per prompt: best_of raised to n (every choice is a candidate), else n."""
+        return max(self.best_of or 0, self.n)
+
+    @property
+    def whole(self) -> bool:
+        """Whether a streamed request's choices are sent whole once generated (one chunk each): a
+        best_of selection is known only when every candidate is done."""
+        return self.stream and self.selects
 
     @property
     def selects(self) -> bool:
@@ -171,14 +175,13 @@ class _OpenAISampling(Body):
 class CompletionRequest(_OpenAISampling):
     model_config = ConfigDict(json_schema_extra={"examples": [  # the README's quickstart (demo zoo)
         {"model": "a3", "prompt": "the river", "max_tokens": 16, "temperature": 0},
-        {"model": "demo", "prompt": "the river", "max_tokens": 4, "stream": True}],
-        "allOf": [{"anyOf": [{"properties": {"echo": {"enum": [False]}}},  # echo is not streamed
-                             {"properties": {"stream": {"enum": [False]}}}]}]})
+        {"model": "demo", "prompt": "the river", "max_tokens": 4, "stream": True}]})
 
     prompt: NonEmptyStr | NonEmpty[list[NonEmptyStr]] | NonEmptyIds | NonEmpty[list[NonEmptyIds]] = Field(
         description="A prompt, prompts, token ids, or lists of token ids; none of them empty.")
     echo: bool = Field(False, description="Prepend the prompt to each choice's text (and, with logprobs, "
-                       "its tokens' logprobs, the first null); not with stream.")
+                       "its tokens' logprobs, the first null); with stream, each choice arrives in one "
+                       "chunk once generated (the prompt's logprobs are known at the end).")
     suffix: Annotated[str | None, EMPTY_STRING] = None
     logprobs: int | None = Field(None, ge=0, description="The chosen token's logprob and this many "
                                  "alternatives per token (at most max_logprobs).")
@@ -201,13 +204,16 @@ class CompletionRequest(_OpenAISampling):
     def prompt_logprobs_k(self) -> int | None:
         return self.logprobs if self.echo else None
 
+    @property
+    def whole(self) -> bool:
+        """As for every OpenAI request, and also with echo (the prompt's logprobs come at the end)."""
+        return self.stream and (self.selects or self.echo)
+
     def check(self, limits: ServeConfig) -> None:
         self._check_shared(limits)
         check_logprobs(self.logprobs, limits, "logprobs")
         if self.suffix:
             raise bad_request("unsupported parameter(s): suffix", code="unsupported_parameter")
-        if self.echo and self.stream:
-            raise bad_request("unsupported parameter(s): echo with stream", code="unsupported_parameter")
         check_n(self.n, limits)
         count = len(self.prompts())
         if count > limits.max_prompts:
@@ -222,9 +228,9 @@ class TextPart(Body):
 
 
 class ChatMessage(Body):
-    model_config = ConfigDict(json_schema_extra={"anyOf": [  # a tool result names the call it answers
-        {"properties": {"role": {"not": {"const": "tool"}}}},
-        {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]})
+    model_config = ConfigDict(json_schema_extra={  # a tool result names the call it answers
+        "if": {"properties": {"role": {"const": "tool"}}},
+        "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}})
 
     role: str
     content: str | list[TextPart] | None = None
@@ -243,20 +249,23 @@ class ChatCompletionRequest(_OpenAISampling):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"model": "a3", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
         {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-         "stream": True, "stream_options": {"include_usage": True}}],
-        "allOf": [{"anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},  # needs logprobs: true
-                             {"properties": {"logprobs": {"enum": [True]}}, "required": ["logprobs"]}]}]})
+         "stream": True, "stream_options": {"include_usage": True}}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, description="Alternatives per token with logprobs: "
-                                     "true (at most max_logprobs; OpenAI allows 0-20).")
+    top_logprobs: int | None = Field(None, ge=0, description="Alternatives per token (at most "
+                                     "max_logprobs; OpenAI allows 0-20); needs logprobs: true (a 400 "
+                                     "naming both otherwise).")
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS, description="Functions the "
-                                              "model may call (OpenAI), passed to the chat template.")
+                                              "model may call (OpenAI), passed to the chat template; of "
+                                              "two of one name, the first.")
     tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools: calls "
-                                           "read from the output), required or a named function (both "
-                                           "enforced by the grammar).")
+                                           "read from the output), required (needs tools; a 400 naming "
+                                           "both otherwise) or a named function (both enforced by the "
+                                           "grammar; a name not among the tools is a function without "
+                                           "parameters, called with {}). A forced choice is an output "
+                                           f"constraint: {ONE_CONSTRAINT}")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true).")
 
     def logprobs_k(self) -> int | None:
@@ -268,7 +277,8 @@ class ChatCompletionRequest(_OpenAISampling):
                               f"max_chat_messages={limits.max_chat_messages}")
         self._check_shared(limits)
         if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs requires logprobs: true")
+            raise bad_request("top_logprobs requires logprobs: true (logprobs is "
+                              f"{'false' if self.logprobs is False else 'not set'})")
         check_logprobs(self.top_logprobs, limits, "top_logprobs")
         self.tool_use()
         for message in self.messages:

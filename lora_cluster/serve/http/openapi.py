@@ -139,9 +139,10 @@ def _describe_routes(app: FastAPI, schema: Any) -> None:
         return get_redoc_html(openapi_url=SCHEMA_URL, title=f"{app.title} - ReDoc")
 
 
-def _check_open_routes(app: FastAPI, auth: Authenticator) -> None:
-    """Every open route is a route of the app (a typo would otherwise leave nothing open, silently)."""
-    paths = {*app.openapi().get("paths", {}), *DESCRIPTION_ROUTES}
+def _check_open_routes(app: FastAPI, auth: Authenticator, generate: Callable[[], dict[str, Any]]) -> None:
+    """Every open route is a route of the app (a typo would otherwise leave nothing open, silently);
+    `generate`: FastAPI's own schema, whose paths are the app's (the bodies' limits are not needed)."""
+    paths = {*generate().get("paths", {}), *DESCRIPTION_ROUTES}
     unknown = sorted(auth.open_routes - paths)
     if unknown:
         raise ConfigError(f"open_routes lists {', '.join(unknown)}, which is not a route of the API "
@@ -201,4 +202,5 @@ def install_openapi(app: FastAPI, priority_classes: Sequence[str] = (), auth: Au
     app.openapi = openapi  # type: ignore[method-assign]
     _describe_routes(app, openapi)
     if auth is not None:
-        _check_open_routes(app, auth)
+        _check_open_routes(app, auth, generate)
+        app.openapi_schema = None  # FastAPI's generator keeps what it made: the served schema is built anew

@@ -71,16 +71,9 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-_NOT_DARE = [s for s in STRATEGIES if not s.startswith("dare")]
-
-
 class MergedAdaptersBody(Body):
     """LoRAX's `merged_adapters` (lorax-client's `MergedAdapters`): merge these adapters for the request
     (see `lora_cluster.store.merge`)."""
-
-    model_config = ConfigDict(json_schema_extra={"anyOf": [  # dare divides the kept entries by density
-        {"properties": {"merge_strategy": {"enum": [*_NOT_DARE, None]}}},
-        {"properties": {"density": {"exclusiveMinimum": 0}}}]})
 
     ids: list[Annotated[str, Field(json_schema_extra={"not": {"pattern": f"^{MERGED_PREFIX}"}})]] = Field(
         min_length=1, description="Adapters to merge (1 to max_merged_adapter_ids; not merged ones).")

@@ -23,7 +23,6 @@ unconstrained). Whether a schema or grammar is supported is known only when the 
 
 from __future__ import annotations
 
-import itertools
 import json
 from typing import Annotated, Any, Literal
 
@@ -48,26 +47,17 @@ Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(
     min_length=1, max_length=GUIDED_CHOICES_MAX, description="The output is exactly one of these strings.")]
 ONLY_FALSE = WithJsonSchema({"type": "boolean", "enum": [False], "description": "Unsupported: only false."})
 ONLY_NULL = WithJsonSchema({"type": "null", "description": "Unsupported: only null."})
+ONE_CONSTRAINT = ("At most one output constraint per request: response_format (json_object, "
+                  "json_schema), structured_outputs, guided_json, guided_regex, guided_choice, "
+                  "guided_grammar, and a forced tool_choice (chat); two are a 400 naming both.")
 
 
 CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # of structured_outputs
-OPENAI_SOURCES = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _sets(name: str) -> dict[str, Any]:
     """JSON Schema: the object has `name`, not null."""
     return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-
-
-def one_constraint_rule() -> dict[str, Any]:
-    """The OpenAPI rule of an OpenAI body: no two of response_format (json_object, json_schema),
-    structured_outputs and the guided_* fields."""
-    constraining = {"type": "object", "required": ["type"],
-                    "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
-    sets = {name: _sets(name) for name in OPENAI_SOURCES}
-    sets["response_format"] = {"required": ["response_format"],
-                               "properties": {"response_format": constraining}}
-    return {"allOf": [{"not": {"allOf": [sets[a], sets[b]]}} for a, b in itertools.combinations(sets, 2)]}
 
 
 class _Shape(BaseModel):

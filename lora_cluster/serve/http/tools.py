@@ -13,9 +13,13 @@ Policy (OpenAI's meaning, vLLM's mechanics):
   that their `#/$defs/...` references still resolve (the same name with two schemas is a 400).
 * `none`: no calls are read; the output is content.
 
-Refused with a 400 naming the field: a named or required choice without tools, a named function not
-among the tools, two tools of one name, a `tool` message without `tool_call_id`. Names follow
-OpenAI's rule (letters, digits, `_` and `-`, at most 64); at most `MAX_TOOLS` tools (OpenAI's limit).
+Refused with a 400 naming the field: `required` without tools, a `tool` message without
+`tool_call_id`. A named function that is not among the tools is the function as the choice defines
+it, without parameters (OpenAI: omitting `parameters` defines a function with an empty parameter
+list): the call's arguments are `{}`. Of two tools of one name the first is used (the template and
+the grammar see it alone). These are the rules JSON Schema cannot compare, so the schema a client
+reads states every rule the server enforces. Names follow OpenAI's rule (letters, digits, `_` and
+`-`, at most 64); at most `MAX_TOOLS` tools (OpenAI's limit).
 """
 
 from __future__ import annotations
@@ -106,8 +110,9 @@ class ToolUse:
     def guided(self) -> GuidedSpec | None:
         """The grammar that forces the call (None: `auto` and `none` are not forced)."""
         if self.mode == "named":
-            function = next(t.function for t in self.tools if t.function.name == self.name)
-            return _spec(function.parameters or EMPTY_PARAMETERS, self.name or "")
+            function = next((t.function for t in self.tools if t.function.name == self.name), None)
+            parameters = function.parameters if function is not None else None
+            return _spec(parameters or EMPTY_PARAMETERS, self.name or "")
         if self.mode != "required":
             return None
         defs: dict[str, Any] = {}
@@ -130,27 +135,6 @@ class ToolUse:
         return _spec(schema, "tool_choice required")
 
 
-# the OpenAI body's other output constraints, which a forced tool call cannot be combined with
-CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-def tool_rules() -> list[dict[str, Any]]:
-    """The rules between a chat body's fields that the OpenAPI schema states (`schema_limits.constrain`):
-    a forced tool choice (`required`, a named function) needs tools and no other output constraint.
-    What JSON Schema cannot state is in the fields' descriptions: a named function is one of the
-    tools, tool names are unique."""
-    forced = {"required": ["tool_choice"],
-              "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}
-    has_tools = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
-    constraining = [{"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-                    for name in CONSTRAINT_FIELDS]
-    json_format = {"type": "object", "required": ["type"],
-                   "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
-    constraining.append({"required": ["response_format"], "properties": {"response_format": json_format}})
-    return [{"anyOf": [{"not": forced}, has_tools]},
-            *({"not": {"allOf": [forced, other]}} for other in constraining)]
-
-
 def _spec(schema: dict[str, Any], what: str) -> GuidedSpec:
     try:
         return GuidedSpec.json_schema(schema)
@@ -160,20 +144,15 @@ def _spec(schema: dict[str, Any], what: str) -> GuidedSpec:
 
 def tool_use(tools: list[ToolDefinition] | None, choice: ToolChoice | None,
              parallel: bool | None) -> ToolUse:
-    """The request's tool use, checked (400 naming the field)."""
-    tools = tools or []
-    names = [t.function.name for t in tools]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise bad_request(f"tools: function names must be unique; repeated: {', '.join(repeated)}")
+    """The request's tool use, checked (400 naming the field); of two tools of one name, the first."""
+    first: dict[str, ToolDefinition] = {}
+    for tool in tools or []:
+        first.setdefault(tool.function.name, tool)
+    tools = list(first.values())
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        if name not in names:
-            raise bad_request(f"tool_choice names function {name!r}, which is not among the tools"
-                              + (f" ({', '.join(names)})" if names else " (none given)"))
-        return ToolUse("named", tuple(tools), name, parallel is not False)
+        return ToolUse("named", tuple(tools), choice.function.name, parallel is not False)
     if choice == "required" and not tools:
         raise bad_request("tool_choice required needs at least one tool in tools")
     return ToolUse(choice, tuple(tools), None, parallel is not False)
