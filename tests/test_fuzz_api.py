@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2 import TemplateError
 from pydantic import ValidationError
+from schemathesis_formats import GRAMMARS
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.routing_stats import RoutingStats
@@ -254,12 +255,6 @@ class AppSlot:
 
 
 SLOTS = {mode: AppSlot(mode) for mode in MODES}
-# the structured-output fields' `format`s that JSON Schema cannot spell: generated values are texts the
-# engine compiles (schemathesis's own `regex` format already generates patterns it compiles)
-GRAMMARS = ('start: "yes" | "no"', "start: /[a-z]{1,8}/")
-schemathesis.openapi.format("grammar", st.sampled_from(GRAMMARS))
-schemathesis.openapi.format("json-schema", st.sampled_from(
-    ["{}", '{"type": "object"}', '{"type": "integer", "minimum": 0, "maximum": 9}']))
 schema_open = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["open"])
 schema_tenants = schemathesis.openapi.from_asgi("/openapi.json", SLOTS["tenants"], headers=MODES["tenants"])
 

@@ -91,7 +91,7 @@ async def test_auto_reads_hermes_calls_into_openai_tool_calls():
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls), "OpenAI's call shape"
     assert choice["message"]["content"] is None, "an answer that only calls tools has null content"
     assert choice["finish_reason"] == "tool_calls", "a choice that called tools finishes with tool_calls"
-    assert tokenizer.rendered[0][1] == [WEATHER, TIME], "the tools are passed to the chat template"
+    assert tokenizer.rendered[-1][1] == [WEATHER, TIME], "the tools are passed to the chat template"
     assert dispatcher.jobs[0].sampling.guided is None, "auto is not constrained by a grammar"
 
 
@@ -133,7 +133,7 @@ async def test_plain_answers_and_tool_choice_none_are_content():
     assert choice["finish_reason"] == "stop", "it stops as usual"
     none, _, tokenizer = await _chat(_pieces(HERMES), tools=[WEATHER], tool_choice="none")
     assert none.json()["choices"][0]["message"]["content"] == HERMES, "tool_choice none reads no calls"
-    assert tokenizer.rendered[0][1] == [WEATHER], "the tools still reach the template (vLLM's default)"
+    assert tokenizer.rendered[-1][1] == [WEATHER], "the tools still reach the template (vLLM's default)"
 
 
 async def test_a_named_function_is_forced_by_its_schema_and_streamed_as_arguments():
@@ -176,7 +176,7 @@ async def test_the_history_s_calls_and_results_reach_the_template():
         response = await client.post("/v1/chat/completions", json={"model": "base", "messages": history,
                                                                    "tools": [WEATHER]})
     assert response.status_code == 200, response.text
-    messages = tokenizer.rendered[0][0]
+    messages = tokenizer.rendered[-1][0]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}, (
         "an assistant's call reaches the template with its arguments as an object (vLLM's form)")
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}, (

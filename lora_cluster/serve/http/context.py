@@ -44,9 +44,10 @@ from lora_cluster.errors import (
     RequestAbortedError,
     RequestError,
 )
-from lora_cluster.serve.http import tool_calls
+from lora_cluster.serve.http import prompt_limits, tool_calls
 from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
+from lora_cluster.serve.http.tools import MAX_TOOLS
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.replica.model import served_name
@@ -82,6 +83,8 @@ class ApiContext:
     sla: SlaClasses = field(init=False, repr=False)
     authenticate: Authenticator = field(init=False, repr=False)  # THE auth dependency (routing.auth)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
+    _chat_limits: dict[str | None, prompt_limits.ChatLimits] = field(init=False, repr=False,
+                                                                     default_factory=dict)  # by base
 
     def __post_init__(self) -> None:
         if self.encode_threads < 1:
@@ -127,16 +130,8 @@ class ApiContext:
         return len(tokenizer) if isinstance(tokenizer, Sized) else None
 
     def prompt_limit_of(self, base: str | None) -> int:
-        """The most tokens a prompt for that base may have: max_prompt_tokens, at most the engine's
-        max_model_len - 1, at most the model's context less one (its tokenizer's `model_max_length`,
-        where it states one), as that base's engine will refuse anything longer."""
-        limit = self.config.max_model_len - 1
-        if self.config.max_prompt_tokens is not None:
-            limit = min(limit, self.config.max_prompt_tokens)
-        context = getattr(self.tokenizer_of(base), "model_max_length", None)
-        if isinstance(context, int) and 1 < context < 2**31:
-            limit = min(limit, context - 1)
-        return limit
+        """The most tokens a prompt for that base may have (`prompt_limits.prompt_limit`)."""
+        return prompt_limits.prompt_limit(self.config, self.tokenizer_of(base))
 
     @property
     def prompt_limit(self) -> int:
@@ -144,19 +139,27 @@ class ApiContext:
         request is checked against its own base's, `prompt_limit_of`)."""
         return max(self.prompt_limit_of(b) for b in [None, *self.tokenizers])
 
-    def messages_limit_of(self, base: str | None) -> int:
-        """The most messages a conversation for that base may have: max_chat_messages, at most as
-        many as fit in its prompt limit at the chat template's cost of an empty message (more can
-        never fit: they are a 400 prompt_too_long). max_chat_messages where the template cannot say
-        (no template, or one that refuses two user messages in a row)."""
-        empty = {"role": "user", "content": ""}
-        try:
-            one, two = (len(self._render_chat([empty] * k, None, base)) for k in (1, 2))
-        except Exception:  # no template, or one with rules of its own: the configured limit
-            return self.config.max_chat_messages
-        per_message = max(1, two - one)
-        fits = max(1, (self.prompt_limit_of(base) - (one - per_message)) // per_message)
-        return min(self.config.max_chat_messages, fits)
+    def chat_limits_of(self, base: str | None) -> prompt_limits.ChatLimits:
+        """The most messages and tools a chat request for that base may have
+        (`prompt_limits.chat_limits`), measured once per base with its chat template, on the calling
+        thread (`chat_limits` measures on the tokenizer threads)."""
+        if base not in self._chat_limits:
+            render = functools.partial(self._render_chat, base=base)
+            limit = self.prompt_limit_of(base)
+            self._chat_limits[base] = prompt_limits.chat_limits(self.config, limit, MAX_TOOLS, render)
+        return self._chat_limits[base]
+
+    async def chat_limits(self, base: str | None) -> prompt_limits.ChatLimits:
+        """`chat_limits_of`, measured on the tokenizer threads the first time."""
+        if base in self._chat_limits:
+            return self._chat_limits[base]
+        return await self._off_loop(self.chat_limits_of, base)
+
+    @property
+    def chat_limits_schema(self) -> prompt_limits.ChatLimits:
+        """The largest chat limits over the bases (the API schema's `maxItems` of messages and tools)."""
+        limits = [self.chat_limits_of(b) for b in [None, *self.tokenizers]]
+        return prompt_limits.ChatLimits(max(x.messages for x in limits), max(x.tools for x in limits))
 
     @property
     def vocab_size(self) -> int | None:

@@ -118,7 +118,7 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate,
                     bodies=lambda components: constrain(  # when the schema is first asked for
                         components, limits=ctx.config, vocab_size=ctx.vocab_size, base_models=ctx.base_names,
-                        prompt_tokens=ctx.prompt_limit, messages=ctx.messages_limit_of(None)))
+                        prompt_tokens=ctx.prompt_limit, counts=ctx.chat_limits_schema))
     return app
 
 

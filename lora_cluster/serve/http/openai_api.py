@@ -44,10 +44,11 @@ from lora_cluster.serve.http.logprob_format import (
     echo_logprobs,
 )
 from lora_cluster.serve.http.openai_schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
+from lora_cluster.serve.http.prompt_limits import ChatLimits
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
 from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
-from lora_cluster.serve.http_errors import ApiException
+from lora_cluster.serve.http_errors import ApiException, bad_request
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.auth import Caller, CallerDep
 from lora_cluster.serve.routing.dispatch import Generation, cached_tokens, routing_headers
@@ -152,6 +153,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                                x_lora_priority: PriorityHeader = None) -> Any:
         sla = screen(body, caller, x_lora_priority)
         base = await base_of(body, caller)
+        check_counts(body, await ctx.chat_limits(base), ctx.prompt_limit_of(base))
         use = body.tool_use()
         prompt = await ctx.encode_chat(body.conversation(), use.template_tools(), base)
         reader = partial(tool_calls.reader_for, use.mode, ctx.tool_parser(base), use.name, use.parallel)
@@ -185,6 +187,17 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         return {"object": "list", "data": data}
 
     return router
+
+
+def check_counts(body: ChatCompletionRequest, limits: ChatLimits, prompt_limit: int) -> None:
+    """A chat request's messages and tools within its base's counts (`prompt_limits`): a 400 naming
+    the limit otherwise."""
+    for name, count, most in (("messages", len(body.messages), limits.messages),
+                              ("tools", len(body.tools or ()), limits.tools)):
+        if count > most:
+            raise bad_request(f"{count} {name} exceed the limit of {most} for model {body.model!r} (as many "
+                              f"short {name} as fit in their share of its {prompt_limit}-token prompt limit, "
+                              "at most max_chat_messages or OpenAI's 128 tools)")
 
 
 def _choice(kind: str, index: int, item: dict[str, Any], texts: TokenTexts,

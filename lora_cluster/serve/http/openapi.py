@@ -19,6 +19,7 @@ itself (`install_openapi`), not by FastAPI's built-in ones, so that authenticati
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,7 +129,8 @@ def _describe_routes(app: FastAPI, schema: Any) -> None:
 
     @app.get(SCHEMA_URL, include_in_schema=False)
     async def openapi_json() -> JSONResponse:
-        return JSONResponse(schema())
+        # built once, off the loop: the limits it states are measured with the chat templates
+        return JSONResponse(await asyncio.to_thread(schema))
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui() -> HTMLResponse:

@@ -17,16 +17,17 @@ from typing import Any
 from lora_cluster.config import ServeConfig
 from lora_cluster.engine.sampling import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
 from lora_cluster.serve.http import rules
+from lora_cluster.serve.http.prompt_limits import ChatLimits
 from lora_cluster.serve.http.schemas import TOKEN_ID_KEY, token_ids_below
 
 
 def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_models: list[str],
-              vocab_size: int | None, prompt_tokens: int, messages: int) -> None:
+              vocab_size: int | None, prompt_tokens: int, counts: ChatLimits) -> None:
     """State the configured limits and the rules between fields in the OpenAPI schema's request
     bodies (`components`, edited in place), so that a body the schema accepts is served and one it
     refuses is answered 400. What JSON Schema cannot state is in the descriptions: a text prompt's
     token count (at most `prompt_tokens`, `ApiContext.prompt_limit`), and adapters that must exist.
-    `messages`: the most messages a conversation may have (`ApiContext.messages_limit_of`)."""
+    `counts`: the most messages and tools a chat request may have (`prompt_limits`)."""
     token = {"type": "integer", "minimum": 0}
     if vocab_size is not None:
         token["maximum"] = vocab_size - 1
@@ -58,11 +59,14 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
                                             "(max_prompt_tokens; a longer text is a 400 prompt_too_long).")
     chat_body = components["ChatCompletionRequest"]
     chat = chat_body["properties"]
-    chat["messages"]["maxItems"] = messages
+    chat["messages"]["maxItems"] = counts.messages
     chat["messages"]["description"] = (
-        f"At most {messages} (max_chat_messages, {limits.max_chat_messages}, and as many empty messages as "
-        f"the chat template fits in the prompt limit); rendered by the chat template, at most "
+        f"At most {counts.messages} (max_chat_messages, {limits.max_chat_messages}, and as many short "
+        "messages as fit in half the prompt limit); rendered by the chat template, at most "
         f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation is a 400 prompt_too_long).")
+    chat["tools"]["anyOf"][0]["maxItems"] = counts.tools
+    chat["tools"]["description"] += (f" At most {counts.tools} (OpenAI's 128, and as many tools without "
+                                     "parameters as fit in a quarter of the prompt limit).")
     chat["max_completion_tokens"]["maximum"] = limits.max_new_tokens
     chat["top_logprobs"]["maximum"] = limits.max_logprobs
     chat_body.update(rules.required_tool_choice())
