@@ -1,5 +1,5 @@
 """Small shared pieces of the tests: bounded waits, a fake clock, a fake adapter loader, the greedy
-sampling parameters, PEFT's logits, a script of the repository loaded as a module.
+sampling parameters, PEFT's logits, a script of the repository loaded as a module, `serve run`.
 
 Every wait is bounded: the bound is a safety net reached only when the behaviour under test is broken,
 never a performance figure (a wait that runs out fails with the message of what it waited for).
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib.util
+import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -246,3 +250,36 @@ def cluster_view(http: Any) -> dict[str, Any]:
 def cluster_replicas(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The replicas of a `/v1/cluster` view, by replica id, over all its nodes."""
     return {rid: r for node in view["nodes"].values() for rid, r in node["replicas"].items()}
+
+
+@contextlib.contextmanager
+def serve_run(config: Path, env: dict[str, str], url: str, log: Path, start_s: float = 240) -> Iterator[None]:
+    """`serve run config` as a user starts it (its own process group, output to `log`), for the block,
+    once `url/health` answers 200; stopped by SIGTERM (`serve run` in the background ignores SIGINT),
+    then SIGKILL to the group if it lingers."""
+    import httpx
+
+    command = [str(Path(sys.executable).parent / "serve"), "run", str(config)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve run exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert poll(up, start_s, interval_s=1.0), (
+            f"serve run did not answer in {start_s} s: {log.read_text()[-3000:]}")
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

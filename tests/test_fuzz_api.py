@@ -23,17 +23,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib.util
 import itertools
 import json
+import os
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
+from helpers import ROOT, serve_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2 import TemplateError
-from pydantic import ValidationError
+from pydantic import RootModel, ValidationError
 from schemathesis_formats import GRAMMARS
 
 from lora_cluster.cluster.controller import Controller
@@ -610,3 +617,77 @@ def test_the_schema_accepts_exactly_what_the_server_serves(fuzzed_app, path, bod
     assert _schema_accepts(fuzzed_app, path, body) == served, (
         f"{path} {body}: the schema {'accepts' if not served else 'refuses'} what the server "
         f"{'refuses' if not served else 'serves'}")
+
+
+# ----- the schema as standard tools read it: the schemathesis CLI on `serve run`, a generated client -----
+
+CLI_EXAMPLES = 60  # per operation and phase (the number the issue's trial used)
+README_ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+                 "/generate": "LoraxRequest"}
+
+
+@pytest.fixture(scope="module")
+def shipped_server(free_port, tmp_path_factory) -> Any:
+    """`serve run serve_config.yaml` as shipped, only its port changed, on a demo zoo of 8 adapters
+    in a temporary folder (LORA_CLUSTER_DEMO_DIR, LORA_CLUSTER_DEMO_NUM_ADAPTERS: quicker to build)."""
+    folder = tmp_path_factory.mktemp("serve-run")
+    port = free_port()
+    config = folder / "serve_config.yaml"
+    config.write_text((ROOT / "serve_config.yaml").read_text().replace("port: 8000", f"port: {port}"))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "LORA_CLUSTER_DEMO_DIR": str(folder / "demo"),
+           "LORA_CLUSTER_DEMO_NUM_ADAPTERS": "8"}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, as `serve run` on a fresh machine
+    url = f"http://127.0.0.1:{port}"
+    with serve_run(config, env, url, folder / "serve.log"):
+        yield url
+
+
+@pytest.mark.slow
+def test_the_schemathesis_cli_passes_every_default_check_and_phase_against_serve_run(shipped_server):
+    st_cli = Path(sys.executable).parent / "st"
+    result = subprocess.run([str(st_cli), "run", f"{shipped_server}/openapi.json", "-n", str(CLI_EXAMPLES)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    out = result.stdout + result.stderr
+    tail = out[-6000:]
+    assert "schemathesis.toml" in out, f"the repository's config (its formats) is loaded: {tail}"
+    selected = re.search(r"Selected: (\d+)/(\d+)", out)
+    tested = re.search(r"Tested: (\d+)", out)
+    assert selected and tested, f"the run reports the operations it tested: {tail}"
+    assert tested.group(1) == selected.group(2), f"every operation of the schema is tested: {tail}"
+    assert "Schema Error" not in out, f"every operation's bodies can be generated: {tail}"
+    assert result.returncode == 0, f"no failure and no error under every default check and phase: {tail}"
+
+
+def _readme_bodies() -> list[tuple[str, dict[str, Any]]]:
+    """(route, body) of every `curl ... -d '{...}'` example of the README."""
+    text = (ROOT / "README.md").read_text()
+    found = re.findall(r"curl -s 127\.0\.0\.1:8000(/[\w/]+)(?:\s+-H '[^']*')*\s*\\?\s*-d '(\{.*?\})'", text,
+                       re.DOTALL)
+    return [(route, json.loads(body)) for route, body in found]
+
+
+def test_a_client_generated_from_the_schema_validates_the_readme_bodies(tmp_path):
+    ctx = ApiContext(config=ServeConfig(model="schema-only"), tokenizer=SCHEMA_TOKENIZER, dispatcher=None)
+    (tmp_path / "openapi.json").write_text(json.dumps(build_fastapi(ctx).openapi()))
+    ctx.close()
+    codegen = Path(sys.executable).parent / "datamodel-codegen"
+    subprocess.run([str(codegen), "--input", str(tmp_path / "openapi.json"), "--input-file-type", "openapi",
+                    "--output-model-type", "pydantic_v2.BaseModel", "--output", str(tmp_path / "client.py")],
+                   check=True, capture_output=True, timeout=300)
+    spec = importlib.util.spec_from_file_location("generated_client", tmp_path / "client.py")
+    client = importlib.util.module_from_spec(spec)
+    sys.modules["generated_client"] = client  # its models resolve their forward references through it
+    try:
+        spec.loader.exec_module(client)
+    finally:
+        del sys.modules["generated_client"]
+    bodies = _readme_bodies()
+    assert {route for route, _ in bodies} == set(README_ROUTES), f"the README's examples cover {bodies}"
+    for route, body in bodies:
+        model = getattr(client, README_ROUTES[route])
+        assert not issubclass(model, RootModel) and body.keys() <= model.model_fields.keys(), (
+            f"{route}: the generated {model.__name__} is one plain model with the body's fields (a union of "
+            "variants or a root model would mean the schema composes what a generator must expand)")
+        assert model.model_validate(body) is not None, f"{route}: the generated model reads {body}"
+    with pytest.raises(ValidationError):  # a bound the schema states is a bound of the generated model
+        client.CompletionRequest.model_validate({"model": "a3", "prompt": "x", "max_tokens": 10**6})
