@@ -642,20 +642,44 @@ def shipped_server(free_port, tmp_path_factory) -> Any:
         yield url
 
 
-@pytest.mark.slow
-def test_the_schemathesis_cli_passes_every_default_check_and_phase_against_serve_run(shipped_server):
+def _st_run(url: str, *options: str) -> tuple[int, str]:
+    """The schemathesis CLI over `url`'s schema, run from the repository (its `schemathesis.toml`
+    loads the API's formats), every check and phase at its default: (exit code, output)."""
     st_cli = Path(sys.executable).parent / "st"
-    result = subprocess.run([str(st_cli), "run", f"{shipped_server}/openapi.json", "-n", str(CLI_EXAMPLES)],
+    result = subprocess.run([str(st_cli), "run", f"{url}/openapi.json", "-n", str(CLI_EXAMPLES), *options],
                             cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    out = result.stdout + result.stderr
-    tail = out[-6000:]
-    assert "schemathesis.toml" in out, f"the repository's config (its formats) is loaded: {tail}"
+    return result.returncode, result.stdout + result.stderr
+
+
+def _tested_every_operation(out: str) -> bool:
     selected = re.search(r"Selected: (\d+)/(\d+)", out)
     tested = re.search(r"Tested: (\d+)", out)
-    assert selected and tested, f"the run reports the operations it tested: {tail}"
-    assert tested.group(1) == selected.group(2), f"every operation of the schema is tested: {tail}"
-    assert "Schema Error" not in out, f"every operation's bodies can be generated: {tail}"
-    assert result.returncode == 0, f"no failure and no error under every default check and phase: {tail}"
+    return bool(selected and tested and selected.group(1) == tested.group(1) and "Schema Error" not in out)
+
+
+@pytest.mark.slow
+def test_the_schemathesis_cli_passes_every_default_check_and_phase_against_serve_run(shipped_server):
+    code, out = _st_run(shipped_server, "--exclude-path", "/v1/chat/completions")
+    tail = out[-6000:]
+    assert "schemathesis.toml" in out, f"the repository's config (its formats) is loaded: {tail}"
+    assert _tested_every_operation(out), f"every operation's bodies are generated and tested: {tail}"
+    assert code == 0, f"no failure and no error under every default check and phase: {tail}"
+
+
+@pytest.mark.slow
+def test_the_cli_s_only_failure_on_chat_is_a_conversation_over_the_prompt_limit(shipped_server):
+    """Chat's one rule JSON Schema cannot state: a conversation's tokens (the demo model has 512
+    positions). The fuzzer's first, largest conversation exceeds them; every failure it reports on
+    chat must be that rule's 400, and nothing else."""
+    code, out = _st_run(shipped_server, "--include-path", "/v1/chat/completions")
+    tail = out[-6000:]
+    assert _tested_every_operation(out), f"chat's bodies are generated and tested: {tail}"
+    checks = set(re.findall(r"^- (ST\d+) ", out, flags=re.MULTILINE))
+    assert checks <= {"ST202"}, f"no check but 'schema-valid request rejected' fails on chat: {tail}"
+    rejected = re.findall(r"^\[400\] Bad Request:\s+`(\{.*\})`$", out, flags=re.MULTILINE)
+    assert all(json.loads(body)["error"]["code"] == "prompt_too_long" for body in rejected), (
+        f"every schema-valid body refused on chat is a conversation over the prompt limit: {tail}")
+    assert code == 0 or rejected, f"the run ends without an error of its own: {tail}"
 
 
 def _readme_bodies() -> list[tuple[str, dict[str, Any]]]:
