@@ -564,3 +564,21 @@ def test_only_the_ingress_keeps_serves_access_line_unless_internal_calls_are_ask
     monkeypatch.setenv("LORA_CLUSTER_INTERNAL_ACCESS_LOG", "true")
     assert internal_logging(ServeConfig()) == {"enable_access_log": True}, (
         "LORA_CLUSTER_INTERNAL_ACCESS_LOG=true turns the internal calls' access lines on")
+
+
+def test_the_prompt_limit_is_the_tightest_of_the_settings_and_the_model_context():
+    from types import SimpleNamespace
+
+    from lora_cluster.serve.http.prompt_limits import prompt_limit
+
+    config = ServeConfig(model="m", max_model_len=4096)
+    assert prompt_limit(config, SimpleNamespace(model_max_length=512)) == 511, (
+        "a model whose tokenizer states a 512-token context takes prompts of at most 511 tokens")
+    assert prompt_limit(config, SimpleNamespace(model_max_length=10**30)) == 4095, (
+        "a tokenizer without a stated context leaves max_model_len - 1")
+    capped = ServeConfig(model="m", max_model_len=4096, max_prompt_tokens=100)
+    assert prompt_limit(capped, SimpleNamespace()) == 100, "max_prompt_tokens caps it"
+    grouped = ServeConfig(model="m", max_model_len=2048, replica_groups=[
+        {"name": "long", "engine": {"max_model_len": 8192}}])
+    assert prompt_limit(grouped, SimpleNamespace()) == 8191, (
+        "a replica group's own max_model_len is not cut by the top level's (its engine refuses over it)")

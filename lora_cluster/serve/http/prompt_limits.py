@@ -2,7 +2,8 @@
 
 The engine refuses a prompt of more than max_model_len - 1 tokens, and max_model_len is at most the
 model's context (its tokenizer's `model_max_length`, where it states one). The ingress refuses the
-same prompts first, with the same error, and the OpenAPI schema states the same bound on token-id
+same prompts first, with the same error (with replica groups of their own max_model_len, over the
+largest), and the OpenAPI schema states the same bound on token-id
 prompts, so a client generated from the schema never sends a prompt the engine must refuse.
 
 A chat prompt's tokens cannot be stated in a schema, its counts can (`maxItems`). The counts are
@@ -40,9 +41,11 @@ class ChatLimits:
 
 
 def prompt_limit(config: ServeConfig, tokenizer: Any) -> int:
-    """The most tokens a prompt may have: max_prompt_tokens, at most max_model_len - 1, at most the
+    """The most tokens a prompt may have: max_prompt_tokens, at most max_model_len - 1 (the largest
+    of the top level's and the replica groups' own: an engine still refuses over its own), at most the
     model's context less one."""
-    limit = config.max_model_len - 1
+    groups = (group.engine.get("max_model_len", 0) for group in config.replica_groups)
+    limit = max([config.max_model_len, *groups]) - 1
     if config.max_prompt_tokens is not None:
         limit = min(limit, config.max_prompt_tokens)
     context = getattr(tokenizer, "model_max_length", None)
