@@ -638,14 +638,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overload-max-in-flight", type=int, default=1024,
                    help="the overload phase's bound on outstanding requests (and connections): above "
                         "--max-in-flight, so that the server, not the client, meets the excess")
-    p.add_argument("--steal-limit", type=float, default=0.10,
+    p.add_argument("--steal-limit", type=float, default=Policy.steal_limit,
                    help="soak intervals with a larger CPU steal share are left out of the p99")
-    p.add_argument("--p99-floor-s", type=float, default=2.0, help="the p99 bound's floor")
-    p.add_argument("--p99-factor", type=float, default=3.0,
+    p.add_argument("--p99-floor-s", type=float, default=Policy.p99_floor_s, help="the p99 bound's floor")
+    p.add_argument("--p99-factor", type=float, default=Policy.p99_factor,
                    help="the p99 bound: this x p99_low (or the floor)")
-    p.add_argument("--flat-share", type=float, default=0.05,
+    p.add_argument("--flat-share", type=float, default=Policy.flat_share,
                    help="largest fitted growth of RSS or fds over the soak, as a share of the start")
-    p.add_argument("--flat-fds", type=int, default=10, help="fds growth that is flat whatever the share")
+    p.add_argument("--flat-fds", type=int, default=Policy.flat_fds,
+                   help="fds growth that is flat whatever the share")
     p.add_argument("--interval-s", type=float, default=30.0)
     p.add_argument("--adapters", type=int, default=16)
     p.add_argument("--base-model", default="demo", help="the base model's name in the API")
