@@ -20,7 +20,7 @@ from ray_app import serve_log
 
 from lora_cluster.engine import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ADAPTERS = [f"a{i}" for i in range(8)]
 PROMPT = "the quick brown fox"
@@ -189,8 +189,12 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(http):
     error_of(post("/v1/completions", {**ok, "model": "no-such-adapter"}), 404)
     error_of(post("/v1/completions", {**ok, "stream": True, "model": "no-such-adapter"}), 404)
     error_of(post("/generate", {"inputs": PROMPT, "parameters": {"adapter_id": "nope"}}), 404)
-    too_long = error_of(post("/v1/completions", {**ok, "prompt": "river " * 200}), 400)
+    too_long = error_of(post("/v1/completions", {**ok, "prompt": [5] * (MAX_PROMPT_TOKENS + 1)}), 400)
     assert f"the limit is {MAX_PROMPT_TOKENS} tokens" in too_long["message"], "the 400 names the prompt limit"
+    long_text = post("/v1/completions", {**ok, "prompt": "river " * 200})
+    assert long_text.status_code == 200, f"a long text is served on its last tokens: {long_text.text}"
+    assert long_text.json()["usage"]["prompt_tokens"] == MAX_PROMPT_TOKENS, "it ran on the limit's tokens"
+    assert int(long_text.headers["x-lora-truncated-tokens"]) > 0, "the response says tokens were cut"
     error_of(post("/v1/chat/completions", {"model": "a1", "messages": []}), 400)
     assert post("/v1/completions", ok).status_code == 200, "the server keeps serving after bad requests"
 

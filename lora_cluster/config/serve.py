@@ -159,8 +159,17 @@ class ServeConfig(EngineConfig):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="Longest prompt in tokens; longer ones are refused (400). Default: the "
-        "engine's limit, max_model_len - 1.",
+        description="Longest prompt in tokens; longer text is fitted or refused as "
+        "prompt_truncation says, longer token ids are refused (400). Default: the engine's limit, "
+        "max_model_len - 1.",
+    )
+    prompt_truncation: Literal["auto", "disabled"] = Field(
+        "auto", description="A text prompt or chat conversation longer than the prompt limit: auto "
+        "serves its most recent part (a text keeps its last tokens; a conversation its system messages "
+        "and as many of its latest messages as fit) and says so in the x-lora-truncated-tokens header; "
+        "disabled refuses it (400 prompt_too_long, as OpenAI and vLLM). Token-id prompts over the limit "
+        "are refused either way (the API schema states their bound). Default auto: a prompt's token "
+        "count is the one limit the API schema cannot state, so a schema-valid request is served.",
     )
     max_new_tokens: int = Field(
         1024, ge=1, description="Largest max_tokens / max_new_tokens a request may ask for (400 above)."

@@ -8,7 +8,9 @@ chat template, checks token ids, reads tool calls (`tool_parser`: `auto` reads t
 template) and decodes with that base's tokenizer (every call below takes that `base`; None: the first
 base), and sends its jobs with `base` set, so the dispatcher runs them on that base only.
 `max_prompt_tokens` bounds every base's prompts; each engine refuses prompts over its own
-`max_model_len` too.
+`max_model_len` too. A text prompt or conversation over the limit is fitted to it
+(`prompt_truncation: auto`, `truncation`) or refused (`disabled`); token ids over it are refused (the
+schema states their bound).
 
 Tokenization and chat templates never run on the event loop. The ingress is one process with one
 event loop serving every request; a long prompt or a slow Jinja chat template would stall every
@@ -44,11 +46,13 @@ from lora_cluster.errors import (
     RequestAbortedError,
     RequestError,
 )
-from lora_cluster.serve.http import prompt_limits, tool_calls
+from lora_cluster.serve.http import prompt_limits, tool_calls, truncation
 from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
 from lora_cluster.serve.http.tools import MAX_TOOLS
+from lora_cluster.serve.http.truncation import Prompt
 from lora_cluster.serve.http_errors import ApiException, describe
+from lora_cluster.serve.ops import metrics
 from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.replica.model import served_name
 from lora_cluster.serve.routing.auth import Authenticator, Caller, TenantsSource
@@ -226,27 +230,51 @@ class ApiContext:
         return await loop.run_in_executor(self._pool, call)
 
     async def encode(self, prompt: str | list[int], *, special: bool = True, base: str | None = None,
-                     ) -> list[int]:
-        """Prompt token ids (as `base`'s engine would tokenize the text), checked against
-        max_prompt_tokens. Text is tokenized on the tokenizer threads; token ids are only checked
-        (against that base's vocabulary)."""
+                     ) -> Prompt:
+        """Prompt token ids (as `base`'s engine would tokenize the text), within the prompt limit:
+        a longer text keeps its last tokens with prompt_truncation auto (`truncation`), and is a 400
+        prompt_too_long with disabled. Text is tokenized on the tokenizer threads; token ids are only
+        checked (against that base's vocabulary, and the limit the schema states for them)."""
         if isinstance(prompt, str):
-            ids = await self._off_loop(self.tokenizer_of(base).encode, prompt, add_special_tokens=special)
-        else:
-            ids = list(prompt)
-            vocab = self.vocab_size_of(base)
-            if vocab is not None and any(not 0 <= t < vocab for t in ids):
-                raise ApiException(describe(RequestError(f"prompt token ids must be in [0, {vocab})")))
-        return self._checked(ids, base)
+            return await self._off_loop(self._fit_text, prompt, special, base)
+        ids = list(prompt)
+        vocab = self.vocab_size_of(base)
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise ApiException(describe(RequestError(f"prompt token ids must be in [0, {vocab})")))
+        return self._checked(Prompt(ids), base)
 
     async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                          base: str | None = None) -> list[int]:
+                          base: str | None = None) -> Prompt:
         """Token ids of a conversation rendered with `base`'s chat template (+ generation prompt),
         rendered and tokenized on the tokenizer threads (one job). `tools` (OpenAI's function
-        definitions) go to the template as `tools`, which the template renders as it was trained to."""
+        definitions) go to the template as `tools`, which the template renders as it was trained to.
+        A conversation over the prompt limit drops its oldest messages with prompt_truncation auto
+        (`truncation.fit_conversation`), and is a 400 prompt_too_long with disabled."""
         if not getattr(self.tokenizer_of(base), "chat_template", None):
             raise ApiException(describe(RequestError("the base model's tokenizer has no chat template")))
-        return self._checked(await self._off_loop(self._render_chat, messages, tools, base), base)
+        return await self._off_loop(self._fit_chat, messages, tools, base)
+
+    def _fit_text(self, text: str, special: bool, base: str | None) -> Prompt:
+        """Runs on a tokenizer thread."""
+        tokenizer = self.tokenizer_of(base)
+        ids = tokenizer.encode(text, add_special_tokens=special)
+        if self._truncates:
+            return self._checked(truncation.keep_last(ids, self.prompt_limit_of(base), _bos(tokenizer)), base)
+        return self._checked(Prompt(ids), base)
+
+    def _fit_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  base: str | None) -> Prompt:
+        """Runs on a tokenizer thread."""
+        if not self._truncates:
+            return self._checked(Prompt(self._render_chat(messages, tools, base)), base)
+        render = functools.partial(self._render_chat, tools=tools, base=base)
+        fitted = truncation.fit_conversation(messages, render, self.prompt_limit_of(base),
+                                             _bos(self.tokenizer_of(base)))
+        return self._checked(fitted, base)
+
+    @property
+    def _truncates(self) -> bool:
+        return self.config.prompt_truncation == "auto"
 
     def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      base: str | None) -> list[int]:
@@ -260,13 +288,16 @@ class ApiContext:
             raise ApiException(describe(RequestError(f"cannot apply the chat template: {exc}"))) from exc
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _checked(self, ids: list[int], base: str | None) -> list[int]:
-        if not ids:
+    def _checked(self, prompt: Prompt, base: str | None) -> Prompt:
+        if not prompt.ids:
             raise ApiException(describe(RequestError("the prompt is empty")))
         limit = self.prompt_limit_of(base)
-        if len(ids) > limit:
-            raise ApiException(describe(PromptTooLongError(len(ids), limit)))
-        return ids
+        if len(prompt.ids) > limit:
+            raise ApiException(describe(PromptTooLongError(len(prompt.ids), limit)))
+        if prompt.truncated:
+            metrics.TRUNCATED_PROMPTS.inc()
+            metrics.TRUNCATED_PROMPT_TOKENS.inc(prompt.truncated)
+        return prompt
 
     async def decode(self, ids: list[int], base: str | None = None) -> str:
         """The text of token ids in `base`'s vocabulary (completions' `echo` of a token prompt), on the
@@ -282,6 +313,12 @@ class ApiContext:
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _bos(tokenizer: Any) -> int | None:
+    """The tokenizer's BOS token id, where it has one (kept first when a prompt is truncated)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos if isinstance(bos, int) else None
 
 
 async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, dict[str, Any]]]:

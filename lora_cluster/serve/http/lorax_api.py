@@ -34,6 +34,7 @@ from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternative
 from lora_cluster.serve.http.lorax_schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import EventStream, event
+from lora_cluster.serve.http.truncation import Prompt, truncation_headers
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.auth import Caller, CallerDep
@@ -52,7 +53,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         return out
 
     async def start(body: LoraxRequest, stream: bool, route: str, sla: SlaClass, caller: Caller,
-                    ) -> tuple[list[Generation], list[int | None], list[int], str | None]:
+                    ) -> tuple[list[Generation], list[int | None], Prompt, str | None]:
         """The request's generations (best_of candidates: several), the seed each reports, the prompt,
         the base model it runs on (whose tokenizer encoded it; `ApiContext.request_base`)."""
         p = body.parameters
@@ -68,10 +69,10 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         base = await ctx.request_base(p.adapter_id, adapter if merge is None else None,
                                       None if merge is None else merge.ids, caller.tenant)
         prompt = await ctx.encode(body.inputs, base=base)
-        await caller.admit(len(prompt))  # the tenant's quota: 429 naming the limit
+        await caller.admit(len(prompt.ids))  # the tenant's quota: 429 naming the limit
         request_id = ctx.new_id("lorax")
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
-        jobs = [GenerateJob(request_id=ids[i], prompt=prompt, adapter_id=adapter, sampling=sampling,
+        jobs = [GenerateJob(request_id=ids[i], prompt=prompt.ids, adapter_id=adapter, sampling=sampling,
                             stream=stream, adapter_path=path, priority_class=sla.name, priority=sla.priority,
                             merge=merge, tenant=caller.tenant, base=base)
                 for i, (sampling, _) in enumerate(samplings)]
@@ -82,8 +83,9 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
             generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
         return generations, [seed for _, seed in samplings], prompt, base
 
-    def headers_of(generations: list[Generation], sla: SlaClass) -> dict[str, str]:
-        return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name}
+    def headers_of(generations: list[Generation], sla: SlaClass, prompt: Prompt) -> dict[str, str]:
+        return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name,
+                **truncation_headers([prompt])}
 
     async def generate(body: LoraxRequest, route: str, sla: SlaClass,
                        caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
@@ -101,7 +103,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
             lps = final.get("logprobs") or [None] * len(final["token_ids"])
             prefill = []
             if p.decoder_input_details:
-                prefill = lorax_prefill(prompt, final.get("prompt_logprobs"), texts)
+                prefill = lorax_prefill(prompt.ids, final.get("prompt_logprobs"), texts)
             tokens = [token(t, lp, p.return_k_alternatives is not None, texts, base)
                       for t, lp in zip(final["token_ids"], lps, strict=True)]
             return {"prefill": prefill, "tokens": tokens}
@@ -112,13 +114,14 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
                           **sequence(done[i])} for i in others]
             details = {**_details(done[best], seeds[best]), **sequence(done[best]),
                        "best_of_sequences": sequences or None}
-        return {"generated_text": text_of(done[best]), "details": details}, headers_of(generations, sla)
+        answer = {"generated_text": text_of(done[best]), "details": details}
+        return answer, headers_of(generations, sla, prompt)
 
     async def generate_stream(body: LoraxRequest, route: str, sla: SlaClass, caller: Caller) -> EventStream:
-        generations, seeds, _, base = await start(body, True, route, sla, caller)
+        generations, seeds, prompt, base = await start(body, True, route, sla, caller)
         generation = generations[0]  # a stream has one (check_best_of)
         return EventStream(_events(ctx, generation, body, seeds[0], partial(token, base=base), base),
-                           headers_of(generations, sla),
+                           headers_of(generations, sla, prompt),
                            on_close=generation.cancel)
 
     @router.post("/generate", responses=openapi.GENERATION_JSON)

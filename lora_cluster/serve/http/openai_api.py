@@ -48,6 +48,7 @@ from lora_cluster.serve.http.prompt_limits import ChatLimits
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
 from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
+from lora_cluster.serve.http.truncation import Prompt, truncation_headers
 from lora_cluster.serve.http_errors import ApiException, bad_request
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.auth import Caller, CallerDep
@@ -90,11 +91,12 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                     tenant=caller.tenant, base=base))
         return jobs
 
-    async def run(body: Any, route: str, prompts: list[list[int]], default_max: int, kind: str,
+    async def run(body: Any, route: str, fitted: list[Prompt], default_max: int, kind: str,
                   sla: SlaClass, caller: Caller, base: str | None, echoes: list[str] | None = None,
                   reader: Callable[[], ToolCallReader] = tool_calls.PlainReader) -> Any:
         """Start the jobs on `base` and answer; `echoes` (completions' `echo`): each prompt's text,
         prepended; `reader` (chat): a fresh reader of one choice's output (content and tool calls)."""
+        prompts = [p.ids for p in fitted]
         request_id = ctx.new_id("cmpl" if kind == "text" else "chatcmpl")
         created = int(time.time())
         jobs = jobs_for(body, prompts, default_max, request_id, sla, caller, base)
@@ -103,7 +105,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         # each choice is charged from its start: a fan-out cancelled while starting charges what ran
         generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
         cached = cached_tokens(generations, len(prompts))
-        headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name}
+        headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name,
+                   **truncation_headers(fitted)}
         texts = TokenTexts(partial(ctx.token_text, base=base))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream and not body.whole:
@@ -142,10 +145,10 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         sla = screen(body, caller, x_lora_priority)
         base = await base_of(body, caller)
         raw = body.prompts()
-        prompts = [await ctx.encode(p, base=base) for p in raw]  # in turn: one pool job per request
-        echoes = ([p if isinstance(p, str) else await ctx.decode(p, base) for p in raw]
-                  if body.echo else None)
-        return await run(body, "/v1/completions", prompts, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
+        fitted = [await ctx.encode(p, base=base) for p in raw]  # in turn: one pool job per request
+        echoes = ([p if isinstance(p, str) and not f.truncated else await ctx.decode(f.ids, base)
+                   for p, f in zip(raw, fitted, strict=True)] if body.echo else None)  # what ran
+        return await run(body, "/v1/completions", fitted, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
                          caller, base, echoes)
 
     @router.post("/v1/chat/completions", responses=openapi.GENERATION)

@@ -67,6 +67,9 @@ _ROUTING_HEADERS = {
                            "schema": {"type": "string", "enum": ["true", "false"]}},
     "x-lora-priority-class": {"description": "The SLA class that served the request.",
                               "schema": {"type": "string"}},
+    "x-lora-truncated-tokens": {"description": "Tokens cut from the request's prompts to fit the prompt "
+                                "limit (prompt_truncation: auto; absent when none were).",
+                                "schema": {"type": "integer", "minimum": 1}},
     "x-lora-cached-tokens": {"description": "Prompt tokens whose KV came from the replicas' prefix caches "
                              "(once per prompt, as usage.prompt_tokens_details.cached_tokens).",
                              "schema": {"type": "integer", "minimum": 0}},

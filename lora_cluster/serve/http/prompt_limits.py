@@ -12,9 +12,10 @@ messages get half the prompt limit, at the chat template's cost of a short messa
 (`SHORT_MESSAGE`, the schema's own example), and tools a quarter, at the template's cost of a tool
 without parameters; each capped by its configured limit (`max_chat_messages`, OpenAI's 128 tools)
 and at least 1. The server enforces both counts as the schema states them (a 400 naming the
-limits); a conversation within them can still be too long for its contents (a 400
-prompt_too_long). Where the template cannot say (no template, or one that refuses two user
-messages in a row), the configured limits alone.
+limits); a conversation within them can still be too long for its contents: it is then fitted
+(`truncation`, prompt_truncation auto) or refused (disabled: a 400 prompt_too_long). Where the
+template cannot say (no template, or one that refuses two user messages in a row), the configured
+limits alone.
 """
 
 from __future__ import annotations

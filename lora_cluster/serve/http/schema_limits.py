@@ -7,7 +7,9 @@ where a field takes several shapes. A rule across fields is written where the fi
 is described, and also as that field's entry of JSON Schema's `dependentSchemas` (`rules`: applies
 when the field is present), which generators and validators read as a dependency of that one field
 rather than as a composition of the whole body. What JSON Schema cannot state is in the
-descriptions: a text prompt's token count (`max_prompt_tokens`), and adapters that must exist.
+descriptions: a text prompt's token count (`max_prompt_tokens`; with `prompt_truncation: auto`, the
+default, a longer text or conversation is served on its latest part, so a schema-valid body is still
+served), and adapters that must exist.
 """
 
 from __future__ import annotations
@@ -55,15 +57,20 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     texts["maxItems"] = limits.max_prompts
     one.update(ids)
     many.update({"maxItems": limits.max_prompts, "items": ids})
+    longer = ("keeps its last tokens (prompt_truncation: auto; the x-lora-truncated-tokens header says how "
+              "many were cut)" if limits.prompt_truncation == "auto" else "is a 400 prompt_too_long")
     completion["prompt"]["description"] += (f" A prompt has at most {prompt_tokens} tokens "
-                                            "(max_prompt_tokens; a longer text is a 400 prompt_too_long).")
+                                            f"(max_prompt_tokens; a longer text {longer}).")
     chat_body = components["ChatCompletionRequest"]
     chat = chat_body["properties"]
     chat["messages"]["maxItems"] = counts.messages
     chat["messages"]["description"] = (
         f"At most {counts.messages} (max_chat_messages, {limits.max_chat_messages}, and as many short "
         "messages as fit in half the prompt limit); rendered by the chat template, at most "
-        f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation is a 400 prompt_too_long).")
+        f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation "
+        + ("keeps its system messages and as many of its latest messages as fit (prompt_truncation: auto; "
+           "the x-lora-truncated-tokens header says how many tokens were cut)."
+           if limits.prompt_truncation == "auto" else "is a 400 prompt_too_long)."))
     chat["tools"]["anyOf"][0]["maxItems"] = counts.tools
     chat["tools"]["description"] += (f" At most {counts.tools} (OpenAI's 128, and as many tools without "
                                      "parameters as fit in a quarter of the prompt limit).")

@@ -88,6 +88,17 @@ CANCELLED = Counter(
     "Generations cancelled before they finished (client gone, or another choice failed).",
     registry=REGISTRY,
 )
+TRUNCATED_PROMPTS = Counter(
+    "lora_cluster_truncated_prompts_total",
+    "Text prompts and conversations fitted to the prompt limit (prompt_truncation: auto).",
+    registry=REGISTRY,
+)
+TRUNCATED_PROMPT_TOKENS = Counter(
+    "lora_cluster_truncated_prompt_tokens_total",
+    "Tokens cut from prompts to fit the prompt limit (prompt_truncation: auto; per request, the "
+    "x-lora-truncated-tokens header).",
+    registry=REGISTRY,
+)
 RETRIES = Counter(  # overload protection
     "lora_cluster_generation_retries_total",
     "Generations sent again to another replica because theirs died or was unreachable before the "
