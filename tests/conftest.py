@@ -24,6 +24,8 @@ from remote_sources import S3, TcpProxy
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
 
+pytest_plugins = ["tiers"]  # the unit, engine and e2e tiers (tests/tiers.py)
+
 # ----- the user's ~/.cache/lora-cluster is never written: default cache folders are temp folders -----
 
 REAL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cluster"
@@ -47,28 +49,25 @@ def cache_fingerprint(folder: Path, limit: int = 5000) -> tuple[tuple[str, int, 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """XDG_CACHE_HOME (from which the demo zoo's and the disk tier's default folders derive) is a temp
-    folder for the whole session, Ray workers included (they inherit the environment)."""
+    folder for the whole session, Ray workers included (they inherit the environment). Torch's
+    extension folder stays where it was (TORCH_EXTENSIONS_DIR pinned to it), so the C++ kernel built
+    once is reused by later sessions. The user's ~/.cache/lora-cluster is compared once, at the end of
+    the session (walking it per test took minutes on a machine that has used the product)."""
     cache = tmp_path_factory.mktemp("xdg-cache")
     at_start = cache_fingerprint(REAL_CACHE)
     patch = pytest.MonkeyPatch()
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        real_xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(real_xdg / "torch_extensions"))  # torch's own default
     patch.setenv("XDG_CACHE_HOME", str(cache))
     for name in _CACHE_ENV:
         patch.delenv(name, raising=False)
     yield cache
     patch.undo()
-    if cache_fingerprint(REAL_CACHE) != at_start:  # e.g. a module fixture's teardown wrote there
-        pytest.fail(f"the test session wrote into {REAL_CACHE}", pytrace=False)
-
-
-@pytest.fixture(autouse=True)
-def _real_cache_untouched(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fails the test that wrote into the user's ~/.cache/lora-cluster."""
-    before = cache_fingerprint(REAL_CACHE)
-    yield
     after = cache_fingerprint(REAL_CACHE)
-    if after != before:
-        changed = sorted(set(after) ^ set(before))[:5]
-        pytest.fail(f"{request.node.nodeid} wrote into {REAL_CACHE}: {changed}", pytrace=False)
+    if after != at_start:  # a test, or a module fixture's teardown, wrote there
+        changed = sorted(set(after) ^ set(at_start))[:5]
+        pytest.fail(f"the test session wrote into {REAL_CACHE}: {changed}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -81,9 +80,9 @@ def free_port() -> Callable[[], int]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules that start Ray Serve applications run last, those marked `own_ray` (not on the local
-    Ray: `ray_app(..., env=...)` or `nodes=`) first among them; otherwise in the collected order. So
-    the local Ray kept between applications (`ray_app.run_app`) starts once and no other test runs
+    """The modules that start Ray Serve applications run last, those marked `own_ray` (not on the
+    local Ray: `ray_app(..., env=...)` or `nodes=`) first among them; otherwise in the collected order.
+    So the local Ray kept between applications (`ray_app.run_app`) starts once and no other test runs
     beside it."""
     def module_of(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]

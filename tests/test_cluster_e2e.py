@@ -24,7 +24,7 @@ from helpers import cluster_replicas, cluster_view, wait_until
 
 from lora_cluster.engine import SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
 
 PROMPT = "the quick brown fox"
 BATCH_TOKENS = 300

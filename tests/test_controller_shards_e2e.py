@@ -20,7 +20,7 @@ from helpers import cluster_replicas, cluster_view, wait_until
 
 from lora_cluster.cluster.sharding import shard_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
 
 SHARDS = 2
 ADAPTERS = [a for a in (f"a{i}" for i in range(16)) if shard_of(a, SHARDS) == 0][:2] + \

@@ -36,7 +36,7 @@ from lora_cluster.serve.http_errors import describe
 from lora_cluster.store import TieredAdapterStore
 from lora_cluster.store.admission import AdmissionPolicy
 
-pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
 
 BOUND_S = 60.0  # no request or wait in this module takes longer
 BIG = "a2"  # rank 32, ~262 KB of weights: a download the proxy can cut in the middle

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lora_cluster.tenancy.tenants import hash_key
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 INGRESSES = 4
 RPM = 8

@@ -25,7 +25,7 @@ from other_tokenizer import write_other_tokenizer
 
 from lora_cluster.demo_families import build_family_zoo
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 PROMPT = "the quick brown fox jumps over the lazy dog near the river and the town"
 NEW_TOKENS = 8

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from helpers import poll, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ADAPTER_LABELS = 3

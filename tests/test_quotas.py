@@ -293,7 +293,7 @@ tenants:
         yield url
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_two_ingress_replicas_share_one_quota(two_ingresses, tmp_path):
     from ray import serve
 

@@ -232,7 +232,7 @@ def _ops_latencies(http: httpx.Client, rounds: int) -> list[tuple[float, str, in
     return [_complete(http, OPS[i % len(OPS)], 8) for i in range(rounds)]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_burst_on_one_group_stays_in_it_and_leaves_the_other_groups_latency(grouped_app):
     http = grouped_app
     for adapter in FIN + OPS:  # warm-up: every adapter on its group's device, both routers created

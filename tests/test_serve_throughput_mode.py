@@ -113,7 +113,7 @@ def offline(make_engine):
     engine.close()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_ingress_replica_serves_http_itself_and_haproxy_serves_the_configured_port(served):
     with httpx.Client(timeout=10) as plain:
         r = plain.get(f"{served.direct_url}/health")
@@ -124,7 +124,7 @@ def test_the_ingress_replica_serves_http_itself_and_haproxy_serves_the_configure
         "the ready line reaches serve run's console (Serve's throughput mode keeps its own logs off stderr)")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_auth_and_models(served):
     assert httpx.get(f"{served.url}/v1/models").status_code == 401, "no API key: 401"
     r = served.http.get("/v1/models")
@@ -133,7 +133,7 @@ def test_auth_and_models(served):
     assert set(ADAPTERS) <= set(ids), f"/v1/models lists the source's adapters, got {ids}"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_streamed_and_non_streamed_completions_equal_the_engine(served, offline):
     want = offline("a1", 12)
     body = {"model": "a1", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
@@ -150,7 +150,7 @@ def test_streamed_and_non_streamed_completions_equal_the_engine(served, offline)
     assert text == want.text, "the streamed events join to the engine's text"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_adapter_affinity_through_the_request_router(served):
     hits = adapter_hits(served.http, ADAPTERS, PROMPT, rounds=80)
     rate = sum(h.startswith("true") for h in hits) / len(hits)
@@ -170,7 +170,7 @@ def _wait_until_aborted(served: Served, before: int, what: str) -> None:
         pytest.fail(f"{what} was not aborted after its client went away: {seen[-1]}")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_streaming_client_going_away_aborts_its_request(served):
     before = sum(s["cancelled"] for s in served.replicas().values())
     body = {"model": "a7", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -183,7 +183,7 @@ def test_a_streaming_client_going_away_aborts_its_request(served):
     _wait_until_aborted(served, before, "the streaming request")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_non_streaming_client_going_away_aborts_its_request(served):
     before = sum(s["cancelled"] for s in served.replicas().values())
     body = json.dumps({"model": "a6", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}).encode()

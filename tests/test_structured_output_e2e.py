@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ADAPTERS = ["a0", "a1", "a2", "a3"]
 PROMPT = "the quick brown fox"

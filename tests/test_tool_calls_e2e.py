@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ADAPTERS = ["a0", "a1", "a2", "a3"]
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
