@@ -29,7 +29,7 @@ from common import load_avg
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import build_engine
-from lora_cluster.engine.guided_spec import GuidedSpec
+from lora_cluster.request.guided_spec import GuidedSpec
 
 REPO = Path(__file__).resolve().parent.parent
 

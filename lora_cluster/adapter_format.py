@@ -59,12 +59,12 @@ from lora_cluster.adapter_experts import (
 from lora_cluster.errors import (
     AdapterError,
     AdapterFormatError,
-    AdapterIdError,
     AdapterLoadError,
     AdapterNotFoundError,
     AdapterRankError,
     AdapterShapeError,
 )
+from lora_cluster.request.adapter_id import check_adapter_id
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -81,27 +81,6 @@ _MAGNITUDE = re.compile(r"\.lora_magnitude_vector(?:\.\w+)?$")
 _MOE = re.compile(r"\.(?:block_sparse_moe|mlp\.experts|mlp\.gate)\.")
 # a multimodal checkpoint's modules that text requests never run (LoRA on them has no effect there)
 _NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|multi_modal_projector)\.")
-# adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
-ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*$"
-_ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN.strip("^$"))
-MAX_ADAPTER_ID_LEN = 256
-
-
-def check_adapter_id(adapter_id: str) -> str:
-    """Adapter ids name sub-folders or key prefixes: no traversal, no absolute paths, no odd bytes,
-    at most `MAX_ADAPTER_ID_LEN` characters. Raises AdapterNotFoundError (the id cannot exist)."""
-    if (
-        not isinstance(adapter_id, str)
-        or len(adapter_id) > MAX_ADAPTER_ID_LEN
-        or not _ADAPTER_ID.fullmatch(adapter_id)
-        or (".." in adapter_id.split("/"))
-    ):
-        raise AdapterIdError(
-            str(adapter_id)[:MAX_ADAPTER_ID_LEN], "invalid adapter id (letters, digits, '._-/' only)"
-        )
-    return adapter_id
-
-
 @dataclass(frozen=True)
 class ModelShapes:
     """What an adapter must fit: layer count and (in_features, out_features) per projection."""

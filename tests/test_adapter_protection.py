@@ -22,9 +22,9 @@ from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.residency import AdapterResidency
 from lora_cluster.engine.adapters.rotation import AdapterRotation
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.scheduler import Scheduler
 from lora_cluster.engine.sequence import Sequence
+from lora_cluster.request.sampling_params import SamplingParams
 
 SHAPES = ModelShapes(1, {"q_proj": (4, 6)})
 STEP_S = 0.05  # fake seconds per engine step

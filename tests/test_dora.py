@@ -26,8 +26,9 @@ from lora_cluster.demo_families import build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
 from lora_cluster.engine.model_loader import load_base_model
 from lora_cluster.errors import AdapterFormatError, AdapterMergeError
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.host_cache import HostCache
-from lora_cluster.store.merge import MergeSpec, merge
+from lora_cluster.store.merge import merge
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -13,6 +13,7 @@ from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig, load_config
 from lora_cluster.engine import SamplingParams
 from lora_cluster.errors import AdapterBaseConflictError, AdapterBaseModelError, ConfigError, RequestError
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.group_bases import (
@@ -26,7 +27,6 @@ from lora_cluster.serve.routing.group_bases import (
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.routing.replica_groups import replica_groups, select_group
 from lora_cluster.store.admission import AdmissionPolicy, check_base_model
-from lora_cluster.store.merge import MergeSpec
 
 TWO_BASES = [{"name": "llama"},
              {"name": "qwen", "model": "/srv/models/qwen3", "served_model_name": "qwen3", "adapters": ["q-*"],

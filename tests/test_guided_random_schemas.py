@@ -19,8 +19,8 @@ import pytest
 from random_schemas import random_schema
 
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.guided_spec import GuidedSpec
-from lora_cluster.engine.sequence import RequestOutput
+from lora_cluster.request.guided_spec import GuidedSpec
+from lora_cluster.request.output import RequestOutput
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

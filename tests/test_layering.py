@@ -1,11 +1,13 @@
-"""The package layering: every import points down, and the pure layers load without torch or Ray.
+"""The package layering: every import points down, the pure layers load without torch or Ray, and the
+ingress (request vocabulary, HTTP layer, request router, protocol) loads without torch.
 
 `ALLOWED` is the architecture as a table: for each unit of `lora_cluster` (a top-level package or
 module; inside `serve/`, each room and shared module), the units it may import. An import of a unit
 not listed, at module level or inside a function, fails the test with the importing file and line.
 The table is acyclic, so the layers read bottom to top:
 
-    errors, progress | adapter_experts < adapter_format, breaker | config | cluster, tenancy, store |
+    errors, progress | request | adapter_experts < adapter_format, breaker | config |
+    cluster, tenancy, store |
     engine | sim | client, demo < demo_families |
     serve: http_errors, ops < protocol < routing < replica < http < app;
            batch_window < controller_actor < app | cli
@@ -24,7 +26,7 @@ SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "
                "batch_window")
 
 BASE = {"errors", "progress"}
-FORMAT = BASE | {"adapter_experts", "adapter_format", "breaker"}
+FORMAT = BASE | {"request", "adapter_experts", "adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
 POLICY = CONFIG | {"cluster", "tenancy", "store"}
 ENGINE = POLICY | {"engine"}
@@ -34,8 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "lora_cluster": set(),
     "errors": set(),
     "progress": set(),
+    "request": {"errors"},
     "adapter_experts": {"errors"},
-    "adapter_format": {"errors", "adapter_experts"},
+    "adapter_format": {"errors", "adapter_experts", "request"},
     "breaker": {"errors"},
     "config": {"errors"},
     "cluster": {"errors", "config"},
@@ -150,6 +153,32 @@ def test_pure_layers_import_without_torch_or_ray() -> None:
     assert len(modules) > 20, f"the cluster and sim modules are found: {modules}"
     assert result.returncode == 0 and not result.stdout, (
         f"modules that need torch, Ray, transformers or triton:\n{result.stdout}{result.stderr[-2000:]}")
+
+
+INGRESS_FOLDERS = ("request", "serve/http", "serve/routing")
+INGRESS_MODULES = ["lora_cluster.serve.protocol", "lora_cluster.serve.http_errors"]
+
+
+def test_the_ingress_the_protocol_and_the_http_schemas_import_without_torch() -> None:
+    """The request vocabulary, every module of the HTTP layer and the request router, the wire protocol
+    and the error map, in one process where `torch` and `triton` cannot be imported: an ingress
+    process (and every app deploy) never pays torch's import."""
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for folder in INGRESS_FOLDERS for p in sorted((PACKAGE / folder).rglob("*.py"))]
+    code = ("import importlib, sys, traceback\n"
+            "for name in ('torch', 'triton'):\n"
+            "    sys.modules[name] = None  # any import of them raises ImportError\n"
+            f"for module in {modules + INGRESS_MODULES!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(module)\n"
+            "    except Exception:\n"
+            "        print(module, traceback.format_exc().splitlines()[-1])\n"
+            "print('torch' in sys.modules and sys.modules['torch'] is not None)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
+    assert len(modules) > 30, f"the request, http and routing modules are found: {modules}"
+    assert result.returncode == 0 and result.stdout == "False\n", (
+        f"ingress modules that need torch:\n{result.stdout}{result.stderr[-2000:]}")
 
 
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:

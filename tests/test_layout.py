@@ -4,6 +4,7 @@ project's modules import each other without cycles (the team's `import_cycles.py
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -11,6 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CYCLES_TOOL = ROOT / "tools" / "import_cycles.py"
+LAYOUT_TOOL = ROOT / ".ci" / "layout.py"
+
+
+def _layout_tool():
+    spec = importlib.util.spec_from_file_location("layout_tool", LAYOUT_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _layout_rows() -> list[str]:
@@ -33,6 +42,27 @@ def test_every_package_and_top_level_module_is_in_the_layout_table() -> None:
     parts += [f"lora_cluster/{p.name}" for p in package.glob("*.py") if p.name != "__init__.py"]
     for part in sorted(parts):
         assert part in rows, f"{part} is missing from the README's layout table"
+
+
+def test_docs_layout_lists_every_module_with_its_docstring_and_no_name_is_stale() -> None:
+    result = subprocess.run([sys.executable, str(LAYOUT_TOOL), "--check"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, (
+        f"docs/layout.md is generated from the code, every module has a docstring, and the package "
+        f"docstrings and the README's layout table name only modules that exist: {result.stderr}")
+
+
+def test_a_stale_module_name_in_a_package_docstring_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "lora_cluster" / "cluster").mkdir(parents=True)
+    (tmp_path / "lora_cluster" / "sim").mkdir()
+    (tmp_path / "lora_cluster" / "__init__.py").write_text("")
+    (tmp_path / "lora_cluster" / "cluster" / "__init__.py").write_text("")
+    (tmp_path / "lora_cluster" / "cluster" / "scheduling.py").write_text("def choose_replica(): pass\n")
+    (tmp_path / "lora_cluster" / "sim" / "__init__.py").write_text(
+        '"""Runs `scheduling.choose_replica`, `cluster.scheduling`, `scheduling.preemption_target`."""')
+    stale = _layout_tool().stale_references(tmp_path)
+    assert stale == ["lora_cluster/sim/__init__.py: `scheduling.preemption_target`"], (
+        f"only the name that no module defines is stale: {stale}")
 
 
 def test_no_import_cycles() -> None:

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.errors import AdapterCapacityError, AdapterMergeError, AdapterNotFoundError, RequestError
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.admission import AdmissionPolicy
-from lora_cluster.store.merge import MergeSpec, merge
+from lora_cluster.store.merge import merge
 from lora_cluster.store.store import TieredAdapterStore
 
 SEED = 1234

@@ -225,7 +225,8 @@ def test_a_linear_merge_of_expert_adapters_sums_each_experts_delta(zoos) -> None
     """Merged adapters (LoRAX's merged_adapters) over LoRA on the experts: linear is each expert's
     exact weighted sum of deltas; ties / dare are refused naming the strategy."""
     from lora_cluster.errors import AdapterMergeError
-    from lora_cluster.store.merge import MergeSpec, merge
+    from lora_cluster.request.merge_spec import MergeSpec
+    from lora_cluster.store.merge import merge
 
     zoo = zoos("qwen3moe")
     model = load_base_model(str(zoo.model_dir), dtype=torch.float32, device=torch.device("cpu"))

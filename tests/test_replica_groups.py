@@ -23,11 +23,11 @@ from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig, load_config
 from lora_cluster.engine import SamplingParams
 from lora_cluster.errors import ConfigError
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.routing.replica_groups import replica_groups, select_group
-from lora_cluster.store.merge import MergeSpec
 
 GROUPS = [
     {"name": "fin", "adapters": ["a[0-3]"], "tenants": ["finance"], "node_labels": {"lora-group": "finance"},

@@ -8,10 +8,10 @@ import torch
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.engine.scheduler import Gate, Scheduler
 from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import AdapterCapacityError, EngineOverloadedError
+from lora_cluster.request.sampling_params import SamplingParams
 
 
 def _seq(rid: str, prompt_len: int, adapter: str | None = None, priority: int = 0) -> Sequence:

@@ -360,7 +360,7 @@ async def test_a_cancelled_call_is_an_info_line_not_an_unexpected_error(fake_dis
 
 def _with_logprobs(fake_dispatcher: FakeDispatcher) -> None:
     """Make the fake replica attach a logprob (and 2 alternatives) to each "x" token, as the engine does."""
-    from lora_cluster.engine.logprobs import TokenLogprob
+    from lora_cluster.request.output import TokenLogprob
 
     lp = TokenLogprob(120, -0.5, ((120, -0.5), (121, -1.5)))
 

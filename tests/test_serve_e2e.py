@@ -482,7 +482,7 @@ MERGE = {"ids": ["a0", "a1", "a3"], "weights": [0.6, -0.3, 0.9], "merge_strategy
 
 def test_lorax_client_merged_adapters_and_details_with_logprobs(base_url, offline_engine):
     lorax = pytest.importorskip("lorax", reason="pip install --no-deps lorax-client")
-    from lora_cluster.store.merge import MergeSpec
+    from lora_cluster.request.merge_spec import MergeSpec
 
     spec = MergeSpec.parse(MERGE["ids"], MERGE["weights"], "linear", 1.0, None, max_ids=8)
     sampling = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=3, prompt_logprobs=0)

@@ -339,7 +339,7 @@ async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order()
 async def test_coalesce_keeps_every_tokens_logprob():
     import asyncio
 
-    from lora_cluster.engine.logprobs import TokenLogprob
+    from lora_cluster.request.output import TokenLogprob
     from lora_cluster.serve.replica.deployment import coalesce
 
     def with_logprob(i: int, finished: bool = False) -> object:

@@ -19,8 +19,8 @@ import pytest
 from app_client import FakeDispatcher, FakeStream, FakeTokenizer, serving
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine.guided_spec import GuidedKind, GuidedSpec
-from lora_cluster.engine.logprobs import TokenLogprob
+from lora_cluster.request.guided_spec import GuidedKind, GuidedSpec
+from lora_cluster.request.output import TokenLogprob
 from lora_cluster.serve.http.best_of import best_n, best_one
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.dispatch import Generation

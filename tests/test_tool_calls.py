@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from lora_cluster.engine.guided_spec import GuidedKind
+from lora_cluster.request.guided_spec import GuidedKind
 from lora_cluster.serve.http.tool_calls import (
     ContentDelta,
     ToolCallDelta,

@@ -14,7 +14,7 @@ import pytest
 from app_client import FakeDispatcher, FakeStream, FakeTokenizer, serving
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine.guided_spec import GuidedKind
+from lora_cluster.request.guided_spec import GuidedKind
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.dispatch import Generation
 

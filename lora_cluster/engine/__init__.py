@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from lora_cluster.engine.async_engine import AsyncEngine
     from lora_cluster.engine.factory import build_engine
     from lora_cluster.engine.llm_engine import Engine, EngineStats
-    from lora_cluster.engine.sampling import SamplingParams
-    from lora_cluster.engine.sequence import FinishReason, RequestOutput
+    from lora_cluster.request.output import FinishReason, RequestOutput
+    from lora_cluster.request.sampling_params import SamplingParams
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
@@ -24,9 +24,9 @@ _LAZY = {
     "build_engine": "lora_cluster.engine.factory",
     "Engine": "lora_cluster.engine.llm_engine",
     "EngineStats": "lora_cluster.engine.llm_engine",
-    "SamplingParams": "lora_cluster.engine.sampling",
-    "FinishReason": "lora_cluster.engine.sequence",
-    "RequestOutput": "lora_cluster.engine.sequence",
+    "SamplingParams": "lora_cluster.request.sampling_params",  # the request vocabulary (torch-free)
+    "FinishReason": "lora_cluster.request.output",
+    "RequestOutput": "lora_cluster.request.output",
 }
 
 

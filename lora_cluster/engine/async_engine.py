@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.engine.llm_engine import Engine, EngineStats
-from lora_cluster.engine.sampling import SamplingParams
-from lora_cluster.engine.sequence import RequestOutput
 from lora_cluster.errors import EngineUnavailableError
-from lora_cluster.store.merge import MergeSpec
+from lora_cluster.request.merge_spec import MergeSpec
+from lora_cluster.request.output import RequestOutput
+from lora_cluster.request.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
-from lora_cluster.engine.guided_spec import GuidedKind, GuidedSpec
 from lora_cluster.errors import RequestError
+from lora_cluster.request.guided_spec import GuidedKind, GuidedSpec
 
 COMPILE_WORKERS = 2  # compile threads: one long compile does not queue every other spec behind it
 JSON_INDENT_MAX = 16  # spaces or tabs of indentation after a line break inside JSON

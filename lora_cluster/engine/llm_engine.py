@@ -51,7 +51,7 @@ import torch
 from lora_kernels import get_lora_ops
 from lora_kernels import native as native_kernel
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine.adapters.copier import AdapterCopier
 from lora_cluster.engine.adapters.dora import projection_weights
@@ -74,15 +74,18 @@ from lora_cluster.engine.model_loader import load_base_model, resolve_device
 from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.engine.prefix_cache import PrefixCacheIndex
 from lora_cluster.engine.prefix_hash import chain_root
-from lora_cluster.engine.sampling import SamplingParams, make_generator, sample
+from lora_cluster.engine.sampling import make_generator, sample
 from lora_cluster.engine.scheduler import Gate, Scheduler, check_priority
-from lora_cluster.engine.sequence import FinishReason, RequestOutput, SeqStatus, Sequence, snapshot
+from lora_cluster.engine.sequence import SeqStatus, Sequence, snapshot
 from lora_cluster.engine.step_buffers import StepBuffers
 from lora_cluster.engine.stopping import eos_token_ids, stop_reason
 from lora_cluster.engine.token_mask import TokenMasks
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
+from lora_cluster.request.adapter_id import check_adapter_id
+from lora_cluster.request.merge_spec import MergeSpec
+from lora_cluster.request.output import FinishReason, RequestOutput
+from lora_cluster.request.sampling_params import SamplingParams
 from lora_cluster.store.loader import AdapterLoader
-from lora_cluster.store.merge import MergeSpec
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.01  # an empty step with waiting requests and no load in flight sleeps this long

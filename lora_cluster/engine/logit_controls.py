@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from lora_cluster.engine.sampling import SamplingParams
+from lora_cluster.request.sampling_params import SamplingParams
 
 
 class ControlledRow(Protocol):

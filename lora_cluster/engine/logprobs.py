@@ -21,27 +21,11 @@ but the first (which has no context) gets the same, from the prefill's logits; t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's logprob and the top alternatives at its position, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), at most k entries
-
-    @property
-    def rank(self) -> int | None:
-        """1-based rank of the token among the alternatives (None when it is not among them)."""
-        for i, (tid, _) in enumerate(self.top):
-            if tid == self.token_id:
-                return i + 1
-        return None
+from lora_cluster.request.output import TokenLogprob
 
 
 def token_logprobs(

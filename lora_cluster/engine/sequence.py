@@ -22,23 +22,15 @@ import torch
 
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.guided_state import GuidedState
-from lora_cluster.engine.logprobs import TokenLogprob
-from lora_cluster.engine.sampling import SamplingParams
 from lora_cluster.errors import LoraClusterError
+from lora_cluster.request.output import FinishReason, RequestOutput, TokenLogprob
+from lora_cluster.request.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    LENGTH = "length"  # max_new_tokens or max_model_len reached
-    STOP = "stop"  # a stop string or stop token id
-    EOS = "eos"  # the model's end-of-sequence token
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # failed (e.g. its adapter could not be loaded); see RequestOutput.error
 
 
 @dataclass
@@ -85,36 +77,6 @@ class Sequence:
     def token_at(self, index: int) -> int:
         p = len(self.prompt_ids)
         return self.prompt_ids[index] if index < p else self.output_ids[index - p]
-
-
-@dataclass
-class RequestOutput:
-    """A snapshot of one request: cumulative text and ids, plus what is new since the last one."""
-
-    request_id: str
-    adapter_id: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    error: LoraClusterError | None = None
-    time_to_first_token: float | None = None
-    num_preemptions: int = 0  # times the request was preempted (and recomputed)
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's name)
-    logprobs: list[TokenLogprob] | None = None  # one per token id (asked with SamplingParams.logprobs)
-    delta_logprobs: list[TokenLogprob] | None = None  # one per delta token id
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt id, first None; once prefilled
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def snapshot(seq: Sequence) -> RequestOutput:

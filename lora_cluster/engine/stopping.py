@@ -11,7 +11,8 @@ only the model's length limit ends a sequence (vLLM): stop ids and EOS cannot be
 from __future__ import annotations
 
 from lora_cluster.engine.model_loader import BaseModel
-from lora_cluster.engine.sequence import FinishReason, Sequence
+from lora_cluster.engine.sequence import Sequence
+from lora_cluster.request.output import FinishReason
 
 
 def eos_token_ids(model: BaseModel) -> set[int]:

@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 
 from lora_cluster.cluster.prefix_keys import routing_keys
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.engine import RequestOutput, SamplingParams
 from lora_cluster.errors import RequestAbortedError
+from lora_cluster.request import RequestOutput, SamplingParams
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.serve.ops.logs import request_id
-from lora_cluster.store.merge import MergeSpec
 
 T = TypeVar("T")
 _END = object()

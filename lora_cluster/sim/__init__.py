@@ -2,8 +2,9 @@
 
 The routing, admission, cluster queue, preemption and placement decisions are made by the modules
 the live system runs, imported unchanged: `cluster.controller.Controller` (with `cluster_queue`,
-`scheduling.choose_replica` / `preemption_target`, `placement.PlacementPolicy` / `DemandTracker`),
-`cluster.routing_score.rank_replicas` (through `PlacementTracker`) and `cluster.report_rules.AdapterDemand`.
+`scheduling.choose_replica` / `scheduling.holder_preemption_target`, `placement.PlacementPolicy` /
+`DemandTracker`), `cluster.routing_score.rank_replicas` (through `PlacementTracker`) and
+`cluster.report_rules.AdapterDemand`.
 What is simulated is everything around them: time (`events`), the workload (`workload`, or
 multi-turn chats: `chats`), the replicas' engines (`replica`, `adapters`, `store`, and the prefix
 cache: `prefix_cache`), calibrated by a profile (`profile`), the wiring

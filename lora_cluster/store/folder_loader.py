@@ -12,10 +12,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id, load_peft_adapter
+from lora_cluster.adapter_format import LoraWeights, ModelShapes, load_peft_adapter
 from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.request.adapter_id import check_adapter_id
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.loader import StatelessHooks
-from lora_cluster.store.merge import MergeSpec
 from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.versions import Versions
 

@@ -15,7 +15,7 @@ Contract:
   invalidated). The engine compares it with the version of the weights in a device slot or a
   finished host fetch, and never serves an older version to a new request.
 * `slot_policy()` is the device pool's victim policy (None: plain LRU).
-* `define_merge(spec)` remembers a merged adapter (`lora_cluster.store.merge.MergeSpec`) and returns
+* `define_merge(spec)` remembers a merged adapter (`lora_cluster.request.merge_spec.MergeSpec`) and returns
   its id, which `load` and `version` then serve like any other id (thread-safe, no I/O).
 * `request_started` / `request_finished` bracket each request of an adapter (so no tier evicts what
   a queued or running request needs); `load_abandoned` says that weights returned by `load` will
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from lora_cluster.adapter_format import LoraWeights
-    from lora_cluster.store.merge import MergeSpec
+    from lora_cluster.request.merge_spec import MergeSpec
 
 
 class SlotPolicy(Protocol):

@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 
 from lora_cluster.adapter_format import LoraWeights
 from lora_cluster.errors import AdapterCapacityError, AdapterNotFoundError
-from lora_cluster.store.merge import MergeSpec, merge
+from lora_cluster.request.merge_spec import MergeSpec
+from lora_cluster.store.merge import merge
 from lora_cluster.store.versions import Versions
 
 

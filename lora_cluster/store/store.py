@@ -54,15 +54,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes, check_adapter_id
+from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.errors import AdapterError, AdapterLoadError, AdapterNotFoundError
 from lora_cluster.progress import track_futures
+from lora_cluster.request.adapter_id import check_adapter_id
+from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.admission import AdmissionPolicy, admit_folder
 from lora_cluster.store.crypto import load_key
 from lora_cluster.store.disk_cache import DiskCache
 from lora_cluster.store.host_cache import HostCache
 from lora_cluster.store.lifecycle import AdapterState, Lifecycle, LifecycleError
-from lora_cluster.store.merge import MergeSpec
 from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.negative_cache import NegativeCache
 from lora_cluster.store.policy import AccessTracker

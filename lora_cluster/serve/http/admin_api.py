@@ -23,8 +23,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from lora_cluster.adapter_format import check_adapter_id
 from lora_cluster.errors import AdapterError, ControllerOffError, LoraClusterError
+from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.registrations import RegistrationConflict

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lora_cluster.engine.logprobs import TokenLogprob
+from lora_cluster.request.output import TokenLogprob
 
 
 class TokenTexts:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine import SamplingParams
+from lora_cluster.request import SamplingParams
 from lora_cluster.serve.http.schemas import (
     FALSE,
     NULL,

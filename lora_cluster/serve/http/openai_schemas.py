@@ -21,9 +21,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine import SamplingParams
-from lora_cluster.engine.guided_spec import GuidedSpec
-from lora_cluster.engine.sampling import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
+from lora_cluster.request import SamplingParams
+from lora_cluster.request.guided_spec import GuidedSpec
+from lora_cluster.request.sampling_params import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
 from lora_cluster.serve.http.schemas import (
     EMPTY_STRING,
     SEED,

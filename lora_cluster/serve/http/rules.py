@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_cluster.store.merge import STRATEGIES
+from lora_cluster.request.merge_spec import STRATEGIES
 
 NULL: dict[str, Any] = {"type": "null"}
 ONE_OR_NULL: dict[str, Any] = {"anyOf": [NULL, {"type": "integer", "maximum": 1}]}

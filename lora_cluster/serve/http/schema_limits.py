@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine.sampling import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
+from lora_cluster.request.sampling_params import LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX_TOKENS
 from lora_cluster.serve.http import rules
 from lora_cluster.serve.http.prompt_limits import ChatLimits
 from lora_cluster.serve.http.schemas import TOKEN_ID_KEY, token_ids_below

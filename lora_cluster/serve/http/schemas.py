@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from lora_cluster.adapter_format import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
 from lora_cluster.config import ServeConfig
+from lora_cluster.request.adapter_id import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
+from lora_cluster.request.merge_spec import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
 from lora_cluster.serve.http_errors import bad_request
-from lora_cluster.store.merge import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TOKEN_ID_KEY = r"^(0|[1-9][0-9]*)$"  # a token id as a JSON object key: decimal, no sign or leading zero

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from lora_cluster.engine.guided_spec import GUIDED_CHOICES_MAX, GUIDED_TEXT_MAX_BYTES, GuidedSpec
+from lora_cluster.request.guided_spec import GUIDED_CHOICES_MAX, GUIDED_TEXT_MAX_BYTES, GuidedSpec
 from lora_cluster.serve.http_errors import bad_request
 
 _BOUND = f"at most {GUIDED_TEXT_MAX_BYTES} bytes"

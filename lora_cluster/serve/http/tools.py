@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lora_cluster.engine.guided_spec import GuidedSpec
 from lora_cluster.errors import RequestError
+from lora_cluster.request.guided_spec import GuidedSpec
 from lora_cluster.serve.http_errors import bad_request
 
 MAX_TOOLS = 128  # OpenAI's limit of tools in one request

@@ -51,8 +51,9 @@ from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
-from lora_cluster.engine import AsyncEngine, Engine, EngineStats, RequestOutput
+from lora_cluster.engine import AsyncEngine, Engine, EngineStats
 from lora_cluster.errors import LoraClusterError
+from lora_cluster.request import RequestOutput
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item

@@ -1,0 +1,33 @@
+"""Adapter ids: the names a request may give an adapter, checked before anything looks one up.
+
+An id names a sub-folder of a source or a key prefix in a bucket, so it is refused when it could
+escape one: letters, digits and `._-` in `/`-separated segments, each starting with a letter or digit
+(no `..` segment, no absolute path, no odd bytes), at most `MAX_ADAPTER_ID_LEN` characters. The HTTP
+API's JSON Schema states the same pattern (`ADAPTER_ID_PATTERN`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from lora_cluster.errors import AdapterIdError
+
+# adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
+ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*$"
+_ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN.strip("^$"))
+MAX_ADAPTER_ID_LEN = 256
+
+
+def check_adapter_id(adapter_id: str) -> str:
+    """Adapter ids name sub-folders or key prefixes: no traversal, no absolute paths, no odd bytes,
+    at most `MAX_ADAPTER_ID_LEN` characters. Raises AdapterNotFoundError (the id cannot exist)."""
+    if (
+        not isinstance(adapter_id, str)
+        or len(adapter_id) > MAX_ADAPTER_ID_LEN
+        or not _ADAPTER_ID.fullmatch(adapter_id)
+        or (".." in adapter_id.split("/"))
+    ):
+        raise AdapterIdError(
+            str(adapter_id)[:MAX_ADAPTER_ID_LEN], "invalid adapter id (letters, digits, '._-/' only)"
+        )
+    return adapter_id
