@@ -20,9 +20,9 @@ import random
 
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
+from lora_cluster.replica_policy.tier_stats import LOAD_BUCKETS_S, TIERS
 from lora_cluster.serve.ops import metrics
 from lora_cluster.sim.popularity import ZipfSampler
-from lora_cluster.store.stats import LOAD_BUCKETS_S, TIERS
 
 CLASSES = ("interactive", "standard", "batch")
 

@@ -106,7 +106,7 @@ def run(engine: Engine, active: list[str], requests: int, seed: int) -> dict[str
 def host_admission_us(known: int) -> float:
     """Mean microseconds of one host-tier admission (with room) once `known` adapters are held and
     tracked: the loader thread's cost per load, under the GIL the step thread also needs."""
-    from lora_cluster.store.policy import AccessTracker
+    from lora_cluster.replica_policy.eviction import AccessTracker
     from lora_cluster.store.tier import TierIndex
 
     tracker = AccessTracker(60.0, 4)

@@ -12,11 +12,11 @@ import pytest
 
 from lora_cluster.engine import Engine, RequestOutput, SamplingParams
 from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
-from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.scheduler import Gate, Scheduler
 from lora_cluster.engine.sequence import Sequence
 from lora_cluster.errors import EngineOverloadedError
+from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
 
 LOW, URGENT = 5, 0
 MAX_STEPS = 2000  # bound of every stepping loop here

@@ -187,7 +187,7 @@ def test_an_urgent_prompt_gets_a_step_of_its_own_while_a_long_prompt_waits_a_ste
     replica.add(urgent, loop.now)
     loop.run(until=100.0)
     assert urgent.first_token_at == pytest.approx(first_step_end + PROFILE.step_s(10, 0, 1)), (
-        "the next step computes the interactive prompt alone (engine.prefill_plan), not 246 more "
+        "the next step computes the interactive prompt alone (replica_policy.prefill_plan), not 246 more "
         "tokens of the long prompt with it")
     assert long.first_token_at > urgent.first_token_at, "the long prompt resumes after it"
 

@@ -12,7 +12,7 @@ import json
 from lora_cluster.cluster.prefix_keys import summary_keys
 from lora_cluster.cluster.routing_score import rank_replicas
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.engine.prefix_hash import chain_root, extend_keys
+from lora_cluster.replica_policy.prefix_hash import chain_root, extend_keys
 from lora_cluster.sim import SimConfig, Simulation, run
 from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload

@@ -1,10 +1,8 @@
-"""The caller wires the adapter store into the engine, and the engine's and the store's packages (and
-the pure policies the simulator imports from them) import without torch."""
+"""The caller wires the adapter store into the engine (the pure policies both run import without torch:
+tests/test_layering.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,20 +17,6 @@ if TYPE_CHECKING:
 
     from lora_cluster.adapter_format import ModelShapes
     from lora_cluster.config import EngineConfig
-
-PURE = ["lora_cluster.engine", "lora_cluster.store", "lora_cluster.store.loader", "lora_cluster.store.policy",
-        "lora_cluster.engine.prefill_plan", "lora_cluster.engine.adapters",
-        "lora_cluster.engine.adapters.urgency", "lora_cluster.engine.adapters.rotation",
-        "lora_cluster.engine.adapters.demand", "lora_cluster.engine.adapters.thrash",
-        "lora_cluster.engine.adapters.fetch_queue"]
-
-
-@pytest.mark.parametrize("module", PURE)
-def test_imports_with_torch_and_ray_unimportable(module: str) -> None:
-    code = f"import sys; sys.modules['torch'] = None; sys.modules['ray'] = None; import {module}"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"{module} needs torch or Ray to import:\n{result.stderr[-2000:]}"
-
 
 def test_the_engine_is_given_its_loader() -> None:
     with pytest.raises(TypeError, match="adapter_loader"):

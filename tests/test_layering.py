@@ -6,7 +6,7 @@ module; inside `serve/`, each room and shared module), the units it may import. 
 not listed, at module level or inside a function, fails the test with the importing file and line.
 The table is acyclic, so the layers read bottom to top:
 
-    errors, progress | request | adapter_experts < adapter_format, breaker | config |
+    errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker | config |
     cluster, tenancy, store |
     engine | sim | client, demo < demo_families |
     serve: http_errors, ops < protocol < routing < replica < http < app;
@@ -26,7 +26,7 @@ SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "
                "batch_window")
 
 BASE = {"errors", "progress"}
-FORMAT = BASE | {"request", "adapter_experts", "adapter_format", "breaker"}
+FORMAT = BASE | {"request", "replica_policy", "adapter_experts", "adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
 POLICY = CONFIG | {"cluster", "tenancy", "store"}
 ENGINE = POLICY | {"engine"}
@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "progress": set(),
     "request": {"errors"},
+    "replica_policy": {"errors"},
     "adapter_experts": {"errors"},
     "adapter_format": {"errors", "adapter_experts", "request"},
     "breaker": {"errors"},
@@ -130,9 +131,10 @@ def test_no_import_points_up() -> None:
     assert not found, "imports that point up (or sideways) in the layering table:\n" + "\n".join(found)
 
 
-PURE = ["lora_cluster.engine", "lora_cluster.store", "lora_cluster.config",
-        "lora_cluster.engine.prefill_plan",
-        "lora_cluster.engine.adapters.urgency", "lora_cluster.store.policy"]
+PURE = ["lora_cluster.request", "lora_cluster.replica_policy", "lora_cluster.config",
+        "lora_cluster.replica_policy.prefill_plan", "lora_cluster.replica_policy.prefix_hash",
+        "lora_cluster.replica_policy.slot_urgency", "lora_cluster.replica_policy.eviction",
+        "lora_cluster.replica_policy.tier_stats"]
 
 
 def test_pure_layers_import_without_torch_or_ray() -> None:

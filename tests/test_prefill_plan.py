@@ -1,4 +1,4 @@
-"""Which prefill chunks an engine step carries (`engine.prefill_plan`): the most urgent first, an
+"""Which prefill chunks an engine step carries (`replica_policy.prefill_plan`): the most urgent first, an
 urgent prefill alone, less urgent chunks within a per-step share; outputs unchanged."""
 
 from __future__ import annotations

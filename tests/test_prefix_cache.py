@@ -16,9 +16,9 @@ from lora_cluster.engine import Engine, SamplingParams
 from lora_cluster.engine.detokenizer import IncrementalDetokenizer
 from lora_cluster.engine.kv_cache import BlockAllocator
 from lora_cluster.engine.prefix_cache import PrefixCacheIndex
-from lora_cluster.engine.prefix_hash import block_key, chain_root, extend_keys
 from lora_cluster.engine.scheduler import Gate, Scheduler
 from lora_cluster.engine.sequence import Sequence
+from lora_cluster.replica_policy.prefix_hash import block_key, chain_root, extend_keys
 
 # ----------------------------------------------------------------------------- hash chain
 

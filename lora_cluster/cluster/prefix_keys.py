@@ -1,7 +1,7 @@
 """Routing keys of prompt prefixes: what a replica reports it caches, what the router looks up.
 
 The engine addresses its cached KV blocks by a chain over (adapter id, adapter *version*, tokens)
-(`engine.prefix_hash`): the version keeps the cache correct across reloads, but the ingress cannot
+(`replica_policy.prefix_hash`): the version keeps the cache correct across reloads, but the ingress cannot
 know it. Routing needs only a hint, so it uses keys of its own, version-blind:
 
     key(d) = BLAKE2b-64(adapter id or the base model's mark, token ids [0, d))

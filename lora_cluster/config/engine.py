@@ -56,7 +56,7 @@ class EngineConfig(BaseSettings):
         "engine reports itself unhealthy, so that Ray Serve restarts the replica.",
     )
 
-    # ----- SLA classes in the engine's steps (engine.prefill_plan) -----
+    # ----- SLA classes in the engine's steps (replica_policy.prefill_plan) -----
     less_urgent_prefill_chunk: int | None = Field(
         None, ge=1, description="Prefill tokens that sequences less urgent than priority 0 (the interactive "
         "class) may take in one engine step in all: an urgent request that arrives during a step waits for "

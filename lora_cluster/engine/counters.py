@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_cluster.store.stats import LatencyHistogram
+from lora_cluster.replica_policy.tier_stats import LatencyHistogram
 
 
 @dataclass
@@ -54,7 +54,8 @@ class EngineCounters:
 
     def snapshot(self) -> dict[str, Any]:
         """Plain numbers: every counter, and the placement histogram as `placement_buckets` (per
-        bucket of `store.stats.LOAD_BUCKETS_S`, not cumulative) and `placement_seconds_total`."""
+        bucket of `replica_policy.tier_stats.LOAD_BUCKETS_S`, not cumulative) and
+        `placement_seconds_total`."""
         return {
             "steps": self.steps, "batched_seqs": self.batched_seqs, "sampled_tokens": self.sampled_tokens,
             "placements": self.placements, "switches": self.switches,

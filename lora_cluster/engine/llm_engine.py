@@ -14,7 +14,7 @@ slot is taken, or takes the adapter slot of an adapter only less urgent requests
 (`engine.scheduler` and `engine.adapters.residency` have the policy).
 
 Prefix caching (`enable_prefix_caching`): full KV blocks are keyed by the adapter, its version and
-their tokens (`engine.prefix_hash`), and a new request reuses the longest cached prefix of its prompt
+their tokens (`replica_policy.prefix_hash`), and a new request reuses the longest cached prefix of its prompt
 (`engine.kv_cache`, `engine.prefix_cache`); `RequestOutput.num_cached_tokens` says how many tokens.
 
 Structured output (`SamplingParams.guided`, `engine.grammar_compiler`, `engine.guided_state`,
@@ -71,9 +71,7 @@ from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
 from lora_cluster.engine.lora_layer import fused_shrink
 from lora_cluster.engine.memory_plan import plan_engine_memory
 from lora_cluster.engine.model_loader import load_base_model, resolve_device
-from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
 from lora_cluster.engine.prefix_cache import PrefixCacheIndex
-from lora_cluster.engine.prefix_hash import chain_root
 from lora_cluster.engine.sampling import make_generator, sample
 from lora_cluster.engine.scheduler import Gate, Scheduler, check_priority
 from lora_cluster.engine.sequence import SeqStatus, Sequence, snapshot
@@ -81,6 +79,8 @@ from lora_cluster.engine.step_buffers import StepBuffers
 from lora_cluster.engine.stopping import eos_token_ids, stop_reason
 from lora_cluster.engine.token_mask import TokenMasks
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
+from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
+from lora_cluster.replica_policy.prefix_hash import chain_root
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.request.output import FinishReason, RequestOutput
@@ -361,7 +361,7 @@ class Engine:
 
     def _prefix_root(self, seq: Sequence) -> bytes:
         """The prefix-cache chain root of an admitted sequence: its adapter id and the version of the
-        weights in the device slot it runs with (`engine.prefix_hash`)."""
+        weights in the device slot it runs with (`replica_policy.prefix_hash`)."""
         if seq.adapter_id is None:
             return chain_root(None, 0)
         return chain_root(seq.adapter_id, self.pool.slot_version(seq.lora_slot))

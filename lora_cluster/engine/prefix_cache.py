@@ -1,6 +1,6 @@
 """The prefix cache's index: which KV block holds the content of which key, and which to evict first.
 
-A *cached* block is a full block whose keys and values are valid for a key of `engine.prefix_hash`
+A *cached* block is a full block whose keys and values are valid for a key of `replica_policy.prefix_hash`
 (the weights that computed it and every token up to its end). The allocator (`kv_cache.BlockAllocator`)
 owns reference counts; this index knows, for cached blocks only:
 

@@ -8,7 +8,7 @@ Pure policy, no tensors and no Ray. Every step:
 The step's token budget is `max_num_batched_tokens`, so long prefills are split across steps and
 decodes are never starved by a prefill. Prefill chunks go most urgent first; with an
 `urgent_priority` (the engine's: 0), a step with an urgent chunk carries no less urgent one, and less
-urgent chunks share at most `less_urgent_chunk` tokens of a step: see `engine.prefill_plan`.
+urgent chunks share at most `less_urgent_chunk` tokens of a step: see `replica_policy.prefill_plan`.
 
 Urgency: a sequence's `priority` is an int, lower is more urgent (vLLM's convention). Sequences are
 ordered by (priority, arrival): the waiting queue is kept sorted by that key, and arrival is the
@@ -31,7 +31,7 @@ running sequences' next tokens) is free, its first chunk cut to the free blocks;
 it may preempt a less urgent sequence as for a slot (below).
 
 Prefix caching (a `kv_blocks` with a `PrefixCacheIndex`, and `prefix_root`, the chain root of a
-sequence's weights: `engine.prefix_hash`): a sequence just admitted takes the cached blocks of the
+sequence's weights: `replica_policy.prefix_hash`): a sequence just admitted takes the cached blocks of the
 longest prefix of its tokens (prompt, plus output when re-admitted after a preemption) and starts
 computing after them (`num_computed`), so cached tokens cost neither step budget nor blocks. A
 sequence that still needs prompt logprobs looks nothing up (they come from its prefill's logits). The
@@ -67,9 +67,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_cluster.engine.kv_cache import BlockAllocator
-from lora_cluster.engine.prefill_plan import ChunkShare, drop_less_urgent, prefills_in_order, urgency
 from lora_cluster.engine.sequence import SeqStatus, Sequence
 from lora_cluster.errors import EngineOverloadedError, RequestError
+from lora_cluster.replica_policy.prefill_plan import ChunkShare, drop_less_urgent, prefills_in_order, urgency
 
 
 class Gate(enum.Enum):
@@ -84,7 +84,8 @@ AcquireFn = Callable[[Sequence, bool], Gate]
 # slot_to_preempt(priority) -> adapter slot whose running sequences may be preempted for it, or None
 SlotToPreemptFn = Callable[[int], "int | None"]
 ReleaseFn = Callable[[Sequence], None]
-# prefix_root(seq) -> chain root of the weights a sequence just admitted runs with (engine.prefix_hash)
+# prefix_root(seq) -> chain root of the weights a sequence just admitted runs with
+# (replica_policy.prefix_hash)
 PrefixRootFn = Callable[[Sequence], bytes]
 
 
@@ -215,7 +216,7 @@ class Scheduler:
 
     def _plan_running(self, share: ChunkShare) -> dict[str, int]:
         """Tokens of each running sequence this step: decodes first (one each), then prefill chunks,
-        most urgent first, less urgent ones within `share` (see `engine.prefill_plan`)."""
+        most urgent first, less urgent ones within `share` (see `replica_policy.prefill_plan`)."""
         planned: dict[str, int] = {}
         budget = self.max_num_batched_tokens
         for seq in self.running:

@@ -13,14 +13,14 @@ Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
   (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
   or `may_claim` is false).
 * Eviction: an empty slot first, else, among the slots without references whose adapter no queued
-  request of this replica wants, the one of lowest load priority (`store.policy.AccessTracker`,
+  request of this replica wants, the one of lowest load priority (`replica_policy.eviction.AccessTracker`,
   0.7 frequency + 0.3 recency over the engine's default window, as the engine's `AdapterUsage`
   gives its device pool), then the least recently released; for a request of priority p (`acquire(...,
   priority=p)`), else a slot without references whose adapter only strictly less urgent requests
   want, the least urgent first (they fetch it again, from host memory). When every slot is
   referenced, `slot_to_preempt(p)` names the adapter whose requests are all strictly less urgent
   than p, with the fewest running: the replica preempts those (recompute) and the slot frees. Both
-  choices are the engine's own functions (`engine.adapters.urgency`). So an
+  choices are the engine's own functions (`replica_policy.slot_urgency`). So an
   urgent request never waits behind less urgent ones for an adapter slot, as it never does for a
   KV slot (`engine.scheduler` with `engine.adapters.residency`).
 * Fetched weights are dropped when the last request that wanted them ends before they got a slot.
@@ -38,11 +38,11 @@ from typing import Any
 
 from lora_cluster.cluster.report_rules import MAX_PREFETCHES
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine.adapters.urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.replica_policy.eviction import AccessTracker
+from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
-from lora_cluster.store.policy import AccessTracker
 
 READY, PENDING, BLOCKED = 0, 1, 2
 PREFETCH_PRIORITY = 1 << 30  # prefetches wait behind every request's fetch
@@ -69,7 +69,7 @@ class DeviceAdapters:
         self._busy = 0
         self._prefetches = 0
         self.copy_s = 0.0  # host -> device copies charged to the step being planned
-        # the engine's eviction order (`store.policy`): its window and hot count at their defaults
+        # the engine's eviction order (`replica_policy.eviction`): its window and hot count at their defaults
         self.tracker = AccessTracker(_engine_default("prefetch_window_s"),
                                      _engine_default("prefetch_min_requests"), loop.clock)
 
@@ -157,7 +157,7 @@ class DeviceAdapters:
         return busy_victim(self._holders(priority, idle=False), priority)
 
     def _holders(self, priority: int, *, idle: bool) -> list[SlotHolder]:
-        """The adapters in device slots that some request wants, as `engine.adapters.urgency` sees
+        """The adapters in device slots that some request wants, as `replica_policy.slot_urgency` sees
         them: only those that policy could choose for a request of `priority` (the idle slots, or
         the referenced ones, that only strictly less urgent requests want), so that a step blocked
         on slots builds none of the others."""

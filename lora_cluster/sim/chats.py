@@ -19,7 +19,7 @@ real ones, and with them what the live system computes from them:
 
 * `SimRequest.prefix`: its prompt's routing keys (`cluster.prefix_keys.routing_keys`, as
   `GenerateJob.routing_prefix`), which the router and the cluster queue read;
-* `SimRequest.blocks`: the engine's content keys (`engine.prefix_hash`: chain root of the adapter at
+* `SimRequest.blocks`: the engine's content keys (`replica_policy.prefix_hash`: chain root of the adapter at
   version 0, one key per full block of `block_size` tokens) of its prompt and answer, which the
   replica's prefix cache model (`sim.prefix_cache`) looks up and keeps.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from lora_cluster.cluster.prefix_keys import routing_keys
 from lora_cluster.cluster.sla import SlaClass
-from lora_cluster.engine.prefix_hash import chain_root, extend_keys
+from lora_cluster.replica_policy.prefix_hash import chain_root, extend_keys
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.popularity import ZipfSampler
 from lora_cluster.sim.workload import LENGTH_SIGMA, OUTPUT_MEDIAN, OUTPUT_RANGE, SimRequest, Workload

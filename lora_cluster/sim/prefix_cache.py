@@ -2,7 +2,7 @@
 `engine.prefix_cache`) as bookkeeping over block keys, without the KV itself.
 
 A request carries the engine's content keys of its full blocks (`SimRequest.blocks`: a chain over
-the adapter id at its version and every token up to the block, `engine.prefix_hash`), so two
+the adapter id at its version and every token up to the block, `replica_policy.prefix_hash`), so two
 adapters with the same tokens never share a block, and one adapter's requests share the blocks of
 their common prefix. The model follows the engine's rules:
 

@@ -5,7 +5,7 @@ The schedule follows `engine.scheduler` step for step:
 1. every running sequence past its prefill decodes one token;
 2. running sequences still in their prefill get the next chunk of the step's token budget, most
    urgent first; one less urgent than the most urgent waiting request only after the waiting
-   requests were admitted (`engine.prefill_plan`);
+   requests were admitted (`replica_policy.prefill_plan`);
 3. waiting sequences are admitted in (priority, arrival) order while a KV slot and budget remain
    and their adapter is READY (`adapters.DeviceAdapters.acquire`); once one is BLOCKED, later
    ones may not claim a new adapter slot; when no KV slot is free, the least urgent running
@@ -38,7 +38,7 @@ from lora_cluster.cluster.prefix_keys import PrefixSummary
 from lora_cluster.cluster.report_rules import AdapterDemand, ServiceTime, projected_batch
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
-from lora_cluster.engine.prefill_plan import URGENT_PRIORITY
+from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
 from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.prefix_cache import SimPrefixCache
@@ -132,7 +132,7 @@ class SimReplica:
         chunks: list[tuple[SimRequest, int]] = []
         head = self.waiting[0] if self.waiting else None
         deferred: list[SimRequest] = []
-        for r in sorted(self.prefilling, key=_urgency):  # most urgent first (`engine.prefill_plan`)
+        for r in sorted(self.prefilling, key=_urgency):  # most urgent first (`replica_policy.prefill_plan`)
             if head is not None and r.priority > URGENT_PRIORITY and _urgency(head) < _urgency(r):
                 deferred.append(r)  # after the more urgent waiting requests are admitted
             elif budget > 0:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_cluster.store.stats import StoreStats
+from lora_cluster.replica_policy.tier_stats import StoreStats
 from lora_cluster.store.tier import TierIndex
 
 log = logging.getLogger(__name__)

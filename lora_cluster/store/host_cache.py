@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from lora_cluster.adapter_format import LoraWeights
+from lora_cluster.replica_policy.tier_stats import StoreStats
 from lora_cluster.store.quant import Int8LoraWeights, dequantize, quantize
-from lora_cluster.store.stats import StoreStats
 from lora_cluster.store.tier import TierIndex
 
 HostCopy = LoraWeights | Int8LoraWeights

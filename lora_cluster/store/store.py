@@ -57,6 +57,8 @@ import torch
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.errors import AdapterError, AdapterLoadError, AdapterNotFoundError
 from lora_cluster.progress import track_futures
+from lora_cluster.replica_policy.eviction import AccessTracker
+from lora_cluster.replica_policy.tier_stats import StoreStats
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.admission import AdmissionPolicy, admit_folder
@@ -66,11 +68,9 @@ from lora_cluster.store.host_cache import HostCache
 from lora_cluster.store.lifecycle import AdapterState, Lifecycle, LifecycleError
 from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.negative_cache import NegativeCache
-from lora_cluster.store.policy import AccessTracker
 from lora_cluster.store.single_flight import SingleFlight
 from lora_cluster.store.source_breaker import SourceBreaker
 from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located, open_source
-from lora_cluster.store.stats import StoreStats
 from lora_cluster.store.usage import AdapterUsage
 from lora_cluster.store.versions import Versions
 

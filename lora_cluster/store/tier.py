@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lora_cluster.store.policy import Candidate, choose_victims
+from lora_cluster.replica_policy.eviction import Candidate, choose_victims
 
 
 @dataclass

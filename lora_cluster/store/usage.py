@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from lora_cluster.store.policy import AccessTracker
-from lora_cluster.store.stats import StoreStats
+from lora_cluster.replica_policy.eviction import AccessTracker
+from lora_cluster.replica_policy.tier_stats import StoreStats
 
 
 class AdapterUsage:

@@ -3,8 +3,8 @@
 `pool` (device slots, versioned), `residency` (getting a request's adapter onto the device without
 blocking the step loop), `fetch_queue` (host fetches, most urgent first, prefetches last), `copier`
 (host-to-device copies off the step thread), `rotation` (which adapters hand their slot over),
-`urgency` (which slot a more urgent request takes), `guard` (the switch-rate and load-latency
+`guard` (the switch-rate and load-latency
 alerts, the thrash miss penalty), `thrash` (thrash judged by its cost) and `demand` (recent demand
-per adapter). Nothing is re-exported here: `urgency`, `rotation`, `demand`, `thrash` and
-`fetch_queue` are pure and import without torch (the simulator imports `urgency`).
+per adapter). Which slot a more urgent request takes is `replica_policy.slot_urgency` (pure, shared
+with the simulator). Nothing is re-exported here.
 """

@@ -50,9 +50,9 @@ from prometheus_client.utils import floatToGoString
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import SlaClasses, build_sla_classes
 from lora_cluster.config import ServeConfig
+from lora_cluster.replica_policy.tier_stats import LOAD_BUCKETS_S
 from lora_cluster.serve.ops.metrics_merge import Snapshot
 from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
-from lora_cluster.store.stats import LOAD_BUCKETS_S
 
 disable_created_metrics()  # no `_created` series next to every counter
 REGISTRY = CollectorRegistry(auto_describe=True)

@@ -29,15 +29,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, MutableMapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the policy reads sequences' fields only; the simulator imports it without torch
-    from lora_cluster.engine.sequence import Sequence
+from typing import Protocol, TypeVar
 
 URGENT_PRIORITY = 0  # this priority or lower is urgent (rules 2 and 3)
 
 
-def urgency(seq: Sequence) -> tuple[int, int]:
+class Scheduled(Protocol):
+    """What the policy reads of a sequence (the engine's `Sequence`, the simulator's requests)."""
+
+    request_id: str
+    priority: int
+    arrival_order: int
+
+    @property
+    def in_prefill(self) -> bool: ...
+
+
+Seq = TypeVar("Seq", bound=Scheduled)
+
+
+def urgency(seq: Scheduled) -> tuple[int, int]:
     """Order key of sequences: smaller is more urgent (priority, then arrival order)."""
     return seq.priority, seq.arrival_order
 
@@ -48,9 +59,9 @@ class ChunkShare:
     def __init__(self, less_urgent_chunk: int | None, urgent_priority: int | None = URGENT_PRIORITY):
         self.left = math.inf if less_urgent_chunk is None or urgent_priority is None else less_urgent_chunk
         self.urgent_priority = -math.inf if urgent_priority is None else urgent_priority
-        self.deferred: list[Sequence] = []  # running prompts served after the admissions, in order
+        self.deferred: list[Scheduled] = []  # running prompts served after the admissions, in order
 
-    def defer(self, seq: Sequence, most_urgent_waiting: Sequence | None) -> bool:
+    def defer(self, seq: Scheduled, most_urgent_waiting: Scheduled | None) -> bool:
         """Whether running `seq`'s chunk waits until the waiting requests more urgent than it were
         admitted (then it is in `deferred`)."""
         if seq.priority <= self.urgent_priority or most_urgent_waiting is None:
@@ -60,14 +71,14 @@ class ChunkShare:
         self.deferred.append(seq)
         return True
 
-    def allows(self, seq: Sequence) -> bool:
+    def allows(self, seq: Scheduled) -> bool:
         """Whether waiting `seq` may be admitted with a chunk this step: it is urgent, or the share
         has tokens left and no deferred running prompt more urgent than it is owed them first."""
         if seq.priority <= self.urgent_priority:
             return True
         return self.left > 0 and not any(urgency(d) < urgency(seq) for d in self.deferred)
 
-    def take(self, seq: Sequence, wanted: int) -> int:
+    def take(self, seq: Scheduled, wanted: int) -> int:
         """Tokens of `seq`'s chunk this step (at most `wanted`; 0: none), counted against the share."""
         if seq.priority <= self.urgent_priority:
             return wanted
@@ -76,12 +87,12 @@ class ChunkShare:
         return n
 
 
-def prefills_in_order(running: Iterable[Sequence]) -> list[Sequence]:
+def prefills_in_order(running: Iterable[Seq]) -> list[Seq]:
     """The running sequences still in their prefill, most urgent first (rule 1)."""
     return sorted((s for s in running if s.in_prefill), key=urgency)
 
 
-def drop_less_urgent(planned: MutableMapping[str, int], running: Iterable[Sequence],
+def drop_less_urgent(planned: MutableMapping[str, int], running: Iterable[Scheduled],
                      urgent_priority: int | None = URGENT_PRIORITY) -> None:
     """Take the prefill chunks of sequences that are not urgent out of `planned` (request id ->
     tokens this step) when it holds an urgent sequence's prefill chunk (rule 2)."""
