@@ -17,6 +17,7 @@ from helpers import FakeClock, FakeResponse
 from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.controller import Controller
+from lora_cluster.cluster.report_round import ReportRounds
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sharding import (
@@ -334,3 +335,36 @@ def test_the_simulator_runs_the_shards_and_accounts_every_request():
     assert plane["shards"] == 3, "the control plane names the shards"
     assert 0 < plane["busiest_shard_cpu_s_per_sim_s"] <= plane["controller_cpu_s_per_sim_s"], \
         "the busiest shard's CPU is part of the controller's"
+
+
+def _owned(shard: int, n: int = 2) -> list[str]:
+    return [a for a in (f"a{i}" for i in range(40)) if shard_of(a, n) == shard]
+
+
+def test_a_report_round_sends_each_shard_its_adapters_and_its_share_of_the_room():
+    rounds = ReportRounds(2, FakeClock())
+    rounds.queued[:] = [3, 1]  # the shards' last replies: 3 and 1 tickets queued, 2 free slots
+    full = dataclasses.replace(report(capacity=4, running=2), resident=(*_owned(0)[:2], *_owned(1)[:2]))
+    sent = rounds.messages(full)
+    assert [set(m.resident) for m in sent] == [set(_owned(0)[:2]), set(_owned(1)[:2])], (
+        "each shard is told of its own adapters only")
+    assert sum(m.room for m in sent) == 2, "the free room is split, never granted twice"
+
+
+def test_a_report_round_merges_the_answers_and_a_silent_shard_queues_nothing():
+    rounds = ReportRounds(2, FakeClock())
+    rounds.messages(report())
+    mine, theirs = _owned(0)[0], _owned(1)[0]
+    reply, resync = rounds.replied([{"queue_depth": 2, "prefetch": [mine, theirs], "resync": True}, None])
+    assert reply == {"queue_depth": 2, "prefetch": [mine]}, "a shard's prefetch is cut to its own adapters"
+    assert resync, "a shard asking for a full report is passed on"
+    assert rounds.queued == [2, 0], "the silent shard counts as queueing nothing"
+    assert rounds.replied([None, None]) == (None, False), "no answer, no reply"
+
+
+def test_one_shard_gets_the_report_as_built_and_its_reply_as_given():
+    rounds = ReportRounds(1, FakeClock())
+    (sent,) = rounds.messages(report())
+    assert sent.room is None, "one shard: no room is split"
+    reply, _ = rounds.replied([{"queue_depth": 1, "prefetch": ["x"]}])
+    assert reply == {"queue_depth": 1, "prefetch": ["x"]}, "the reply as the controller gave it"

@@ -8,12 +8,11 @@ replicas' reporters and the ingress wire them (`cluster.sharding`), behind the c
 * `dispatch` goes to every shard that took a report with `dispatch=False` since its last dispatch,
   and `park_many` dispatches them too, each once (as each live shard dispatches once per batch
   window, for its parks and its reports).
-* `report` takes a replica's full report and sends each shard its own encoding of its part of it
-  (`shard_report`: the shard's adapters only; one `ReportEncoder` per replica and shard, as the live
-  `ControllerReporter`), with that shard's share of the replica's free room (`split_room`, from the
-  queued counts of the shard's last reply to that replica); the replies merge (`merge_replies`), each
-  shard's prefetch list holding only its own adapters; a resync from any shard is passed on (the
-  caller reports again soon, and only that shard's encoder sends a full report).
+* `report` takes a replica's full report and runs one round of it through that replica's
+  `cluster.report_round.ReportRounds`, the object the live `ControllerReporter` runs: each shard
+  gets its own encoding of its part (its adapters, its share of the free room), and the replies
+  merge into one; a resync from any shard is passed on (the caller reports again soon, and only
+  that shard's encoder sends a full report).
 * `placement` is the union of each shard's table, each keeping its own adapters.
 
 The CPU time each shard spends in its calls is kept per shard (`cpu_s`, from `measure_from` on, by
@@ -29,16 +28,9 @@ from typing import Any, TypeVar
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant, Refusal
-from lora_cluster.cluster.report_delta import ReportEncoder
+from lora_cluster.cluster.report_round import ReportRounds
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.cluster.sharding import (
-    merge_placement,
-    merge_replies,
-    owns,
-    shard_of,
-    shard_report,
-    split_room,
-)
+from lora_cluster.cluster.sharding import merge_placement, owns, shard_of
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.errors import LoraClusterError
 
@@ -53,9 +45,7 @@ class ShardedController:
         self.shards = [Controller(classes, settings, clock=clock) for _ in range(shards)]
         self.measure_from = measure_from
         self.cpu_s = [0.0] * shards  # CPU seconds in each shard's calls since `measure_from`
-        self._encoders: dict[tuple[str, int], ReportEncoder] = {}
-        self._queued: dict[str, list[int]] = {}  # replica -> each shard's queue depth in its last reply
-        self._rounds: dict[str, int] = {}
+        self._rounds: dict[str, ReportRounds] = {}  # each replica's rounds: encoders, shards' depths
         self._undispatched: set[int] = set()  # shards that took a report with dispatch=False since then
         self._replying: set[str] = set()  # the replicas of those reports (their replies' depths wait)
 
@@ -130,28 +120,21 @@ class ShardedController:
         self._undispatched.clear()
         depths = [len(c.queue) for c in self.shards]
         for rid in self._replying:
-            self._queued[rid] = list(depths)
+            self._rounds[rid].queued[:] = depths
         self._replying.clear()
 
     def report(self, report: ReplicaReport, dispatch: bool = True) -> dict[str, Any]:
-        """One round of a replica's reports, one to each shard (see the module docstring)."""
-        rid, n = report.replica_id, len(self.shards)
-        queued = self._queued.setdefault(rid, [0] * n)
-        self._rounds[rid] = turn = self._rounds.get(rid, 0) + 1
-        rooms = split_room(report.capacity - report.ongoing, queued, turn=turn)
-        replies, resync = [], False
-        for k, c in enumerate(self.shards):
-            encoder = self._encoders.get((rid, k))
-            if encoder is None:
-                encoder = self._encoders[(rid, k)] = ReportEncoder(clock=self._clock)
-            sent = encoder.encode(shard_report(report, k, n, rooms[k]))
-            reply = self._timed(k, c.report, sent, dispatch)
+        """One round of a replica's reports, one to each shard, through the replica's `ReportRounds`
+        (the live reporter's composition; see the module docstring)."""
+        rounds = self._rounds.get(report.replica_id)
+        if rounds is None:
+            rounds = self._rounds[report.replica_id] = ReportRounds(len(self.shards), self._clock)
+        replies = []
+        for k, sent in enumerate(rounds.messages(report)):
+            replies.append(self._timed(k, self.shards[k].report, sent, dispatch))
             if not dispatch:
                 self._undispatched.add(k)
-                self._replying.add(rid)
-            encoder.replied(reply)
-            queued[k] = int(reply["queue_depth"])
-            resync = resync or bool(reply.get("resync"))
-            replies.append({**reply, "prefetch": [a for a in reply["prefetch"] if owns(a, k, n)]})
-        merged = merge_replies(replies)
-        return {**merged, "resync": True} if resync else merged
+                self._replying.add(report.replica_id)
+        merged, resync = rounds.replied(replies)  # every shard answers in one process: never None
+        reply = merged or {"queue_depth": 0, "prefetch": []}
+        return {**reply, "resync": True} if resync else reply

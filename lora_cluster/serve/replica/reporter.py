@@ -15,12 +15,12 @@ at the next period; the replica keeps serving meanwhile.
 
 A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles):
 each round of reports goes to every shard at once (one pacer: the rounds per second do not grow with
-the shards), through one encoder per shard (deltas and resyncs per shard), each report listing that
-shard's adapters only and carrying the share of the replica's free room that shard may grant
-(`split_room`, from the queued counts of the shards' last replies). The replies are merged
-(`merge_replies`): the queue depth the replica acts on is the sum, its prefetch list the union. A
-shard that cannot be reached counts as queueing nothing (no room is held back for it: its tickets park
-again at its successor, which starts empty) and is retried with the next round.
+the shards). What each shard is sent and how the replies merge is `cluster.report_round.ReportRounds`,
+the object the simulator runs too: one encoder per shard (deltas and resyncs per shard), each report
+listing that shard's adapters only and carrying the share of the replica's free room that shard may
+grant; the queue depth the replica acts on is the sum of the shards', its prefetch list the union. A
+shard that cannot be reached counts as queueing nothing (no room is held back for it: its tickets
+park again at its successor, which starts empty) and is retried with the next round.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lora_cluster.cluster.report_delta import ReportEncoder
+from lora_cluster.cluster.report_round import ReportRounds
 from lora_cluster.cluster.report_rules import ReportPacer, report_on_finish
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.cluster.sharding import merge_replies, shard_report, split_room
 from lora_cluster.serve.ops.background import keep_running, within
 
 log = logging.getLogger(__name__)
@@ -50,10 +49,8 @@ class ControllerReporter:
         self._build, self._on_reply = build_report, on_reply
         self.period_s, self._clock = period_s, clock
         self.pacer = ReportPacer(period_s=period_s, coalesce_s=coalesce_s, clock=clock)
-        self.encoders = [ReportEncoder(clock=clock) for _ in self._shards]
-        self.queued = [0] * len(self._shards)  # each shard's queue depth, from its last reply
+        self.rounds = ReportRounds(len(self._shards), clock)  # encoders, shards' depths (as the simulator)
         self.queue_depth = 0
-        self._rounds = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -80,15 +77,8 @@ class ControllerReporter:
         logged as an error (the controller, which sees no report, grants it nothing); a controller
         that cannot be reached is retried at the next period."""
         self.pacer.sent()
-        self._rounds += 1
         try:
-            report = await self._build()
-            n = len(self._shards)
-            rooms: list[int | None] = [None]
-            if n > 1:
-                rooms = list(split_room(report.capacity - report.ongoing, self.queued, turn=self._rounds))
-            payloads = [encoder.encode(shard_report(report, k, n, rooms[k])).to_dict()
-                        for k, encoder in enumerate(self.encoders)]
+            payloads = [message.to_dict() for message in self.rounds.messages(await self._build())]
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -96,20 +86,13 @@ class ControllerReporter:
             return
         replies = await asyncio.gather(*(self._send(shard, payload)
                                          for shard, payload in zip(self._shards, payloads, strict=True)))
-        answered = []
-        for k, reply in enumerate(replies):
-            if reply is None:  # its tickets park again at its successor, which starts empty
-                self.queued[k] = 0
-                continue
-            self.encoders[k].replied(reply)
-            if reply.get("resync"):  # the controller lacks this replica's state: a full report now
-                self._wake.set()
-            self.queued[k] = int(reply.get("queue_depth", 0))
-            answered.append(reply)
-        if not answered:
+        reply, resync = self.rounds.replied(replies)
+        if resync:  # a shard lacks this replica's state: a full report to it now
+            self._wake.set()
+        if reply is None:  # no shard answered: retried at the next period
             return
-        self.queue_depth = sum(self.queued)
-        await self._on_reply(answered[0] if len(self._shards) == 1 else merge_replies(answered))
+        self.queue_depth = self.rounds.queue_depth
+        await self._on_reply(reply)
 
     @staticmethod
     async def _send(controller: Any, payload: dict[str, Any]) -> dict[str, Any] | None:
