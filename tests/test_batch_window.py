@@ -1,7 +1,8 @@
 """The controller's inputs in batch windows: `Controller.park_many` decides as parking one by one
 would (but grants in queue order at the batch's end), reports taken without a dispatch are granted by
-the window's one `dispatch`, and `serve.batch_window.BatchWindow` hands the parks of one window to
-the controller at once, leaving out callers that went away."""
+the window's one `dispatch`, and the batch window (`cluster.batch_window`, the policy the actor and the
+simulator share; `serve.batch_window`, its event-loop face) hands the parks of one window to the
+controller at once, leaving out callers that went away."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from helpers import FakeClock
 from test_cluster_policies import report
 from tickets import CLASSES, ticket
 
+from lora_cluster.cluster import batch_window as pure
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.errors import ClusterOverloadedError, QueueFullError, RequestError
 from lora_cluster.serve.batch_window import BatchWindow
@@ -255,3 +257,61 @@ def test_a_batch_of_refused_parks_still_dispatches_the_room_of_its_window_s_repo
     outcomes = ctl.park_many([(ticket("s", "standard", 100.0), None)])
     assert isinstance(outcomes[0], RequestError), "the batch's one park is refused (its id is queued)"
     assert ctl.take_grants() == {"s": Grant("r1")}, "the report's room is granted with the batch anyway"
+
+
+class ManualTimer:
+    """The window's timer on a clock the test moves: `run_due(now)` runs what is due."""
+
+    def __init__(self) -> None:
+        self.now, self.due = 0.0, []
+
+    def __call__(self, delay_s: float, fn) -> None:
+        self.due.append((self.now + delay_s, fn))
+
+    def run_due(self, now: float) -> None:
+        self.now = now
+        ready, self.due = [f for t, f in self.due if t <= now], [(t, f) for t, f in self.due if t > now]
+        for fn in ready:
+            fn()
+
+
+def _pure_window(window_s: float, park_many=None, dispatch=None):
+    events: list[object] = []
+    timer = ManualTimer()
+    window = pure.BatchWindow(park_many or (lambda parks: [f"out-{t.ticket_id}" for t, _ in parks]),
+                        dispatch or (lambda: events.append("dispatch")), window_s, timer,
+                        after=lambda: events.append("after"))
+    return window, timer, events
+
+
+def test_the_pure_window_sends_its_parks_together_once_its_timer_fires():
+    window, timer, events = _pure_window(0.01)
+    for name in ("p1", "p2"):
+        window.park(ticket(name, "standard", 100.0), None, deliver=events.append, fail=events.append)
+    window.on_sent(lambda: events.append("replied"))
+    timer.run_due(0.005)
+    assert events == [], "nothing is sent before the window ends"
+    timer.run_due(0.01)
+    assert events == ["out-p1", "out-p2", "after", "replied"], (
+        "each park's outcome in order, then the after hook, then the reports' replies")
+
+
+def test_the_pure_window_leaves_out_a_park_no_longer_wanted_and_dispatches_for_reports_alone():
+    window, timer, events = _pure_window(0.01)
+    window.park(ticket("gone", "standard", 100.0), None, deliver=events.append, fail=events.append,
+                wanted=lambda: False)
+    timer.run_due(0.01)
+    assert events == ["dispatch", "after"], "a window without wanted parks dispatches for its reports"
+
+
+def test_the_pure_window_gives_a_failed_batch_s_error_to_every_park():
+    def park_many(parks):
+        raise RuntimeError("controller bug")
+
+    window, timer, events = _pure_window(0.0, park_many=park_many)
+    for name in ("p1", "p2"):
+        window.park(ticket(name, "standard", 100.0), None, deliver=events.append,
+                    fail=lambda e: events.append(type(e).__name__))
+    window.on_sent(lambda: events.append("replied"))
+    timer.run_due(0.0)
+    assert events == ["RuntimeError", "RuntimeError", "replied"], "every park hears of it; replies still go"

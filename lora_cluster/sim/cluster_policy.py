@@ -7,10 +7,11 @@ wired to simulated replicas the way the live deployments are wired to each other
   their way), the request goes the fast path: the affinity router picks the replica
   (`routing.AffinityRouting`, i.e. `rank_replicas`). Otherwise a `Ticket` is parked at the
   `Controller` with the ingress's claims, with the other parks of its batch window
-  (`controller_batch_window_s`: `Controller.park_many`, as the live actor batches them; a refusal is a
-  rejection); the request waits until a grant sends it, pinned, to its replica, or until
-  `cluster_queue_timeout_s` (then it is rejected, 503). As in `serve.routing.dispatch`, a request counts
-  as on its way until its first item (its first token: requests stream) and then as running on
+  (`controller_batch_window_s`: `cluster.batch_window.BatchWindow`, the object the live actor runs,
+  on the simulated clock, handing them to `Controller.park_many`; a refusal is a rejection); the
+  request waits until a grant sends it, pinned, to its replica, or until `cluster_queue_timeout_s`
+  (then it is rejected, 503). As in `serve.routing.dispatch`, a request counts as on its way until
+  its first item (its first token: requests stream) and then as running on
   its replica until it ends. The request's prompt routing keys (`SimRequest.prefix`: chats) go to
   the router and on the ticket, none with `prefix_aware_routing` off (adapter-only routing, as the
   live router and controller do).
@@ -42,8 +43,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
+from lora_cluster.cluster.batch_window import BatchWindow
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
 from lora_cluster.cluster.report_delta import ReportEncoder
@@ -64,6 +67,10 @@ from lora_cluster.sim.workload import SimRequest
 
 INGRESS_ID = "sim-ingress"
 T = TypeVar("T")
+
+
+def _raise(error: BaseException) -> None:
+    raise error
 
 
 def _refusal_reason(error: ClusterOverloadedError) -> str:
@@ -102,10 +109,12 @@ class LoraClusterPolicy:
         self._unassigned = 0  # fast-path requests on their way (no first item yet)
         self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
         self._free_total = sum(self._free.values())
-        self._tickets: dict[str, SimRequest] = {}  # parked: in `_inbox` or at the controller
-        self._inbox: list[Ticket] = []  # parked within the current batch window, not yet sent
-        self._window_open = False  # the controller's batch window: parks and reports since it opened
-        self._window_reports: list[str] = []  # the replicas that reported in it (their replies wait)
+        self._tickets: dict[str, SimRequest] = {}  # parked: in the batch window or at the controller
+        self._window_tickets: list[Ticket] = []  # parked in the current batch window (timeouts: once sent)
+        # the controller's batch window: the live actor's composition (`cluster.batch_window`) on the
+        # simulated clock; at 0 (the default) each input is sent at once (see `_on_sim_clock`)
+        self.window = BatchWindow(self._park_window, self._dispatch_window, s.controller_batch_window_s,
+                                  self._on_sim_clock, after=self._window_sent)
         self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
@@ -175,59 +184,56 @@ class LoraClusterPolicy:
         self.parked += 1
         tid, sla = str(req.rid), req.sla
         self._tickets[tid] = req  # parked from now: the fast path stays closed
-        self._inbox.append(Ticket(
+        ticket = Ticket(
             ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
             adapter_id=req.adapter, enqueued_at=req.arrival, ttft_s=sla.ttft_s, prefix=prefix,
-            deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s))
-        if self.ctx.serve.controller_batch_window_s > 0:
-            self._open_window()
+            deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s)
+        self._window_tickets.append(ticket)
+        self.window.park(ticket, None, deliver=partial(self._parked, ticket), fail=_raise)
+
+    def _on_sim_clock(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """The batch window's timer: `delay_s` later on the simulated clock. At 0 the live actor sends
+        what reaches it within one event-loop turn; here, without control-plane latency, that is one
+        input, sent at once (a report then dispatches itself: `_report`)."""
+        if delay_s > 0:
+            self.loop.after(delay_s, fn)
         else:
-            self._send_window()
+            fn()
 
-    def _open_window(self) -> None:
-        """The controller's batch window (`controller_batch_window_s` > 0, as `serve.batch_window` runs
-        it): opened by the first park or report, sent that long after. At 0 (the default) the live
-        actor batches what reaches it within one event-loop turn; here, without control-plane
-        latency, that is one input, sent at once (a report then dispatches itself)."""
-        if not self._window_open:
-            self._window_open = True
-            self.loop.after(self.ctx.serve.controller_batch_window_s, self._send_window)
-
-    def _send_window(self) -> None:
-        """The window's parks reach the controller at once (`Controller.park_many`, each with the
-        ingress's claims as of now), which dispatches the queue once for them and for the window's
-        reports; a window of reports alone: `Controller.dispatch`."""
-        self._window_open = False
-        tickets, self._inbox = self._inbox, []
-        if not tickets:
-            self._call("dispatch", self.controller.dispatch)
-            self._deliver()
-            self._replies_sent()
-            return
+    def _park_window(self, parks: list[tuple[Ticket, Any]]) -> list[Any]:
+        """The window's parks reach the controller at once (`Controller.park_many`), each with the
+        ingress's claims as of now."""
         if self._claim is None:  # the counts changed since the last claim sent: a new mapping
             self._claim = dict(self._claimed)
         claims = {"inflight": self._claim, "unassigned": self._unassigned}
-        outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t in tickets])
-        for ticket, outcome in zip(tickets, outcomes, strict=True):
-            if isinstance(outcome, ClusterOverloadedError):
-                self.metrics.rejected(self._tickets.pop(ticket.ticket_id), _refusal_reason(outcome))
-            elif isinstance(outcome, LoraClusterError):
-                raise outcome
-            elif outcome is not None:
-                self._grant(ticket.ticket_id, outcome)
+        return self._call("park_many", self.controller.park_many, [(t, claims) for t, _ in parks])
+
+    def _dispatch_window(self) -> None:
+        """A window of reports alone: one dispatch for their room."""
+        self._call("dispatch", self.controller.dispatch)
+
+    def _parked(self, ticket: Ticket, outcome: Any) -> None:
+        """A parked ticket's outcome from its window: refused, granted at once, or waiting."""
+        if isinstance(outcome, ClusterOverloadedError):
+            self.metrics.rejected(self._tickets.pop(ticket.ticket_id), _refusal_reason(outcome))
+        elif isinstance(outcome, LoraClusterError):
+            raise outcome
+        elif outcome is not None:
+            self._grant(ticket.ticket_id, outcome)
+
+    def _window_sent(self) -> None:
+        """After a window: deliver the grants decided, and time out the window's tickets that wait."""
         self._deliver()
-        self._replies_sent()
+        tickets, self._window_tickets = self._window_tickets, []
         timeout = self.ctx.serve.cluster_queue_timeout_s
         for ticket in tickets:
             if ticket.ticket_id in self._tickets:
                 self.loop.at(ticket.enqueued_at + timeout, self._timeout, ticket.ticket_id)
 
-    def _replies_sent(self) -> None:
-        """The window's reports get their replies' queue depth: what is left after its dispatch."""
-        depth = len(self.controller.queue) if self.sharded is None else self.sharded.queue_depth()
-        for replica_id in self._window_reports:
-            self._queue_depth[replica_id] = depth
-        self._window_reports.clear()
+    def _reply_depth(self, replica_id: str) -> None:
+        """A report of the window gets its reply's queue depth: what is left after its dispatch."""
+        self._queue_depth[replica_id] = (len(self.controller.queue) if self.sharded is None
+                                         else self.sharded.queue_depth())
 
     def first_token(self, replica: SimReplica, req: SimRequest) -> None:
         """The request's first item reached the ingress (`ClusterAdmission.started`)."""
@@ -321,8 +327,7 @@ class LoraClusterPolicy:
         batched = self.ctx.serve.controller_batch_window_s > 0
         reply = self._call("report", self.controller.report, sent, not batched)
         if batched:  # its room is granted when the window is sent, and its reply's depth set then
-            self._open_window()
-            self._window_reports.append(replica_id)
+            self.window.on_sent(partial(self._reply_depth, replica_id))
         if self.sharded is None:
             encoder.replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])
