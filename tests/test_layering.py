@@ -137,21 +137,31 @@ PURE = ["lora_cluster.request", "lora_cluster.replica_policy", "lora_cluster.con
         "lora_cluster.replica_policy.tier_stats"]
 
 
-def test_pure_layers_import_without_torch_or_ray() -> None:
-    """Every module of `cluster/` and `sim/`, and the packages and pure policies they import, in one
-    process where `torch`, `ray`, `transformers` and `triton` cannot be imported."""
-    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-               for folder in ("cluster", "sim") for p in sorted((PACKAGE / folder).rglob("*.py"))]
+def modules_in(*folders: str) -> list[str]:
+    """The dotted names of every module below `folders` (relative to the package)."""
+    return [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            for folder in folders for p in sorted((PACKAGE / folder).rglob("*.py"))]
+
+
+def failing_imports(modules: list[str], blocked: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """Import `modules` in one fresh process where the `blocked` packages cannot be imported; its
+    output names each module that failed, with its error's last line."""
     code = ("import importlib, sys, traceback\n"
-            "for name in ('torch', 'ray', 'transformers', 'triton'):\n"
+            f"for name in {blocked!r}:\n"
             "    sys.modules[name] = None  # any import of them raises ImportError\n"
-            f"for module in {modules + PURE!r}:\n"
+            f"for module in {modules!r}:\n"
             "    try:\n"
             "        importlib.import_module(module)\n"
             "    except Exception:\n"
             "        print(module, traceback.format_exc().splitlines()[-1])\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_pure_layers_import_without_torch_or_ray() -> None:
+    """Every module of `cluster/` and `sim/`, and the packages and pure policies they import, in one
+    process where `torch`, `ray`, `transformers` and `triton` cannot be imported."""
+    modules = modules_in("cluster", "sim")
+    result = failing_imports(modules + PURE, ("torch", "ray", "transformers", "triton"))
     assert len(modules) > 20, f"the cluster and sim modules are found: {modules}"
     assert result.returncode == 0 and not result.stdout, (
         f"modules that need torch, Ray, transformers or triton:\n{result.stdout}{result.stderr[-2000:]}")
@@ -165,21 +175,10 @@ def test_the_ingress_the_protocol_and_the_http_schemas_import_without_torch() ->
     """The request vocabulary, every module of the HTTP layer and the request router, the wire protocol
     and the error map, in one process where `torch` and `triton` cannot be imported: an ingress
     process (and every app deploy) never pays torch's import."""
-    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-               for folder in INGRESS_FOLDERS for p in sorted((PACKAGE / folder).rglob("*.py"))]
-    code = ("import importlib, sys, traceback\n"
-            "for name in ('torch', 'triton'):\n"
-            "    sys.modules[name] = None  # any import of them raises ImportError\n"
-            f"for module in {modules + INGRESS_MODULES!r}:\n"
-            "    try:\n"
-            "        importlib.import_module(module)\n"
-            "    except Exception:\n"
-            "        print(module, traceback.format_exc().splitlines()[-1])\n"
-            "print('torch' in sys.modules and sys.modules['torch'] is not None)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT)
+    modules = modules_in(*INGRESS_FOLDERS)
+    result = failing_imports(modules + INGRESS_MODULES, ("torch", "triton"))
     assert len(modules) > 30, f"the request, http and routing modules are found: {modules}"
-    assert result.returncode == 0 and result.stdout == "False\n", (
+    assert result.returncode == 0 and not result.stdout, (
         f"ingress modules that need torch:\n{result.stdout}{result.stderr[-2000:]}")
 
 

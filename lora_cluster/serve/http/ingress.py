@@ -2,8 +2,8 @@
 
 It parses and validates requests, tokenizes prompts (with the tokenizer of the base the request
 runs on, the same as its engines', so limits are checked before a replica is bothered; each distinct
-base's tokenizer loaded once, here; on the context's tokenizer threads, never on the event loop: see
-`context`), and sends each generation to the LoRA replicas through a deployment handle
+base's tokenizer loaded once, here; on the tokenizer threads, never on the event loop: see
+`tokenization`), and sends each generation to the LoRA replicas through a deployment handle
 whose request router is `LoraAffinityRouter`: the handle of the request's replica group
 (`group_dispatch`). Responses carry `x-lora-replica` and `x-lora-adapter-hit`, as reported by the
 replica that served them, and every response `x-lora-ingress`: the Serve replica id of the ingress
@@ -103,7 +103,7 @@ class IngressIdMiddleware:
 def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     """The API app; `echo_request_id=False` under Ray Serve, whose proxy already echoes `x-request-id`."""
     app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.",
-                  dependencies=[Depends(ctx.authenticate)],  # THE auth dependency, every route
+                  dependencies=[Depends(ctx.policy.authenticate)],  # THE auth dependency, every route
                   openapi_url=None, docs_url=None, redoc_url=None)  # served as app routes (http.openapi)
     install_handlers(app)
     app.add_middleware(CallerMiddleware)  # closes each request's Caller once its response is over
@@ -115,10 +115,12 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
     # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
-    install_openapi(app, priority_classes=[c.name for c in ctx.sla.classes], auth=ctx.authenticate,
+    install_openapi(app, priority_classes=[c.name for c in ctx.policy.sla.classes],
+                    auth=ctx.policy.authenticate,
                     bodies=lambda components: constrain(  # when the schema is first asked for
-                        components, limits=ctx.config, vocab_size=ctx.vocab_size, base_models=ctx.base_names,
-                        prompt_tokens=ctx.prompt_limit, counts=ctx.chat_limits_schema))
+                        components, limits=ctx.config, vocab_size=ctx.tokens.vocab_size,
+                        base_models=ctx.models.base_names, prompt_tokens=ctx.tokens.prompt_limit,
+                        counts=ctx.tokens.chat_limits_schema))
     return app
 
 

@@ -47,7 +47,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
     def token(token_id: int, lp: Any, alternatives: bool, texts: TokenTexts, base: str | None,
               text: str | None = None) -> dict[str, Any]:
         out = {"id": token_id, "text": texts(token_id) if text is None else text,
-               "logprob": 0.0 if lp is None else lp.logprob, "special": ctx.is_special(token_id, base)}
+               "logprob": 0.0 if lp is None else lp.logprob, "special": ctx.tokens.is_special(token_id, base)}
         if alternatives and lp is not None:
             out["alternative_tokens"] = lorax_alternatives(lp, texts)
         return out
@@ -60,15 +60,16 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         p.check()
         p.check_best_of(ctx.config, streamed=stream or body.stream)
         # 404 when the tenant may not use it
-        adapter = ctx.adapter_for(p.adapter_id, caller, merging=p.merged_adapters is not None)
-        merge = merge_of(p.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
-        path = ctx.adapter_path(adapter)
+        adapter = ctx.models.adapter_for(p.adapter_id, caller, merging=p.merged_adapters is not None)
+        merge = merge_of(p.merged_adapters, adapter, ctx.config,
+                         lambda aid: ctx.models.adapter_for(aid, caller))
+        path = ctx.models.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter
         samplings = [p.sampling(ctx.config) for _ in range(p.candidates)]  # a seed of its own each
         caller.check()  # the tenant's requests_per_minute, before any tokenizing
-        base = await ctx.request_base(p.adapter_id, adapter if merge is None else None,
+        base = await ctx.models.request_base(p.adapter_id, adapter if merge is None else None,
                                       None if merge is None else merge.ids, caller.tenant)
-        prompt = await ctx.encode(body.inputs, base=base)
+        prompt = await ctx.tokens.encode(body.inputs, base=base)
         await caller.admit(len(prompt.ids))  # the tenant's quota: 429 naming the limit
         request_id = ctx.new_id("lorax")
         ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
@@ -93,7 +94,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         done = await finals(generations)
         best, others = best_one(done) if len(done) > 1 else (0, [])
         p = body.parameters
-        texts = TokenTexts(partial(ctx.token_text, base=base))
+        texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
 
         def text_of(final: dict[str, Any]) -> str:
             return (body.inputs + final["text"]) if p.return_full_text else final["text"]
@@ -127,7 +128,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
     @router.post("/generate", responses=openapi.GENERATION_JSON)
     async def generate_route(body: LoraxRequest, caller: CallerDep,
                              x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.priority_class(x_lora_priority, caller=caller)
+        sla = ctx.policy.priority_class(x_lora_priority, caller=caller)
         result, headers = await generate(body, "/generate", sla, caller)
         return JSONResponse(result, headers=headers)
 
@@ -135,13 +136,13 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
                  responses=openapi.GENERATION_STREAM)
     async def generate_stream_route(body: LoraxStreamRequest, caller: CallerDep,
                                     x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.priority_class(x_lora_priority, caller=caller)
+        sla = ctx.policy.priority_class(x_lora_priority, caller=caller)
         return await generate_stream(body, "/generate_stream", sla, caller)
 
     @router.post("/", responses=openapi.GENERATION)
     async def compat_route(body: LoraxRequest, caller: CallerDep,
                            x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.priority_class(x_lora_priority, caller=caller)
+        sla = ctx.policy.priority_class(x_lora_priority, caller=caller)
         if body.stream:
             return await generate_stream(body, "/", sla, caller)
         result, headers = await generate(body, "/", sla, caller)
@@ -165,7 +166,7 @@ async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, s
                   token: Any, base: str | None) -> AsyncIterator[bytes]:
     p = body.parameters
     last_id, last_lp = None, None
-    texts = TokenTexts(partial(ctx.token_text, base=base))
+    texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
     alternatives = p.return_k_alternatives is not None
     try:
         async for item in generation.items():

@@ -9,7 +9,7 @@ last chunk with the usage. An error after the first token arrives as a `data: {"
 before `[DONE]`. A streamed request whose choices are known only at the end (a best_of selection,
 completions' `echo`, whose prompt logprobs come with the last token) gets each choice whole in one
 chunk once every job is done (`whole_chunks`), then the usage chunk and `[DONE]`. The SLA class is the
-`x-lora-priority` header's, else vLLM's integer `priority` field's, else the default (see `context`);
+`x-lora-priority` header's, else vLLM's integer `priority` field's, else the default (see `request_policy`);
 every choice's job runs in it, and the response names it in `x-lora-priority-class`. Log-probabilities
 (completions `logprobs: k`, chat `logprobs: true` + `top_logprobs: k`) come in each choice's `logprobs`,
 streamed chunks included, in OpenAI's shapes (`logprob_format`); they are of the raw model
@@ -69,16 +69,18 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     async def base_of(body: CompletionRequest | ChatCompletionRequest, caller: Caller) -> str | None:
         """The base model the request runs on, whose tokenizer encodes and renders it (`request_base`)."""
-        adapter = ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        merge = merge_of(body.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
+        adapter = ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        merge = merge_of(body.merged_adapters, adapter, ctx.config,
+                         lambda aid: ctx.models.adapter_for(aid, caller))
         merged = None if merge is None else merge.ids
-        return await ctx.request_base(body.model, adapter, merged, caller.tenant)
+        return await ctx.models.request_base(body.model, adapter, merged, caller.tenant)
 
     def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
                  sla: SlaClass, caller: Caller, base: str | None) -> list[GenerateJob]:
-        adapter = ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        merge = merge_of(body.merged_adapters, adapter, ctx.config, lambda aid: ctx.adapter_for(aid, caller))
-        path = ctx.adapter_path(adapter)
+        adapter = ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        merge = merge_of(body.merged_adapters, adapter, ctx.config,
+                         lambda aid: ctx.models.adapter_for(aid, caller))
+        path = ctx.models.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter
         jobs = []
         for prompt in prompts:
@@ -107,7 +109,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         cached = cached_tokens(generations, len(prompts))
         headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name,
                    **truncation_headers(fitted)}
-        texts = TokenTexts(partial(ctx.token_text, base=base))
+        texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream and not body.whole:
             events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
@@ -134,8 +136,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         """The checks before any work, cheapest first: the body's limits, the adapter (404 when the
         tenant may not use it), the SLA class, the tenant's requests_per_minute."""
         body.check(ctx.config)
-        ctx.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        sla = ctx.priority_class(x_lora_priority, body.priority, caller)
+        ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        sla = ctx.policy.priority_class(x_lora_priority, body.priority, caller)
         caller.check()
         return sla
 
@@ -145,8 +147,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         sla = screen(body, caller, x_lora_priority)
         base = await base_of(body, caller)
         raw = body.prompts()
-        fitted = [await ctx.encode(p, base=base) for p in raw]  # in turn: one pool job per request
-        echoes = ([p if isinstance(p, str) and not f.truncated else await ctx.decode(f.ids, base)
+        fitted = [await ctx.tokens.encode(p, base=base) for p in raw]  # in turn: one pool job per request
+        echoes = ([p if isinstance(p, str) and not f.truncated else await ctx.tokens.decode(f.ids, base)
                    for p, f in zip(raw, fitted, strict=True)] if body.echo else None)  # what ran
         return await run(body, "/v1/completions", fitted, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
                          caller, base, echoes)
@@ -156,10 +158,11 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                                x_lora_priority: PriorityHeader = None) -> Any:
         sla = screen(body, caller, x_lora_priority)
         base = await base_of(body, caller)
-        check_counts(body, await ctx.chat_limits(base), ctx.prompt_limit_of(base))
+        check_counts(body, await ctx.tokens.chat_limits(base), ctx.tokens.prompt_limit_of(base))
         use = body.tool_use()
-        prompt = await ctx.encode_chat(body.conversation(), use.template_tools(), base)
-        reader = partial(tool_calls.reader_for, use.mode, ctx.tool_parser(base), use.name, use.parallel)
+        prompt = await ctx.tokens.encode_chat(body.conversation(), use.template_tools(), base)
+        parser = ctx.tokens.tool_parser(base)
+        reader = partial(tool_calls.reader_for, use.mode, parser, use.name, use.parallel)
         return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
                          caller, base, reader=reader)
 
@@ -177,10 +180,11 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             listed = await grouped.listings()
             by_base = {b: [*grouped.catalog.adapters_of(b), *ids] for b, ids in listed.items()}
         else:
-            by_base = {ctx.base_name: [*registered, *await ctx.dispatcher.any_replica("list_adapters")]}
+            listed_here = await ctx.dispatcher.any_replica("list_adapters")
+            by_base = {ctx.models.base_name: [*registered, *listed_here]}
         data: list[dict[str, Any]] = []
         for base, adapters in by_base.items():
-            root = ctx.config.model if base == ctx.base_name else base
+            root = ctx.config.model if base == ctx.models.base_name else base
             if caller.may_use(None):
                 data.append({"id": base, "object": "model", "created": created, "owned_by": "lora-cluster",
                              "root": root, "parent": None})

@@ -29,7 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.http.context import HEADER_PRIORITY
+from lora_cluster.serve.http.request_policy import HEADER_PRIORITY
 from lora_cluster.serve.routing.auth import HEADER_API_KEY, Authenticator
 
 

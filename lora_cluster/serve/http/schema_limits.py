@@ -28,7 +28,7 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     """State the configured limits and the rules between fields in the OpenAPI schema's request
     bodies (`components`, edited in place), so that a body the schema accepts is served and one it
     refuses is answered 400. What JSON Schema cannot state is in the descriptions: a text prompt's
-    token count (at most `prompt_tokens`, `ApiContext.prompt_limit`), and adapters that must exist.
+    token count (at most `prompt_tokens`, `Tokenization.prompt_limit`), and adapters that must exist.
     `counts`: the most messages and tools a chat request may have (`prompt_limits`)."""
     token = {"type": "integer", "minimum": 0}
     if vocab_size is not None:

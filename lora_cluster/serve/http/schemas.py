@@ -111,7 +111,7 @@ def merge_of(merged: MergedAdaptersBody | None, named: str | None, limits: Serve
              admit: Callable[[str], object]) -> MergeSpec | None:
     """The request's merge (None: it asks for none). `named` is the adapter the request names otherwise
     (both at once are refused); `admit(id)` is the API's one adapter check point
-    (`ApiContext.adapter_for`: unknown ids and tenants' access), run on every merged id."""
+    (`ModelNames.adapter_for`: unknown ids and tenants' access), run on every merged id."""
     if merged is None:
         return None
     if named is not None:

@@ -6,7 +6,7 @@ is in one of three kinds, by its path template (default deny: a route not listed
 * open: the routes of the `open_routes` setting (default `/health` only, for probes), no key needed;
 * tenant (`TENANT_ROUTES`): the generation routes, `/v1/models`, and the API's description
   (`/openapi.json`, `/docs`, `/redoc`): any known key (a tenant's or an admin's); a tenant reaches
-  only the adapters its patterns match (see `ApiContext.adapter_for`);
+  only the adapters its patterns match (see `ModelNames.adapter_for`);
 * admin: everything else (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/cluster`,
   `/debug/replicas`, `/metrics`, whose `adapter` and `tenant` labels name every tenant's adapters
   and tenants, ...): an admin key; a tenant key gets 403.

@@ -1,0 +1,73 @@
+"""What the names in a request run on: the base models' API names, the base a request runs on, the
+adapter its `model` names (within what the caller's tenant may use), and where an adapter registered
+through the vLLM API lies.
+
+A route first asks which base a request runs on (`request_base`: the base its `model` names, or that
+of the group its adapter or merge goes to, as the dispatcher will pick it), then tokenizes with that
+base's tokenizer (`tokenization`) and sends its jobs with `base` set, so the dispatcher runs them on
+that base only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lora_cluster.config import ServeConfig
+from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.serve.http.registry import Registrations
+from lora_cluster.serve.http_errors import ApiException, describe
+from lora_cluster.serve.replica.model import served_name
+from lora_cluster.serve.routing.auth import Caller
+from lora_cluster.serve.routing.dispatch import Dispatcher
+from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
+
+
+class ModelNames:
+    """The model names of one ingress (see the module docstring)."""
+
+    def __init__(self, config: ServeConfig, dispatcher: Dispatcher | GroupedDispatcher,
+                 registrations: Registrations):
+        self.config, self.dispatcher, self.registrations = config, dispatcher, registrations
+
+    @property
+    def base_name(self) -> str:
+        """The API name of the (first group's) base model."""
+        return served_name(self.config)
+
+    @property
+    def base_names(self) -> list[str]:
+        """Every base model's API name (several with replica groups on several bases), first first."""
+        bases = getattr(self.dispatcher, "bases", None) or []
+        return list(dict.fromkeys([self.base_name, *bases]))
+
+    def base_for(self, model: str | None) -> str | None:
+        """The base model's API name when `model` names a base (by API name; the first base also by
+        its `model`), else None (an adapter, or no `model`: the first base's group decides)."""
+        if model == self.config.model:
+            return self.base_name
+        return model if model in self.base_names else None
+
+    async def request_base(self, model: str | None, adapter: str | None, merged: Sequence[str] | None,
+                           tenant: str | None) -> str | None:
+        """The API name of the base model a request runs on (None: a one-base cluster, the first base):
+        the base its `model` names, or that of the group its adapter (or merge) goes to. The dispatcher
+        answers 404/409/400 here as it would when starting the request."""
+        grouped = self.dispatcher
+        if not isinstance(grouped, GroupedDispatcher) or not grouped.several_bases:
+            return self.base_for(model)
+        return await grouped.base_of(adapter, tenant, self.base_for(model), merged)
+
+    def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False) -> str | None:
+        """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
+        unknown adapter when the caller's tenant may not use it (existence does not leak). `merging`:
+        the request merges adapters (`merged_adapters`) onto the base model it names; the merge's own
+        adapter ids are checked then (`schemas.merge_of`), so a tenant without `base_model` access
+        may merge adapters it owns."""
+        adapter = None if model is None or self.base_for(model) is not None else model
+        if not (merging and adapter is None) and not caller.may_use(adapter):
+            raise ApiException(describe(AdapterNotFoundError(model or self.base_name, "not accessible")))
+        return adapter
+
+    def adapter_path(self, adapter_id: str | None) -> str | None:
+        """The path of an adapter registered through vLLM's load_lora_adapter (None: not registered)."""
+        return None if adapter_id is None else self.registrations.path(adapter_id)
