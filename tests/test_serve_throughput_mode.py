@@ -3,8 +3,8 @@
 configured port; the ingress replica serves HTTP itself (direct ingress) on a port Serve allocates
 from `RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`..`_MAX_HTTP_PORT` (here a one-port range, so that the
 test knows it); the LoRA replicas are reached over gRPC through our request router. One server (an
-ingress and 2 LoRA replicas on CPU, a tenants file) for the whole module; the last test checks the
-mode's environment without Ray.
+ingress and 2 LoRA replicas on CPU, a tenants file) for the whole module (the mode's environment
+without Ray: test_serve_mode.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from helpers import adapter_hits, poll
 
 from lora_cluster.engine import SamplingParams
-from lora_cluster.serve.ops.serve_mode import private_throughput_mode, throughput_mode_env
+from lora_cluster.serve.ops.serve_mode import throughput_mode_env
 from lora_cluster.tenancy.tenants import hash_key
 
 KEY, ADMIN_KEY = "sk-user-0123456789", "sk-admin-0123456789"
@@ -194,28 +194,3 @@ def test_a_non_streaming_client_going_away_aborts_its_request(served):
         running = poll(lambda: sum(s["num_running"] for s in served.replicas().values()), 20, interval_s=0)
     assert running == 1, "the request was generating when its client went away"
     _wait_until_aborted(served, before, "the non-streaming request")
-
-
-def test_the_environment_of_the_mode_and_of_a_private_haproxy(tmp_path):
-    want = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
-    assert throughput_mode_env() == want, "the mode is Serve's throughput switch plus HAProxy"
-    private = Path("/tmp/hap-x")
-    env = throughput_mode_env(private)
-    paths = [env[k] for k in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
-                              "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE")]
-    assert all(p.startswith(str(private)) for p in paths), f"HAProxy's files are private: {paths}"
-    ports = {env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]}
-    assert not ports & {"8404", "9101"}, f"HAProxy's side ports are not the machine-wide defaults: {ports}"
-    with pytest.raises(ValueError, match="too long"):
-        throughput_mode_env(tmp_path / "a-folder-whose-path-is-long")
-
-
-def test_private_throughput_mode_restores_the_environment(monkeypatch):
-    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
-    with private_throughput_mode() as folder:
-        assert os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1", "the mode is on inside the block"
-        socket_path = os.environ["RAY_SERVE_HAPROXY_SOCKET_PATH"]
-        assert socket_path.startswith(str(folder)), "HAProxy's files are private"
-        assert folder.is_dir(), "the private folder exists inside the block"
-    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ, "the environment is restored after it"
-    assert not folder.exists(), "the private folder is removed after it"

@@ -1,0 +1,61 @@
+"""The served OpenAPI schema read as a user reads it: the standard schemathesis CLI (`st run`, every
+default check and phase, no body filter) against `serve run` of the shipped serve_config.yaml, only its
+port and the demo zoo's size changed, run from the repository (its `schemathesis.toml` loads the API's
+formats). Every operation is generated and tested, chat included: a conversation longer than the demo
+model's 512 positions is served on its latest messages (prompt_truncation: auto, the default)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import ROOT, serve_run
+
+CLI_EXAMPLES = 60  # per operation and phase (the number the issue's trial used)
+
+
+@pytest.fixture(scope="module")
+def shipped_server(free_port, tmp_path_factory) -> Any:
+    """`serve run serve_config.yaml` as shipped, only its port changed, on a demo zoo of 8 adapters
+    in a temporary folder (LORA_CLUSTER_DEMO_DIR, LORA_CLUSTER_DEMO_NUM_ADAPTERS: quicker to build)."""
+    folder = tmp_path_factory.mktemp("serve-run")
+    port = free_port()
+    config = folder / "serve_config.yaml"
+    config.write_text((ROOT / "serve_config.yaml").read_text().replace("port: 8000", f"port: {port}"))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "LORA_CLUSTER_DEMO_DIR": str(folder / "demo"),
+           "LORA_CLUSTER_DEMO_NUM_ADAPTERS": "8"}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, as `serve run` on a fresh machine
+    url = f"http://127.0.0.1:{port}"
+    with serve_run(config, env, url, folder / "serve.log"):
+        yield url
+
+
+def _st_run(url: str, *options: str) -> tuple[int, str]:
+    """The schemathesis CLI over `url`'s schema, run from the repository (its `schemathesis.toml`
+    loads the API's formats), every check and phase at its default: (exit code, output)."""
+    st_cli = Path(sys.executable).parent / "st"
+    result = subprocess.run([str(st_cli), "run", f"{url}/openapi.json", "-n", str(CLI_EXAMPLES), *options],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _tested_every_operation(out: str) -> bool:
+    selected = re.search(r"Selected: (\d+)/(\d+)", out)
+    tested = re.search(r"Tested: (\d+)", out)
+    return bool(selected and tested and selected.group(1) == tested.group(1) and "Schema Error" not in out)
+
+
+@pytest.mark.e2e
+def test_the_schemathesis_cli_passes_every_default_check_and_phase_against_serve_run(shipped_server):
+    """Every operation, chat included: a conversation longer than the demo's 512 positions (the
+    fuzzer's largest is) is served on its latest messages (prompt_truncation: auto, the default)."""
+    code, out = _st_run(shipped_server)
+    tail = out[-6000:]
+    assert "schemathesis.toml" in out, f"the repository's config (its formats) is loaded: {tail}"
+    assert _tested_every_operation(out), f"every operation's bodies are generated and tested: {tail}"
+    assert code == 0, f"no failure and no error under every default check and phase: {tail}"
