@@ -13,10 +13,11 @@ one CPU per node) running three LoRA replicas of two batch slots each, two ingre
 from __future__ import annotations
 
 import concurrent.futures
+from typing import Any
 
 import httpx
 import pytest
-from helpers import cluster_replicas, cluster_view, wait_until
+from helpers import cluster_replicas, cluster_view, poll, wait_until
 
 from lora_cluster.cluster.sharding import shard_of
 
@@ -100,7 +101,18 @@ def test_killing_a_shard_under_load_loses_no_request(base_url, http):
 
     wait_until(lambda: _all_shards_see_every_replica(http), BOUND_S,
                "the restarted shard's view of all three replicas")
-    view = cluster_view(http)
+    served = [(ADAPTERS[i % len(ADAPTERS)], r.headers["x-lora-replica"]) for i, r in results]
+
+    def views_what_was_served() -> dict[str, Any] | None:
+        """The cluster view once it lists each served adapter on its replica: a restarted shard knows a
+        replica only by name (its delta answered with a resync) until that replica's full report."""
+        view = cluster_view(http)
+        replicas = cluster_replicas(view)
+        held = {rid: set(r["adapters"]["resident"]) | set(r["adapters"]["loading"])
+                for rid, r in replicas.items() if r.get("adapters")}
+        return view if all(a in held.get(rid, ()) for a, rid in served) else None
+
+    view = poll(views_what_was_served, BOUND_S) or cluster_view(http)  # the assertions below say what lacks
     assert view["controller"]["shards"][1]["actor"] != killed, "shard 1's view comes from a new actor"
     replicas = cluster_replicas(view)
     for i, r in results:
