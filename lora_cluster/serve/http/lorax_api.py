@@ -55,7 +55,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
     async def start(body: LoraxRequest, stream: bool, route: str, sla: SlaClass, caller: Caller,
                     ) -> tuple[list[Generation], list[int | None], Prompt, str | None]:
         """The request's generations (best_of candidates: several), the seed each reports, the prompt,
-        the base model it runs on (whose tokenizer encoded it; `ApiContext.request_base`)."""
+        the base model it runs on (whose tokenizer encoded it; `ModelNames.request_base`)."""
         p = body.parameters
         p.check()
         p.check_best_of(ctx.config, streamed=stream or body.stream)
