@@ -41,10 +41,6 @@ class BatchWindow:
                  window_s: float, after: Callable[[], None] = lambda: None):
         self.window = batch_window.BatchWindow(park_many, dispatch, window_s, _on_loop, after)
 
-    @property
-    def window_s(self) -> float:
-        return self.window.window_s
-
     async def park(self, ticket: Ticket, claims: Mapping[str, Any] | None) -> Outcome:
         """`ticket`'s outcome as `Controller.park_many` gives it, once its window is sent."""
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()

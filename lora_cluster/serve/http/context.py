@@ -24,8 +24,8 @@ from lora_cluster.errors import RequestAbortedError
 from lora_cluster.serve.http.model_names import ModelNames
 from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
-from lora_cluster.serve.http.request_policy import HEADER_PRIORITY, RequestPolicy
-from lora_cluster.serve.http.tokenization import Tokenization
+from lora_cluster.serve.http.request_policy import RequestPolicy
+from lora_cluster.serve.http.tokenization import ENCODE_THREADS, Tokenization
 from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.routing.auth import TenantsSource
 from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
@@ -33,12 +33,10 @@ from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 from lora_cluster.serve.routing.quotas import Quotas
 
 _END = object()
-ENCODE_THREADS = 4
 HEADER_PRIORITY_CLASS = "x-lora-priority-class"  # response: the SLA class that served the request
 # a route's `x_lora_priority: PriorityHeader = None` parameter reads the x-lora-priority header
 PriorityHeader = Annotated[str | None, Header(description="The request's SLA class, by name.")]
-__all__ = ["ENCODE_THREADS", "HEADER_PRIORITY", "HEADER_PRIORITY_CLASS", "ApiContext", "PriorityHeader",
-           "finals", "merge"]
+__all__ = ["HEADER_PRIORITY_CLASS", "ApiContext", "PriorityHeader", "finals", "merge"]
 
 
 @dataclass

@@ -38,13 +38,14 @@ from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.ops import metrics
 
 R = TypeVar("R")
+ENCODE_THREADS = 4  # the tokenizer threads of one ingress
 
 
 class Tokenization:
     """The tokenizers of one ingress's base models and the threads they run on."""
 
     def __init__(self, config: ServeConfig, tokenizer: Any, tokenizers: dict[str, Any] | None = None,
-                 threads: int = 4):
+                 threads: int = ENCODE_THREADS):
         if threads < 1:
             raise ConfigError(f"encode_threads must be at least 1, got {threads}")
         self.config, self.tokenizer, self.tokenizers = config, tokenizer, dict(tokenizers or {})
