@@ -56,7 +56,7 @@ REASONS = {
 
 
 def build(config: ServeConfig, cache: bool) -> Engine:
-    return Engine(config=config.model_copy(update={"enable_prefix_caching": cache}),
+    return Engine(config=config.engine.model_copy(update={"enable_prefix_caching": cache}),
                   adapter_loader=build_adapter_loader)
 
 

@@ -192,7 +192,7 @@ def child(args: argparse.Namespace) -> None:
     config = resolve_model(ServeConfig(**settings(args)))
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     positions = json.loads((Path(config.model) / "config.json").read_text())["max_position_embeddings"]
-    max_len = min(config.max_model_len, positions)
+    max_len = min(config.engine.max_model_len, positions)
     chats = plan(args, tokenizer)
     base = start_serve(2 * REPLICAS + 2, address="local")
     try:
@@ -204,7 +204,7 @@ def child(args: argparse.Namespace) -> None:
         import ray
 
         ray.shutdown()
-    result["prefix_aware_routing"] = ServeConfig().prefix_aware_routing
+    result["prefix_aware_routing"] = ServeConfig().router.prefix_aware_routing
     result["load"] = load_avg()
     args.json.write_text(json.dumps(result))
 

@@ -74,8 +74,7 @@ def cluster(n: int, rng: random.Random) -> tuple[LoraAffinityRouter, list[Simple
                            "free_adapter_slots": 4, "max_num_seqs": 64, "num_running": 32, "num_waiting": 0}))
     router = offline_router(LoraAffinityRouter, app)
     defaults = serve_defaults()
-    router.initialize_state(miss_cost=defaults.router_miss_cost,
-                            placement_ttl_s=defaults.router_placement_ttl_s)
+    router.initialize_state(router=defaults.router.model_dump())
     for r in replicas:
         router.on_new_queue_len_info(r.replica_id, rng.randrange(41))
     hot = {f"a{k}": [f"r{rng.randrange(n):04d}" for _ in range(rng.randint(2, 4))] for k in range(50)}
@@ -112,9 +111,9 @@ def time_index(n: int, decisions: int, seed: int) -> list[float]:
 def time_full(n: int, decisions: int, seed: int) -> list[float]:
     rng = random.Random(seed)
     router, replicas = cluster(n, rng)
-    tracker = PlacementTracker(ttl_s=serve_defaults().router_placement_ttl_s)
+    tracker = PlacementTracker(ttl_s=serve_defaults().router.router_placement_ttl_s)
     stats = {r.replica_id.unique_id: RoutingStats.from_dict(r.routing_stats) for r in replicas}
-    miss_cost = serve_defaults().router_miss_cost
+    miss_cost = serve_defaults().router.router_miss_cost
     out = []
     for pending in requests(decisions, rng):
         aid = pending.args[0].adapter_id

@@ -92,13 +92,17 @@ def changed_settings(settings: Mapping[str, Any], reasons: Mapping[str, str]) ->
     default. A changed setting without a reason in `reasons` is a ValueError naming it: the report
     must say why a benchmark does not run what users get."""
     from lora_cluster.config import ServeConfig
+    from lora_cluster.config.serve import FLAT
 
-    fields = ServeConfig.model_fields
     out: dict[str, str] = {}
     for name, value in settings.items():
-        if name not in fields:
+        model, field = ServeConfig, name  # a flat name: a top-level field, or one of a section's
+        if name in FLAT.where:
+            section, field = FLAT.where[name]
+            model = ServeConfig.model_fields[section].annotation
+        if (name in FLAT.sections and name not in FLAT.where) or field not in model.model_fields:
             raise ValueError(f"{name} is not a ServeConfig setting")
-        if value == fields[name].get_default(call_default_factory=True):
+        if value == model.model_fields[field].get_default(call_default_factory=True):
             continue
         if name not in reasons:
             raise ValueError(f"the benchmark changes {name} to {value!r} without saying why")

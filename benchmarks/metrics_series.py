@@ -52,7 +52,8 @@ def replica_report(i: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=1000)
-    parser.add_argument("--max-adapter-labels", type=int, default=ServeConfig().metrics_max_adapter_labels)
+    parser.add_argument("--max-adapter-labels", type=int,
+                        default=ServeConfig().metrics.metrics_max_adapter_labels)
     parser.add_argument("--tenants", type=int, default=0)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--replicas", type=int, default=4)

@@ -659,7 +659,7 @@ def test_without_a_top_class_fraction_every_class_waits_its_fraction():
 
 
 def test_the_served_configuration_lets_the_top_class_preempt_at_once():
-    settings = ControllerSettings.from_config(ServeConfig(model="m"))
+    settings = ControllerSettings.from_config(ServeConfig(model="m").controller)
     assert settings.top_class_preempt_after_fraction == 0.0, "the default: the top class preempts at once"
     assert settings.preempt_after_fraction == 0.5, "the other classes keep preempt_after_fraction"
 
@@ -754,9 +754,9 @@ def test_without_a_bound_batch_waits_by_aging_alone():
 
 
 def test_the_served_configuration_bounds_the_batch_wait_at_a_minute():
-    settings = ControllerSettings.from_config(ServeConfig(model="m"))
+    settings = ControllerSettings.from_config(ServeConfig(model="m").controller)
     assert settings.wait_bound_s == 60.0, "cluster_queue_max_wait_s defaults to 60 s"
-    off = ControllerSettings.from_config(ServeConfig(model="m", cluster_queue_max_wait_s=0))
+    off = ControllerSettings.from_config(ServeConfig(model="m", cluster_queue_max_wait_s=0).controller)
     assert off.wait_bound_s is None, "0 turns the bound off"
 
 

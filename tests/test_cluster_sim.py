@@ -23,7 +23,7 @@ from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.sim import SimConfig, Simulation, run
 from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile, TierCost
 from lora_cluster.sim.replica import SimReplica
@@ -112,7 +112,8 @@ def test_the_controller_decides_as_the_live_one_on_the_same_calls(window_s: floa
     through the actor's dict path (`parse_report(report.to_dict())`): the same grants, replies and
     refusals; with the default batch window (each input its own batch) and a 2 ms one."""
     sim = Simulation(SimConfig(nodes=5, adapters=40, load=2.0, duration=15, warmup=0, seed=5, max_loras=4,
-                               serve=ServeSettings(controller_batch_window_s=window_s)), PROFILE)
+                               serve=ServeSections().with_fields(controller_batch_window_s=window_s)),
+               PROFILE)
     policy = sim.policy
     assert isinstance(policy, LoraClusterPolicy)
     policy.trace = []

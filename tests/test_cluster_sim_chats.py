@@ -17,7 +17,7 @@ from lora_cluster.sim import SimConfig, Simulation, run
 from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.workload import SimRequest, Workload
@@ -112,7 +112,7 @@ def test_each_turn_extends_the_previous_prompt_and_answer() -> None:
 def chat_config(aware: bool = True, **kw: object) -> SimConfig:
     base = dict(nodes=4, adapters=1, max_loras=4, duration=10, warmup=5, seed=0,
                 chats=ChatSettings(sessions=150, turns=6, think_s=2.0, system_tokens=500),
-                serve=ServeSettings(prefix_aware_routing=aware))
+                serve=ServeSections().with_fields(prefix_aware_routing=aware))
     return SimConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 

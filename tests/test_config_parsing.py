@@ -3,7 +3,6 @@ that name the field, and one place for the defaults (the simulator and the route
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import subprocess
 import sys
@@ -45,24 +44,32 @@ def test_the_environment_overrides_defaults_and_arguments_override_the_environme
 
 def test_serve_defaults_are_the_fields_defaults_whatever_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(env_var("max_ongoing_requests"), "7")
-    assert ServeConfig().max_ongoing_requests == 7, "a config built here reads the environment"
+    monkeypatch.setenv(env_var("num_replicas"), "3")
+    built = ServeConfig()
+    assert built.admission.max_ongoing_requests == 7, "a config built here reads a section field's variable"
+    assert built.num_replicas == 3, "and a top-level field's"
     defaults = serve_defaults()
     for name, field in ServeConfig.model_fields.items():
         if field.default_factory is None:
             assert getattr(defaults, name) == field.default, f"serve_defaults().{name} is the field's default"
+    for section in (defaults.router, defaults.admission, defaults.controller, defaults.api, defaults.tenancy,
+                    defaults.metrics):
+        for name, field in type(section).model_fields.items():
+            if field.default_factory is None:
+                assert getattr(section, name) == field.default, f"serve_defaults' {name} is its default"
 
 
 def test_the_simulator_and_the_router_run_the_serving_defaults() -> None:
     from lora_cluster.serve.routing.request_router import LoraAffinityRouter
-    from lora_cluster.sim.context import ServeSettings
+    from lora_cluster.sim.context import ServeSections
 
     defaults = serve_defaults()
-    for field in dataclasses.fields(ServeSettings):
-        assert getattr(ServeSettings(), field.name) == getattr(defaults, field.name), (
-            f"the simulator's {field.name} is ServeConfig's default")
+    sections = ServeSections()
+    assert sections.router == defaults.router, "the simulator's router section is ServeConfig's default"
+    assert sections.admission == defaults.admission, "its admission section too"
+    assert sections.controller == defaults.controller, "its controller section too"
     params = inspect.signature(LoraAffinityRouter.initialize_state).parameters
-    assert params["miss_cost"].default == defaults.router_miss_cost, "the router's miss cost is the default"
-    assert params["placement_ttl_s"].default == defaults.router_placement_ttl_s, "its placement TTL too"
+    assert params["router"].default is None, "the router runs the router section's defaults when given none"
 
 
 def test_the_config_imports_nothing_above_it() -> None:

@@ -31,7 +31,7 @@ from lora_cluster.cluster.sharding import (
 )
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.serve.routing.admission import ClusterAdmission
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.simulation import SimConfig, run
 
 IDS = [f"adapter-{i}" for i in range(2000)]
@@ -326,7 +326,7 @@ async def test_the_ingress_unites_the_shards_placement_and_counts_their_waiting_
 
 def test_the_simulator_runs_the_shards_and_accounts_every_request():
     config = SimConfig(nodes=6, adapters=60, load=2.0, duration=15, warmup=0, seed=1, max_loras=4,
-                       policy="lora-cluster", serve=ServeSettings(controller_shards=3))
+                       policy="lora-cluster", serve=ServeSections().with_fields(controller_shards=3))
     result = run(config)
     d = result.details
     assert result.completed + result.rejected == d["arrivals"], "every request completed or was refused"

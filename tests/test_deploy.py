@@ -38,7 +38,7 @@ def test_rayservice_args_are_serve_config_fields() -> None:
     assert app["import_path"] == "lora_cluster.serve.app:build_app", "the RayService deploys the app builder"
     config = ServeConfig(**app["args"])
     assert config.num_gpus == 1, "the RayService reserves one GPU per LoRA replica"
-    assert config.adapter_source == ["s3://lora-adapters/prod"], (
+    assert config.engine.adapter_source == ["s3://lora-adapters/prod"], (
         "the RayService reads adapters from the prod bucket"
     )
 
@@ -131,9 +131,9 @@ def test_the_pod_monitor_scrapes_the_ingress_once_and_every_ray_pod():
 def test_metrics_stay_off_the_public_port_and_the_pod_monitor_sends_a_key():
     service = next(d for d in _docs("deploy/k8s/rayservice.yaml") if d["kind"] == "RayService")
     (app,) = _apps(yaml.safe_load(service["spec"]["serveConfigV2"]))
-    open_routes = ServeConfig(**app["args"]).open_routes
+    open_routes = ServeConfig(**app["args"]).tenancy.open_routes
     assert open_routes == ["/health"], f"only the probes' route answers without a key: {open_routes}"
-    assert ServeConfig(model="m").open_routes == ["/health"], "and so does the default"
+    assert ServeConfig(model="m").tenancy.open_routes == ["/health"], "and so does the default"
     docs = _docs("deploy/k8s/monitoring.yaml")
     (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
     serve = next(e for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] == "serve")

@@ -52,7 +52,8 @@ class Clock:
 def test_the_default_group_inherits_the_top_level_model_and_settings():
     config = _config()
     llama = group_configs(config)["llama"]
-    assert (llama.model, llama.served_model_name, llama.max_loras) == ("/srv/models/llama", "llama", 5), (
+    names = (llama.model, llama.served_model_name, llama.engine.max_loras)
+    assert names == ("/srv/models/llama", "llama", 5), (
         "a group naming no model runs the top-level model, name and engine settings")
 
 
@@ -60,23 +61,23 @@ def test_a_group_runs_its_own_model_and_engine_settings_over_the_top_level_ones(
     qwen = group_configs(_config())["qwen"]
     assert qwen.model == "/srv/models/qwen3", "the group's replicas load its own model"
     assert qwen.served_model_name == "qwen3", "the group's base has its own API name"
-    assert qwen.max_loras == 3, "the group's engine settings replace the top-level ones"
-    assert qwen.adapter_source == ["/srv/adapters/qwen3"], "the group reads adapters from its own sources"
-    assert qwen.max_new_tokens == ServeConfig.model_fields["max_new_tokens"].default, (
+    assert qwen.engine.max_loras == 3, "the group's engine settings replace the top-level ones"
+    assert qwen.engine.adapter_source == ["/srv/adapters/qwen3"], "the group reads adapters from its sources"
+    assert qwen.api.max_new_tokens == ServeConfig().api.max_new_tokens, (
         "settings the group does not name are the top-level ones")
 
 
 def test_several_bases_check_adapters_against_their_base_strictly_unless_configured():
-    assert {c.base_model_check for c in group_configs(_config()).values()} == {"strict"}, (
+    assert {c.engine.base_model_check for c in group_configs(_config()).values()} == {"strict"}, (
         "with several bases, an adapter of another base is refused, not only logged")
     warned = group_configs(_config(base_model_check="warn"))
-    assert warned["qwen"].base_model_check == "warn", "an explicit top-level base_model_check is kept"
+    assert warned["qwen"].engine.base_model_check == "warn", "an explicit top-level base_model_check is kept"
 
 
 def test_a_group_setting_from_the_environment_does_not_hide_the_groups_own(monkeypatch):
     monkeypatch.setenv("LORA_CLUSTER_MAX_LORAS", "7")
     configs = group_configs(_config())
-    assert configs["qwen"].max_loras == 3, "the group's own engine setting wins over LORA_CLUSTER_MAX_LORAS"
+    assert configs["qwen"].engine.max_loras == 3, "its engine setting wins over LORA_CLUSTER_MAX_LORAS"
 
 
 def test_one_base_keeps_the_single_base_configuration_unchanged():
@@ -299,4 +300,4 @@ def test_group_bases_come_from_the_environment_as_json(monkeypatch):
                        '"served_model_name": "other", "engine": {"max_loras": 2}}]')
     config = load_config({"model": "m"})
     assert [g.base for g in replica_groups(config)] == ["m", "other"], "the variable names bases"
-    assert group_configs(config)["b"].max_loras == 2, "and each group's engine settings"
+    assert group_configs(config)["b"].engine.max_loras == 2, "and each group's engine settings"

@@ -221,9 +221,10 @@ def test_engine_counts_steps_placements_switches_and_fragmentation(make_engine):
 
 
 def test_metrics_bounds_are_config_fields_with_env_overrides(monkeypatch):
-    assert ServeConfig().metrics_max_adapter_labels == 50, "the default adapter label bound is 50"
+    assert ServeConfig().metrics.metrics_max_adapter_labels == 50, "the default adapter label bound is 50"
     monkeypatch.setenv("LORA_CLUSTER_METRICS_MAX_ADAPTER_LABELS", "7")
-    assert ServeConfig().metrics_max_adapter_labels == 7, "LORA_CLUSTER_METRICS_MAX_ADAPTER_LABELS sets it"
+    labels = ServeConfig().metrics.metrics_max_adapter_labels
+    assert labels == 7, "LORA_CLUSTER_METRICS_MAX_ADAPTER_LABELS sets it"
 
 
 def test_autoscaling_config_replaces_num_replicas():

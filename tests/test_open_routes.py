@@ -70,7 +70,8 @@ async def test_open_routes_opens_exactly_the_routes_it_lists(tenants_file, monke
     async with app_client(config, tenants_file) as client:
         opened = await _statuses(client, ["/metrics", "/openapi.json"], {})
         closed = await _statuses(client, ["/docs", "/v1/models"], {})
-    assert config.open_routes == ["/health", "/metrics", "/openapi.json"], "LORA_CLUSTER_OPEN_ROUTES sets it"
+    assert config.tenancy.open_routes == ["/health", "/metrics", "/openapi.json"], (
+        "LORA_CLUSTER_OPEN_ROUTES sets it")
     assert opened == {"/metrics": 200, "/openapi.json": 200}, f"the listed routes need no key: {opened}"
     assert closed == {"/docs": 401, "/v1/models": 401}, f"the others still do: {closed}"
 

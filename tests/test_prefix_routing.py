@@ -137,7 +137,7 @@ def test_a_cached_prefix_never_keeps_a_request_on_an_overloaded_replica():
 
 def test_the_configured_share_bounds_the_bonus_and_zero_turns_it_off():
     keys = routing_keys("sql", CHAT)
-    assert ServeConfig.model_fields["prefix_routing_share"].default == PREFIX_SHARE, (
+    assert ServeConfig().router.prefix_routing_share == PREFIX_SHARE, (
         "the score's default share is the config's")
     assert prefix_bonus(10 * MAX_DEPTH, MISS_COST, 0.25) == 0.25 * MISS_COST, "the bonus is at most the share"
     # r1 caches the chat (512 tokens: a bonus of share x 2.1 requests, less its full batch's discount of
@@ -156,8 +156,8 @@ def test_the_share_is_a_validated_setting_read_from_the_environment(monkeypatch)
     monkeypatch.setenv("LORA_CLUSTER_PREFIX_ROUTING_SHARE", "0.8")
     monkeypatch.setenv("LORA_CLUSTER_PREFIX_AWARE_ROUTING", "false")
     config = ServeConfig()
-    assert config.prefix_routing_share == 0.8, "LORA_CLUSTER_PREFIX_ROUTING_SHARE sets the share"
-    assert config.prefix_aware_routing is False, "LORA_CLUSTER_PREFIX_AWARE_ROUTING=false turns it off"
+    assert config.router.prefix_routing_share == 0.8, "LORA_CLUSTER_PREFIX_ROUTING_SHARE sets the share"
+    assert config.router.prefix_aware_routing is False, "LORA_CLUSTER_PREFIX_AWARE_ROUTING=false turns it off"
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="prefix_routing_share"):
             ServeConfig(prefix_routing_share=bad)
@@ -193,7 +193,8 @@ async def test_the_live_router_sends_a_turn_where_its_prefix_is_cached_unless_th
     replicas = [replica("r0", ran(others[0])), replica("r1", ran(others[1])),
                 replica("r2", ran(others[2], CHAT)), replica("r3")]  # r2 ran the chat's earlier turn
     router = offline_router(LoraAffinityRouter, APP)
-    router.initialize_state(miss_cost=MISS_COST, placement_ttl_s=5.0, clock=FakeClock(0.0))
+    router.initialize_state(router={"router_miss_cost": MISS_COST, "router_placement_ttl_s": 5.0},
+                            clock=FakeClock(0.0))
     router.update_replicas(replicas)
     for r in replicas:
         router.on_new_queue_len_info(r.replica_id, 2)
@@ -212,9 +213,11 @@ async def test_the_live_router_sends_a_turn_where_its_prefix_is_cached_unless_th
 
 
 def live_router(replicas: list[SimpleNamespace], **settings: Any) -> LoraAffinityRouter:
-    """The live router over `replicas` (2 requests on each), built with Serve's `request_router_kwargs`."""
+    """The live router over `replicas` (2 requests on each), built with Serve's `request_router_kwargs`
+    (`settings`: fields of the router section)."""
     router = offline_router(LoraAffinityRouter, APP)
-    router.initialize_state(miss_cost=MISS_COST, placement_ttl_s=5.0, clock=FakeClock(0.0), **settings)
+    section = {"router_miss_cost": MISS_COST, "router_placement_ttl_s": 5.0, **settings}
+    router.initialize_state(router=section, clock=FakeClock(0.0))
     router.update_replicas(replicas)
     for r in replicas:
         router.on_new_queue_len_info(r.replica_id, 2)
@@ -226,8 +229,8 @@ async def test_with_prefix_aware_routing_off_the_live_router_ignores_the_cached_
     replicas = [replica("r0"), replica("r1"), replica("r2", chat)]
     next_turn = CHAT + list(range(9000, 9040))
     app_kwargs = replica_options(ServeConfig(prefix_aware_routing=False))["request_router_config"]
-    router = live_router(replicas, **{k: v for k, v in app_kwargs.request_router_kwargs.items()
-                                      if k not in ("miss_cost", "placement_ttl_s")})
+    router = live_router(replicas, **{k: v for k, v in app_kwargs.request_router_kwargs["router"].items()
+                                      if k not in ("router_miss_cost", "router_placement_ttl_s")})
     ranks = await router.choose_replicas(replicas, pending(next_turn))
     assert ranks[0][0].replica_id.unique_id == "r0", (
         "adapter-only routing: the turn goes by load and id, not to r2 which caches its chat")

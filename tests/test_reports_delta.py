@@ -34,7 +34,7 @@ from lora_cluster.cluster.reports import (
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.sim import SimConfig, run
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 
 
 class FakeClock:
@@ -233,7 +233,7 @@ def test_the_live_reporter_sends_one_report_for_a_burst_of_finishes() -> None:
 
 
 def test_the_simulated_replicas_report_at_most_once_per_window_plus_their_period() -> None:
-    serve = ServeSettings(controller_report_coalesce_s=0.25, controller_report_period_s=0.5)
+    serve = ServeSections().with_fields(controller_report_coalesce_s=0.25, controller_report_period_s=0.5)
     result = run(SimConfig(nodes=4, adapters=40, load=2.0, duration=20, warmup=5, seed=1, max_loras=4,
                            profile="gpu", serve=serve))
     figures = result.to_json()["control_plane"]

@@ -45,7 +45,7 @@ def router_on_fake_clocks(monkeypatch: pytest.MonkeyPatch) -> Clocks:
     one-element list) the test moves apart; two free replicas r1 and r2."""
     router = offline_router(LoraAffinityRouter, APP)
     clock = FakeClock(100.0)
-    router.initialize_state(placement_ttl_s=TTL_S, clock=clock)
+    router.initialize_state(router={"router_placement_ttl_s": TTL_S}, clock=clock)
     wall = [1_800_000_000.0]
     monkeypatch.setattr(time, "time", lambda: wall[0])
     return router, clock, wall, [replica("r1"), replica("r2")]

@@ -41,7 +41,8 @@ def pending(adapter_id: str) -> SimpleNamespace:
 
 def new_router() -> LoraAffinityRouter:
     router = offline_router(LoraAffinityRouter, APP)
-    router.initialize_state(miss_cost=4.0, placement_ttl_s=5.0, clock=FakeClock(0.0))
+    router.initialize_state(router={"router_miss_cost": 4.0, "router_placement_ttl_s": 5.0},
+                            clock=FakeClock(0.0))
     return router
 
 

@@ -264,7 +264,7 @@ def test_serve_config_reads_the_environment_and_explicit_args_win(monkeypatch):
     monkeypatch.setenv("LORA_CLUSTER_NUM_REPLICAS", "3")
     monkeypatch.setenv("LORA_CLUSTER_MAX_LORAS", "5")
     assert ServeConfig().num_replicas == 3, "a serving field is read from LORA_CLUSTER_<FIELD>"
-    assert ServeConfig().max_loras == 5, "an engine field is read from LORA_CLUSTER_<FIELD>"
+    assert ServeConfig().engine.max_loras == 5, "an engine field is read from LORA_CLUSTER_<FIELD>"
     assert ServeConfig(num_replicas=2).num_replicas == 2, "an explicit argument wins over the environment"
     assert ServeConfig().model == "demo", "the default model is the demo zoo"
     with pytest.raises(ValueError):
@@ -279,7 +279,8 @@ def test_build_app_graph_without_starting_ray(tmp_path):
     assert opts["num_replicas"] == 3, "num_replicas sets the replica deployment's size"
     assert opts["ray_actor_options"]["num_gpus"] == 0.5, "num_gpus is each replica's GPU share"
     assert router.request_router_class.endswith("LoraAffinityRouter"), "the replicas use the affinity router"
-    assert router.request_router_kwargs["miss_cost"] == 2, "router_miss_cost reaches the router"
+    section = router.request_router_kwargs["router"]
+    assert section["router_miss_cost"] == 2, "router_miss_cost reaches the router"
     assert json.dumps(router.request_router_kwargs), "the router kwargs are JSON-serialisable, as Serve needs"
 
 

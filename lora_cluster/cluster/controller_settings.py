@@ -1,23 +1,22 @@
-"""The cluster controller's knobs (`ControllerSettings`): the `ServeConfig` fields it reads, with the
-config's defaults, and its own constants; `from_config` maps a config (or the simulator's settings)
-onto them, one of `controller_shards` shards holding its share of the queue. Pure."""
+"""The cluster controller's knobs (`ControllerSettings`): one shard's view of the config's controller
+section (`ControllerConfig`, with its defaults), and the controller's own constants; `from_config`
+maps the section onto them, one of `controller_shards` shards holding its share of the queue. Pure."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from lora_cluster.cluster.cluster_queue import Ticket
-from lora_cluster.config import serve_defaults
+from lora_cluster.config import ControllerConfig
 
-_DEFAULTS = serve_defaults()
+_DEFAULTS = ControllerConfig()
 
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    """The controller's knobs. Those that are `ServeConfig` fields default to its defaults (read
-    from the config, never copied); `from_config` maps a config onto them. The others are the
-    controller's own constants."""
+    """The controller's knobs. Those from `ControllerConfig` default to its defaults (read from the
+    section, never copied); `from_config` maps a section onto them. The others are the controller's
+    own constants."""
 
     queue_size: int = _DEFAULTS.cluster_queue_size
     aging_s: float = _DEFAULTS.cluster_queue_aging_s
@@ -51,8 +50,8 @@ class ControllerSettings:
         return 0.0 if ticket.priority == top_priority else self.holder_wait_fraction
 
     @classmethod
-    def from_config(cls, config: Any) -> ControllerSettings:
-        """From a `ServeConfig`, or anything with its field names (the simulator's settings). One of
+    def from_config(cls, config: ControllerConfig) -> ControllerSettings:
+        """From the config's controller section (`ServeConfig.controller`, the simulator's too). One of
         `controller_shards` shards holds its share of the queue and drains by its share of the rate."""
         shards = config.controller_shards
         return cls(

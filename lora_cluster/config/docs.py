@@ -2,14 +2,15 @@
 
 The docs' field tables (between `<!-- config-table: KEYS -->` and `<!-- /config-table -->`, KEYS
 naming groups of `GROUPS` or models of `NESTED`) and the commented application args of
-serve_config.yaml (every line below its `args: {}`) are rendered from `ServeConfig`,
-`SlaClassConfig` and `ReplicaGroupConfig`; tests/test_config_docs.py fails when a committed file
-differs. To change a description or a default, edit the field, then run
+serve_config.yaml (every line below its `args: {}`) are rendered from `ServeConfig` and its
+sections (`SECTIONS`), `SlaClassConfig` and `ReplicaGroupConfig`; tests/test_config_docs.py fails
+when a committed file differs. To change a description or a default, edit the field, then run
 
     python -m lora_cluster.config.docs          # rewrite the generated parts
     python -m lora_cluster.config.docs --check  # name the files that differ (exit status 1)
 
-Every field of `ServeConfig` is in exactly one group; the docs show every group.
+Every field of `ServeConfig` and of each of its sections is in exactly one group, each group in
+one section; the docs show every group.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from lora_cluster.config.control_plane import AdmissionConfig, ControllerConfig, RouterConfig
+from lora_cluster.config.engine import EngineConfig
+from lora_cluster.config.ingress import ApiConfig, MetricsConfig, TenancyConfig
 from lora_cluster.config.parsing import format_bytes, is_byte_size
-from lora_cluster.config.serve import ReplicaGroupConfig, ServeConfig, SlaClassConfig
+from lora_cluster.config.serve import FLAT, ReplicaGroupConfig, ServeConfig, SlaClassConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/serving.md", "docs/adapter-store.md")
@@ -45,80 +49,89 @@ SHOWN_DEFAULTS = {"demo_dir": "~/.cache/lora-cluster/demo-zoo"}
 class Group:
     key: str
     title: str
+    section: str  # the `ServeConfig` section whose fields these are ("": the top level)
     fields: tuple[str, ...]
     see: tuple[str, str] | None = None  # (file from the repository root, #anchor) of the prose
 
 
+SECTIONS: dict[str, type[BaseModel]] = {
+    "": ServeConfig, "engine": EngineConfig, "admission": AdmissionConfig, "router": RouterConfig,
+    "controller": ControllerConfig, "api": ApiConfig, "tenancy": TenancyConfig, "metrics": MetricsConfig,
+}
+"""Each section's model by its name; the docs walk them in this order, each section's groups together."""
+
 GROUPS = (
-    Group("model", "Model and demo zoo",
-          ("model", "served_model_name", "tool_call_parser", "demo_dir", "demo_num_adapters", "demo_size",
-           "dtype", "device")),
-    Group("engine", "Engine: adapter slots and batching",
+    Group("model", "Model and demo zoo", "",
+          ("model", "served_model_name", "demo_dir", "demo_num_adapters", "demo_size")),
+    Group("replicas", "Replicas, resources and autoscaling", "",
+          ("num_replicas", "num_cpus", "num_gpus", "ingress_num_replicas", "ingress_num_cpus",
+           "ingress_max_ongoing_requests", "autoscaling_config", "ingress_autoscaling_config"),
+          ("docs/serving.md", "autoscaling")),
+    Group("sla", "SLA classes", "",
+          ("sla_classes", "default_priority_class"),
+          ("docs/serving.md", "sla-classes")),
+    Group("groups", "Replica groups", "",
+          ("replica_groups",),
+          ("docs/serving.md", "replica-groups")),
+    Group("engine", "Engine: adapter slots and batching", "engine",
           ("max_loras", "max_lora_rank", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-           "max_waiting", "kernel", "adapter_load_workers", "max_consecutive_step_failures",
+           "max_waiting", "kernel", "dtype", "device", "adapter_load_workers",
+           "max_consecutive_step_failures",
            "less_urgent_prefill_chunk")),
-    Group("memory", "KV cache, memory sizing and LoRA kernels",
+    Group("memory", "KV cache, memory sizing and LoRA kernels", "engine",
           ("kv_block_size", "enable_prefix_caching", "num_kv_blocks", "gpu_memory_utilization",
            "adapter_pool_share", "memory_buffer_share", "lora_decode_kernel", "lora_fused_shrink",
            "lora_cpu_native"),
           ("docs/serving.md", "kv-cache-and-memory")),
-    Group("store", "Adapter store and cache tiers",
+    Group("store", "Adapter store and cache tiers", "engine",
           ("adapter_source", "adapter_store", "host_cache_bytes", "host_int8", "host_pin_memory",
            "disk_cache_dir", "disk_cache_bytes", "pinned", "preload", "negative_cache_ttl_s",
            "prefetch_window_s", "prefetch_min_requests", "fetch_retries", "fetch_backoff_s",
            "fetch_timeout_s", "encryption_key_env", "encryption_key_file", "require_encryption",
            "require_checksum", "base_model_check"),
           ("docs/adapter-store.md", "tiers")),
-    Group("rotation", "Adapter rotation and prefetch",
+    Group("rotation", "Adapter rotation and prefetch", "engine",
           ("adapter_min_steps", "adapter_wait_bounds_s", "adapter_wait_fraction", "adapter_max_wait_s",
            "adapter_prefetch_depth", "adapter_async_copy_bytes"),
           ("docs/adapter-store.md", "rotation-device-slots")),
-    Group("logprobs", "Log probabilities and merged adapters",
+    Group("logprobs", "Log probabilities and merged adapters", "engine",
           ("max_logprobs", "max_merged_adapter_ids", "max_merged_adapters", "merge_seed"),
           ("docs/serving.md", "log-probabilities")),
-    Group("structured", "Structured output",
+    Group("structured", "Structured output", "engine",
           ("guided_compile_timeout_s", "guided_grammar_cache_size"),
           ("docs/structured_output.md", "constrained-decoding-in-the-engine")),
-    Group("replicas", "Replicas, resources and autoscaling",
-          ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_requests", "max_queued_requests",
-           "ingress_num_replicas", "ingress_num_cpus", "ingress_max_ongoing_requests", "autoscaling_config",
-           "ingress_autoscaling_config"),
-          ("docs/serving.md", "autoscaling")),
-    Group("limits", "Request limits: each a 400 naming the limit (a long text prompt: prompt_truncation)",
-          ("max_prompt_tokens", "prompt_truncation", "max_new_tokens", "default_max_tokens", "max_n",
-           "max_body_bytes", "max_json_depth", "max_stop_sequences", "max_stop_length", "max_prompts",
-           "max_chat_messages"),
-          ("docs/serving.md", "input-limits")),
-    Group("routing", "Routing",
+    Group("breakers", "Overload protection: adapter protection, alerts and breakers", "engine",
+          ("breakers", "breaker_switch_warn_per_s", "breaker_switch_trip_per_s",
+           "breaker_switch_recover_per_s", "breaker_switch_recover_s", "breaker_switch_window_s",
+           "breaker_load_warn_ms", "breaker_load_trip_ms", "breaker_load_recover_ms",
+           "breaker_load_recover_loads", "breaker_source_failures",
+           "breaker_source_cooldown_s", "breaker_cooldown_s"),
+          ("docs/serving.md", "breakers")),
+    Group("admission", "Admission: requests a replica and the router hold", "admission",
+          ("max_ongoing_requests", "max_queued_requests", "admission_capacity", "admission_window_max"),
+          ("docs/serving.md", "cluster-controller")),
+    Group("routing", "Routing, and the ingress's routing-error breaker", "router",
           ("routing_stats_period_s", "router_miss_cost", "router_placement_ttl_s", "prefix_aware_routing",
-           "prefix_routing_share"),
+           "prefix_routing_share", "breaker_routing_warn", "breaker_routing_trip",
+           "breaker_routing_recover_requests"),
           ("docs/serving.md", "routing")),
-    Group("sla", "SLA classes",
-          ("sla_classes", "default_priority_class"),
-          ("docs/serving.md", "sla-classes")),
-    Group("controller", "Cluster controller: cluster queue, preemption, placement",
-          ("controller", "controller_shards", "admission_capacity", "admission_window_max",
-           "cluster_queue_size",
+    Group("controller", "Cluster controller: cluster queue, preemption, placement", "controller",
+          ("enabled", "controller_shards", "cluster_queue_size",
            "cluster_queue_aging_s", "cluster_queue_timeout_s", "cluster_queue_max_wait_s",
            "cold_shed_window_s", "cold_shed_pressure",
            "preempt_after_fraction", "top_class_preempt_after_fraction", "controller_report_period_s",
            "controller_report_coalesce_s", "controller_batch_window_s", "placement_hot_share"),
           ("docs/serving.md", "cluster-controller")),
-    Group("groups", "Replica groups",
-          ("replica_groups",),
-          ("docs/serving.md", "replica-groups")),
-    Group("breakers", "Overload protection: adapter protection, alerts and breakers",
-          ("breakers", "breaker_switch_warn_per_s", "breaker_switch_trip_per_s",
-           "breaker_switch_recover_per_s", "breaker_switch_recover_s", "breaker_switch_window_s",
-           "breaker_load_warn_ms", "breaker_load_trip_ms", "breaker_load_recover_ms",
-           "breaker_load_recover_loads", "breaker_source_failures",
-           "breaker_source_cooldown_s", "breaker_routing_warn", "breaker_routing_trip",
-           "breaker_routing_recover_requests", "breaker_cooldown_s"),
-          ("docs/serving.md", "breakers")),
-    Group("tenants", "Tenants, API keys and quotas",
+    Group("limits", "Request limits: each a 400 naming the limit (a long text prompt: prompt_truncation)",
+          "api",
+          ("max_prompt_tokens", "prompt_truncation", "max_new_tokens", "default_max_tokens", "max_n",
+           "max_body_bytes", "max_json_depth", "max_stop_sequences", "max_stop_length", "max_prompts",
+           "max_chat_messages", "tool_call_parser"),
+          ("docs/serving.md", "input-limits")),
+    Group("tenants", "Tenants, API keys and quotas", "tenancy",
           ("tenants_file", "tenants_reload_period_s", "open_routes", "quota_lease_s", "quota_ticket_ttl_s"),
           ("docs/serving.md", "tenants-and-quotas")),
-    Group("ops", "Metrics and logs",
+    Group("ops", "Metrics and logs", "metrics",
           ("metrics_max_adapter_labels", "metrics_max_tenant_labels", "metrics_label_window_s", "log_format",
            "internal_access_log"),
           ("docs/serving.md", "metrics")),
@@ -128,6 +141,24 @@ NESTED: dict[str, tuple[str, type[BaseModel]]] = {
     "replica_group": ("One entry of `replica_groups`", ReplicaGroupConfig),
 }
 _MARKER = re.compile(r"(<!-- config-table: ([a-z_, ]+) -->\n)(.*?)(<!-- /config-table -->)", re.DOTALL)
+
+
+def documented_fields(section: str) -> list[str]:
+    """The fields of a section that the docs list: all of them, except the sections themselves at
+    the top level and the engine's `model` (the top-level one)."""
+    names = list(SECTIONS[section].model_fields)
+    if section == "":
+        return [n for n in names if n not in SECTIONS]
+    return [n for n in names if not (section == "engine" and n == "model")]
+
+
+def field_cell(section: str, name: str) -> str:
+    """A field as the docs' tables name it: its path (`controller.cluster_queue_size`), with its flat
+    name (keyword, yaml key and `LORA_CLUSTER_<FLAT>`) where that differs from the field's."""
+    if not section:
+        return f"`{name}`"
+    flat = next((f for f, where in FLAT.where.items() if where == (section, name)), name)
+    return f"`{section}.{name}`" + (f" (flat: `{flat}`)" if flat != name else "")
 
 
 def default_of(model: type[BaseModel], name: str) -> object:
@@ -157,13 +188,13 @@ def _description(model: type[BaseModel], name: str) -> str:
     return " ".join((model.model_fields[name].description or "").split())
 
 
-def _rows(model: type[BaseModel], names: Sequence[str]) -> str:
+def _rows(model: type[BaseModel], names: Sequence[str], section: str = "") -> str:
     lines = ["| field | default | meaning |", "|---|---|---|"]
     for name in names:
         required = model.model_fields[name].is_required()
         default = "required" if required else f"`{_flow(shown_default(model, name))}`"
         meaning = _description(model, name).replace("|", "\\|")
-        lines.append(f"| `{name}` | {default} | {meaning} |")
+        lines.append(f"| {field_cell(section, name)} | {default} | {meaning} |")
     return "\n".join(lines)
 
 
@@ -179,8 +210,9 @@ def markdown_tables(keys: Sequence[str], doc: str) -> str:
     parts = []
     for key in keys:
         group = next((g for g in GROUPS if g.key == key), None)
+        section = ""
         if group is not None:
-            title, model, names = group.title, ServeConfig, group.fields
+            title, model, names, section = group.title, SECTIONS[group.section], group.fields, group.section
             see = f" ([more]({_link(group.see, doc)}))" if group.see else ""
         elif key in NESTED:
             title, model = NESTED[key]
@@ -189,7 +221,7 @@ def markdown_tables(keys: Sequence[str], doc: str) -> str:
             raise ValueError(f"{doc}: config-table names {key!r}, not one of {', '.join(all_keys())}")
         if len(keys) > 1:
             parts.append(f"**{title}**{see}")
-        parts.append(_rows(model, names))
+        parts.append(_rows(model, names, section))
     return "\n\n".join(parts)
 
 
@@ -212,46 +244,67 @@ def _yaml_value_lines(name: str, value: object) -> list[str]:
 
 
 def yaml_args() -> str:
-    """The commented application args of serve_config.yaml: every field at its default, by group."""
+    """The commented application args of serve_config.yaml: every field at its default, by group, each
+    section's fields under its key (`engine:`, `controller:`, ...)."""
     out = [f"{YAML_INDENT}# {line}" for line in (
         "Every field of ServeConfig at its default, generated from its description by",
         "`python -m lora_cluster.config.docs` (edit the field in lora_cluster/config/, not this).",
+        "A section's field may also be given flat, by its own name (max_loras: 16), as LORA_CLUSTER_<NAME>.",
         "Byte sizes: KiB/MiB/GiB are powers of 1024, kB/MB/GB powers of 1000.")]
-    width = YAML_WIDTH - len(YAML_INDENT) - 2 - len(DESCRIPTION_INDENT)
+    section = ""
     for group in GROUPS:
+        model, indent = SECTIONS[group.section], "  " if group.section else ""
         see = f" ({group.see[0]}#{group.see[1]})" if group.see else ""
         head = f"{YAML_INDENT}# --- {group.title}{see} "
         out.append(head + "-" * max(3, YAML_WIDTH - len(head)))
+        if group.section and group.section != section:
+            out.append(f"{YAML_INDENT}# {group.section}:")
+        section = group.section
+        width = YAML_WIDTH - len(YAML_INDENT) - 2 - len(indent) - len(DESCRIPTION_INDENT)
         for name in group.fields:
-            value = shown_default(ServeConfig, name)
-            out += [f"{YAML_INDENT}# {line}" for line in _yaml_value_lines(name, value)]
-            text = textwrap.wrap(_description(ServeConfig, name), width, break_long_words=False,
+            value = shown_default(model, name)
+            out += [f"{YAML_INDENT}# {indent}{line}" for line in _yaml_value_lines(name, value)]
+            text = textwrap.wrap(_description(model, name), width, break_long_words=False,
                                  break_on_hyphens=False)
-            examples = ServeConfig.model_fields[name].examples or []
-            for example in examples:
+            for example in model.model_fields[name].examples or []:
                 text.append("Example:")
                 text += [f"  {line}" for line in _yaml_value_lines(name, example)]
-            out += [f"{YAML_INDENT}# {DESCRIPTION_INDENT}{line}".rstrip() for line in text]
+            out += [f"{YAML_INDENT}# {indent}{DESCRIPTION_INDENT}{line}".rstrip() for line in text]
     return "\n".join(out) + "\n"
 
 
 def commented_args(text: str) -> dict[str, object]:
-    """The values of the commented args of a serve_config.yaml text (what uncommenting them gives)."""
+    """The values of the commented args of a serve_config.yaml text (what uncommenting them gives):
+    top-level fields by name, a section's fields in a dict under its name."""
     block = text.split(ARGS_LINE, 1)[1]
     prefix = f"{YAML_INDENT}# "
-    snippets: dict[str, list[str]] = {}
+    snippets: dict[tuple[str, str], list[str]] = {}
     current: list[str] | None = None
+    section, indent = "", ""
     for line in block.splitlines():
         body = line.removeprefix(prefix) if line.startswith(prefix) else ""
-        field = re.match(r"([a-z][a-z0-9_]*):", body)
-        if field and field.group(1) in ServeConfig.model_fields:
-            current = snippets.setdefault(field.group(1), [])
-            current.append(body)
-        elif current is not None and re.match(r"  \S", body):
-            current.append(body)  # a value's own continuation: a list item or a mapping entry
+        opened = re.fullmatch(r"([a-z]+):", body)
+        if opened and opened.group(1) in SECTIONS and opened.group(1):
+            section, indent, current = opened.group(1), "  ", None
+            continue
+        field = re.match(r"( {0,2})([a-z][a-z0-9_]*):", body)
+        if field and field.group(1) == "" and field.group(2) in documented_fields(""):
+            section, indent = "", ""
+        if field and field.group(1) == indent and field.group(2) in documented_fields(section):
+            current = snippets.setdefault((section, field.group(2)), [])
+            current.append(body.removeprefix(indent))
+        elif current is not None and re.match(indent + r"  \S", body):
+            current.append(body.removeprefix(indent))  # a value's continuation: a list item or mapping entry
         else:
             current = None
-    return {name: yaml.safe_load("\n".join(lines))[name] for name, lines in snippets.items()}
+    values: dict[str, object] = {}
+    for (where, name), lines in snippets.items():
+        value = yaml.safe_load("\n".join(lines))[name]
+        if where:
+            values.setdefault(where, {})[name] = value  # type: ignore[index]
+        else:
+            values[name] = value
+    return values
 
 
 def rendered(relpath: str) -> str:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from typing import Annotated, TypeVar
 
-from pydantic import BeforeValidator, ValidationError
+from pydantic import BeforeValidator, ConfigDict, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from lora_cluster.errors import ConfigError
 
 ENV_PREFIX = "LORA_CLUSTER_"
 SETTINGS = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+SECTION = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+"""A section of `ServeConfig` (config.flat_aliases reads its fields' variables)."""
 
 SI_UNITS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 IEC_UNITS = {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}

@@ -81,7 +81,7 @@ def internal_logging(config: ServeConfig) -> dict[str, Any]:
     only with `internal_access_log`. Set in code, it stands in for an application-level
     `logging_config` on these deployments (Serve applies that only where code set none); a
     per-deployment one in serve_config.yaml still overrides it."""
-    return {"enable_access_log": config.internal_access_log}
+    return {"enable_access_log": config.metrics.internal_access_log}
 
 
 def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
@@ -122,16 +122,13 @@ def replica_options(config: ServeConfig, group: ReplicaGroup | None = None) -> d
         "name": group.deployment,
         **replica_count(config, group),
         "ray_actor_options": group.ray_actor_options(),
-        "max_ongoing_requests": config.max_ongoing_requests,
-        "max_queued_requests": config.max_queued_requests,
+        "max_ongoing_requests": config.admission.max_ongoing_requests,
+        "max_queued_requests": config.admission.max_queued_requests,
         "request_router_config": RequestRouterConfig(
             request_router_class=LoraAffinityRouter,
-            request_router_kwargs={"miss_cost": config.router_miss_cost,
-                                   "placement_ttl_s": config.router_placement_ttl_s,
-                                   "prefix_aware_routing": config.prefix_aware_routing,
-                                   "prefix_routing_share": config.prefix_routing_share},
-            request_routing_stats_period_s=config.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(5.0, 5 * config.routing_stats_period_s),
+            request_router_kwargs={"router": config.router.model_dump()},
+            request_routing_stats_period_s=config.router.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * config.router.routing_stats_period_s),
         ),
     }
 
@@ -147,9 +144,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     for group in replica_groups(config):  # each group: its own replicas and cluster controller
         fields = configs[group.name].model_dump(exclude_unset=False)
         controller: Application | list[Application] | None = None
-        if config.controller:  # every waiting request holds one call to it: room for the whole queue
-            room = config.cluster_queue_size + 4096
-            n = config.controller_shards
+        if config.controller.enabled:  # every waiting request holds one call to it: room for the whole queue
+            room = config.controller.cluster_queue_size + 4096
+            n = config.controller.controller_shards
             shards = [ClusterController.options(name=shard_deployment(group.controller, k),
                                                 max_ongoing_requests=room,
                                                 logging_config=internal_logging(config)).bind(fields, k, n)
@@ -165,13 +162,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
     ledger = None
-    if config.tenants_file is not None:  # check the file now (a broken one stops the start here)
-        read_tenants(config.tenants_file, build_sla_classes(config).names)
-        ledger = QuotaLedger.options(logging_config=internal_logging(config)).bind(config.quota_ticket_ttl_s)
+    if config.tenancy.tenants_file is not None:  # check the file now (a broken one stops the start here)
+        read_tenants(config.tenancy.tenants_file, build_sla_classes(config).names)
+        ledger = QuotaLedger.options(logging_config=internal_logging(config)).bind(
+            config.tenancy.quota_ticket_ttl_s)
     registry = hub = None
     if several_ingresses(config):
         registry = AdapterRegistry.options(logging_config=internal_logging(config)).bind()
         hub = MetricsHub.options(logging_config=internal_logging(config)).bind(
-            config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
-            config.metrics_label_window_s)
+            config.metrics.metrics_max_adapter_labels, config.metrics.metrics_max_tenant_labels,
+            config.metrics.metrics_label_window_s)
     return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub)

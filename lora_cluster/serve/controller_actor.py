@@ -61,13 +61,14 @@ log = logging.getLogger(__name__)
 class ClusterController:
     def __init__(self, config: dict[str, Any], shard: int = 0, shards: int = 1):
         cfg = ServeConfig(**config)  # the app's resolved fields (the environment was applied there)
-        settings = ControllerSettings.from_config(cfg)
+        settings = ControllerSettings.from_config(cfg.controller)
         self.core = Controller(build_sla_classes(cfg), settings, clock=time.monotonic)
-        self._prefix_aware = cfg.prefix_aware_routing  # off: grants ignore prompt prefixes
+        self._prefix_aware = cfg.router.prefix_aware_routing  # off: grants ignore prompt prefixes
         self._waiters: dict[str, asyncio.Future[Grant | Refusal]] = {}
         self._parked_by: collections.Counter[str] = collections.Counter()  # ingress -> its waiting tickets
         self._ticker: asyncio.Task[None] | None = None
-        self._window = BatchWindow(self.core.park_many, self.core.dispatch, cfg.controller_batch_window_s,
+        self._window = BatchWindow(self.core.park_many, self.core.dispatch,
+                                   cfg.controller.controller_batch_window_s,
                                    after=self._deliver)
         self.shard, self.shards = shard, shards
 

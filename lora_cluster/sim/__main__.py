@@ -37,11 +37,11 @@ import sys
 
 from lora_cluster.sim.bases import node_shares
 from lora_cluster.sim.chats import ChatSettings
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
-_SERVE = ServeSettings()
+_SERVE = ServeSections()
 
 
 def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
@@ -70,14 +70,14 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--system-tokens", type=int, default=1000,
                     help="chats: tokens of each adapter's system prompt")
     ap.add_argument("--prefix-routing", choices=("on", "off"),
-                    default="on" if _SERVE.prefix_aware_routing else "off",
+                    default="on" if _SERVE.router.prefix_aware_routing else "off",
                     help="chats: rank replicas by prompt prefix too (off: adapter-only routing)")
     ap.add_argument("--bases", type=int, default=1,
                     help="base models: the nodes split into this many replica groups, one base each, "
                     "adapter i under base i %% K (sim.bases)")
     ap.add_argument("--base-nodes", default="",
                     help="each base's nodes, comma-separated, adding up to --nodes (default: equal shares)")
-    ap.add_argument("--controller-shards", type=int, default=_SERVE.controller_shards,
+    ap.add_argument("--controller-shards", type=int, default=_SERVE.controller.controller_shards,
                     help="cluster controller shards (controller_shards: the queue and grants split by "
                     "a hash of the adapter; control_plane gives the busiest shard's CPU)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -106,8 +106,8 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
                        profile=a.profile, preload=a.preload, chats=chats, bases=bases, base_nodes=base_nodes,
-                       serve=ServeSettings(prefix_aware_routing=a.prefix_routing == "on",
-                                           controller_shards=a.controller_shards))
+                       serve=ServeSections().with_fields(prefix_aware_routing=a.prefix_routing == "on",
+                                                         controller_shards=a.controller_shards))
     return config, a.json
 
 

@@ -30,8 +30,8 @@ class _ServeQueue(ABC):
 
     def __init__(self, ctx: SimContext):
         self.ctx, self.loop, self.replicas, self.metrics = ctx, ctx.loop, ctx.replicas, ctx.metrics
-        self.max_ongoing = ctx.serve.max_ongoing_requests
-        self.max_queued = ctx.serve.max_queued_requests
+        self.max_ongoing = ctx.serve.admission.max_ongoing_requests
+        self.max_queued = ctx.serve.admission.max_queued_requests
         self.ids = sorted(ctx.replicas)
         self.open: list[str] = list(self.ids)  # replicas with room, in no particular order
         self._pos = {rid: k for k, rid in enumerate(self.open)}

@@ -4,7 +4,7 @@ chat workload (`sim.chats`), the table of docs/prefix_caching.md ("The simulator
     python -m lora_cluster.sim.experiments chats --nodes 32 --adapters 64 --chats 1600 --turns 8 \
         --think 5 --duration 120 [--profile gpu|cpu|PATH] [--set prefix_routing_share=0.25] [--save runs.json]
 
-Each run is `simulation.run` of the `lora-cluster` policy with `ServeSettings.prefix_aware_routing`
+Each run is `simulation.run` of the `lora-cluster` policy with `RouterConfig.prefix_aware_routing`
 on, then off (the same chats: one seed), every other setting the shipped default unless `--set`
 changes it. A row: turns answered and refused, the cached-token share (prompt tokens of measured
 answered turns found in their replica's prefix cache), requests answered per replica (min / mean /
@@ -20,11 +20,11 @@ import sys
 from typing import Any
 
 from lora_cluster.sim.chats import ChatSettings
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.simulation import SimConfig, run
 
 
-def chat_runs(args: argparse.Namespace, serve: ServeSettings) -> list[dict[str, Any]]:
+def chat_runs(args: argparse.Namespace, serve: ServeSections) -> list[dict[str, Any]]:
     """Prefix-aware, then adapter-only routing; each run as {config, result, details}."""
     chats = ChatSettings(sessions=args.chats, turns=args.turns, think_s=args.think,
                          system_tokens=args.system_tokens)
@@ -33,11 +33,11 @@ def chat_runs(args: argparse.Namespace, serve: ServeSettings) -> list[dict[str, 
         config = SimConfig(nodes=args.nodes, adapters=args.adapters, zipf=args.zipf, duration=args.duration,
                            warmup=args.warmup, seed=args.seed, max_loras=args.max_loras, profile=args.profile,
                            preload=args.preload or 0, chats=chats,
-                           serve=dataclasses.replace(serve, prefix_aware_routing=aware))
+                           serve=serve.with_fields(prefix_aware_routing=aware))
         result = run(config)
         print(f"# prefix-aware {aware}: wall {result.wall_s:.1f} s", file=sys.stderr, flush=True)
         runs.append({"config": {k: v for k, v in dataclasses.asdict(config).items() if k != "serve"},
-                     "serve": dataclasses.asdict(config.serve), "result": result.to_json(),
+                     "serve": config.serve.to_json(), "result": result.to_json(),
                      "details": result.details})
     return runs
 

@@ -89,18 +89,19 @@ class LoraClusterPolicy:
 
     def __init__(self, ctx: SimContext):
         self.ctx, self.loop, self.replicas, self.metrics = ctx, ctx.loop, ctx.replicas, ctx.metrics
-        s = ctx.serve
-        self.sharded = None if s.controller_shards <= 1 else ShardedController(
-            ctx.classes, s.controller_settings(), shards=s.controller_shards, clock=ctx.loop.clock,
+        s, router, admission, control = ctx.serve, ctx.serve.router, ctx.serve.admission, ctx.serve.controller
+        self.sharded = None if control.controller_shards <= 1 else ShardedController(
+            ctx.classes, s.controller_settings(), shards=control.controller_shards, clock=ctx.loop.clock,
             measure_from=ctx.metrics.measure_from)
         self.controller = self.sharded if self.sharded is not None else Controller(
             ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
-        self.routing = AffinityRouting(ctx.replicas, miss_cost=s.router_miss_cost,
-                                       placement_ttl_s=s.router_placement_ttl_s, clock=ctx.loop.clock,
-                                       prefix_share=s.prefix_routing_share)
-        self.capacity = {rid: s.admission_capacity or r.max_num_seqs for rid, r in ctx.replicas.items()}
-        self.windows = {rid: AdmissionWindow(window_limit(s.admission_window_max, s.max_ongoing_requests,
-                                                          self.capacity[rid]))
+        self.routing = AffinityRouting(ctx.replicas, miss_cost=router.router_miss_cost,
+                                       placement_ttl_s=router.router_placement_ttl_s, clock=ctx.loop.clock,
+                                       prefix_share=router.prefix_routing_share)
+        self.capacity = {rid: admission.admission_capacity or r.max_num_seqs
+                         for rid, r in ctx.replicas.items()}
+        self.windows = {rid: AdmissionWindow(window_limit(admission.admission_window_max,
+                                                          admission.max_ongoing_requests, self.capacity[rid]))
                         for rid in ctx.replicas}
         self._reported = dict.fromkeys(ctx.replicas, 0)  # ongoing as of each replica's last routing stats
         self._inflight = dict.fromkeys(ctx.replicas, 0)  # the ingress's requests running on each replica
@@ -113,14 +114,14 @@ class LoraClusterPolicy:
         self._window_tickets: list[Ticket] = []  # parked in the current batch window (timeouts: once sent)
         # the controller's batch window: the live actor's composition (`cluster.batch_window`) on the
         # simulated clock; at 0 (the default) each input is sent at once (see `_on_sim_clock`)
-        self.window = BatchWindow(self._park_window, self._dispatch_window, s.controller_batch_window_s,
+        self.window = BatchWindow(self._park_window, self._dispatch_window, control.controller_batch_window_s,
                                   self._on_sim_clock, after=self._window_sent)
         self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
         self._report_version = dict.fromkeys(ctx.replicas, 0)
-        self.pacers = {rid: ReportPacer(period_s=s.controller_report_period_s,
-                                        coalesce_s=s.controller_report_coalesce_s, clock=ctx.loop.clock)
+        self.pacers = {rid: ReportPacer(period_s=control.controller_report_period_s,
+                                        coalesce_s=control.controller_report_coalesce_s, clock=ctx.loop.clock)
                        for rid in ctx.replicas}
         self.encoders = {rid: ReportEncoder(clock=ctx.loop.clock) for rid in ctx.replicas}
         self.controller_s = self.router_s = 0.0
@@ -137,8 +138,8 @@ class LoraClusterPolicy:
     def start(self) -> None:
         s, n = self.ctx.serve, len(self.replicas)
         for i, rid in enumerate(sorted(self.replicas)):
-            self._schedule_report(rid, s.controller_report_period_s * i / n)
-            self.loop.at(s.routing_stats_period_s * i / n, self._stats_tick, rid, i == 0)
+            self._schedule_report(rid, s.controller.controller_report_period_s * i / n)
+            self.loop.at(s.router.routing_stats_period_s * i / n, self._stats_tick, rid, i == 0)
         self.loop.at(0.0, self._tick)
         self.loop.at(0.0, self._fetch_placement)
 
@@ -172,7 +173,7 @@ class LoraClusterPolicy:
         self._steady = (self._measured[0], self._measured[1], self.loop.now)
         if self.sharded is not None:
             self._shards_steady = tuple(self.sharded.cpu_s)
-        prefix = req.prefix if self.ctx.serve.prefix_aware_routing else ()  # off: adapter-only routing
+        prefix = req.prefix if self.ctx.serve.router.prefix_aware_routing else ()  # off: adapter-only routing
         if self.has_room():
             self.fast += 1
             self._unassigned += 1
@@ -225,7 +226,7 @@ class LoraClusterPolicy:
         """After a window: deliver the grants decided, and time out the window's tickets that wait."""
         self._deliver()
         tickets, self._window_tickets = self._window_tickets, []
-        timeout = self.ctx.serve.cluster_queue_timeout_s
+        timeout = self.ctx.serve.controller.cluster_queue_timeout_s
         for ticket in tickets:
             if ticket.ticket_id in self._tickets:
                 self.loop.at(ticket.enqueued_at + timeout, self._timeout, ticket.ticket_id)
@@ -324,7 +325,7 @@ class LoraClusterPolicy:
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
         built = replica.report(self._taken(replica_id), now, arrived)
         sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
-        batched = self.ctx.serve.controller_batch_window_s > 0
+        batched = self.ctx.serve.controller.controller_batch_window_s > 0
         reply = self._call("report", self.controller.report, sent, not batched)
         if batched:  # its room is granted when the window is sent, and its reply's depth set then
             self.window.on_sent(partial(self._reply_depth, replica_id))
@@ -348,7 +349,7 @@ class LoraClusterPolicy:
 
     def _fetch_placement(self) -> None:
         self.routing.placement = self._call("placement", self.controller.placement)
-        self.loop.after(self.ctx.serve.controller_report_period_s, self._fetch_placement)
+        self.loop.after(self.ctx.serve.controller.controller_report_period_s, self._fetch_placement)
 
     def refresh_stats(self, replica_id: str) -> None:
         """The replica's routing stats arrive at the router and the ingress's admission check."""
@@ -361,7 +362,7 @@ class LoraClusterPolicy:
         self.refresh_stats(replica_id)
         if prune:
             self.routing.prune()
-        self.loop.after(self.ctx.serve.routing_stats_period_s, self._stats_tick, replica_id, prune)
+        self.loop.after(self.ctx.serve.router.routing_stats_period_s, self._stats_tick, replica_id, prune)
 
     def details(self) -> dict[str, object]:
         c = self.controller

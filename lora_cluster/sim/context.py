@@ -1,53 +1,51 @@
 """What every routing policy of the simulator is given: the clock, the replicas, the metrics, and the
-serving settings, read from `ServeConfig`'s defaults so that the simulator runs what a user gets."""
+control plane's config sections whole (`ServeSections`: the router's, admission's and the cluster
+controller's, at their defaults unless given), so that the simulator runs what a user gets."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from lora_cluster.cluster.controller import ControllerSettings
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.config import serve_defaults
+from lora_cluster.config import AdmissionConfig, ControllerConfig, RouterConfig
+from lora_cluster.config.serve import FLAT
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.workload import SimRequest
 
-_DEFAULTS = serve_defaults()
-
 
 @dataclass(frozen=True)
-class ServeSettings:
-    """The serving knobs the policies read (defaults: those of `ServeConfig`)."""
+class ServeSections:
+    """The config sections the simulated control plane runs, whole: the router's, admission's and the
+    cluster controller's (`ServeConfig.router`, `.admission`, `.controller`), at their defaults unless
+    given, exactly what `serve.app` hands the live owners."""
 
-    max_ongoing_requests: int = _DEFAULTS.max_ongoing_requests
-    max_queued_requests: int = _DEFAULTS.max_queued_requests
-    routing_stats_period_s: float = _DEFAULTS.routing_stats_period_s
-    router_miss_cost: float = _DEFAULTS.router_miss_cost
-    router_placement_ttl_s: float = _DEFAULTS.router_placement_ttl_s
-    prefix_aware_routing: bool = _DEFAULTS.prefix_aware_routing
-    prefix_routing_share: float = _DEFAULTS.prefix_routing_share
-    admission_capacity: int | None = _DEFAULTS.admission_capacity
-    admission_window_max: int | None = _DEFAULTS.admission_window_max
-    cluster_queue_size: int = _DEFAULTS.cluster_queue_size
-    cluster_queue_aging_s: float = _DEFAULTS.cluster_queue_aging_s
-    cluster_queue_timeout_s: float = _DEFAULTS.cluster_queue_timeout_s
-    cluster_queue_max_wait_s: float = _DEFAULTS.cluster_queue_max_wait_s
-    cold_shed_window_s: float = _DEFAULTS.cold_shed_window_s
-    cold_shed_pressure: float = _DEFAULTS.cold_shed_pressure
-    preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
-    top_class_preempt_after_fraction: float | None = _DEFAULTS.top_class_preempt_after_fraction
-    controller_report_period_s: float = _DEFAULTS.controller_report_period_s
-    controller_report_coalesce_s: float = _DEFAULTS.controller_report_coalesce_s
-    controller_batch_window_s: float = _DEFAULTS.controller_batch_window_s
-    placement_hot_share: float = _DEFAULTS.placement_hot_share
-    controller_shards: int = _DEFAULTS.controller_shards
+    router: RouterConfig = field(default_factory=RouterConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def with_fields(self, **flat: object) -> ServeSections:
+        """These sections with fields set by their flat names (`prefix_aware_routing=False`,
+        `controller_shards=2`; see config.flat_aliases); raises ValueError naming an unknown one."""
+        nested = FLAT.nest(flat)
+        unknown = sorted(set(nested) - {"router", "admission", "controller"})
+        if unknown:
+            raise ValueError(f"unknown setting {unknown[0]!r}: not a router, admission or controller field")
+        sections = {name: getattr(self, name) for name in ("router", "admission", "controller")}
+        return ServeSections(**{name: type(s).model_validate({**s.model_dump(), **nested.get(name, {})})
+                                for name, s in sections.items()})
 
     def controller_settings(self) -> ControllerSettings:
-        """As `serve.controller_actor` maps a ServeConfig."""
-        return ControllerSettings.from_config(self)
+        """As `serve.controller_actor` maps its config's controller section."""
+        return ControllerSettings.from_config(self.controller)
+
+    def to_json(self) -> dict[str, dict[str, object]]:
+        return {"router": self.router.model_dump(), "admission": self.admission.model_dump(),
+                "controller": self.controller.model_dump()}
 
 
 @dataclass
@@ -56,7 +54,7 @@ class SimContext:
     replicas: dict[str, SimReplica]
     metrics: Metrics
     classes: SlaClasses
-    serve: ServeSettings
+    serve: ServeSections
     rng: random.Random  # the policies' own randomness (power of two choices), seeded
 
 

@@ -42,7 +42,6 @@ figures. Each run is `simulation.run`, one after another.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import statistics
@@ -57,7 +56,7 @@ from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.sim import chat_table
 from lora_cluster.sim import grid as acceptance
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 
 ORDER = ("lora-cluster", "serve-multiplex", "round-robin")
@@ -88,16 +87,17 @@ def base_nodes(spec: str) -> tuple[int, ...]:
         raise SystemExit(f"--base-nodes: comma-separated node counts, got {spec!r}") from None
 
 
-def serve_settings(pairs: list[str]) -> ServeSettings:
-    """ServeSettings with `name=value` overrides (e.g. cluster_queue_aging_s=60)."""
-    fields = {f.name: f.type for f in dataclasses.fields(ServeSettings)}
+def serve_settings(pairs: list[str]) -> ServeSections:
+    """The control plane's sections with `name=value` overrides by flat name (e.g.
+    cluster_queue_aging_s=60); the sections validate each value."""
     values: dict[str, Any] = {}
     for pair in pairs:
         name, _, raw = pair.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--set: unknown setting {name!r}; one of {', '.join(fields)}")
-        values[name] = float(raw) if "." in raw or "e" in raw else int(raw)
-    return ServeSettings(**values)
+        values[name] = raw
+    try:
+        return ServeSections().with_fields(**values)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
 
 
 def _f(value: float | None, digits: int = 2) -> str:

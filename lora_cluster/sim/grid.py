@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lora_cluster.sim.context import ServeSettings
+from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.simulation import SimConfig, run
 
 SIZES = ((32, 1000), (24, 1500))
@@ -59,7 +59,7 @@ class Common:
     profile: str = "gpu"
     preload: int | None = None  # adapters in every node's store at start (None: all of them)
     max_loras: int = 16
-    serve: ServeSettings = field(default_factory=ServeSettings)
+    serve: ServeSections = field(default_factory=ServeSections)
 
 
 def cells(sizes: tuple[tuple[int, int], ...] = SIZES, zipfs: tuple[float, ...] = ZIPFS,

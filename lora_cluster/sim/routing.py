@@ -9,7 +9,7 @@ every change of a replica's ongoing count (`changed`), its routing stats as they
 (`rank_replicas` over every replica's view, as `tests/test_cluster_sim.py` checks). A request's
 prompt routing keys (`SimRequest.prefix`, chats only) are ranked with it as the live router ranks
 `GenerateJob.routing_prefix`, against the prefixes each replica reports (`SimReplica.prefixes`), with
-`ServeSettings.prefix_routing_share`; the policy passes none with `prefix_aware_routing` off.
+`RouterConfig.prefix_routing_share`; the policy passes none with `prefix_aware_routing` off.
 """
 
 from __future__ import annotations

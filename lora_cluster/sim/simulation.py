@@ -29,7 +29,7 @@ from lora_cluster.sim.bases import BaseFigures, BaseSplit, GroupedPolicy, base_n
 from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
-from lora_cluster.sim.context import Policy, ServeSettings, SimContext
+from lora_cluster.sim.context import Policy, ServeSections, SimContext
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics, SimResult
 from lora_cluster.sim.popularity import zipf_share
@@ -58,7 +58,7 @@ class SimConfig:
     preload: int = 0  # the most popular adapters every node's store holds at start (see `NodeStore.preload`)
     mix: tuple[tuple[str, float], ...] = DEFAULT_MIX
     drain_limit_s: float = 600.0
-    serve: ServeSettings = field(default_factory=ServeSettings)
+    serve: ServeSections = field(default_factory=ServeSections)
     chats: ChatSettings | None = None  # multi-turn chats instead of Poisson arrivals (`sim.chats`)
     bases: int = 1  # replica groups, one base model each (`sim.bases`); 1: one base, as before
     base_nodes: tuple[int, ...] = ()  # each group's nodes (empty: equal shares of `nodes`)
@@ -211,7 +211,7 @@ class Simulation:
         if "bases" in details:
             result.bases = details["bases"]
         if self.chats is not None:
-            s = c.serve
+            s = c.serve.router
             result.chats = {**dataclasses.asdict(c.chats), "prefix_aware_routing": s.prefix_aware_routing,
                             "prefix_routing_share": s.prefix_routing_share,
                             **self.metrics.chat_figures(self.replicas)}

@@ -107,8 +107,8 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
                   openapi_url=None, docs_url=None, redoc_url=None)  # served as app routes (http.openapi)
     install_handlers(app)
     app.add_middleware(CallerMiddleware)  # closes each request's Caller once its response is over
-    app.add_middleware(BodyLimitsMiddleware, max_bytes=ctx.config.max_body_bytes,
-                       max_depth=ctx.config.max_json_depth)
+    app.add_middleware(BodyLimitsMiddleware, max_bytes=ctx.config.api.max_body_bytes,
+                       max_depth=ctx.config.api.max_json_depth)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(RequestIdMiddleware, echo=echo_request_id)  # outermost: every line has the id
     app.include_router(openai_router(ctx))

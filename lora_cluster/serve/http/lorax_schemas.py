@@ -81,8 +81,8 @@ class LoraxParameters(Body):
         """LoRAX's rules for best_of above 1: sampling, no seed, no stream; and at most max_n."""
         if self.candidates == 1:
             return
-        if self.candidates > limits.max_n:
-            raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.max_n} (max_n)")
+        if self.candidates > limits.api.max_n:
+            raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.api.max_n} (max_n)")
         if not self.sampled:
             raise bad_request("best_of above 1 needs sampling: do_sample, or a temperature, top_k or top_p")
         if self.seed is not None:
@@ -107,7 +107,7 @@ class LoraxParameters(Body):
 
     def sampling(self, limits: ServeConfig) -> tuple[SamplingParams, int | None]:
         """Engine parameters, and the seed to report (TGI reports the seed of every sampled request)."""
-        max_new = self.max_new_tokens if self.max_new_tokens is not None else limits.default_max_tokens
+        max_new = self.max_new_tokens if self.max_new_tokens is not None else limits.api.default_max_tokens
         check_max_tokens(max_new, limits, "max_new_tokens")
         seed = None
         if self.sampled:

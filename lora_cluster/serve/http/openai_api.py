@@ -163,7 +163,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         prompt = await ctx.tokens.encode_chat(body.conversation(), use.template_tools(), base)
         parser = ctx.tokens.tool_parser(base)
         reader = partial(tool_calls.reader_for, use.mode, parser, use.name, use.parallel)
-        return await run(body, "/v1/chat/completions", [prompt], ctx.config.default_max_tokens, "chat", sla,
+        default = ctx.config.api.default_max_tokens
+        return await run(body, "/v1/chat/completions", [prompt], default, "chat", sla,
                          caller, base, reader=reader)
 
     @router.get("/v1/models", responses=openapi.LISTING)

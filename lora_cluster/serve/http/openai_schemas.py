@@ -116,8 +116,8 @@ class _OpenAISampling(Body):
     def _check_shared(self, limits: ServeConfig) -> None:
         """What both routes check: best_of (at most max_n), the output constraint (at most one) and
         merged_adapters only onto the base model (`merge_of`)."""
-        if self.best_of is not None and self.best_of > limits.max_n:
-            raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.max_n} (max_n)")
+        if self.best_of is not None and self.best_of > limits.api.max_n:
+            raise bad_request(f"best_of={self.best_of} exceeds the limit of {limits.api.max_n} (max_n)")
         _ = self.output_constraint
 
     @property
@@ -216,8 +216,8 @@ class CompletionRequest(_OpenAISampling):
             raise bad_request("unsupported parameter(s): suffix", code="unsupported_parameter")
         check_n(self.n, limits)
         count = len(self.prompts())
-        if count > limits.max_prompts:
-            raise bad_request(f"{count} prompts exceed the limit of max_prompts={limits.max_prompts}")
+        if count > limits.api.max_prompts:
+            raise bad_request(f"{count} prompts exceed the limit of max_prompts={limits.api.max_prompts}")
 
 
 class TextPart(Body):
@@ -272,9 +272,9 @@ class ChatCompletionRequest(_OpenAISampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def check(self, limits: ServeConfig) -> None:
-        if len(self.messages) > limits.max_chat_messages:
+        if len(self.messages) > limits.api.max_chat_messages:
             raise bad_request(f"{len(self.messages)} messages exceed the limit of "
-                              f"max_chat_messages={limits.max_chat_messages}")
+                              f"max_chat_messages={limits.api.max_chat_messages}")
         self._check_shared(limits)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true (logprobs is "

@@ -46,9 +46,9 @@ def prompt_limit(config: ServeConfig, tokenizer: Any) -> int:
     of the top level's and the replica groups' own: an engine still refuses over its own), at most the
     model's context less one."""
     groups = (group.engine.get("max_model_len", 0) for group in config.replica_groups)
-    limit = max([config.max_model_len, *groups]) - 1
-    if config.max_prompt_tokens is not None:
-        limit = min(limit, config.max_prompt_tokens)
+    limit = max([config.engine.max_model_len, *groups]) - 1
+    if config.api.max_prompt_tokens is not None:
+        limit = min(limit, config.api.max_prompt_tokens)
     context = getattr(tokenizer, "model_max_length", None)
     if isinstance(context, int) and 1 < context < _NO_CONTEXT:
         limit = min(limit, context - 1)
@@ -66,8 +66,8 @@ def chat_limits(config: ServeConfig, limit: int, max_tools: int, render: Render)
         one, two = (len(render([SHORT_MESSAGE] * k, None)) for k in (1, 2))
         with_tools = [len(render([SHORT_MESSAGE], [BARE_TOOL] * k)) for k in (1, 2)]
     except Exception:  # no template, or one with rules of its own: the configured limits alone
-        return ChatLimits(config.max_chat_messages, max_tools)
+        return ChatLimits(config.api.max_chat_messages, max_tools)
     per_message, per_tool = two - one, with_tools[1] - with_tools[0]
-    messages = _fits(limit // 2, one - per_message, per_message, config.max_chat_messages)
+    messages = _fits(limit // 2, one - per_message, per_message, config.api.max_chat_messages)
     tools = max_tools if per_tool <= 0 else _fits(limit // 4, 0, per_tool, max_tools)
     return ChatLimits(messages, tools)

@@ -20,7 +20,7 @@ class RequestPolicy:
     def __init__(self, config: ServeConfig, tenants: TenantsSource | None = None,
                  quotas: Quotas | None = None):
         self.sla = build_sla_classes(config)
-        self.authenticate = Authenticator(tenants, quotas, config.open_routes)  # THE auth dependency
+        self.authenticate = Authenticator(tenants, quotas, config.tenancy.open_routes)  # THE auth dependency
 
     def priority_class(self, header: str | None, priority: int | None = None,
                        caller: Caller | None = None) -> SlaClass:

@@ -34,16 +34,16 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     if vocab_size is not None:
         token["maximum"] = vocab_size - 1
     ids = {"type": "array", "minItems": 1, "maxItems": prompt_tokens, "items": token}
-    stop = {"maxLength": limits.max_stop_length, "maxItems": limits.max_stop_sequences,
-            "items": {"type": "string", "maxLength": limits.max_stop_length}}
+    stop = {"maxLength": limits.api.max_stop_length, "maxItems": limits.api.max_stop_sequences,
+            "items": {"type": "string", "maxLength": limits.api.max_stop_length}}
     token_key = TOKEN_ID_KEY if vocab_size is None else token_ids_below(vocab_size)  # logit_bias keys
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         body = components[name]
         props = body["properties"]
-        props["max_tokens"]["maximum"] = limits.max_new_tokens
-        props["n"]["maximum"] = limits.max_n
+        props["max_tokens"]["maximum"] = limits.api.max_new_tokens
+        props["n"]["maximum"] = limits.api.max_n
         props["stop"].update(stop)
-        next(s for s in props["best_of"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.max_n
+        next(s for s in props["best_of"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.api.max_n
         bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")
         bias.clear()
         bias.update({"type": "object", "maxProperties": LOGIT_BIAS_MAX_TOKENS,
@@ -52,44 +52,44 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
                                               "maximum": LOGIT_BIAS_LIMIT}})
         body["dependentSchemas"] = rules.openai_rules(base_models, chat=name == "ChatCompletionRequest")
     completion = components["CompletionRequest"]["properties"]
-    completion["logprobs"]["maximum"] = limits.max_logprobs
+    completion["logprobs"]["maximum"] = limits.engine.max_logprobs
     _, texts, one, many = completion["prompt"]["anyOf"]
-    texts["maxItems"] = limits.max_prompts
+    texts["maxItems"] = limits.api.max_prompts
     one.update(ids)
-    many.update({"maxItems": limits.max_prompts, "items": ids})
+    many.update({"maxItems": limits.api.max_prompts, "items": ids})
     longer = ("keeps its last tokens (prompt_truncation: auto; the x-lora-truncated-tokens header says how "
-              "many were cut)" if limits.prompt_truncation == "auto" else "is a 400 prompt_too_long")
+              "many were cut)" if limits.api.prompt_truncation == "auto" else "is a 400 prompt_too_long")
     completion["prompt"]["description"] += (f" A prompt has at most {prompt_tokens} tokens "
                                             f"(max_prompt_tokens; a longer text {longer}).")
     chat_body = components["ChatCompletionRequest"]
     chat = chat_body["properties"]
     chat["messages"]["maxItems"] = counts.messages
     chat["messages"]["description"] = (
-        f"At most {counts.messages} (max_chat_messages, {limits.max_chat_messages}, and as many short "
+        f"At most {counts.messages} (max_chat_messages, {limits.api.max_chat_messages}, and as many short "
         "messages as fit in half the prompt limit); rendered by the chat template, at most "
         f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation "
         + ("keeps its system messages and as many of its latest messages as fit (prompt_truncation: auto; "
            "the x-lora-truncated-tokens header says how many tokens were cut)."
-           if limits.prompt_truncation == "auto" else "is a 400 prompt_too_long)."))
+           if limits.api.prompt_truncation == "auto" else "is a 400 prompt_too_long)."))
     chat["tools"]["anyOf"][0]["maxItems"] = counts.tools
     chat["tools"]["description"] += (f" At most {counts.tools} (OpenAI's 128, and as many tools without "
                                      "parameters as fit in a quarter of the prompt limit).")
-    chat["max_completion_tokens"]["maximum"] = limits.max_new_tokens
-    chat["top_logprobs"]["maximum"] = limits.max_logprobs
+    chat["max_completion_tokens"]["maximum"] = limits.api.max_new_tokens
+    chat["top_logprobs"]["maximum"] = limits.engine.max_logprobs
     chat_body.update(rules.required_tool_choice())
     for name in ("LoraxParameters", "LoraxStreamParameters"):  # /generate_stream's: best_of only 1
         lorax = components[name]
-        lorax["properties"]["max_new_tokens"]["maximum"] = limits.max_new_tokens
-        lorax["properties"]["return_k_alternatives"]["maximum"] = limits.max_logprobs
+        lorax["properties"]["max_new_tokens"]["maximum"] = limits.api.max_new_tokens
+        lorax["properties"]["return_k_alternatives"]["maximum"] = limits.engine.max_logprobs
         lorax["properties"]["stop"].update(stop)
         lorax["dependentSchemas"] = rules.lorax_rules(base_models)
     lorax = components["LoraxParameters"]
     candidates = next(s for s in lorax["properties"]["best_of"]["anyOf"] if s.get("type") == "integer")
-    candidates["maximum"] = limits.max_n
+    candidates["maximum"] = limits.api.max_n
     for name in ("LoraxRequest", "LoraxStreamRequest"):
         components[name]["dependentSchemas"] = rules.lorax_stream_rules()
     merged = components["MergedAdaptersBody"]
-    most = limits.max_merged_adapter_ids
+    most = limits.engine.max_merged_adapter_ids
     merged["properties"]["ids"]["maxItems"] = most
     merged["properties"]["weights"]["maxItems"] = most
     merged["dependentSchemas"] = rules.merge_rules(most)

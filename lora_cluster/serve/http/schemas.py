@@ -88,7 +88,7 @@ class MergedAdaptersBody(Body):
     def spec(self, limits: ServeConfig) -> MergeSpec:
         """The validated merge (RequestError naming the field: a 400)."""
         return MergeSpec.parse(self.ids, self.weights, self.merge_strategy, self.density,
-                               self.majority_sign_method, max_ids=limits.max_merged_adapter_ids)
+                               self.majority_sign_method, max_ids=limits.engine.max_merged_adapter_ids)
 
 
 class LoadLoraAdapterRequest(Body):
@@ -103,8 +103,8 @@ class UnloadLoraAdapterRequest(Body):
 
 
 def check_max_tokens(value: int, limits: ServeConfig, field: str) -> None:
-    if value > limits.max_new_tokens:
-        raise bad_request(f"{field}={value} exceeds the limit of {limits.max_new_tokens} new tokens")
+    if value > limits.api.max_new_tokens:
+        raise bad_request(f"{field}={value} exceeds the limit of {limits.api.max_new_tokens} new tokens")
 
 
 def merge_of(merged: MergedAdaptersBody | None, named: str | None, limits: ServeConfig,
@@ -124,26 +124,26 @@ def merge_of(merged: MergedAdaptersBody | None, named: str | None, limits: Serve
 
 
 def check_logprobs(value: int | None, limits: ServeConfig, field: str) -> None:
-    if value is not None and value > limits.max_logprobs:
-        raise bad_request(f"{field}={value} exceeds the limit of {limits.max_logprobs} (max_logprobs)")
+    if value is not None and value > limits.engine.max_logprobs:
+        raise bad_request(f"{field}={value} exceeds the limit of {limits.engine.max_logprobs} (max_logprobs)")
 
 
 def check_stops(stops: list[str], limits: ServeConfig) -> list[str]:
     """`stops`, refused (400 naming the limit) when there are more than `max_stop_sequences` or one
     is longer than `max_stop_length` characters."""
-    if len(stops) > limits.max_stop_sequences:
+    if len(stops) > limits.api.max_stop_sequences:
         raise bad_request(f"{len(stops)} stop sequences exceed the limit of "
-                          f"max_stop_sequences={limits.max_stop_sequences}")
+                          f"max_stop_sequences={limits.api.max_stop_sequences}")
     longest = max((len(s) for s in stops), default=0)
-    if longest > limits.max_stop_length:
+    if longest > limits.api.max_stop_length:
         raise bad_request(f"a stop sequence of {longest} characters exceeds the limit of "
-                          f"max_stop_length={limits.max_stop_length}")
+                          f"max_stop_length={limits.api.max_stop_length}")
     return stops
 
 
 def check_n(n: int, limits: ServeConfig) -> None:
-    if n > limits.max_n:
-        raise bad_request(f"n={n} exceeds the limit of {limits.max_n}")
+    if n > limits.api.max_n:
+        raise bad_request(f"n={n} exceeds the limit of {limits.api.max_n}")
 
 
 def token_ids_below(n: int) -> str:

@@ -108,7 +108,7 @@ class Tokenization:
     def tool_parser(self, base: str | None) -> tool_calls.ParserName:
         """The tool-call parser of a base's outputs: its `tool_call_parser`, `auto` read from its chat
         template."""
-        return tool_calls.parser_for(self.config.tool_call_parser,
+        return tool_calls.parser_for(self.config.api.tool_call_parser,
                                      getattr(self.tokenizer_of(base), "chat_template", None))
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
@@ -163,7 +163,7 @@ class Tokenization:
 
     @property
     def _truncates(self) -> bool:
-        return self.config.prompt_truncation == "auto"
+        return self.config.api.prompt_truncation == "auto"
 
     def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      base: str | None) -> list[int]:

@@ -228,8 +228,8 @@ def configure(config: ServeConfig, clock: Callable[[], float] = time.monotonic) 
     """Bound the adapter and tenant labels as `config` says and learn its SLA classes (the ingress
     calls this once); every class gets its queue-depth series at 0."""
     global _labels
-    _labels = _Labels(config.metrics_max_adapter_labels, config.metrics_max_tenant_labels,
-                      config.metrics_label_window_s, build_sla_classes(config), clock)
+    _labels = _Labels(config.metrics.metrics_max_adapter_labels, config.metrics.metrics_max_tenant_labels,
+                      config.metrics.metrics_label_window_s, build_sla_classes(config), clock)
     for metric in (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, GENERATIONS, PROMPT_TOKENS,
                    PROMPT_CACHED_TOKENS, GENERATED_TOKENS, SLO_REQUESTS):
         metric.clear()  # series of an earlier configuration are not in the new index

@@ -103,11 +103,12 @@ class LoraReplica:
     def __init__(self, config: dict[str, Any], controller: Any | None = None, group: str = DEFAULT_GROUP):
         self.config = resolve_model(load_config(config))
         self.group = group  # its replica group (`replica_groups`), reported in the routing stats
-        configure_logging(self.config.log_format)
-        self.engine = Engine(config=self.config, adapter_loader=build_adapter_loader)
-        self._capacity = self.config.admission_capacity or self.config.max_num_seqs
-        self.window = AdmissionWindow(window_limit(self.config.admission_window_max,
-                                                   self.config.max_ongoing_requests, self._capacity))
+        configure_logging(self.config.metrics.log_format)
+        self.engine = Engine(config=self.config.engine, adapter_loader=build_adapter_loader)
+        self._capacity = self.config.admission.admission_capacity or self.config.engine.max_num_seqs
+        admission = self.config.admission
+        self.window = AdmissionWindow(window_limit(admission.admission_window_max,
+                                                   admission.max_ongoing_requests, self._capacity))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.counts: collections.Counter[str] = collections.Counter()
         self.class_stats = ClassStats(build_sla_classes(self.config))
@@ -121,8 +122,8 @@ class LoraReplica:
         self.active = 0  # generate calls in progress: what the controller counts against capacity
         self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
-            controller, self._report, self._on_reply, self.config.controller_report_period_s,
-            self.config.controller_report_coalesce_s)
+            controller, self._report, self._on_reply, self.config.controller.controller_report_period_s,
+            self.config.controller.controller_report_coalesce_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 
@@ -168,7 +169,7 @@ class LoraReplica:
                 aid = self.aengine.define_merge(job.merge)
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                                     priority=job.priority), tracker)
-            if self.config.enable_prefix_caching:
+            if self.config.engine.enable_prefix_caching:
                 self.prefixes.record(job.routing_prefix)
             if not stream:
                 async with contextlib.aclosing(outputs):  # a close aborts the request at once
@@ -223,13 +224,13 @@ class LoraReplica:
         return RoutingStats(
             resident=tuple(sorted(s.resident_adapters)),
             loading=tuple(sorted(s.loading_adapters)),
-            empty_adapter_slots=max(0, self.config.max_loras - len(held)),
+            empty_adapter_slots=max(0, self.config.engine.max_loras - len(held)),
             free_adapter_slots=s.free_adapter_slots,
-            max_loras=self.config.max_loras,
+            max_loras=self.config.engine.max_loras,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             free_seq_slots=s.free_seq_slots,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.engine.max_num_seqs,
             miss_penalty=s.miss_penalty,
             adapter_thrash=s.adapter_thrash,
             breakers={**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
@@ -268,7 +269,7 @@ class LoraReplica:
             active=self.active, arrived_tickets=arrived,
             replica_id=self.replica_id, node_id=self.node_id,
             capacity=self.capacity, stats=s,
-            max_num_seqs=self.config.max_num_seqs, max_loras=self.config.max_loras,
+            max_num_seqs=self.config.engine.max_num_seqs, max_loras=self.config.engine.max_loras,
             classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
             memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,
             sent_at=time.time(), base=served_name(self.config), prefixes=self.prefixes.keys())

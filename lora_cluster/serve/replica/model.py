@@ -33,11 +33,12 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     folder = Path(config.demo_dir).expanduser() / f"{config.demo_size}-{config.demo_num_adapters}"
     zoo = build_demo_zoo(folder, num_adapters=config.demo_num_adapters, size=config.demo_size, seed=0)
     log.info("demo zoo at %s (%d adapters)", zoo.model_dir.parent, len(zoo.adapter_ids))
-    update: dict[str, Any] = {"model": str(zoo.model_dir),
-                              "served_model_name": config.served_model_name or DEMO}
-    if not config.adapter_source:
-        update["adapter_source"] = [str(zoo.adapters_dir)]
-    return config.model_copy(update=update)
+    engine: dict[str, Any] = {"model": str(zoo.model_dir)}
+    if not config.engine.adapter_source:
+        engine["adapter_source"] = [str(zoo.adapters_dir)]
+    name = config.served_model_name or DEMO
+    return config.model_copy(update={"model": str(zoo.model_dir), "served_model_name": name,
+                                     "engine": config.engine.model_copy(update=engine)})
 
 
 def load_tokenizers(configs: dict[str, ServeConfig]) -> dict[str, Any]:

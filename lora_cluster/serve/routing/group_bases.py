@@ -47,11 +47,13 @@ def group_config(config: ServeConfig, group: ReplicaGroupConfig | None) -> Serve
                          and not several):
         return config
     fields = config.model_dump()
-    if several and "base_model_check" not in config.model_fields_set:
-        fields["base_model_check"] = "strict"  # several bases: an adapter of another base is refused
-    fields.update(group.engine)
+    engine = fields["engine"]
+    if several and "base_model_check" not in config.engine.model_fields_set:
+        engine["base_model_check"] = "strict"  # several bases: an adapter of another base is refused
+    engine.update(group.engine)
     if group.model is not None and group.model != config.model:
         fields.update(model=group.model, served_model_name=group.served_model_name)
+        engine["model"] = group.model
     elif group.served_model_name is not None:
         fields["served_model_name"] = group.served_model_name
     return ServeConfig.model_validate(fields)

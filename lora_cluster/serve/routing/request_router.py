@@ -43,7 +43,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from lora_cluster.cluster.routing_index import RoutingIndex
 from lora_cluster.cluster.routing_stats import RoutingStats
-from lora_cluster.config import serve_defaults
+from lora_cluster.config import RouterConfig
 from lora_cluster.serve.ops.ray_internals import QueueLengthListener, cached_queue_len, deployment_key
 from lora_cluster.serve.protocol import ToReplica, routing_key, routing_prefix
 from lora_cluster.serve.routing.replica_tables import placement_table, publish_replica_stats
@@ -60,19 +60,17 @@ class LoraAffinityRouter(QueueLengthListener, RequestRouter):
         super().__init__(*args, **kwargs)
         self.initialize_state()
 
-    def initialize_state(self, miss_cost: float = serve_defaults().router_miss_cost,
-                         placement_ttl_s: float = serve_defaults().router_placement_ttl_s,
-                         prefix_aware_routing: bool = serve_defaults().prefix_aware_routing,
-                         prefix_routing_share: float = serve_defaults().prefix_routing_share,
+    def initialize_state(self, router: dict[str, Any] | None = None,
                          clock: Callable[[], float] = time.monotonic, **_: Any) -> None:
-        """Called by Serve with `request_router_kwargs` (from ServeConfig's router_* and prefix_*
-        fields). `prefix_aware_routing` False: requests are ranked without their prompt prefix
-        (adapter-only routing). `clock`: seconds on a monotonic clock, for placement ages (a test
-        injects its own)."""
-        self._index = RoutingIndex(miss_cost=float(miss_cost), placement_ttl_s=float(placement_ttl_s),
-                                   clock=clock, ongoing=self._ongoing,
-                                   prefix_share=float(prefix_routing_share))
-        self._prefix_aware = bool(prefix_aware_routing)
+        """Called by Serve with `request_router_kwargs`: `router` is the config's router section
+        (`RouterConfig`, as plain data; None: its defaults). With `prefix_aware_routing` off, requests
+        are ranked without their prompt prefix (adapter-only routing). `clock`: seconds on a monotonic
+        clock, for placement ages (a test injects its own)."""
+        section = RouterConfig.model_validate(router or {})
+        self._index = RoutingIndex(miss_cost=section.router_miss_cost,
+                                   placement_ttl_s=section.router_placement_ttl_s, clock=clock,
+                                   ongoing=self._ongoing, prefix_share=section.prefix_routing_share)
+        self._prefix_aware = section.prefix_aware_routing
         self._by_id: dict[str, RunningReplica] = {}
         self._synced: list[RunningReplica] | None = None  # the replica list the index holds
         self._last: list[str] = []  # the last prefix returned (Serve may have probed it)

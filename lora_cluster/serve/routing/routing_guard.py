@@ -63,8 +63,9 @@ class RoutingGuard:
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RoutingGuard:
-        return cls(config.breaker_routing_warn, config.breaker_routing_trip,
-                   config.breaker_routing_recover_requests, config.breaker_cooldown_s, config.breakers)
+        router, engine = config.router, config.engine
+        return cls(router.breaker_routing_warn, router.breaker_routing_trip,
+                   router.breaker_routing_recover_requests, engine.breaker_cooldown_s, engine.breakers)
 
     def admit(self) -> None:
         """Let a new request through, or raise RoutingUnavailableError (shed: 503, Retry-After)."""

@@ -1,0 +1,201 @@
+"""The control plane's config sections: the router (`router:`), admission (`admission:`) and the
+cluster controller (`controller:`). Each owner takes its section whole; each field keeps its flat
+`LORA_CLUSTER_<FIELD>` variable and flat serve_config.yaml key as aliases (config.flat_aliases)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from lora_cluster.config.parsing import SECTION
+
+
+class RouterConfig(BaseModel):
+    """The router's section (`ServeConfig.router`, YAML `router:`): how the ingress's Ray Serve
+    request router ranks replicas, and its routing-error breaker."""
+
+    model_config = SECTION
+
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="How often each replica reports its adapters and load to the router."
+    )
+    router_miss_cost: float = Field(
+        4.0,
+        ge=0,
+        description="Routing: queued requests beyond free batch slots that a replica holding the "
+        "adapter may have before a replica without it (which must load it) is preferred.",
+    )
+    router_placement_ttl_s: float = Field(
+        5.0,
+        gt=0,
+        description="Routing: how long the router trusts its own recent placements before the "
+        "replicas' reports confirm them.",
+    )
+    prefix_aware_routing: bool = Field(
+        True,
+        description="Routing: weigh the prompt prefixes each replica reports caching, so that a request "
+        "goes where its prefix (a shared system prompt, a chat's earlier turns) is cached, unless that "
+        "replica is loaded. Off: adapter-only routing (the router and the cluster queue's grants ignore "
+        "the replicas' prefix summaries).",
+    )
+    prefix_routing_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Routing: the most a cached prefix takes off a replica's cost, as a share of "
+        "router_miss_cost (a fully cached prefix of 4,096 tokens; shorter ones less). A replica more "
+        "loaded than another by more than this share of a miss cost loses the request, prefix or not.",
+    )
+    breaker_routing_warn: float = Field(
+        0.01, gt=0, le=1, description="Share of routing errors (a replica died, was unreachable or "
+        "ended a stream without output) among the last 100 requests at which the ingress warns."
+    )
+    breaker_routing_trip: float = Field(
+        0.03, gt=0, le=1, description="Share at which the ingress's routing-error breaker opens: new "
+        "requests are answered 503 with Retry-After (the cool-down left) instead of being sent."
+    )
+    breaker_routing_recover_requests: int = Field(
+        100, ge=1, description="Probe requests in a row without a routing error that close it."
+    )
+
+
+class AdmissionConfig(BaseModel):
+    """The admission section (`ServeConfig.admission`, YAML `admission:`): how many requests a replica
+    and the router hold, and how many a replica is given before the cluster queue parks the rest."""
+
+    model_config = SECTION
+
+    max_ongoing_requests: int = Field(
+        64,
+        ge=1,
+        description="Requests one replica accepts at once (running + waiting in its engine); more "
+        "wait in the router.",
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=-1,
+        description="Requests that may wait in the router for a replica; more are refused with "
+        "429. -1 = no limit.",
+    )
+    admission_capacity: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one replica is given at once before the ingress parks further ones in "
+        "the cluster queue (default: max_num_seqs, the replica's batch slots).",
+    )
+    admission_window_max: int | None = Field(
+        None,
+        ge=0,
+        description="Most requests a replica is given beyond admission_capacity while the cluster "
+        "queue holds tickets, so that a freed slot finds its next request already waiting instead of "
+        "idling through the report -> grant -> send round trip; sized at run time by feedback (grows "
+        "when a step runs with a free seat and nothing waiting, shrinks while requests wait). Default: "
+        "max_ongoing_requests - admission_capacity. 0: no window.",
+    )
+
+
+class ControllerConfig(BaseModel):
+    """The cluster controller's section (`ServeConfig.controller`, YAML `controller:`): the cluster
+    queue, preemption, placement and the replicas' reports."""
+
+    model_config = SECTION
+
+    enabled: bool = Field(
+        True,
+        description="Run the cluster controller: the cluster-wide priority queue, cross-replica "
+        "preemption and adapter placement. Off: requests wait in Ray Serve's own queue (FIFO).",
+    )
+    controller_shards: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Cluster controller actors per replica group: each owns the cluster queue, grants and "
+        "placement of the adapters a stable hash of the adapter id gives it (base-model requests: shard 0), "
+        "over every replica (each replica reports to each, with a share of its free room). Shard 0 keeps "
+        "the deployment name `ClusterController[-<group>]`, shard k > 0 adds `-shard<k>` (docs/scale.md).",
+    )
+    cluster_queue_size: int = Field(
+        4096, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "
+        "(a more urgent request bumps the least urgent queued one instead)."
+    )
+    cluster_queue_aging_s: float = Field(
+        10.0,
+        gt=0,
+        description="Aging of the cluster queue: a waiting request gains one priority level per "
+        "this many seconds (never above the most urgent class), so no class starves.",
+    )
+    cluster_queue_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait in the cluster queue before a request is refused (503); a "
+        "request whose predicted wait is longer is refused at once (429)."
+    )
+    cluster_queue_max_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="Bound on the cluster-queue wait of a class without a TTFT target (batch): a queued "
+        "request that waited three quarters of it gets the next free slot before any other (the last "
+        "quarter is the wait for a slot to free); while the class's queued requests already wait half of it "
+        "(its oldest, or its backlog at its recent grant rate), new ones are refused at once (429 with "
+        "Retry-After) instead of queueing for minutes. 0 turns the bound off (aging alone).",
+    )
+    cold_shed_window_s: float = Field(
+        1.0,
+        ge=0,
+        description="While a class sheds load (one of its requests was refused for its TTFT target, or for "
+        "cluster_queue_max_wait_s, within this many seconds), its requests whose adapter no replica holds "
+        "are refused first (429): they "
+        "would cost a load and an adapter slot. Not the most urgent class. 0 turns this trigger off "
+        "(cold_shed_pressure is the other one).",
+    )
+    cold_shed_pressure: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="A class also sheds load (its requests whose adapter no replica holds are refused first, "
+        "429) while a request of it parked now would wait more than this share of its TTFT target (a class "
+        "without one: of half of cluster_queue_max_wait_s), by the cluster queue's prediction: the queue "
+        "stands near the target between refusals too. Not the most urgent class. 0 turns it off.",
+    )
+    preempt_after_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An urgent queued request that has waited this fraction of its class's TTFT "
+        "target is sent to the replica with the most less-urgent work, which preempts some of it.",
+    )
+    top_class_preempt_after_fraction: float | None = Field(
+        0.0, ge=0, le=1, description="preempt_after_fraction of the most urgent SLA class (null: "
+        "preempt_after_fraction): by default its queued requests preempt less urgent work as soon as no "
+        "replica has room, since the engine's own prefill under load takes much of a 1 s TTFT target."
+    )
+    controller_report_period_s: float = Field(
+        0.5, gt=0, description="How often each replica reports its memory, adapters and queues."
+    )
+    controller_report_coalesce_s: float = Field(
+        0.2,
+        ge=0,
+        le=10,
+        description="A replica whose request ends while requests wait in the cluster queue reports at "
+        "once, unless it reported less than this many seconds ago: then at the end of that window, one "
+        "report for every request that ended within it: a busy replica reports at most once per window "
+        "(5 times a second at 0.2). Shorter frees slots to the queue sooner, for more reports (docs/scale.md"
+        "#reports-that-scale: 0.02 completed 3-4% more requests at 2x load in the simulator, at 8 reports "
+        "a second per replica).",
+    )
+    controller_batch_window_s: float = Field(
+        0.0,
+        ge=0,
+        le=0.1,
+        description="The cluster controller takes its parked requests and replica reports in batches: one "
+        "dispatch of its queue and one update of each ingress's claims per batch, not per call. 0: a "
+        "batch is what reached it within one turn of its event loop (while it was busy), with no added "
+        "wait. A positive window also holds them this many seconds (a parked request, or a slot a report "
+        "frees, waits that much longer for its grant): in the simulator, 0.002 cut the controller's CPU "
+        "by a fifth to a third at 256 replicas and 2x load, but cost 1-2 points of hit rate at 32 replicas "
+        "(docs/scale.md#batch-windows).",
+    )
+    placement_hot_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Placement: an adapter is spread over one more replica each time its load "
+        "(request rate x service time) exceeds this share of one replica's batch slots.",
+    )
