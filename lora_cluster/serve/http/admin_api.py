@@ -30,7 +30,7 @@ from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.registrations import RegistrationConflict
 from lora_cluster.serve.http.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, conflict, not_found
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import metrics_exposition
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 
 
@@ -113,8 +113,8 @@ class AdminRoutes:
     async def prometheus_metrics(self) -> Response:
         """Several ingress replicas: the request metrics of all of them (ops.metrics_hub)."""
         if self.ctx.metrics_hub is None:
-            return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
-        return Response(await self.ctx.metrics_hub.render(), media_type=metrics.CONTENT_TYPE)
+            return Response(metrics_exposition.render(), media_type=metrics_exposition.CONTENT_TYPE)
+        return Response(await self.ctx.metrics_hub.render(), media_type=metrics_exposition.CONTENT_TYPE)
 
     async def cluster(self) -> dict[str, Any]:
         """The cluster controller's view: nodes -> replicas -> adapters, queues, memory, placement;
