@@ -1,7 +1,8 @@
 """Scrape size of `GET /metrics`, in series, for many adapters: what `metrics_max_adapter_labels` bounds.
 
-Drives the public metric functions of `lora_cluster.serve.ops.metrics` exactly as the ingress does for
-each generation (`GenerationMetrics`: admitted, started, tokens, finished; `routing_decision`), with
+Drives the public metric functions of `lora_cluster.serve.ops` exactly as the ingress does for each
+generation (`generation_metrics.GenerationMetrics`: admitted, started, tokens, finished;
+`routing_decision`; one scrape: `metrics_exposition.render`), with
 `--requests` generations over `--adapters` adapters drawn Zipf-like (s=1.1), spread over the three
 default SLA classes and `--tenants` tenants (adapter k belongs to tenant k mod tenants; 0: requests
 without a tenant), plus `--replicas`
@@ -21,7 +22,7 @@ import random
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.replica_policy.tier_stats import LOAD_BUCKETS_S, TIERS
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import generation_metrics, metrics_exposition
 from lora_cluster.sim.popularity import ZipfSampler
 
 CLASSES = ("interactive", "standard", "batch")
@@ -59,8 +60,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     args = parser.parse_args()
     clock = Clock()
-    metrics.configure(ServeConfig(metrics_max_adapter_labels=args.max_adapter_labels), clock)
-    metrics.set_replica_stats_source(lambda: {f"r{i}": RoutingStats.from_dict(replica_report(i))
+    generation_metrics.configure(ServeConfig(metrics_max_adapter_labels=args.max_adapter_labels), clock)
+    metrics_exposition.set_replica_stats_source(lambda: {f"r{i}": RoutingStats.from_dict(replica_report(i))
                                               for i in range(args.replicas)})
     rng = random.Random(0)
     drawn = ZipfSampler(args.adapters, 1.1).draws(rng, args.requests)
@@ -69,14 +70,15 @@ def main() -> None:
         adapter = f"adapter-{k}"
         seen.add(adapter)
         tenant = f"tenant-{k % args.tenants}" if args.tenants else None  # each adapter has one owner
-        m = metrics.GenerationMetrics(adapter, tenant, CLASSES[n % 3], clock=clock)
+        m = generation_metrics.GenerationMetrics(adapter, tenant, CLASSES[n % 3], clock=clock)
         m.admitted()
         clock.now += 0.001
         m.started()
         m.tokens(16)
         m.finished(32, 16)
-        metrics.routing_decision(adapter, "r0", n % 4 != 0, None)
-    lines = [line for line in metrics.render().decode().splitlines() if line and not line.startswith("#")]
+        generation_metrics.routing_decision(adapter, "r0", n % 4 != 0, None)
+    lines = [line for line in metrics_exposition.render().decode().splitlines()
+             if line and not line.startswith("#")]
     labelled = [line for line in lines if 'adapter="' in line]
     print(f"| adapters | used | max_adapter_labels | tenants | replicas | series in the scrape | "
           f"of them labelled by adapter |\n|---|---|---|---|---|---|---|\n"

@@ -1,5 +1,5 @@
 """Several ingress replicas' request metrics as one /metrics (`serve.ops.metrics_merge`, the pure sum;
-`serve.ops.metrics_hub.SharedMetrics`, the ingress's side; `metrics.render` of a sum): counters and
+`serve.ops.metrics_hub.SharedMetrics`, the ingress's side; `metrics_exposition.render` of a sum): counters and
 histograms summed, never going backwards when an ingress leaves or drops a series, bounded, and a hub
 that does not answer never fails a scrape."""
 
@@ -11,7 +11,7 @@ from typing import Any
 from helpers import FakeClock
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import metrics, metrics_exposition
 from lora_cluster.serve.ops.metrics_hub import MetricsHub, SharedMetrics
 from lora_cluster.serve.ops.metrics_merge import MetricsBook, Snapshot
 from lora_cluster.serve.ops.top_labels import OTHER
@@ -191,13 +191,13 @@ def _scrape(text: bytes) -> dict[str, float]:
 
 def test_render_of_a_sum_is_valid_exposition_with_the_hub_gauges():
     book = MetricsBook(clock=FakeClock())
-    metrics.set_replica_stats_source(lambda: {})  # as the ingress does
+    metrics_exposition.set_replica_stats_source(lambda: {})  # as the ingress does
     metrics.REQUESTS.labels("/v1/hub-test", "200").inc(2)
     metrics.REQUEST_LATENCY.labels("/v1/hub-test").observe(0.2)
-    book.update("a", metrics.request_snapshot())
-    book.update("b", metrics.request_snapshot())
-    own = _scrape(metrics.render())
-    summed = _scrape(metrics.render(book.merged(), book.ingresses()))
+    book.update("a", metrics_exposition.request_snapshot())
+    book.update("b", metrics_exposition.request_snapshot())
+    own = _scrape(metrics_exposition.render())
+    summed = _scrape(metrics_exposition.render(book.merged(), book.ingresses()))
     assert summed["lora_cluster_requests_total"] == 2 * own["lora_cluster_requests_total"], (
         "the rendered sum counts both ingresses' requests")
     assert summed["lora_cluster_request_duration_seconds_count"] == \
@@ -233,7 +233,7 @@ class _InProcess:
 async def test_the_ingress_pushes_and_a_scrape_shows_every_ingress():
     handle = _InProcess()
     metrics.REQUESTS.labels("/v1/hub-test", "200").inc()
-    await handle.hub.push("other-ingress", metrics.request_snapshot())
+    await handle.hub.push("other-ingress", metrics_exposition.request_snapshot())
     shared = SharedMetrics(handle, "this-ingress", push_s=0.01, timeout_s=5.0)
     try:
         shared.start()
@@ -243,7 +243,7 @@ async def test_the_ingress_pushes_and_a_scrape_shows_every_ingress():
             await asyncio.sleep(0.01)
         assert handle.hub.book.ingresses() == 2, "the ingress pushes its metrics without a scrape"
         scraped = _scrape(await shared.render())
-        own = _scrape(metrics.render())
+        own = _scrape(metrics_exposition.render())
         assert scraped["lora_cluster_requests_total"] == 2 * own["lora_cluster_requests_total"], (
             "the scrape counts the other ingress's requests too")
         assert scraped["lora_cluster_metrics_hub_up"] == 1, "the scrape says it is the sum"
@@ -257,7 +257,7 @@ async def test_an_unreachable_hub_never_fails_a_scrape():
         scraped = _scrape(await shared.render())
     finally:
         shared.stop()
-    own = _scrape(metrics.render())
+    own = _scrape(metrics_exposition.render())
     assert scraped["lora_cluster_metrics_hub_up"] == 0, "the scrape says the sum could not be had"
     assert scraped["lora_cluster_metrics_hub_ingresses"] == 1, "only this ingress is counted"
     assert scraped["lora_cluster_requests_total"] == own["lora_cluster_requests_total"], (

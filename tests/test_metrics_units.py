@@ -1,5 +1,6 @@
 """Observability without Ray: bounded metric labels (`serve.ops.top_labels`), request metrics by adapter,
-tenant and class (`serve.ops.metrics`), replica-report families, engine counters, autoscaling options."""
+tenant and class (`serve.ops.generation_metrics`), replica-report families (`serve.ops.replica_metrics`),
+engine counters, autoscaling options."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from helpers import FakeClock
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ConfigError
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import generation_metrics, metrics, metrics_exposition
 from lora_cluster.serve.ops.top_labels import OTHER, TopLabels
 
 
 def _samples(name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """{sorted label pairs: value} of one sample name in the current scrape."""
     out = {}
-    for line in metrics.render().decode().splitlines():
+    for line in metrics_exposition.render().decode().splitlines():
         m = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
         if m:
             labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")))
@@ -91,7 +92,7 @@ def test_zero_labels_and_the_literal_other():
 
 def _run(adapter: str | None, tenant: str | None, klass: str, clock: FakeClock, *, seconds: float = 0.5,
          tokens: int = 3) -> None:
-    m = metrics.GenerationMetrics(adapter, tenant, klass, clock=clock)
+    m = generation_metrics.GenerationMetrics(adapter, tenant, klass, clock=clock)
     m.admitted()
     clock.now += 0.1
     m.started()
@@ -102,7 +103,8 @@ def _run(adapter: str | None, tenant: str | None, klass: str, clock: FakeClock, 
 
 def test_adapter_labels_are_bounded_and_counts_add_up():
     clock = FakeClock(0.0)
-    metrics.configure(ServeConfig(metrics_max_adapter_labels=3, metrics_label_window_s=1000.0), clock)
+    generation_metrics.configure(ServeConfig(metrics_max_adapter_labels=3, metrics_label_window_s=1000.0),
+                                 clock)
     before = sum(_samples("lora_cluster_generations_total").values())
     adapters = [f"u{i}" for i in range(8)]
     for i in range(24):
@@ -120,11 +122,12 @@ def test_adapter_labels_are_bounded_and_counts_add_up():
 
 def test_a_demoted_adapter_loses_its_series():
     clock = FakeClock(0.0)
-    metrics.configure(ServeConfig(metrics_max_adapter_labels=1, metrics_label_window_s=10.0), clock)
+    generation_metrics.configure(ServeConfig(metrics_max_adapter_labels=1, metrics_label_window_s=10.0),
+                                 clock)
     _run("old-one", None, "standard", clock)
     assert "old-one" in _label_values("lora_cluster_generations_total", "adapter"), "labelled at first"
     clock.now = 20.0
-    in_flight = metrics.GenerationMetrics("old-one", None, "standard", clock=clock)
+    in_flight = generation_metrics.GenerationMetrics("old-one", None, "standard", clock=clock)
     in_flight.started()  # still labelled "old-one" when it starts
     for _ in range(3):
         _run("new-one", None, "standard", clock)
@@ -137,16 +140,17 @@ def test_a_demoted_adapter_loses_its_series():
     assert "new-one" in values, "the busiest adapter of the window has its label"
     # live: 7 request metrics x {new-one, other} (new-one was "other" until the re-ranking) + SLO met,
     # missed (the slow in-flight one)
-    assert metrics.label_series() == 16, f"the series index holds live series only: {metrics.label_series()}"
+    series = generation_metrics.label_series()
+    assert series == 16, f"the series index holds live series only: {series}"
 
 
 def test_slo_outcome_follows_the_class_targets():
     clock = FakeClock(0.0)
-    metrics.configure(ServeConfig(), clock)
+    generation_metrics.configure(ServeConfig(), clock)
     before = _samples("lora_cluster_slo_requests_total")
     _run("a0", None, "interactive", clock, seconds=0.1)  # TTFT 0.1 s, TPOT 0.05 s: met
     _run("a0", None, "interactive", clock, seconds=3.0)  # TPOT 1.5 s > 0.2 s: missed
-    failed = metrics.GenerationMetrics("a0", None, "interactive", clock=clock)
+    failed = generation_metrics.GenerationMetrics("a0", None, "interactive", clock=clock)
     failed.started()
     failed.failed()
     after = _samples("lora_cluster_slo_requests_total")
@@ -161,9 +165,10 @@ def test_slo_outcome_follows_the_class_targets():
 
 def test_routing_decisions_hit_miss_spill():
     stats = {"r1": RoutingStats(resident=("a",)), "r2": RoutingStats(loading=("b",))}
-    assert metrics.routing_decision("a", "r1", True, stats) == "hit", "resident where it ran: hit"
-    assert metrics.routing_decision("b", "r1", False, stats) == "spill", "held elsewhere only: spill"
-    assert metrics.routing_decision("c", "r1", False, stats) == "miss", "held nowhere: miss"
+    decision = generation_metrics.routing_decision
+    assert decision("a", "r1", True, stats) == "hit", "resident where it ran: hit"
+    assert decision("b", "r1", False, stats) == "spill", "held elsewhere only: spill"
+    assert decision("c", "r1", False, stats) == "miss", "held nowhere: miss"
 
 
 def test_replica_reports_become_load_memory_and_engine_families():
@@ -178,7 +183,7 @@ def test_replica_reports_become_load_memory_and_engine_families():
         "memory": {"base_weights": 1000, "kv_cache": 500, "adapter_pool": 200, "free": None},
         "node_id": "n1", "classes": {"standard": {"running": 1, "waiting": 2, "slo_attainment": 0.5}},
     }
-    metrics.set_replica_stats_source(lambda: {"r1": RoutingStats.from_dict(report)})
+    metrics_exposition.set_replica_stats_source(lambda: {"r1": RoutingStats.from_dict(report)})
     loads = _samples("lora_cluster_adapter_loads_total")
     assert loads[(("outcome", "ok"), ("replica", "r1"), ("tier", "device"))] == 5, "device loads = placements"
     assert loads[(("outcome", "failed"), ("replica", "r1"), ("tier", "host"))] == 1, "failed host loads"

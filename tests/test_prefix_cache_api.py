@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.engine import Engine
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import generation_metrics, metrics_exposition
 from lora_cluster.serve.protocol import GenerateJob, output_item
 from lora_cluster.serve.routing.dispatch import Generation
 
@@ -106,7 +106,7 @@ async def test_a_stream_reports_the_cached_tokens_in_its_usage_chunk(engine) -> 
 
 
 def _sample(name: str, labels: dict[str, str]) -> float | None:
-    for family in text_string_to_metric_families(metrics.render().decode()):
+    for family in text_string_to_metric_families(metrics_exposition.render().decode()):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
@@ -116,21 +116,21 @@ def _sample(name: str, labels: dict[str, str]) -> float | None:
 def test_cached_prompt_tokens_are_counted_per_adapter_and_hits_per_replica() -> None:
     labels = {"adapter": "_base", "tenant": "_none", "priority_class": "interactive"}
     before = _sample("lora_cluster_prompt_cached_tokens_total", labels) or 0.0
-    meter = metrics.GenerationMetrics(None, None, "interactive")
+    meter = generation_metrics.GenerationMetrics(None, None, "interactive")
     meter.started(0.01)
     meter.finished(100, 3, 64)
     after = _sample("lora_cluster_prompt_cached_tokens_total", labels)
     assert after == before + 64, "a finished generation's cached prompt tokens count under its adapter label"
     engine = {"prefix_cache_queried_tokens": 500, "prefix_cache_hit_tokens": 320, "prefix_cache_evictions": 4,
               "prefix_cache_blocks": 20}
-    metrics.set_replica_stats_source(lambda: {"r9": RoutingStats(engine=engine)})
+    metrics_exposition.set_replica_stats_source(lambda: {"r9": RoutingStats(engine=engine)})
     try:
         found = {name: _sample(name, {"replica": "r9"}) for name in (
             "lora_cluster_prefix_cache_queried_tokens_total", "lora_cluster_prefix_cache_hit_tokens_total",
             "lora_cluster_prefix_cache_evictions_total", "lora_cluster_prefix_cache_blocks")}
         ratio = _sample("lora_cluster_prefix_cache_hit_ratio", {"replica": "r9"})
     finally:
-        metrics.set_replica_stats_source(lambda: {})
+        metrics_exposition.set_replica_stats_source(lambda: {})
     assert found == {"lora_cluster_prefix_cache_queried_tokens_total": 500.0,
                      "lora_cluster_prefix_cache_hit_tokens_total": 320.0,
                      "lora_cluster_prefix_cache_evictions_total": 4.0,

@@ -17,7 +17,7 @@ from lora_cluster.serve.http.lorax_schemas import LoraxParameters, LoraxRequest
 from lora_cluster.serve.http.openai_schemas import ChatCompletionRequest, CompletionRequest
 from lora_cluster.serve.http.sse import DONE, event
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe, validation_error
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import metrics, metrics_exposition
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, routing_key
 
 LIMITS = ServeConfig(model="m", max_new_tokens=100, default_max_tokens=20, max_n=4)
@@ -235,8 +235,8 @@ def test_sse_framing():
 def test_engine_gauges_come_from_the_replica_reports():
     report = RoutingStats(num_running=3, num_waiting=1, max_loras=4, empty_adapter_slots=1, miss_penalty=0.5,
                           adapter_thrash={"copy_share": 0.25, "reload_share": 0.75})
-    metrics.set_replica_stats_source(lambda: {"r1": report})
-    text = metrics.render().decode()
+    metrics_exposition.set_replica_stats_source(lambda: {"r1": report})
+    text = metrics_exposition.render().decode()
     assert 'lora_cluster_adapter_miss_penalty_ratio{replica="r1"} 0.5' in text, "the thrash routing score"
     assert 'lora_cluster_adapter_thrash_copy_ratio{replica="r1"} 0.25' in text, "the copy share of step time"
     assert 'lora_cluster_adapter_thrash_reload_ratio{replica="r1"} 0.75' in text, "the reload share"
@@ -244,15 +244,16 @@ def test_engine_gauges_come_from_the_replica_reports():
     assert 'lora_cluster_adapter_slots_in_use{replica="r1"} 3.0' in text, "slots in use = max_loras - empty"
     assert "lora_cluster_replicas 1.0" in text, "the replica count"
     metrics.REQUESTS.labels("/v1/completions", "200").inc()
-    assert 'lora_cluster_requests_total{route="/v1/completions",status="200"}' in metrics.render().decode(), (
+    text = metrics_exposition.render().decode()
+    assert 'lora_cluster_requests_total{route="/v1/completions",status="200"}' in text, (
         "requests are counted by route template and status")
 
 
 def test_adapter_store_tiers_are_exported_per_replica_and_tier():
     store = {"host": {"hits": 3, "misses": 1, "bytes": 2048, "budget_bytes": 4096}, "disk": {"evictions": 2}}
-    metrics.set_replica_stats_source(lambda: {"r1": RoutingStats(max_loras=4, store=store),
+    metrics_exposition.set_replica_stats_source(lambda: {"r1": RoutingStats(max_loras=4, store=store),
                                               "r2": RoutingStats(max_loras=4)})
-    text = metrics.render().decode()
+    text = metrics_exposition.render().decode()
     assert 'lora_cluster_adapter_cache_hits_total{replica="r1",tier="host"} 3.0' in text, "tier hit counters"
     assert 'lora_cluster_adapter_cache_evictions_total{replica="r1",tier="disk"} 2.0' in text, (
         "tier eviction counters")

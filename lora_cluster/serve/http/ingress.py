@@ -32,7 +32,7 @@ from lora_cluster.serve.http.openapi import install_openapi
 from lora_cluster.serve.http.registry import LocalRegistrations, SharedRegistrations
 from lora_cluster.serve.http.schema_limits import constrain
 from lora_cluster.serve.http_errors import install_handlers
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import generation_metrics, metrics, metrics_exposition
 from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
 from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.ops.ray_internals import serve_root_url
@@ -170,8 +170,8 @@ class LoraIngress:
                               metrics_hub=shared_metrics)
         if isinstance(registrations, SharedRegistrations):
             registrations.start()  # this ingress follows the registry from its start
-        metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
-        metrics.set_replica_stats_source(dispatcher.replica_stats)
+        generation_metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
+        metrics_exposition.set_replica_stats_source(dispatcher.replica_stats)
         if self.ctx.metrics_hub is not None:
             self.ctx.metrics_hub.start()  # pushes from the ingress's start (on its event loop)
         demo_folder = str(Path(resolved.model).parent) if requested.model == DEMO else None

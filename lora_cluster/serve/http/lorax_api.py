@@ -42,20 +42,58 @@ from lora_cluster.serve.routing.dispatch import Generation, routing_headers
 
 
 def lorax_router(ctx: ApiContext) -> APIRouter:
-    router = APIRouter()
+    """The LoRAX routes of one ingress, on `ctx` (`LoraxRoutes`), in the schema's order."""
+    routes, router = LoraxRoutes(ctx), APIRouter()
+    router.post("/generate", responses=openapi.GENERATION_JSON)(routes.generate_route)
+    router.post("/generate_stream", status_code=200, response_class=EventStream,
+                responses=openapi.GENERATION_STREAM)(routes.generate_stream_route)
+    router.post("/", responses=openapi.GENERATION)(routes.compat_route)
+    return router
 
-    def token(token_id: int, lp: Any, alternatives: bool, texts: TokenTexts, base: str | None,
-              text: str | None = None) -> dict[str, Any]:
+
+class LoraxRoutes:
+    """The handlers of the LoRAX routes over one ingress's `ApiContext` (see the module docstring).
+
+    A handler's name is its OpenAPI operation's id and summary, its docstring (where it has one) the
+    operation's description: renaming one, or adding a docstring, changes the published schema."""
+
+    def __init__(self, ctx: ApiContext):
+        self.ctx = ctx
+
+    async def generate_route(self, body: LoraxRequest, caller: CallerDep,
+                             x_lora_priority: PriorityHeader = None) -> Any:
+        sla = self.ctx.policy.priority_class(x_lora_priority, caller=caller)
+        result, headers = await self._generate(body, "/generate", sla, caller)
+        return JSONResponse(result, headers=headers)
+
+    async def generate_stream_route(self, body: LoraxStreamRequest, caller: CallerDep,
+                                    x_lora_priority: PriorityHeader = None) -> Any:
+        sla = self.ctx.policy.priority_class(x_lora_priority, caller=caller)
+        return await self._generate_stream(body, "/generate_stream", sla, caller)
+
+    async def compat_route(self, body: LoraxRequest, caller: CallerDep,
+                           x_lora_priority: PriorityHeader = None) -> Any:
+        sla = self.ctx.policy.priority_class(x_lora_priority, caller=caller)
+        if body.stream:
+            return await self._generate_stream(body, "/", sla, caller)
+        result, headers = await self._generate(body, "/", sla, caller)
+        return JSONResponse([result], headers=headers)
+
+    def _token(self, token_id: int, lp: Any, alternatives: bool, texts: TokenTexts, base: str | None,
+               text: str | None = None) -> dict[str, Any]:
+        """One token in LoRAX's shape (`text` None: the token's own text)."""
         out = {"id": token_id, "text": texts(token_id) if text is None else text,
-               "logprob": 0.0 if lp is None else lp.logprob, "special": ctx.tokens.is_special(token_id, base)}
+               "logprob": 0.0 if lp is None else lp.logprob,
+               "special": self.ctx.tokens.is_special(token_id, base)}
         if alternatives and lp is not None:
             out["alternative_tokens"] = lorax_alternatives(lp, texts)
         return out
 
-    async def start(body: LoraxRequest, stream: bool, route: str, sla: SlaClass, caller: Caller,
-                    ) -> tuple[list[Generation], list[int | None], Prompt, str | None]:
+    async def _start(self, body: LoraxRequest, stream: bool, route: str, sla: SlaClass, caller: Caller,
+                     ) -> tuple[list[Generation], list[int | None], Prompt, str | None]:
         """The request's generations (best_of candidates: several), the seed each reports, the prompt,
         the base model it runs on (whose tokenizer encoded it; `ModelNames.request_base`)."""
+        ctx = self.ctx
         p = body.parameters
         p.check()
         p.check_best_of(ctx.config, streamed=stream or body.stream)
@@ -68,7 +106,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
         samplings = [p.sampling(ctx.config) for _ in range(p.candidates)]  # a seed of its own each
         caller.check()  # the tenant's requests_per_minute, before any tokenizing
         base = await ctx.models.request_base(p.adapter_id, adapter if merge is None else None,
-                                      None if merge is None else merge.ids, caller.tenant)
+                                             None if merge is None else merge.ids, caller.tenant)
         prompt = await ctx.tokens.encode(body.inputs, base=base)
         await caller.admit(len(prompt.ids))  # the tenant's quota: 429 naming the limit
         request_id = ctx.new_id("lorax")
@@ -84,17 +122,15 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
             generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
         return generations, [seed for _, seed in samplings], prompt, base
 
-    def headers_of(generations: list[Generation], sla: SlaClass, prompt: Prompt) -> dict[str, str]:
-        return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name,
-                **truncation_headers([prompt])}
-
-    async def generate(body: LoraxRequest, route: str, sla: SlaClass,
-                       caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
-        generations, seeds, prompt, base = await start(body, False, route, sla, caller)
+    async def _generate(self, body: LoraxRequest, route: str, sla: SlaClass,
+                        caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
+        """The answer of a request not streamed, and its headers (best_of: the best candidate's, the
+        others as `best_of_sequences` with `details`)."""
+        generations, seeds, prompt, base = await self._start(body, False, route, sla, caller)
         done = await finals(generations)
         best, others = best_one(done) if len(done) > 1 else (0, [])
         p = body.parameters
-        texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
+        texts = TokenTexts(partial(self.ctx.tokens.token_text, base=base))
 
         def text_of(final: dict[str, Any]) -> str:
             return (body.inputs + final["text"]) if p.return_full_text else final["text"]
@@ -105,7 +141,7 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
             prefill = []
             if p.decoder_input_details:
                 prefill = lorax_prefill(prompt.ids, final.get("prompt_logprobs"), texts)
-            tokens = [token(t, lp, p.return_k_alternatives is not None, texts, base)
+            tokens = [self._token(t, lp, p.return_k_alternatives is not None, texts, base)
                       for t, lp in zip(final["token_ids"], lps, strict=True)]
             return {"prefill": prefill, "tokens": tokens}
 
@@ -116,39 +152,18 @@ def lorax_router(ctx: ApiContext) -> APIRouter:
             details = {**_details(done[best], seeds[best]), **sequence(done[best]),
                        "best_of_sequences": sequences or None}
         answer = {"generated_text": text_of(done[best]), "details": details}
-        return answer, headers_of(generations, sla, prompt)
+        return answer, _headers(generations, sla, prompt)
 
-    async def generate_stream(body: LoraxRequest, route: str, sla: SlaClass, caller: Caller) -> EventStream:
-        generations, seeds, prompt, base = await start(body, True, route, sla, caller)
+    async def _generate_stream(self, body: LoraxRequest, route: str, sla: SlaClass,
+                               caller: Caller) -> EventStream:
+        generations, seeds, prompt, base = await self._start(body, True, route, sla, caller)
         generation = generations[0]  # a stream has one (check_best_of)
-        return EventStream(_events(ctx, generation, body, seeds[0], partial(token, base=base), base),
-                           headers_of(generations, sla, prompt),
-                           on_close=generation.cancel)
+        events = _events(self.ctx, generation, body, seeds[0], partial(self._token, base=base), base)
+        return EventStream(events, _headers(generations, sla, prompt), on_close=generation.cancel)
 
-    @router.post("/generate", responses=openapi.GENERATION_JSON)
-    async def generate_route(body: LoraxRequest, caller: CallerDep,
-                             x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.policy.priority_class(x_lora_priority, caller=caller)
-        result, headers = await generate(body, "/generate", sla, caller)
-        return JSONResponse(result, headers=headers)
 
-    @router.post("/generate_stream", status_code=200, response_class=EventStream,
-                 responses=openapi.GENERATION_STREAM)
-    async def generate_stream_route(body: LoraxStreamRequest, caller: CallerDep,
-                                    x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.policy.priority_class(x_lora_priority, caller=caller)
-        return await generate_stream(body, "/generate_stream", sla, caller)
-
-    @router.post("/", responses=openapi.GENERATION)
-    async def compat_route(body: LoraxRequest, caller: CallerDep,
-                           x_lora_priority: PriorityHeader = None) -> Any:
-        sla = ctx.policy.priority_class(x_lora_priority, caller=caller)
-        if body.stream:
-            return await generate_stream(body, "/", sla, caller)
-        result, headers = await generate(body, "/", sla, caller)
-        return JSONResponse([result], headers=headers)
-
-    return router
+def _headers(generations: list[Generation], sla: SlaClass, prompt: Prompt) -> dict[str, str]:
+    return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name, **truncation_headers([prompt])}
 
 
 def _details(final: dict[str, Any], seed: int | None) -> dict[str, Any]:

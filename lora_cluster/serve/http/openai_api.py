@@ -65,18 +65,99 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[
 
 
 def openai_router(ctx: ApiContext) -> APIRouter:
-    router = APIRouter()
+    """The OpenAI routes of one ingress, on `ctx` (`OpenAiRoutes`), in the schema's order."""
+    routes, router = OpenAiRoutes(ctx), APIRouter()
+    router.post("/v1/completions", responses=openapi.GENERATION)(routes.completions)
+    router.post("/v1/chat/completions", responses=openapi.GENERATION)(routes.chat_completions)
+    router.get("/v1/models", responses=openapi.LISTING)(routes.models)
+    return router
 
-    async def base_of(body: CompletionRequest | ChatCompletionRequest, caller: Caller) -> str | None:
+
+class OpenAiRoutes:
+    """The handlers of the OpenAI routes over one ingress's `ApiContext` (see the module docstring).
+
+    A handler's name is its OpenAPI operation's id and summary, its docstring (where it has one) the
+    operation's description: renaming one, or adding a docstring, changes the published schema."""
+
+    def __init__(self, ctx: ApiContext):
+        self.ctx = ctx
+
+    async def completions(self, body: CompletionRequest, caller: CallerDep,
+                          x_lora_priority: PriorityHeader = None) -> Any:
+        ctx = self.ctx
+        sla = self._screen(body, caller, x_lora_priority)
+        base = await self._base_of(body, caller)
+        raw = body.prompts()
+        fitted = [await ctx.tokens.encode(p, base=base) for p in raw]  # in turn: one pool job per request
+        echoes = ([p if isinstance(p, str) and not f.truncated else await ctx.tokens.decode(f.ids, base)
+                   for p, f in zip(raw, fitted, strict=True)] if body.echo else None)  # what ran
+        return await self._run(body, "/v1/completions", fitted, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
+                               caller, base, echoes)
+
+    async def chat_completions(self, body: ChatCompletionRequest, caller: CallerDep,
+                               x_lora_priority: PriorityHeader = None) -> Any:
+        ctx = self.ctx
+        sla = self._screen(body, caller, x_lora_priority)
+        base = await self._base_of(body, caller)
+        check_counts(body, await ctx.tokens.chat_limits(base), ctx.tokens.prompt_limit_of(base))
+        use = body.tool_use()
+        prompt = await ctx.tokens.encode_chat(body.conversation(), use.template_tools(), base)
+        parser = ctx.tokens.tool_parser(base)
+        reader = partial(tool_calls.reader_for, use.mode, parser, use.name, use.parallel)
+        default = ctx.config.api.default_max_tokens
+        return await self._run(body, "/v1/chat/completions", [prompt], default, "chat",
+                               sla, caller, base, reader=reader)
+
+    async def models(self, caller: CallerDep) -> dict[str, Any]:
+        """The base models and the adapters, those the caller's tenant may use only. `root` is where
+        a registered adapter was loaded from (as vLLM reports it) for an admin caller only (or on an
+        open server): a tenant sees the adapter's id there, never a server path. With several base
+        models (replica groups on several bases), each base is listed followed by its adapters, each
+        with `parent` set to its base."""
+        ctx = self.ctx
+        created = int(time.time())
+        registered = ctx.registrations.snapshot()
+        grouped = ctx.dispatcher
+        if isinstance(grouped, GroupedDispatcher) and grouped.several_bases:
+            listed = await grouped.listings()
+            by_base = {b: [*grouped.catalog.adapters_of(b), *ids] for b, ids in listed.items()}
+        else:
+            listed_here = await ctx.dispatcher.any_replica("list_adapters")
+            by_base = {ctx.models.base_name: [*registered, *listed_here]}
+        data: list[dict[str, Any]] = []
+        for base, adapters in by_base.items():
+            root = ctx.config.model if base == ctx.models.base_name else base
+            if caller.may_use(None):
+                data.append({"id": base, "object": "model", "created": created, "owned_by": "lora-cluster",
+                             "root": root, "parent": None})
+            data.extend({"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
+                         "root": registered.get(a, a) if caller.principal.admin else a, "parent": base}
+                        for a in dict.fromkeys(adapters) if caller.may_use(a))
+        return {"object": "list", "data": data}
+
+    def _screen(self, body: CompletionRequest | ChatCompletionRequest, caller: Caller,
+                x_lora_priority: str | None) -> SlaClass:
+        """The checks before any work, cheapest first: the body's limits, the adapter (404 when the
+        tenant may not use it), the SLA class, the tenant's requests_per_minute."""
+        body.check(self.ctx.config)
+        self.ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        sla = self.ctx.policy.priority_class(x_lora_priority, body.priority, caller)
+        caller.check()
+        return sla
+
+    async def _base_of(self, body: CompletionRequest | ChatCompletionRequest, caller: Caller) -> str | None:
         """The base model the request runs on, whose tokenizer encodes and renders it (`request_base`)."""
-        adapter = ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        merge = merge_of(body.merged_adapters, adapter, ctx.config,
-                         lambda aid: ctx.models.adapter_for(aid, caller))
+        models = self.ctx.models
+        adapter = models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        merge = merge_of(body.merged_adapters, adapter, self.ctx.config,
+                         lambda aid: models.adapter_for(aid, caller))
         merged = None if merge is None else merge.ids
-        return await ctx.models.request_base(body.model, adapter, merged, caller.tenant)
+        return await models.request_base(body.model, adapter, merged, caller.tenant)
 
-    def jobs_for(body: Any, prompts: list[list[int]], default_max: int, request_id: str,
-                 sla: SlaClass, caller: Caller, base: str | None) -> list[GenerateJob]:
+    def _jobs_for(self, body: Any, prompts: list[list[int]], default_max: int, request_id: str,
+                  sla: SlaClass, caller: Caller, base: str | None) -> list[GenerateJob]:
+        """The request's jobs: `body.candidates` per prompt, prompt by prompt (choice i: seed + i)."""
+        ctx = self.ctx
         adapter = ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
         merge = merge_of(body.merged_adapters, adapter, ctx.config,
                          lambda aid: ctx.models.adapter_for(aid, caller))
@@ -93,15 +174,16 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                     tenant=caller.tenant, base=base))
         return jobs
 
-    async def run(body: Any, route: str, fitted: list[Prompt], default_max: int, kind: str,
-                  sla: SlaClass, caller: Caller, base: str | None, echoes: list[str] | None = None,
-                  reader: Callable[[], ToolCallReader] = tool_calls.PlainReader) -> Any:
+    async def _run(self, body: Any, route: str, fitted: list[Prompt], default_max: int, kind: str,
+                   sla: SlaClass, caller: Caller, base: str | None, echoes: list[str] | None = None,
+                   reader: Callable[[], ToolCallReader] = tool_calls.PlainReader) -> Any:
         """Start the jobs on `base` and answer; `echoes` (completions' `echo`): each prompt's text,
         prepended; `reader` (chat): a fresh reader of one choice's output (content and tool calls)."""
+        ctx = self.ctx
         prompts = [p.ids for p in fitted]
         request_id = ctx.new_id("cmpl" if kind == "text" else "chatcmpl")
         created = int(time.time())
-        jobs = jobs_for(body, prompts, default_max, request_id, sla, caller, base)
+        jobs = self._jobs_for(body, prompts, default_max, request_id, sla, caller, base)
         prompt_tokens = sum(len(p) for p in prompts)
         await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
         # each choice is charged from its start: a fan-out cancelled while starting charges what ran
@@ -130,71 +212,6 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             return EventStream(chunks, headers, on_close=lambda: None)  # every job is done
         return JSONResponse({"id": request_id, "object": obj, "created": created, "model": body.model,
                              "choices": choices, "usage": usage}, headers=headers)
-
-    def screen(body: CompletionRequest | ChatCompletionRequest, caller: Caller,
-               x_lora_priority: str | None) -> SlaClass:
-        """The checks before any work, cheapest first: the body's limits, the adapter (404 when the
-        tenant may not use it), the SLA class, the tenant's requests_per_minute."""
-        body.check(ctx.config)
-        ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
-        sla = ctx.policy.priority_class(x_lora_priority, body.priority, caller)
-        caller.check()
-        return sla
-
-    @router.post("/v1/completions", responses=openapi.GENERATION)
-    async def completions(body: CompletionRequest, caller: CallerDep,
-                          x_lora_priority: PriorityHeader = None) -> Any:
-        sla = screen(body, caller, x_lora_priority)
-        base = await base_of(body, caller)
-        raw = body.prompts()
-        fitted = [await ctx.tokens.encode(p, base=base) for p in raw]  # in turn: one pool job per request
-        echoes = ([p if isinstance(p, str) and not f.truncated else await ctx.tokens.decode(f.ids, base)
-                   for p, f in zip(raw, fitted, strict=True)] if body.echo else None)  # what ran
-        return await run(body, "/v1/completions", fitted, COMPLETIONS_DEFAULT_MAX_TOKENS, "text", sla,
-                         caller, base, echoes)
-
-    @router.post("/v1/chat/completions", responses=openapi.GENERATION)
-    async def chat_completions(body: ChatCompletionRequest, caller: CallerDep,
-                               x_lora_priority: PriorityHeader = None) -> Any:
-        sla = screen(body, caller, x_lora_priority)
-        base = await base_of(body, caller)
-        check_counts(body, await ctx.tokens.chat_limits(base), ctx.tokens.prompt_limit_of(base))
-        use = body.tool_use()
-        prompt = await ctx.tokens.encode_chat(body.conversation(), use.template_tools(), base)
-        parser = ctx.tokens.tool_parser(base)
-        reader = partial(tool_calls.reader_for, use.mode, parser, use.name, use.parallel)
-        default = ctx.config.api.default_max_tokens
-        return await run(body, "/v1/chat/completions", [prompt], default, "chat", sla,
-                         caller, base, reader=reader)
-
-    @router.get("/v1/models", responses=openapi.LISTING)
-    async def models(caller: CallerDep) -> dict[str, Any]:
-        """The base models and the adapters, those the caller's tenant may use only. `root` is where
-        a registered adapter was loaded from (as vLLM reports it) for an admin caller only (or on an
-        open server): a tenant sees the adapter's id there, never a server path. With several base
-        models (replica groups on several bases), each base is listed followed by its adapters, each
-        with `parent` set to its base."""
-        created = int(time.time())
-        registered = ctx.registrations.snapshot()
-        grouped = ctx.dispatcher
-        if isinstance(grouped, GroupedDispatcher) and grouped.several_bases:
-            listed = await grouped.listings()
-            by_base = {b: [*grouped.catalog.adapters_of(b), *ids] for b, ids in listed.items()}
-        else:
-            listed_here = await ctx.dispatcher.any_replica("list_adapters")
-            by_base = {ctx.models.base_name: [*registered, *listed_here]}
-        data: list[dict[str, Any]] = []
-        for base, adapters in by_base.items():
-            root = ctx.config.model if base == ctx.models.base_name else base
-            if caller.may_use(None):
-                data.append({"id": base, "object": "model", "created": created, "owned_by": "lora-cluster",
-                             "root": root, "parent": None})
-            data.extend({"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
-                         "root": registered.get(a, a) if caller.principal.admin else a, "parent": base}
-                        for a in dict.fromkeys(adapters) if caller.may_use(a))
-        return {"object": "list", "data": data}
-
-    return router
 
 
 def check_counts(body: ChatCompletionRequest, limits: ChatLimits, prompt_limit: int) -> None:

@@ -38,45 +38,10 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
             "items": {"type": "string", "maxLength": limits.api.max_stop_length}}
     token_key = TOKEN_ID_KEY if vocab_size is None else token_ids_below(vocab_size)  # logit_bias keys
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        body = components[name]
-        props = body["properties"]
-        props["max_tokens"]["maximum"] = limits.api.max_new_tokens
-        props["n"]["maximum"] = limits.api.max_n
-        props["stop"].update(stop)
-        next(s for s in props["best_of"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.api.max_n
-        bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")
-        bias.clear()
-        bias.update({"type": "object", "maxProperties": LOGIT_BIAS_MAX_TOKENS,
-                     "propertyNames": {"pattern": token_key},
-                     "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
-                                              "maximum": LOGIT_BIAS_LIMIT}})
-        body["dependentSchemas"] = rules.openai_rules(base_models, chat=name == "ChatCompletionRequest")
-    completion = components["CompletionRequest"]["properties"]
-    completion["logprobs"]["maximum"] = limits.engine.max_logprobs
-    _, texts, one, many = completion["prompt"]["anyOf"]
-    texts["maxItems"] = limits.api.max_prompts
-    one.update(ids)
-    many.update({"maxItems": limits.api.max_prompts, "items": ids})
-    longer = ("keeps its last tokens (prompt_truncation: auto; the x-lora-truncated-tokens header says how "
-              "many were cut)" if limits.api.prompt_truncation == "auto" else "is a 400 prompt_too_long")
-    completion["prompt"]["description"] += (f" A prompt has at most {prompt_tokens} tokens "
-                                            f"(max_prompt_tokens; a longer text {longer}).")
-    chat_body = components["ChatCompletionRequest"]
-    chat = chat_body["properties"]
-    chat["messages"]["maxItems"] = counts.messages
-    chat["messages"]["description"] = (
-        f"At most {counts.messages} (max_chat_messages, {limits.api.max_chat_messages}, and as many short "
-        "messages as fit in half the prompt limit); rendered by the chat template, at most "
-        f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation "
-        + ("keeps its system messages and as many of its latest messages as fit (prompt_truncation: auto; "
-           "the x-lora-truncated-tokens header says how many tokens were cut)."
-           if limits.api.prompt_truncation == "auto" else "is a 400 prompt_too_long)."))
-    chat["tools"]["anyOf"][0]["maxItems"] = counts.tools
-    chat["tools"]["description"] += (f" At most {counts.tools} (OpenAI's 128, and as many tools without "
-                                     "parameters as fit in a quarter of the prompt limit).")
-    chat["max_completion_tokens"]["maximum"] = limits.api.max_new_tokens
-    chat["top_logprobs"]["maximum"] = limits.engine.max_logprobs
-    chat_body.update(rules.required_tool_choice())
+        _openai_body(components[name], limits, stop, token_key,
+                     rules.openai_rules(base_models, chat=name == "ChatCompletionRequest"))
+    _completion_prompt(components["CompletionRequest"]["properties"], limits, ids, prompt_tokens)
+    _chat_counts(components["ChatCompletionRequest"], limits, prompt_tokens, counts)
     for name in ("LoraxParameters", "LoraxStreamParameters"):  # /generate_stream's: best_of only 1
         lorax = components[name]
         lorax["properties"]["max_new_tokens"]["maximum"] = limits.api.max_new_tokens
@@ -93,3 +58,56 @@ def constrain(components: dict[str, dict[str, Any]], limits: ServeConfig, base_m
     merged["properties"]["ids"]["maxItems"] = most
     merged["properties"]["weights"]["maxItems"] = most
     merged["dependentSchemas"] = rules.merge_rules(most)
+
+
+def _openai_body(body: dict[str, Any], limits: ServeConfig, stop: dict[str, Any], token_key: str,
+                 dependent: dict[str, dict[str, Any]]) -> None:
+    """What both OpenAI bodies share: token, choice and stop limits, logit_bias's keys and values,
+    and the rules between fields (`dependent`: `rules.openai_rules`)."""
+    props = body["properties"]
+    props["max_tokens"]["maximum"] = limits.api.max_new_tokens
+    props["n"]["maximum"] = limits.api.max_n
+    props["stop"].update(stop)
+    next(s for s in props["best_of"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.api.max_n
+    bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")
+    bias.clear()
+    bias.update({"type": "object", "maxProperties": LOGIT_BIAS_MAX_TOKENS,
+                 "propertyNames": {"pattern": token_key},
+                 "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                          "maximum": LOGIT_BIAS_LIMIT}})
+    body["dependentSchemas"] = dependent
+
+
+def _completion_prompt(completion: dict[str, Any], limits: ServeConfig, ids: dict[str, Any],
+                       prompt_tokens: int) -> None:
+    """/v1/completions' logprobs bound and its prompt's shapes (`ids`: one prompt's token ids), with
+    the token limit, which JSON Schema cannot state of a text, in the prompt's description."""
+    completion["logprobs"]["maximum"] = limits.engine.max_logprobs
+    _, texts, one, many = completion["prompt"]["anyOf"]
+    texts["maxItems"] = limits.api.max_prompts
+    one.update(ids)
+    many.update({"maxItems": limits.api.max_prompts, "items": ids})
+    longer = ("keeps its last tokens (prompt_truncation: auto; the x-lora-truncated-tokens header says how "
+              "many were cut)" if limits.api.prompt_truncation == "auto" else "is a 400 prompt_too_long")
+    completion["prompt"]["description"] += (f" A prompt has at most {prompt_tokens} tokens "
+                                            f"(max_prompt_tokens; a longer text {longer}).")
+
+
+def _chat_counts(chat_body: dict[str, Any], limits: ServeConfig, prompt_tokens: int,
+                 counts: ChatLimits) -> None:
+    """/v1/chat/completions' messages and tools (`counts`), token bounds and tool_choice rule."""
+    chat = chat_body["properties"]
+    chat["messages"]["maxItems"] = counts.messages
+    chat["messages"]["description"] = (
+        f"At most {counts.messages} (max_chat_messages, {limits.api.max_chat_messages}, and as many short "
+        "messages as fit in half the prompt limit); rendered by the chat template, at most "
+        f"{prompt_tokens} tokens (max_prompt_tokens; a longer conversation "
+        + ("keeps its system messages and as many of its latest messages as fit (prompt_truncation: auto; "
+           "the x-lora-truncated-tokens header says how many tokens were cut)."
+           if limits.api.prompt_truncation == "auto" else "is a 400 prompt_too_long)."))
+    chat["tools"]["anyOf"][0]["maxItems"] = counts.tools
+    chat["tools"]["description"] += (f" At most {counts.tools} (OpenAI's 128, and as many tools without "
+                                     "parameters as fit in a quarter of the prompt limit).")
+    chat["max_completion_tokens"]["maximum"] = limits.api.max_new_tokens
+    chat["top_logprobs"]["maximum"] = limits.engine.max_logprobs
+    chat_body.update(rules.required_tool_choice())

@@ -24,7 +24,7 @@ from typing import Any
 
 from ray import serve
 
-from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops import metrics_exposition
 from lora_cluster.serve.ops.background import keep_running, within
 from lora_cluster.serve.ops.metrics_merge import MetricsBook, Snapshot
 
@@ -83,19 +83,19 @@ class SharedMetrics:
         """The exposition text: every ingress's request metrics summed, or this ingress's own when
         the hub does not answer (never an error)."""
         self.start()
-        snapshot = await asyncio.to_thread(metrics.request_snapshot)
+        snapshot = await asyncio.to_thread(metrics_exposition.request_snapshot)
         try:
             reply = await self._call("exchange", snapshot)
         except Exception as exc:
             self._failed(exc)
-            return await asyncio.to_thread(metrics.render, None, 1)
+            return await asyncio.to_thread(metrics_exposition.render, None, 1)
         self._answered()
-        return await asyncio.to_thread(metrics.render, reply["families"], reply["ingresses"])
+        return await asyncio.to_thread(metrics_exposition.render, reply["families"], reply["ingresses"])
 
     async def _push_forever(self) -> None:
         while True:
             try:
-                snapshot = await asyncio.to_thread(metrics.request_snapshot)
+                snapshot = await asyncio.to_thread(metrics_exposition.request_snapshot)
                 await self._call("push", snapshot)
                 self._answered()
             except asyncio.CancelledError:

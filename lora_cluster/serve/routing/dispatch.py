@@ -35,6 +35,7 @@ from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.errors import RoutingUnavailableError
 from lora_cluster.serve.http_errors import ApiError, ApiException, NoReplicaError, describe
 from lora_cluster.serve.ops import metrics
+from lora_cluster.serve.ops.generation_metrics import GenerationMetrics, routing_decision
 from lora_cluster.serve.ops.ray_internals import own_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica
 from lora_cluster.serve.routing.admission import ClusterAdmission
@@ -70,7 +71,7 @@ class Generation:
     finished: bool = field(default=False)
     on_done: Callable[[], None] | None = None  # called once when the generation ends, however it ends
     on_routing_error: Callable[[], None] | None = None  # its replica died or went away mid-stream
-    meter: metrics.GenerationMetrics | None = None  # its request metrics (labels: adapter, tenant, class)
+    meter: GenerationMetrics | None = None  # its request metrics (labels: adapter, tenant, class)
 
     def _done(self) -> None:
         callback, self.on_done = self.on_done, None
@@ -215,7 +216,7 @@ class Dispatcher:
                 self.guard.abandoned()
 
     async def _start_once(self, job: GenerateJob, route: str, t0: float) -> Generation:
-        meter = metrics.GenerationMetrics(job.adapter_id, job.tenant, job.priority_class, arrived_at=t0)
+        meter = GenerationMetrics(job.adapter_id, job.tenant, job.priority_class, arrived_at=t0)
         parked = metrics.QUEUE_DEPTH.labels(job.priority_class)
         parked.inc()  # seen by a scrape only while the request actually waits (the fast path awaits nothing)
         try:
@@ -240,7 +241,7 @@ class Dispatcher:
             raise ApiException(ApiError.from_dict(first["error"]))
         engine_ttft = first.get("ttft_s")  # a non-streaming job's first item is its last one
         meter.started(None if job.stream or engine_ttft is None else sent_at - t0 + engine_ttft)
-        metrics.routing_decision(job.adapter_id, replica, first["hit"], self.replica_stats())
+        routing_decision(job.adapter_id, replica, first["hit"], self.replica_stats())
         (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
         return Generation(job=job, replica=replica, hit=first["hit"], first=first, stream=stream,
                           on_done=lambda: self.admission.finished(replica), meter=meter)
