@@ -1,4 +1,4 @@
-"""The tiered adapter store: the engine's default `AdapterLoader`.
+"""The tiered adapter store: the default `AdapterStore` (`store.ports`).
 
     device slots (engine AdapterPool)  <-  host memory (HostCache)  <-  local disk (DiskCache)  <-  source
 
@@ -76,7 +76,7 @@ from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
-    from lora_cluster.store.loader import SlotPolicy
+    from lora_cluster.store.ports import SlotPolicy
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -101,6 +101,8 @@ def default_disk_cache_dir() -> Path:
 
 
 class TieredAdapterStore:
+    """The tiered `AdapterStore` (see the module docstring)."""
+
     def __init__(
         self,
         sources: Iterable[str | AdapterSource],
@@ -203,7 +205,7 @@ class TieredAdapterStore:
                                        clock=self._clock)
             return self._disk
 
-    # ----- AdapterLoader protocol -----------------------------------------------------------
+    # ----- the ports (WeightSource, ResidencyHooks, AdapterCatalog) --------------------------
 
     def load(self, adapter_id: str) -> LoraWeights:
         """Validated host weights of `adapter_id` (see the module docstring); raises AdapterError."""
@@ -290,6 +292,7 @@ class TieredAdapterStore:
             raise
 
     def unregister(self, adapter_id: str) -> bool:
+        check_adapter_id(adapter_id)
         with self._lock:
             found = self._registered.pop(adapter_id, None) is not None
         if found:
