@@ -155,7 +155,7 @@ def main() -> None:
         profiler.enable()
         run(engines[args.known], active[args.known], args.requests, seed=99)
         profiler.disable()
-        snapshot = engines[args.known].adapter_store_stats().get("tracked", {})
+        snapshot = engines[args.known].loader.snapshot().get("tracked", {})
         for engine in engines.values():
             engine.close()
     out = io.StringIO()

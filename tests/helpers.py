@@ -24,8 +24,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_cluster.engine import SamplingParams
-from lora_cluster.errors import AdapterNotFoundError
-from lora_cluster.store.loader import StatelessHooks
+from lora_cluster.store.ports import StatelessHooks
 
 if TYPE_CHECKING:
     import torch
@@ -114,8 +113,8 @@ class FakeClock:
 
 
 class FakeLoader(StatelessHooks, ABC):
-    """The `AdapterLoader` protocol's bookkeeping with nothing behind it: a subclass supplies `load`
-    (weights for any id) and overrides the hooks its test watches."""
+    """An `EnginePort` (`store.ports`: what an engine is wired with) with nothing behind it: a
+    subclass supplies `load` (weights for any id) and overrides the hooks its test watches."""
 
     @abstractmethod
     def load(self, adapter_id: str) -> Any:
@@ -123,15 +122,6 @@ class FakeLoader(StatelessHooks, ABC):
 
     def version(self, adapter_id: str) -> int:
         return 0
-
-    def list_adapters(self) -> list[str]:
-        return []
-
-    def register(self, adapter_id: str, location: str) -> None:
-        raise AdapterNotFoundError(adapter_id, "this test loader makes weights for any id; none to register")
-
-    def unregister(self, adapter_id: str) -> bool:
-        return False
 
 
 

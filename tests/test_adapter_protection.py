@@ -32,7 +32,7 @@ WAIT_BOUNDS = {0: 1.0, 1: 4.0}  # adapter wait bound per priority (the SLA class
 
 
 class MemoryLoader(FakeLoader):
-    """An `AdapterLoader` whose adapters are tiny tensors made on request (every id exists), each
+    """An `EnginePort` whose adapters are tiny tensors made on request (every id exists), each
     load taking `delay_s` (the replica measures its load time from it)."""
 
     def __init__(self, delay_s: float = 0.0):
@@ -54,8 +54,8 @@ class Replica:
                                 device=torch.device("cpu"), clock=clock)
         guard = AdapterGuard(EngineConfig(model="unused", breakers=protect), clock)
         rotation = AdapterRotation(min_steps=2, wait_bounds_s=WAIT_BOUNDS, clock=clock)
-        self.adapters = AdapterResidency(MemoryLoader(load_s), self.pool, 2, guard, rotation=rotation,
-                                         clock=clock)
+        loader = MemoryLoader(load_s)
+        self.adapters = AdapterResidency(loader, loader, self.pool, 2, guard, rotation=rotation, clock=clock)
         self.scheduler = Scheduler(max_num_seqs=256, max_num_batched_tokens=4096, max_waiting=4096,
                                    acquire=self.adapters.acquire, release=self.adapters.release,
                                    slot_to_preempt=self.adapters.slot_to_preempt)
@@ -219,7 +219,8 @@ def test_cold_fetches_queue_behind_warm_ones_and_leave_a_worker_for_them() -> No
 
 def test_fetch_timings_written_by_the_workers_never_break_the_step_loop() -> None:
     pool = AdapterPool(SHAPES, num_slots=2, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
-    adapters = AdapterResidency(MemoryLoader(), pool, 4, AdapterGuard(EngineConfig(model="unused")))
+    loader = MemoryLoader()
+    adapters = AdapterResidency(loader, loader, pool, 4, AdapterGuard(EngineConfig(model="unused")))
     try:
         for n in range(20_000):  # bounded; without the lock the race showed within this many rounds
             batch = [f"x{n}-{i}" for i in range(8)]

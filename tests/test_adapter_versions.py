@@ -34,26 +34,26 @@ def test_shadowing_a_source_adapter_serves_the_new_weights(engine, demo_zoo):
     own_a1 = _tokens(engine, "a1")
     own_a0 = _tokens(engine, "a0")
     assert own_a0 != own_a1, "the two demo adapters answer differently (else this test proves nothing)"
-    engine.register_adapter("a0", str(demo_zoo.adapters_dir / "a1"))
+    engine.loader.register("a0", str(demo_zoo.adapters_dir / "a1"))
     assert _tokens(engine, "a0") == own_a1, "a0 now names a1's weights, not the copy in its device slot"
 
 
 def test_re_registering_a_name_serves_the_new_weights(engine, demo_zoo):
     own = {a: _tokens(engine, a) for a in ("a2", "a3")}
-    engine.register_adapter("x", str(demo_zoo.adapters_dir / "a2"))
+    engine.loader.register("x", str(demo_zoo.adapters_dir / "a2"))
     assert _tokens(engine, "x") == own["a2"], "x serves a2's weights"
-    engine.register_adapter("x", str(demo_zoo.adapters_dir / "a3"))
+    engine.loader.register("x", str(demo_zoo.adapters_dir / "a3"))
     assert _tokens(engine, "x") == own["a3"], "x re-registered serves a3's weights"
 
 
 def test_a_busy_adapter_is_replaced_for_new_requests_only(engine, demo_zoo):
     own = {a: _tokens(engine, a) for a in ("a4", "a5")}
-    engine.register_adapter("y", str(demo_zoo.adapters_dir / "a4"))
+    engine.loader.register("y", str(demo_zoo.adapters_dir / "a4"))
     engine.add_request("before", PROMPT, "y", GREEDY)
     for _ in range(3):
         engine.step()  # "before" runs on a4's weights
     assert engine.unload_adapter("y") is False, "unload refuses an adapter a running request uses"
-    engine.register_adapter("y", str(demo_zoo.adapters_dir / "a5"))
+    engine.loader.register("y", str(demo_zoo.adapters_dir / "a5"))
     engine.add_request("after", PROMPT, "y", GREEDY)
     finals = {}
     for _ in range(200):

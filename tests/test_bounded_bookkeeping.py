@@ -71,7 +71,7 @@ def test_a_remembered_miss_is_answered_without_asking_the_sources(shapes, demo_a
 
 
 class CountingLoader(FakeLoader):
-    """An `AdapterLoader` that makes tiny weights for any id and counts what the engine hands back."""
+    """An `EnginePort` that makes tiny weights for any id and counts what the engine hands back."""
 
     def __init__(self, shapes: ModelShapes, gate: threading.Event):
         self.shapes, self.gate = shapes, gate

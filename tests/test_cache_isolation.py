@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import REAL_CACHE, cache_fingerprint
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.store.store import default_disk_cache_dir
+from lora_cluster.store.cold_tiers import default_disk_cache_dir
 
 
 def test_default_cache_folders_are_in_the_sessions_temp_folder(private_cache_home: Path):

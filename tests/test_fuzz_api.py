@@ -57,6 +57,7 @@ from lora_cluster.serve.replica.deployment import coalesce
 from lora_cluster.serve.replica.model import load_tokenizer
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.dispatch import Generation
+from lora_cluster.store.ports import AdapterCatalog
 from lora_cluster.tenancy.tenants import Directory, hash_key, parse_tenants
 
 HTTP_EXAMPLES = 15  # per operation and phase: about a minute for all operations on an idle machine
@@ -129,10 +130,11 @@ class LocalController:
 
 class EngineDispatcher:
     """The ingress's dispatcher calls answered by one in-process engine, as one replica "local" would:
-    the same wire items (`coalesce`, `output_item`), errors reported as `describe` maps them."""
+    the same wire items (`coalesce`, `output_item`), errors reported as `describe` maps them, and the
+    adapter catalog called directly (the store the engine was wired with), as the replica calls it."""
 
-    def __init__(self, aengine: AsyncEngine, config: ServeConfig):
-        self.aengine = aengine
+    def __init__(self, aengine: AsyncEngine, catalog: AdapterCatalog, config: ServeConfig):
+        self.aengine, self.catalog = aengine, catalog
         self.admission = ClusterAdmission(LocalController(config), capacity=None,
                                           replica_stats=self.replica_stats, timeout_s=1.0)
 
@@ -147,9 +149,9 @@ class EngineDispatcher:
         try:
             aid = job.adapter_id
             if job.adapter_path is not None and aid is not None:
-                await self.aengine.register_adapter(aid, job.adapter_path)
+                await self._register(aid, job.adapter_path)
             if job.merge is not None:
-                aid = self.aengine.define_merge(job.merge)
+                aid = self.catalog.define_merge(job.merge)
             outputs = self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                             priority=job.priority)
             if not job.stream:
@@ -162,6 +164,10 @@ class EngineDispatcher:
                 head = {}
         except LoraClusterError as exc:
             yield {**head, "error": describe(exc).to_dict()}
+
+    async def _register(self, adapter_id: str, path: str) -> None:
+        self.aengine.check_open()
+        await asyncio.to_thread(self.catalog.register, adapter_id, path)
 
     async def start(self, job: GenerateJob, route: str) -> Generation:
         items = self._items(job)
@@ -185,7 +191,10 @@ class EngineDispatcher:
         return started
 
     async def any_replica(self, method: str, *args: Any, timeout_s: float = 30.0) -> Any:
-        return await self.aengine.list_adapters() if method == "list_adapters" else "local"
+        if method != "list_adapters":
+            return "local"
+        self.aengine.check_open()
+        return await asyncio.to_thread(self.catalog.list_adapters)
 
     async def call(self, replica_id: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
         return (await self.broadcast(method, *args))["local"]
@@ -193,11 +202,13 @@ class EngineDispatcher:
     async def broadcast(self, method: str, *args: Any) -> dict[str, Any]:
         if method == "register_adapter":
             try:
-                await self.aengine.register_adapter(*args)
+                await self._register(*args)
             except LoraClusterError as exc:
                 return {"local": {"error": describe(exc).to_dict()}}
         elif method == "unregister_adapter":
-            await self.aengine.unregister_adapter(*args)
+            self.aengine.check_open()
+            await asyncio.to_thread(self.catalog.unregister, *args)
+            await self.aengine.unload_adapter(*args)
         return {"local": {"replica": "local", "ok": True}}
 
 
@@ -310,7 +321,7 @@ def _serving(mode: str, demo_zoo: Any, aengine: AsyncEngine) -> Any:
                          **FUZZ_LIMITS)
     tenants = StaticTenants() if mode == "tenants" else None
     ctx = ApiContext(config=config, tokenizer=load_tokenizer(config),
-                     dispatcher=EngineDispatcher(aengine, config), tenants=tenants)
+                     dispatcher=EngineDispatcher(aengine, aengine.engine.loader, config), tenants=tenants)
     slot = SLOTS[mode]
     schema_only, slot.app = slot.app, build_fastapi(ctx)
     try:

@@ -69,7 +69,7 @@ def _peft_merged(model_dir, adapters_dir, ids, weights, combination: str, densit
 
 
 def _greedy_matches_peft(engine: Engine, spec: MergeSpec, peft: PeftModel, what: str) -> None:
-    merged_id = engine.define_merge(spec)
+    merged_id = engine.loader.define_merge(spec)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = engine.generate(PROMPTS, adapter_ids=[merged_id] * len(PROMPTS), sampling=greedy)
     for out in outs:
@@ -87,7 +87,7 @@ def test_linear_is_peft_cat_token_for_token(engine, demo_model_dir, demo_adapter
     peft = _peft_merged(demo_model_dir, demo_adapters_dir, ids, weights, "cat")
     _greedy_matches_peft(engine, spec_of(ids, weights), peft, "linear = cat")
     single = engine.generate([PROMPTS[0]], adapter_ids=["a1"], sampling=greedy(12))[0]
-    merged = engine.generate([PROMPTS[0]], adapter_ids=[engine.define_merge(spec_of(ids, weights))],
+    merged = engine.generate([PROMPTS[0]], adapter_ids=[engine.loader.define_merge(spec_of(ids, weights))],
                              sampling=greedy(12))[0]
     assert merged.token_ids != single.token_ids, "the merge is not one of its adapters"
 

@@ -285,13 +285,13 @@ def test_requests_after_a_reload_never_reuse_the_old_versions_blocks(make_engine
     reference.close()
     assert own["a4"] != own["a5"], "the two adapters answer differently (else this test proves nothing)"
     engine = make_engine(**SETTINGS)
-    engine.register_adapter("y", str(demo_zoo.adapters_dir / "a4"))
+    engine.loader.register("y", str(demo_zoo.adapters_dir / "a4"))
     warm = engine.generate([prompt], ["y"], greedy(12))[0]
     assert warm.token_ids == own["a4"], "y serves a4's weights"
     engine.add_request("old", prompt, "y", greedy(40))  # runs on the old version through the reload
     for _ in range(4):
         engine.step()
-    engine.register_adapter("y", str(demo_zoo.adapters_dir / "a5"))
+    engine.loader.register("y", str(demo_zoo.adapters_dir / "a5"))
     engine.add_request("new", prompt, "y", greedy(12))
     finals = {}
     for _ in range(300):

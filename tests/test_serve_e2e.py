@@ -486,7 +486,7 @@ def test_lorax_client_merged_adapters_and_details_with_logprobs(base_url, offlin
 
     spec = MergeSpec.parse(MERGE["ids"], MERGE["weights"], "linear", 1.0, None, max_ids=8)
     sampling = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=3, prompt_logprobs=0)
-    merged_id = offline_engine.define_merge(spec)
+    merged_id = offline_engine.loader.define_merge(spec)
     want = offline_engine.generate([PROMPT], adapter_ids=[merged_id], sampling=sampling)[0]
     client = lorax.Client(base_url, timeout=120)
     got = client.generate(PROMPT, merged_adapters=lorax.types.MergedAdapters(**MERGE), max_new_tokens=8,

@@ -38,9 +38,10 @@ def shapes(demo_model_dir: Path):
 
 def make_store(s3, shapes, tmp_path: Path, prefix: str = "zoo", **options) -> TieredAdapterStore:
     key = options.pop("key", None)
+    policy = options.pop("policy", None) or AdmissionPolicy(shapes, 64, key=key)
     options.setdefault("disk_cache_dir", tmp_path / "disk")
     options.setdefault("fetch_backoff_s", 0.01)
-    return TieredAdapterStore([f"s3://{s3.bucket}/{prefix}"], AdmissionPolicy(shapes, 64, key=key), **options)
+    return TieredAdapterStore([f"s3://{s3.bucket}/{prefix}"], policy, **options)
 
 
 def same_weights(a, b) -> bool:
@@ -194,8 +195,8 @@ def test_checksum_mismatch_metadata_and_manifest(s3, demo_zoo, shapes, tmp_path)
         store.load("manifest-bad")
     assert disk_files(tmp_path) == [], "adapters failing their checksums are not kept on disk"
     assert store.load("good").adapter_id == "good", "matching metadata and manifest digests are accepted"
-    strict = make_store(s3, shapes, tmp_path / "other")
-    strict.policy = AdmissionPolicy(shapes, 64, require_checksum=True)
+    strict = make_store(s3, shapes, tmp_path / "other",
+                        policy=AdmissionPolicy(shapes, 64, require_checksum=True))
     assert strict.load("good").adapter_id == "good", "require_checksum accepts a declared, matching digest"
     s3.upload(demo_zoo.adapters_dir / "a0", "zoo/a0")
     with pytest.raises(AdapterIntegrityError, match=r"'a0'.*no sha256 is declared"):

@@ -4,8 +4,9 @@ All `Engine` calls that touch its state happen on the loop thread; callers talk 
 command queue, so the engine needs no locks. Each request's outputs are pushed to the caller's
 asyncio queue with `call_soon_threadsafe`. A caller that stops iterating (client disconnect,
 cancellation) aborts its request, which frees the request's batch slot at the next step. The
-loader passthroughs (register, unregister, list) do blocking I/O and run in a worker thread, never
-on the caller's event loop nor on the step loop.
+adapter catalog (register, unregister, list, merge) is not the engine's: the caller talks to the
+store it wired (`store.ports.AdapterCatalog`), and asks `check_open` first where a stopped loop
+must refuse the call.
 
 Lifecycle: RUNNING -> CLOSED. `shutdown` stops the loop first and closes the engine only once the
 loop thread has exited. When the loop exits, for whatever reason, every waiting caller gets an
@@ -29,7 +30,6 @@ from typing import Any
 
 from lora_cluster.engine.llm_engine import Engine, EngineStats
 from lora_cluster.errors import EngineUnavailableError
-from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.request.output import RequestOutput
 from lora_cluster.request.sampling_params import SamplingParams
 
@@ -136,30 +136,6 @@ class AsyncEngine:
         """Drop the adapter from the device and host; False while a request uses it."""
         return await self.call(lambda engine: engine.unload_adapter(adapter_id))
 
-    async def register_adapter(self, adapter_id: str, location: str) -> None:
-        """Serve `adapter_id` from `location` (validated first, in a worker thread)."""
-        self._check_open()
-        await asyncio.to_thread(self.engine.register_adapter, adapter_id, location)
-
-    async def unregister_adapter(self, adapter_id: str) -> bool:
-        """Forget a registered adapter and drop it from the device once idle; False: not registered."""
-        self._check_open()
-        found = await asyncio.to_thread(self.engine.unregister_adapter, adapter_id)
-        await self.unload_adapter(adapter_id)
-        return found
-
-    async def list_adapters(self) -> list[str]:
-        self._check_open()
-        return await asyncio.to_thread(self.engine.list_adapters)
-
-    def define_merge(self, spec: MergeSpec) -> str:
-        """Remember a merge of adapters; returns its adapter id (thread-safe, no I/O)."""
-        return self.engine.define_merge(spec)
-
-    def adapter_store_stats(self) -> dict[str, Any]:
-        """The adapter loader's counters (thread-safe, no I/O)."""
-        return self.engine.adapter_store_stats()
-
     # ----- requests -------------------------------------------------------------------------
 
     async def generate(
@@ -218,13 +194,14 @@ class AsyncEngine:
 
     # ----- health and lifecycle -------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise EngineUnavailableError once the loop has stopped (closed, or its thread is gone)."""
         if self._closed or not self._thread.is_alive():
             raise EngineUnavailableError("the engine loop has stopped")
 
     def check_health(self) -> None:
         """Raise EngineUnavailableError when the loop is gone or steps keep failing."""
-        self._check_open()
+        self.check_open()
         failures = self._stats.consecutive_step_failures
         if failures >= self.max_consecutive_step_failures:
             raise EngineUnavailableError(

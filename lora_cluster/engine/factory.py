@@ -1,6 +1,6 @@
 """An engine wired to the adapter store its config names: the one place callers build one from.
 
-`Engine` receives its `AdapterLoader` and never builds one (`store.loader`). `build_engine` takes
+`Engine` receives its `EnginePort` and never builds one (`store.ports`). `build_engine` takes
 `Engine`'s arguments and, unless the caller passes its own `adapter_loader`, wires
 `store.build_adapter_loader`: the tiered adapter store of `adapter_source` (the default,
 `adapter_store="tiered"`) or the plain folder loader (`adapter_store="folder"`), built once the base
@@ -12,7 +12,7 @@ from __future__ import annotations
 from lora_cluster.config import EngineConfig
 from lora_cluster.engine.llm_engine import Engine, LoaderFactory
 from lora_cluster.store import build_adapter_loader
-from lora_cluster.store.loader import AdapterLoader
+from lora_cluster.store.ports import EnginePort
 
 
 def build_engine(
@@ -22,7 +22,7 @@ def build_engine(
     max_lora_rank: int | None = None,
     *,
     config: EngineConfig | None = None,
-    adapter_loader: AdapterLoader | LoaderFactory | None = None,
+    adapter_loader: EnginePort | LoaderFactory | None = None,
     **overrides: object,
 ) -> Engine:
     """`Engine(model, adapter_source, max_loras, max_lora_rank, config=config, **overrides)` whose

@@ -2,11 +2,10 @@
 
 `Engine` is synchronous and single-threaded: `add_request`, `abort`, `step`, `start_load` and
 `unload_adapter` are called from one thread (the offline `generate`, or `AsyncEngine`'s loop
-thread). Only the loader passthroughs (`register_adapter`, `unregister_adapter`, `list_adapters`,
-`adapter_store_stats`) are thread-safe, and they do blocking I/O: call them off the step loop.
-Adapter I/O never runs on the step thread: loads are submitted to a small thread pool and a request
-waits in the queue, while the others keep decoding, until its adapter's host weights are ready and
-a device slot is free.
+thread). The adapter catalog (register, unregister, list, merge) is not the engine's: its caller
+talks to the store it wired (`store.ports.AdapterCatalog`). Adapter I/O never runs on the step
+thread: loads are submitted to a small thread pool and a request waits in the queue, while the
+others keep decoding, until its adapter's host weights are ready and a device slot is free.
 
 Priorities: a request's int `priority` (lower is more urgent) orders admission and its adapter's
 fetch (`engine.adapters.fetch_queue`), and an urgent request preempts less urgent running ones when every KV
@@ -82,10 +81,9 @@ from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestErro
 from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
 from lora_cluster.replica_policy.prefix_hash import chain_root
 from lora_cluster.request.adapter_id import check_adapter_id
-from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.request.output import FinishReason, RequestOutput
 from lora_cluster.request.sampling_params import SamplingParams
-from lora_cluster.store.loader import AdapterLoader
+from lora_cluster.store.ports import EnginePort
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.01  # an empty step with waiting requests and no load in flight sleeps this long
@@ -115,7 +113,7 @@ class EngineStats:
 
 
 # builds the engine's loader once the base model's shapes and device are known
-LoaderFactory = Callable[[EngineConfig, ModelShapes, torch.device], AdapterLoader]
+LoaderFactory = Callable[[EngineConfig, ModelShapes, torch.device], EnginePort]
 
 
 class Engine:
@@ -123,7 +121,7 @@ class Engine:
 
     `Engine(model=..., adapter_source=..., max_loras=8, max_lora_rank=64, adapter_loader=...)`; any
     other `EngineConfig` field may be passed as a keyword, or a whole `config`. The caller wires where
-    adapters come from (the engine never builds a store): `adapter_loader` is an `AdapterLoader`, or
+    adapters come from (the engine never builds a store): `adapter_loader` is an `EnginePort`, or
     a factory called with the config, the model's shapes and the device, such as
     `store.build_adapter_loader` (the tiered adapter store of `adapter_source`), which
     `engine.factory.build_engine` passes.
@@ -136,7 +134,7 @@ class Engine:
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         *,
-        adapter_loader: AdapterLoader | LoaderFactory,
+        adapter_loader: EnginePort | LoaderFactory,
         config: EngineConfig | None = None,
         **overrides: object,
     ):
@@ -170,7 +168,7 @@ class Engine:
             device=self.device,
         )
         self.step_buffers = StepBuffers(self.device)
-        self.loader: AdapterLoader = (
+        self.loader: EnginePort = (
             adapter_loader(config, self.shapes, self.device) if callable(adapter_loader) else adapter_loader
         )
         self.pool = AdapterPool(
@@ -185,7 +183,7 @@ class Engine:
         self.adapter_guard = AdapterGuard(config)
         self.counters = EngineCounters()  # steps, batch sizes, tokens, adapter placements (metrics)
         self.adapters = AdapterResidency(
-            self.loader, self.pool, config.adapter_load_workers, guard=self.adapter_guard,
+            self.loader, self.loader, self.pool, config.adapter_load_workers, guard=self.adapter_guard,
             rotation=rotation_from_config(config), pinned=config.pinned,
             copier=AdapterCopier(self.pool, self.device, config.adapter_async_copy_bytes),
             counters=self.counters,
@@ -254,30 +252,6 @@ class Engine:
     def unload_adapter(self, adapter_id: str) -> bool:
         """Drop an adapter from the device and host; False when a sequence is using it."""
         return self.adapters.unload(adapter_id)
-
-    def register_adapter(self, adapter_id: str, location: str) -> None:
-        """Serve `adapter_id` from `location` (validated first). Thread-safe, blocking I/O. Requests
-        queued from now on get the new weights; running ones finish on the weights they started with."""
-        check_adapter_id(adapter_id)
-        self.loader.register(adapter_id, location)
-
-    def unregister_adapter(self, adapter_id: str) -> bool:
-        """Forget a registered adapter (False: it was not registered). Thread-safe, may do I/O."""
-        check_adapter_id(adapter_id)
-        return self.loader.unregister(adapter_id)
-
-    def list_adapters(self) -> list[str]:
-        """Adapters the sources offer. Thread-safe, may list remote sources."""
-        return self.loader.list_adapters()
-
-    def define_merge(self, spec: MergeSpec) -> str:
-        """Remember a merge of adapters (`lora_cluster.store.merge`); returns the merged adapter's id,
-        which requests then name as their adapter. Thread-safe, no I/O."""
-        return self.loader.define_merge(spec)
-
-    def adapter_store_stats(self) -> dict[str, Any]:
-        """The loader's counters (per tier, for metrics). Thread-safe."""
-        return self.loader.snapshot()
 
     # ----- requests -------------------------------------------------------------------------
 

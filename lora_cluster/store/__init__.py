@@ -1,9 +1,10 @@
 """The adapter store: sources by URI, admission checks, and the host and disk cache tiers.
 
-`build_adapter_loader(config, shapes, device)` builds the engine's `AdapterLoader` (the protocol,
-`store.loader`) for a config: the `TieredAdapterStore` (the default, `adapter_store="tiered"`), or
+`build_adapter_loader(config, shapes, device)` builds the `AdapterStore` (the protocols,
+`store.ports`) for a config: the `TieredAdapterStore` (the default, `adapter_store="tiered"`), or
 the plain `FolderAdapterLoader` with `adapter_store="folder"`. The caller wires it into the engine
-(`engine.factory.build_engine`). See docs/adapter-store.md.
+as its `EnginePort` (`engine.factory.build_engine`, the replica) and talks to its `AdapterCatalog`
+itself. See docs/adapter-store.md.
 
 Importing this package imports torch; the pure policies the store runs (`replica_policy.eviction`,
 `replica_policy.tier_stats`) are in `replica_policy`.
@@ -23,11 +24,11 @@ if TYPE_CHECKING:
 
     from lora_cluster.adapter_format import ModelShapes
     from lora_cluster.config import EngineConfig
-    from lora_cluster.store.loader import AdapterLoader
+    from lora_cluster.store.ports import AdapterStore
 
 
-def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterLoader:
-    """The engine's default adapter loader for `config` (see the module docstring)."""
+def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterStore:
+    """The adapter store of `config` (see the module docstring)."""
     if config.adapter_store == "folder":
         return FolderAdapterLoader(config.adapter_source, shapes, config.max_lora_rank,
                                    max_merged_adapters=config.max_merged_adapters,

@@ -3,29 +3,27 @@
 No caches, no budgets: `adapter_store="folder"` selects it, for debugging and for tests that want
 the engine without the tiered store. The first folder holding an id wins; `register` maps an id to
 a folder of its own (vLLM's load_lora_adapter) and bumps the id's version. Merged adapters
-(`define_merge`) are built from their adapters on every load.
+(`define_merge`) are built from their adapters on every load. It serves the `WeightSource` and the
+`AdapterCatalog` (`store.ports`); its residency hooks, counters and `close` do nothing
+(`StatelessHooks`).
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes, load_peft_adapter
 from lora_cluster.errors import AdapterNotFoundError
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.merge_spec import MergeSpec
-from lora_cluster.store.loader import StatelessHooks
 from lora_cluster.store.merged import MergedAdapters
+from lora_cluster.store.ports import StatelessHooks
 from lora_cluster.store.versions import Versions
-
-if TYPE_CHECKING:
-    pass
 
 
 class FolderAdapterLoader(StatelessHooks):
-    """An `AdapterLoader` over local folders (see the module docstring)."""
+    """An `AdapterStore` over local folders (see the module docstring)."""
 
     def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int, *,
                  max_merged_adapters: int = 256, merge_seed: int = 0):
@@ -39,8 +37,7 @@ class FolderAdapterLoader(StatelessHooks):
                                      in_use=lambda adapter_id: False, module_order=list(shapes.modules),
                                      max_rank=max_rank, seed=merge_seed)
 
-    def define_merge(self, spec: MergeSpec) -> str:
-        return self.merged.define(spec)
+    # ----- WeightSource -------------------------------------------------------------------
 
     def load(self, adapter_id: str) -> LoraWeights:
         check_adapter_id(adapter_id)
@@ -65,20 +62,7 @@ class FolderAdapterLoader(StatelessHooks):
             return self.merged.version(adapter_id)
         return self._versions.get(adapter_id)
 
-    def register(self, adapter_id: str, location: str) -> None:
-        check_adapter_id(adapter_id)
-        folder = Path(location.removeprefix("file://")).expanduser()
-        load_peft_adapter(adapter_id, folder, self.shapes, self.max_rank)  # refuse what would fail later
-        with self._lock:
-            self._registered[adapter_id] = folder
-        self._versions.bump(adapter_id)
-
-    def unregister(self, adapter_id: str) -> bool:
-        with self._lock:
-            found = self._registered.pop(adapter_id, None) is not None
-        if found:
-            self._versions.bump(adapter_id)
-        return found
+    # ----- AdapterCatalog -----------------------------------------------------------------
 
     def list_adapters(self) -> list[str]:
         with self._lock:
@@ -88,3 +72,22 @@ class FolderAdapterLoader(StatelessHooks):
                 for cfg in sorted(folder.glob("**/adapter_config.json")):
                     seen.setdefault(cfg.parent.relative_to(folder).as_posix(), None)
         return list(seen)
+
+    def register(self, adapter_id: str, location: str) -> None:
+        check_adapter_id(adapter_id)
+        folder = Path(location.removeprefix("file://")).expanduser()
+        load_peft_adapter(adapter_id, folder, self.shapes, self.max_rank)  # refuse what would fail later
+        with self._lock:
+            self._registered[adapter_id] = folder
+        self._versions.bump(adapter_id)
+
+    def unregister(self, adapter_id: str) -> bool:
+        check_adapter_id(adapter_id)
+        with self._lock:
+            found = self._registered.pop(adapter_id, None) is not None
+        if found:
+            self._versions.bump(adapter_id)
+        return found
+
+    def define_merge(self, spec: MergeSpec) -> str:
+        return self.merged.define(spec)

@@ -1,4 +1,4 @@
-"""The tiered adapter store: the engine's default `AdapterLoader`.
+"""The tiered adapter store: the default `AdapterStore` (`store.ports`).
 
     device slots (engine AdapterPool)  <-  host memory (HostCache)  <-  local disk (DiskCache)  <-  source
 
@@ -6,10 +6,9 @@
 step loop) returns validated host weights, from the fastest tier that has them:
 1. host hit: the cached copy, no I/O;
 2. otherwise one *single flight* per adapter (32 concurrent callers: one download, one parse):
-   resolve the adapter (registered location first, then `adapter_source` in order; a disk-cached
-   copy of a remote source is used without asking the network), read it from the disk cache or
-   download it into the disk cache (S3) / the hub cache (hub) / read it in place (local folder),
-   run the admission checks (`admission`), keep a host copy, and return it.
+   resolve the adapter (registered location first, then `adapter_source` in order), read it through
+   the tiers below host memory (`cold_tiers`: the disk cache, the sources, the admission checks),
+   keep a host copy, and return it.
 A failed load raises an `AdapterError` naming the adapter and the reason and leaves nothing cached
 (a download that fails admission is dropped from the disk cache); the next call retries. An id
 that no source offers is remembered as missing for `negative_cache_ttl_s` in a bounded LRU
@@ -33,24 +32,20 @@ fetched will not be placed, so they count as an ordinary host-tier entry again. 
 copy is copied back to host memory in the background, so that losing its device slot costs a
 host-to-device copy rather than a disk read. Adapters are treated as immutable per version: to
 change one, register it again (or call `invalidate`), which drops its cached copies and bumps its
-version. Each remote source has a circuit breaker (`source_breaker`): while it is open, cold loads
-from that source fail at once with a 503 naming it, and cached adapters keep serving. CPU policy:
-parsing, validating and quantizing an adapter run with one intra-op thread in the calling thread
-(`torch.set_num_threads` is per thread with OpenMP), so a load in a loader thread never competes
-with the step loop's parallel kernels for the cores.
+version. Each remote source has a circuit breaker (`cold_tiers`): while it is open, cold loads from
+that source fail at once, and cached adapters keep serving. Its torch work runs on one intra-op
+thread per calling thread (`cpu_policy`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,7 +56,9 @@ from lora_cluster.replica_policy.eviction import AccessTracker
 from lora_cluster.replica_policy.tier_stats import StoreStats
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.merge_spec import MergeSpec
-from lora_cluster.store.admission import AdmissionPolicy, admit_folder
+from lora_cluster.store.admission import AdmissionPolicy
+from lora_cluster.store.cold_tiers import ColdTiers
+from lora_cluster.store.cpu_policy import single_threaded
 from lora_cluster.store.crypto import load_key
 from lora_cluster.store.disk_cache import DiskCache
 from lora_cluster.store.host_cache import HostCache
@@ -69,38 +66,21 @@ from lora_cluster.store.lifecycle import AdapterState, Lifecycle, LifecycleError
 from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.negative_cache import NegativeCache
 from lora_cluster.store.single_flight import SingleFlight
-from lora_cluster.store.source_breaker import SourceBreaker
-from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located, open_source
+from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located
 from lora_cluster.store.usage import AdapterUsage
 from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
-    from lora_cluster.store.loader import SlotPolicy
+    from lora_cluster.store.ports import SlotPolicy
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
-T = TypeVar("T")
-
-
-@contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch ops of the calling thread on one intra-op thread (OpenMP: per thread), then restore."""
-    before = torch.get_num_threads()
-    if before > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if before > 1:
-            torch.set_num_threads(before)
-
-
-def default_disk_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cluster" / "adapters"
 
 
 class TieredAdapterStore:
+    """The tiered `AdapterStore` (see the module docstring)."""
+
     def __init__(
         self,
         sources: Iterable[str | AdapterSource],
@@ -126,7 +106,6 @@ class TieredAdapterStore:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        self.policy = policy
         self.stats = StoreStats()
         self.lifecycle = Lifecycle()
         self.versions = Versions()
@@ -137,26 +116,16 @@ class TieredAdapterStore:
         self.host = HostCache(host_cache_bytes, int8=host_int8, pin=pin_memory,
                               protected=self.usage.protected, priority=self.usage.priority,
                               on_evict=self._settle, stats=self.stats, clock=clock)
-        self._clock = clock
-        self._disk: DiskCache | None = None
-        self._disk_dir = Path(disk_cache_dir).expanduser() if disk_cache_dir else default_disk_cache_dir()
-        self._disk_bytes = disk_cache_bytes
-        self._remote = {"retries": fetch_retries, "backoff_s": fetch_backoff_s, "timeout_s": fetch_timeout_s,
-                        "sleep": sleep, "on_retry": self._count_retry}
-        # a source is a URI (opened here) or an opened `AdapterSource` (wired by the caller)
-        self.sources: list[AdapterSource] = [
-            open_source(s, **self._remote) if isinstance(s, str) else s for s in sources]
-        self.source_uris = [s.uri for s in self.sources]
-        self.source_breakers: dict[str, SourceBreaker] = {}  # remote source uri -> its breaker
-        if source_breaker_failures is not None:
-            self.source_breakers = {
-                s.uri: SourceBreaker(s.uri, source_breaker_failures, source_breaker_cooldown_s, clock)
-                for s in self.sources if s.remote}
+        self.cold = ColdTiers(  # a source is a URI (opened there) or an opened `AdapterSource`
+            sources, policy, stats=self.stats, lifecycle=self.lifecycle, settle=self._settle,
+            protected=self.usage.protected, priority=self.usage.priority, disk_cache_dir=disk_cache_dir,
+            disk_cache_bytes=disk_cache_bytes, fetch_retries=fetch_retries, fetch_backoff_s=fetch_backoff_s,
+            fetch_timeout_s=fetch_timeout_s, breaker_failures=source_breaker_failures,
+            breaker_cooldown_s=source_breaker_cooldown_s, clock=clock, sleep=sleep)
         self._registered: dict[str, tuple[AdapterSource, Located]] = {}
         self._flight: SingleFlight[LoraWeights] = SingleFlight()
         self._lock = threading.Lock()
         self._unplaced: set[str] = set()  # host weights returned by `load`, not yet placed on the device
-        self._in_place: set[str] = set()  # read in place from a local folder or the hub cache
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
         self._prefetches: dict[str, Future[None]] = {}
         self.merged = MergedAdapters(
@@ -165,10 +134,6 @@ class TieredAdapterStore:
             max_rank=policy.max_rank, seed=merge_seed)
         warming = [self.prefetch(adapter_id) for adapter_id in dict.fromkeys([*pinned, *preload])]
         track_futures(warming, desc="preloading adapters", unit="adapter")  # a bar on a terminal only
-
-    def _count_retry(self, error: BaseException, attempt: int) -> None:
-        self.stats.add("source", "retries")
-        log.info("retrying a source request (attempt %d failed: %s)", attempt, error)
 
     @classmethod
     def from_config(cls, config: EngineConfig, shapes: ModelShapes,
@@ -196,14 +161,14 @@ class TieredAdapterStore:
     @property
     def disk(self) -> DiskCache:
         """The disk cache, created (and scanned) on first use by a remote source."""
-        with self._lock:
-            if self._disk is None:
-                self._disk = DiskCache(self._disk_dir, self._disk_bytes, protected=self.usage.protected,
-                                       priority=self.usage.priority, on_evict=self._settle, stats=self.stats,
-                                       clock=self._clock)
-            return self._disk
+        return self.cold.disk
 
-    # ----- AdapterLoader protocol -----------------------------------------------------------
+    @property
+    def sources(self) -> list[AdapterSource]:
+        """The configured sources, in order."""
+        return self.cold.sources
+
+    # ----- WeightSource -------------------------------------------------------------------
 
     def load(self, adapter_id: str) -> LoraWeights:
         """Validated host weights of `adapter_id` (see the module docstring); raises AdapterError."""
@@ -225,9 +190,7 @@ class TieredAdapterStore:
             return self.merged.version(adapter_id)
         return self.versions.get(adapter_id)
 
-    def define_merge(self, spec: MergeSpec) -> str:
-        """Remember a merge (see `merged.MergedAdapters`); returns its adapter id. No I/O."""
-        return self.merged.define(spec)
+    # ----- ResidencyHooks -----------------------------------------------------------------
 
     def slot_policy(self) -> SlotPolicy:
         return self.usage
@@ -244,32 +207,21 @@ class TieredAdapterStore:
             self._unplaced.discard(adapter_id)
         self._settle(adapter_id)
 
+    # ----- AdapterCatalog -----------------------------------------------------------------
+
     def list_adapters(self) -> list[str]:
         """Registered ids, then what the sources offer (first source wins), from listings alone: no
         config is read, so listing thousands of adapters on S3 costs its paginated key listing."""
         ids: dict[str, None] = dict.fromkeys(self._registered)
-        for found in self._listings(lambda source: source.adapter_ids()):
-            for adapter_id in found:
-                ids.setdefault(adapter_id, None)
+        for adapter_id in self.cold.adapter_ids():
+            ids.setdefault(adapter_id, None)
         return list(ids)
-
-    def _listings(self, list_one: Callable[[AdapterSource], Iterable[T]]) -> Iterator[Iterable[T]]:
-        """`list_one(source)` for each source in order; a source that cannot be listed is counted,
-        logged and skipped."""
-        for source in self.sources:
-            try:
-                found = list_one(source)
-            except Exception as e:
-                self.stats.add("source", "failures")
-                log.warning("cannot list adapters of %s: %s", source.uri, e)
-                continue
-            yield found
 
     def register(self, adapter_id: str, location: str) -> None:
         """Serve `adapter_id` from `location` (a folder, file://, s3:// or hf:// URI of the adapter
         itself); loads and validates it before returning (which also warms the caches)."""
         check_adapter_id(adapter_id)
-        source = open_source(location, **self._remote)
+        source = self.cold.open(location)
         located = source.locate(adapter_id, "")
         if located is None:
             raise AdapterNotFoundError(adapter_id, f"no adapter at {location}")
@@ -290,22 +242,41 @@ class TieredAdapterStore:
             raise
 
     def unregister(self, adapter_id: str) -> bool:
+        check_adapter_id(adapter_id)
         with self._lock:
             found = self._registered.pop(adapter_id, None) is not None
         if found:
             self.invalidate(adapter_id)
         return found
 
-    # ----- extras ---------------------------------------------------------------------------
+    def define_merge(self, spec: MergeSpec) -> str:
+        """Remember a merge (see `merged.MergedAdapters`); returns its adapter id. No I/O."""
+        return self.merged.define(spec)
+
+    # ----- counters (StoreCounters), close ------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters per tier, the number of adapters in each lifecycle state, and the sizes of the
+        structures keyed by adapter id (all bounded; for metrics)."""
+        states: dict[str, int] = {s.name: 0 for s in AdapterState}
+        for state in self.lifecycle.states().values():
+            states[state.name] += 1
+        with self._lock:
+            unplaced = len(self._unplaced)
+        tracked = {"access_history": len(self.usage.tracker), "lifecycle": len(self.lifecycle),
+                   "unplaced": unplaced, "missing": len(self.missing), "versions": len(self.versions),
+                   "in_use": self.usage.num_in_use()}
+        breakers = {b.name: b.snapshot() for b in self.cold.breakers.values()}
+        return {"tiers": self.stats.snapshot(), "states": states, "tracked": tracked, "breakers": breakers}
+
+    def close(self) -> None:
+        self._prefetcher.shutdown(wait=False, cancel_futures=True)
+
+    # ----- extras -------------------------------------------------------------------------
 
     def describe_adapters(self) -> list[AdapterInfo]:
-        """What the sources offer (rank, target modules, size, checksum), first source wins, without
-        reading weights. A source that cannot be listed is logged and skipped."""
-        infos: dict[str, AdapterInfo] = {}
-        for found in self._listings(lambda source: source.adapters()):
-            for info in found:
-                infos.setdefault(info.adapter_id, info)
-        return list(infos.values())
+        """What the sources offer, without reading weights (`ColdTiers.describe_adapters`)."""
+        return self.cold.describe_adapters()
 
     def prefetch(self, adapter_id: str) -> Future[None]:
         """Load `adapter_id` into host memory in the background (errors are logged, not raised)."""
@@ -321,38 +292,17 @@ class TieredAdapterStore:
         device copy before the next request uses it)."""
         self.versions.bump(adapter_id)
         self.host.remove(adapter_id)
-        if self._disk is not None:
-            for key in self._disk.adapter_keys(adapter_id):
-                self._disk.remove(key)
-        with self._lock:
-            self._in_place.discard(adapter_id)
+        self.cold.forget(adapter_id)
         self._settle(adapter_id)
 
     def state(self, adapter_id: str) -> AdapterState | None:
         return self.lifecycle.state(adapter_id)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Counters per tier, the number of adapters in each lifecycle state, and the sizes of the
-        structures keyed by adapter id (all bounded; for metrics)."""
-        states: dict[str, int] = {s.name: 0 for s in AdapterState}
-        for state in self.lifecycle.states().values():
-            states[state.name] += 1
-        with self._lock:
-            unplaced = len(self._unplaced)
-        tracked = {"access_history": len(self.usage.tracker), "lifecycle": len(self.lifecycle),
-                   "unplaced": unplaced, "missing": len(self.missing), "versions": len(self.versions),
-                   "in_use": self.usage.num_in_use()}
-        breakers = {b.name: b.snapshot() for b in self.source_breakers.values()}
-        return {"tiers": self.stats.snapshot(), "states": states, "tracked": tracked, "breakers": breakers}
 
     def wait_prefetches(self, timeout: float | None = None) -> None:
         with self._lock:
             futures = list(self._prefetches.values())
         for future in futures:
             future.result(timeout)
-
-    def close(self) -> None:
-        self._prefetcher.shutdown(wait=False, cancel_futures=True)
 
     # ----- loading --------------------------------------------------------------------------
 
@@ -406,11 +356,10 @@ class TieredAdapterStore:
         version = self.versions.get(adapter_id)
         try:
             source, located = self._resolve(adapter_id)
-            with self._lock:
-                in_place = adapter_id in self._in_place or not source.remote
+            in_place = self.cold.reads_in_place(adapter_id, source)
             self.lifecycle.ensure(adapter_id, AdapterState.ON_DISK if in_place else AdapterState.REMOTE)
             tracked = True
-            weights, seconds = self._load_from(adapter_id, source, located)
+            weights, seconds = self.cold.read(adapter_id, source, located)
         except AdapterNotFoundError:
             self.stats.add("host", "failures")
             self._forget_missing(adapter_id)
@@ -442,81 +391,10 @@ class TieredAdapterStore:
         self.usage.tracker.forget(adapter_id)
 
     def _resolve(self, adapter_id: str) -> tuple[AdapterSource, Located]:
+        """Its registered location, else the first configured source that offers it."""
         with self._lock:
             registered = self._registered.get(adapter_id)
-        if registered is not None:
-            return registered
-        for source in self.sources:
-            if hasattr(source, "fetch") and self._disk_key(source, adapter_id) in self.disk:
-                return source, Located(adapter_id)  # cached: no network round trip
-            located = self._guarded(source, adapter_id, lambda s=source: s.locate(adapter_id, adapter_id))
-            if located is not None:
-                return source, located
-        where = "the configured adapter sources" if self.source_uris else "any source (none is configured)"
-        raise AdapterNotFoundError(adapter_id, f"not found in {where}")
-
-    def _guarded(self, source: AdapterSource, adapter_id: str, call: Callable[[], T]) -> T:
-        """`call()` (a network call to `source`) through the source's breaker, if it has one."""
-        breaker = self.source_breakers.get(source.uri)
-        return call() if breaker is None else breaker.call(adapter_id, call)
-
-    @staticmethod
-    def _disk_key(source: AdapterSource, subpath: str) -> str:
-        return DiskCache.key_for(source.uri, subpath)
-
-    def _admit(self, adapter_id: str, folder: Path, known: dict[str, str],
-               declared: dict[str, str] | None = None) -> tuple[LoraWeights, float]:
-        start = time.monotonic()
-        with single_threaded():
-            weights = admit_folder(adapter_id, folder, self.policy, known, declared)
-        return weights, time.monotonic() - start
-
-    def _load_from(self, adapter_id: str, source: AdapterSource,
-                   located: Located) -> tuple[LoraWeights, float]:
-        if not hasattr(source, "fetch"):  # local folder or hub cache: read in place
-            folder, digests = source.local_folder(adapter_id, located)  # type: ignore[attr-defined]
-            with self._lock:
-                self._in_place.add(adapter_id)
-            self.lifecycle.ensure(adapter_id, AdapterState.ON_DISK)
-            self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
-            return self._admit(adapter_id, folder, {}, digests)
-        disk, key = self.disk, self._disk_key(source, located.subpath)
-        with disk.open(key) as entry:
-            if entry is not None:
-                self.stats.add("disk", "hits")
-                self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
-                try:
-                    return self._admit(adapter_id, entry.path, entry.digests)
-                except AdapterError as e:
-                    log.warning("disk cache copy of %r refused (%s); fetching it again", adapter_id, e.reason)
-                    disk.remove(key)
-                    self._settle(adapter_id)
-        self.stats.add("disk", "misses")
-        if not located.files:
-            subpath = located.subpath
-            located = (self._guarded(source, adapter_id, lambda: source.locate(adapter_id, subpath))
-                       or _not_found(adapter_id, source))
-        start = time.monotonic()
-
-        def fetch(dest: Path) -> dict[str, str]:
-            return self._guarded(source, adapter_id, lambda: source.fetch(adapter_id, located, dest))
-
-        try:
-            with disk.fill(key, adapter_id, fetch) as entry:
-                seconds = time.monotonic() - start
-                self.stats.record_load("source", seconds, entry.nbytes)
-                if not entry.transient:
-                    self.stats.record_load("disk", seconds, entry.nbytes)
-                self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
-                try:
-                    return self._admit(adapter_id, entry.path, entry.digests)
-                except AdapterError:
-                    disk.remove(key)  # never keep what cannot be served
-                    self._settle(adapter_id)
-                    raise
-        except AdapterError:
-            self.stats.add("source", "failures")
-            raise
+        return registered if registered is not None else self.cold.locate(adapter_id)
 
     def _prefetch_one(self, adapter_id: str) -> None:
         try:
@@ -532,11 +410,10 @@ class TieredAdapterStore:
         if self.usage.on_device_now(adapter_id):
             return AdapterState.ON_DEVICE
         with self._lock:
-            unplaced, in_place = adapter_id in self._unplaced, adapter_id in self._in_place
+            unplaced = adapter_id in self._unplaced
         if unplaced or adapter_id in self.host:
             return AdapterState.IN_HOST
-        disk = self._disk
-        if in_place or (disk is not None and disk.adapter_keys(adapter_id)):
+        if self.cold.on_disk(adapter_id):
             return AdapterState.ON_DISK
         return AdapterState.REMOTE
 
@@ -559,7 +436,3 @@ class TieredAdapterStore:
         if (self.usage.tracker.is_hot(adapter_id) and self.usage.on_device_now(adapter_id)
                 and adapter_id not in self.host and not self._flight.in_flight(adapter_id)):
             self.prefetch(adapter_id)
-
-
-def _not_found(adapter_id: str, source: AdapterSource) -> Located:
-    raise AdapterNotFoundError(adapter_id, "not found in its source any more")

@@ -22,7 +22,7 @@ current version); a slot with references (running sequences) is never overwritte
 the least recently used unreferenced slot. An adapter whose id now names newer weights is
 *retired* while sequences still use it: the id no longer maps to the slot (new requests load the
 new version elsewhere), the running sequences keep their slot, and the slot is freed when the last
-of them releases it. An optional `SlotPolicy` (the loader's, see `store.loader`) refines victim
+of them releases it. An optional `SlotPolicy` (the store's, see `store.ports`) refines victim
 choice: its `protected` adapters (pinned, or used by a queued request) are never evicted, victims
 go by lowest `priority` (then LRU), and it is told of every placement and removal (`on_device`).
 """
@@ -38,7 +38,7 @@ from lora_cluster.adapter_experts import expert_unit
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.adapters import dora
 from lora_cluster.errors import AdapterCapacityError, AdapterFormatError
-from lora_cluster.store.loader import SlotPolicy
+from lora_cluster.store.ports import SlotPolicy
 
 # fused projections of one input: the LoRA layer runs one shrink per group (see `AdapterPool.a_fused`)
 FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}

@@ -4,7 +4,7 @@ The engine's scheduler asks `acquire(seq, may_claim_slot)` for each waiting sequ
 
 - base-model sequences and adapters whose current version is in a device slot are READY (a
   reference is taken);
-- otherwise the adapter's host weights are fetched by the loader on a few workers (`fetch_queue`:
+- otherwise the adapter's host weights are fetched from the weight source on a few workers (`fetch_queue`:
   one fetch per adapter however many sequences wait for it, most urgent request first, prefetches
   last) and the sequence is PENDING meanwhile;
 - once fetched, the weights go into a free or evictable slot (READY), or the sequence is BLOCKED
@@ -37,17 +37,20 @@ Urgency (`urgency`): a sequence that would be BLOCKED takes an idle slot whose a
 strictly less urgent requests want (its fetch is queued again), and `slot_to_preempt` names the slot
 whose running sequences the scheduler preempts for it. Pinned adapters (`pinned`) are never taken.
 
-Versions: the loader's `version(adapter_id)` changes when what the id names changes (re-registered,
+Versions: the source's `version(adapter_id)` changes when what the id names changes (re-registered,
 unregistered). A slot or a finished fetch of an older version is never used for a new request: an
 idle stale slot is evicted, a busy one retired (its running sequences finish on the old weights),
 and the fetch is started again.
 
-Bounds: this object holds host weights outside the loader's byte budgets only while a request
+Bounds: this object holds host weights outside the store's byte budgets only while a request
 waits for them. A fetch is kept while an unfinished request of its adapter exists or an explicit
 `start_load` awaits it; when the last request of an adapter goes away, a queued fetch is cancelled
-and a finished one dropped (the loader is told with `load_abandoned`, so its host tier accounts for
+and a finished one dropped (the hooks are told with `load_abandoned`, so the store's host tier accounts for
 the copy again). Every structure here is keyed by adapters of unfinished requests or of fetches in
 flight, never by every id a client ever asked for.
+
+Collaborators (`store.ports`): a `WeightSource` (`load`, `version`) and the store's `ResidencyHooks`
+(`request_started`, `request_finished`, `load_abandoned`), usually one store wired twice.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from lora_cluster.engine.scheduler import Gate
 from lora_cluster.engine.sequence import Sequence
 from lora_cluster.errors import AdapterError, EngineOverloadedError
 from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
-from lora_cluster.store.loader import AdapterLoader
+from lora_cluster.store.ports import ResidencyHooks, WeightSource
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_PREFETCHES = 64  # prefetches (start_load, rotation) waiting for a loader worker at once
@@ -79,11 +82,11 @@ HOLD_LOADS = 2.0  # ... and at most this many of this replica's measured load ti
 
 
 class AdapterResidency:
-    def __init__(self, loader: AdapterLoader, pool: AdapterPool, workers: int,
+    def __init__(self, source: WeightSource, hooks: ResidencyHooks, pool: AdapterPool, workers: int,
                  guard: AdapterGuard | None = None, *, rotation: AdapterRotation | None = None,
                  copier: AdapterCopier | None = None, pinned: Iterable[str] = (),
                  counters: EngineCounters | None = None, clock: Callable[[], float] = time.monotonic):
-        self.loader, self.pool, self.guard = loader, pool, guard
+        self.source, self.hooks, self.pool, self.guard = source, hooks, pool, guard
         self.protect = guard is not None and guard.enabled  # the choices of the module docstring
         self._clock = clock
         self.demand = DemandTracker(clock=clock)
@@ -121,9 +124,9 @@ class AdapterResidency:
         return future
 
     def _timed_load(self, adapter_id: str) -> LoraWeights:
-        """`loader.load` on a worker, its duration kept for the thrash meter."""
+        """`source.load` on a worker, its duration kept for the thrash meter."""
         start = time.perf_counter()
-        weights = self.loader.load(adapter_id)
+        weights = self.source.load(adapter_id)
         with self._fetch_s_lock:
             self._fetch_s[adapter_id] = time.perf_counter() - start
         return weights
@@ -143,7 +146,7 @@ class AdapterResidency:
     def _is_stale(self, adapter_id: str, future: Future[LoraWeights]) -> bool:
         if not future.done() or future.exception() is not None:
             return False
-        return future.result().version != self.loader.version(adapter_id)
+        return future.result().version != self.source.version(adapter_id)
 
     def forget_failed(self, adapter_id: str) -> None:
         """Drop a failed fetch so that the next request retries it."""
@@ -163,7 +166,7 @@ class AdapterResidency:
             if self.copier.copying(aid):
                 return Gate.PENDING
         if self.pool.slot_of(aid) is not None:
-            if self.pool.version_of(aid) == self.loader.version(aid):
+            if self.pool.version_of(aid) == self.source.version(aid):
                 if aid in self._draining:
                     return Gate.PENDING  # its slot is being handed over; it comes back in its turn
                 seq.lora_slot = self.pool.acquire(aid)
@@ -290,8 +293,8 @@ class AdapterResidency:
         wanted = self._requests.setdefault(adapter_id, {})
         wanted[priority] = wanted.get(priority, 0) + 1
         self.demand.record(adapter_id)
-        self.loader.request_started(adapter_id)
-        if self.pool.version_of(adapter_id) != self.loader.version(adapter_id):
+        self.hooks.request_started(adapter_id)
+        if self.pool.version_of(adapter_id) != self.source.version(adapter_id):
             self.fetch(adapter_id, priority)
 
     def request_finished(self, adapter_id: str | None, priority: int = 0) -> None:
@@ -307,7 +310,7 @@ class AdapterResidency:
         if not wanted:
             self._requests.pop(adapter_id, None)
             self._let_go(adapter_id)
-        self.loader.request_finished(adapter_id)
+        self.hooks.request_finished(adapter_id)
 
     def _let_go(self, adapter_id: str) -> None:
         """Drop a fetch nobody waits for: cancel it if still queued, hand finished weights back."""
@@ -320,7 +323,7 @@ class AdapterResidency:
             return  # running now: dropped by `end_step` once it finishes
         del self._loads[adapter_id]
         if not future.cancelled() and future.exception() is None:
-            self.loader.load_abandoned(adapter_id)
+            self.hooks.load_abandoned(adapter_id)
 
     def end_step(self, waiting: Iterable[Sequence] = ()) -> None:
         """Forget this step's failures, commit finished device copies, let go of finished fetches

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
-    from lora_cluster.store.loader import SlotPolicy
+    from lora_cluster.store.ports import SlotPolicy
 
 
 class Queued(Protocol):

@@ -22,6 +22,11 @@ With a cluster controller, the replica also reports to it (`reporter`, `replica_
 `controller_report_period_s`, and at once when a request finishes while requests wait in the
 cluster queue (at most one such report per `controller_report_coalesce_s`; mostly deltas of its
 report, `cluster.report_delta`); it prefetches the adapters the controller's placement names for it.
+
+The replica is its engine's composition root: it builds the adapter store (`store.build_adapter_loader`,
+once the engine knows the base model's shapes and device) and wires it into the engine as its
+`EnginePort`, and it talks to the store's catalog (register, unregister, list, merge) and counters
+itself, never through the engine (`store.ports`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -62,6 +67,13 @@ from lora_cluster.serve.replica.report import build_report, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP
 from lora_cluster.store import build_adapter_loader
+from lora_cluster.store.ports import AdapterStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from lora_cluster.adapter_format import ModelShapes
+    from lora_cluster.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +116,7 @@ class LoraReplica:
         self.config = resolve_model(load_config(config))
         self.group = group  # its replica group (`replica_groups`), reported in the routing stats
         configure_logging(self.config.metrics.log_format)
-        self.engine = Engine(config=self.config.engine, adapter_loader=build_adapter_loader)
+        self.engine = Engine(config=self.config.engine, adapter_loader=self._build_store)  # sets `self.store`
         self._capacity = self.config.admission.admission_capacity or self.config.engine.max_num_seqs
         admission = self.config.admission
         self.window = AdmissionWindow(window_limit(admission.admission_window_max,
@@ -126,6 +138,12 @@ class LoraReplica:
             self.config.controller.controller_report_coalesce_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
         log.info("replica %s serving %s", self.replica_id, self.config.model)
+
+    def _build_store(self, config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterStore:
+        """The engine's loader factory: builds the adapter store and keeps it as `self.store`, the
+        catalog and counters this replica talks to (the engine gets its weights and hooks)."""
+        self.store: AdapterStore = build_adapter_loader(config, shapes, device)
+        return self.store
 
     # ----- generation ---------------------------------------------------------------------
 
@@ -166,7 +184,7 @@ class LoraReplica:
             if job.adapter_path is not None and aid is not None:
                 await self._ensure_registered(aid, job.adapter_path)
             if job.merge is not None:  # a merged adapter: its recipe first, then its id like any other
-                aid = self.aengine.define_merge(job.merge)
+                aid = self.store.define_merge(job.merge)
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
                                                     priority=job.priority), tracker)
             if self.config.engine.enable_prefix_caching:
@@ -208,8 +226,13 @@ class LoraReplica:
             return
         async with self._registering:
             if self._registered.get(adapter_id) != path:
-                await self.aengine.register_adapter(adapter_id, path)
+                await self._register(adapter_id, path)
                 self._registered[adapter_id] = path
+
+    async def _register(self, adapter_id: str, path: str) -> None:
+        """`store.register` in a worker thread (blocking I/O); refused once the engine loop is gone."""
+        self.aengine.check_open()
+        await asyncio.to_thread(self.store.register, adapter_id, path)
 
     # ----- routing stats, admin -----------------------------------------------------------
 
@@ -233,7 +256,7 @@ class LoraReplica:
             max_num_seqs=self.config.engine.max_num_seqs,
             miss_penalty=s.miss_penalty,
             adapter_thrash=s.adapter_thrash,
-            breakers={**s.breakers, **self.aengine.adapter_store_stats().get("breakers", {})},
+            breakers={**s.breakers, **self.store.snapshot().get("breakers", {})},
             group=self.group,
             base=served_name(self.config),
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
@@ -293,7 +316,7 @@ class LoraReplica:
 
     def _store_tiers(self) -> dict[str, Any]:
         """The adapter store's per-tier counters (for /metrics); empty with the plain folder loader."""
-        return self.aengine.adapter_store_stats().get("tiers", {})
+        return self.store.snapshot().get("tiers", {})
 
     async def stats(self, _target: ToReplica | None = None) -> dict[str, Any]:
         """Fresh stats of this replica (the routing stats, as of the engine's last step)."""
@@ -303,7 +326,7 @@ class LoraReplica:
         """vLLM's load_lora_adapter on this replica: validate the adapter at `path` and serve it as `name`."""
         try:
             async with self._registering:
-                await self.aengine.register_adapter(name, path)
+                await self._register(name, path)
         except LoraClusterError as exc:
             return {"error": describe(exc).to_dict()}
         self._registered[name] = path
@@ -312,11 +335,14 @@ class LoraReplica:
     async def unregister_adapter(self, _target: ToReplica | None, name: str) -> dict[str, Any]:
         """vLLM's unload_lora_adapter on this replica; the adapter leaves the device once idle."""
         known = self._registered.pop(name, None) is not None
-        await self.aengine.unregister_adapter(name)
+        self.aengine.check_open()
+        await asyncio.to_thread(self.store.unregister, name)
+        await self.aengine.unload_adapter(name)
         return {"replica": self.replica_id, "ok": known}
 
     async def list_adapters(self, _target: ToReplica | None = None) -> list[str]:
-        return await self.aengine.list_adapters()
+        self.aengine.check_open()
+        return await asyncio.to_thread(self.store.list_adapters)
 
     async def ping(self, _target: ToReplica | None = None) -> str:
         return self.replica_id
