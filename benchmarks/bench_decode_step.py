@@ -4,7 +4,7 @@ The engine benchmark (`bench_engine.py --scenario distinct-decode`) times whole 
 wall and process CPU time on a shared 2-core machine swing by 2-5x with the other jobs' load. This
 script times the forward pass of one decode step instead: the same 32 requests (32 distinct
 rank-8 adapters of the demo zoo, a0, a3, ..., a93) are run for a few tokens, one decode batch of 32
-tokens is kept (and the same batch on the base model), and then `LlamaRunner.forward` runs that
+tokens is kept (and the same batch on the base model), and then `ModelRunner.forward` runs that
 batch again and again, alternating the variants, keeping each one's least wall time and least
 process CPU time over `--reps` (on a shared machine, the run other jobs disturbed least).
 Variants: `base` (the base-model batch), and for the adapter batch the LoRA layer fused (one shrink
@@ -47,8 +47,8 @@ from safetensors.torch import save_file
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
-from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.lora_layer import LoraLayer
+from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.lora_layer import LoraLayer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import WORDS
@@ -103,7 +103,7 @@ def synchronize(device: torch.device) -> None:
 def decode_batch(engine: Engine, prompts: list[str], adapters: list[str] | None, layer: LoraLayer,
                  kernel: str) -> StepBatch:  # fmt: skip
     """A 32-token decode batch of a short generation, planned for `layer` (its fused groups) with the
-    decode tokens' path `kernel` (engine.lora_layer.use_bgmv)."""
+    decode tokens' path `kernel` (engine.model.lora_layer.use_bgmv)."""
     kept: list[StepBatch] = []
     runner, config = engine.runner, engine.config
     forward, default = runner.forward, runner.lora

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from lora_cluster.config import EngineConfig
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.lora_layer import LoraLayer, fused_shrink, use_bgmv
+from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.lora_layer import LoraLayer, fused_shrink, use_bgmv
 
 MIXES = ("distinct", "uniform", "zipf", "identical", "skewed", "pool-rows")
 N_SLOTS = 40  # the last slot is empty (rank 0)

@@ -11,14 +11,15 @@ a device slot is free.
 Priorities: a request's int `priority` (lower is more urgent) orders admission and its adapter's
 fetch (`engine.adapters.fetch_queue`), and an urgent request preempts less urgent running ones when every KV
 slot is taken, or takes the adapter slot of an adapter only less urgent requests want
-(`engine.scheduler` and `engine.adapters.residency` have the policy).
+(`engine.schedule.scheduler` and `engine.adapters.residency` have the policy).
 
 Prefix caching (`enable_prefix_caching`): full KV blocks are keyed by the adapter, its version and
-their tokens (`replica_policy.prefix_hash`), and a new request reuses the longest cached prefix of its prompt
-(`engine.kv_cache`, `engine.prefix_cache`); `RequestOutput.num_cached_tokens` says how many tokens.
+their tokens (`replica_policy.prefix_hash`), and a new request reuses the longest cached prefix of
+its prompt (`engine.schedule.kv_cache`, `engine.schedule.prefix_cache`); `RequestOutput.num_cached_tokens`
+says how many tokens.
 
-Structured output (`SamplingParams.guided`, `engine.grammar_compiler`, `engine.guided_state`,
-`engine.token_mask`): a constrained request's grammar compiles on the compiler's threads (once per
+Structured output (`SamplingParams.guided`, `engine.sample.grammar_compiler`, `engine.sample.guided_state`,
+`engine.sample.token_mask`): a constrained request's grammar compiles on the compiler's threads (once per
 spec, cached); the request waits in the queue holding nothing until it is ready (the scheduler's
 gate answers PENDING), or ends at once with the compile's `RequestError`. In a step, the constrained
 rows' masks are filled on a worker thread while an accelerator runs the forward pass (on the CPU:
@@ -59,25 +60,26 @@ from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.residency import AdapterResidency
 from lora_cluster.engine.adapters.rotation import rotation_from_config
-from lora_cluster.engine.batch import build_step_batch
-from lora_cluster.engine.counters import EngineCounters
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.grammar_compiler import GrammarCompiler, grammar_tokenizer
-from lora_cluster.engine.guided_state import GuidedState
-from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
-from lora_cluster.engine.llama import LlamaRunner
-from lora_cluster.engine.logit_controls import apply_logit_controls
-from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
-from lora_cluster.engine.lora_layer import fused_shrink
-from lora_cluster.engine.memory_plan import plan_engine_memory
-from lora_cluster.engine.model_loader import load_base_model, resolve_device
-from lora_cluster.engine.prefix_cache import PrefixCacheIndex
-from lora_cluster.engine.sampling import make_generator, sample
-from lora_cluster.engine.scheduler import Gate, Scheduler, check_priority
-from lora_cluster.engine.sequence import SeqStatus, Sequence, snapshot
-from lora_cluster.engine.step_buffers import StepBuffers
-from lora_cluster.engine.stopping import eos_token_ids, stop_reason
-from lora_cluster.engine.token_mask import TokenMasks
+from lora_cluster.engine.model.base_model import eos_token_ids
+from lora_cluster.engine.model.batch import build_step_batch
+from lora_cluster.engine.model.lora_layer import fused_shrink
+from lora_cluster.engine.model.memory_plan import plan_engine_memory
+from lora_cluster.engine.model.model_loader import load_base_model, resolve_device
+from lora_cluster.engine.model.runner import ModelRunner
+from lora_cluster.engine.model.step_buffers import StepBuffers
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.sample.grammar_compiler import GrammarCompiler, grammar_tokenizer
+from lora_cluster.engine.sample.guided_state import GuidedState
+from lora_cluster.engine.sample.logit_controls import apply_logit_controls
+from lora_cluster.engine.sample.logprobs import record_prompt_logprobs, token_logprobs
+from lora_cluster.engine.sample.sampling import make_generator, sample
+from lora_cluster.engine.sample.stopping import stop_reason
+from lora_cluster.engine.sample.token_mask import TokenMasks
+from lora_cluster.engine.schedule.counters import EngineCounters
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator, PagedKVCache
+from lora_cluster.engine.schedule.prefix_cache import PrefixCacheIndex
+from lora_cluster.engine.schedule.scheduler import Gate, Scheduler, check_priority
+from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence, snapshot
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
 from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
 from lora_cluster.replica_policy.prefix_hash import chain_root
@@ -155,7 +157,7 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         dims = self.model.dims
         self.shapes = dims.shapes()
-        # sliding-window layers mask their attention (engine.attention): the window does not cap length
+        # sliding-window layers mask their attention (engine.model.attention): the window does not cap length
         self.max_model_len = min(config.max_model_len, dims.max_position_embeddings)
         # paged KV cache and adapter slots, sized from the device's free memory on a GPU (memory_plan)
         self.memory = plan_engine_memory(config, dims, self.dtype, self.device, self.max_model_len)
@@ -196,7 +198,7 @@ class Engine:
                 ops = dataclasses.replace(ops, add_lora=functools.partial(ops.add_lora, native=False))
             elif not native_kernel.load():
                 log.warning("no native CPU LoRA kernel, the torch ops run: %s", native_kernel.load_error())
-        self.runner = LlamaRunner(
+        self.runner = ModelRunner(
             self.model, self.kv, self.pool, ops, self.device,
             fused_lora=fused_shrink(config.lora_fused_shrink, ops.name),
         )
@@ -218,7 +220,7 @@ class Engine:
         self._ids = itertools.count()
         self.eos_token_ids = eos_token_ids(self.model)
         # structured output: grammars compile on their own threads; masks fill while the forward runs
-        # on an accelerator, and on the step thread after it on the CPU (engine.token_mask)
+        # on an accelerator, and on the step thread after it on the CPU (engine.sample.token_mask)
         self.grammars = GrammarCompiler(
             functools.partial(grammar_tokenizer, self.tokenizer, dims.vocab_size, self.eos_token_ids),
             cache_size=config.guided_grammar_cache_size, timeout_s=config.guided_compile_timeout_s,
@@ -354,7 +356,7 @@ class Engine:
         return self.adapters.has_fetches()
 
     def counters_snapshot(self) -> dict[str, Any]:
-        """The engine's cumulative counters (`engine.counters`) and the adapter pool's fragmentation
+        """The engine's cumulative counters (`engine.schedule.counters`) and the adapter pool's fragmentation
         (`AdapterPool.fragmentation`), for metrics. Call on the step loop's thread."""
         return {**self.counters.snapshot(), **self.scheduler.kv_blocks.prefix_stats(),
                 "adapter_pool_fragmentation": self.pool.fragmentation()}

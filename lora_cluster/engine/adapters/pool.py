@@ -15,7 +15,7 @@ folded into B plus `dora[m]` (g - 1 per layer, slot and output feature; see `ada
 On a mixture of experts, each slot also holds LoRA on every expert's projections (`expert_a[u]`
 [num_layers, rows, experts, max_rank, in], `expert_b[u]` [num_layers, rows, experts, out,
 max_rank], u = "experts.gate_up_proj" / "experts.down_proj", one unit "experts" for their rows):
-an adapter's `experts.{e}.{param}` weights land in expert e of its row (`engine.moe` reads them).
+an adapter's `experts.{e}.{param}` weights land in expert e of its row (`engine.model.moe` reads them).
 
 Invariants: a slot holds at most one adapter version; an adapter id maps to at most one slot (its
 current version); a slot with references (running sequences) is never overwritten; eviction picks
@@ -63,7 +63,7 @@ class AdapterPool:
         n = shapes.num_layers
         # Fused groups (q/k/v, gate/up: one input) store A rank-major, [layers, rows, rank, member, in]:
         # `a_fused[g]` [layers, rows, rank * members, in] has the ranks < r of every member in its first
-        # members * r rows (one shrink for the group, see engine.lora_layer); `a[m]` is member m's view.
+        # members * r rows (one shrink for the group, see engine.model.lora_layer); `a[m]` is member m's view.
         self.groups = {
             g: ms for g, ms in FUSED_GROUPS.items()
             if all(m in shapes.modules for m in ms) and len({shapes.modules[m][0] for m in ms}) == 1

@@ -1,13 +1,13 @@
 """Find, check and load a decoder base model into plain tensors.
 
-Supported architectures share one forward pass (`lora_cluster.engine.llama`), run as the model's
-`FamilySpec` says (`engine.family`: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite, OLMo 2,
+Supported architectures share one forward pass (`lora_cluster.engine.model.runner`), run as the model's
+`FamilySpec` says (`engine.model.family`: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite, OLMo 2,
 SmolLM3, and the mixture-of-experts Qwen3-MoE and Mixtral). Any other architecture, or a config
 value the runner cannot honour, is refused at start naming it. Each layer's weights land in one
 layout whatever the checkpoint's: q/k/v fused as `qkv` [q_dim + 2 kv_dim, hidden] and gate/up as
 `gate_up` (concatenated from separate projections, or taken as they are from a checkpoint that
 stores `qkv_proj` / `gate_up_proj`); the norms a family does not have are None. A MoE layer's router
-and experts land in `engine.moe.MoeWeights` (experts stacked: gate/up [E, 2I, hidden], down [E,
+and experts land in `engine.model.moe.MoeWeights` (experts stacked: gate/up [E, 2I, hidden], down [E,
 hidden, I]) from the per-expert checkpoint names (`experts.{e}.w1/w3/w2` under `block_sparse_moe`
 for Mixtral, `experts.{e}.gate_proj/up_proj/down_proj` for Qwen3-MoE) or transformers' stacked
 `experts.gate_up_proj` / `down_proj`; its dense gate_up / down are None. Weights are read from
@@ -18,100 +18,24 @@ resolved through huggingface_hub, falling back to its local cache when the hub c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from lora_cluster.adapter_format import ModelShapes
-from lora_cluster.engine.family import SUPPORTED_ARCHITECTURES, FamilySpec, MoeSpec, read_family, text_config
-from lora_cluster.engine.moe import MoeWeights
+from lora_cluster.engine.model.base_model import BaseModel, LayerWeights, ModelDims
+from lora_cluster.engine.model.family import (
+    MoeSpec,
+    read_family,
+    text_config,
+)
+from lora_cluster.engine.model.moe import MoeWeights
 from lora_cluster.errors import ConfigError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "BaseModel", "LayerWeights", "ModelDims", "load_base_model"]
+__all__ = ["load_base_model", "resolve_device", "resolve_model_path"]
 DECODER_PREFIXES = ("model", "language_model.model", "model.language_model")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class LayerWeights:
-    pre_attn_norm: torch.Tensor | None  # [hidden]; None where the family has no such norm
-    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, hidden], q/k/v projections fused
-    qkv_bias: torch.Tensor | None  # [q_dim + 2 * kv_dim]
-    o: torch.Tensor  # [hidden, q_dim]
-    o_bias: torch.Tensor | None
-    post_attn_norm: torch.Tensor | None  # [hidden], on the attention's output (Gemma, OLMo 2)
-    pre_mlp_norm: torch.Tensor | None  # [hidden]
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden], gate/up fused; None on a MoE layer
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | None  # [hidden, intermediate]; None on a MoE layer
-    down_bias: torch.Tensor | None
-    post_mlp_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (Gemma, OLMo 2)
-    q_norm: torch.Tensor | None = None  # [head_dim] per head, or [q_dim] over all heads (OLMo 2)
-    k_norm: torch.Tensor | None = None
-    moe: MoeWeights | None = None  # the MoE MLP, in place of gate_up / down
-
-
-@dataclass
-class ModelDims:
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int  # the longest sequence served exactly (longrope: its original context)
-    fused_targets: bool = False  # adapters target qkv_proj / gate_up_proj (fused checkpoints)
-    moe: bool = False  # the MLP is a mixture of experts: adapters target attention and the experts
-    experts: int = 0  # experts per layer (mixture of experts)
-    expert_intermediate: int = 0  # each expert's width (mixture of experts)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def shapes(self) -> ModelShapes:
-        h, i = self.hidden, self.intermediate
-        mlp = {} if self.moe else {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        w = self.expert_intermediate
-        experts = {"gate_up_proj": (h, 2 * w), "down_proj": (w, h)} if self.moe else {}
-        return ModelShapes(
-            num_layers=self.num_layers,
-            modules={
-                "q_proj": (h, self.q_dim),
-                "k_proj": (h, self.kv_dim),
-                "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h),
-                **mlp,
-            },
-            fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-            if self.fused_targets else {},
-            experts=self.experts if self.moe else 0,
-            expert_modules=experts,
-        )
-
-
-@dataclass
-class BaseModel:
-    name: str  # as the user gave it (folder or hub id)
-    path: Path
-    config: PretrainedConfig
-    text_config: PretrainedConfig  # the decoder's (`config` itself unless a multimodal checkpoint)
-    spec: FamilySpec
-    dims: ModelDims
-    embed: torch.Tensor  # [vocab, hidden]
-    layers: list[LayerWeights]
-    norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]
-    tokenizer: object
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

@@ -5,26 +5,30 @@ end-of-sequence token unless `ignore_eos` (kept in the ids), a stop string in th
 cut before it), then `max_new_tokens` or the model's length limit (the detokenizer's held-back tail
 is released, and a stop string it completes still cuts the text). Before `min_tokens` output tokens
 only the model's length limit ends a sequence (vLLM): stop ids and EOS cannot be sampled then
-(`engine.logit_controls`), and a stop string in that text does not stop it.
+(`engine.sample.logit_controls`), and a stop string in that text does not stop it.
 """
 
 from __future__ import annotations
 
-from lora_cluster.engine.model_loader import BaseModel
-from lora_cluster.engine.sequence import Sequence
+from typing import Protocol
+
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
 from lora_cluster.request.output import FinishReason
+from lora_cluster.request.sampling_params import SamplingParams
 
 
-def eos_token_ids(model: BaseModel) -> set[int]:
-    """The model's end-of-sequence ids: the tokenizer's, the config's and the generation config's."""
-    ids = {model.tokenizer.eos_token_id}
-    for source in (model.config, getattr(model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None)
-        ids.update(value if isinstance(value, list) else [value])
-    return {i for i in ids if i is not None}
+class StoppingRow(Protocol):
+    """What the stop checks read and advance of a sequence (engine.schedule.sequence.Sequence has it)."""
+
+    sampling: SamplingParams
+    output_ids: list[int]
+    detok: IncrementalDetokenizer
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
-def stop_reason(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
+def stop_reason(seq: StoppingRow, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
     """Advance `seq`'s detokenizer over its newest output token; the reason it stops now, or None."""
     token, p = seq.output_ids[-1], seq.sampling
     if len(seq.output_ids) < p.min_tokens:  # stop ids and EOS were masked; stop strings wait too
@@ -51,7 +55,7 @@ def stop_reason(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> F
     return None
 
 
-def _truncate_at_stop(seq: Sequence, before: int) -> bool:
+def _truncate_at_stop(seq: StoppingRow, before: int) -> bool:
     """Cut the text at the first stop string that may have been completed since `before` characters."""
     text = seq.detok.text
     start = max(0, before - max(len(s) for s in seq.sampling.stop) + 1)

@@ -66,8 +66,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lora_cluster.engine.kv_cache import BlockAllocator
-from lora_cluster.engine.sequence import SeqStatus, Sequence
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator
+from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence
 from lora_cluster.errors import EngineOverloadedError, RequestError
 from lora_cluster.replica_policy.prefill_plan import ChunkShare, drop_less_urgent, prefills_in_order, urgency
 

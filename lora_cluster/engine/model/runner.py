@@ -1,14 +1,14 @@
 """The decoder forward pass over a mixed batch, with per-token LoRA from the adapter pool: one runner
-for every family, following the model's `FamilySpec` (`engine.family`).
+for every family, following the model's `FamilySpec` (`engine.model.family`).
 
 One step runs every scheduled token (prefill chunks and decodes together) through the base
 weights once; each projection (or fused q/k/v, gate/up group) then adds its LoRA delta through
-`engine.lora_layer` (gathered BGMV for decode rows, SGMV segments for the others), so that any mix
+`engine.model.lora_layer` (gathered BGMV for decode rows, SGMV segments for the others), so that any mix
 of adapters and base-only rows shares the pass. Attention reads the paged KV cache
-(`engine.attention`, with each layer's sliding window and soft-cap). What a family changes is
+(`engine.model.attention`, with each layer's sliding window and soft-cap). What a family changes is
 data in its spec: which norms a layer applies (before/after attention and MLP), q/k norms, the
 embedding, residual, score and logit scales, soft-capping, each layer's window and rope table (or
-none), the MLP activation, and a mixture-of-experts block in place of the MLP (`engine.moe`).
+none), the MLP activation, and a mixture-of-experts block in place of the MLP (`engine.model.moe`).
 Math follows transformers' modeling code of each family (RMSNorm in float32, rotate-half RoPE,
 gated MLP), which the parity tests use as the oracle.
 """
@@ -22,14 +22,14 @@ from lora_kernels.moe_experts import ExpertLora, get_moe_experts
 from lora_kernels.paged_attention import get_paged_attention
 
 from lora_cluster.engine.adapters.pool import AdapterPool
-from lora_cluster.engine.attention import layer_attention
-from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.family import FamilySpec
-from lora_cluster.engine.kv_cache import PagedKVCache
-from lora_cluster.engine.lora_layer import LoraLayer, StepLora
-from lora_cluster.engine.model_loader import BaseModel, LayerWeights
-from lora_cluster.engine.moe import moe_block
-from lora_cluster.engine.rope import rope_tables, rotate
+from lora_cluster.engine.model.attention import layer_attention
+from lora_cluster.engine.model.base_model import BaseModel, LayerWeights
+from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.family import FamilySpec
+from lora_cluster.engine.model.lora_layer import LoraLayer, StepLora
+from lora_cluster.engine.model.moe import moe_block
+from lora_cluster.engine.model.rope import rope_tables, rotate
+from lora_cluster.engine.schedule.kv_cache import PagedKVCache
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -49,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: FamilySpec
     return (weight + spec.norm_offset) * h.to(dtype) if spec.norm_offset else weight * h.to(dtype)
 
 
-class LlamaRunner:
+class ModelRunner:
     """Runs steps of one base model against the engine's KV cache and adapter pool."""
 
     def __init__(
@@ -144,7 +144,7 @@ class LlamaRunner:
 
     def _mlp(self, batch: StepBatch, i: int, layer: LayerWeights, x: torch.Tensor,
              expert_rows: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
-        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.moe`) with the LoRA of each token's
+        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.model.moe`) with the LoRA of each token's
         adapter on its chosen experts (`expert_rows`), else the gated MLP with its LoRA deltas."""
         if layer.moe is not None and self.spec.moe is not None:
             lora = None

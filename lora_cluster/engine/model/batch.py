@@ -3,7 +3,7 @@
 Token order: decoding sequences (one token each) first, then prefill chunks; within each part
 sequences are sorted by adapter slot (stable), each sequence's tokens kept contiguous, so that the
 tokens of one adapter form one segment for the SGMV kernels and the decode rows [0, D) can take the
-gathered BGMV path as one block (see `engine.lora_layer`).
+gathered BGMV path as one block (see `engine.model.lora_layer`).
 
 KV: every token gets its flat index in the paged cache (`block * block_size + offset`, from its
 sequence's block table in the `BlockAllocator`); decoding sequences attend together through their
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lora_cluster.engine.kv_cache import BlockAllocator
-from lora_cluster.engine.lora_layer import StepLora, StepLoraPlan
-from lora_cluster.engine.sequence import Sequence
-from lora_cluster.engine.step_buffers import StepBuffers
+from lora_cluster.engine.model.lora_layer import StepLora, StepLoraPlan
+from lora_cluster.engine.model.step_buffers import StepBuffers
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator
+from lora_cluster.engine.schedule.sequence import Sequence
 
 
 @dataclass(frozen=True)
