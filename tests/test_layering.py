@@ -2,8 +2,9 @@
 ingress (request vocabulary, HTTP layer, request router, protocol) loads without torch.
 
 `ALLOWED` is the architecture as a table: for each unit of `lora_cluster` (a top-level package or
-module; inside `serve/` and `engine/`, each room and shared module), the units it may import. An import of a unit
-not listed, at module level or inside a function, fails the test with the importing file and line.
+module; inside `serve/` and `engine/`, each room and shared module), the units it may import. An
+import of a unit not listed, at module level or inside a function, fails the test with the importing
+file and line.
 The table is acyclic, so the layers read bottom to top:
 
     errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker | config |
@@ -192,8 +193,8 @@ def test_an_upward_import_between_engine_rooms_is_caught(tmp_path: Path) -> None
     rooms = tmp_path / "lora_cluster" / "engine"
     for room in ENGINE_ROOMS:
         (rooms / room).mkdir(parents=True)
-    (rooms / "sample" / "stopping.py").write_text("from lora_cluster.engine.schedule.sequence import Sequence\n")
-    (rooms / "adapters" / "pool.py").write_text("def f():\n    from lora_cluster.engine.model.batch import x\n")
+    (rooms / "sample" / "stopping.py").write_text("from lora_cluster.engine.schedule.sequence import S\n")
+    (rooms / "adapters" / "pool.py").write_text("def f():\n    from lora_cluster.engine.model.x import b\n")
     (rooms / "model" / "runner.py").write_text("from lora_cluster.engine.sample.sampling import sample\n")
     (rooms / "schedule" / "scheduler.py").write_text("from lora_cluster.engine.llm_engine import Engine\n")
     found = upward(tmp_path)

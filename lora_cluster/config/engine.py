@@ -65,7 +65,7 @@ class EngineConfig(BaseSettings):
         "this is. null (default): only max_num_batched_tokens bounds them."
     )
 
-    # ----- paged KV cache, memory sizing, LoRA fast paths (engine: schedule.kv_cache, model.memory_plan) -----
+    # ----- paged KV cache, memory sizing, LoRA fast paths (engine.schedule.kv_cache, model.memory_plan) -----
     kv_block_size: int = Field(
         16, ge=1, le=256, description="Tokens per KV cache block (a power of two); sequences take "
         "blocks as they grow instead of a max_model_len reservation."

@@ -1,5 +1,9 @@
-"""The decoder forward pass over a mixed batch, with per-token LoRA from the adapter pool: one runner
-for every family, following the model's `FamilySpec` (`engine.model.family`).
+"""One engine step on the model: the step's batch, the decoder forward pass over it, with per-token
+LoRA from the adapter pool, and the sample room's pipeline on its logits; one runner for every
+family, following the model's `FamilySpec` (`engine.model.family`).
+
+`prepare` lays out the scheduler's decision as a `StepBatch` (`engine.model.batch`); `run` starts the
+constrained rows' masks, runs `forward` and samples (`engine.sample.pipeline`).
 
 One step runs every scheduled token (prefill chunks and decodes together) through the base
 weights once; each projection (or fused q/k/v, gate/up group) then adds its LoRA delta through
@@ -24,12 +28,15 @@ from lora_kernels.paged_attention import get_paged_attention
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.model.attention import layer_attention
 from lora_cluster.engine.model.base_model import BaseModel, LayerWeights
-from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.batch import StepBatch, build_step_batch
 from lora_cluster.engine.model.family import FamilySpec
 from lora_cluster.engine.model.lora_layer import LoraLayer, StepLora
 from lora_cluster.engine.model.moe import moe_block
 from lora_cluster.engine.model.rope import rope_tables, rotate
-from lora_cluster.engine.schedule.kv_cache import PagedKVCache
+from lora_cluster.engine.model.step_buffers import StepBuffers
+from lora_cluster.engine.sample.pipeline import SampledTokens, StepSampler
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator, PagedKVCache
+from lora_cluster.engine.schedule.scheduler import SchedulerOutput
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -50,7 +57,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: FamilySpec
 
 
 class ModelRunner:
-    """Runs steps of one base model against the engine's KV cache and adapter pool."""
+    """Runs steps of one base model against the engine's KV cache and adapter pool.
+
+    `kv_blocks` (the scheduler's block tables), `buffers` (the step's index tensors) and `sampler`
+    are the caller's; `decode_kernel` chooses the decode rows' LoRA path (`lora_layer.use_bgmv`)."""
 
     def __init__(
         self,
@@ -60,9 +70,15 @@ class ModelRunner:
         ops: LoraOps,
         device: torch.device,
         *,
+        sampler: StepSampler,
+        kv_blocks: BlockAllocator,
+        buffers: StepBuffers,
+        decode_kernel: str = "auto",
         fused_lora: bool = True,
     ):
-        self.model, self.kv, self.pool, self.ops = model, kv, pool, ops
+        self.model, self.kv, self.pool, self.ops, self.device = model, kv, pool, ops, device
+        self.sampler, self.kv_blocks, self.buffers = sampler, kv_blocks, buffers
+        self.decode_kernel = decode_kernel
         self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
         self.moe_experts = get_moe_experts("triton" if ops.name == "triton" else "torch", device)
         self.spec = spec = model.spec
@@ -80,6 +96,24 @@ class ModelRunner:
             "up_proj": ("gate_up", d.intermediate, 2 * d.intermediate),
         }
         self.lora = LoraLayer(pool, ops, self._splits, fused_lora)
+
+    def prepare(self, plan: SchedulerOutput) -> StepBatch:
+        """The batch of the scheduler's decision `plan` (decodes and prefill chunks)."""
+        return build_step_batch(
+            plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
+            kv_blocks=self.kv_blocks, buffers=self.buffers, groups=self.lora.groups,
+            decode_kernel=self.decode_kernel, ops_name=self.ops.name, dora_slots=self.pool.dora_slots,
+        )  # fmt: skip
+
+    def run(self, batch: StepBatch) -> SampledTokens:
+        """Run the step's forward pass and sample each of `batch.sampled`'s next token (their prompt
+        logprobs recorded on the way)."""
+        masks = self.sampler.start_masks(batch.sampled)
+        logits = self.forward(batch)
+        return self.sampler.sample(logits, batch.sampled, masks, batch.prompt_logprob_spans)
+
+    def close(self) -> None:
+        self.sampler.close()
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:

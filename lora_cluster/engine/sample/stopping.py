@@ -1,5 +1,9 @@
 """When a request stops: stop token ids, end-of-sequence, stop strings and length limits.
 
+`append_token` is what a sampled token does to its sequence: its logprob and id are recorded, the
+grammar's matcher (if any) consumes it, and `stop_reason` says whether the request ends; a grammar
+that allows nothing more ends it with `stop`.
+
 Checked after each new token, in this order: a stop token id (kept in the ids, not in the text), an
 end-of-sequence token unless `ignore_eos` (kept in the ids), a stop string in the text (the text is
 cut before it), then `max_new_tokens` or the model's length limit (the detokenizer's held-back tail
@@ -10,10 +14,12 @@ only the model's length limit ends a sequence (vLLM): stop ids and EOS cannot be
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
-from lora_cluster.request.output import FinishReason
+from lora_cluster.engine.sample.guided_state import GuidedState
+from lora_cluster.request.output import FinishReason, TokenLogprob
 from lora_cluster.request.sampling_params import SamplingParams
 
 
@@ -26,6 +32,30 @@ class StoppingRow(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+
+class TokenRow(StoppingRow, Protocol):
+    """What `append_token` writes of a sequence (engine.schedule.sequence.Sequence has it)."""
+
+    output_logprobs: list[TokenLogprob]
+    first_token_time: float | None
+    guided: GuidedState | None
+
+
+def append_token(seq: TokenRow, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
+                 max_model_len: int) -> FinishReason | None:
+    """Add a sampled token (and its logprob, when asked) to `seq`; the reason it stops now, or None."""
+    if logprob is not None:
+        seq.output_logprobs.append(logprob)
+    seq.output_ids.append(token)
+    if seq.first_token_time is None:
+        seq.first_token_time = time.monotonic()
+    complete = seq.guided is not None and seq.guided.accept(token)
+    reason = stop_reason(seq, eos_token_ids, max_model_len)
+    if reason is None and complete:  # the grammar allows nothing but the end: stop now
+        seq.detok.flush(seq.output_ids)
+        reason = FinishReason.STOP
+    return reason
 
 
 def stop_reason(seq: StoppingRow, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:

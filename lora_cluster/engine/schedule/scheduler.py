@@ -89,6 +89,23 @@ ReleaseFn = Callable[[Sequence], None]
 PrefixRootFn = Callable[[Sequence], bytes]
 
 
+def grammar_first(acquire: AcquireFn) -> AcquireFn:
+    """The admission gate of a sequence that may be constrained: one whose grammar is still compiling
+    waits (PENDING, holding nothing), one whose compile failed fails with the compile's RequestError
+    (FAILED), and then `acquire` (its adapter's gate) answers."""
+
+    def gate(seq: Sequence, may_claim_slot: bool) -> Gate:
+        guided = seq.guided
+        if guided is not None and not guided.ready():
+            if guided.error is None:
+                return Gate.PENDING
+            seq.error = guided.error
+            return Gate.FAILED
+        return acquire(seq, may_claim_slot)
+
+    return gate
+
+
 def check_priority(priority: object) -> int:
     """`priority` if it is an int (not a bool); otherwise a RequestError."""
     if not isinstance(priority, int) or isinstance(priority, bool):

@@ -51,7 +51,7 @@ from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
-from lora_cluster.engine import AsyncEngine, Engine, EngineStats
+from lora_cluster.engine import AsyncEngine, EngineStats, build_engine
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.request import RequestOutput
 from lora_cluster.serve.http_errors import describe
@@ -104,7 +104,7 @@ class LoraReplica:
         self.config = resolve_model(load_config(config))
         self.group = group  # its replica group (`replica_groups`), reported in the routing stats
         configure_logging(self.config.log_format)
-        self.engine = Engine(config=self.config, adapter_loader=build_adapter_loader)
+        self.engine = build_engine(config=self.config, adapter_loader=build_adapter_loader)
         self._capacity = self.config.admission_capacity or self.config.max_num_seqs
         self.window = AdmissionWindow(window_limit(self.config.admission_window_max,
                                                    self.config.max_ongoing_requests, self._capacity))
