@@ -4,15 +4,12 @@ Supported architectures share one forward pass (`lora_cluster.engine.model.runne
 `FamilySpec` says (`engine.model.family`: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite, OLMo 2,
 SmolLM3, and the mixture-of-experts Qwen3-MoE and Mixtral). Any other architecture, or a config
 value the runner cannot honour, is refused at start naming it. Each layer's weights land in one
-layout whatever the checkpoint's: q/k/v fused as `qkv` [q_dim + 2 kv_dim, hidden] and gate/up as
-`gate_up` (concatenated from separate projections, or taken as they are from a checkpoint that
-stores `qkv_proj` / `gate_up_proj`); the norms a family does not have are None. A MoE layer's router
-and experts land in `engine.model.moe.MoeWeights` (experts stacked: gate/up [E, 2I, hidden], down [E,
-hidden, I]) from the per-expert checkpoint names (`experts.{e}.w1/w3/w2` under `block_sparse_moe`
-for Mixtral, `experts.{e}.gate_proj/up_proj/down_proj` for Qwen3-MoE) or transformers' stacked
-`experts.gate_up_proj` / `down_proj`; its dense gate_up / down are None. Weights are read from
-safetensors only; a checkpoint shipped only as pickle (`pytorch_model.bin`) is refused. A hub id is
-resolved through huggingface_hub, falling back to its local cache when the hub cannot be reached.
+layout whatever the checkpoint's (`engine.model.checkpoint`): q/k/v fused as `qkv` [q_dim + 2 kv_dim,
+hidden] and gate/up as `gate_up`; the norms a family does not have are None; a MoE layer's router
+and experts land in `engine.model.moe.MoeWeights` and its dense gate_up / down are None. Weights
+are read from safetensors only; a checkpoint shipped only as pickle (`pytorch_model.bin`) is refused.
+A hub id is resolved through huggingface_hub, falling back to its local cache when the hub cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -24,18 +21,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from lora_cluster.engine.model.base_model import BaseModel, LayerWeights, ModelDims
-from lora_cluster.engine.model.family import (
-    MoeSpec,
-    read_family,
-    text_config,
-)
-from lora_cluster.engine.model.moe import MoeWeights
+from lora_cluster.engine.model.base_model import BaseModel, ModelDims
+from lora_cluster.engine.model.checkpoint import Checkpoint
+from lora_cluster.engine.model.family import FamilySpec, read_family, text_config
 from lora_cluster.errors import ConfigError
 
 __all__ = ["load_base_model", "resolve_device", "resolve_model_path"]
-DECODER_PREFIXES = ("model", "language_model.model", "model.language_model")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -86,9 +77,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _dims(config: PretrainedConfig) -> ModelDims:
+def _dims(config: PretrainedConfig, spec: FamilySpec) -> ModelDims:
+    """The decoder's dimensions from its text config, as the family spec adjusts them."""
     heads = config.num_attention_heads
-    return ModelDims(
+    dims = ModelDims(
         num_layers=config.num_hidden_layers,
         hidden=config.hidden_size,
         num_heads=heads,
@@ -99,9 +91,17 @@ def _dims(config: PretrainedConfig) -> ModelDims:
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
     )
+    dims.fused_targets = spec.fused_checkpoint
+    dims.moe = spec.moe is not None
+    if spec.moe is not None:
+        dims.experts, dims.expert_intermediate = spec.moe.num_experts, spec.moe.intermediate
+    if spec.max_positions is not None:
+        dims.max_position_embeddings = min(dims.max_position_embeddings, spec.max_positions)
+    return dims
 
 
 def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> BaseModel:
+    """Load `model` (a folder or a hub id) onto `device` in `dtype` (see the module docstring)."""
     path = resolve_model_path(model)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -109,119 +109,16 @@ def load_base_model(model: str, *, dtype: torch.dtype, device: torch.device) -> 
         raise ConfigError(f"model {model!r}: cannot read config.json: {e}") from e
     spec = read_family(model, config)
     text = text_config(config)
-    dims = _dims(text)
-    dims.fused_targets = spec.fused_checkpoint
-    dims.moe = spec.moe is not None
-    if spec.moe is not None:
-        dims.experts, dims.expert_intermediate = spec.moe.num_experts, spec.moe.intermediate
-    if spec.max_positions is not None:
-        dims.max_position_embeddings = min(dims.max_position_embeddings, spec.max_positions)
-    w = _read_weights(path)
-    # where the decoder's weights sit: `model.` for a causal LM; a multimodal checkpoint's text
-    # decoder under `language_model.model.` (as saved) or `model.language_model.` (its other tools' names)
-    base = next((b for b in DECODER_PREFIXES if f"{b}.embed_tokens.weight" in w), "model")
-
-    def take(name: str) -> torch.Tensor | None:
-        t = w.pop(name, None)
-        return None if t is None else t.to(device=device, dtype=dtype)
-
-    def need(name: str) -> torch.Tensor:
-        t = take(name)
-        if t is None:
-            raise ConfigError(f"model {model!r}: weight {name!r} is missing from the checkpoint")
-        return t
-
-    def fused(prefix: str, names: tuple[str, ...], suffix: str) -> torch.Tensor | None:
-        parts = [take(f"{prefix}.{n}.{suffix}") for n in names]
-        if all(p is None for p in parts):
-            return None
-        if any(p is None for p in parts):
-            raise ConfigError(f"model {model!r}: {prefix} has {suffix} for only some of {names}")
-        return torch.cat(parts, dim=0).contiguous()
-
-    def norm(prefix: str, name: str | None) -> torch.Tensor | None:
-        return None if name is None else need(f"{prefix}.{name}.weight")
-
-    def projections(p: str) -> tuple[torch.Tensor | None, ...]:
-        """(qkv, qkv bias, gate_up, gate_up bias) of layer prefix `p`, in the engine's fused layout."""
-        if spec.fused_checkpoint:
-            return (take(f"{p}.self_attn.qkv_proj.weight"), take(f"{p}.self_attn.qkv_proj.bias"),
-                    take(f"{p}.mlp.gate_up_proj.weight"), take(f"{p}.mlp.gate_up_proj.bias"))  # fmt: skip
-        qkv = ("q_proj", "k_proj", "v_proj")
-        return (fused(f"{p}.self_attn", qkv, "weight"), fused(f"{p}.self_attn", qkv, "bias"),
-                fused(f"{p}.mlp", ("gate_proj", "up_proj"), "weight"),
-                fused(f"{p}.mlp", ("gate_proj", "up_proj"), "bias"))  # fmt: skip
-
-    def experts(p: str, moe: MoeSpec) -> MoeWeights:
-        """Layer prefix `p`'s router and stacked experts (see the module docstring)."""
-        found = (f"{p}.{n}" for n in ("mlp", "block_sparse_moe") if f"{p}.{n}.gate.weight" in w)
-        mlp = next(found, f"{p}.mlp")
-        router = need(f"{mlp}.gate.weight")
-        stacked = take(f"{mlp}.experts.gate_up_proj")
-        if stacked is not None:
-            gate_up, down = stacked.contiguous(), need(f"{mlp}.experts.down_proj").contiguous()
-        else:
-            mixtral = f"{mlp}.experts.0.w1.weight" in w
-            g, u, d = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-            e = f"{mlp}.experts"
-            gate_up = torch.stack([torch.cat([need(f"{e}.{x}.{g}.weight"), need(f"{e}.{x}.{u}.weight")])
-                                   for x in range(moe.num_experts)])  # fmt: skip
-            down = torch.stack([need(f"{e}.{x}.{d}.weight") for x in range(moe.num_experts)])
-        want = (moe.num_experts, 2 * moe.intermediate, dims.hidden)
-        if tuple(gate_up.shape) != want or tuple(down.shape) != (want[0], dims.hidden, moe.intermediate):
-            raise ConfigError(f"model {model!r}: {mlp} experts are {tuple(gate_up.shape)} / "
-                              f"{tuple(down.shape)}, not {want} as the config says")
-        return MoeWeights(router, gate_up, down)
-
-    layers = []
-    qk = (lambda p, n: need(f"{p}.self_attn.{n}.weight")) if spec.qk_norm else (lambda p, n: None)
-    for i in range(dims.num_layers):
-        p = f"{base}.layers.{i}"
-        qkv, qkv_bias, gate_up, gate_up_bias = projections(p)
-        moe = experts(p, spec.moe) if spec.moe else None
-        if qkv is None or (gate_up is None and moe is None):
-            raise ConfigError(f"model {model!r}: layer {i} lacks attention or MLP projections")
-        layers.append(
-            LayerWeights(
-                pre_attn_norm=norm(p, spec.norms.pre_attn),
-                qkv=qkv,
-                qkv_bias=qkv_bias,
-                o=need(f"{p}.self_attn.o_proj.weight"),
-                o_bias=take(f"{p}.self_attn.o_proj.bias"),
-                post_attn_norm=norm(p, spec.norms.post_attn),
-                pre_mlp_norm=norm(p, spec.norms.pre_mlp),
-                gate_up=gate_up,
-                gate_up_bias=gate_up_bias,
-                down=None if moe else need(f"{p}.mlp.down_proj.weight"),
-                down_bias=take(f"{p}.mlp.down_proj.bias"),
-                post_mlp_norm=norm(p, spec.norms.post_mlp),
-                q_norm=qk(p, "q_norm"),
-                k_norm=qk(p, "k_norm"),
-                moe=moe,
-            )
-        )
-    embed = need(f"{base}.embed_tokens.weight")
-    lm_head = take("lm_head.weight")
-    if lm_head is None and base == "language_model.model":
-        lm_head = take("language_model.lm_head.weight")
-    if lm_head is None:
-        if not (getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)):
-            raise ConfigError(f"model {model!r}: lm_head.weight is missing and embeddings are not tied")
-        lm_head = embed
+    dims = _dims(text, spec)
+    weights = Checkpoint(model, _read_weights(path), spec, dims, dtype=dtype, device=device)
+    layers = [weights.layer(i) for i in range(dims.num_layers)]
+    embed = weights.need(f"{weights.base}.embed_tokens.weight")
+    tied = getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
+    lm_head = weights.lm_head(embed, tied)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model {model!r}: cannot load its tokenizer: {e}") from e
-    return BaseModel(
-        name=model,
-        path=path,
-        config=config,
-        text_config=text,
-        spec=spec,
-        dims=dims,
-        embed=embed,
-        layers=layers,
-        norm=need(f"{base}.norm.weight"),
-        lm_head=lm_head,
-        tokenizer=tokenizer,
-    )
+    return BaseModel(name=model, path=path, config=config, text_config=text, spec=spec, dims=dims,
+                     embed=embed, layers=layers, norm=weights.need(f"{weights.base}.norm.weight"),
+                     lm_head=lm_head, tokenizer=tokenizer)
