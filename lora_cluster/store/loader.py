@@ -1,8 +1,8 @@
 """What the engine needs from wherever adapters come from: the `AdapterLoader` protocol.
 
 It lives with the store that implements it; the engine imports it from here (downward). The caller
-wires a loader into the engine (`Engine(adapter_loader=...)`, or `engine.factory.build_engine`,
-which wires `store.build_adapter_loader`); the engine never builds or inspects one beyond this
+wires a loader into the engine (`engine.factory.build_engine(adapter_loader=...)`, which by default
+wires `store.build_adapter_loader`); the engine never builds or inspects one beyond this
 protocol. Implementations: the tiered adapter store (`lora_cluster.store.TieredAdapterStore`, the
 default) and the plain folder loader (`lora_cluster.store.folder_loader.FolderAdapterLoader`).
 Importing this module imports no torch.
