@@ -90,19 +90,9 @@ def build_engine(
         pinned=config.pinned, copier=AdapterCopier(pool, device, config.adapter_async_copy_bytes),
         counters=counters,
     )
-    kv_blocks = BlockAllocator(
-        num_blocks=kv.num_blocks, block_size=kv.block_size, num_slots=config.max_num_seqs,
-        prefix_cache=PrefixCacheIndex() if config.enable_prefix_caching else None,
-    )
+    scheduler = _scheduler(config, kv, pool, adapters)
     eos = eos_token_ids(base)
-    runner = _runner(config, base, kv, pool, kv_blocks, buffers, eos, device)
-    scheduler = Scheduler(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_waiting=config.max_waiting, acquire=grammar_first(adapters.acquire), release=adapters.release,
-        slot_to_preempt=adapters.slot_to_preempt, less_urgent_chunk=config.less_urgent_prefill_chunk,
-        urgent_priority=URGENT_PRIORITY, kv_blocks=kv_blocks,
-        prefix_root=functools.partial(prefix_root, pool),
-    )
+    runner = _runner(config, base, kv, pool, scheduler.kv_blocks, buffers, eos, device)
     # structured output: grammars compile on their own threads (sample.grammar_compiler)
     grammars = GrammarCompiler(
         functools.partial(grammar_tokenizer, base.tokenizer, base.dims.vocab_size, eos),
@@ -119,6 +109,23 @@ def prefix_root(pool: AdapterPool, seq: Sequence) -> bytes:
     if seq.adapter_id is None:
         return chain_root(None, 0)
     return chain_root(seq.adapter_id, pool.slot_version(seq.lora_slot))
+
+
+def _scheduler(config: EngineConfig, kv: PagedKVCache, pool: AdapterPool,
+               adapters: AdapterResidency) -> Scheduler:
+    """The scheduler over the KV cache's blocks (with the prefix cache when enabled); a sequence is
+    admitted once its grammar is ready and then its adapter's gate lets it (`grammar_first`)."""
+    kv_blocks = BlockAllocator(
+        num_blocks=kv.num_blocks, block_size=kv.block_size, num_slots=config.max_num_seqs,
+        prefix_cache=PrefixCacheIndex() if config.enable_prefix_caching else None,
+    )
+    return Scheduler(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting=config.max_waiting, acquire=grammar_first(adapters.acquire), release=adapters.release,
+        slot_to_preempt=adapters.slot_to_preempt, less_urgent_chunk=config.less_urgent_prefill_chunk,
+        urgent_priority=URGENT_PRIORITY, kv_blocks=kv_blocks,
+        prefix_root=functools.partial(prefix_root, pool),
+    )
 
 
 def _kv_cache(config: EngineConfig, base: BaseModel, memory: MemoryPlan, max_model_len: int,
