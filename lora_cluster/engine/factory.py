@@ -32,8 +32,8 @@ from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.residency import AdapterResidency
 from lora_cluster.engine.adapters.rotation import rotation_from_config
 from lora_cluster.engine.llm_engine import Engine
-from lora_cluster.engine.model.base_model import BaseModel, eos_token_ids
-from lora_cluster.engine.model.lora_layer import fused_shrink
+from lora_cluster.engine.model.base_model import BaseModel, eos_token_ids, fused_splits
+from lora_cluster.engine.model.lora_layer import LoraLayer, fused_shrink
 from lora_cluster.engine.model.memory_plan import MemoryPlan, plan_engine_memory
 from lora_cluster.engine.model.model_loader import load_base_model, resolve_device
 from lora_cluster.engine.model.runner import ModelRunner
@@ -152,10 +152,12 @@ def _lora_ops(config: EngineConfig, device: torch.device) -> LoraOps:
 def _runner(config: EngineConfig, base: BaseModel, kv: PagedKVCache, pool: AdapterPool,
             kv_blocks: BlockAllocator, buffers: StepBuffers, eos: set[int],
             device: torch.device) -> ModelRunner:
-    """The model runner with its sampler; on an accelerator the sampler's token masks fill on their
-    own thread while the forward pass runs (sample.token_mask), on the CPU on the step thread."""
+    """The model runner with its LoRA layer (fused shrinks per `fused_shrink`) and its sampler; on an
+    accelerator the sampler's token masks fill on their own thread while the forward pass runs
+    (sample.token_mask), on the CPU on the step thread."""
     ops = _lora_ops(config, device)
+    lora = LoraLayer(pool, ops, fused_splits(base.dims), fused_shrink(config.lora_fused_shrink, ops.name))
     mask_pool = None if device.type == "cpu" else ThreadPoolExecutor(1, thread_name_prefix="token-mask")
-    return ModelRunner(base, kv, pool, ops, device, sampler=StepSampler(base.dims.vocab_size, eos, mask_pool),
-                       kv_blocks=kv_blocks, buffers=buffers, decode_kernel=config.lora_decode_kernel,
-                       fused_lora=fused_shrink(config.lora_fused_shrink, ops.name))
+    return ModelRunner(base, kv, pool, ops, device, lora=lora,
+                       sampler=StepSampler(base.dims.vocab_size, eos, mask_pool), kv_blocks=kv_blocks,
+                       buffers=buffers, decode_kernel=config.lora_decode_kernel)

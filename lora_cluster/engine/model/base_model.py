@@ -19,7 +19,7 @@ from lora_cluster.adapter_format import ModelShapes
 from lora_cluster.engine.model.family import FamilySpec
 from lora_cluster.engine.model.moe import MoeWeights
 
-__all__ = ["BaseModel", "LayerWeights", "ModelDims", "eos_token_ids"]
+__all__ = ["BaseModel", "LayerWeights", "ModelDims", "eos_token_ids", "fused_splits"]
 
 
 @dataclass
@@ -99,6 +99,19 @@ class BaseModel:
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]
     tokenizer: object
+
+
+def fused_splits(dims: ModelDims) -> dict[str, tuple[str, int, int]]:
+    """Where each projection's output sits in the fused layout: projection -> (fused tensor key,
+    first column, end column) of `qkv` (q, k, v) and `gate_up` (gate, up)."""
+    q, kv, inter = dims.q_dim, dims.kv_dim, dims.intermediate
+    return {
+        "q_proj": ("qkv", 0, q),
+        "k_proj": ("qkv", q, q + kv),
+        "v_proj": ("qkv", q + kv, q + 2 * kv),
+        "gate_proj": ("gate_up", 0, inter),
+        "up_proj": ("gate_up", inter, 2 * inter),
+    }
 
 
 def eos_token_ids(model: BaseModel) -> set[int]:

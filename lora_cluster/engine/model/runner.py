@@ -59,8 +59,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: FamilySpec
 class ModelRunner:
     """Runs steps of one base model against the engine's KV cache and adapter pool.
 
-    `kv_blocks` (the scheduler's block tables), `buffers` (the step's index tensors) and `sampler`
-    are the caller's; `decode_kernel` chooses the decode rows' LoRA path (`lora_layer.use_bgmv`)."""
+    `lora` (the LoRA layer over the pool, with `ops`), `kv_blocks` (the scheduler's block tables),
+    `buffers` (the step's index tensors) and `sampler` are the caller's; `decode_kernel` chooses the
+    decode rows' LoRA path (`lora_layer.use_bgmv`)."""
 
     def __init__(
         self,
@@ -70,14 +71,14 @@ class ModelRunner:
         ops: LoraOps,
         device: torch.device,
         *,
+        lora: LoraLayer,
         sampler: StepSampler,
         kv_blocks: BlockAllocator,
         buffers: StepBuffers,
         decode_kernel: str = "auto",
-        fused_lora: bool = True,
     ):
         self.model, self.kv, self.pool, self.ops, self.device = model, kv, pool, ops, device
-        self.sampler, self.kv_blocks, self.buffers = sampler, kv_blocks, buffers
+        self.lora, self.sampler, self.kv_blocks, self.buffers = lora, sampler, kv_blocks, buffers
         self.decode_kernel = decode_kernel
         self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
         self.moe_experts = get_moe_experts("triton" if ops.name == "triton" else "torch", device)
@@ -87,15 +88,6 @@ class ModelRunner:
         self.scale = spec.attn_scale or model.dims.head_dim**-0.5
         # the embedding scale in the weights' dtype, as transformers multiplies it
         self.embed_scale = torch.tensor(spec.embed_scale, dtype=model.embed.dtype, device=device)
-        d = model.dims
-        self._splits = {  # projection -> (fused output tensor key, column range)
-            "q_proj": ("qkv", 0, d.q_dim),
-            "k_proj": ("qkv", d.q_dim, d.q_dim + d.kv_dim),
-            "v_proj": ("qkv", d.q_dim + d.kv_dim, d.q_dim + 2 * d.kv_dim),
-            "gate_proj": ("gate_up", 0, d.intermediate),
-            "up_proj": ("gate_up", d.intermediate, 2 * d.intermediate),
-        }
-        self.lora = LoraLayer(pool, ops, self._splits, fused_lora)
 
     def prepare(self, plan: SchedulerOutput) -> StepBatch:
         """The batch of the scheduler's decision `plan` (decodes and prefill chunks)."""
