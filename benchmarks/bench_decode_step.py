@@ -4,7 +4,7 @@ The engine benchmark (`bench_engine.py --scenario distinct-decode`) times whole 
 wall and process CPU time on a shared 2-core machine swing by 2-5x with the other jobs' load. This
 script times the forward pass of one decode step instead: the same 32 requests (32 distinct
 rank-8 adapters of the demo zoo, a0, a3, ..., a93) are run for a few tokens, one decode batch of 32
-tokens is kept (and the same batch on the base model), and then `LlamaRunner.forward` runs that
+tokens is kept (and the same batch on the base model), and then `ModelRunner.forward` runs that
 batch again and again, alternating the variants, keeping each one's least wall time and least
 process CPU time over `--reps` (on a shared machine, the run other jobs disturbed least).
 Variants: `base` (the base-model batch), and for the adapter batch the LoRA layer fused (one shrink
@@ -47,8 +47,9 @@ from safetensors.torch import save_file
 
 from lora_cluster.demo import DemoZoo, build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
-from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.lora_layer import LoraLayer
+from lora_cluster.engine.model.base_model import fused_splits
+from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.lora_layer import LoraLayer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import WORDS
@@ -103,23 +104,22 @@ def synchronize(device: torch.device) -> None:
 def decode_batch(engine: Engine, prompts: list[str], adapters: list[str] | None, layer: LoraLayer,
                  kernel: str) -> StepBatch:  # fmt: skip
     """A 32-token decode batch of a short generation, planned for `layer` (its fused groups) with the
-    decode tokens' path `kernel` (engine.lora_layer.use_bgmv)."""
+    decode tokens' path `kernel` (engine.model.lora_layer.use_bgmv)."""
     kept: list[StepBatch] = []
-    runner, config = engine.runner, engine.config
-    forward, default = runner.forward, runner.lora
+    runner = engine.runner
+    forward, default, default_kernel = runner.forward, runner.lora, runner.decode_kernel
 
     def keep(batch: StepBatch) -> torch.Tensor:
         if not kept and batch.num_tokens == len(prompts) and batch.num_decodes == len(prompts):
             kept.append(batch)
         return forward(batch)
 
-    runner.forward, runner.lora = keep, layer
-    engine.config = config.model_copy(update={"lora_decode_kernel": kernel})
+    runner.forward, runner.lora, runner.decode_kernel = keep, layer, kernel
     try:
         params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         engine.generate(prompts, adapter_ids=adapters, sampling=params)
     finally:
-        runner.forward, runner.lora, engine.config = forward, default, config
+        runner.forward, runner.lora, runner.decode_kernel = forward, default, default_kernel
     return kept[0]
 
 
@@ -128,11 +128,7 @@ def measure(engine: Engine, reps: int, iters: int) -> dict[str, tuple[float, flo
     over `iters` forwards between two device synchronizations)."""
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(8)) for _ in ADAPTERS]
-    dims = engine.model.dims
-    kv = dims.q_dim + dims.kv_dim
-    splits = {"q_proj": ("qkv", 0, dims.q_dim), "k_proj": ("qkv", dims.q_dim, kv),
-              "v_proj": ("qkv", kv, kv + dims.kv_dim), "gate_proj": ("gate_up", 0, dims.intermediate),
-              "up_proj": ("gate_up", dims.intermediate, 2 * dims.intermediate)}  # fmt: skip
+    splits = fused_splits(engine.model.dims)
     runner, default = engine.runner, engine.runner.lora
     variants = {"base": (default, decode_batch(engine, prompts, None, default, "auto"))}
     for fused in (True, False):

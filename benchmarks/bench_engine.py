@@ -160,7 +160,8 @@ def distinct_decode(args: argparse.Namespace) -> str:
     common = {"model": str(zoo.model_dir), "adapter_source": str(zoo.adapters_dir), "max_loras": 32,
               "max_lora_rank": 8, "max_num_seqs": 32, "max_num_batched_tokens": 2048}  # fmt: skip
     default = build_engine(**common)
-    fused = bool(default.runner.lora.groups)  # the default is per device (engine.lora_layer.fused_shrink)
+    # the default is per device (engine.model.lora_layer.fused_shrink)
+    fused = bool(default.runner.lora.groups)
     other = "engine-unfused" if fused else "engine-fused"
     engines = {"engine": default, other: build_engine(**common, lora_fused_shrink=not fused)}
     warm = SamplingParams(max_new_tokens=2, temperature=0.0)

@@ -42,7 +42,7 @@ from common import emit, header, load_avg, percentile
 
 from lora_cluster.demo import build_demo_zoo
 from lora_cluster.engine import Engine, SamplingParams, build_engine
-from lora_cluster.engine.token_mask import TokenMasks
+from lora_cluster.engine.sample.token_mask import TokenMasks
 from lora_cluster.request.guided_spec import GuidedSpec
 
 INVOICE = next(name for name in SCHEMAS if name.startswith("invoice"))

@@ -29,8 +29,8 @@ from lora_kernels import get_lora_ops
 
 from lora_cluster.adapter_format import ModelShapes
 from lora_cluster.engine.adapters.pool import AdapterPool
-from lora_cluster.engine.lora_layer import LoraLayer, StepLoraPlan
-from lora_cluster.engine.step_buffers import StepBuffers
+from lora_cluster.engine.model.lora_layer import LoraLayer, StepLoraPlan
+from lora_cluster.engine.model.step_buffers import StepBuffers
 
 HIDDEN, INTER, Q, KV = 768, 2048, 768, 256
 VARIANTS = {  # name -> (decode kernel, fused shrink)

@@ -39,7 +39,7 @@ import torch
 from common import changed_settings, emit, header, open_loop, percentile
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.serve.replica.model import resolve_model
 from lora_cluster.store import build_adapter_loader
 
@@ -56,8 +56,8 @@ REASONS = {
 
 
 def build(config: ServeConfig, cache: bool) -> Engine:
-    return Engine(config=config.engine.model_copy(update={"enable_prefix_caching": cache}),
-                  adapter_loader=build_adapter_loader)
+    return build_engine(config=config.engine.model_copy(update={"enable_prefix_caching": cache}),
+                        adapter_loader=build_adapter_loader)
 
 
 def ttfts(run) -> list[float]:

@@ -43,7 +43,7 @@ def main() -> None:
 
     from lora_cluster.config import EngineConfig
     from lora_cluster.demo import build_demo_zoo
-    from lora_cluster.engine.model_loader import load_base_model
+    from lora_cluster.engine.model.model_loader import load_base_model
     from lora_cluster.store import TieredAdapterStore
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -38,7 +38,7 @@ from common import load_avg, machine, open_loop, percentile, symlink_farm
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.config import EngineConfig
 from lora_cluster.demo import build_demo_zoo
-from lora_cluster.engine import Engine, SamplingParams
+from lora_cluster.engine import Engine, SamplingParams, build_engine
 from lora_cluster.store.folder_loader import FolderAdapterLoader
 
 PROMPTS = ["the river runs past a quiet town", "a farmer sells bread at the market", "the old bridge"]
@@ -124,9 +124,9 @@ def main() -> None:
     for r in range(args.rounds):
         source = farm(Path(tempfile.mkdtemp(prefix="thrash-farm-")), real, cold_ids)  # fresh: all cold
         for name, protect, storm in RUNS:
-            engine = Engine(model=str(zoo.model_dir), adapter_source=str(source),
-                            adapter_loader=slow_loader_factory(args.load_ms / 1000),
-                            **({} if protect else {"breakers": False}))
+            engine = build_engine(model=str(zoo.model_dir), adapter_source=str(source),
+                                  adapter_loader=slow_loader_factory(args.load_ms / 1000),
+                                  **({} if protect else {"breakers": False}))
             todo = plan if storm else [(t, a) for t, a in plan if a.startswith("h")]
             warm = [(0.0, f"h{k}") for k in range(HOT)]  # the hot adapters' first loads, before timing
             run(engine, warm, 1, f"warm-{name}-{r}", 60.0)

@@ -1,4 +1,4 @@
-"""Step-thread work of constrained rows, two versions of engine/token_mask.py in one process.
+"""Step-thread work of constrained rows, two versions of engine/sample/token_mask.py in one process.
 
 Both versions run in the same process, alternating pass by pass, so that they meet the same load of
 a shared machine (whole-step ratios need a quiet one: bench_guided.py). Per step: `TokenMasks.start`
@@ -8,7 +8,7 @@ token of the valid invoice document. Figure: each position's least over the pass
 the document's positions.
 
 Run: python benchmarks/bench_token_mask_ab.py OLD_TOKEN_MASK_PY [--new PATH] [--passes 6]
-(e.g. OLD from `git show <commit>:lora_cluster/engine/token_mask.py > /tmp/old_token_mask.py`)
+(e.g. OLD from `git show <commit>:lora_cluster/engine/sample/token_mask.py > /tmp/old_token_mask.py`)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def load(path: Path, name: str) -> ModuleType:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path)
-    parser.add_argument("--new", type=Path, default=REPO / "lora_cluster/engine/token_mask.py")
+    parser.add_argument("--new", type=Path, default=REPO / "lora_cluster/engine/sample/token_mask.py")
     parser.add_argument("--passes", type=int, default=6)
     parser.add_argument("--zoo-dir", type=Path, default=Path(".demo"))
     args = parser.parse_args()

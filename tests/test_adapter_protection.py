@@ -21,9 +21,9 @@ from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.residency import AdapterResidency
 from lora_cluster.engine.adapters.rotation import AdapterRotation
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.scheduler import Scheduler
-from lora_cluster.engine.sequence import Sequence
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.scheduler import Scheduler
+from lora_cluster.engine.schedule.sequence import Sequence
 from lora_cluster.request.sampling_params import SamplingParams
 
 SHAPES = ModelShapes(1, {"q_proj": (4, 6)})

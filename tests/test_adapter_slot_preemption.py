@@ -12,9 +12,9 @@ import pytest
 
 from lora_cluster.engine import Engine, RequestOutput, SamplingParams
 from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.scheduler import Gate, Scheduler
-from lora_cluster.engine.sequence import Sequence
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.scheduler import Gate, Scheduler
+from lora_cluster.engine.schedule.sequence import Sequence
 from lora_cluster.errors import EngineOverloadedError
 from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
 

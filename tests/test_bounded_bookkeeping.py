@@ -16,7 +16,7 @@ from helpers import FakeLoader, wait_until
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import AdapterNotFoundError
 from lora_cluster.store import TieredAdapterStore
 from lora_cluster.store.admission import AdmissionPolicy

@@ -24,7 +24,7 @@ from helpers import assert_matches_peft, capture_logits, peft_logits, run_joinin
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.demo_families import build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import AdapterFormatError, AdapterMergeError
 from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.host_cache import HostCache

@@ -30,7 +30,7 @@ import torch
 from helpers import FakeClock, poll
 from remote_sources import TcpProxy
 
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import AdapterLoadError, AdapterSourceUnavailableError
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.store import TieredAdapterStore

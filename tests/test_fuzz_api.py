@@ -453,7 +453,7 @@ def _engine_report(request) -> Any:
 def test_a_tiny_temperature_or_top_p_samples_the_most_likely_token():
     import torch
 
-    from lora_cluster.engine.sampling import make_generator, sample
+    from lora_cluster.engine.sample.sampling import make_generator, sample
 
     logits = torch.tensor([[0.5, 3.0, 1.0, 2.9]])
     for params in (SamplingParams(temperature=1e-145, seed=1), SamplingParams(top_p=1e-145, seed=1)):

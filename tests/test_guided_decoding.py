@@ -20,7 +20,7 @@ from helpers import greedy
 
 from lora_cluster.config import EngineConfig
 from lora_cluster.engine import AsyncEngine, Engine, SamplingParams
-from lora_cluster.engine.grammar_compiler import CompiledGrammar, GrammarCompiler, grammar_tokenizer
+from lora_cluster.engine.sample.grammar_compiler import CompiledGrammar, GrammarCompiler, grammar_tokenizer
 from lora_cluster.errors import RequestError
 from lora_cluster.request.guided_spec import GuidedSpec
 from lora_cluster.request.output import RequestOutput

@@ -17,7 +17,7 @@ import torch
 from app_client import FakeDispatcher, FakeTokenizer, serving
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.protocol import GenerateJob

@@ -2,13 +2,15 @@
 ingress (request vocabulary, HTTP layer, request router, protocol) loads without torch.
 
 `ALLOWED` is the architecture as a table: for each unit of `lora_cluster` (a top-level package or
-module; inside `serve/`, each room and shared module), the units it may import. An import of a unit
-not listed, at module level or inside a function, fails the test with the importing file and line.
+module; inside `serve/` and `engine/`, each room and shared module), the units it may import. An
+import of a unit not listed, at module level or inside a function, fails the test with the importing
+file and line.
 The table is acyclic, so the layers read bottom to top:
 
     errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker | config |
     cluster, tenancy, store |
-    engine | sim | client, demo < demo_families |
+    engine: sample < schedule < adapters < model < engine's own modules (llm_engine, factory,
+            async_engine) | sim | client, demo < demo_families |
     serve: http_errors, ops < protocol < routing < replica < http < app;
            batch_window < controller_actor < app | cli
 """
@@ -24,12 +26,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lora_cluster"
 SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "app", "controller_actor",
                "batch_window")
+ENGINE_ROOMS = ("sample", "schedule", "adapters", "model")  # bottom to top
+ROOM_PACKAGES = {"serve": SERVE_UNITS, "engine": ENGINE_ROOMS}
 
 BASE = {"errors", "progress"}
 FORMAT = BASE | {"request", "replica_policy", "adapter_experts", "adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
 POLICY = CONFIG | {"cluster", "tenancy", "store"}
-ENGINE = POLICY | {"engine"}
+ENGINE_BELOW = {room: CONFIG | {"store"} | {f"engine.{r}" for r in ENGINE_ROOMS[:i]}
+                for i, room in enumerate(ENGINE_ROOMS)}
+ENGINE = POLICY | {"engine", *(f"engine.{r}" for r in ENGINE_ROOMS)}
 SERVE_BASE = ENGINE | {"client", "demo", "demo_families", "serve.http_errors", "serve.ops"}
 
 ALLOWED: dict[str, set[str]] = {
@@ -45,7 +51,8 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": {"errors", "config"},
     "tenancy": {"errors", "config"},
     "store": CONFIG,
-    "engine": CONFIG | {"store"},
+    **{f"engine.{room}": below for room, below in ENGINE_BELOW.items()},
+    "engine": CONFIG | {"store"} | {f"engine.{r}" for r in ENGINE_ROOMS},
     "sim": POLICY | {"engine"},
     "client": BASE,
     "demo": BASE,
@@ -70,8 +77,8 @@ def unit(module: str) -> str:
     parts = module.split(".")[1:]
     if not parts:
         return "lora_cluster"
-    if parts[0] == "serve" and len(parts) > 1 and parts[1] in SERVE_UNITS:
-        return f"serve.{parts[1]}"
+    if len(parts) > 1 and parts[1] in ROOM_PACKAGES.get(parts[0], ()):
+        return f"{parts[0]}.{parts[1]}"
     return parts[0]
 
 
@@ -180,6 +187,22 @@ def test_the_ingress_the_protocol_and_the_http_schemas_import_without_torch() ->
     assert len(modules) > 30, f"the request, http and routing modules are found: {modules}"
     assert result.returncode == 0 and not result.stdout, (
         f"ingress modules that need torch:\n{result.stdout}{result.stderr[-2000:]}")
+
+
+def test_an_upward_import_between_engine_rooms_is_caught(tmp_path: Path) -> None:
+    rooms = tmp_path / "lora_cluster" / "engine"
+    for room in ENGINE_ROOMS:
+        (rooms / room).mkdir(parents=True)
+    (rooms / "sample" / "stopping.py").write_text("from lora_cluster.engine.schedule.sequence import S\n")
+    (rooms / "adapters" / "pool.py").write_text("def f():\n    from lora_cluster.engine.model.x import b\n")
+    (rooms / "model" / "runner.py").write_text("from lora_cluster.engine.sample.sampling import sample\n")
+    (rooms / "schedule" / "scheduler.py").write_text("from lora_cluster.engine.llm_engine import Engine\n")
+    found = upward(tmp_path)
+    assert found == ["lora_cluster/engine/adapters/pool.py:2: engine.adapters imports engine.model",
+                     "lora_cluster/engine/sample/stopping.py:1: engine.sample imports engine.schedule",
+                     "lora_cluster/engine/schedule/scheduler.py:1: engine.schedule imports engine"], (
+        f"an import up from a room (to a room above, or to the engine's own modules) is reported, one "
+        f"down is not: {found}")
 
 
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ Requests of several adapters and the base model share continuous batches with ch
 asks for the chosen token's logprob with alternatives, and for prompt logprobs. The oracle is PEFT
 (`PeftModel`, one adapter at a time) run on prompt + output: `log_softmax` of its logits at the
 position before each token. Sampled requests (temperature, top-k, top-p) report the raw model
-distribution too (see `lora_cluster.engine.logprobs`).
+distribution too (see `lora_cluster.engine.sample.logprobs`).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ from torch import Tensor
 
 from lora_cluster.config import EngineConfig
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.lora_layer import LoraLayer, fused_shrink, use_bgmv
+from lora_cluster.engine.model.base_model import fused_splits
+from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.lora_layer import LoraLayer, fused_shrink, use_bgmv
 
 MIXES = ("distinct", "uniform", "zipf", "identical", "skewed", "pool-rows")
 N_SLOTS = 40  # the last slot is empty (rank 0)
@@ -222,11 +223,7 @@ def test_engine_batched_decode_gives_the_loop_logits(make_engine) -> None:
     assert native.loaded(), f"the engine built the native kernel: {native.load_error()}"
     torch_ops, _ = _step_logits(engine(lora_cpu_native=False))
     loop_engine = engine()
-    dims = loop_engine.model.dims
-    kv = dims.q_dim + dims.kv_dim
-    splits = {"q_proj": ("qkv", 0, dims.q_dim), "k_proj": ("qkv", dims.q_dim, kv),
-              "v_proj": ("qkv", kv, kv + dims.kv_dim), "gate_proj": ("gate_up", 0, dims.intermediate),
-              "up_proj": ("gate_up", dims.intermediate, 2 * dims.intermediate)}  # fmt: skip
+    splits = fused_splits(loop_engine.model.dims)
     ops = loop_engine.runner.ops
     loop_ops = dataclasses.replace(
         ops, sgmv_shrink=functools.partial(cpu.sgmv_shrink, batched=False),

@@ -21,7 +21,7 @@ from lora_cluster.cli import main
 from lora_cluster.demo import DemoZoo
 from lora_cluster.demo_families import ARCHS, build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import AdapterFormatError, ConfigError, UnsupportedModelError
 
 

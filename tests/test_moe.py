@@ -24,9 +24,9 @@ from safetensors.torch import load_file, save_file
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.demo_families import build_family_zoo
 from lora_cluster.engine import SamplingParams, build_engine
-from lora_cluster.engine.model_loader import load_base_model
-from lora_cluster.engine.moe import route
-from lora_cluster.engine.moe_spec import MoeSpec
+from lora_cluster.engine.model.model_loader import load_base_model
+from lora_cluster.engine.model.moe import route
+from lora_cluster.engine.model.moe_spec import MoeSpec
 from lora_cluster.errors import AdapterFormatError
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

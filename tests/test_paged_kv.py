@@ -9,13 +9,13 @@ import torch
 
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.kv_cache import BlockAllocator, blocks_for
-from lora_cluster.engine.lora_layer import use_bgmv
-from lora_cluster.engine.memory_plan import DeviceMemory, cpu_plan, plan_device_memory
-from lora_cluster.engine.scheduler import Gate, Scheduler
-from lora_cluster.engine.sequence import SeqStatus, Sequence
-from lora_cluster.engine.step_buffers import StepBuffers
+from lora_cluster.engine.model.lora_layer import use_bgmv
+from lora_cluster.engine.model.memory_plan import DeviceMemory, cpu_plan, plan_device_memory
+from lora_cluster.engine.model.step_buffers import StepBuffers
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator, blocks_for
+from lora_cluster.engine.schedule.scheduler import Gate, Scheduler
+from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence
 from lora_cluster.errors import ConfigError
 
 GIB = 1 << 30

@@ -6,9 +6,9 @@ from __future__ import annotations
 from helpers import greedy
 
 from lora_cluster.engine import SamplingParams
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.scheduler import Gate, Scheduler, SchedulerOutput
-from lora_cluster.engine.sequence import Sequence
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.scheduler import Gate, Scheduler, SchedulerOutput
+from lora_cluster.engine.schedule.sequence import Sequence
 from lora_cluster.request.sampling_params import SamplingParams as Params
 
 URGENT, STANDARD, BATCH = 0, 1, 2

@@ -13,11 +13,11 @@ from helpers import greedy
 
 from lora_cluster.config import EngineConfig, build_config
 from lora_cluster.engine import Engine, SamplingParams
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.kv_cache import BlockAllocator
-from lora_cluster.engine.prefix_cache import PrefixCacheIndex
-from lora_cluster.engine.scheduler import Gate, Scheduler
-from lora_cluster.engine.sequence import Sequence
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator
+from lora_cluster.engine.schedule.prefix_cache import PrefixCacheIndex
+from lora_cluster.engine.schedule.scheduler import Gate, Scheduler
+from lora_cluster.engine.schedule.sequence import Sequence
 from lora_cluster.replica_policy.prefix_hash import block_key, chain_root, extend_keys
 
 # ----------------------------------------------------------------------------- hash chain

@@ -7,9 +7,9 @@ import torch
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.adapters.pool import AdapterPool
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.scheduler import Gate, Scheduler
-from lora_cluster.engine.sequence import SeqStatus, Sequence
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.scheduler import Gate, Scheduler
+from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence
 from lora_cluster.errors import AdapterCapacityError, EngineOverloadedError
 from lora_cluster.request.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from remote_sources import FolderAsRemote
 
 from lora_cluster.adapter_format import LoraWeights, ModelShapes
 from lora_cluster.engine.adapters.pool import AdapterPool
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.replica_policy.eviction import AccessTracker
 from lora_cluster.store import TRANSITIONS, AdapterState, Lifecycle, TieredAdapterStore
 from lora_cluster.store.admission import AdmissionPolicy

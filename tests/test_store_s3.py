@@ -17,7 +17,7 @@ import torch
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.cli import main
 from lora_cluster.engine import SamplingParams
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import (
     AdapterFormatError,
     AdapterIntegrityError,

@@ -15,7 +15,7 @@ from remote_sources import FolderAsRemote, populate_hf_cache
 from lora_cluster.adapter_format import load_peft_adapter
 from lora_cluster.cli import main
 from lora_cluster.config import EngineConfig, build_config
-from lora_cluster.engine.model_loader import load_base_model
+from lora_cluster.engine.model.model_loader import load_base_model
 from lora_cluster.errors import (
     AdapterBaseModelError,
     AdapterFormatError,

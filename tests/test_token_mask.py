@@ -1,4 +1,4 @@
-"""The bitmask unpack and apply of engine.token_mask equal a plain reference on random masks.
+"""The bitmask unpack and apply of engine.sample.token_mask equal a plain reference on random masks.
 
 The reference reads each token's bit one at a time (token j is bit j % 32 of int32 word j // 32,
 llguidance's layout) and builds the expected logits cell by cell: a constrained row keeps a logit
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_cluster.engine.token_mask import (
+from lora_cluster.engine.sample.token_mask import (
     allowed_tokens,
     mask_rows_,
     unpack_bitmask_numpy,

@@ -23,7 +23,7 @@ place, return None"; ``out`` may be a strided view such as ``fused[:, 128:256]``
 * ``add_lora(out[T, N], x[T, K], lora_a, lora_b, meta)``:
   ``out[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T`` for s >= 0; base rows untouched.
 
-The engine's LoRA layer (``lora_cluster.engine.lora_layer``) calls ``add_lora`` for unfused
+The engine's LoRA layer (``lora_cluster.engine.model.lora_layer``) calls ``add_lora`` for unfused
 projections, ``sgmv_shrink`` over a stacked A plus one ``sgmv_expand`` per member for the fused
 q/k/v and gate/up groups (``out`` and ``y`` then strided column slices), and the BGMV functions for
 the decode rows of a step when it takes the gathered path (Triton; see ``use_bgmv`` there).

@@ -6,7 +6,7 @@ CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` must be set bef
 is first imported in the process (triton reads it when its and our ``@triton.jit`` functions are
 decorated) and stay set while launching (tests).
 
-Who calls what: the engine's LoRA layer (``lora_cluster.engine.lora_layer``) runs the decode rows
+Who calls what: the engine's LoRA layer (``lora_cluster.engine.model.lora_layer``) runs the decode rows
 of a step through the BGMV functions when they are mostly distinct adapters (``use_bgmv``), and the
 other rows through SGMV: ``add_lora`` per unfused projection, one ``sgmv_shrink`` over stacked A and
 an ``sgmv_expand`` per member for the fused q/k/v and gate/up groups.

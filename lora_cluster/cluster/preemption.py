@@ -1,6 +1,6 @@
 """Cross-replica preemption: when urgent tickets may go, over capacity, to replicas running less
 urgent work, and where (the controller's half of preemption; a replica's engine then preempts its
-least urgent sequences: `engine.scheduler`).
+least urgent sequences: `engine.schedule.scheduler`).
 
 A ticket with a TTFT target is watched from its park (`watch`): it becomes *due* once it has waited
 `preempt_after_fraction` of its target (`ControllerSettings.preempt_wait_s`), or at once when a

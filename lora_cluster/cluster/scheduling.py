@@ -19,7 +19,7 @@ however long it has already waited.
 Preemption: when no replica has room, an urgent ticket that has waited at least
 `preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
 running work strictly less urgent than it (the replica's engine then preempts its least urgent
-sequences; see `engine.scheduler`): one that holds its adapter if any has such work, else the
+sequences; see `engine.schedule.scheduler`): one that holds its adapter if any has such work, else the
 adapter's home among those that have some; but when another replica holds its adapter, the ticket
 first waits for that holder until `holder_wait_fraction` of its TTFT target (`holder_wait_until`;
 not a ticket of the most urgent class, which preempts at once).

@@ -65,7 +65,7 @@ class EngineConfig(BaseSettings):
         "this is. null (default): only max_num_batched_tokens bounds them."
     )
 
-    # ----- paged KV cache, memory sizing, LoRA fast paths (engine.kv_cache, engine.memory_plan) -----
+    # ----- paged KV cache, memory sizing, LoRA fast paths (engine.schedule.kv_cache, model.memory_plan) -----
     kv_block_size: int = Field(
         16, ge=1, le=256, description="Tokens per KV cache block (a power of two); sequences take "
         "blocks as they grow instead of a max_model_len reservation."
@@ -202,7 +202,7 @@ class EngineConfig(BaseSettings):
         "mismatch, strict refuses the adapter (shapes are always checked).",
     )
 
-    # ----- log probabilities and merged adapters (engine.logprobs, store.merge) -----
+    # ----- log probabilities and merged adapters (engine.sample.logprobs, store.merge) -----
     max_logprobs: int = Field(
         20, ge=0, le=1024,
         description="Most alternatives per token a request may ask for (OpenAI `logprobs` / `top_logprobs`, "
@@ -224,7 +224,7 @@ class EngineConfig(BaseSettings):
         "gives the same merged adapter on every replica and after restarts.",
     )
 
-    # ----- structured output (engine.grammar_compiler, docs/structured_output.md) -----
+    # ----- structured output (engine.sample.grammar_compiler, docs/structured_output.md) -----
     guided_compile_timeout_s: float = Field(
         10.0, gt=0, description="Longest a structured-output constraint (JSON schema, regex, choice, "
         "grammar) may take to compile; a longer compile is refused with 400 once this passes, and so "

@@ -7,22 +7,28 @@ talks to the store it wired (`store.ports.AdapterCatalog`). Adapter I/O never ru
 thread: loads are submitted to a small thread pool and a request waits in the queue, while the
 others keep decoding, until its adapter's host weights are ready and a device slot is free.
 
+A step: the scheduler's decision (`engine.schedule.scheduler`) -> the model runner's forward pass
+and the sampling pipeline (`engine.model.runner`, `engine.sample.pipeline`) -> each sampled token
+taken by its sequence, which may end it (`engine.sample.stopping.append_token`). The engine is
+given its parts (`engine.factory` builds them).
+
 Priorities: a request's int `priority` (lower is more urgent) orders admission and its adapter's
-fetch (`engine.adapters.fetch_queue`), and an urgent request preempts less urgent running ones when every KV
-slot is taken, or takes the adapter slot of an adapter only less urgent requests want
-(`engine.scheduler` and `engine.adapters.residency` have the policy).
+fetch (`engine.adapters.fetch_queue`), and an urgent request preempts less urgent running ones when
+every KV slot is taken, or takes the adapter slot of an adapter only less urgent requests want
+(`engine.schedule.scheduler` and `engine.adapters.residency` have the policy).
 
 Prefix caching (`enable_prefix_caching`): full KV blocks are keyed by the adapter, its version and
-their tokens (`replica_policy.prefix_hash`), and a new request reuses the longest cached prefix of its prompt
-(`engine.kv_cache`, `engine.prefix_cache`); `RequestOutput.num_cached_tokens` says how many tokens.
+their tokens (`replica_policy.prefix_hash`), and a new request reuses the longest cached prefix of
+its prompt (`engine.schedule.kv_cache`, `engine.schedule.prefix_cache`); `RequestOutput.num_cached_tokens`
+says how many tokens.
 
-Structured output (`SamplingParams.guided`, `engine.grammar_compiler`, `engine.guided_state`,
-`engine.token_mask`): a constrained request's grammar compiles on the compiler's threads (once per
-spec, cached); the request waits in the queue holding nothing until it is ready (the scheduler's
-gate answers PENDING), or ends at once with the compile's `RequestError`. In a step, the constrained
-rows' masks are filled on a worker thread while an accelerator runs the forward pass (on the CPU:
-on the step thread after it), then applied to the model's
-logits before the logit controls and sampling (logprobs are those of the masked distribution); each
+Structured output (`SamplingParams.guided`, `engine.sample.grammar_compiler`,
+`engine.sample.guided_state`, `engine.sample.token_mask`): a constrained request's grammar compiles
+on the compiler's threads (once per spec, cached); the request waits in the queue holding nothing
+until it is ready (the scheduler's gate answers PENDING), or ends at once with the compile's
+`RequestError`. In a step, the constrained rows' masks are filled on a worker thread while an
+accelerator runs the forward pass (on the CPU: on the step thread after it), then applied to the
+model's logits before the logit controls and sampling (logprobs are those of the masked distribution); each
 sampled token advances its row's matcher, and a grammar that allows nothing more ends the request
 with `stop`. Unconstrained rows are untouched, and a step without constrained rows does no mask work.
 
@@ -35,51 +41,36 @@ of looping on a broken device.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lora_kernels import get_lora_ops
-from lora_kernels import native as native_kernel
 
-from lora_cluster.adapter_format import LoraWeights, ModelShapes
-from lora_cluster.config import EngineConfig, build_config
-from lora_cluster.engine.adapters.copier import AdapterCopier
-from lora_cluster.engine.adapters.dora import projection_weights
+from lora_cluster.adapter_format import LoraWeights
+from lora_cluster.config import EngineConfig
 from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.residency import AdapterResidency
-from lora_cluster.engine.adapters.rotation import rotation_from_config
-from lora_cluster.engine.batch import build_step_batch
-from lora_cluster.engine.counters import EngineCounters
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.grammar_compiler import GrammarCompiler, grammar_tokenizer
-from lora_cluster.engine.guided_state import GuidedState
-from lora_cluster.engine.kv_cache import BlockAllocator, PagedKVCache
-from lora_cluster.engine.llama import LlamaRunner
-from lora_cluster.engine.logit_controls import apply_logit_controls
-from lora_cluster.engine.logprobs import record_prompt_logprobs, token_logprobs
-from lora_cluster.engine.lora_layer import fused_shrink
-from lora_cluster.engine.memory_plan import plan_engine_memory
-from lora_cluster.engine.model_loader import load_base_model, resolve_device
-from lora_cluster.engine.prefix_cache import PrefixCacheIndex
-from lora_cluster.engine.sampling import make_generator, sample
-from lora_cluster.engine.scheduler import Gate, Scheduler, check_priority
-from lora_cluster.engine.sequence import SeqStatus, Sequence, snapshot
-from lora_cluster.engine.step_buffers import StepBuffers
-from lora_cluster.engine.stopping import eos_token_ids, stop_reason
-from lora_cluster.engine.token_mask import TokenMasks
+from lora_cluster.engine.model.base_model import BaseModel
+from lora_cluster.engine.model.batch import StepBatch
+from lora_cluster.engine.model.memory_plan import MemoryPlan
+from lora_cluster.engine.model.runner import ModelRunner
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.sample.grammar_compiler import GrammarCompiler
+from lora_cluster.engine.sample.guided_state import GuidedState
+from lora_cluster.engine.sample.pipeline import SampledTokens
+from lora_cluster.engine.sample.sampling import make_generator
+from lora_cluster.engine.sample.stopping import append_token
+from lora_cluster.engine.schedule.counters import EngineCounters
+from lora_cluster.engine.schedule.kv_cache import PagedKVCache
+from lora_cluster.engine.schedule.scheduler import Scheduler, SchedulerOutput, check_priority
+from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence, snapshot
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
-from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
-from lora_cluster.replica_policy.prefix_hash import chain_root
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.output import FinishReason, RequestOutput
 from lora_cluster.request.sampling_params import SamplingParams
@@ -112,117 +103,29 @@ class EngineStats:
     adapter_thrash: dict[str, object] = field(default_factory=dict)  # `adapters.thrash.ThrashMeter.snapshot`
 
 
-# builds the engine's loader once the base model's shapes and device are known
-LoaderFactory = Callable[[EngineConfig, ModelShapes, torch.device], EnginePort]
-
-
 class Engine:
     """Serve many adapters of one base model in shared forward passes.
 
-    `Engine(model=..., adapter_source=..., max_loras=8, max_lora_rank=64, adapter_loader=...)`; any
-    other `EngineConfig` field may be passed as a keyword, or a whole `config`. The caller wires where
-    adapters come from (the engine never builds a store): `adapter_loader` is an `EnginePort`, or
-    a factory called with the config, the model's shapes and the device, such as
-    `store.build_adapter_loader` (the tiered adapter store of `adapter_source`), which
-    `engine.factory.build_engine` passes.
+    The engine is given its parts and builds none of them: `engine.factory.build_engine` is where an
+    engine is built (the base model, the paged KV cache, the adapter loader the caller wires in, the
+    adapter pool and residency, the model runner with its sampler, the scheduler, the grammar
+    compiler). The engine owns them from then on: `close` closes them.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        adapter_source: str | list[str] | None = None,
-        max_loras: int | None = None,
-        max_lora_rank: int | None = None,
-        *,
-        adapter_loader: EnginePort | LoaderFactory,
-        config: EngineConfig | None = None,
-        **overrides: object,
-    ):
-        if config is None:
-            given = {
-                "model": model,
-                "adapter_source": adapter_source,
-                "max_loras": max_loras,
-                "max_lora_rank": max_lora_rank,
-                **overrides,
-            }
-            config = build_config(EngineConfig, **{k: v for k, v in given.items() if v is not None})
-        self.config = config
-        self.device, self.dtype = resolve_device(config.device, config.dtype)
-        self.model = load_base_model(config.model, dtype=self.dtype, device=self.device)
-        self.tokenizer = self.model.tokenizer
-        dims = self.model.dims
-        self.shapes = dims.shapes()
-        # sliding-window layers mask their attention (engine.attention): the window does not cap length
-        self.max_model_len = min(config.max_model_len, dims.max_position_embeddings)
-        # paged KV cache and adapter slots, sized from the device's free memory on a GPU (memory_plan)
-        self.memory = plan_engine_memory(config, dims, self.dtype, self.device, self.max_model_len)
-        self.kv = PagedKVCache(
-            num_layers=dims.num_layers,
-            num_blocks=self.memory.num_kv_blocks,
-            block_size=config.kv_block_size,
-            kv_heads=dims.num_kv_heads,
-            head_dim=dims.head_dim,
-            max_len=self.max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.step_buffers = StepBuffers(self.device)
-        self.loader: EnginePort = (
-            adapter_loader(config, self.shapes, self.device) if callable(adapter_loader) else adapter_loader
-        )
-        self.pool = AdapterPool(
-            self.shapes,
-            num_slots=self.memory.num_adapter_slots,
-            max_rank=config.max_lora_rank,
-            dtype=self.dtype,
-            device=self.device,
-            policy=self.loader.slot_policy(),
-            base_weight=projection_weights(self.model.layers, self.model.dims),
-        )
-        self.adapter_guard = AdapterGuard(config)
-        self.counters = EngineCounters()  # steps, batch sizes, tokens, adapter placements (metrics)
-        self.adapters = AdapterResidency(
-            self.loader, self.loader, self.pool, config.adapter_load_workers, guard=self.adapter_guard,
-            rotation=rotation_from_config(config), pinned=config.pinned,
-            copier=AdapterCopier(self.pool, self.device, config.adapter_async_copy_bytes),
-            counters=self.counters,
-        )
-        ops = get_lora_ops(config.kernel, self.device)
-        if ops.name == "cpu":
-            if not config.lora_cpu_native:
-                ops = dataclasses.replace(ops, add_lora=functools.partial(ops.add_lora, native=False))
-            elif not native_kernel.load():
-                log.warning("no native CPU LoRA kernel, the torch ops run: %s", native_kernel.load_error())
-        self.runner = LlamaRunner(
-            self.model, self.kv, self.pool, ops, self.device,
-            fused_lora=fused_shrink(config.lora_fused_shrink, ops.name),
-        )
-        self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_waiting=config.max_waiting,
-            acquire=self._acquire,
-            release=self.adapters.release,
-            slot_to_preempt=self.adapters.slot_to_preempt,
-            less_urgent_chunk=config.less_urgent_prefill_chunk, urgent_priority=URGENT_PRIORITY,
-            kv_blocks=BlockAllocator(
-                num_blocks=self.kv.num_blocks, block_size=self.kv.block_size, num_slots=config.max_num_seqs,
-                prefix_cache=PrefixCacheIndex() if config.enable_prefix_caching else None,
-            ),
-            prefix_root=self._prefix_root,
-        )
+    def __init__(self, *, config: EngineConfig, model: BaseModel, device: torch.device, max_model_len: int,
+                 memory: MemoryPlan, kv: PagedKVCache, loader: EnginePort, pool: AdapterPool,
+                 adapters: AdapterResidency, adapter_guard: AdapterGuard, counters: EngineCounters,
+                 runner: ModelRunner, scheduler: Scheduler, grammars: GrammarCompiler,
+                 eos_token_ids: set[int]):
+        self.config, self.model, self.device, self.max_model_len = config, model, device, max_model_len
+        self.tokenizer, self.dtype, self.shapes = model.tokenizer, model.embed.dtype, model.dims.shapes()
+        self.memory, self.kv = memory, kv  # the memory plan; the paged KV cache's block tensors
+        self.loader, self.pool, self.adapters = loader, pool, adapters
+        self.adapter_guard, self.counters = adapter_guard, counters
+        self.runner, self.scheduler, self.grammars = runner, scheduler, grammars
+        self.eos_token_ids = eos_token_ids
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.eos_token_ids = eos_token_ids(self.model)
-        # structured output: grammars compile on their own threads; masks fill while the forward runs
-        # on an accelerator, and on the step thread after it on the CPU (engine.token_mask)
-        self.grammars = GrammarCompiler(
-            functools.partial(grammar_tokenizer, self.tokenizer, dims.vocab_size, self.eos_token_ids),
-            cache_size=config.guided_grammar_cache_size, timeout_s=config.guided_compile_timeout_s,
-        )
-        self._mask_pool = (None if self.device.type == "cpu"
-                           else ThreadPoolExecutor(1, thread_name_prefix="token-mask"))
         self.consecutive_step_failures = 0
         self.failed_steps = 0
 
@@ -328,17 +231,10 @@ class Engine:
         return self.adapters.has_fetches()
 
     def counters_snapshot(self) -> dict[str, Any]:
-        """The engine's cumulative counters (`engine.counters`) and the adapter pool's fragmentation
+        """The engine's cumulative counters (`engine.schedule.counters`) and the adapter pool's fragmentation
         (`AdapterPool.fragmentation`), for metrics. Call on the step loop's thread."""
         return {**self.counters.snapshot(), **self.scheduler.kv_blocks.prefix_stats(),
                 "adapter_pool_fragmentation": self.pool.fragmentation()}
-
-    def _prefix_root(self, seq: Sequence) -> bytes:
-        """The prefix-cache chain root of an admitted sequence: its adapter id and the version of the
-        weights in the device slot it runs with (`replica_policy.prefix_hash`)."""
-        if seq.adapter_id is None:
-            return chain_root(None, 0)
-        return chain_root(seq.adapter_id, self.pool.slot_version(seq.lora_slot))
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -363,69 +259,64 @@ class Engine:
     # ----- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that got a token or finished.
+        """Run one batch (schedule, run the model and sample, take the tokens); returns an output for
+        every request that got a token or finished.
 
         Never raises for a failure of the step itself: the requests it concerned end with an
         `EngineStepError` in their output (see the module docstring)."""
-        outputs: list[RequestOutput] = []
         try:
             plan = self.scheduler.schedule()
             self.adapters.end_step(self.scheduler.waiting)
         except Exception as e:  # the queues themselves are broken: nothing can run
             log.exception("scheduling failed")
             return self._fail(list(self._seqs.values()), "scheduling", e)
-        for seq in plan.failed:
-            self._finish(seq, FinishReason.ERROR)
-            outputs.append(snapshot(seq))
+        outputs = [self._end(seq, FinishReason.ERROR) for seq in plan.failed]
         if plan.empty:
-            pending = self.adapters.pending()
-            if pending and self.scheduler.waiting:
-                wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-            elif self.scheduler.waiting:  # e.g. a draining adapter's turn: do not spin the loop
-                time.sleep(IDLE_WAIT_S)
+            self._idle()
             return outputs
         started = time.perf_counter()
-        batch = build_step_batch(
-            plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
-            kv_blocks=self.scheduler.kv_blocks, buffers=self.step_buffers, groups=self.runner.lora.groups,
-            decode_kernel=self.config.lora_decode_kernel, ops_name=self.runner.ops.name,
-            dora_slots=self.pool.dora_slots,
-        )  # fmt: skip
-        masks: TokenMasks | None = None
+        batch = self.runner.prepare(plan)
         try:
-            masks = TokenMasks.start(batch.sampled, self.model.dims.vocab_size, self._mask_pool)
-            logits = self.runner.forward(batch)
-            num_sampled = len(batch.sampled)  # the rows after them are prompt-logprob rows
-            params = [s.sampling for s in batch.sampled]
-            model_logits = logits[:num_sampled] if masks is None else masks.apply(logits[:num_sampled])
-            controlled = apply_logit_controls(model_logits, batch.sampled, self.eos_token_ids)
-            if masks is not None:
-                controlled = masks.keep_allowed(controlled, model_logits)
-            tokens = sample(controlled, params, [s.generator for s in batch.sampled])
-            logprobs = token_logprobs(model_logits, tokens, [p.logprobs for p in params])
-            record_prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans)
+            sampled = self.runner.run(batch)
         except Exception as e:
             log.exception("engine step failed")
             return outputs + self._fail([*plan.decodes, *(s for s, _ in plan.prefills)], "step", e)
+        taken, failed = self._take(plan, batch, sampled)
+        self.counters.step(len(plan.decodes) + len(plan.prefills), len(batch.sampled))
+        self.adapter_guard.stepped(time.perf_counter() - started)
+        self._count_step(failed)
+        return outputs + taken
+
+    def _idle(self) -> None:
+        """An empty step: wait a little for an adapter load that waiting requests need, rather than
+        spin the loop (e.g. while a draining adapter's turn comes)."""
+        pending = self.adapters.pending()
+        if pending and self.scheduler.waiting:
+            wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+        elif self.scheduler.waiting:
+            time.sleep(IDLE_WAIT_S)
+
+    def _take(self, plan: SchedulerOutput, batch: StepBatch,
+              sampled: SampledTokens) -> tuple[list[RequestOutput], bool]:
+        """Advance the step's sequences over what it computed and give each sampled one its token
+        (`sample.stopping.append_token`); a request whose token fails (e.g. the detokenizer) ends alone.
+        Returns the sampled sequences' outputs and whether any failed."""
         for seq in plan.decodes:
             seq.num_computed += 1
         for seq, n in plan.prefills:
             seq.num_computed += n
-        failed = False
-        for seq, token, logprob in zip(batch.sampled, tokens, logprobs, strict=True):
+        outputs, failed = [], False
+        for seq, token, logprob in zip(batch.sampled, sampled.tokens, sampled.logprobs, strict=True):
             try:
-                if logprob is not None:
-                    seq.output_logprobs.append(logprob)
-                self._append(seq, token)
+                reason = append_token(seq, token, logprob, self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    self._finish(seq, reason)
             except Exception as e:  # e.g. the detokenizer: this request alone ends
                 log.exception("request %r failed after its step", seq.request_id)
                 seq.error, failed = EngineStepError(f"engine step failed: {e!r}"), True
                 self._finish(seq, FinishReason.ERROR)
             outputs.append(snapshot(seq))
-        self.counters.step(len(plan.decodes) + len(plan.prefills), len(batch.sampled))
-        self.adapter_guard.stepped(time.perf_counter() - started)
-        self._count_step(failed)
-        return outputs
+        return outputs, failed
 
     def _fail(self, seqs: list[Sequence], stage: str, error: Exception) -> list[RequestOutput]:
         """End `seqs` with an EngineStepError naming the stage and the cause; count a failed step."""
@@ -452,34 +343,16 @@ class Engine:
         else:
             self.consecutive_step_failures = 0
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        seq.output_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        complete = seq.guided is not None and seq.guided.accept(token)
-        reason = stop_reason(seq, self.eos_token_ids, self.max_model_len)
-        if reason is None and complete:  # the grammar allows nothing but the end: stop now
-            seq.detok.flush(seq.output_ids)
-            reason = FinishReason.STOP
-        if reason is not None:
-            self._finish(seq, reason)
-
-    def _acquire(self, seq: Sequence, may_claim_slot: bool) -> Gate:
-        """The scheduler's admission gate: a constrained sequence waits (holding nothing) until its
-        grammar is compiled, and fails with the compile's RequestError; then its adapter's gate."""
-        guided = seq.guided
-        if guided is not None and not guided.ready():
-            if guided.error is None:
-                return Gate.PENDING
-            seq.error = guided.error
-            return Gate.FAILED
-        return self.adapters.acquire(seq, may_claim_slot)
-
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         if self._seqs.pop(seq.request_id, None) is not None:  # once per request
             self.adapters.request_finished(seq.adapter_id, seq.priority)
+
+    def _end(self, seq: Sequence, reason: FinishReason) -> RequestOutput:
+        """Finish `seq` now; its final output."""
+        self._finish(seq, reason)
+        return snapshot(seq)
 
     # ----- offline API ----------------------------------------------------------------------
 
@@ -515,8 +388,7 @@ class Engine:
 
     def close(self) -> None:
         self.grammars.close()
-        if self._mask_pool is not None:
-            self._mask_pool.shutdown(wait=False)
+        self.runner.close()
         self.adapters.close()
         self.loader.close()
 

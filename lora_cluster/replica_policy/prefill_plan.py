@@ -1,6 +1,6 @@
 """Which prefill chunks run in an engine step: the most urgent alone, and less urgent ones short.
 
-Pure policy over the scheduler's sequences (no tensors), used by `engine.scheduler` once it has
+Pure policy over the scheduler's sequences (no tensors), used by `engine.schedule.scheduler` once it has
 planned the decodes (one token each, always):
 
 1. Most urgent first: running sequences in their prefill get the step's token budget in urgency

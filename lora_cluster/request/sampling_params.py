@@ -1,13 +1,13 @@
 """Sampling parameters: how the engine picks tokens and when it stops, validated where they are made.
 
-Policy (the sampler is `engine.sampling`): temperature 0 is greedy (argmax, deterministic), and so is
+Policy (the sampler is `engine.sample.sampling`): temperature 0 is greedy (argmax, deterministic), and so is
 a temperature below `GREEDY_BELOW` (dividing logits by 1e-145 overflows them to inf, whose softmax is
 NaN; vLLM uses the same threshold). Otherwise logits are divided by the temperature, cut to the
 `top_k` most likely tokens and then to the smallest set whose probability reaches `top_p`, and one
 token is drawn with the request's own generator, so that a request with a `seed` gives the same
 tokens whatever else shares its batch. The logit controls (`min_tokens`, `logit_bias`,
 `repetition_penalty`, `presence_penalty`, `frequency_penalty`) change the logits of the rows that
-set them first (`engine.logit_controls`). Invalid values raise `RequestError` naming the field.
+set them first (`engine.sample.logit_controls`). Invalid values raise `RequestError` naming the field.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # per generated token: its logprob and this many alternatives
-    prompt_logprobs: int | None = None  # the same for prompt tokens (see engine.logprobs)
-    # logit controls (engine.logit_controls); the defaults change nothing
+    prompt_logprobs: int | None = None  # the same for prompt tokens (see engine.sample.logprobs)
+    # logit controls (engine.sample.logit_controls); the defaults change nothing
     presence_penalty: float = 0.0  # OpenAI: minus this for every token already in the output
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # transformers/CTRL: tokens of prompt + output, logit / p (> 0) or * p

@@ -87,7 +87,7 @@ def output_item(out: RequestOutput, *, full: bool) -> dict[str, Any]:
         "cached_tokens": out.num_cached_tokens,  # prompt tokens found in the replica's prefix cache
         "completion_tokens": out.completion_tokens,
         "ttft_s": out.time_to_first_token,
-        "delta_logprobs": out.delta_logprobs,  # engine.logprobs.TokenLogprob per delta id (None: not asked)
+        "delta_logprobs": out.delta_logprobs,  # a TokenLogprob per delta id (None: not asked)
         "logprobs": out.logprobs if full else None,
         "prompt_logprobs": out.prompt_logprobs if full else None,
     }

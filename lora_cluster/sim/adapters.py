@@ -22,7 +22,7 @@ Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
   than p, with the fewest running: the replica preempts those (recompute) and the slot frees. Both
   choices are the engine's own functions (`replica_policy.slot_urgency`). So an
   urgent request never waits behind less urgent ones for an adapter slot, as it never does for a
-  KV slot (`engine.scheduler` with `engine.adapters.residency`).
+  KV slot (`engine.schedule.scheduler` with `engine.adapters.residency`).
 * Fetched weights are dropped when the last request that wanted them ends before they got a slot.
 * `prefetch` (placement): a fetch into host memory only, as the live replica's `_prefetch` does;
   at most `MAX_PREFETCHES` at once.

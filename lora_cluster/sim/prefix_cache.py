@@ -1,5 +1,5 @@
-"""One simulated replica's prefix cache: the engine's block cache (`engine.kv_cache`,
-`engine.prefix_cache`) as bookkeeping over block keys, without the KV itself.
+"""One simulated replica's prefix cache: the engine's block cache (`engine.schedule.kv_cache`,
+`engine.schedule.prefix_cache`) as bookkeeping over block keys, without the KV itself.
 
 A request carries the engine's content keys of its full blocks (`SimRequest.blocks`: a chain over
 the adapter id at its version and every token up to the block, `replica_policy.prefix_hash`), so two

@@ -1,6 +1,6 @@
 """One simulated LoRA replica: the engine's continuous batching, event by event.
 
-The schedule follows `engine.scheduler` step for step:
+The schedule follows `engine.schedule.scheduler` step for step:
 
 1. every running sequence past its prefill decodes one token;
 2. running sequences still in their prefill get the next chunk of the step's token budget, most

@@ -16,8 +16,8 @@ Four small protocols, each served to the one caller that uses it, and two compos
   `store.build_adapter_loader` builds: the tiered adapter store (`lora_cluster.store.TieredAdapterStore`,
   the default) and the plain folder loader (`lora_cluster.store.folder_loader.FolderAdapterLoader`).
 
-The caller wires a store: `Engine(adapter_loader=...)` takes an `EnginePort` or a factory of one
-(`engine.factory.build_engine` wires `store.build_adapter_loader`), and the replica keeps the store
+The caller wires a store: `engine.factory.build_engine(adapter_loader=...)` takes an `EnginePort`
+or a factory of one (by default `store.build_adapter_loader`), and the replica keeps the store
 it built for its catalog and counters. They live with the store that implements them; the engine
 imports them from here (downward). Importing this module imports no torch.
 

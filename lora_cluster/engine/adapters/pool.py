@@ -15,7 +15,7 @@ folded into B plus `dora[m]` (g - 1 per layer, slot and output feature; see `ada
 On a mixture of experts, each slot also holds LoRA on every expert's projections (`expert_a[u]`
 [num_layers, rows, experts, max_rank, in], `expert_b[u]` [num_layers, rows, experts, out,
 max_rank], u = "experts.gate_up_proj" / "experts.down_proj", one unit "experts" for their rows):
-an adapter's `experts.{e}.{param}` weights land in expert e of its row (`engine.moe` reads them).
+an adapter's `experts.{e}.{param}` weights land in expert e of its row (`engine.model.moe` reads them).
 
 Invariants: a slot holds at most one adapter version; an adapter id maps to at most one slot (its
 current version); a slot with references (running sequences) is never overwritten; eviction picks
@@ -45,6 +45,8 @@ FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", 
 
 
 class AdapterPool:
+    """The device slots of adapters and their rows (see the module docstring)."""
+
     def __init__(
         self,
         shapes: ModelShapes,
@@ -60,10 +62,28 @@ class AdapterPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.policy = policy
         self._base_weight = base_weight  # (layer, projection) -> base weight [out, in], for DoRA
-        n = shapes.num_layers
+        self._allocate(shapes, dtype, device)
+        self._index_units(shapes)
+        self.dora_slots = [False] * num_slots  # whether each slot's live adapter is DoRA
+        # module -> rank of that projection in each slot (0: not targeted / empty)
+        self.module_ranks = {m: [0] * num_slots for m in [*shapes.modules, *self.expert_a]}
+        # module -> rank rows that may be non-zero in each row of its tensors (an evicted adapter's rows
+        # stay until the row is reused, and only they are cleared then)
+        self._written = {m: [0] * num_slots for m in self.module_ranks}
+        self._owner: list[str | None] = [None] * num_slots  # current or retired adapter of each slot
+        self._version = [0] * num_slots
+        self._retired = [False] * num_slots
+        self._refs = [0] * num_slots
+        self._last_used = [0.0] * num_slots
+        self._slot_of: dict[str, int] = {}
+        self._clock = clock
+
+    def _allocate(self, shapes: ModelShapes, dtype: torch.dtype, device: torch.device) -> None:
+        """The LoRA tensors of every slot row (see the module docstring), zero, allocated once."""
+        n, num_slots, max_rank = shapes.num_layers, self.num_slots, self.max_rank
         # Fused groups (q/k/v, gate/up: one input) store A rank-major, [layers, rows, rank, member, in]:
         # `a_fused[g]` [layers, rows, rank * members, in] has the ranks < r of every member in its first
-        # members * r rows (one shrink for the group, see engine.lora_layer); `a[m]` is member m's view.
+        # members * r rows (one shrink for the group, see engine.model.lora_layer); `a[m]` is member m's view.
         self.groups = {
             g: ms for g, ms in FUSED_GROUPS.items()
             if all(m in shapes.modules for m in ms) and len({shapes.modules[m][0] for m in ms}) == 1
@@ -85,17 +105,6 @@ class AdapterPool:
             experts = (n, num_slots, shapes.experts, max_rank)
             self.expert_a[f"experts.{p}"] = torch.zeros((*experts, i), dtype=dtype, device=device)
             self.expert_b[f"experts.{p}"] = torch.zeros((*experts, o), dtype=dtype, device=device).mT
-        grouped = {m for ms in self.groups.values() for m in ms}
-        self.units = {**self.groups, **{m: (m,) for m in shapes.modules if m not in grouped}}
-        if self.expert_a:
-            self.units["experts"] = tuple(self.expert_a)
-        # projection or group -> row of each slot (-1: none); the members of a unit share one list
-        self.rows: dict[str, list[int]] = {}
-        self._row_slot: dict[str, list[int]] = {}  # unit -> slot of each row (-1: free)
-        for u, ms in self.units.items():
-            self._row_slot[u] = [-1] * num_slots
-            shared = [-1] * num_slots
-            self.rows.update({k: shared for k in (u, *ms)})
         # B is stored [layers, rows, max_rank, out] and exposed transposed: a row's [r, out] block is
         # then contiguous, which makes the expand GEMM's weight a plain (non-transposed) operand.
         self.b = {
@@ -108,19 +117,20 @@ class AdapterPool:
             m: torch.zeros((n, num_slots + 1, o), dtype=dtype, device=device)
             for m, (_, o) in shapes.modules.items()
         }
-        self.dora_slots = [False] * num_slots  # whether each slot's live adapter is DoRA
-        # module -> rank of that projection in each slot (0: not targeted / empty)
-        self.module_ranks = {m: [0] * num_slots for m in [*shapes.modules, *self.expert_a]}
-        # module -> rank rows that may be non-zero in each row of its tensors (an evicted adapter's rows
-        # stay until the row is reused, and only they are cleared then)
-        self._written = {m: [0] * num_slots for m in self.module_ranks}
-        self._owner: list[str | None] = [None] * num_slots  # current or retired adapter of each slot
-        self._version = [0] * num_slots
-        self._retired = [False] * num_slots
-        self._refs = [0] * num_slots
-        self._last_used = [0.0] * num_slots
-        self._slot_of: dict[str, int] = {}
-        self._clock = clock
+
+    def _index_units(self, shapes: ModelShapes) -> None:
+        """The storage units (a fused group, a single projection, the experts) and their row lists."""
+        grouped = {m for ms in self.groups.values() for m in ms}
+        self.units = {**self.groups, **{m: (m,) for m in shapes.modules if m not in grouped}}
+        if self.expert_a:
+            self.units["experts"] = tuple(self.expert_a)
+        # projection or group -> row of each slot (-1: none); the members of a unit share one list
+        self.rows: dict[str, list[int]] = {}
+        self._row_slot: dict[str, list[int]] = {}  # unit -> slot of each row (-1: free)
+        for u, ms in self.units.items():
+            self._row_slot[u] = [-1] * self.num_slots
+            shared = [-1] * self.num_slots
+            self.rows.update({k: shared for k in (u, *ms)})
 
     def slot_of(self, adapter_id: str) -> int | None:
         """The slot holding the adapter's current version, or None."""

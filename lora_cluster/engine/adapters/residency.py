@@ -68,9 +68,9 @@ from lora_cluster.engine.adapters.fetch_queue import PREFETCH, FetchQueue
 from lora_cluster.engine.adapters.guard import AdapterGuard
 from lora_cluster.engine.adapters.pool import AdapterPool
 from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, RotationSlotPolicy
-from lora_cluster.engine.counters import EngineCounters
-from lora_cluster.engine.scheduler import Gate
-from lora_cluster.engine.sequence import Sequence
+from lora_cluster.engine.schedule.counters import EngineCounters
+from lora_cluster.engine.schedule.scheduler import Gate
+from lora_cluster.engine.schedule.sequence import Sequence
 from lora_cluster.errors import AdapterError, EngineOverloadedError
 from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.store.ports import ResidencyHooks, WeightSource

@@ -5,7 +5,7 @@ logprob (the sum of the generated tokens' logprobs), best first. LoRAX, as its r
 with the highest mean logprob per generated token; the others, in their order, are the response's
 `details.best_of_sequences`.
 
-The logprobs are those of the raw model distribution (`engine.logprobs`), the ones a response reports,
+The logprobs are those of the raw model distribution (`engine.sample.logprobs`), the ones a response reports,
 so a client can recompute the ranking. Ties keep the earlier candidate first. A candidate without a
 generated token has a mean of -inf (LoRAX divides by zero there) and a sum of 0.
 Items are the final wire items of the candidates (`protocol.output_item`), each with `logprobs` (the

@@ -1,7 +1,7 @@
 """The engine's token logprobs in the shapes of the APIs: OpenAI completions and chat, LoRAX.
 
 Every logprob is of the raw model distribution (base plus adapter, before temperature, top-k and
-top-p; see `lora_cluster.engine.logprobs`). Token texts are each token decoded alone (`text_of`);
+top-p; see `lora_cluster.engine.sample.logprobs`). Token texts are each token decoded alone (`text_of`);
 a token that is part of a multi-byte character decodes to U+FFFD, and its `bytes` are those of
 that text. Within one response a token id is decoded once (`TokenTexts`).
 

@@ -5,7 +5,7 @@ Request `{"inputs", "parameters": {"adapter_id", ...}, "stream"}`; response `{"g
 (`POST /` without stream answers a one-element list, as TGI does). Stream events are TGI's:
 `{"token": {"id", "text", "logprob", "special"}, "generated_text": null, "details": null}`, the last
 one with `generated_text` and `details`. Every token's `logprob` is computed by the engine (of the raw
-model distribution: see `engine.logprobs`); `return_k_alternatives` adds `alternative_tokens` to each
+model distribution: see `engine.sample.logprobs`); `return_k_alternatives` adds `alternative_tokens` to each
 token, `decoder_input_details` the prompt tokens as `prefill` (non-streaming; the first logprob is
 null). A stream event that carries several tokens (a slow reader) names its last token and that
 token's logprob. `adapter_source` may be

@@ -13,7 +13,7 @@ chunk once every job is done (`whole_chunks`), then the usage chunk and `[DONE]`
 every choice's job runs in it, and the response names it in `x-lora-priority-class`. Log-probabilities
 (completions `logprobs: k`, chat `logprobs: true` + `top_logprobs: k`) come in each choice's `logprobs`,
 streamed chunks included, in OpenAI's shapes (`logprob_format`); they are of the raw model
-distribution, whatever the temperature (see `engine.logprobs`). Completions' `echo` prepends each
+distribution, whatever the temperature (see `engine.sample.logprobs`). Completions' `echo` prepends each
 prompt to its choices' text and, with `logprobs`, its tokens' logprobs (the first null).
 `usage.prompt_tokens_details.cached_tokens` and the `x-lora-cached-tokens` header count the prompt
 tokens whose KV the replicas' prefix caches held, once per prompt (as `prompt_tokens`).

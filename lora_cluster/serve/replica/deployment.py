@@ -56,7 +56,7 @@ from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
-from lora_cluster.engine import AsyncEngine, Engine, EngineStats
+from lora_cluster.engine import AsyncEngine, EngineStats, build_engine
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.request import RequestOutput
 from lora_cluster.serve.http_errors import describe
@@ -116,7 +116,8 @@ class LoraReplica:
         self.config = resolve_model(load_config(config))
         self.group = group  # its replica group (`replica_groups`), reported in the routing stats
         configure_logging(self.config.metrics.log_format)
-        self.engine = Engine(config=self.config.engine, adapter_loader=self._build_store)  # sets `self.store`
+        # the engine builds the store through `_build_store`, which keeps it as `self.store`
+        self.engine = build_engine(config=self.config.engine, adapter_loader=self._build_store)
         self._capacity = self.config.admission.admission_capacity or self.config.engine.max_num_seqs
         admission = self.config.admission
         self.window = AdmissionWindow(window_limit(admission.admission_window_max,

@@ -66,6 +66,6 @@ def load_tokenizer(config: ServeConfig) -> Any:
     """The base model's tokenizer, loaded the way the engine loads it (same ids, same chat template)."""
     from transformers import AutoTokenizer
 
-    from lora_cluster.engine.model_loader import resolve_model_path
+    from lora_cluster.engine.model.model_loader import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(resolve_model(config).model))

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from lora_cluster.config import EngineConfig
-from lora_cluster.engine.kv_cache import PagedKVCache, blocks_for
-from lora_cluster.engine.model_loader import ModelDims
+from lora_cluster.engine.model.base_model import ModelDims
+from lora_cluster.engine.schedule.kv_cache import PagedKVCache, blocks_for
 from lora_cluster.errors import ConfigError
 
 GIB = 1 << 30

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import llguidance
 
-from lora_cluster.engine.grammar_compiler import Compile, CompiledGrammar
+from lora_cluster.engine.sample.grammar_compiler import Compile, CompiledGrammar
 from lora_cluster.errors import EngineStepError, RequestError
 
 

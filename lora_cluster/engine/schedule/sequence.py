@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_cluster.engine.detokenizer import IncrementalDetokenizer
-from lora_cluster.engine.guided_state import GuidedState
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.sample.guided_state import GuidedState
 from lora_cluster.errors import LoraClusterError
 from lora_cluster.request.output import FinishReason, RequestOutput, TokenLogprob
 from lora_cluster.request.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt id (first None), if asked
-    guided: GuidedState | None = None  # the output constraint's matcher (engine.guided_state), if any
+    guided: GuidedState | None = None  # the output constraint's matcher (engine.sample.guided_state), if any
 
     @property
     def num_tokens(self) -> int:

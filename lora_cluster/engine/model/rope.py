@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from lora_cluster.engine.family import RopeSpec
+from lora_cluster.engine.model.family import RopeSpec
 
 RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [max_len, rotary_dim]
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from lora_kernels.paged_attention import PagedAttentionFn, gather_blocks
 
-from lora_cluster.engine.batch import StepBatch
+from lora_cluster.engine.model.batch import StepBatch
 
 
 def chunk_mask(ctx_start: int, n: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:

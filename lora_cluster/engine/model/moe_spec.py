@@ -1,9 +1,9 @@
 """The mixture-of-experts part of a family's spec, read from its config (Qwen3-MoE, Mixtral).
 
-`MoeSpec` says what `engine.moe` runs in place of a layer's gated MLP; `read_moe` builds it from a
+`MoeSpec` says what `engine.model.moe` runs in place of a layer's gated MLP; `read_moe` builds it from a
 config and refuses, at start, what that block does not run: dense layers among the sparse ones
 (`mlp_only_layers`, `decoder_sparse_step`), shared (always-on) experts, a top-k outside
-1..experts. Plain Python (no torch), like `engine.family`, which calls it.
+1..experts. Plain Python (no torch), like `engine.model.family`, which calls it.
 
 Invariants: `1 <= top_k <= num_experts`; `intermediate >= 1` is each expert's width.
 """
@@ -21,7 +21,7 @@ Refuse = Callable[[Any, str, Any, Any], Exception]  # (config, field, value, all
 
 @dataclass(frozen=True)
 class MoeSpec:
-    """A sparse mixture-of-experts MLP on every layer (`engine.moe`): a linear router over
+    """A sparse mixture-of-experts MLP on every layer (`engine.model.moe`): a linear router over
     `num_experts` gated experts of width `intermediate`, each token taking the `top_k` experts of
     highest softmax probability, weighted by those probabilities (renormalised over the top k when
     `norm_topk`: always for Mixtral, `norm_topk_prob` for Qwen3-MoE)."""

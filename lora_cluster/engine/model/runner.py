@@ -1,14 +1,18 @@
-"""The decoder forward pass over a mixed batch, with per-token LoRA from the adapter pool: one runner
-for every family, following the model's `FamilySpec` (`engine.family`).
+"""One engine step on the model: the step's batch, the decoder forward pass over it, with per-token
+LoRA from the adapter pool, and the sample room's pipeline on its logits; one runner for every
+family, following the model's `FamilySpec` (`engine.model.family`).
+
+`prepare` lays out the scheduler's decision as a `StepBatch` (`engine.model.batch`); `run` starts the
+constrained rows' masks, runs `forward` and samples (`engine.sample.pipeline`).
 
 One step runs every scheduled token (prefill chunks and decodes together) through the base
 weights once; each projection (or fused q/k/v, gate/up group) then adds its LoRA delta through
-`engine.lora_layer` (gathered BGMV for decode rows, SGMV segments for the others), so that any mix
+`engine.model.lora_layer` (gathered BGMV for decode rows, SGMV segments for the others), so that any mix
 of adapters and base-only rows shares the pass. Attention reads the paged KV cache
-(`engine.attention`, with each layer's sliding window and soft-cap). What a family changes is
+(`engine.model.attention`, with each layer's sliding window and soft-cap). What a family changes is
 data in its spec: which norms a layer applies (before/after attention and MLP), q/k norms, the
 embedding, residual, score and logit scales, soft-capping, each layer's window and rope table (or
-none), the MLP activation, and a mixture-of-experts block in place of the MLP (`engine.moe`).
+none), the MLP activation, and a mixture-of-experts block in place of the MLP (`engine.model.moe`).
 Math follows transformers' modeling code of each family (RMSNorm in float32, rotate-half RoPE,
 gated MLP), which the parity tests use as the oracle.
 """
@@ -22,14 +26,17 @@ from lora_kernels.moe_experts import ExpertLora, get_moe_experts
 from lora_kernels.paged_attention import get_paged_attention
 
 from lora_cluster.engine.adapters.pool import AdapterPool
-from lora_cluster.engine.attention import layer_attention
-from lora_cluster.engine.batch import StepBatch
-from lora_cluster.engine.family import FamilySpec
-from lora_cluster.engine.kv_cache import PagedKVCache
-from lora_cluster.engine.lora_layer import LoraLayer, StepLora
-from lora_cluster.engine.model_loader import BaseModel, LayerWeights
-from lora_cluster.engine.moe import moe_block
-from lora_cluster.engine.rope import rope_tables, rotate
+from lora_cluster.engine.model.attention import layer_attention
+from lora_cluster.engine.model.base_model import BaseModel, LayerWeights
+from lora_cluster.engine.model.batch import StepBatch, build_step_batch
+from lora_cluster.engine.model.family import FamilySpec
+from lora_cluster.engine.model.lora_layer import LoraLayer, StepLora
+from lora_cluster.engine.model.moe import moe_block
+from lora_cluster.engine.model.rope import rope_tables, rotate
+from lora_cluster.engine.model.step_buffers import StepBuffers
+from lora_cluster.engine.sample.pipeline import SampledTokens, StepSampler
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator, PagedKVCache
+from lora_cluster.engine.schedule.scheduler import SchedulerOutput
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -49,8 +56,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: FamilySpec
     return (weight + spec.norm_offset) * h.to(dtype) if spec.norm_offset else weight * h.to(dtype)
 
 
-class LlamaRunner:
-    """Runs steps of one base model against the engine's KV cache and adapter pool."""
+class ModelRunner:
+    """Runs steps of one base model against the engine's KV cache and adapter pool.
+
+    `lora` (the LoRA layer over the pool, with `ops`), `kv_blocks` (the scheduler's block tables),
+    `buffers` (the step's index tensors) and `sampler` are the caller's; `decode_kernel` chooses the
+    decode rows' LoRA path (`lora_layer.use_bgmv`)."""
 
     def __init__(
         self,
@@ -60,9 +71,15 @@ class LlamaRunner:
         ops: LoraOps,
         device: torch.device,
         *,
-        fused_lora: bool = True,
+        lora: LoraLayer,
+        sampler: StepSampler,
+        kv_blocks: BlockAllocator,
+        buffers: StepBuffers,
+        decode_kernel: str = "auto",
     ):
-        self.model, self.kv, self.pool, self.ops = model, kv, pool, ops
+        self.model, self.kv, self.pool, self.ops, self.device = model, kv, pool, ops, device
+        self.lora, self.sampler, self.kv_blocks, self.buffers = lora, sampler, kv_blocks, buffers
+        self.decode_kernel = decode_kernel
         self.paged_attention = get_paged_attention("triton" if ops.name == "triton" else "torch", device)
         self.moe_experts = get_moe_experts("triton" if ops.name == "triton" else "torch", device)
         self.spec = spec = model.spec
@@ -71,15 +88,24 @@ class LlamaRunner:
         self.scale = spec.attn_scale or model.dims.head_dim**-0.5
         # the embedding scale in the weights' dtype, as transformers multiplies it
         self.embed_scale = torch.tensor(spec.embed_scale, dtype=model.embed.dtype, device=device)
-        d = model.dims
-        self._splits = {  # projection -> (fused output tensor key, column range)
-            "q_proj": ("qkv", 0, d.q_dim),
-            "k_proj": ("qkv", d.q_dim, d.q_dim + d.kv_dim),
-            "v_proj": ("qkv", d.q_dim + d.kv_dim, d.q_dim + 2 * d.kv_dim),
-            "gate_proj": ("gate_up", 0, d.intermediate),
-            "up_proj": ("gate_up", d.intermediate, 2 * d.intermediate),
-        }
-        self.lora = LoraLayer(pool, ops, self._splits, fused_lora)
+
+    def prepare(self, plan: SchedulerOutput) -> StepBatch:
+        """The batch of the scheduler's decision `plan` (decodes and prefill chunks)."""
+        return build_step_batch(
+            plan.decodes, plan.prefills, self.pool.module_ranks, self.device, rows=self.pool.rows,
+            kv_blocks=self.kv_blocks, buffers=self.buffers, groups=self.lora.groups,
+            decode_kernel=self.decode_kernel, ops_name=self.ops.name, dora_slots=self.pool.dora_slots,
+        )  # fmt: skip
+
+    def run(self, batch: StepBatch) -> SampledTokens:
+        """Run the step's forward pass and sample each of `batch.sampled`'s next token (their prompt
+        logprobs recorded on the way)."""
+        masks = self.sampler.start_masks(batch.sampled)
+        logits = self.forward(batch)
+        return self.sampler.sample(logits, batch.sampled, masks, batch.prompt_logprob_spans)
+
+    def close(self) -> None:
+        self.sampler.close()
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -144,7 +170,7 @@ class LlamaRunner:
 
     def _mlp(self, batch: StepBatch, i: int, layer: LayerWeights, x: torch.Tensor,
              expert_rows: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
-        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.moe`) with the LoRA of each token's
+        """Layer i's MLP on x [T, hidden]: the MoE block (`engine.model.moe`) with the LoRA of each token's
         adapter on its chosen experts (`expert_rows`), else the gated MLP with its LoRA deltas."""
         if layer.moe is not None and self.spec.moe is not None:
             lora = None

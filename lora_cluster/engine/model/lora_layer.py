@@ -5,7 +5,7 @@ Per step (`StepLoraPlan`, host-side, no device reads):
   adapters that target a projection hold its lowest rows), -1 for tokens whose adapter does not
   target it, which the ops treat as base tokens; so each projection's segments, and the span of rows
   a batched CPU matmul reads, cover only the adapters that target it.
-* Decode tokens come first in the batch (see `engine.batch`). When `decode_kernel` says so, they
+* Decode tokens come first in the batch (see `engine.model.batch`). When `decode_kernel` says so, they
   go through the gathered BGMV path (one launch over per-token weights instead of one matmul per
   adapter segment); the remaining rows (prefill chunks, or every row when BGMV is off) go through
   SGMV over their segments. `auto` (`use_bgmv`): BGMV with the Triton kernels, which read each

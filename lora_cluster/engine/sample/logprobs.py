@@ -6,9 +6,9 @@ A token's logprob therefore does not depend on the request's sampling parameters
 model (base plus adapter) assigns, which is what evaluation and classification need, and it equals
 PEFT's `log_softmax` of the same forward pass. The sampled token may have been drawn from a
 temperature-scaled or truncated distribution; its reported logprob is still the raw one. The same
-holds for the logit controls (`engine.logit_controls`: penalties, `logit_bias`, `min_tokens`): they
+holds for the logit controls (`engine.sample.logit_controls`: penalties, `logit_bias`, `min_tokens`): they
 change what is sampled, not the logprobs reported (vLLM's raw logprobs are taken before them too).
-A constrained row (structured output, `engine.token_mask`) is the exception: its logits are masked
+A constrained row (structured output, `engine.sample.token_mask`) is the exception: its logits are masked
 first, so its logprobs are those of the model's distribution over the tokens the grammar allows
 (the others are -inf), as in vLLM, where the grammar's bitmask is applied before the sampler.
 

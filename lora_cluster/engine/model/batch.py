@@ -3,7 +3,7 @@
 Token order: decoding sequences (one token each) first, then prefill chunks; within each part
 sequences are sorted by adapter slot (stable), each sequence's tokens kept contiguous, so that the
 tokens of one adapter form one segment for the SGMV kernels and the decode rows [0, D) can take the
-gathered BGMV path as one block (see `engine.lora_layer`).
+gathered BGMV path as one block (see `engine.model.lora_layer`).
 
 KV: every token gets its flat index in the paged cache (`block * block_size + offset`, from its
 sequence's block table in the `BlockAllocator`); decoding sequences attend together through their
@@ -14,14 +14,14 @@ their blocks. All index tensors come from one `StepBuffers.pack` (one host-to-de
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from lora_cluster.engine.kv_cache import BlockAllocator
-from lora_cluster.engine.lora_layer import StepLora, StepLoraPlan
-from lora_cluster.engine.sequence import Sequence
-from lora_cluster.engine.step_buffers import StepBuffers
+from lora_cluster.engine.model.lora_layer import StepLora, StepLoraPlan
+from lora_cluster.engine.model.step_buffers import StepBuffers
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator
+from lora_cluster.engine.schedule.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,44 @@ class StepBatch:
         return int(self.input_ids.shape[0])
 
 
+@dataclass
+class _Layout:
+    """The step's index lists, filled one sequence (decode or prefill chunk) at a time in batch order."""
+
+    block_size: int
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    kv_index: list[int] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)
+    spans: list[tuple[list[int], int, int, int]] = field(default_factory=list)  # blocks, start, end, ctx
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int, is_decode: bool, table: list[int]) -> None:
+        """Tokens [num_computed, num_computed + n) of `seq`, whose KV block table is `table`."""
+        bs, start, first = self.block_size, len(self.ids), seq.num_computed
+        self.ids.extend(seq.token_at(i) for i in range(first, first + n))
+        self.positions.extend(range(first, first + n))
+        self.kv_index.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
+        self.lora_slots.extend([seq.lora_slot] * n)
+        if is_decode:
+            self.decode_tables.append(table)
+            self.decode_lens.append(first + 1)
+        else:
+            self.spans.append((table[: -(-(first + n) // bs)], start, start + n, first))
+            lo, hi = _prompt_logprob_positions(seq, first, n)
+            if hi > lo:
+                self.prompt_rows.extend(range(start + lo - first, start + hi - first))
+                self.prompt_spans.append((seq, lo, hi - lo))
+        if first + n == seq.num_tokens:  # the chunk reaches the sequence's end: sample its next token
+            self.sample_rows.append(len(self.ids) - 1)
+            self.sampled.append(seq)
+
+
 def build_step_batch(
     decodes: Seq[Sequence],
     prefills: Seq[tuple[Sequence, int]],
@@ -81,64 +119,35 @@ def build_step_batch(
     `dora_slots`: whether each slot holds a DoRA adapter (`AdapterPool.dora_slots`)."""
     work = [(s, 1, True) for s in decodes] + [(s, n, False) for s, n in prefills]
     work.sort(key=lambda item: (not item[2], item[0].lora_slot))
-    bs = kv_blocks.block_size
-    ids: list[int] = []
-    positions: list[int] = []
-    kv_index: list[int] = []
-    lora_slots: list[int] = []
-    spans: list[tuple[list[int], int, int, int]] = []
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
-    sample_rows: list[int] = []
-    sampled: list[Sequence] = []
-    prompt_rows: list[int] = []
-    prompt_spans: list[tuple[Sequence, int, int]] = []
+    out = _Layout(kv_blocks.block_size)
     for seq, n, is_decode in work:
-        start, first = len(ids), seq.num_computed
-        ids.extend(seq.token_at(i) for i in range(first, first + n))
-        positions.extend(range(first, first + n))
-        table = kv_blocks.table(seq.kv_slot)
-        kv_index.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
-        lora_slots.extend([seq.lora_slot] * n)
-        if is_decode:
-            decode_tables.append(table)
-            decode_lens.append(first + 1)
-        else:
-            spans.append((table[: -(-(first + n) // bs)], start, start + n, first))
-            lo, hi = _prompt_logprob_positions(seq, first, n)
-            if hi > lo:
-                prompt_rows.extend(range(start + lo - first, start + hi - first))
-                prompt_spans.append((seq, lo, hi - lo))
-        if first + n == seq.num_tokens:  # the chunk reaches the sequence's end: sample its next token
-            sample_rows.append(len(ids) - 1)
-            sampled.append(seq)
+        out.add(seq, n, is_decode, kv_blocks.table(seq.kv_slot))
+    num_decodes = len(out.decode_lens)
     lora = StepLoraPlan(
-        lora_slots, len(decode_lens), module_ranks, rows, groups or {}, decode_kernel, ops_name, dora_slots
+        out.lora_slots, num_decodes, module_ranks, rows, groups or {}, decode_kernel, ops_name, dora_slots
     )
-    width = max((len(t) for t in decode_tables), default=0)
-    flat_tables = [b for t in decode_tables for b in (*t, *[0] * (width - len(t)))]
-    lists = [ids, positions, kv_index, decode_lens, flat_tables, sample_rows, *(b for b, *_ in spans)]
+    width = max((len(t) for t in out.decode_tables), default=0)
+    flat_tables = [b for t in out.decode_tables for b in (*t, *[0] * (width - len(t)))]
+    lists = [out.ids, out.positions, out.kv_index, out.decode_lens, flat_tables, out.sample_rows,
+             *(b for b, *_ in out.spans)]  # fmt: skip
     packed = (buffers or StepBuffers(device)).pack([*lists, *lora.lists()])
     input_ids, positions_t, kv_index_t, lens_t, tables_t, sample_t, *rest = packed
-    span_blocks, lora_tensors = rest[: len(spans)], rest[len(spans) :]
-
-    def _t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    span_blocks, lora_tensors = rest[: len(out.spans)], rest[len(out.spans) :]
+    logit_rows = out.sample_rows + out.prompt_rows
     return StepBatch(
         input_ids=input_ids,
         positions=positions_t,
         kv_index=kv_index_t,
         lora=lora.build(lora_tensors),
-        prefills=tuple(PrefillSpan(b, *rest) for b, (_, *rest) in zip(span_blocks, spans, strict=True)),
-        num_decodes=len(decode_lens),
-        decode_blocks=tables_t.view(len(decode_lens), width),
+        prefills=tuple(PrefillSpan(b, *rest) for b, (_, *rest) in zip(span_blocks, out.spans, strict=True)),
+        num_decodes=num_decodes,
+        decode_blocks=tables_t.view(num_decodes, width),
         decode_lens=lens_t,
-        decode_max_len=max(decode_lens, default=0),
+        decode_max_len=max(out.decode_lens, default=0),
         sample_rows=sample_t,
-        sampled=tuple(sampled),
-        logit_rows=_t(sample_rows + prompt_rows) if prompt_rows else None,
-        prompt_logprob_spans=tuple(prompt_spans),
+        sampled=tuple(out.sampled),
+        logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=device) if out.prompt_rows else None,
+        prompt_logprob_spans=tuple(out.prompt_spans),
     )
 
 

@@ -9,7 +9,7 @@ reaches `top_p`, and one token is drawn with the request's own generator, so tha
 
 Before all of that the logit controls (`min_tokens`, `logit_bias`, `repetition_penalty`,
 `presence_penalty`, `frequency_penalty`) change the logits of the rows that set them
-(`engine.logit_controls`); greedy picks the argmax of the controlled logits.
+(`engine.sample.logit_controls`); greedy picks the argmax of the controlled logits.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ in vLLM's order:
 
 Invariants: rows whose parameters are all defaults are returned bit for bit (no copy when no row
 has a control); the input tensor is never modified, so logprobs taken from it are the raw model
-distribution (vLLM's default `raw_logprobs`, see `engine.logprobs`). The work is vectorized over
+distribution (vLLM's default `raw_logprobs`, see `engine.sample.logprobs`). The work is vectorized over
 the rows that have controls: token occurrences are scattered into [rows, V] tensors, never a
 Python loop over the vocabulary; the Python work per step is O(tokens of those rows).
 """
@@ -30,7 +30,7 @@ from lora_cluster.request.sampling_params import SamplingParams
 
 
 class ControlledRow(Protocol):
-    """What the controls read of a sequence (engine.sequence.Sequence has it)."""
+    """What the controls read of a sequence (engine.schedule.sequence.Sequence has it)."""
 
     sampling: SamplingParams
     prompt_ids: list[int]

@@ -31,7 +31,7 @@ import llguidance
 import numpy as np
 import torch
 
-from lora_cluster.engine.guided_state import GuidedState
+from lora_cluster.engine.sample.guided_state import GuidedState
 from lora_cluster.errors import EngineStepError
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -87,7 +87,7 @@ def mask_rows_(
 
 
 class GuidedRow(Protocol):
-    """What the masks read of a sequence (engine.sequence.Sequence has it)."""
+    """What the masks read of a sequence (engine.schedule.sequence.Sequence has it)."""
 
     guided: GuidedState | None
 

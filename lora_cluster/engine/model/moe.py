@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from lora_kernels.moe_experts import ExpertLora, MoeExpertsFn
 
-from lora_cluster.engine.moe_spec import MoeSpec
+from lora_cluster.engine.model.moe_spec import MoeSpec
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 

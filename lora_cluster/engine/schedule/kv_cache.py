@@ -8,8 +8,8 @@ Two parts:
   of a slot's blocks go back at once (`free`) when the sequence finishes or is preempted.
   Invariants: free + idle + held = num_blocks; `grow` either covers the requested tokens or changes
   nothing; a sequence writes only positions >= its computed tokens, so only into blocks it holds alone.
-* Prefix caching (with a `PrefixCacheIndex`, `engine.prefix_cache`): a full block whose tokens are all
-  computed gets the key of `replica_policy.prefix_hash` (`commit`); a newly admitted sequence takes the
+* Prefix caching (with a `PrefixCacheIndex`, `engine.schedule.prefix_cache`): a full block whose tokens are
+  all computed gets the key of `replica_policy.prefix_hash` (`commit`); a newly admitted sequence takes the
   longest chain of cached blocks of its tokens (`reuse`), one reference each, and computes only the
   rest. Only full blocks are shared, and `reuse` always leaves at least one token to compute (its
   logits give the next token), which lies past the shared blocks: a shared block is never written,
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from lora_cluster.engine.prefix_cache import PrefixCacheIndex
+from lora_cluster.engine.schedule.prefix_cache import PrefixCacheIndex
 from lora_cluster.replica_policy.prefix_hash import TokenAt, extend_keys
 
 

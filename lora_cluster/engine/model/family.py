@@ -1,10 +1,10 @@
 """What differs between the decoder families the engine serves, read from a model's config.
 
-The engine has one forward pass (`engine.llama.LlamaRunner`); a `FamilySpec` says how to run it for
+The engine has one forward pass (`engine.model.runner.ModelRunner`); a `FamilySpec` says how to run it for
 one checkpoint: which norms a layer has and where, whether queries/keys are normalised, the scale of
 the embeddings, residuals, attention scores and logits, soft-capping, each layer's sliding window
 and rope table (or none), the MLP's activation, whether the checkpoint stores q/k/v and gate/up
-fused, and whether the MLP is a mixture of experts (`engine.moe_spec.MoeSpec`: Qwen3-MoE,
+fused, and whether the MLP is a mixture of experts (`engine.model.moe_spec.MoeSpec`: Qwen3-MoE,
 Mixtral). Adding a family is one reader in `_READERS` plus its tests. A multimodal checkpoint
 listed in `TEXT_ONLY` (Gemma 3 from 4B up) is served as its text decoder: its spec is that
 decoder's.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lora_cluster.engine.moe_spec import MoeSpec, read_moe
+from lora_cluster.engine.model.moe_spec import MoeSpec, read_moe
 from lora_cluster.errors import ConfigError, UnsupportedModelError
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")

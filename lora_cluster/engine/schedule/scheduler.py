@@ -66,8 +66,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lora_cluster.engine.kv_cache import BlockAllocator
-from lora_cluster.engine.sequence import SeqStatus, Sequence
+from lora_cluster.engine.schedule.kv_cache import BlockAllocator
+from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence
 from lora_cluster.errors import EngineOverloadedError, RequestError
 from lora_cluster.replica_policy.prefill_plan import ChunkShare, drop_less_urgent, prefills_in_order, urgency
 
@@ -87,6 +87,23 @@ ReleaseFn = Callable[[Sequence], None]
 # prefix_root(seq) -> chain root of the weights a sequence just admitted runs with
 # (replica_policy.prefix_hash)
 PrefixRootFn = Callable[[Sequence], bytes]
+
+
+def grammar_first(acquire: AcquireFn) -> AcquireFn:
+    """The admission gate of a sequence that may be constrained: one whose grammar is still compiling
+    waits (PENDING, holding nothing), one whose compile failed fails with the compile's RequestError
+    (FAILED), and then `acquire` (its adapter's gate) answers."""
+
+    def gate(seq: Sequence, may_claim_slot: bool) -> Gate:
+        guided = seq.guided
+        if guided is not None and not guided.ready():
+            if guided.error is None:
+                return Gate.PENDING
+            seq.error = guided.error
+            return Gate.FAILED
+        return acquire(seq, may_claim_slot)
+
+    return gate
 
 
 def check_priority(priority: object) -> int:

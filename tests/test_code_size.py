@@ -1,0 +1,44 @@
+"""The engine's modules and functions stay small (the project's guide): inside `lora_cluster/engine/`,
+no module over 450 lines and no function over 60 (measured on the AST: `end_lineno - lineno + 1`,
+decorators not counted, a nested function counted on its own and within its parent)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(folder: Path) -> list[str]:
+    """'path: N lines' for each module over the limit, 'path:line name: N lines' for each function."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(folder.parent.parent).as_posix()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    found.append(f"{where}:{node.lineno} {node.name}: {size} lines")
+    return found
+
+
+def test_no_engine_module_or_function_is_over_the_limits() -> None:
+    found = oversized(ROOT / "lora_cluster" / "engine")
+    assert not found, (f"engine modules over {MAX_MODULE_LINES} lines or functions over {MAX_FUNCTION_LINES} "
+                       "(split them by concept):\n" + "\n".join(found))
+
+
+def test_an_oversized_function_or_module_is_caught(tmp_path: Path) -> None:
+    engine = tmp_path / "lora_cluster" / "engine"
+    engine.mkdir(parents=True)
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (engine / "long.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}")
+    (engine / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(engine) == ["lora_cluster/engine/big.py: 451 lines",
+                                 "lora_cluster/engine/long.py:5 long: 61 lines"], oversized(engine)
