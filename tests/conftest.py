@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shared_apps
 from helpers import free_tcp_port
 from ray_app import run_app, stop_kept_ray
 from remote_sources import S3, TcpProxy
@@ -79,21 +80,34 @@ def free_port() -> Callable[[], int]:
 # ----- Ray Serve: one app per use, on a Ray kept between apps, the environment restored after -----
 
 
+SHARED_APP_FIXTURES = ("demo_app", "bases_app", "tenants_app")  # below: applications of several modules
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules that start Ray Serve applications run last, those marked `own_ray` (not on the
-    local Ray: `ray_app(..., env=...)` or `nodes=`) first among them; otherwise in the collected order.
-    So the local Ray kept between applications (`ray_app.run_app`) starts once and no other test runs
-    beside it."""
+    local Ray: `ray_app(..., env=...)` or `nodes=`) first among them, and the modules of one shared
+    application (`SHARED_APP_FIXTURES`) one after the other; otherwise in the collected order. So the
+    local Ray kept between applications (`ray_app.run_app`) starts once, each shared application is
+    deployed once, and no other test runs beside them."""
     def module_of(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 
     rank: dict[str, int] = {}  # module -> 0: no application, 1: own_ray, 2: on the local Ray
+    shared: dict[str, str] = {}  # module -> the shared application it uses
     for item in items:
-        if "ray_app" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "ray_app" in names:
             own = item.get_closest_marker("own_ray") is not None
             rank[module_of(item)] = max(rank.get(module_of(item), 0), 1 if own else 2)
+        for name in SHARED_APP_FIXTURES:
+            if name in names:
+                shared.setdefault(module_of(item), name)
     position = {id(item): k for k, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(module_of(item), 0), position[id(item)]))
+    first: dict[str, int] = {}  # a shared application, or a module using none -> its first item's position
+    for item in items:
+        first.setdefault(shared.get(module_of(item), module_of(item)), position[id(item)])
+    items.sort(key=lambda item: (rank.get(module_of(item), 0),
+                                 first[shared.get(module_of(item), module_of(item))], position[id(item)]))
 
 
 @pytest.fixture(scope="session")
@@ -127,6 +141,44 @@ def demo_model_dir(demo_zoo: DemoZoo) -> Path:
 def demo_adapters_dir(demo_zoo: DemoZoo) -> Path:
     """Folder holding the demo adapters, one sub-folder per adapter id."""
     return demo_zoo.adapters_dir
+
+
+# ----- the applications several end-to-end modules share (tests/shared_apps.py): one deploy each -----
+
+
+@pytest.fixture(scope="module")
+def demo_app(ray_app, demo_zoo: DemoZoo) -> Iterator[str]:
+    """The URL of the demo app (`shared_apps.demo_config`, app name `lora`)."""
+    with ray_app(shared_apps.demo_config(demo_zoo)) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def bases_zoos(tmp_path_factory: pytest.TempPathFactory) -> shared_apps.Bases:
+    """The several-bases app's checkpoints besides the demo zoo (`shared_apps.build_bases`), built once."""
+    return shared_apps.build_bases(tmp_path_factory.mktemp("bases"))
+
+
+@pytest.fixture(scope="module")
+def bases_app(ray_app, demo_zoo: DemoZoo, bases_zoos: shared_apps.Bases) -> Iterator[str]:
+    """The URL of the several-bases app (`shared_apps.bases_config`, app name `bases`)."""
+    with ray_app(shared_apps.bases_config(demo_zoo, bases_zoos), name="bases") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def shared_tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    path.write_text(shared_apps.tenants_yaml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def tenants_app(ray_app, demo_zoo: DemoZoo, shared_tenants_file: Path) -> Iterator[str]:
+    """The URL of the app of several ingresses and a tenants file (`shared_apps.tenants_config`,
+    app name `tenants`)."""
+    with ray_app(shared_apps.tenants_config(demo_zoo, shared_tenants_file), name="tenants") as url:
+        yield url
 
 
 # ----- engines and their PEFT reference -----

@@ -6,13 +6,19 @@ Applications run one after the other on one Ray with Serve started once, kept be
 application 3 s. The Ray is kept while the next application asks for the same kind (local, or a
 multi-node cluster of as many nodes); an application with an environment of its own for the workers
 (`env`: Ray fixes a job's environment when it starts) gets a Ray of its own, stopped after it.
+The application itself stays deployed after its block until another one is asked for: a block that
+asks for the same application again (the same name, nodes and configuration) gets the running one,
+not a new deploy, so modules that share a configuration (tests/shared_apps.py) share one app.
 conftest runs the modules that start applications last, those not on the local Ray (marked
-`own_ray`) first among them, so that the local Ray starts once and idles through no other test.
+`own_ray`) first among them and the modules of one shared application one after the other, so that
+the local Ray starts once, each shared application is deployed once, and neither idles through
+another test.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,11 @@ def _log_files(session_dir: Path) -> set[Path]:
     return set((session_dir / "logs" / "serve").glob("replica_*.log"))
 
 
+def app_key(config: dict[str, Any], name: str, nodes: int) -> str:
+    """What makes two `run_app` calls the same application: its name, nodes and configuration."""
+    return json.dumps({"name": name, "nodes": nodes, "config": config}, sort_keys=True, default=str)
+
+
 class _Ray:
     """Ray started on 127.0.0.1 with token auth off (`RAY_AUTH_MODE=disabled`, which Ray would
     otherwise require) and Serve on a free port: a local Ray of 4 CPUs (`nodes` 0) or a multi-node
@@ -47,6 +58,7 @@ class _Ray:
         from ray import serve
 
         self.nodes = nodes
+        self.app: tuple[str, str, set[Path]] | None = None  # the deployed app: key, name, older log files
         self._patch = pytest.MonkeyPatch()
         for key, value in {"RAY_AUTH_MODE": "disabled", **(env or {})}.items():
             self._patch.setenv(key, value)
@@ -72,6 +84,22 @@ class _Ray:
         except BaseException:
             self.stop()
             raise
+
+    def deploy(self, config: dict[str, Any], name: str, key: str) -> None:
+        """`build_app(config)` running as `name` at "/": the app deployed now unless it is `key`'s
+        (then it is kept as it is); another app deployed before is deleted first."""
+        from ray import serve
+
+        from lora_cluster.serve.app import build_app
+
+        if self.app is not None and self.app[0] == key:
+            return
+        if self.app is not None:
+            serve.delete(self.app[1])
+            self.app = None
+        old = _log_files(self.dir)
+        serve.run(build_app(config), name=name, route_prefix="/")
+        self.app = (key, name, old)
 
     def stop(self) -> None:
         """Serve, Ray, the cluster and the environment given back."""
@@ -100,22 +128,19 @@ def stop_kept_ray() -> None:
 @contextlib.contextmanager
 def run_app(config: dict[str, Any], *, name: str = "lora", env: dict[str, str] | None = None,
             nodes: int = 0) -> Iterator[str]:
-    """`build_app(config)` deployed as `name` at "/" on Ray Serve (see `_Ray` for `nodes` and `env`);
-    yields the app's URL. The app is deleted afterwards, and its Ray kept for the next application
-    of the same `nodes` without `env`; with `env`, its own Ray is stopped with it."""
-    from ray import serve
-
-    from lora_cluster.serve.app import build_app
-
+    """`build_app(config)` running as `name` at "/" on Ray Serve (see `_Ray` for `nodes` and `env`);
+    yields the app's URL. Without `env`, the app stays deployed afterwards on its Ray, kept for the
+    next block: one asking for the same app (`app_key`) gets it as it is, without a new deploy;
+    another one of the same `nodes` without `env` gets the Ray, the app deleted first. With `env`, its
+    own Ray is stopped with it."""
     if _kept and (env or _kept[0].nodes != nodes):
         stop_kept_ray()
     current: _Ray | None = _kept.pop() if _kept else _Ray(nodes, env)
-    _session.update(dir=current.dir, old=_log_files(current.dir))
     try:
-        serve.run(build_app(config), name=name, route_prefix="/")
+        current.deploy(config, name, app_key(config, name, nodes))
+        _session.update(dir=current.dir, old=current.app[2])
         yield current.url
-        if not env:  # kept for the next application (a Serve that cannot delete one is not)
-            serve.delete(name)
+        if not env:  # kept for the next application (a Serve that cannot deploy one is not)
             _kept.append(current)
             current = None
     finally:

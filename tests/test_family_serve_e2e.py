@@ -1,10 +1,11 @@
 """Families end to end: `serve run`'s app on a tiny checkpoint of a family serves its PEFT adapters
 through the OpenAI API with transformers + PEFT's greedy tokens.
 
-One Ray app per family (the base model is the app's), shared by that family's checks: Phi-3 (fused
-checkpoint projections, adapters on the fused names, sliding window, partial rotary) and Gemma 2
-(sandwich norms, soft-capping, alternating sliding windows), Mixtral (a mixture of experts with
-attention adapters). Every family's engine parity is
+One Ray app for every family, a replica group per family with its base model (conftest's `bases_app`,
+shared with test_multi_base_e2e.py and test_tool_calls_e2e.py: `shared_apps.bases_config`; each family's
+adapters are served as `<arch>-a<i>`): Phi-3 (fused checkpoint projections, adapters on the fused names,
+sliding window, partial rotary) and Gemma 2 (sandwich norms, soft-capping, alternating sliding windows),
+Mixtral (a mixture of experts with attention adapters). Every family's engine parity is
 tests/test_family_parity.py; this is the serving path around it.
 """
 
@@ -13,8 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-
-from lora_cluster.demo_families import build_family_zoo
+from shared_apps import FAMILIES
 
 pytestmark = pytest.mark.e2e
 
@@ -22,14 +22,16 @@ PROMPT = "the quick brown fox jumps over the lazy dog near the river and the tow
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=["phi3", "gemma2", "mixtral"])
-def family(request, ray_app, tmp_path_factory):
+@pytest.fixture(scope="module")
+def http(bases_app):
+    with httpx.Client(base_url=bases_app, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, bases_zoos, http):
     arch = request.param
-    zoo = build_family_zoo(tmp_path_factory.mktemp("serve-families") / arch, arch, num_adapters=3)
-    config = {"model": str(zoo.model_dir), "adapter_source": [str(zoo.adapters_dir)], "num_replicas": 1,
-              "num_cpus": 1, "max_loras": 2, "max_lora_rank": 64, "max_num_seqs": 4}
-    with ray_app(config) as url, httpx.Client(base_url=url, timeout=120) as http:
-        yield arch, zoo, http
+    return arch, bases_zoos.families[arch], http
 
 
 def _peft_greedy(zoo, adapter_id: str | None, ids: list[int]) -> list[int]:
@@ -47,16 +49,18 @@ def _peft_greedy(zoo, adapter_id: str | None, ids: list[int]) -> list[int]:
 
 def test_models_lists_the_family_base_and_its_adapters(family):
     arch, zoo, http = family
-    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
-    assert ids[0] == str(zoo.model_dir), f"{arch}: /v1/models lists the base model first"
-    assert set(zoo.adapter_ids) <= set(ids), f"{arch}: /v1/models lists the family's adapters"
+    parents = {m["id"]: m["parent"] for m in http.get("/v1/models").json()["data"]}
+    assert parents.get(str(zoo.model_dir), "missing") is None, f"{arch}: /v1/models lists the base model"
+    assert all(parents.get(a) == str(zoo.model_dir) for a in zoo.adapter_ids), (
+        f"{arch}: /v1/models lists the family's adapters, under the family's base")
 
 
-@pytest.mark.parametrize("adapter_id", [None, "a1", "a2"])
-def test_completions_are_peft_greedy_tokens(family, adapter_id):
+@pytest.mark.parametrize("adapter", [None, "a1", "a2"])
+def test_completions_are_peft_greedy_tokens(family, adapter):
     from transformers import AutoTokenizer
 
     arch, zoo, http = family
+    adapter_id = None if adapter is None else f"{arch}-{adapter}"
     body = {"model": adapter_id or str(zoo.model_dir), "prompt": PROMPT, "max_tokens": NEW_TOKENS,
             "temperature": 0, "ignore_eos": True}
     r = http.post("/v1/completions", json=body)

@@ -1,6 +1,6 @@
 """Four ingress replicas for real (Ray Serve, the tiny demo zoo, one LoRA replica of two batch slots,
-the cluster controller on, a tenants file): every response says which ingress answered
-(`x-lora-ingress`), and
+the cluster controller on, a tenants file: conftest's `tenants_app`, shared with test_quotas_e2e.py:
+`shared_apps.tenants_config`): every response says which ingress answered (`x-lora-ingress`), and
 
 * requests spread over the four ingresses;
 * a tenant's requests_per_minute holds for the cluster, not per ingress;
@@ -20,35 +20,17 @@ from collections import Counter
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from lora_cluster.tenancy.tenants import hash_key
+from shared_apps import ADMIN, FIN, INGRESSES, RPM
 
 pytestmark = pytest.mark.e2e
 
-INGRESSES = 4
-RPM = 8
-ADMIN, FIN = "sk-admin-0123456789", "sk-fin-0123456789"
 BOUND_S = 120.0  # every wait in this module is bounded
 BODY = {"model": "a1", "prompt": "the river", "max_tokens": 1, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_app, demo_zoo, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
-    path.write_text(f"""
-admin_api_keys: ["{hash_key(ADMIN)}"]
-tenants:
-  - name: finance
-    api_keys: ["{hash_key(FIN)}"]
-    adapters: ["a*"]
-    requests_per_minute: {RPM}
-""")
-    config = {"model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
-              "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
-              "max_num_batched_tokens": 64, "ingress_num_replicas": INGRESSES, "admission_window_max": 0,
-              "routing_stats_period_s": 0.2, "controller_report_period_s": 0.2, "tenants_file": str(path)}
-    with ray_app(config, name="ingresses") as url:
-        yield url
+def base_url(tenants_app):
+    return tenants_app
 
 
 def _post(url: str, path: str, body: dict, key: str = ADMIN) -> httpx.Response:
@@ -83,7 +65,7 @@ def _from_every_ingress(call, most: int = 200) -> dict[str, list[httpx.Response]
 def test_four_ingress_replicas_run_and_requests_spread_over_them(base_url):
     from ray import serve
 
-    status = serve.status().applications["ingresses"].deployments["LoraIngress"]
+    status = serve.status().applications["tenants"].deployments["LoraIngress"]
     running = sum(n for state, n in status.replica_states.items() if str(state).endswith("RUNNING"))
     assert running == INGRESSES, f"{INGRESSES} ingress replicas serve the app: {status.replica_states}"
     answers = [_post(base_url, "/v1/completions", BODY) for _ in range(40)]

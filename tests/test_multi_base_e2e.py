@@ -1,11 +1,13 @@
-"""Two base models in one cluster, end to end: one `serve run`-equivalent Ray app with two replica
-groups, `llama` on the tiny demo Llama (its adapters a0..a15) and `qwen` on a tiny Qwen3 checkpoint
-(its adapters q0, q1 from its own adapter source), each group naming its own `model`. The two bases
+"""Several base models in one cluster, end to end: one `serve run`-equivalent Ray app with a replica
+group per base (conftest's `bases_app`, shared with test_family_serve_e2e.py and
+test_tool_calls_e2e.py: `shared_apps.bases_config`), `llama` on the tiny demo Llama (its adapters
+a0..a15) and `qwen` on a tiny Qwen3 checkpoint (its adapters q0, q1 from its own adapter source), then
+the Phi-3, Gemma 2 and Mixtral groups, each group naming its own `model`. The Llama and Qwen3 bases
 tokenize differently: the Qwen3 checkpoint's tokenizer gives every piece another id and has another
 chat template (`other_tokenizer`), so the ingress must encode and template each request with its own
 base's tokenizer for the texts below to match.
 
-What must hold: /v1/models lists both bases, each followed by its adapters with `parent` set to it; a
+What must hold: /v1/models lists every base, each followed by its adapters with `parent` set to it; a
 request's `model` (a base name or an adapter id) runs on that base, with transformers + PEFT's greedy
 text for that base, for completions and chats (each rendered with its base's chat template); an
 adapter of the Qwen3 base registered where the Llama base serves it is refused (a 400 naming the
@@ -15,58 +17,27 @@ Llama base keeps serving; `/v1/cluster` names each replica's base.
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import httpx
 import pytest
 import torch
-from other_tokenizer import write_other_tokenizer
-
-from lora_cluster.demo_families import build_family_zoo
+from shared_apps import FAMILIES, LLAMA, QWEN, QWEN_ADAPTERS
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = "the quick brown fox jumps over the lazy dog near the river and the town"
 NEW_TOKENS = 8
-LLAMA, QWEN = "llama-tiny", "qwen3-tiny"
-QWEN_ADAPTERS = ["q0", "q1"]
 
 
 @pytest.fixture(scope="module")
-def qwen_zoo(tmp_path_factory):
+def qwen_zoo(bases_zoos):
     """The tiny Qwen3 checkpoint in a folder named `qwen3-tiny`, with a tokenizer of its own, and its PEFT
-    adapters as q0, q1 declaring `org/qwen3-tiny` as their base (a hub id and a local copy of it match
-    by their last component)."""
-    root = tmp_path_factory.mktemp("multi-base")
-    zoo = build_family_zoo(root / "zoo", "qwen3", num_adapters=2)
-    model_dir = root / QWEN
-    shutil.copytree(zoo.model_dir, model_dir)
-    write_other_tokenizer(model_dir)
-    adapters = root / "qwen-adapters"
-    for index, name in enumerate(QWEN_ADAPTERS):
-        shutil.copytree(zoo.adapters_dir / f"a{index}", adapters / name)
-        config_file = adapters / name / "adapter_config.json"
-        config = json.loads(config_file.read_text())
-        config["base_model_name_or_path"] = f"org/{QWEN}"
-        config_file.write_text(json.dumps(config))
-    return model_dir, adapters
+    adapters as q0, q1 declaring `org/qwen3-tiny` as their base (`shared_apps.build_bases`)."""
+    return bases_zoos.qwen_model, bases_zoos.qwen_adapters
 
 
 @pytest.fixture(scope="module")
-def http(ray_app, demo_zoo, qwen_zoo):
-    qwen_model, qwen_adapters = qwen_zoo
-    config = {
-        "model": str(demo_zoo.model_dir), "served_model_name": LLAMA,
-        "adapter_source": [str(demo_zoo.adapters_dir)], "num_cpus": 1, "max_loras": 2, "max_lora_rank": 64,
-        "max_num_seqs": 4, "routing_stats_period_s": 0.5, "controller_report_period_s": 0.25,
-        "replica_groups": [
-            {"name": "llama"},
-            {"name": "qwen", "model": str(qwen_model), "served_model_name": QWEN,
-             "engine": {"adapter_source": [str(qwen_adapters)]}},
-        ],
-    }
-    with ray_app(config, name="bases") as url, httpx.Client(base_url=url, timeout=120) as client:
+def http(bases_app):
+    with httpx.Client(base_url=bases_app, timeout=120) as client:
         yield client
 
 
@@ -85,11 +56,12 @@ def _peft_text(model_dir, adapter_dir, tokenizer, ids: list[int] | None = None) 
     return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
-def test_models_lists_both_bases_each_with_its_adapters(http, demo_zoo):
+def test_models_lists_every_base_each_with_its_adapters(http, demo_zoo, bases_zoos):
     data = http.get("/v1/models").json()["data"]
     parents = {m["id"]: m["parent"] for m in data}
     bases = [m["id"] for m in data if m["parent"] is None]
-    assert bases == [LLAMA, QWEN], "/v1/models lists both bases, in group order"
+    families = [str(bases_zoos.families[arch].model_dir) for arch in FAMILIES]
+    assert bases == [LLAMA, QWEN, *families], "/v1/models lists every base, in group order"
     assert all(parents.get(a) == QWEN for a in QWEN_ADAPTERS), "the Qwen3 adapters' parent is the Qwen3 base"
     assert all(parents.get(a) == LLAMA for a in demo_zoo.adapter_ids), "the demo adapters' parent is Llama"
 
@@ -152,8 +124,9 @@ def test_an_adapter_of_the_other_base_is_refused_where_it_is_registered(http, qw
     assert ok.status_code == 200, "the Llama base keeps serving after the refusal"
 
 
-def test_the_cluster_view_names_each_replicas_base(http):
+def test_the_cluster_view_names_each_replicas_base(http, bases_zoos):
     view = http.get("/v1/cluster").json()
     bases = {name: {r["base"] for node in group["nodes"].values() for r in node["replicas"].values()}
              for name, group in view["groups"].items()}
-    assert bases == {"llama": {LLAMA}, "qwen": {QWEN}}, "each group's replicas report their base"
+    families = {arch: {str(zoo.model_dir)} for arch, zoo in bases_zoos.families.items()}
+    assert bases == {"llama": {LLAMA}, "qwen": {QWEN}, **families}, "each group's replicas report their base"

@@ -1,5 +1,5 @@
 """Tenant quotas: the token buckets and concurrency count (pure, injected clock) and the 429s of the HTTP
-app in process (two ingress replicas sharing one ledger on a real Ray Serve app: test_quotas_e2e.py)."""
+app in process (several ingress replicas sharing one ledger on a real Ray Serve app: test_quotas_e2e.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Tenant quotas on one real Ray Serve app with two ingress replicas sharing one quota ledger: a tenant at
-3x its requests_per_minute is held to it across both replicas (every 429 with Retry-After) while another
-tenant is served."""
+"""Tenant quotas on one real Ray Serve app with four ingress replicas sharing one quota ledger (conftest's
+`tenants_app`, shared with test_ingress_replicas_e2e.py: `shared_apps.tenants_config`, this module's
+tenants `quota-fin` and `quota-hr` its own): a tenant at 3x its requests_per_minute is held to it across
+the replicas (every 429 with Retry-After) while another tenant is served."""
 
 from __future__ import annotations
 
@@ -10,67 +11,48 @@ import time
 
 import httpx
 import pytest
-from test_quotas import FIN_KEY, HR_KEY
+from shared_apps import INGRESSES, QUOTA_ADMIN, QUOTA_FIN, QUOTA_HR, RPM
 
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
-from lora_cluster.tenancy.tenants import hash_key
-
-RPM = 8
 
 
 @pytest.fixture(scope="module")
-def two_ingresses(ray_app, demo_zoo, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
-    path.write_text(f"""
-admin_api_keys: ["{hash_key('sk-admin')}"]
-tenants:
-  - name: finance
-    api_keys: ["{hash_key(FIN_KEY)}"]
-    adapters: ["a*"]
-    requests_per_minute: {RPM}
-  - name: hr
-    api_keys: ["{hash_key(HR_KEY)}"]
-    adapters: ["a*"]
-""")
-    config = {"model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
-              "num_replicas": 1, "num_cpus": 1, "max_loras": 2, "max_lora_rank": 32, "max_num_seqs": 8,
-              "max_num_batched_tokens": 128, "ingress_num_replicas": 2, "controller": False,
-              "tenants_file": str(path)}
-    with ray_app(config, name="quota") as url:
-        yield url
+def ingresses(tenants_app):
+    return tenants_app
 
 
 @pytest.mark.e2e
-def test_two_ingress_replicas_share_one_quota(two_ingresses, tmp_path):
+def test_the_ingress_replicas_share_one_quota(ingresses, tmp_path):
     from ray import serve
 
     body = {"model": "a1", "prompt": "the river", "max_tokens": 1, "temperature": 0}
 
     def post(key: str) -> httpx.Response:
-        with httpx.Client(base_url=two_ingresses, timeout=60) as client:
+        with httpx.Client(base_url=ingresses, timeout=60) as client:
             return client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
 
     def timed(key: str) -> tuple[httpx.Response, float]:
         start = time.perf_counter()
         return post(key), time.perf_counter() - start
 
-    post(HR_KEY)  # warm: the adapter is loaded, the ingresses have their leases
-    idle = [timed(HR_KEY)[1] for _ in range(6)]  # the other tenant's latency before the burst
+    post(QUOTA_HR)  # warm: the adapter is loaded, the ingresses have their leases
+    idle = [timed(QUOTA_HR)[1] for _ in range(6)]  # the other tenant's latency before the burst
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        burst = [pool.submit(post, FIN_KEY) for _ in range(3 * RPM)]
-        during = [timed(HR_KEY) for _ in range(6)]  # ... and while finance runs at 3x its quota
+        burst = [pool.submit(post, QUOTA_FIN) for _ in range(3 * RPM)]
+        during = [timed(QUOTA_HR) for _ in range(6)]  # ... and while finance runs at 3x its quota
         fin = [f.result() for f in burst]
     hr = [r for r, _ in during]
-    status = serve.status().applications["quota"].deployments["LoraIngress"]
+    status = serve.status().applications["tenants"].deployments["LoraIngress"]
     running = sum(n for state, n in status.replica_states.items() if str(state).endswith("RUNNING"))
-    assert running == 2, f"two ingress replicas serve the app: {status.replica_states}"
+    assert running == INGRESSES, f"{INGRESSES} ingress replicas serve the app: {status.replica_states}"
     ok = [r for r in fin if r.status_code == 200]
     refused = [r for r in fin if r.status_code == 429]
     assert len(ok) + len(refused) == len(fin), f"every request is served or refused: {[r.text for r in fin]}"
     assert len(ok) <= RPM + 1, (
-        f"{len(ok)} of {len(fin)} requests passed: the {RPM}/min quota is shared by both ingress replicas "
-        "(separate quotas would let up to twice as many through), plus at most one refill")
+        f"{len(ok)} of {len(fin)} requests passed: the {RPM}/min quota is shared by the {INGRESSES} ingress "
+        f"replicas (separate quotas would let up to {INGRESSES} times as many through), plus at most one "
+        "refill")
     assert refused and all("retry-after" in r.headers for r in refused), "every 429 carries Retry-After"
     assert all("requests_per_minute" in r.json()["error"]["message"] for r in refused), "each names the limit"
     assert [r.status_code for r in hr] == [200] * 6, "the other tenant is served meanwhile"
@@ -80,9 +62,9 @@ def test_two_ingress_replicas_share_one_quota(two_ingresses, tmp_path):
         f"the other tenant's requests (1 token) stay within the {target.name} class's {target.ttft_s:g} s "
         f"target while finance is throttled: slowest {slowest * 1e3:.0f} ms, p50 {p50 * 1e3:.0f} ms "
         f"(idle p50 {statistics.median(idle) * 1e3:.0f} ms)")
-    with httpx.Client(base_url=two_ingresses, timeout=60) as client:
+    with httpx.Client(base_url=ingresses, timeout=60) as client:
         missing = tmp_path / "no-such-adapter"
-        load = client.post("/v1/load_lora_adapter", headers={"x-api-key": "sk-admin"},
+        load = client.post("/v1/load_lora_adapter", headers={"x-api-key": QUOTA_ADMIN},
                            json={"lora_name": "a-new", "lora_path": str(missing)})
         anonymous = client.post("/v1/completions", json=body)
     assert load.status_code == 404, f"loading a missing path is a 404: {load.text}"

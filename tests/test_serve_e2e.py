@@ -1,6 +1,7 @@
-"""End to end through Ray Serve: one app (ingress + 2 LoRA replicas on CPU) shared by every test here.
+"""End to end through Ray Serve: one app (ingress + 2 LoRA replicas on CPU) shared by every test here, and
+by test_structured_output_e2e.py (conftest's `demo_app`: `shared_apps.demo_config`, deployed once).
 
-Ray is started by the module fixture (conftest's `ray_app`) on 127.0.0.1 with token auth off.
+Ray is started by conftest's `ray_app` on 127.0.0.1 with token auth off.
 Clients: the real `openai` SDK, `lorax-client`, httpx.
 """
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from helpers import adapter_hits, adapter_order, poll
 from ray_app import serve_log
+from shared_apps import MAX_PROMPT_TOKENS, demo_config
 
 from lora_cluster.engine import SamplingParams
 
@@ -24,24 +26,16 @@ pytestmark = pytest.mark.e2e
 
 ADAPTERS = [f"a{i}" for i in range(8)]
 PROMPT = "the quick brown fox"
-MAX_PROMPT_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def app_config(demo_zoo, tmp_path_factory):
-    return {
-        "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
-        "num_replicas": 2, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 8,
-        "max_num_batched_tokens": 256, "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_new_tokens": 400,
-        "max_ongoing_requests": 8, "max_queued_requests": 4, "routing_stats_period_s": 0.5,
-        "cluster_queue_size": 4,
-    }
+def app_config(demo_zoo):
+    return demo_config(demo_zoo)
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_app, app_config):
-    with ray_app(app_config) as url:
-        yield url
+def base_url(demo_app):
+    return demo_app
 
 
 @pytest.fixture(scope="module")

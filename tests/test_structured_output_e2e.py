@@ -1,9 +1,10 @@
-"""Structured output and best_of end to end through Ray Serve: one app (ingress + 1 LoRA replica on CPU,
-the demo zoo) shared by every test here; clients: the real `openai` SDK, `lorax-client`, httpx.
+"""Structured output and best_of end to end through Ray Serve: one app (ingress + 2 LoRA replicas on CPU,
+the demo zoo) shared by every test here and test_serve_e2e.py (conftest's `demo_app`:
+`shared_apps.demo_config`, n and best_of at most 4); clients: the real `openai` SDK, `lorax-client`, httpx.
 
 The demo model is random: its text is gibberish and its JSON is whatever the grammar lets it write, so the
 tests check structure (the output parses and validates against the schema), never content. Several
-adapters are asked at once (threads), so their constrained rows share the replica's batches.
+adapters are asked at once (threads), so their constrained rows share the replicas' batches.
 """
 
 from __future__ import annotations
@@ -40,18 +41,8 @@ SCHEMA = {**Verdict.model_json_schema(), "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
-def app_config(demo_zoo):
-    return {
-        "model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
-        "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 8,
-        "max_num_batched_tokens": 256, "max_prompt_tokens": 64, "max_new_tokens": 400, "max_n": 4,
-    }
-
-
-@pytest.fixture(scope="module")
-def base_url(ray_app, app_config):
-    with ray_app(app_config) as url:
-        yield url
+def base_url(demo_app):
+    return demo_app
 
 
 @pytest.fixture(scope="module")

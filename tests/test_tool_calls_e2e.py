@@ -1,5 +1,6 @@
-"""Tool calls end to end through Ray Serve (one app: ingress + one LoRA replica on CPU, the tiny demo
-zoo and its tool-capable chat template) with the real `openai` client, streamed and not.
+"""Tool calls end to end through Ray Serve (the several-bases app, conftest's `bases_app`: its `llama`
+group is one LoRA replica on CPU of the tiny demo zoo and its tool-capable chat template) with the real
+`openai` client, streamed and not.
 
 The demo model's weights are random, so what it says is gibberish; `tool_choice: required` and a named
 function are enforced by the engine's grammar, so their calls must still be well formed: every call
@@ -32,19 +33,12 @@ MAX_TOKENS = 140  # the tiny model has 512 positions; the prompt with both tools
 
 
 @pytest.fixture(scope="module")
-def app_config(demo_zoo):
-    """One replica whose batch holds a whole `_batch` (16 requests, 4 adapters) at once."""
-    return {"model": str(demo_zoo.model_dir), "adapter_source": [str(demo_zoo.adapters_dir)],
-            "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 16,
-            "max_num_batched_tokens": 512}
-
-
-@pytest.fixture(scope="module")
-def client(ray_app, app_config):
+def client(bases_app):
+    """The demo adapters' group is one replica whose batch holds a whole `_batch` (16 requests, 4
+    adapters) at once (`shared_apps.bases_config`)."""
     from openai import OpenAI
 
-    with ray_app(app_config) as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+    return OpenAI(base_url=f"{bases_app}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
 def _ask(client: Any, adapter: str, stream: bool, seed: int | None, **tools: Any) -> dict[str, Any]:
