@@ -2,7 +2,7 @@
 
 The README's layout table says what each folder is for; docs/layout.md lists every module in it, each
 with the first sentence of its docstring, so that the list cannot drift from the code. `--check`
-exits 1 when the file differs from what would be written (tests/test_layout.py runs it), when a
+exits 1 when the file differs from what would be written (tests/project/test_layout.py runs it), when a
 module has no docstring, or when a package docstring or the README's layout table names a module
 path that does not exist (`stale_references`: a dotted name such as `cluster.routing_score` or
 `scheduling.choose_replica` must be a module, or a name defined at the top of one). Run

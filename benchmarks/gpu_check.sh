@@ -16,11 +16,11 @@
 #     Llama-3.2-1B's dims, then the ~88M demo model (benchmarks/bench_decode_step.py).
 #  3. The engine's tests on the GPU (float32, where they compare with PEFT), a fixed KV block count
 #     so that engines alive together in one process fit.
-#  3b. Every model family (tests/test_family_parity.py: Llama 3, Mistral, Qwen2, Qwen3, Gemma 2/3 and
+#  3b. Every model family (tests/engine/test_family_parity.py: Llama 3, Mistral, Qwen2, Qwen3, Gemma 2/3 and
 #     Gemma 3 multimodal, Phi-3/4-mini, Granite, OLMo 2, SmolLM3, Qwen3-MoE, Mixtral) token-exact with
 #     PEFT on the GPU, float32, through the engine's CUDA path: Triton LoRA kernels, the Triton paged
 #     decode with sliding windows and soft-caps, and the Triton MoE experts with LoRA on the experts;
-#     then tests/test_moe.py (expert LoRA loading, both checkpoint layouts) and tests/test_dora.py (DoRA
+#     then tests/engine/test_moe.py (expert LoRA loading, both checkpoint layouts) and tests/engine/test_dora.py (DoRA
 #     adapters mixed with LoRA and base rows, PEFT-exact). On CPU the same tests run
 #     the same path with LORA_CLUSTER_KERNEL=triton TRITON_INTERPRET=1 (docs/model_families.md).
 #  4. Whole distinct-adapter generations vs base-only and PEFT's mixed batch (bench_engine.py).
@@ -51,17 +51,17 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
     >> "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
-step kernels 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_paged_attention.py \
-    tests/test_moe_kernels.py
+step kernels 150 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_kernels.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_moe_kernels.py
 step decode_1b 170 python3 benchmarks/bench_decode_step.py --size 1b --zoo /tmp/zoo/1b --reps 10 --iters 20 \
     --out "$OUT/decode_1b.md"
 step decode_base 110 python3 benchmarks/bench_decode_step.py --zoo /tmp/zoo/base96 --reps 10 --iters 20 \
     --qv-only --out "$OUT/decode_base.md"
 LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=1024 step engine_tests 100 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_engine_parity.py tests/test_logprobs.py tests/test_merge.py \
-    tests/test_paged_kv.py tests/test_lora_slot_batch.py tests/test_engine_behaviour.py
+    -p no:cacheprovider tests/engine/test_engine_parity.py tests/engine/test_logprobs.py tests/store/test_merge.py \
+    tests/engine/test_paged_kv.py tests/kernels/test_lora_slot_batch.py tests/engine/test_engine_behaviour.py
 LORA_CLUSTER_DTYPE=float32 LORA_CLUSTER_NUM_KV_BLOCKS=512 step families 300 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_family_parity.py tests/test_moe.py tests/test_dora.py
+    -p no:cacheprovider tests/engine/test_family_parity.py tests/engine/test_moe.py tests/engine/test_dora.py
 LORA_CLUSTER_NUM_KV_BLOCKS=2048 step bench_engine 90 python3 benchmarks/bench_engine.py \
     --scenario distinct-decode --zoo /tmp/zoo/base96 --reps 3 --out "$OUT/bench_engine.md"
 step memory_plan 60 python3 -c '

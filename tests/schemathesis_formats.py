@@ -4,7 +4,7 @@
 (a JSON schema as JSON text: `guided_json`, `structured_outputs.json`) are this API's names; a
 generator that does not know them draws any string, which the server answers 400 naming the field
 (its description says what it must be). The schemathesis CLI loads this file through the repository's
-`schemathesis.toml` (`hooks`); tests/test_fuzz_api.py imports it. It teaches generation only: no
+`schemathesis.toml` (`hooks`); tests/serve/test_fuzz_api.py imports it. It teaches generation only: no
 check is changed and no body is filtered.
 """
 

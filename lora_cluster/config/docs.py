@@ -3,7 +3,7 @@
 The docs' field tables (between `<!-- config-table: KEYS -->` and `<!-- /config-table -->`, KEYS
 naming groups of `GROUPS` or models of `NESTED`) and the commented application args of
 serve_config.yaml (every line below its `args: {}`) are rendered from `ServeConfig` and its
-sections (`SECTIONS`), `SlaClassConfig` and `ReplicaGroupConfig`; tests/test_config_docs.py fails
+sections (`SECTIONS`), `SlaClassConfig` and `ReplicaGroupConfig`; tests/config/test_config_docs.py fails
 when a committed file differs. To change a description or a default, edit the field, then run
 
     python -m lora_cluster.config.docs          # rewrite the generated parts

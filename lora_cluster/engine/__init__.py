@@ -5,7 +5,7 @@
 request vocabulary (`lora_cluster.request`, torch-free), re-exported here for the engine's callers.
 Importing this package imports torch; the pure policies the engine runs are in `replica_policy`.
 
-Rooms, bottom to top (each imports only rooms below it; `tests/test_layering.py` checks it):
+Rooms, bottom to top (each imports only rooms below it; `tests/project/test_layering.py` checks it):
 `sample/` (logits to tokens, stopping), `schedule/` (sequences, the scheduler, the KV cache's blocks),
 `adapters/` (the adapter slot pool and its policies), `model/` (the base model, the step batch, the
 forward pass and sampling). The modules here import the rooms: `llm_engine` (`Engine`: the step),

@@ -4,7 +4,7 @@
 `MergeSpec` (adapters merged per request), adapter ids (`check_adapter_id`), and the engine's answers
 (`RequestOutput`, `TokenLogprob`, `FinishReason`). The HTTP layer, the wire protocol and the request
 router build and read these; the engine, the store and the simulator use the same classes. Nothing
-here imports torch, Ray or transformers (tests/test_layering.py checks it), so an ingress process
+here imports torch, Ray or transformers (tests/project/test_layering.py checks it), so an ingress process
 loads none of them to validate a request.
 """
 

@@ -1,7 +1,7 @@
 """Ray Serve application of lora-cluster (see docs/serving.md; every module: docs/layout.md).
 
 `serve.app.build_app` builds it. Four rooms over shared modules, each import pointing down
-(tests/test_layering.py): `serve.http` (the ingress: `http.ingress`, the OpenAI, LoRAX and vLLM routes,
+(tests/project/test_layering.py): `serve.http` (the ingress: `http.ingress`, the OpenAI, LoRAX and vLLM routes,
 `http.context`, the request bodies and the schema's limits), `serve.routing` (ingress to replica:
 `routing.dispatch`, `routing.request_router` scoring with `cluster.routing_score`, `routing.admission`,
 `routing.auth`, `routing.quotas`), `serve.replica` (`replica.deployment`, the engine deployment;

@@ -6,7 +6,7 @@ controller's table's replicas for it, and the best replicas outside them from a 
 `rank_key` of an id nobody holds); so does this one, the same class, fed from the simulation:
 every change of a replica's ongoing count (`changed`), its routing stats as they arrive
 (`refresh_stats`), and every placement (`record`). The choice is the first of the full rank
-(`rank_replicas` over every replica's view, as `tests/test_cluster_sim.py` checks). A request's
+(`rank_replicas` over every replica's view, as `tests/sim/test_cluster_sim.py` checks). A request's
 prompt routing keys (`SimRequest.prefix`, chats only) are ranked with it as the live router ranks
 `GenerateJob.routing_prefix`, against the prefixes each replica reports (`SimReplica.prefixes`), with
 `RouterConfig.prefix_routing_share`; the policy passes none with `prefix_aware_routing` off.

@@ -1,7 +1,7 @@
 """The configured limits and the rules between fields, stated in the OpenAPI schema's request bodies.
 
 `constrain` edits the generated components so that a body the schema accepts is served and one it
-refuses is answered 400 (tests/test_fuzz_api.py checks both ways, and the schemathesis CLI against a
+refuses is answered 400 (tests/serve/test_fuzz_api.py checks both ways, and the schemathesis CLI against a
 real server). Each body is a plain object: `properties`, `required`, bounds, and `anyOf`/`oneOf` only
 where a field takes several shapes. A rule across fields is written where the field it constrains
 is described, and also as that field's entry of JSON Schema's `dependentSchemas` (`rules`: applies

@@ -1,7 +1,7 @@
 """Every Ray name outside Ray's public API that lora-cluster relies on, in one place.
 
 Checked against Ray 2.60 (`CHECKED_RAY_VERSION`). Nothing else in the project touches a private
-Ray name; `tests/test_serve_ray_internals.py` checks each one on the real Ray classes, so a Ray
+Ray name; `tests/serve/test_serve_ray_internals.py` checks each one on the real Ray classes, so a Ray
 upgrade that removes or renames one fails that test (naming the attribute) instead of failing at
 serving time. Each function says what it reads and why no public API does the job.
 """

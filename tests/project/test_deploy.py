@@ -15,7 +15,7 @@ import yaml
 
 from lora_cluster.config import ServeConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VALIDATOR = ROOT / "tools" / "validate_k8s.py"
 
 

@@ -7,7 +7,7 @@ LoRAX's `parameters.response_format`; shapes that do not fit are 400s naming the
 sent to a replica. best_of: the candidates run, and the answer holds the ones the ranking picks (OpenAI
 as vLLM: the n with the highest cumulative logprob; LoRAX: the one with the highest mean logprob per
 token). The served end to end (the engine's constrained decoding, the `openai` and `lorax-client`
-clients) is in tests/test_structured_output_e2e.py.
+clients) is in tests/serve/test_structured_output_e2e.py.
 """
 
 from __future__ import annotations

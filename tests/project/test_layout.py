@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CYCLES_TOOL = ROOT / "tools" / "import_cycles.py"
 LAYOUT_TOOL = ROOT / ".ci" / "layout.py"
 

@@ -23,7 +23,7 @@ from helpers import poll, wait_until
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_ADAPTER_LABELS = 3
 ADAPTERS = [f"a{i}" for i in range(8)]  # more adapters than labels
 CLASSES = ("interactive", "batch")

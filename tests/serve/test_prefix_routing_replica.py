@@ -1,7 +1,7 @@
 """A replica reports the prompt prefixes it ran, and the live router sends the next turn of a chat there.
 
 Real `LoraReplica`s on the tiny demo model, outside Ray Serve (Serve's and Ray's context faked, as
-in tests/test_dispatch_cancellation.py); their `record_routing_stats` reports go to the real
+in tests/serve/test_dispatch_cancellation.py); their `record_routing_stats` reports go to the real
 `LoraAffinityRouter` as Serve's controller would broadcast them.
 """
 

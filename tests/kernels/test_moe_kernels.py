@@ -5,7 +5,7 @@ Cases cross expert mixes (every token on the same experts, spread over all, skew
 experts never chosen), top-k 1/2/4, batch sizes 1 to 40 and adapter mixes (no LoRA, every token on
 an adapter row, a mix of adapter rows and tokens without one). Triton runs on CUDA when available,
 else on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is imported),
-in float32 (the interpreter's loads of bfloat16 are cast to float32, as in tests/test_kernels.py);
+in float32 (the interpreter's loads of bfloat16 are cast to float32, as in tests/kernels/test_kernels.py);
 bfloat16 is compared on CUDA only.
 """
 

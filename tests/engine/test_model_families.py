@@ -4,7 +4,7 @@ family, and `lora-cluster demo --arch`.
 A config value the runner cannot honour fails `build_engine` at start with a `ConfigError` naming
 the field and the value; an unknown architecture with `UnsupportedModelError` listing the supported
 ones. Adapters that the batched LoRA cannot serve exactly (`modules_to_save`) are refused by
-name. (Token parity of every family: tests/test_family_parity.py.)
+name. (Token parity of every family: tests/engine/test_family_parity.py.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ in transformers' stacked expert layout serves the same tokens as the per-expert 
 experts as PEFT 0.21 writes it (`target_parameters`, also when it converts per-expert
 `target_modules`), and per-expert `experts.{e}.w1` tensors as PEFT wrote them before
 transformers 5, load as each expert's PEFT delta, while LoRA on the router is refused naming it.
-(Token parity with PEFT, expert LoRA included: tests/test_family_parity.py.)
+(Token parity with PEFT, expert LoRA included: tests/engine/test_family_parity.py.)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Two replica groups: `llama` on the tiny demo checkpoint (the demo tokenizer) and
 it whose tokenizer gives every piece another id and has another chat template (`other_tokenizer`).
 The ingress's FastAPI app runs in process (`app_client.serving`) over a `GroupedDispatcher` whose two
 groups are fake replicas recording the jobs they are sent. The Ray app of two bases with different
-tokenizers is tests/test_multi_base_e2e.py.
+tokenizers is tests/serve/test_multi_base_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The cluster controller in shards (`cluster.sharding`), without Ray: the owner of an adapter is stable
 and spread, the replicas' room is split between the shards without idling a slot while a ticket
 waits, the shards' answers merge into one, and the replica's reporter and the ingress's admission
-talk to the right shard. The sharded cluster for real: tests/test_controller_shards_e2e.py."""
+talk to the right shard. The sharded cluster for real: tests/serve/test_controller_shards_e2e.py."""
 
 from __future__ import annotations
 

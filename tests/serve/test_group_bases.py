@@ -1,6 +1,6 @@
 """Several base models in one cluster, without Ray: each group's configuration and base, which group a
 request's `model` selects, and the refusals (an adapter id under two bases; an adapter of another base;
-two bases under one name). The Ray app of two bases is tests/test_multi_base_e2e.py."""
+two bases under one name). The Ray app of two bases is tests/serve/test_multi_base_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The caller wires the adapter store into the engine (the pure policies both run import without torch:
-tests/test_layering.py)."""
+tests/project/test_layering.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ shared with test_multi_base_e2e.py and test_tool_calls_e2e.py: `shared_apps.base
 adapters are served as `<arch>-a<i>`): Phi-3 (fused checkpoint projections, adapters on the fused names,
 sliding window, partial rotary) and Gemma 2 (sandwich norms, soft-capping, alternating sliding windows),
 Mixtral (a mixture of experts with attention adapters). Every family's engine parity is
-tests/test_family_parity.py; this is the serving path around it.
+tests/engine/test_family_parity.py; this is the serving path around it.
 """
 
 from __future__ import annotations
