@@ -5,6 +5,7 @@ ones short), `prefix_hash` (content addresses of full KV blocks), `slot_urgency`
 more urgent request takes), `eviction` (an adapter's load priority: which one a tier evicts and what it
 prefetches), `tier_stats` (each cache tier's counters and load-latency buckets). The engine and the
 store run them; the simulator (`sim`) imports them unchanged, and the ingress's metrics read
-`tier_stats`' buckets, so none of them may import torch, Ray or a torch package (tests/project/test_layering.py).
+`tier_stats`' buckets, so none of them may import torch, Ray or a torch package
+(tests/project/test_layering.py).
 Nothing is re-exported here.
 """
