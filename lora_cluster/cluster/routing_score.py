@@ -15,7 +15,7 @@ A replica whose prefix cache holds the request's prompt prefix (`prefix_keys`: t
 the request's routing keys that the replica reports, `cached_tokens` deep) costs less by
 `prefix_bonus` = `prefix_share * miss_cost * log2(1 + tokens / GRAIN) / log2(1 + MAX_DEPTH / GRAIN)`:
 deeper prefixes weigh more (each doubling about as much), and the bonus never exceeds
-`prefix_share` (0..1, the caller's setting: `ServeConfig.prefix_routing_share`, default
+`prefix_share` (0..1, the caller's setting: `RouterConfig.prefix_routing_share`, default
 `PREFIX_SHARE`) of a miss cost. So among holders of the adapter with room, the one caching the
 prompt's prefix wins (the turns of one chat stay where their earlier turns are cached: sticky
 sessions without session ids), but a replica whose queue excess is more than

@@ -140,7 +140,7 @@ class LoraIngress:
         configs = group_configs(top)  # each group's base and engine settings (group_bases)
         requested = next(iter(configs.values()))  # the first group's: its base is the first base
         resolved = resolve_model(requested)
-        configure_logging(resolved.log_format)
+        configure_logging(resolved.metrics.log_format)
         by_group = {name: resolve_model(c) for name, c in configs.items()}
         tokenizers = load_tokenizers(by_group)  # one per base, by API name; the first group's first
         replica = serve.get_replica_context()
@@ -149,18 +149,19 @@ class LoraIngress:
         for group in replica_groups(top):  # one admission per group, keyed by its deployment
             handle = replicas[group.name]
             admission = ClusterAdmission(
-                (controllers or {}).get(group.name), capacity=resolved.admission_capacity,
+                (controllers or {}).get(group.name), capacity=resolved.admission.admission_capacity,
                 replica_stats=functools.partial(replica_stats, app_name, handle.deployment_name),
-                timeout_s=resolved.cluster_queue_timeout_s,
+                timeout_s=resolved.controller.cluster_queue_timeout_s,
                 placement_sink=functools.partial(publish_placement, app_name, handle.deployment_name),
-                placement_period_s=resolved.controller_report_period_s,
-                report_lag_s=2 * resolved.routing_stats_period_s)
+                placement_period_s=resolved.controller.controller_report_period_s,
+                report_lag_s=2 * resolved.router.routing_stats_period_s)
             guard = RoutingGuard.from_config(resolved)  # routing-error breaker, one per group
             groups.append((group, Dispatcher(handle, app_name, admission, guard)))
         dispatcher = GroupedDispatcher(groups)
-        self.tenants = None if resolved.tenants_file is None else TenantsWatcher(
-            resolved.tenants_file, build_sla_classes(resolved).names, resolved.tenants_reload_period_s)
-        quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.quota_lease_s)
+        tenancy = resolved.tenancy
+        self.tenants = None if tenancy.tenants_file is None else TenantsWatcher(
+            tenancy.tenants_file, build_sla_classes(resolved).names, tenancy.tenants_reload_period_s)
+        quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.tenancy.quota_lease_s)
         registrations = LocalRegistrations() if registry is None else SharedRegistrations(
             registry, catalog=dispatcher.catalog)
         shared_metrics = None if metrics_hub is None else SharedMetrics(metrics_hub, self.ingress_id)
@@ -176,7 +177,7 @@ class LoraIngress:
             self.ctx.metrics_hub.start()  # pushes from the ingress's start (on its event loop)
         demo_folder = str(Path(resolved.model).parent) if requested.model == DEMO else None
         self._ready_watch = watch_in_background(serve_root_url, functools.partial(
-            ready_line, model=served_name(resolved), adapter_source=resolved.adapter_source,
+            ready_line, model=served_name(resolved), adapter_source=resolved.engine.adapter_source,
             demo_folder=demo_folder))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
