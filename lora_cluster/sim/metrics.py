@@ -16,6 +16,12 @@ yet but already being fetched there for an earlier request, which cost no load o
 the warm-up, prefetches included). With `buckets` (adapters by popularity rank),
 `details["completed_by_rank"]` gives, per class and rank bucket, the requests offered and
 completed: whom a policy serves and whom it refuses, by how popular their adapter is.
+
+Per class also `offered`, `completed` and `refused`. Beside `hit_rate` (over completed requests, which
+a policy can raise by refusing the tail), `hit_rate_offered` counts a refused or unfinished request
+as no hit, and `psb` is the pinned-slot bound of the completed traffic (`sim.slot_bound`), from its
+inputs `adapters_completed`, `slot_hold_s_mean` (first admission into a running batch to the end),
+`slots_total`, `max_num_seqs` and `window_s` (the measured span of arrivals).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_cluster.cluster.class_stats import percentile
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.sim.slot_bound import pinned_slot_bound
 from lora_cluster.sim.workload import SimRequest
 
 if TYPE_CHECKING:
@@ -47,6 +54,7 @@ class SimResult:
     profile: str | None = None  # the replica profile the run used (`ReplicaProfile.name`, e.g. gpu-papers)
     chats: dict[str, Any] | None = None  # the chat workload's figures (`Metrics.chat_figures`), if any
     bases: dict[str, Any] | None = None  # per base model, with several (`sim.bases.BaseFigures`)
+    bound: dict[str, Any] = field(default_factory=dict)  # the slot bound's inputs and PSB (`Metrics.result`)
 
     def to_json(self) -> dict[str, Any]:
         """The object `--json` prints (exactly these keys, `chats` when the run had chats, and
@@ -54,7 +62,7 @@ class SimResult:
         CPU seconds per simulated second, at steady state; `bases` with several base models)."""
         out = {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
                "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
-               "wall_s": self.wall_s}
+               "wall_s": self.wall_s, **self.bound}
         if self.chats is not None:
             out["chats"] = self.chats
         if self.bases is not None:
@@ -83,6 +91,8 @@ class Metrics:
         self.outstanding = 0  # requests arrived and not yet ended (all, measured or not)
         self.prompt_tokens = self.cached_tokens = 0  # of measured completed requests
         self.by_replica: Counter[str] = Counter()  # measured completed requests per replica
+        self.by_adapter: Counter[str] = Counter()  # measured completed requests per adapter
+        self.hold_s = 0.0  # their total slot hold time (first admission to the end)
         self.on_end: Callable[[SimRequest, bool], None] | None = None  # hears every end (completed or not)
 
     def arrived(self) -> None:
@@ -97,6 +107,9 @@ class Metrics:
         self.prompt_tokens += req.prompt
         self.cached_tokens += req.cached
         self.by_replica[str(req.replica)] += 1
+        self.by_adapter[req.adapter] += 1
+        if req.admitted_at is not None:
+            self.hold_s += req.finish_at - req.admitted_at  # type: ignore[operator]
         tally = self.classes[req.sla.name]
         tally.completed += 1
         self._count(req, completed=True)
@@ -148,7 +161,10 @@ class Metrics:
                                  "max_over_mean": max(per) / mean if mean else None},
                 "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
 
-    def result(self, unfinished: Iterable[SimRequest], wall_s: float, details: dict[str, Any]) -> SimResult:
+    def result(self, unfinished: Iterable[SimRequest], wall_s: float, details: dict[str, Any], *,
+               slots: int, max_num_seqs: int, window_s: float) -> SimResult:
+        """The run's result; `slots` (the cluster's adapter slots), `max_num_seqs` and `window_s` (the
+        measured span of arrivals) are the slot bound's inputs (`sim.slot_bound`)."""
         for req in unfinished:
             if req.measured:
                 self.classes[req.sla.name].unfinished += 1
@@ -157,7 +173,8 @@ class Metrics:
         for name, t in self.classes.items():
             offered = t.completed + t.rejected + t.unfinished
             out[name] = {"ttft_p50_s": percentile(t.ttfts, 50), "ttft_p99_s": percentile(t.ttfts, 99),
-                         "slo_attainment": t.met / offered if offered else None}
+                         "slo_attainment": t.met / offered if offered else None,
+                         "offered": offered, "completed": t.completed, "refused": t.rejected}
         rejected = sum(self.rejections.values())
         details = {**details, "rejections": dict(self.rejections),
                    "unfinished": sum(t.unfinished for t in self.classes.values()),
@@ -167,7 +184,13 @@ class Metrics:
                                     "completed": t.completed, "rejected": t.rejected, "met": t.met}
                                 for n, t in self.classes.items()},
                    "completed_by_rank": self._completed_by_rank()}
-        return SimResult(completed=self.completed, rejected=rejected,
+        offered = sum(c["offered"] for c in out.values())  # type: ignore[misc]
+        hold = self.hold_s / self.completed if self.completed else None
+        bound = {"hit_rate_offered": self.hits / offered if offered else None,
+                 "psb": pinned_slot_bound(self.by_adapter, slots, max_num_seqs, hold or 0.0, window_s),
+                 "slot_hold_s_mean": hold, "adapters_completed": dict(sorted(self.by_adapter.items())),
+                 "slots_total": slots, "max_num_seqs": max_num_seqs, "window_s": window_s}
+        return SimResult(completed=self.completed, rejected=rejected, bound=bound,
                          hit_rate=self.hits / self.completed if self.completed else None,
                          adapter_loads={t: self.loads[t] for t in TIERS}, classes=out, wall_s=wall_s,
                          details=details, profile=details.get("profile"))

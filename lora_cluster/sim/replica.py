@@ -198,6 +198,8 @@ class SimReplica:
                 preempted.append(victim)
             self.kv_free -= 1
             self.running[req.rid] = req
+            if req.admitted_at is None:
+                req.admitted_at = self.loop.now
             self._least = None
             self.prefilling.append(req)
             self.running_by_priority[req.priority] = self.running_by_priority.get(req.priority, 0) + 1

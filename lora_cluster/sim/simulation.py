@@ -207,7 +207,9 @@ class Simulation:
                 "prefix_cache_queried_tokens": sum(c.queried_tokens for c in caches),
                 "completed_by_replica": dict(sorted(self.metrics.by_replica.items())),
             }
-        result = self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details)
+        result = self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details,
+                                     slots=c.nodes * c.max_loras, max_num_seqs=self.profile.max_num_seqs,
+                                     window_s=c.duration)
         if "bases" in details:
             result.bases = details["bases"]
         if self.chats is not None:

@@ -30,9 +30,10 @@ DEFAULT_MIX = (("interactive", 0.2), ("standard", 0.5), ("batch", 0.3))
 class SimRequest:
     """One request, from arrival to its end. Mutated by the replica that runs it."""
 
-    __slots__ = ("adapter", "arrival", "blocks", "cached", "finish_at", "finish_mark", "first_token_at",
-                 "generated", "hit", "joined", "measured", "order", "output", "preemptions", "prefill_left",
-                 "prefix", "priority", "prompt", "reached_at", "replica", "rid", "sla", "ticket")
+    __slots__ = ("adapter", "admitted_at", "arrival", "blocks", "cached", "finish_at", "finish_mark",
+                 "first_token_at", "generated", "hit", "joined", "measured", "order", "output", "preemptions",
+                 "prefill_left", "prefix", "priority", "prompt", "reached_at", "replica", "rid", "sla",
+                 "ticket")
 
     def __init__(self, rid: int, adapter: str, sla: SlaClass, prompt: int, output: int, arrival: float,
                  measured: bool):
@@ -44,6 +45,7 @@ class SimRequest:
         self.reached_at = 0.0  # when it reached its replica
         self.hit = False  # its adapter was on its replica's device when it got there
         self.joined = False  # not a hit, but a fetch of its adapter there was under way (a delayed hit)
+        self.admitted_at: float | None = None  # its first admission into a running batch (slot hold start)
         self.first_token_at: float | None = None
         self.finish_at: float | None = None
         self.generated = 0  # output tokens produced so far

@@ -299,11 +299,19 @@ def test_the_command_line_prints_exactly_the_documented_json() -> None:
               "--profile", "gpu", "--json"])
     result = json.loads(out.getvalue())
     assert set(result) == {"profile", "completed", "rejected", "hit_rate", "adapter_loads", "classes",
-                           "wall_s"}, "top-level keys"
+                           "wall_s", "hit_rate_offered", "psb", "slot_hold_s_mean", "adapters_completed",
+                           "slots_total", "max_num_seqs", "window_s"}, "top-level keys"
     assert set(result["adapter_loads"]) == {"host", "disk", "s3"}, "loads by tier"
     assert set(result["classes"]) == {"interactive", "standard", "batch"}, "one entry per class"
     for name, c in result["classes"].items():
-        assert set(c) == {"ttft_p50_s", "ttft_p99_s", "slo_attainment"}, f"{name}: class keys"
+        assert set(c) == {"ttft_p50_s", "ttft_p99_s", "slo_attainment", "offered", "completed", "refused"}, (
+            f"{name}: class keys")
+        assert c["offered"] >= c["completed"] + c["refused"], f"{name}: offered counts every measured request"
+    assert result["slots_total"] == 3 * 4, "the cluster's adapter slots: nodes x max_loras"
+    assert result["window_s"] == 10, "the measured window is the run's duration after the warm-up"
+    assert sum(result["adapters_completed"].values()) == result["completed"], "completed requests by adapter"
+    assert result["hit_rate_offered"] <= result["hit_rate"], "a refused request is no hit"
+    assert 0.0 < result["psb"] <= 1.0, "the pinned-slot bound is a share"
 
 
 def test_without_a_profile_flag_the_command_line_simulates_gpu_nodes_and_says_so() -> None:
