@@ -95,14 +95,12 @@ def changed_settings(settings: Mapping[str, Any], reasons: Mapping[str, str]) ->
     from lora_cluster.config.serve import FLAT
 
     out: dict[str, str] = {}
-    for name, value in settings.items():
-        model, field = ServeConfig, name  # a flat name: a top-level field, or one of a section's
-        if name in FLAT.where:
-            section, field = FLAT.where[name]
-            model = ServeConfig.model_fields[section].annotation
-        if (name in FLAT.sections and name not in FLAT.where) or field not in model.model_fields:
+    for name, value in settings.items():  # a flat name: one of a section's fields, or a top-level one
+        top_level = name in ServeConfig.model_fields and name not in FLAT.sections
+        if name not in FLAT.where and not top_level:
             raise ValueError(f"{name} is not a ServeConfig setting")
-        if value == model.model_fields[field].get_default(call_default_factory=True):
+        info = FLAT.field(name) if name in FLAT.where else ServeConfig.model_fields[name]
+        if value == info.get_default(call_default_factory=True):
             continue
         if name not in reasons:
             raise ValueError(f"the benchmark changes {name} to {value!r} without saying why")

@@ -27,9 +27,6 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from lora_cluster.config.control_plane import AdmissionConfig, ControllerConfig, RouterConfig
-from lora_cluster.config.engine import EngineConfig
-from lora_cluster.config.ingress import ApiConfig, MetricsConfig, TenancyConfig
 from lora_cluster.config.parsing import format_bytes, is_byte_size
 from lora_cluster.config.serve import FLAT, ReplicaGroupConfig, ServeConfig, SlaClassConfig
 
@@ -54,11 +51,8 @@ class Group:
     see: tuple[str, str] | None = None  # (file from the repository root, #anchor) of the prose
 
 
-SECTIONS: dict[str, type[BaseModel]] = {
-    "": ServeConfig, "engine": EngineConfig, "admission": AdmissionConfig, "router": RouterConfig,
-    "controller": ControllerConfig, "api": ApiConfig, "tenancy": TenancyConfig, "metrics": MetricsConfig,
-}
-"""Each section's model by its name; the docs walk them in this order, each section's groups together."""
+SECTIONS: dict[str, type[BaseModel]] = {"": ServeConfig, **FLAT.sections}
+"""Each section's model by its name ("": the top level); the docs walk `GROUPS`, each section's together."""
 
 GROUPS = (
     Group("model", "Model and demo zoo", "",

@@ -45,6 +45,11 @@ class FlatNames:
                                     f"{section!r}: flat names must be unique")
                 self.where[flat] = (section, field)
 
+    def field(self, flat: str) -> FieldInfo:
+        """The section field a flat name stands for (KeyError: not a section field's flat name)."""
+        section, field = self.where[flat]
+        return self.sections[section].model_fields[field]
+
     def nest(self, data: Mapping[str, Any]) -> dict[str, Any]:
         """`data` with each flat key moved into its section (a flat key wins over the section's)."""
         out: dict[str, Any] = {}
@@ -108,6 +113,5 @@ class FlatEnvSource(PydanticBaseSettingsSource):
                 out[name] = _read(name, info)
         for flat, (section, field) in self.names.where.items():
             if env_var(flat) in environ:
-                info = self.names.sections[section].model_fields[field]
-                out.setdefault(section, {})[field] = _read(flat, info)
+                out.setdefault(section, {})[field] = _read(flat, self.names.field(flat))
         return out
