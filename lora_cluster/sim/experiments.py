@@ -1,5 +1,7 @@
 """The runs behind docs/scale.md: a table of policies x loads, and a load sweep plotted to PNG.
 
+    python -m lora_cluster.sim.experiments capacity [--sizes 32x1000 --zipfs 1.0 --seeds 0 --workers 2] \
+        [--save capacity.json]
     python -m lora_cluster.sim.experiments grid [--duration 60 --warmup 20 --workers 2] \
         [--save runs.json]
     python -m lora_cluster.sim.experiments table --nodes 32 --adapters 1000 --max-loras 16 \
@@ -13,6 +15,12 @@
 
 Every subcommand runs the `gpu` profile (docs/profile_gpu_papers.json) unless `--profile` names
 another (`cpu`: measured on this 2-core machine), and every table starts with the profile it ran.
+
+`capacity` finds each policy's capacity at SLO (`sim.capacity`: the largest load, by bisection to
+0.05x, at which interactive >= 99%, standard >= 95%, batch completes >= 99% with p99 wait <= 60 s)
+per cell of 2 sizes x Zipf {0.8, 1.0, 1.2} x seeds {0, 1} for ours, the `oracle` reference and both
+baselines, then compares hit rates at 0.9x of our capacity (`sim.capacity_grid`); `--sizes`,
+`--zipfs`, `--seeds`, `--policies` run a part of it; it exits 1 when a cell fails.
 
 `grid` runs the acceptance grid (`sim.grid`): Zipf {0.8, 1.0, 1.2} x load {1, 1.5, 2} x seeds {0, 1}
 at 32 nodes x 1,000 adapters and 24 nodes x 1,500, each cell with `lora-cluster` and both baselines,
@@ -54,8 +62,9 @@ from typing import Any
 from lora_cluster.cluster.routing_index import RoutingIndex
 from lora_cluster.cluster.routing_score import PlacementTracker, rank_replicas
 from lora_cluster.cluster.routing_stats import RoutingStats
-from lora_cluster.sim import chat_table
+from lora_cluster.sim import capacity_grid, capacity_table, chat_table
 from lora_cluster.sim import grid as acceptance
+from lora_cluster.sim.capacity import SloTargets
 from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 
@@ -305,6 +314,32 @@ def run_acceptance(args: argparse.Namespace) -> int:
     return 0 if all(acceptance.verdict(rs)["passed"] for rs in _by_cell(runs).values()) else 1
 
 
+def run_capacity(args: argparse.Namespace) -> int:
+    """`capacity`: each policy's capacity at SLO per cell (`sim.capacity_grid`), its table, and 1 when
+    a cell fails."""
+    try:
+        sizes = tuple(tuple(int(x) for x in s.split("x")) for s in args.sizes.split(","))
+        chosen = capacity_grid.cells(sizes=sizes,  # type: ignore[arg-type]
+                                     zipfs=tuple(float(z) for z in args.zipfs.split(",")),
+                                     seeds=tuple(int(s) for s in args.seeds.split(",")))
+    except ValueError as e:
+        raise SystemExit(f"capacity: --sizes NODESxADAPTERS, --zipfs, --seeds: comma-separated numbers "
+                         f"({e})") from None
+    common = acceptance.Common(duration=60.0 if args.duration is None else args.duration,
+                               warmup=20.0 if args.warmup is None else args.warmup, profile=args.profile,
+                               preload=args.preload, max_loras=args.max_loras, serve=serve_settings(args.set))
+    policies = tuple(args.policies.split(",")) if args.policies else capacity_grid.POLICIES
+    targets = SloTargets()
+    runs = capacity_grid.run_grid(chosen, common, policies=policies, targets=targets, workers=args.workers)
+    if args.save:
+        Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
+    print(capacity_table.header(common, targets, policies))
+    if args.set:
+        print(f"settings changed from their defaults (--set): {', '.join(args.set)}")
+    print("\n" + capacity_table.markdown(runs))
+    return 0 if all(v["passed"] for v in capacity_grid.verdicts(runs).values()) else 1
+
+
 def _by_cell(runs: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
     grouped: dict[Any, list[dict[str, Any]]] = {}
     for r in runs:
@@ -315,7 +350,7 @@ def _by_cell(runs: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lora_cluster.sim.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("grid", "table", "sweep", "render", "router-cost", "chats"))
+    ap.add_argument("what", choices=("grid", "capacity", "table", "sweep", "render", "router-cost", "chats"))
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=1000)
     ap.add_argument("--zipf", type=float, default=1.0)
@@ -327,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(f"{n}x{a}" for n, a in acceptance.SIZES),
                     help="grid: NODESxADAPTERS, comma-separated")
     ap.add_argument("--workers", type=int, default=2, help="grid: runs at a time, each in its own process")
-    ap.add_argument("--policies", default=",".join(ORDER))
+    ap.add_argument("--policies", help=f"comma-separated (default: {','.join(ORDER)}; capacity: "
+                    f"{','.join(capacity_grid.POLICIES)})")
     ap.add_argument("--duration", type=float, help="measured simulated seconds (default 120; grid: 60)")
     ap.add_argument("--warmup", type=float, help="unmeasured simulated seconds first (default 30; grid: 20)")
     ap.add_argument("--seed", type=int, default=0)
@@ -353,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", help="JSON file of the runs (written by table/sweep/chats, read by render)")
     ap.add_argument("--plot", help="PNG to draw (sweep, render)")
     args = ap.parse_args(argv)
-    if any(p not in POLICIES for p in args.policies.split(",")):
+    if args.policies and any(p not in POLICIES for p in args.policies.split(",")):
         ap.error(f"--policies: one or more of {', '.join(POLICIES)}")
+    if args.what == "capacity":
+        return run_capacity(args)
+    args.policies = args.policies or ",".join(ORDER)
     if args.what == "router-cost":
         print(router_cost())
         return 0

@@ -21,7 +21,10 @@ Per class also `offered`, `completed` and `refused`. Beside `hit_rate` (over com
 a policy can raise by refusing the tail), `hit_rate_offered` counts a refused or unfinished request
 as no hit, and `psb` is the pinned-slot bound of the completed traffic (`sim.slot_bound`), from its
 inputs `adapters_completed`, `slot_hold_s_mean` (first admission into a running batch to the end),
-`slots_total`, `max_num_seqs` and `window_s` (the measured span of arrivals).
+`slots_total`, `max_num_seqs` and `window_s` (the measured span of arrivals). Beside them
+`static_ceiling` (the same placement without the tail's slots, `slot_bound.static_ceiling`) and
+`hit_rate_ceiling` (the old ceiling: the offered traffic's share of the `slots` most popular adapters,
+which ignores pinned slots and counts refused requests; kept for comparison, not a target).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_cluster.cluster.class_stats import percentile
 from lora_cluster.cluster.sla import SlaClasses
-from lora_cluster.sim.slot_bound import pinned_slot_bound
+from lora_cluster.sim.slot_bound import pinned_slot_bound, static_ceiling
 from lora_cluster.sim.workload import SimRequest
 
 if TYPE_CHECKING:
@@ -186,8 +189,10 @@ class Metrics:
                    "completed_by_rank": self._completed_by_rank()}
         offered = sum(c["offered"] for c in out.values())  # type: ignore[misc]
         hold = self.hold_s / self.completed if self.completed else None
+        inputs = (self.by_adapter, slots, max_num_seqs, hold or 0.0, window_s)
         bound = {"hit_rate_offered": self.hits / offered if offered else None,
-                 "psb": pinned_slot_bound(self.by_adapter, slots, max_num_seqs, hold or 0.0, window_s),
+                 "psb": pinned_slot_bound(*inputs), "static_ceiling": static_ceiling(*inputs),
+                 "hit_rate_ceiling": details.get("hit_rate_ceiling"),
                  "slot_hold_s_mean": hold, "adapters_completed": dict(sorted(self.by_adapter.items())),
                  "slots_total": slots, "max_num_seqs": max_num_seqs, "window_s": window_s}
         return SimResult(completed=self.completed, rejected=rejected, bound=bound,

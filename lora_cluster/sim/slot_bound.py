@@ -13,6 +13,14 @@ Adapters are taken most requested first. Pinning the first k costs S(k) slots an
 a slot while any of its requests runs, and its requests that arrive then are hits). k* is the largest
 k with S(k) <= C, and the next adapter counts by the share of its slots that still fit. PSB = H / N.
 When even S(0) exceeds C (the tail alone needs more slots), H(0) is scaled by C / S(0).
+
+The static ceiling (`static_ceiling`) is the same placement without the tail's slots: the share of the
+completed requests whose adapters fit when each takes max(1, ceil(x_a / B)) slots, most requested first
+(the next one by the share of its slots that fits). It is what a fixed placement with copies in
+proportion to load could hold if the tail pinned no slot; PSB is lower (the tail's requests pin slots
+while they run) unless the tail's hits make up for it. The grid's old ceiling, the share of the
+offered traffic of the `C` most popular adapters (one slot each, `popularity.zipf_share`), ignores
+both the copies and the tail, and counts refused requests.
 """
 
 from __future__ import annotations
@@ -46,3 +54,22 @@ def pinned_slot_bound(completed: Mapping[str, int], slots: int, max_num_seqs: in
             return (hits + share * more_hits) / total
         used, hits = used + more_slots, hits + more_hits
     return hits / total
+
+
+def static_ceiling(completed: Mapping[str, int], slots: int, max_num_seqs: int, hold_s: float,
+                   window_s: float) -> float | None:
+    """The static ceiling of `completed` (see the module docstring); None without requests. Raises
+    ValueError as `pinned_slot_bound` does."""
+    if window_s <= 0 or slots <= 0 or max_num_seqs <= 0:
+        raise ValueError(f"window_s={window_s}, slots={slots} and max_num_seqs={max_num_seqs} must be > 0")
+    counts = sorted((n for n in completed.values() if n > 0), reverse=True)
+    total = sum(counts)
+    if not total:
+        return None
+    used, held = 0, 0.0
+    for n in counts:
+        need = max(1, math.ceil(n * max(0.0, hold_s) / window_s / max_num_seqs))
+        if used + need > slots:
+            return (held + n * (slots - used) / need) / total
+        used, held = used + need, held + n
+    return held / total

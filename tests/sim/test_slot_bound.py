@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lora_cluster.sim.slot_bound import pinned_slot_bound
+from lora_cluster.sim.slot_bound import pinned_slot_bound, static_ceiling
 
 
 def test_without_hold_time_the_bound_is_the_share_of_the_adapters_that_fit() -> None:
@@ -48,3 +48,17 @@ def test_no_requests_is_no_bound_and_a_bad_window_is_an_error() -> None:
     assert pinned_slot_bound({}, slots=4, max_num_seqs=4, hold_s=1.0, window_s=10) is None, "no requests"
     with pytest.raises(ValueError, match="window_s"):
         pinned_slot_bound({"a": 1}, slots=4, max_num_seqs=4, hold_s=1.0, window_s=0)
+
+
+def test_the_static_ceiling_gives_hot_adapters_a_slot_per_full_batch_and_no_slot_to_the_tail() -> None:
+    # x = (20, 1, 1) with B = 8: a takes ceil(20 / 8) = 3 slots, b 1; with 4 slots c is out
+    completed = {"a": 200, "b": 10, "c": 10}
+    ceiling = static_ceiling(completed, slots=4, max_num_seqs=8, hold_s=1.0, window_s=10)
+    assert ceiling == pytest.approx(210 / 220), "a (3 slots) and b (1 slot) fit, c does not"
+
+
+def test_the_static_ceiling_counts_the_next_adapter_by_the_share_of_its_slots_that_fit() -> None:
+    # a needs 2 slots (x = 12, B = 8); with 1 slot half of a's requests count
+    ceiling = static_ceiling({"a": 120, "b": 40}, slots=1, max_num_seqs=8, hold_s=1.0, window_s=10)
+    assert ceiling == pytest.approx(60 / 160), "one of a's two slots fits"
+    assert static_ceiling({}, slots=1, max_num_seqs=8, hold_s=1.0, window_s=10) is None, "no requests"

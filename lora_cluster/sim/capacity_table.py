@@ -1,0 +1,77 @@
+"""The capacity grid as markdown (`sim.capacity_grid`): one row per cell, capacities first, then the
+hit rates at 0.9x of our capacity beside their bounds, then the verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lora_cluster.sim import capacity_grid as cg
+from lora_cluster.sim.capacity import SloTargets
+from lora_cluster.sim.grid import Common
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "inf" if value == float("inf") else f"{value:.2f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def header(common: Common, targets: SloTargets, policies: tuple[str, ...]) -> str:
+    """What the grid ran: profile, start state, run length, targets, and what a cell must show."""
+    start = ("every adapter preloaded in every node's store" if common.preload is None
+             else f"the {common.preload} most popular adapters preloaded" if common.preload
+             else "every adapter in S3 at start")
+    return (f"profile {common.profile}; {start}; max_loras {common.max_loras}; every other setting at its "
+            f"default; {common.duration:g} s measured after {common.warmup:g} s of warm-up; policies "
+            f"{', '.join(policies)}.\nCapacity at SLO: the largest load (x rated, bisection to 0.05x) with "
+            f"{targets.describe()}.\nA cell passes with ours >= {cg.ORACLE_SHARE_TARGET:g}x the oracle's "
+            f"capacity and >= {cg.BASELINE_MULTIPLE_TARGET:g}x the better baseline's, and at "
+            f"{cg.REFERENCE_LOAD:g}x of our capacity a hit rate over offered requests >= "
+            f"{cg.PSB_SHARE_TARGET:g} x PSB and within {100 * cg.ORACLE_GAP_TARGET:g} point of the oracle's.")
+
+
+def _binding(search: dict[str, Any] | None) -> str:
+    """The targets missed at the lowest failing load above the capacity: what limits the policy."""
+    if not search:
+        return "-"
+    failed = sorted((p for p in search["probes"] if p["misses"] and p["load"] > search["capacity"]),
+                    key=lambda p: p["load"])
+    return "; ".join(failed[0]["misses"]) + f" at {failed[0]['load']:.2f}x" if failed else "-"
+
+
+def markdown(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per cell (see the module docstring), and how many cells pass."""
+    verdicts = cg.verdicts(runs)
+    searches = {(cg.CapacityCell(**s["cell"]), s["policy"]): s for s in runs["searches"]}
+    caps = " / ".join(cg.POLICIES)
+    lines = [f"| nodes x adapters | zipf | seed | capacity at SLO: {caps} | ours / oracle "
+             "| ours / better baseline | at 0.9x ours: hit rate completed / offered, PSB, static ceiling, "
+             "old ceiling | oracle hit rate offered | ours limited by | pass |",
+             "|" + "---|" * 10]
+    passed = 0
+    for cell in sorted(verdicts, key=lambda c: (-c.nodes, c.zipf, c.seed)):
+        v = verdicts[cell]
+        at = v["reference"].get(cg.OURS)
+        oracle_at = v["reference"].get(cg.ORACLE)
+        hits = "-" if at is None else (f"{_pct(at['hit_rate'])} / {_pct(at['hit_rate_offered'])}, "
+                                       f"{_pct(at['psb'])}, {_pct(at['static_ceiling'])}, "
+                                       f"{_pct(at['hit_rate_ceiling'])}")
+        failed = [k for k, ok in v["checks"].items() if not ok]
+        passed += v["passed"]
+        lines.append(
+            f"| {cell.nodes} x {cell.adapters} | {cell.zipf:g} | {cell.seed} "
+            f"| {' / '.join(_x(v['capacity'].get(p)) for p in cg.POLICIES)} | {_ratio(v['oracle_share'])} "
+            f"| {_ratio(v['baseline_multiple'])} | {hits} "
+            f"| {_pct(oracle_at['hit_rate_offered']) if oracle_at else '-'} "
+            f"| {_binding(searches.get((cell, cg.OURS)))} "
+            f"| {'pass' if not failed else 'FAIL: ' + ', '.join(failed)} |")
+    lines.append(f"\n{passed} of {len(verdicts)} cells pass.")
+    return "\n".join(lines)
