@@ -11,13 +11,18 @@ simulator's own workload).
 * Placement (`place`, at `start`): adapter a's expected requests in flight are x_a = rate * share_a * W
   (Little's law), W the slot hold at a full batch, `max_num_seqs / replica_rate` (the rated
   capacity's own figure, `sim.simulation`). Most popular first, adapter a is pinned on
-  c_a = max(1, ceil(x_a / max_num_seqs)) replicas (copies in proportion to its load) while the
-  pinned slots plus the tail's expected slot use, sum over the unpinned of 1 - exp(-x_i), fit in
-  the cluster's slots (replicas x max_loras): the bound's S(k) <= C. Each copy goes to a distinct
-  replica, the one with the least expected load pinned so far (x_a / c_a per copy), and every
-  replica keeps one slot unpinned, so that tail adapters always get a slot there. Pinned adapters
-  are in their replicas' device slots at once (`SimReplica.pin`: no load counted) and are never
-  evicted nor preempted for a slot.
+  c_a = max(1, ceil(x_a / q)) replicas (copies in proportion to its load, at most one per replica),
+  q = min(max_num_seqs, sum of x / replicas), while the pinned slots plus the tail's expected slot
+  use, sum over the unpinned of 1 - exp(-x_i), fit in the cluster's slots (replicas x max_loras):
+  the bound's S(k) <= C. At full load q is the bound's `max_num_seqs` (a slot per full batch);
+  below it a copy carries no more than a replica's mean load, so that a hot adapter's holders are
+  not busier than the rest (copies of a full batch each left them near saturation at 0.6 load,
+  with batch TTFT p99 of 12 s against 0.14 s). Every replica keeps one slot unpinned, so that tail
+  adapters always get a slot there. The copies (x_a / c_a requests in flight each), heaviest first,
+  then go each to a distinct replica: the one with the least expected load pinned so far among
+  those with the fewest pins (at most the mean), so that both the load and the slots left to the
+  tail are even. Pinned adapters are in their replicas' device slots at once (`SimReplica.pin`: no
+  load counted) and are never evicted nor preempted for a slot.
 * Room: a replica is given up to admission's `max_ongoing_requests` at once (running and waiting in
   its engine), as Serve's queue gives it (`sim.baselines`) and as `lora-cluster` gives it with its
   admission window at its default size. (Giving it only its batch slots, `admission_capacity`,
@@ -26,9 +31,10 @@ simulator's own workload).
   every request of a pinned adapter as a hit), the one with room and the least ongoing; none has
   room: it waits. A request of an unpinned (tail) adapter goes to a replica with room that holds
   its adapter (in a device slot, or being fetched there), the least ongoing first; else to the
-  replica with room and the most free slots (empty, or idle and unpinned) not yet claimed by a
-  fetch there, then the least ongoing, where its adapter is loaded on demand; later requests of
-  that adapter then join it there (the tail co-located). No replica with room: it waits.
+  replica with room and a free slot (empty, or idle and unpinned) not yet claimed by a fetch
+  there, the least ongoing first (then the most such slots), where its adapter is loaded on
+  demand; later requests of that adapter then join it there (the tail co-located). No replica
+  with room: it waits.
 * Queueing: the waiting requests are ordered by SLA class priority (more urgent first), then
   arrival, the same order as `lora-cluster`'s cluster queue, so that the yardstick measures
   placement, not queueing: one queue for the tail and one per pinned adapter (so that a request
@@ -72,25 +78,38 @@ def place(in_flight: Sequence[tuple[str, float]], replica_ids: Sequence[str], *,
     ValueError for a slot count or batch size that is not positive."""
     if max_loras < 1 or max_num_seqs < 1:
         raise ValueError(f"max_loras={max_loras} and max_num_seqs={max_num_seqs} must be >= 1")
-    slots = len(replica_ids) * max_loras
+    n = len(replica_ids)
+    slots, pinnable = n * max_loras, n * (max_loras - 1)  # each replica keeps one slot for the tail
     tail = [1.0 - math.exp(-x) for _, x in in_flight]
     used = sum(tail)  # S(0): no adapter pinned
+    pinned: list[tuple[str, float, int]] = []  # (adapter, in flight, copies), most popular first
+    per_copy = min(max_num_seqs, sum(x for _, x in in_flight) / n) if n else max_num_seqs
+    for (adapter, x), tail_share in zip(in_flight, tail, strict=True):
+        copies = min(max(1, math.ceil(x / per_copy)), n) if per_copy > 0 else 1
+        if copies > pinnable or used + copies - tail_share > slots:
+            break
+        pinned.append((adapter, x, copies))
+        pinnable -= copies
+        used += copies - tail_share
+    # the copies, heaviest first, each to the least loaded replica not holding it among those with the
+    # fewest pins so far (at most the mean, rounded up): balanced in load and in slots
+    even = -(-sum(c for _, _, c in pinned) // n) if n else 0
     load = dict.fromkeys(replica_ids, 0.0)  # expected requests in flight pinned there
     pins = dict.fromkeys(replica_ids, 0)
-    holders: dict[str, tuple[str, ...]] = {}
-    for (adapter, x), tail_share in zip(in_flight, tail, strict=True):
-        room = [rid for rid in replica_ids if pins[rid] < max_loras - 1]  # one slot stays for the tail
-        copies = min(max(1, math.ceil(x / max_num_seqs)), len(room))
-        if not copies or used + copies - tail_share > slots:
-            break
-        chosen = heapq.nsmallest(copies, room, key=lambda rid: load[rid])
-        for rid in chosen:
-            load[rid] += x / copies
-            pins[rid] += 1
-        holders[adapter] = tuple(chosen)
-        used += copies - tail_share
-    pinned = sum(len(rids) for rids in holders.values())
-    return Placement(holders=holders, tail_slots=used - pinned)
+    chosen: dict[str, list[str]] = {adapter: [] for adapter, _, _ in pinned}
+    copies_by_weight = sorted(((x / c, i, a) for i, (a, x, c) in enumerate(pinned) for _ in range(c)),
+                              key=lambda copy: (-copy[0], copy[1]))
+    for weight, _, adapter in copies_by_weight:
+        free = [rid for rid in replica_ids if rid not in chosen[adapter] and pins[rid] < max_loras - 1]
+        even_free = [rid for rid in free if pins[rid] < even]
+        if not free:
+            continue  # no distinct replica has a slot left for this copy
+        rid = min(even_free or free, key=lambda r: load[r])
+        chosen[adapter].append(rid)
+        load[rid] += weight
+        pins[rid] += 1
+    return Placement(holders={a: tuple(rids) for a, rids in chosen.items() if rids},
+                     tail_slots=sum(tail[len(pinned):]))
 
 
 class OraclePolicy:
@@ -138,7 +157,8 @@ class OraclePolicy:
             if pinned is not None or adapter in slots.refs or adapter in slots.loading:
                 key: tuple[int, ...] = (0, 0, replica.ongoing)
             else:
-                key = (1, len(slots.loading) - slots.free_slots, replica.ongoing)
+                usable = slots.free_slots - len(slots.loading)  # free slots no fetch here claims
+                key = (1, usable <= 0, replica.ongoing, -usable)
             if best_key is None or key < best_key:
                 best, best_key = replica, key
         return best

@@ -52,6 +52,12 @@ def test_a_hotter_adapter_gets_more_copies_on_distinct_replicas() -> None:
     assert all(len(set(rids)) == len(rids) for rids in holders.values()), "each copy is on a distinct replica"
 
 
+def test_below_full_load_a_copy_carries_no_more_than_a_replicas_mean_load() -> None:
+    light = [("hot", 12.0), *((f"t{i}", 0.5) for i in range(8))]  # 16 in flight: 4 per replica, batch 8
+    holders = place(light, REPLICAS, max_loras=4, max_num_seqs=8).holders
+    assert len(holders["hot"]) == 3, "12 in flight at 4 per replica need 3 copies, not ceil(12 / 8) = 2"
+
+
 def test_the_placement_never_exceeds_the_slots() -> None:
     placement = place(IN_FLIGHT, REPLICAS, max_loras=4, max_num_seqs=4)
     assert placement.pinned_slots + placement.tail_slots <= 4 * 4 + 1e-9, (
