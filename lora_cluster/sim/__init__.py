@@ -8,7 +8,8 @@ the live system runs, imported unchanged: `cluster.controller.Controller` (with 
 What is simulated is everything around them: time (`events`), the workload (`workload`, or
 multi-turn chats: `chats`), the replicas' engines (`replica`, `adapters`, `store`, and the prefix
 cache: `prefix_cache`), calibrated by a profile (`profile`), the wiring
-of the live deployments (`cluster_policy`), the baselines (`baselines`) and the measurements
+of the live deployments (`cluster_policy`), the baselines (`baselines`), a yardstick with perfect
+knowledge of popularity (`oracle`: not a shipped policy) and the measurements
 (`metrics`, and `census` of the device slots). `simulation.run(SimConfig(...))` runs one;
 `python -m lora_cluster.sim` is its command line, `python -m lora_cluster.sim.experiments`
 writes docs/scale.md's figures.

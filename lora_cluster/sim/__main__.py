@@ -12,6 +12,10 @@ class: ttft_p50_s, ttft_p99_s, slo_attainment) and wall_s, and with the lora-clu
 (reports_per_s_per_replica, controller_cpu_s_per_sim_s, at steady state). Without it, the same figures and the
 run's details (rates, controller calls and CPU time, queue depth) as text.
 
+`--policy oracle` runs a yardstick, not a shipped policy (`sim.oracle`: it knows the true popularity
+and pins the most popular adapters at start); its `details` give `pinned_adapters`, `pinned_slots`,
+`top_adapter_copies`, `tail_slots_expected` and `queue_max`.
+
 `--bases K` (or `--base-nodes 20,12`) splits the nodes into K replica groups, one base model each
 (`sim.bases`): adapter i is listed under base i % K, a request runs only on its adapter's base's
 replicas, each group with its own controller, router and admission check. The JSON then has a
@@ -55,7 +59,8 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--warmup", type=float, default=30.0, help="unmeasured simulated seconds first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-loras", type=int, default=16, help="adapter slots per replica")
-    ap.add_argument("--policy", choices=sorted(POLICIES), default="lora-cluster")
+    ap.add_argument("--policy", choices=sorted(POLICIES), default="lora-cluster",
+                    help="routing policy (oracle: a yardstick that knows the true popularity, not shipped)")
     ap.add_argument("--profile", default="gpu",
                     help="replica profile: gpu (from papers), cpu (measured on this 2-core machine) "
                     "or a JSON path")

@@ -26,6 +26,9 @@ Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
 * Fetched weights are dropped when the last request that wanted them ends before they got a slot.
 * `prefetch` (placement): a fetch into host memory only, as the live replica's `_prefetch` does;
   at most `MAX_PREFETCHES` at once.
+* `pin` (a reference policy's placement, `sim.oracle`): the adapter is in a device slot at once (no
+  fetch, no load counted: as if placed before the run) and stays there: a pinned slot is never an
+  eviction or preemption victim and is not counted free; `unpin` makes it an ordinary slot again.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class DeviceAdapters:
         self.wanted: dict[str, dict[int, int]] = {}  # adapter -> priority -> unfinished requests here
         self.loading: dict[str, bool] = {}  # queued, fetching or fetched (not on the device) -> explicit
         self.fetched: set[str] = set()
+        self.pinned: set[str] = set()  # adapters whose slot is never given up (`pin`)
         self._queue: list[tuple[int, int, str]] = []  # (priority, seq, adapter) waiting for a worker
         self._seq = itertools.count()
         self._busy = 0
@@ -104,6 +108,22 @@ class DeviceAdapters:
         self._prefetches += 1
         self._submit(adapter_id, explicit=True, priority=PREFETCH_PRIORITY)
 
+    def pin(self, adapter_id: str) -> None:
+        """Put `adapter_id` in a device slot for good (see the module docstring); raises ValueError
+        when it is being fetched or no slot is empty or evictable."""
+        if adapter_id in self.pinned:
+            return
+        if adapter_id not in self.refs:
+            if adapter_id in self.loading or not self._make_room(None):
+                raise ValueError(f"cannot pin {adapter_id!r}: it is being fetched or no slot is free")
+            self.refs[adapter_id] = 0
+            self.idle[adapter_id] = None
+        self.pinned.add(adapter_id)
+
+    def unpin(self, adapter_id: str) -> None:
+        """Let `adapter_id`'s slot be evicted again, like any other."""
+        self.pinned.discard(adapter_id)
+
     # ----- the scheduler's gate -------------------------------------------------------------
 
     def acquire(self, adapter_id: str, may_claim: bool, priority: int | None = None) -> int:
@@ -135,7 +155,9 @@ class DeviceAdapters:
     def _make_room(self, priority: int | None) -> bool:
         if len(self.refs) < self.max_loras:
             return True
-        unwanted = [(self.tracker.priority(a), i, a) for i, a in enumerate(self.idle) if a not in self.wanted]
+        pinned = self.pinned
+        unwanted = [(self.tracker.priority(a), i, a) for i, a in enumerate(self.idle)
+                    if a not in self.wanted and a not in pinned]
         if unwanted:
             victim = min(unwanted)[2]
             del self.idle[victim]
@@ -163,8 +185,9 @@ class DeviceAdapters:
         on slots builds none of the others."""
         wanted = self.wanted
         slots = ((a, 0) for a in self.idle) if idle else ((a, r) for a, r in self.refs.items() if r)
+        pinned = self.pinned
         return [SlotHolder(a, refs, most) for a, refs in slots
-                if a in wanted and (most := min(wanted[a])) > priority]
+                if a in wanted and a not in pinned and (most := min(wanted[a])) > priority]
 
     # ----- fetches --------------------------------------------------------------------------
 
@@ -200,8 +223,10 @@ class DeviceAdapters:
 
     @property
     def free_slots(self) -> int:
-        """Slots empty or holding an idle adapter (a new adapter can go there)."""
-        return self.max_loras - self.active
+        """Slots empty or holding an idle adapter that is not pinned (a new adapter can go there)."""
+        if not self.pinned:
+            return self.max_loras - self.active
+        return self.max_loras - self.active - sum(1 for a in self.pinned if not self.refs[a])
 
     @property
     def empty_slots(self) -> int:

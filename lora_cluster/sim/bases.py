@@ -109,8 +109,10 @@ class GroupedPolicy:
         self.groups: list[Policy] = []
         for b in range(split.bases):
             replicas = {rid: ctx.replicas[rid] for rid in split.replicas_of(b)}
+            adapters = [a for a, base in split.adapter_base.items() if base == b]
             self.groups.append(make(SimContext(loop=ctx.loop, replicas=replicas, metrics=ctx.metrics,
-                                               classes=ctx.classes, serve=ctx.serve, rng=ctx.rng)))
+                                               classes=ctx.classes, serve=ctx.serve, rng=ctx.rng,
+                                               demand=ctx.demand.only(adapters))))
         self.name = self.groups[0].name
 
     def start(self) -> None:

@@ -4,7 +4,9 @@ controller's, at their defaults unless given), so that the simulator runs what a
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +50,28 @@ class ServeSections:
                 "controller": self.controller.model_dump()}
 
 
+@dataclass(frozen=True)
+class TrueDemand:
+    """The offered demand as the workload draws it, known in advance: for a reference policy with
+    perfect knowledge (`sim.oracle`); the policies that route without foresight never read it.
+    `shares` lists each adapter's share of all offered requests, most popular first; `rate_rps` is
+    the offered request rate and `hold_s` a request's expected slot hold (at a full batch)."""
+
+    shares: tuple[tuple[str, float], ...] = ()
+    rate_rps: float = 0.0
+    hold_s: float = 0.0
+
+    def in_flight(self) -> list[tuple[str, float]]:
+        """Each adapter's expected requests in flight, `rate * share * hold` (Little's law), most
+        popular first."""
+        return [(a, self.rate_rps * share * self.hold_s) for a, share in self.shares]
+
+    def only(self, adapters: Collection[str]) -> TrueDemand:
+        """The demand of `adapters` alone (a replica group's), their shares still of all requests."""
+        keep = set(adapters)
+        return dataclasses.replace(self, shares=tuple((a, s) for a, s in self.shares if a in keep))
+
+
 @dataclass
 class SimContext:
     loop: EventLoop
@@ -56,6 +80,7 @@ class SimContext:
     classes: SlaClasses
     serve: ServeSections
     rng: random.Random  # the policies' own randomness (power of two choices), seeded
+    demand: TrueDemand = field(default_factory=TrueDemand)  # for reference policies only (`TrueDemand`)
 
 
 class Policy(Protocol):

@@ -103,6 +103,14 @@ class SimReplica:
     def prefetch(self, adapter_id: str) -> None:
         self.adapters.prefetch(adapter_id)
 
+    def pin(self, adapter_id: str) -> None:
+        """Keep `adapter_id` in a device slot for good, from now (`DeviceAdapters.pin`: a reference
+        policy's placement); ValueError when no slot is free for it."""
+        self.adapters.pin(adapter_id)
+
+    def unpin(self, adapter_id: str) -> None:
+        self.adapters.unpin(adapter_id)
+
     def preload(self, adapter_ids: list[str]) -> None:
         """Start as after the engine's `preload` setting fetched `adapter_ids` (see `NodeStore.preload`)."""
         self.store.preload(adapter_ids, self.adapters.sizes)

@@ -29,10 +29,11 @@ from lora_cluster.sim.bases import BaseFigures, BaseSplit, GroupedPolicy, base_n
 from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
-from lora_cluster.sim.context import Policy, ServeSections, SimContext
+from lora_cluster.sim.context import Policy, ServeSections, SimContext, TrueDemand
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics, SimResult
-from lora_cluster.sim.popularity import zipf_share
+from lora_cluster.sim.oracle import OraclePolicy
+from lora_cluster.sim.popularity import zipf_share, zipf_weights
 from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.profile import ReplicaProfile, load_profile
 from lora_cluster.sim.replica import SimReplica
@@ -40,7 +41,8 @@ from lora_cluster.sim.workload import DEFAULT_MIX, SimRequest, Workload, mean_le
 
 BLOCK_SIZE: int = EngineConfig.model_fields["kv_block_size"].default  # the engine's KV block (tokens)
 POLICIES: dict[str, type] = {"lora-cluster": LoraClusterPolicy, "round-robin": RoundRobinPolicy,
-                             "serve-multiplex": ServeMultiplexPolicy}
+                             "serve-multiplex": ServeMultiplexPolicy,
+                             "oracle": OraclePolicy}  # a yardstick, not a shipped policy (`sim.oracle`)
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,13 @@ class Simulation:
             self.split = BaseSplit.build(list(self.replicas), self.workload.names, sizes)
         for rid, replica in self.replicas.items():
             replica.preload(self._preloaded(rid))
+        weights = zipf_weights(config.adapters, config.zipf)  # the workload's own (`Workload`)
+        total = sum(weights)
+        shares = tuple((a, w / total) for a, w in zip(self.workload.names, weights, strict=True))
+        demand = TrueDemand(shares=shares, rate_rps=self.workload.rate,
+                            hold_s=profile.max_num_seqs / replica_rate(profile, config.max_loras))
         self.ctx = SimContext(loop=loop, replicas=self.replicas, metrics=self.metrics, classes=classes,
-                              serve=config.serve, rng=random.Random(config.seed + 2))
+                              serve=config.serve, rng=random.Random(config.seed + 2), demand=demand)
         self.policy: Policy = (POLICIES[config.policy](self.ctx) if self.split is None
                                else GroupedPolicy(self.ctx, self.split, POLICIES[config.policy]))
         self.base_figures: BaseFigures | None = None
