@@ -8,7 +8,10 @@
 The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
 `cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the
 name of the profile the run used), completed, rejected, hit_rate, adapter_loads (by tier), classes (per
-class: ttft_p50_s, ttft_p99_s, slo_attainment) and wall_s, and with the lora-cluster policy control_plane
+class: ttft_p50_s, ttft_p99_s, slo_attainment, offered, completed, refused) and wall_s; the hit rate
+over offered requests and its bounds (hit_rate_offered, psb, static_ceiling, hit_rate_ceiling) with the
+bound's inputs (slot_hold_s_mean, adapters_completed, slots_total, max_num_seqs, window_s; `sim.metrics`),
+and with the lora-cluster policy control_plane
 (reports_per_s_per_replica, controller_cpu_s_per_sim_s, at steady state). Without it, the same figures and the
 run's details (rates, controller calls and CPU time, queue depth) as text.
 

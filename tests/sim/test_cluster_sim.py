@@ -300,7 +300,8 @@ def test_the_command_line_prints_exactly_the_documented_json() -> None:
     result = json.loads(out.getvalue())
     assert set(result) == {"profile", "completed", "rejected", "hit_rate", "adapter_loads", "classes",
                            "wall_s", "hit_rate_offered", "psb", "slot_hold_s_mean", "adapters_completed",
-                           "slots_total", "max_num_seqs", "window_s"}, "top-level keys"
+                           "slots_total", "max_num_seqs", "window_s", "static_ceiling", "hit_rate_ceiling"}, (
+        "top-level keys")
     assert set(result["adapter_loads"]) == {"host", "disk", "s3"}, "loads by tier"
     assert set(result["classes"]) == {"interactive", "standard", "batch"}, "one entry per class"
     for name, c in result["classes"].items():
@@ -312,6 +313,7 @@ def test_the_command_line_prints_exactly_the_documented_json() -> None:
     assert sum(result["adapters_completed"].values()) == result["completed"], "completed requests by adapter"
     assert result["hit_rate_offered"] <= result["hit_rate"], "a refused request is no hit"
     assert 0.0 < result["psb"] <= 1.0, "the pinned-slot bound is a share"
+    assert 0.0 < result["static_ceiling"] <= 1.0, "the static ceiling is a share"
 
 
 def test_without_a_profile_flag_the_command_line_simulates_gpu_nodes_and_says_so() -> None:
