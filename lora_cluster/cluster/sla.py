@@ -31,6 +31,12 @@ class SlaClass:
             return False
         return not (self.tpot_s is not None and tpot_s is not None and tpot_s > self.tpot_s)
 
+    def preempt_after_s(self, patience: float) -> float:
+        """How long a request of this class waits in the engine for a slot before it may preempt less
+        urgent running work: `patience` (`EngineConfig.preempt_patience`) times its TTFT target; at
+        once (0.0) for a class without one."""
+        return patience * self.ttft_s if self.ttft_s is not None else 0.0
+
     @classmethod
     def from_config(cls, config: SlaClassConfig) -> SlaClass:
         return cls(config.name, config.priority, ttft_s=config.ttft_s, tpot_s=config.tpot_s)

@@ -71,7 +71,7 @@ GROUPS = (
           ("max_loras", "max_lora_rank", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
            "max_waiting", "kernel", "dtype", "device", "adapter_load_workers",
            "max_consecutive_step_failures",
-           "less_urgent_prefill_chunk")),
+           "less_urgent_prefill_chunk", "preempt_patience")),
     Group("memory", "KV cache, memory sizing and LoRA kernels", "engine",
           ("kv_block_size", "enable_prefix_caching", "num_kv_blocks", "gpu_memory_utilization",
            "adapter_pool_share", "memory_buffer_share", "lora_decode_kernel", "lora_fused_shrink",

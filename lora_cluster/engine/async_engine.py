@@ -145,15 +145,17 @@ class AsyncEngine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        preempt_after_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request (`priority`: lower is more urgent, see `Engine`); raises its
-        error (bad input, failed adapter) instead."""
+        """Stream outputs of one request (`priority`: lower is more urgent; `preempt_after_s`: its
+        patience before it preempts, see `Engine.add_request`); raises its error (bad input, failed
+        adapter) instead."""
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
 
         def add(engine: Engine) -> None:
-            engine.add_request(request_id, prompt, adapter_id, sampling, priority)
+            engine.add_request(request_id, prompt, adapter_id, sampling, priority, preempt_after_s)
 
         try:
             await self.call(add)

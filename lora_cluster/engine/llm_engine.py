@@ -180,10 +180,15 @@ class Engine:
         adapter_id: str | None = None,
         sampling: SamplingParams | None = None,
         priority: int = 0,
+        preempt_after_s: float = 0.0,
     ) -> None:
-        """Queue a request (`priority`: lower is more urgent); raises RequestError/PromptTooLongError/
-        EngineOverloadedError at once."""
+        """Queue a request (`priority`: lower is more urgent; `preempt_after_s`: how long it waits for a
+        slot before it may preempt less urgent running work, see `Scheduler`); raises RequestError/
+        PromptTooLongError/EngineOverloadedError at once."""
         check_priority(priority)
+        if not 0.0 <= preempt_after_s < float("inf"):
+            raise RequestError(f"preempt_after_s must be a finite number of seconds >= 0, "
+                               f"got {preempt_after_s}")
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         if adapter_id is not None:
@@ -209,6 +214,7 @@ class Engine:
             prompt_logprobs=None if sampling.prompt_logprobs is None else [None],
             guided=None if sampling.guided is None else GuidedState(self.grammars.compile(sampling.guided)),
         )
+        seq.preempt_at = seq.arrival + preempt_after_s
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         self.adapters.request_started(adapter_id, priority)  # queues its fetch now, off the step loop

@@ -12,7 +12,9 @@ The schedule follows `engine.schedule.scheduler` step for step:
    sequence is preempted for a strictly more urgent one (recompute: it returns to the waiting
    queue and re-prefills its prompt and the tokens it had produced); when no adapter slot is free,
    the running sequences of an adapter that only strictly less urgent requests want are
-   preempted the same way, and its slot goes to the urgent request;
+   preempted the same way, and its slot goes to the urgent request; either only once the waiting
+   request's patience has run out (`preempt_patience` times its class's TTFT target from its arrival
+   here, as the live replica passes it to the engine; until then it waits for a slot to free);
 4. a step that carries the prefill chunk of an urgent request (`prefill_plan.URGENT_PRIORITY`)
    carries no less urgent one (they continue at the next step). The engine's
    `less_urgent_prefill_chunk` is not modelled: it is off by default.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -38,6 +41,7 @@ from lora_cluster.cluster.prefix_keys import PrefixSummary
 from lora_cluster.cluster.report_rules import AdapterDemand, ServiceTime, projected_batch
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
+from lora_cluster.config import EngineConfig
 from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
 from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
 from lora_cluster.sim.events import EventLoop
@@ -45,6 +49,8 @@ from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
 from lora_cluster.sim.workload import SimRequest
+
+PREEMPT_PATIENCE: float = EngineConfig.model_fields["preempt_patience"].default
 
 
 def _urgency(req: SimRequest) -> tuple[int, int]:
@@ -57,7 +63,7 @@ class SimReplica:
                  on_load: Callable[[str], None],
                  on_first_token: Callable[[SimReplica, SimRequest], None] | None = None,
                  on_plan: Callable[[SimReplica], None] | None = None, base: str = "base",
-                 prefix_cache: SimPrefixCache | None = None):
+                 prefix_cache: SimPrefixCache | None = None, preempt_patience: float = PREEMPT_PATIENCE):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
         self.base = base  # the API name of the base model it serves, reported as a live replica does
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
@@ -86,11 +92,14 @@ class SimReplica:
         self._chunks: list[tuple[SimRequest, int]] = []
         self.prefix_cache = prefix_cache  # None: the engine's prefix cache is off (`sim.prefix_cache`)
         self.prefixes = PrefixSummary()  # prompt prefixes run here lately, reported as a live replica does
+        self.preempt_patience = preempt_patience  # `EngineConfig.preempt_patience`, as the live replica
+        self._patience_due = math.inf  # the earliest wake-up set for a waiting request's patience to end
 
     # ----- requests in ----------------------------------------------------------------------
 
     def add(self, req: SimRequest, now: float) -> None:
         req.order, req.replica, req.reached_at = next(self._orders), self.replica_id, now
+        req.preempt_at = now + req.sla.preempt_after_s(self.preempt_patience)
         req.joined = req.adapter in self.adapters.loading
         req.hit = self.adapters.request_started(req.adapter, req.priority)
         self.demand.record(req.adapter)
@@ -176,11 +185,15 @@ class SimReplica:
         keep: list[SimRequest] = []
         preempted: list[SimRequest] = []
         waiting = self.waiting
+        now = self.loop.now
         for i, req in enumerate(waiting):
             victim, refund = None, 0
+            patient = now < req.preempt_at
             if not self.kv_free:
-                victim = self._victim(req.priority)
+                victim = None if patient else self._victim(req.priority)
                 if victim is None:
+                    if patient and self._victim(req.priority) is not None:
+                        self._wake_at(req.preempt_at)
                     keep.extend(waiting[i:])
                     break
                 refund = 1 if victim.finish_mark >= 0 else next((n for r, n in chunks if r is victim), 0)
@@ -188,7 +201,9 @@ class SimReplica:
                 keep.extend(waiting[i:])
                 break
             gate = self.adapters.acquire(req.adapter, not blocked, req.priority)
-            if gate == BLOCKED and not blocked:
+            if gate == BLOCKED and not blocked and patient:
+                self._wake_at(req.preempt_at)
+            elif gate == BLOCKED and not blocked:
                 freed = self._free_adapter_slot(req.priority, chunks, preempted)
                 if freed is not None:  # the preempted sequences also gave back their KV slots
                     budget += freed
@@ -220,6 +235,17 @@ class SimReplica:
         for req in preempted:
             bisect.insort(self.waiting, req, key=_urgency)
         return budget
+
+    def _wake_at(self, when: float) -> None:
+        """Plan again at `when`, when a waiting request's patience ends (it may then preempt): cuts a
+        multi-step run as an arrival does. One wake-up at a time, the earliest."""
+        if when < self._patience_due:
+            self._patience_due = when
+            self.loop.at(when, self._patience_ended)
+
+    def _patience_ended(self) -> None:
+        self._patience_due = math.inf
+        self._kick_now()
 
     def _free_adapter_slot(self, priority: int, chunks: list[tuple[SimRequest, int]],
                            preempted: list[SimRequest]) -> int | None:

@@ -31,9 +31,9 @@ class SimRequest:
     """One request, from arrival to its end. Mutated by the replica that runs it."""
 
     __slots__ = ("adapter", "admitted_at", "arrival", "blocks", "cached", "finish_at", "finish_mark",
-                 "first_token_at", "generated", "hit", "joined", "measured", "order", "output", "preemptions",
-                 "prefill_left", "prefix", "priority", "prompt", "reached_at", "replica", "rid", "sla",
-                 "ticket")
+                 "first_token_at", "generated", "hit", "joined", "measured", "order", "output", "preempt_at",
+                 "preemptions", "prefill_left", "prefix", "priority", "prompt", "reached_at", "replica",
+                 "rid", "sla", "ticket")
 
     def __init__(self, rid: int, adapter: str, sla: SlaClass, prompt: int, output: int, arrival: float,
                  measured: bool):
@@ -43,6 +43,7 @@ class SimRequest:
         self.ticket: str | None = None  # its cluster-queue ticket, if it was parked and granted
         self.order = 0  # arrival order at its replica (the engine's tie-break after priority)
         self.reached_at = 0.0  # when it reached its replica
+        self.preempt_at = 0.0  # from when, waiting there, it may preempt less urgent work (its patience)
         self.hit = False  # its adapter was on its replica's device when it got there
         self.joined = False  # not a hit, but a fetch of its adapter there was under way (a delayed hit)
         self.admitted_at: float | None = None  # its first admission into a running batch (slot hold start)

@@ -234,3 +234,9 @@ async def test_the_replica_tracks_a_request_from_its_engine_outputs():
     assert final["finished"] == 1, "the final output finishes the request"
     assert final["ttft_p50_s"] == pytest.approx(0.25), "TTFT is the engine's time_to_first_token"
     assert final["tpot_p50_s"] == pytest.approx(0.1), "TPOT is first-to-last token time over the later tokens"
+
+
+def test_a_class_waits_its_share_of_its_ttft_target_before_preempting_and_one_without_a_target_does_not():
+    assert SlaClass("interactive", 0, ttft_s=1.0).preempt_after_s(0.25) == 0.25, "a quarter of a 1 s target"
+    assert SlaClass("batch", 2).preempt_after_s(0.25) == 0.0, "no TTFT target: preempts at once"
+    assert SlaClass("standard", 1, ttft_s=4.0).preempt_after_s(0.0) == 0.0, "patience 0: at once"

@@ -222,3 +222,10 @@ async def test_async_bad_priority_is_a_request_error(fresh_single: Engine):
                 pass
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize("patience", [-0.5, float("inf"), float("nan")])
+def test_a_bad_patience_is_a_request_error(single: Engine, patience: float):
+    with pytest.raises(RequestError, match="preempt_after_s must be a finite number of seconds >= 0"):
+        single.add_request("bad", "hello there", priority=0, preempt_after_s=patience)
+    assert not single.has_unfinished(), "a refused patience queues nothing"

@@ -332,3 +332,39 @@ def test_the_victims_share_of_the_step_budget_goes_to_the_urgent_sequence():
     assert [(q.request_id, n) for q, n in out.prefills] == [("urgent", 1)], (
         "the token the victim would have decoded is the urgent request's prefill budget"
     )
+
+
+def test_a_patient_urgent_sequence_waits_for_a_slot_until_its_patience_ends_then_preempts():
+    gates = Gates({})
+    now = [100.0]
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=16, max_waiting=10, acquire=gates.acquire,
+                  release=gates.release, clock=lambda: now[0])
+    a, b = _seq("a", 3, priority=5), _seq("b", 3, priority=5)
+    _decoding(s, a, b)
+    urgent = _seq("urgent", 4, priority=0)
+    urgent.preempt_at = 100.25
+    s.add(urgent)
+    out = s.schedule()
+    assert out.preempted == [], "within its patience it preempts nobody"
+    assert _ids(s.waiting) == ["urgent"], "it waits for a slot"
+    assert _ids(out.decodes) == ["a", "b"], "the less urgent sequences keep decoding"
+    now[0] = 100.25
+    out = s.schedule()
+    assert _ids(out.preempted) == ["b"], "once its patience ends it preempts the least urgent, latest arrival"
+    assert [(q.request_id, n) for q, n in out.prefills] == [("urgent", 4)], "and prefills in its slot"
+
+
+def test_a_patient_urgent_sequence_takes_a_slot_that_frees_without_preempting():
+    gates = Gates({})
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=16, max_waiting=10, acquire=gates.acquire,
+                  release=gates.release, clock=lambda: 0.0)
+    a, b = _seq("a", 3, priority=5), _seq("b", 3, priority=5)
+    _decoding(s, a, b)
+    urgent = _seq("urgent", 4, priority=0)
+    urgent.preempt_at = 1.0
+    s.add(urgent)
+    s.schedule()
+    s.finish(a)
+    out = s.schedule()
+    assert out.preempted == [], "a slot freed: nobody is preempted"
+    assert [(q.request_id, n) for q, n in out.prefills] == [("urgent", 4)], "the urgent sequence takes it"

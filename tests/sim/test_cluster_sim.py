@@ -162,18 +162,35 @@ def test_a_cold_request_pays_the_s3_fetch_the_copy_the_prefill_and_its_decodes()
     assert done == [req], "the replica reported the request finished"
 
 
-def test_an_urgent_request_preempts_the_least_urgent_one_which_recomputes() -> None:
+def test_an_urgent_request_preempts_the_least_urgent_one_once_its_patience_ends() -> None:
     loop, replica, done = one_replica(max_num_seqs=1)
-    batch = SimRequest(0, "a0", CLASSES.get("batch"), prompt=10, output=50, arrival=0.0, measured=True)
+    batch = SimRequest(0, "a0", CLASSES.get("batch"), prompt=10, output=5000, arrival=0.0, measured=True)
     urgent = SimRequest(1, "a0", CLASSES.get("interactive"), prompt=10, output=2, arrival=0.0, measured=True)
     replica.add(batch, 0.0)
     loop.run(until=0.5)
     replica.add(urgent, 0.5)
-    loop.run(until=100.0)
-    assert batch.preemptions == 1, "the batch request was preempted once"
+    patience = CLASSES.get("interactive").preempt_after_s(replica.preempt_patience)
+    loop.run(until=0.5 + patience - 1e-6)
+    assert batch.preemptions == 0, "within the urgent request's patience nobody is preempted"
+    loop.run(until=1000.0)
+    assert batch.preemptions == 1, "then the batch request is preempted once"
+    assert urgent.admitted_at == pytest.approx(0.5 + patience, abs=0.01), (
+        "the urgent request runs at the first step boundary after its patience ends")
     assert done[0] is urgent, "the urgent request finished first"
     assert batch.finish_at is not None and batch.first_token_at < urgent.first_token_at, \
         "the batch request kept its first token time and finished after recomputing"
+
+
+def test_an_urgent_request_takes_a_slot_that_frees_within_its_patience_without_preempting() -> None:
+    loop, replica, _ = one_replica(max_num_seqs=1)
+    batch = SimRequest(0, "a0", CLASSES.get("batch"), prompt=10, output=20, arrival=0.0, measured=True)
+    urgent = SimRequest(1, "a0", CLASSES.get("interactive"), prompt=10, output=2, arrival=0.0, measured=True)
+    replica.add(batch, 0.0)
+    loop.run(until=100.0, stop=lambda: batch.first_token_at is not None)
+    replica.add(urgent, loop.now)
+    loop.run(until=100.0)
+    assert batch.preemptions == 0, "the batch request ended within the urgent one's patience: no preemption"
+    assert urgent.admitted_at == pytest.approx(batch.finish_at), "the urgent request took the freed slot"
 
 
 def test_an_urgent_prompt_gets_a_step_of_its_own_while_a_long_prompt_waits_a_step() -> None:

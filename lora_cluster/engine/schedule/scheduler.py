@@ -55,6 +55,12 @@ token, as its next decode would have. Invariants: a sequence is never preempted 
 larger priority value; a victim is preempted only once the waiting sequence's adapter is READY and
 the step has budget for it, so a sequence that cannot run yet never evicts anyone; a sequence
 preempted in a step is not re-admitted in that step.
+
+Patience: a waiting sequence preempts (for a KV slot or an adapter slot) only from its `preempt_at`
+(the engine sets it to its arrival plus the patience its caller gives: a share of its SLA class's
+TTFT target, `EngineConfig.preempt_patience`; 0, the default for a bare engine, at once). Until then
+it waits for a slot to free, which under load one usually does well within the patience: preempting
+at once recomputes the victim's work for nothing. The clock is injected (`clock`, read once per step).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ import bisect
 import enum
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -141,6 +148,7 @@ class Scheduler:
         less_urgent_chunk: int | None = None,
         urgent_priority: int | None = None,
         prefix_root: PrefixRootFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_blocks = kv_blocks  # None: KV memory is not limited beyond the slots (see KV blocks)
@@ -156,6 +164,7 @@ class Scheduler:
         self.num_adapter_preemptions = 0  # since start: sequences preempted for an adapter slot
         self.less_urgent_chunk, self.urgent_priority = less_urgent_chunk, urgent_priority  # prefill_plan
         self._prefix_root = prefix_root  # None: no prefix caching
+        self._clock = clock  # read once per step: which waiting sequences' patience has run out
 
     def can_add(self) -> bool:
         return len(self.waiting) < self.max_waiting
@@ -179,17 +188,17 @@ class Scheduler:
         planned = self._plan_running(share)
         self._reserve_blocks(planned, out)
         budget = self.max_num_batched_tokens - sum(planned.values())
-        blocked = False
+        blocked, now = False, self._clock()
         still_waiting: list[Sequence] = []
         for i, seq in enumerate(self.waiting):
             room = self._has_room()
-            victim = None if room else self._victim_for(seq)
+            victim = None if room or now < seq.preempt_at else self._victim_for(seq)
             refund = planned.get(victim.request_id, 0) if victim is not None else 0
             if (not room and victim is None) or budget + refund <= 0 or not share.allows(seq):
                 still_waiting.extend(self.waiting[i:])  # the rest are no more urgent: no room for them either
                 break
             gate = self._acquire(seq, not blocked)
-            if gate is Gate.BLOCKED and not blocked and victim is None and self._slot_to_preempt is not None:
+            if gate is Gate.BLOCKED and not blocked and victim is None and self._may_free_slot(seq, now):
                 budget += self._preempt_slot(self._slot_to_preempt(seq.priority), planned, out)
                 gate = self._acquire(seq, True)
             if gate is Gate.FAILED:
@@ -336,6 +345,10 @@ class Scheduler:
             out.preempted.append(victim)
             self.num_adapter_preemptions += 1
         return refund
+
+    def _may_free_slot(self, seq: Sequence, now: float) -> bool:
+        """Whether `seq`, BLOCKED, may have an adapter slot's less urgent sequences preempted for it."""
+        return self._slot_to_preempt is not None and now >= seq.preempt_at
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """The least urgent running sequence, if its priority is strictly less urgent than `seq`'s."""

@@ -55,6 +55,7 @@ class Sequence:
     emitted_text: int = 0  # characters of detok.text already reported
     emitted_ids: int = 0  # output ids already reported
     priority: int = 0  # lower is more urgent
+    preempt_at: float = 0.0  # monotonic time from which, waiting, it may preempt less urgent work
     arrival_order: int = 0  # stamped by the scheduler when queued; kept across preemptions
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission

@@ -124,7 +124,8 @@ class LoraReplica:
                                                    admission.max_ongoing_requests, self._capacity))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.counts: collections.Counter[str] = collections.Counter()
-        self.class_stats = ClassStats(build_sla_classes(self.config))
+        self.sla_classes = build_sla_classes(self.config)
+        self.class_stats = ClassStats(self.sla_classes)
         self._registered: dict[str, str] = {}  # adapters registered here through the vLLM API
         self._registering = asyncio.Lock()  # one registration at a time: a path is registered once
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -149,7 +150,8 @@ class LoraReplica:
     # ----- generation ---------------------------------------------------------------------
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[dict[str, Any]]:
-        """Run `job` at its class's priority; its class's stats count it (an error is a missed SLO, a
+        """Run `job` at its class's priority, with its class's patience before it preempts
+        (`SlaClass.preempt_after_s`); its class's stats count it (an error is a missed SLO, a
         caller that goes away is no sample). The call's task logs with the job's `x-request-id`."""
         async with contextlib.aclosing(self._run(job, stream=job.stream)) as items:
             async for item in items:
@@ -186,8 +188,10 @@ class LoraReplica:
                 await self._ensure_registered(aid, job.adapter_path)
             if job.merge is not None:  # a merged adapter: its recipe first, then its id like any other
                 aid = self.store.define_merge(job.merge)
+            sla = self.sla_classes.by_name.get(job.priority_class)
+            patience = sla.preempt_after_s(self.config.engine.preempt_patience) if sla is not None else 0.0
             outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
-                                                    priority=job.priority), tracker)
+                                                    priority=job.priority, preempt_after_s=patience), tracker)
             if self.config.engine.enable_prefix_caching:
                 self.prefixes.record(job.routing_prefix)
             if not stream:
