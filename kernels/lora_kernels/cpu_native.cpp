@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 namespace {
@@ -63,8 +64,13 @@ void token_lora(float* __restrict ot, const float* __restrict xt, const float* _
 // out[t] += (x[t] @ a[s, :r].T) @ b_t[s, :r] for every token t of a segment with slot s >= 0 and rank
 // r = min(seg_rank, R) > 0; other rows of out untouched. a: [L, R, K], b_t: [L, R, N] (the pool's B
 // stored rank-major), x: [T, K], out: [T, N]; any row strides, unit last stride.
-void add_lora(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b_t,
-              at::Tensor seg_indptr, at::Tensor seg_slot, at::Tensor seg_rank) {
+// Returns "" when done, else why the segments were refused (nothing written). native.add_lora checks
+// every tensor attribute first and raises in Python; the TORCH_CHECKs below are a second line only.
+// The segments' values are checked here, in the loop that reads them anyway, and reported as a
+// returned message, not thrown: a C++ exception crossing into Python crashed the process on a
+// toolchain other than torch's (native.py, "Refused inputs").
+std::string add_lora(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b_t,
+                     at::Tensor seg_indptr, at::Tensor seg_slot, at::Tensor seg_rank) {
   check_rows(out, "out", 2);
   check_rows(x, "x", 2);
   check_rows(a, "lora_a", 3);
@@ -73,18 +79,24 @@ void add_lora(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b_t,
   TORCH_CHECK(out.size(0) == T && a.size(2) == K && b_t.size(0) == L && b_t.size(1) == R && b_t.size(2) == N,
               "add_lora: shapes do not match");
   for (const auto* t : {&seg_indptr, &seg_slot, &seg_rank})
-    TORCH_CHECK(t->dim() == 1 && t->is_contiguous() && t->scalar_type() == at::kLong,
-                "add_lora: segment tensors must be contiguous 1-D int64");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->is_contiguous() && t->scalar_type() == at::kLong,
+                "add_lora: segment tensors must be contiguous 1-D int64 CPU tensors");
   const int64_t S = seg_slot.size(0);
+  TORCH_CHECK(seg_indptr.size(0) == S + 1 && seg_rank.size(0) == S, "add_lora: segment tensors' sizes");
   const int64_t* ip = seg_indptr.data_ptr<int64_t>();
   const int64_t* ss = seg_slot.data_ptr<int64_t>();
   const int64_t* sr = seg_rank.data_ptr<int64_t>();
-  TORCH_CHECK(seg_indptr.size(0) == S + 1 && seg_rank.size(0) == S && ip[0] == 0 && ip[S] == T,
-              "add_lora: segments do not cover the tokens");
+  if (ip[0] != 0 || ip[S] != T)
+    return "add_lora: segments do not cover the tokens: seg_indptr runs from " + std::to_string(ip[0]) +
+           " to " + std::to_string(ip[S]) + ", not from 0 to " + std::to_string(T);
   std::vector<int64_t> slot(T, -1), rank(T, 0);
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(ip[s] <= ip[s + 1] && ip[s + 1] <= T, "add_lora: segment boundaries out of order");
-    TORCH_CHECK(ss[s] >= -1 && ss[s] < L, "add_lora: slot ", ss[s], " outside [-1, ", L, ")");
+    if (ip[s] > ip[s + 1] || ip[s + 1] > T)
+      return "add_lora: segment boundaries out of order: seg_indptr[" + std::to_string(s) + ":" +
+             std::to_string(s + 2) + "] = " + std::to_string(ip[s]) + ", " + std::to_string(ip[s + 1]);
+    if (ss[s] < -1 || ss[s] >= L)
+      return "add_lora: seg_slot[" + std::to_string(s) + "] = " + std::to_string(ss[s]) + " outside [-1, " +
+             std::to_string(L) + ")";
     for (int64_t t = ip[s]; t < ip[s + 1]; ++t) {
       slot[t] = ss[s];
       rank[t] = std::min(sr[s], R);
@@ -119,11 +131,12 @@ void add_lora(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b_t,
       token_lora(O + t * os, X + t * xs, A + s * as0, as1, B + s * bs0, bs1, K, N, r, h.data());
     }
   });
+  return std::string();
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_lora", &add_lora, "LoRA of a decode-like batch, weights read in place",
+  m.def("add_lora", &add_lora, "LoRA of a decode-like batch, weights read in place; \"\" or why refused",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

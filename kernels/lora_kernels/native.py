@@ -167,8 +167,56 @@ def supports(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor) -> bool:
 def add_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, meta: LoraMeta) -> None:
     """out[T, N] += (x[T, K] @ lora_a[s].T) @ lora_b[s].T per token with slot s >= 0 (see the module
     docstring); ``lora_a`` [L, R, K], ``lora_b`` [L, N, R] (as the pool exposes them). Call
-    :func:`supports` first; raises RuntimeError when the kernel is not loaded or rejects a shape."""
+    :func:`supports` first.
+
+    Refused inputs raise RuntimeError in Python and write nothing: when the kernel is not loaded; naming
+    the tensor and what it must be for a wrong dtype or device (float32 on the CPU), number of dims,
+    last stride (unit), a shape that does not agree with the others, or segment tensors (``meta``'s,
+    1-D int64 on the CPU; made contiguous here) of the wrong sizes; with the kernel's message, from
+    its own pass over the segments, for boundaries that do not run from 0 to T in order or a slot
+    outside ``[-1, L)``. No C++ exception is thrown for any of them: one thrown by ``TORCH_CHECK`` in
+    the extension crashed the process (SIGSEGV) instead of becoming a RuntimeError where the extension
+    was built with a toolchain other than torch's (the H200 check, torch 2.11).
+
+    Cost: the attribute checks are comparisons of tensor metadata (~2 us a call). The segment values
+    are checked by the kernel in the loop over segments it runs anyway (it returns why it refused
+    them, before writing anything; nothing thrown), not by torch ops here: those (a diff, a
+    comparison, an ``aminmax`` and reads of their results) would add several microseconds per
+    projection per decode step, a sizeable share of a call of ~15-60 us. The extension's
+    ``TORCH_CHECK`` of the attributes remains, as a second line only.
+    """
     if _module is None:
         raise RuntimeError("the native CPU LoRA kernel is not loaded (lora_kernels.native.load)")
+    if lora_b.dim() != 3:
+        raise RuntimeError(f"native add_lora: lora_b must be 3-D [L, N, R], got shape {tuple(lora_b.shape)}")
+    b_t = lora_b.mT
+    for t, name, dims in ((out, "out", 2), (x, "x", 2), (lora_a, "lora_a", 3), (b_t, "lora_b.mT", 3)):
+        _check_rows(t, name, dims)
+    n_tok, k_in, n_out, slots, rank = x.shape[0], x.shape[1], out.shape[1], lora_a.shape[0], lora_a.shape[1]
+    if out.shape[0] != n_tok or lora_a.shape[2] != k_in or b_t.shape != (slots, rank, n_out):
+        raise RuntimeError(f"native add_lora: shapes do not match: out {tuple(out.shape)} (T, N), x "
+                           f"{tuple(x.shape)} (T, K), lora_a {tuple(lora_a.shape)} (L, R, K), lora_b "
+                           f"{tuple(lora_b.shape)} (L, N, R)")  # fmt: skip
     indices = [t.contiguous() for t in (meta.seg_indptr, meta.seg_slot, meta.seg_rank)]
-    _module.add_lora(out, x, lora_a, lora_b.mT, *indices)
+    for t, name in zip(indices, ("seg_indptr", "seg_slot", "seg_rank"), strict=True):
+        if t.dtype != torch.int64 or t.dim() != 1 or not t.is_cpu:
+            raise RuntimeError(f"native add_lora: meta.{name} must be a 1-D int64 CPU tensor, got "
+                               f"{t.dtype} of shape {tuple(t.shape)} on {t.device}")  # fmt: skip
+    sizes = [t.shape[0] for t in indices]
+    if sizes[0] != sizes[1] + 1 or sizes[2] != sizes[1]:
+        raise RuntimeError(f"native add_lora: meta.seg_indptr must have one more entry than seg_slot "
+                           f"and seg_rank as many: sizes {sizes}")
+    refused = _module.add_lora(out, x, lora_a, b_t, *indices)
+    if refused:
+        raise RuntimeError(f"native {refused}")
+
+
+def _check_rows(t: Tensor, name: str, dims: int) -> None:
+    """RuntimeError unless `t` is a float32 CPU tensor of `dims` dims with a unit last stride."""
+    if t.dtype != torch.float32 or not t.is_cpu:
+        raise RuntimeError(f"native add_lora: {name} must be a float32 CPU tensor, got {t.dtype} "
+                           f"on {t.device}")
+    if t.dim() != dims:
+        raise RuntimeError(f"native add_lora: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise RuntimeError(f"native add_lora: {name} must have a unit last stride, got strides {t.stride()}")

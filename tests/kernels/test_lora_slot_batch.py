@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import subprocess
 import sys
 import zlib
@@ -361,6 +362,97 @@ def test_native_kernel_refuses_malformed_segments(native_kernel: None) -> None:
         native.add_lora(out, x, a, b, crossed)
     assert out.abs().sum() == 0, "a refused call writes nothing"
 
+
+
+def _refused_inputs() -> list[tuple[str, dict[str, object], str]]:
+    """(case, the argument replaced, the message expected) for every input the kernel refuses."""
+    gen = torch.Generator().manual_seed(6)
+    a, b = _pool(8, gen)
+    meta = build_lora_meta(torch.tensor([0, 1, 2, 3]), _ranks(8))
+    x, out = torch.randn(4, K, generator=gen), torch.zeros(4, N)
+    seg = lambda **kw: dataclasses.replace(meta, **kw)  # noqa: E731
+    return [
+        ("out bfloat16", {"out": out.bfloat16()}, "out must be a float32 CPU tensor"),
+        ("x float64", {"x": x.double()}, "x must be a float32 CPU tensor"),
+        ("lora_a bfloat16", {"lora_a": a.bfloat16()}, "lora_a must be a float32 CPU tensor"),
+        ("lora_b float16", {"lora_b": b.half()}, "lora_b.mT must be a float32 CPU tensor"),
+        ("out on the meta device", {"out": out.to("meta")}, "out must be a float32 CPU tensor"),
+        ("out 1-D", {"out": out.flatten()}, "out must be 2-D"),
+        ("x 3-D", {"x": x[None]}, "x must be 2-D"),
+        ("lora_a 2-D", {"lora_a": a[0]}, "lora_a must be 3-D"),
+        ("lora_b 2-D", {"lora_b": b[0]}, "lora_b must be 3-D"),
+        ("out transposed", {"out": torch.zeros(N, 4).T}, "out must have a unit last stride"),
+        ("x every other column", {"x": torch.zeros(4, 2 * K)[:, ::2]}, "x must have a unit last stride"),
+        ("lora_a transposed", {"lora_a": a.mT.contiguous().mT}, "lora_a must have a unit last stride"),
+        ("lora_b rank-minor", {"lora_b": b.contiguous()}, "lora_b.mT must have a unit last stride"),
+        ("out rows", {"out": torch.zeros(5, N)}, "shapes do not match"),
+        ("out columns", {"out": torch.zeros(4, N - 1)}, "shapes do not match"),
+        ("x columns", {"x": torch.zeros(4, K + 1)}, "shapes do not match"),
+        ("lora_b slots", {"lora_b": b[:-1]}, "shapes do not match"),
+        ("lora_b rank", {"lora_b": b[..., :-1]}, "shapes do not match"),
+        ("seg_indptr int32", {"meta": seg(seg_indptr=meta.seg_indptr.int())},
+         "meta.seg_indptr must be a 1-D int64"),
+        ("seg_slot 2-D", {"meta": seg(seg_slot=meta.seg_slot[None])}, "meta.seg_slot must be a 1-D int64"),
+        ("seg_rank on the meta device", {"meta": seg(seg_rank=meta.seg_rank.to("meta"))},
+         "meta.seg_rank must be a 1-D int64 CPU"),
+        ("seg_indptr size", {"meta": seg(seg_indptr=meta.seg_indptr[:-1])}, "one more entry than seg_slot"),
+        ("seg_rank size", {"meta": seg(seg_rank=meta.seg_rank[:-1])}, "one more entry than seg_slot"),
+        ("seg_indptr from 1", {"meta": seg(seg_indptr=torch.tensor([1, 1, 2, 3, 4]))}, "do not cover"),
+        ("seg_indptr past T", {"meta": seg(seg_indptr=torch.tensor([0, 1, 2, 3, 9]))}, "do not cover"),
+        ("seg_indptr crossed", {"meta": seg(seg_indptr=torch.tensor([0, 3, 1, 2, 4]))}, "out of order"),
+        ("seg_indptr past T inside", {"meta": seg(seg_indptr=torch.tensor([0, 9, 2, 3, 4]))}, "out of order"),
+        ("slot L", {"meta": seg(seg_slot=torch.tensor([0, 1, 2, N_SLOTS]))}, f"outside \\[-1, {N_SLOTS}\\)"),
+        ("slot -2", {"meta": seg(seg_slot=torch.tensor([0, -2, 2, 3]))}, f"outside \\[-1, {N_SLOTS}\\)"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [c for c, _, _ in _refused_inputs()])
+def test_native_kernel_refuses_each_bad_input_in_python(native_kernel: None, case: str) -> None:
+    """Every input the C++ kernel checks is refused before a C++ exception could be thrown (one
+    crossing into Python crashed the process where the extension was built by another toolchain):
+    a RuntimeError naming the tensor and the limit, raised by native.py (a TORCH_CHECK's message
+    would carry the C++ source location, "cpu_native.cpp"), and nothing written."""
+    gen = torch.Generator().manual_seed(6)
+    a, b = _pool(8, gen)
+    args: dict[str, object] = {"out": torch.zeros(4, N), "x": torch.randn(4, K, generator=gen), "lora_a": a,
+                               "lora_b": b, "meta": build_lora_meta(torch.tensor([0, 1, 2, 3]), _ranks(8))}
+    _, changed, message = next(c for c in _refused_inputs() if c[0] == case)
+    args.update(changed)
+    before = args["out"].clone() if args["out"].device.type == "cpu" else None
+    with pytest.raises(RuntimeError, match=message) as raised:
+        native.add_lora(**args)
+    assert "cpu_native.cpp" not in str(raised.value), f"{case}: refused in Python, not by a TORCH_CHECK"
+    if before is not None:
+        assert torch.equal(args["out"], before), f"{case}: a refused call writes nothing"
+
+
+SECOND_LINE = """
+import torch
+from lora_kernels import native
+assert native.load(), native.load_error()
+seg = torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([8])
+try:
+    out, x, a, b_t = torch.zeros(6, 4).T, torch.zeros(4, 5), torch.zeros(2, 8, 5), torch.zeros(2, 8, 6)
+    native._module.add_lora(out, x, a, b_t, *seg)
+except RuntimeError as e:
+    print("RuntimeError:", str(e).splitlines()[0])
+"""
+
+
+def test_native_kernel_keeps_its_own_checks_as_a_second_line(native_kernel: None) -> None:
+    """The extension itself still refuses a transposed `out` (its TORCH_CHECK), should a caller reach
+    it without native.add_lora's checks. In a child process: where the extension's toolchain is not
+    torch's, the C++ exception crashed the process (the H200 check); that is reported as a skip
+    naming the signal (native.add_lora never lets it be thrown), a RuntimeError elsewhere."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run([sys.executable, "-c", SECOND_LINE], capture_output=True, text=True, timeout=300,
+                           env=env)  # fmt: skip
+    if child.returncode < 0:
+        pytest.skip(f"the extension's own TORCH_CHECK crashes the process here (signal {-child.returncode}): "
+                    f"the toolchain issue that native.add_lora's Python checks keep it from")  # fmt: skip
+    assert "RuntimeError: out must be 2-D with unit last stride" in child.stdout, (
+        f"the kernel's own check refuses a transposed out: rc {child.returncode}, "
+        f"{child.stdout}{child.stderr}")
 
 HOLD_BUILD_LOCK = """
 import sys, time

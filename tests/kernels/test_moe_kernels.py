@@ -102,14 +102,65 @@ def test_triton_experts_equal_the_reference(mix: str, top_k: int, tokens: int, l
                                f"{lora_mix}) equal the reference: {m}")  # fmt: skip
 
 
+def _reference_bf16(x, ids, weights, gate_up, down, lora) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference with the Triton kernels' bfloat16 precision (lora_kernels.triton_moe): products
+    summed in float32, every intermediate the kernels store rounded to bfloat16 where they store it:
+    the gate/up projection, then with its LoRA delta (added in float32 to the stored bf16 value), the
+    activation and the product of halves (torch ops in bf16), the down projection, then with its
+    LoRA delta, the routing-weighted output, and the running sum of a token's choices (index_add_
+    into the bf16 output). Also returns, per output element, the largest |weighted term| summed into
+    it (the scale of one bf16 rounding there). On the CPU in float32."""
+    bf = lambda t: t.bfloat16().float()  # noqa: E731
+    f = lambda t: t.float().cpu()  # noqa: E731
+    inter = down.shape[2]
+    x, ids, weights, gate_up, down = f(x), ids.cpu(), f(weights), f(gate_up), f(down)
+    out, scale = torch.zeros(x.shape), torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        row = -1 if lora is None else int(lora.rows[t])
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g = bf(gate_up[e] @ x[t])
+            if row >= 0:
+                g = bf(g + f(lora.gate_up_b[row, e]) @ (f(lora.gate_up_a[row, e]) @ x[t]))
+            h = bf(bf(F.silu(g[:inter])) * g[inter:])
+            y = bf(down[e] @ h)
+            if row >= 0:
+                y = bf(y + f(lora.down_b[row, e]) @ (f(lora.down_a[row, e]) @ h))
+            term = bf(y * weights[t, j])
+            out[t] = bf(out[t] + term)
+            scale[t] = torch.maximum(scale[t], term.abs())
+    return out, scale
+
+
 @pytest.mark.skipif(not (CUDA and _triton_runs()), reason="bfloat16 Triton is compared on CUDA only")
 @pytest.mark.parametrize("lora_mix", LORA_MIXES)
 def test_triton_experts_in_bfloat16_stay_close_to_the_reference(lora_mix: str) -> None:
+    """In bfloat16 the kernels round intermediates to bf16 by design, as vLLM's fused_moe does: the
+    grouped GEMM stores each projection in the activations' dtype, the LoRA expand adds its float32
+    delta to that stored value and stores again, the activation runs in bf16, and each token's choices
+    are summed into the bf16 output. A float32 reference therefore misses by the rounding of the
+    largest intermediates, not of the output: on the H200 one element of 1584 (`mixed`) was 0.066
+    from it, |result| 0.25 after cancelling two choices of |term| ~10 (a bf16 step there is 0.06);
+    the reference rounding at the same points (`_reference_bf16`) gives exactly the value the GPU
+    returned (-0.3203 against float32's -0.2540). So the kernel is compared with that reference, to
+    within one bf16 rounding of the result or of its largest term (2**-7 relative: a float32 sum
+    in another order can round an intermediate one step the other way; the same reference with
+    float64 sums instead of float32 changed no element of these cases), and, as a bound on the
+    reference itself, with float32's within 2% of the largest output."""
     x, ids, weights, gate_up, down, lora = _case("spread", 2, 33, lora_mix, torch.bfloat16)
     out = torch.empty_like(x)
     get_moe_experts("triton", DEVICE)(out, x, ids, weights, gate_up, down, F.silu, lora)
-    torch.testing.assert_close(out.float().cpu(), _reference(x, ids, weights, gate_up, down, lora),
-                               atol=5e-2, rtol=5e-2, msg=lambda m: f"bf16 triton experts ({lora_mix}): {m}")
+    got = out.float().cpu()
+    want, scale = _reference_bf16(x, ids, weights, gate_up, down, lora)
+    excess = (got - want).abs() - 2**-7 * torch.maximum(want.abs(), scale)
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (
+        f"bf16 triton experts ({lora_mix}) within one bf16 rounding of the bf16-rounding reference: at "
+        f"{divmod(worst, got.shape[1])} got {got.flatten()[worst]:.5f}, want {want.flatten()[worst]:.5f} "
+        f"(largest term {scale.flatten()[worst]:.3f})")
+    ref32 = _reference(x, ids, weights, gate_up, down, lora)
+    assert (got - ref32).abs().max() <= 0.02 * ref32.abs().max(), (
+        f"bf16 triton experts ({lora_mix}) within 2% of the largest output of the float32 reference")
 
 
 def test_an_empty_step_and_the_impl_choice() -> None:
