@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The checks of issue 12 that need a GPU, in one run of under 10 minutes (not run yet: no GPU was lent).
+# The checks of issue 12 that need a GPU, in one run of under 10 minutes (first run: 2026-12-04 on an
+# H200, docs/gpu_check_h200.md, with the wheels it names in .whl/).
 #
 #   OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh
 #
