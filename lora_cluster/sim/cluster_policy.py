@@ -27,6 +27,21 @@ wired to simulated replicas the way the live deployments are wired to each other
   its router every `controller_report_period_s`; each replica's routing stats refresh every
   `routing_stats_period_s`, staggered.
 
+Priority order (checked over random workloads by `tests/sim/test_priority_order.py`): a request
+never enters a running batch before a more urgent one that arrived earlier and still waits where the
+two wait together. In the cluster queue, grants go in its order; the exceptions are its starvation
+guard (an overdue ticket of a class without a TTFT target: `cluster.cluster_queue`) and, with
+`controller_shards` > 1, the shards: each grants its own tickets from its share of the room, split
+by queued counts, not urgency (`cluster.sharding`), so a ticket of one shard may pass a more urgent
+one of another. In one replica's waiting queue, admission goes by priority, then arrival; the
+exception is a more urgent request whose adapter is not on the device yet (loading, or waiting for a
+slot that requests at least as urgent hold), which does not hold back one whose adapter is there
+(`sim.replica`). The fast path is closed while tickets wait, so a later request never passes a
+parked one that way. A request does not move once sent: one waiting at its replica (for a slot
+there, its adapter, or the replica's next step) may be passed by a later, less urgent request sent
+where there was room. A refused or timed-out request no longer waits, and a preempted one already
+entered a batch.
+
 With `controller_shards` > 1 the controller is the shards as the live deployment runs them
 (`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
 of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_cluster.cluster.sla import SlaClasses
@@ -122,6 +123,9 @@ class Simulation:
         self.policy: Policy = (POLICIES[config.policy](self.ctx) if self.split is None
                                else GroupedPolicy(self.ctx, self.split, POLICIES[config.policy]))
         self.base_figures: BaseFigures | None = None
+        # hears every replica's step once its admission is done (after the policy): an observer's hook,
+        # e.g. `tests/sim/test_priority_order.py`, which checks who entered a running batch before whom
+        self.on_plan: Callable[[SimReplica], None] | None = None
         self.end = config.warmup + config.duration
         self.arrivals = 0
         self.census = SlotCensus(self.replicas, buckets, loop=loop, start=config.warmup,
@@ -170,6 +174,8 @@ class Simulation:
 
     def _planned(self, replica: SimReplica) -> None:
         self.policy.planned(replica)
+        if self.on_plan is not None:
+            self.on_plan(replica)
 
     def _arrive(self) -> None:
         self.arrivals += 1
