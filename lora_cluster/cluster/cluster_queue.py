@@ -18,7 +18,8 @@ less urgent than the new one: that one is bumped (its request refused) to make r
 that cannot be met is refused too, when the predicted wait (tickets at least as urgent ahead of
 it, divided by the drain rate) would end past it and the caller says nothing else can serve it in
 time (`deadline_at_risk`: the controller passes False when the ticket could preempt less urgent
-running work). The drain rate is the larger
+running work, or that work is claimed by preempting grants ahead of it: `scheduling.will_preempt`).
+The drain rate is the larger
 of the measured one (grants over a window) and the one the caller expects from capacity (replicas'
 batch slots over their service time). Both refusals carry a retry-after estimate.
 

@@ -64,6 +64,7 @@ class ClusterView:
         self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
         # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
         self._preemptible: dict[int, set[str]] = {}
+        self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
         # each adapter's replicas by rendezvous score (`homes.HomeRanks`), rebuilt when one joins or goes
         self.homes = HomeRanks(self.ids)
 
@@ -260,9 +261,20 @@ class ClusterView:
             self._preemptible[priority] = ids
         return ids
 
+    def claimed_less_urgent_ids(self, priority: int) -> list[str]:
+        """The replicas that run work strictly less urgent than `priority` that preempting grants on
+        their way there have claimed whole (so `preemptible` is 0 there): O(replicas with such a grant)."""
+        return [rid for rid in self._preempting_at
+                if rid in self._seen and self._seen[rid].report.less_urgent_running(priority) > 0
+                and self.preemptible(rid, priority) <= 0]
+
     def _repreempt(self, replica_id: str) -> None:
         """`preemptible_ids` follows a change of the replica's report or of its preempting grants."""
         seen = self._seen.get(replica_id)
+        if seen is not None and seen.preempting:
+            self._preempting_at.add(replica_id)
+        else:
+            self._preempting_at.discard(replica_id)
         for priority, ids in self._preemptible.items():
             if seen is not None and seen.report.less_urgent_running(priority) - len(seen.preempting) > 0:
                 ids.add(replica_id)

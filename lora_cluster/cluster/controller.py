@@ -37,11 +37,11 @@ from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
     affinity_hit,
-    can_preempt,
     choose_replica,
     hit_window_s,
     holder_preemption_target,
     holds,
+    will_preempt,
 )
 from lora_cluster.cluster.shedding import ColdShedding
 from lora_cluster.cluster.sla import SlaClasses
@@ -204,7 +204,7 @@ class Controller:
             raise self.shedding.error(ticket, predicted())
 
         def at_risk() -> bool:  # asked by the queue only once it has room for the ticket
-            return ticket.ttft_s is None or not can_preempt(ticket, self.view)
+            return ticket.ttft_s is None or not will_preempt(ticket, self.view)
 
         try:
             bumped = self.queue.park(ticket, deadline_at_risk=at_risk, expected_rate=rate,

@@ -136,6 +136,21 @@ def can_preempt(ticket: Ticket, view: ClusterView) -> bool:
                for rid in view.preemptible_ids(ticket.priority))
 
 
+def will_preempt(ticket: Ticket, view: ClusterView) -> bool:
+    """Whether `ticket` can count on preemption for its deadline: it `can_preempt` now, or the less
+    urgent work that a replica it could preempt at runs is all claimed by preempting grants on their
+    way there (urgent requests ahead of it, which take it over until they end; then that work runs
+    again, is preemptible again, and this ticket is next). So a burst of urgent requests over the
+    less urgent work that runs is queued, not refused as out of reach, while less urgent work is
+    there to preempt; once none runs anywhere (urgent work alone fills the replicas) the deadline
+    check applies."""
+    if can_preempt(ticket, view):
+        return True
+    aid = ticket.adapter_id
+    return any(aid is None or holds(view, rid, aid) or home_score(aid, rid) > 0
+               for rid in view.claimed_less_urgent_ids(ticket.priority))
+
+
 def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str] | None = None,
                       *, free_slot_first: bool = False) -> str | None:
     """A replica with running work strictly less urgent than `ticket`: a holder of its adapter, else

@@ -68,7 +68,9 @@ class AdmissionConfig(BaseModel):
         64,
         ge=1,
         description="Requests one replica accepts at once (running + waiting in its engine); more "
-        "wait in the router.",
+        "wait in the router. With the cluster controller on, Serve lets a replica take up to its "
+        "max_num_seqs more: the urgent requests the controller sends over capacity to preempt less "
+        "urgent work, which a full admission window would otherwise hold in the router behind it.",
     )
     max_queued_requests: int = Field(
         1024,

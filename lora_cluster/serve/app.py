@@ -114,15 +114,29 @@ def _count(num_replicas: int, autoscaling_config: dict[str, Any] | None, field: 
     return {"autoscaling_config": autoscaling.model_dump(exclude_unset=True)}
 
 
+def preemption_headroom(config: ServeConfig, group: ReplicaGroup) -> int:
+    """Requests a LoRA replica of `group` accepts beyond `max_ongoing_requests`: with the cluster
+    controller on, its batch slots (its group's `max_num_seqs`), the most urgent requests the
+    controller sends it at once over capacity to preempt less urgent running work (a preempting grant
+    counts against the less urgent requests running there, so no more than its batch slots). Without
+    this room, a replica whose admission window is full (`max_ongoing_requests` = capacity + window
+    in flight) would hold a preempting grant in Serve's router, first in first out, until one of its
+    requests ends, while the less urgent requests of its window start first. Controller off: 0."""
+    if not config.controller.enabled:
+        return 0
+    return group_configs(config)[group.name].engine.max_num_seqs
+
+
 def replica_options(config: ServeConfig, group: ReplicaGroup | None = None) -> dict[str, Any]:
     """Deployment options of one group's LoRA replicas (name, resources and node labels, concurrency,
-    the request router); `group` None: the first group of `config`."""
+    the request router); `group` None: the first group of `config`. Serve's `max_ongoing_requests` is
+    the admission section's plus `preemption_headroom`."""
     group = group or replica_groups(config)[0]
     return {
         "name": group.deployment,
         **replica_count(config, group),
         "ray_actor_options": group.ray_actor_options(),
-        "max_ongoing_requests": config.admission.max_ongoing_requests,
+        "max_ongoing_requests": config.admission.max_ongoing_requests + preemption_headroom(config, group),
         "max_queued_requests": config.admission.max_queued_requests,
         "request_router_config": RequestRouterConfig(
             request_router_class=LoraAffinityRouter,

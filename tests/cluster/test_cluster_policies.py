@@ -777,3 +777,26 @@ def test_a_top_class_miss_preempts_where_an_adapter_slot_is_free_and_other_class
     view = ctl.view
     standard = ticket("s", "standard", 100.0, "tail")
     assert preemption_target(standard, view) == home, "a less urgent class's miss goes to the adapter's home"
+
+
+def test_urgent_tickets_beyond_the_preemptible_work_queue_and_run_before_the_less_urgent_ones():
+    """A burst of urgent requests larger than the less urgent work running: the ones beyond it are
+    queued, not refused for their deadline (that work is claimed by the urgent grants ahead of them,
+    and is theirs to preempt once those end), and each goes before every less urgent ticket waiting."""
+    clock = FakeClock(100.0)
+    settings = ControllerSettings(top_class_preempt_after_fraction=0.0)
+    ctl = Controller(CLASSES, settings, clock=clock)
+    ctl.report(full_replica("r1", {2: 1}))  # one batch slot, running batch work
+    ctl.queue.drain.record(1)  # a slow measured drain: any wait looks long
+    assert ctl.park(ticket("b", "batch", 100.0)) is None, "no room: the batch ticket waits"
+    first = ctl.park(ticket("i1", "interactive", 100.0))
+    assert first is not None and first.preempt, "the first urgent ticket preempts the batch work at once"
+    assert ctl.park(ticket("i2", "interactive", 100.0)) is None, (
+        "the second is queued, not refused: the batch work it could preempt is claimed by the first")
+    ctl.report(full_replica("r1", {0: 1}))  # i1 runs: nothing less urgent runs there now
+    assert ctl.take_grants() == {}, "while only urgent work runs, neither waiting ticket is granted"
+    ctl.report(dataclasses.replace(full_replica("r1", {2: 1}), arrived_tickets=("i1",)))  # i1 ended
+    grants = ctl.take_grants()
+    assert grants.get("i2") is not None and grants["i2"].preempt, (
+        "once batch work runs again, the waiting urgent ticket preempts it")
+    assert "b" not in grants, "the batch ticket that waited longer still waits behind it"

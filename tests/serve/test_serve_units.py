@@ -285,6 +285,17 @@ def test_build_app_graph_without_starting_ray(tmp_path):
     assert json.dumps(router.request_router_kwargs), "the router kwargs are JSON-serialisable, as Serve needs"
 
 
+def test_a_replica_takes_its_batch_slots_of_preempting_grants_beyond_max_ongoing_requests(tmp_path):
+    from lora_cluster.serve.app import replica_options
+
+    on = replica_options(ServeConfig(model=str(tmp_path), max_num_seqs=2, max_ongoing_requests=4))
+    off = replica_options(ServeConfig(model=str(tmp_path), max_num_seqs=2, max_ongoing_requests=4,
+                                      controller=False))
+    assert on["max_ongoing_requests"] == 6, (
+        "with the controller on, Serve lets urgent requests preempt past a full admission window")
+    assert off["max_ongoing_requests"] == 4, "without it, max_ongoing_requests is Serve's limit as it is"
+
+
 def test_the_ingress_and_replicas_run_on_serves_main_loop_unless_the_environment_says_otherwise(monkeypatch):
     from lora_cluster.serve.app import SINGLE_LOOP_ENV, single_loop
 
