@@ -25,7 +25,7 @@ from typing import Any
 
 from lora_cluster.sim.capacity import Probe, SloTargets, find_capacity
 from lora_cluster.sim.grid import Common
-from lora_cluster.sim.simulation import SimConfig, run
+from lora_cluster.sim.simulation import run
 
 SIZES = ((32, 1000), (24, 1500))
 ZIPFS = (0.8, 1.0, 1.2)
@@ -57,11 +57,8 @@ def cells(sizes: tuple[tuple[int, int], ...] = SIZES, zipfs: tuple[float, ...] =
 
 
 def _run(cell: CapacityCell, policy: str, load: float, common: Common) -> dict[str, Any]:
-    preload = cell.adapters if common.preload is None else common.preload
-    config = SimConfig(nodes=cell.nodes, adapters=cell.adapters, zipf=cell.zipf, load=load,
-                       duration=common.duration, warmup=common.warmup, seed=cell.seed,
-                       max_loras=common.max_loras, policy=policy, profile=common.profile, preload=preload,
-                       serve=common.serve)
+    config = common.config(nodes=cell.nodes, adapters=cell.adapters, zipf=cell.zipf, load=load,
+                           seed=cell.seed, policy=policy)
     result = run(config).to_json()
     keep = ("hit_rate", "hit_rate_offered", "psb", "static_ceiling", "hit_rate_ceiling", "completed",
             "rejected", "wall_s")

@@ -7,7 +7,7 @@ from typing import Any
 
 from lora_cluster.sim import capacity_grid as cg
 from lora_cluster.sim.capacity import SloTargets
-from lora_cluster.sim.grid import Common
+from lora_cluster.sim.grid import Common, start_state
 
 
 def _x(value: float | None) -> str:
@@ -26,16 +26,14 @@ def _pct(value: float | None) -> str:
 
 def header(common: Common, targets: SloTargets, policies: tuple[str, ...]) -> str:
     """What the grid ran: profile, start state, run length, targets, and what a cell must show."""
-    start = ("every adapter preloaded in every node's store" if common.preload is None
-             else f"the {common.preload} most popular adapters preloaded" if common.preload
-             else "every adapter in S3 at start")
-    return (f"profile {common.profile}; {start}; max_loras {common.max_loras}; every other setting at its "
-            f"default; {common.duration:g} s measured after {common.warmup:g} s of warm-up; policies "
-            f"{', '.join(policies)}.\nCapacity at SLO: the largest load (x rated, bisection to 0.05x) with "
-            f"{targets.describe()}.\nA cell passes with ours >= {cg.ORACLE_SHARE_TARGET:g}x the oracle's "
-            f"capacity and >= {cg.BASELINE_MULTIPLE_TARGET:g}x the better baseline's, and at "
-            f"{cg.REFERENCE_LOAD:g}x of our capacity a hit rate over offered requests >= "
-            f"{cg.PSB_SHARE_TARGET:g} x PSB and within {100 * cg.ORACLE_GAP_TARGET:g} point of the oracle's.")
+    return (f"profile {common.profile}; {start_state(common.preload)}; max_loras {common.max_loras}; "
+            f"every other setting at its default; {common.duration:g} s measured after "
+            f"{common.warmup:g} s of warm-up; policies {', '.join(policies)}.\nCapacity at SLO: the "
+            f"largest load (x rated, bisection to 0.05x) with {targets.describe()}.\nA cell passes with "
+            f"ours >= {cg.ORACLE_SHARE_TARGET:g}x the oracle's capacity and >= "
+            f"{cg.BASELINE_MULTIPLE_TARGET:g}x the better baseline's, and at {cg.REFERENCE_LOAD:g}x of our "
+            f"capacity a hit rate over offered requests >= {cg.PSB_SHARE_TARGET:g} x PSB and within "
+            f"{100 * cg.ORACLE_GAP_TARGET:g} point of the oracle's.")
 
 
 def _binding(search: dict[str, Any] | None) -> str:

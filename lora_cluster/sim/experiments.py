@@ -292,6 +292,13 @@ def router_cost(sizes: tuple[int, ...] = (32, 256, 1024), adapters: int = 10_000
     return "\n".join(lines)
 
 
+def grid_common(args: argparse.Namespace) -> acceptance.Common:
+    """What every run of `grid` and `capacity` shares (60 s measured after 20 s unless given)."""
+    return acceptance.Common(duration=60.0 if args.duration is None else args.duration,
+                             warmup=20.0 if args.warmup is None else args.warmup, profile=args.profile,
+                             preload=args.preload, max_loras=args.max_loras, serve=serve_settings(args.set))
+
+
 def run_acceptance(args: argparse.Namespace) -> int:
     """`grid`: the acceptance grid (`sim.grid`), its table, and 1 when a cell fails."""
     try:
@@ -303,9 +310,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"grid: --sizes NODESxADAPTERS, --zipfs, --loads, --seeds: comma-separated numbers "
                          f"({e})") from None
-    common = acceptance.Common(duration=60.0 if args.duration is None else args.duration,
-                               warmup=20.0 if args.warmup is None else args.warmup, profile=args.profile,
-                               preload=args.preload, max_loras=args.max_loras, serve=serve_settings(args.set))
+    common = grid_common(args)
     runs = acceptance.run_grid(chosen, common, policies=tuple(args.policies.split(",")), workers=args.workers)
     if args.save:
         Path(args.save).write_text(json.dumps(runs, indent=1, default=str) + "\n")
@@ -325,9 +330,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"capacity: --sizes NODESxADAPTERS, --zipfs, --seeds: comma-separated numbers "
                          f"({e})") from None
-    common = acceptance.Common(duration=60.0 if args.duration is None else args.duration,
-                               warmup=20.0 if args.warmup is None else args.warmup, profile=args.profile,
-                               preload=args.preload, max_loras=args.max_loras, serve=serve_settings(args.set))
+    common = grid_common(args)
     policies = tuple(args.policies.split(",")) if args.policies else capacity_grid.POLICIES
     targets = SloTargets()
     runs = capacity_grid.run_grid(chosen, common, policies=policies, targets=targets, workers=args.workers)

@@ -61,6 +61,22 @@ class Common:
     max_loras: int = 16
     serve: ServeSections = field(default_factory=ServeSections)
 
+    def config(self, *, nodes: int, adapters: int, zipf: float, load: float, seed: int,
+               policy: str) -> SimConfig:
+        """One run of the grid: this cell and policy with what every run shares (`preload` None: every
+        adapter in every node's store)."""
+        return SimConfig(nodes=nodes, adapters=adapters, zipf=zipf, load=load, duration=self.duration,
+                         warmup=self.warmup, seed=seed, max_loras=self.max_loras, policy=policy,
+                         profile=self.profile, preload=adapters if self.preload is None else self.preload,
+                         serve=self.serve)
+
+
+def start_state(preload: int | None) -> str:
+    """The start state a run's `preload` gives, as a table's header says it."""
+    return ("every adapter preloaded in every node's store" if preload is None
+            else f"the {preload} most popular adapters preloaded" if preload
+            else "every adapter in S3 at start")
+
 
 def cells(sizes: tuple[tuple[int, int], ...] = SIZES, zipfs: tuple[float, ...] = ZIPFS,
           loads: tuple[float, ...] = LOADS, seeds: tuple[int, ...] = SEEDS) -> list[Cell]:
@@ -70,14 +86,11 @@ def cells(sizes: tuple[tuple[int, int], ...] = SIZES, zipfs: tuple[float, ...] =
 def run_one(cell: Cell, policy: str, common: Common) -> dict[str, Any]:
     """One policy on one cell: {cell, policy, result (the --json object), details (the figures the
     verdict and the table read)}."""
-    preload = cell.adapters if common.preload is None else common.preload
-    config = SimConfig(nodes=cell.nodes, adapters=cell.adapters, zipf=cell.zipf, load=cell.load,
-                       duration=common.duration, warmup=common.warmup, seed=cell.seed,
-                       max_loras=common.max_loras, policy=policy, profile=common.profile, preload=preload,
-                       serve=common.serve)
+    config = common.config(nodes=cell.nodes, adapters=cell.adapters, zipf=cell.zipf, load=cell.load,
+                           seed=cell.seed, policy=policy)
     result = run(config)
     keep = ("profile", "hit_rate_ceiling", "by_class", "rejections", "controller_cpu_s", "simulated_s")
-    return {"cell": asdict(cell), "policy": policy, "preload": preload, "result": result.to_json(),
+    return {"cell": asdict(cell), "policy": policy, "preload": config.preload, "result": result.to_json(),
             "details": {k: result.details.get(k) for k in keep}}
 
 
@@ -165,11 +178,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 def header(common: Common, runs: list[dict[str, Any]]) -> str:
     """What the table ran: profile, start state, duration and the targets."""
     profile = runs[0]["details"]["profile"] if runs else common.profile
-    start = ("every adapter preloaded in every node's store" if common.preload is None
-             else f"the {common.preload} most popular adapters preloaded" if common.preload
-             else "every adapter in S3 at start")
-    return (f"profile {profile} (--profile {common.profile}); {start}; max_loras {common.max_loras}; "
-            f"{common.duration:g} s measured after {common.warmup:g} s of warm-up; targets: interactive >= "
-            f"{100 * INTERACTIVE_TARGET:g}%, hit rate >= {100 * CEILING_SHARE_TARGET:g}% of the ceiling, "
-            f"ahead of {' and '.join(BASELINES)} (hit rate, interactive), batch p99 wait <= "
-            f"{BATCH_WAIT_TARGET_S:g} s at load <= {BATCH_WAIT_MAX_LOAD:g}x")
+    return (f"profile {profile} (--profile {common.profile}); {start_state(common.preload)}; "
+            f"max_loras {common.max_loras}; {common.duration:g} s measured after {common.warmup:g} s "
+            f"of warm-up; targets: interactive >= {100 * INTERACTIVE_TARGET:g}%, hit rate >= "
+            f"{100 * CEILING_SHARE_TARGET:g}% of the ceiling, ahead of {' and '.join(BASELINES)} "
+            f"(hit rate, interactive), batch p99 wait <= {BATCH_WAIT_TARGET_S:g} s at load <= "
+            f"{BATCH_WAIT_MAX_LOAD:g}x")

@@ -29,13 +29,19 @@ import math
 from collections.abc import Mapping
 
 
+def _counts(completed: Mapping[str, int], slots: int, max_num_seqs: int, window_s: float) -> list[int]:
+    """The adapters' completed requests, most first; ValueError for a window, slot count or batch size
+    that is not positive."""
+    if window_s <= 0 or slots <= 0 or max_num_seqs <= 0:
+        raise ValueError(f"window_s={window_s}, slots={slots} and max_num_seqs={max_num_seqs} must be > 0")
+    return sorted((n for n in completed.values() if n > 0), reverse=True)
+
+
 def pinned_slot_bound(completed: Mapping[str, int], slots: int, max_num_seqs: int, hold_s: float,
                       window_s: float) -> float | None:
     """PSB of `completed` (adapter id -> completed requests in the window); None without requests.
     Raises ValueError for a window, slot count or batch size that is not positive."""
-    if window_s <= 0 or slots <= 0 or max_num_seqs <= 0:
-        raise ValueError(f"window_s={window_s}, slots={slots} and max_num_seqs={max_num_seqs} must be > 0")
-    counts = sorted((n for n in completed.values() if n > 0), reverse=True)
+    counts = _counts(completed, slots, max_num_seqs, window_s)
     total = sum(counts)
     if not total:
         return None
@@ -60,9 +66,7 @@ def static_ceiling(completed: Mapping[str, int], slots: int, max_num_seqs: int, 
                    window_s: float) -> float | None:
     """The static ceiling of `completed` (see the module docstring); None without requests. Raises
     ValueError as `pinned_slot_bound` does."""
-    if window_s <= 0 or slots <= 0 or max_num_seqs <= 0:
-        raise ValueError(f"window_s={window_s}, slots={slots} and max_num_seqs={max_num_seqs} must be > 0")
-    counts = sorted((n for n in completed.values() if n > 0), reverse=True)
+    counts = _counts(completed, slots, max_num_seqs, window_s)
     total = sum(counts)
     if not total:
         return None
