@@ -12,6 +12,7 @@ import json
 import random
 
 import pytest
+from sim_profiles import SYNTHETIC
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.report_delta import parse_report
@@ -25,16 +26,11 @@ from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.context import ServeSections
 from lora_cluster.sim.events import EventLoop
-from lora_cluster.sim.profile import ReplicaProfile, TierCost
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.workload import SimRequest
 
 CLASSES = SlaClasses()
-PROFILE = ReplicaProfile(
-    name="test", label="synthetic", measured=False, base_s=0.01, per_prefill_token_s=0.001,
-    per_decode_token_s=0.0005, per_adapter_s=0.002, host_to_device=TierCost(0.001, 0.0),
-    disk_to_host=TierCost(0.02, 0.0), s3_to_disk=TierCost(0.1, 0.0), adapter_sizes=(1 << 20,),
-    host_cache_bytes=64 << 20, disk_cache_bytes=256 << 20, max_num_seqs=4, max_num_batched_tokens=256)
+PROFILE = SYNTHETIC
 
 
 # ----- shared fixtures: one cluster state, asked of the simulator and of the live code ------------
