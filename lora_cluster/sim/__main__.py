@@ -6,14 +6,16 @@
         [--bases K | --base-nodes 20,12] [--json]
 
 The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
-`cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the
-name of the profile the run used), completed, rejected, hit_rate, adapter_loads (by tier), classes (per
+`cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the name
+of the profile the run used), completed, rejected, hit_rate, adapter_loads (by tier), classes (per
 class: ttft_p50_s, ttft_p99_s, slo_attainment, offered, completed, refused) and wall_s; the hit rate
 over offered requests and its bounds (hit_rate_offered, psb, static_ceiling, hit_rate_ceiling) with the
-bound's inputs (slot_hold_s_mean, adapters_completed, slots_total, max_num_seqs, window_s; `sim.metrics`),
-and with the lora-cluster policy control_plane
-(reports_per_s_per_replica, controller_cpu_s_per_sim_s, at steady state). Without it, the same figures and the
-run's details (rates, controller calls and CPU time, queue depth) as text.
+bound's inputs (slot_hold_s_mean, adapters_completed, slots_total, max_num_seqs, window_s;
+`sim.metrics`), and with the lora-cluster policy control_plane (reports_per_s_per_replica,
+controller_cpu_s_per_sim_s, at steady state; controller_loop_modelled, and with the actor's loop
+modelled, `--control-cost`, controller_busy_share and inputs_per_turn), and sim_cpu_s_per_request (the
+simulator's own speed: its CPU seconds per arrival). Without it, the same figures and the run's details
+(rates, controller calls and CPU time, queue depth) as text.
 
 `--policy oracle` runs a yardstick, not a shipped policy (`sim.oracle`: it knows the true popularity
 and pins the most popular adapters at start); its `details` give `pinned_adapters`, `pinned_slots`,
@@ -88,6 +90,10 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--controller-shards", type=int, default=_SERVE.controller.controller_shards,
                     help="cluster controller shards (controller_shards: the queue and grants split by "
                     "a hash of the adapter; control_plane gives the busiest shard's CPU)")
+    ap.add_argument("--control-cost", default="measured",
+                    help="the controller actor's loop (sim.control_loop): measured "
+                    "(docs/profile_controller.json), none (every input answered at the instant it "
+                    "arrives) or a JSON path")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
@@ -114,6 +120,7 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
                        profile=a.profile, preload=a.preload, chats=chats, bases=bases, base_nodes=base_nodes,
+                       control_cost=a.control_cost,
                        serve=ServeSections().with_fields(prefix_aware_routing=a.prefix_routing == "on",
                                                          controller_shards=a.controller_shards))
     return config, a.json

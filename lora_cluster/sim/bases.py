@@ -112,7 +112,8 @@ class GroupedPolicy:
             adapters = [a for a, base in split.adapter_base.items() if base == b]
             self.groups.append(make(SimContext(loop=ctx.loop, replicas=replicas, metrics=ctx.metrics,
                                                classes=ctx.classes, serve=ctx.serve, rng=ctx.rng,
-                                               demand=ctx.demand.only(adapters))))
+                                               demand=ctx.demand.only(adapters),
+                                               control_cost=ctx.control_cost)))
         self.name = self.groups[0].name
 
     def start(self) -> None:

@@ -46,11 +46,15 @@ With `controller_shards` > 1 the controller is the shards as the live deployment
 (`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
 of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.
 
-One ingress is modelled. The control plane has no latency but the parks' batch window: a report,
-a grant and a send happen at the same simulated instant. The CPU time spent inside the controller's
-methods is measured (the simulating thread's CPU clock, so that other jobs on the machine do not
-inflate it) and reported with the calls, so that its cost at scale is visible; with
-`trace` set to a list, every controller call and its answer is recorded there, for replay.
+One ingress is modelled. The controller actor's loop is modelled for one controller
+(`sim.control_inbox`, `sim.control_loop`: its measured cost per input, inputs that arrive while it
+is busy taken together in its next turn, grants and replies leaving when their turn ends); with
+`--control-cost none`, with shards or with a positive batch window it is not, and the control plane
+has no latency but the window: a report, a grant and a send happen at the same simulated instant.
+The CPU time spent inside the controller's methods is measured (the simulating thread's CPU clock,
+so that other jobs on the machine do not inflate it) and reported with the calls, so that its cost
+at scale is visible; with `trace` set to a list, every controller call and its answer is recorded
+there, for replay.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from lora_cluster.errors import (
     WaitBoundError,
 )
 from lora_cluster.sim.context import SimContext
+from lora_cluster.sim.control_inbox import ControlInbox
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.routing import AffinityRouting
 from lora_cluster.sim.sharded_controller import ShardedController
@@ -127,10 +132,15 @@ class LoraClusterPolicy:
         self._free_total = sum(self._free.values())
         self._tickets: dict[str, SimRequest] = {}  # parked: in the batch window or at the controller
         self._window_tickets: list[Ticket] = []  # parked in the current batch window (timeouts: once sent)
-        # the controller's batch window: the live actor's composition (`cluster.batch_window`) on the
-        # simulated clock; at 0 (the default) each input is sent at once (see `_on_sim_clock`)
+        # the controller actor's loop (`sim.control_inbox`): modelled for one controller, the window at 0
+        # (its default); the batch window is the live actor's composition (`cluster.batch_window`)
+        modelled = self.sharded is None and control.controller_batch_window_s == 0
+        cost = ctx.control_cost if modelled else None
+        self.inbox = ControlInbox(cost, ctx.loop, self._deliver, self._grant)
+        self.control = self.inbox.loop
         self.window = BatchWindow(self._park_window, self._dispatch_window, control.controller_batch_window_s,
-                                  self._on_sim_clock, after=self._window_sent)
+                                  self.inbox.window_timer, after=self._window_sent)
+        self._in_flight: dict[str, bool] = {}  # replica -> its report awaits its reply; another is due after
         self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
         self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
         self._report_at: dict[str, float] = {}
@@ -205,16 +215,8 @@ class LoraClusterPolicy:
             adapter_id=req.adapter, enqueued_at=req.arrival, ttft_s=sla.ttft_s, prefix=prefix,
             deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s)
         self._window_tickets.append(ticket)
-        self.window.park(ticket, None, deliver=partial(self._parked, ticket), fail=_raise)
-
-    def _on_sim_clock(self, delay_s: float, fn: Callable[[], None]) -> None:
-        """The batch window's timer: `delay_s` later on the simulated clock. At 0 the live actor sends
-        what reaches it within one event-loop turn; here, without control-plane latency, that is one
-        input, sent at once (a report then dispatches itself: `_report`)."""
-        if delay_s > 0:
-            self.loop.after(delay_s, fn)
-        else:
-            fn()
+        park = partial(self.window.park, ticket, None, deliver=partial(self._parked, ticket), fail=_raise)
+        self.inbox.input("park", park)
 
     def _park_window(self, parks: list[tuple[Ticket, Any]]) -> list[Any]:
         """The window's parks reach the controller at once (`Controller.park_many`), each with the
@@ -235,7 +237,7 @@ class LoraClusterPolicy:
         elif isinstance(outcome, LoraClusterError):
             raise outcome
         elif outcome is not None:
-            self._grant(ticket.ticket_id, outcome)
+            self.inbox.granted(ticket.ticket_id, outcome)
 
     def _window_sent(self) -> None:
         """After a window: deliver the grants decided, and time out the window's tickets that wait."""
@@ -308,12 +310,12 @@ class LoraClusterPolicy:
 
     def _deliver(self) -> None:
         for ticket_id, grant in self._call("take_grants", self.controller.take_grants).items():
-            self._grant(ticket_id, grant)
+            self.inbox.granted(ticket_id, grant)
 
     def _timeout(self, ticket_id: str) -> None:
         req = self._tickets.pop(ticket_id, None)
         if req is not None:
-            self._call("cancel", self.controller.cancel, ticket_id)
+            self.inbox.input("cancel", partial(self._call, "cancel", self.controller.cancel, ticket_id))
             self.metrics.rejected(req, "cluster queue timeout")
 
     def pending(self) -> list[SimRequest]:
@@ -334,37 +336,65 @@ class LoraClusterPolicy:
             return
         now = self.loop.now
         del self._report_at[replica_id]
+        if replica_id in self._in_flight:  # as the live reporter: one report at a time, the next after it
+            self._in_flight[replica_id] = True
+            return
         pacer, encoder = self.pacers[replica_id], self.encoders[replica_id]
         pacer.sent()
         replica = self.replicas[replica_id]
         arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
         built = replica.report(self._taken(replica_id), now, arrived)
         sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
-        batched = self.ctx.serve.controller.controller_batch_window_s > 0
-        reply = self._call("report", self.controller.report, sent, not batched)
-        if batched:  # its room is granted when the window is sent, and its reply's depth set then
+        self.inbox.input("report", partial(self._report_act, replica_id, sent))
+
+    def _report_act(self, replica_id: str, sent: Any) -> Callable[[], None] | None:
+        """The controller takes a report: with the loop modelled, its room is granted at its turn's
+        end and its reply leaves then; with a window, when the window is sent; else at once."""
+        windowed = self.ctx.serve.controller.controller_batch_window_s > 0
+        reply = self._call("report", self.controller.report, sent, not (windowed or self.control))
+        if windowed:  # its room is granted when the window is sent, and its reply's depth set then
             self.window.on_sent(partial(self._reply_depth, replica_id))
-        if self.sharded is None:
-            encoder.replied(reply)
-        self._queue_depth[replica_id] = int(reply["queue_depth"])
-        for adapter_id in reply["prefetch"]:
-            replica.prefetch(adapter_id)
-        if not batched:
+        elif self.control is not None:
+            self.window.dispatch_soon()
+            self._in_flight[replica_id] = False
+            return partial(self._replied, replica_id, reply)
+        self._replied(replica_id, reply)
+        if not windowed:
             self._deliver()
-        self._schedule_report(replica_id, pacer.finish_at() if reply.get("resync") else pacer.periodic_at())
+        return None
+
+    def _replied(self, replica_id: str, reply: dict[str, Any]) -> None:
+        """A report's reply reaches its replica (with the loop, the queue as its turn left it)."""
+        if self.sharded is None:
+            self.encoders[replica_id].replied(reply)
+        self._queue_depth[replica_id] = int(reply["queue_depth"])
+        if self.control is not None:
+            self._reply_depth(replica_id)
+        for adapter_id in reply["prefetch"]:
+            self.replicas[replica_id].prefetch(adapter_id)
+        pacer, due = self.pacers[replica_id], self._in_flight.pop(replica_id, False)
+        soon = due or reply.get("resync")
+        self._schedule_report(replica_id, pacer.finish_at() if soon else pacer.periodic_at())
 
     def _tick(self) -> None:
-        self._call("tick", self.controller.tick)
-        self._deliver()
+        self.inbox.input("tick", self._tick_act)
         depth = len(self.controller.queue) if self.sharded is None else self.sharded.queue_depth()
         self._depth_sum += depth
         self._depth_samples += 1
         self._depth_max = max(self._depth_max, depth)
         self.loop.after(TICK_S, self._tick)
 
+    def _tick_act(self) -> None:
+        self._call("tick", self.controller.tick)
+        if self.control is None:  # with the loop, its turn's end takes the grants
+            self._deliver()
+
     def _fetch_placement(self) -> None:
-        self.routing.placement = self._call("placement", self.controller.placement)
+        self.inbox.input("placement", self._placement_act)
         self.loop.after(self.ctx.serve.controller.controller_report_period_s, self._fetch_placement)
+
+    def _placement_act(self) -> Callable[[], None]:
+        return partial(setattr, self.routing, "placement", self._call("placement", self.controller.placement))
 
     def refresh_stats(self, replica_id: str) -> None:
         """The replica's routing stats arrive at the router and the ingress's admission check."""
@@ -396,13 +426,15 @@ class LoraClusterPolicy:
     def control_plane(self) -> dict[str, float | None]:
         """At steady state (from the end of the warm-up to the last arrival): reports per second per
         replica (rounds: one report to each shard counts once), and CPU seconds spent in the
-        controller's calls per simulated second (with shards: all of them, and also the busiest one)."""
+        controller's calls per simulated second (with shards: all of them, and also the busiest one);
+        with the actor's loop modelled, the share of the whole run it was busy and its inputs per turn."""
         reports, cpu_s, until = self._steady
         span = until - self.metrics.measure_from
         if span <= 0:
             return {"reports_per_s_per_replica": None, "controller_cpu_s_per_sim_s": None}
         plane = {"reports_per_s_per_replica": reports / span / len(self.replicas),
                  "controller_cpu_s_per_sim_s": cpu_s / span}
+        plane.update(self.inbox.figures())  # the actor's loop, when modelled
         if self.sharded is not None:
             plane["shards"] = len(self.sharded.shards)
             plane["busiest_shard_cpu_s_per_sim_s"] = max(self._shards_steady, default=0.0) / span

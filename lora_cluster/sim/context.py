@@ -14,6 +14,7 @@ from lora_cluster.cluster.controller import ControllerSettings
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import AdmissionConfig, ControllerConfig, RouterConfig
 from lora_cluster.config.serve import FLAT
+from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics
 from lora_cluster.sim.replica import SimReplica
@@ -81,6 +82,7 @@ class SimContext:
     serve: ServeSections
     rng: random.Random  # the policies' own randomness (power of two choices), seeded
     demand: TrueDemand = field(default_factory=TrueDemand)  # for reference policies only (`TrueDemand`)
+    control_cost: ControlCost | None = None  # the controller actor's loop (`sim.control_loop`); None: none
 
 
 class Policy(Protocol):

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 TIERS = ("host", "disk", "s3")
 
 
+MACHINE_KEYS = ("wall_s", "sim_cpu_s_per_request", "control_plane")  # `to_json` keys set by the machine
+
+
 @dataclass
 class SimResult:
     completed: int
@@ -62,10 +65,12 @@ class SimResult:
     def to_json(self) -> dict[str, Any]:
         """The object `--json` prints (exactly these keys, `chats` when the run had chats, and
         `control_plane` with the lora-cluster policy: reports per second per replica and controller
-        CPU seconds per simulated second, at steady state; `bases` with several base models)."""
+        CPU seconds per simulated second, at steady state; `bases` with several base models), and the
+        simulator's own speed: `sim_cpu_s_per_request`, its process's CPU seconds per arrival."""
         out = {"profile": self.profile, "completed": self.completed, "rejected": self.rejected,
                "hit_rate": self.hit_rate, "adapter_loads": dict(self.adapter_loads), "classes": self.classes,
-               "wall_s": self.wall_s, **self.bound}
+               "wall_s": self.wall_s, "sim_cpu_s_per_request": self.details.get("sim_cpu_s_per_request"),
+               **self.bound}
         if self.chats is not None:
             out["chats"] = self.chats
         if self.bases is not None:

@@ -31,6 +31,7 @@ from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.context import Policy, ServeSections, SimContext, TrueDemand
+from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics, SimResult
 from lora_cluster.sim.oracle import OraclePolicy
@@ -65,6 +66,7 @@ class SimConfig:
     chats: ChatSettings | None = None  # multi-turn chats instead of Poisson arrivals (`sim.chats`)
     bases: int = 1  # replica groups, one base model each (`sim.bases`); 1: one base, as before
     base_nodes: tuple[int, ...] = ()  # each group's nodes (empty: equal shares of `nodes`)
+    control_cost: str = "measured"  # the controller actor's loop: `ControlCost.named` (measured, none, path)
 
 
 def replica_rate(profile: ReplicaProfile, max_loras: int) -> float:
@@ -79,8 +81,10 @@ def replica_rate(profile: ReplicaProfile, max_loras: int) -> float:
 class Simulation:
     """One run, built and driven step by step (`advance`), or all at once (`finish`)."""
 
-    def __init__(self, config: SimConfig, profile: ReplicaProfile | None = None):
-        self.started = time.perf_counter()
+    def __init__(self, config: SimConfig, profile: ReplicaProfile | None = None,
+                 control_cost: ControlCost | None = None):
+        """`profile` and `control_cost`, when given, override `config.profile` and `config.control_cost`."""
+        self.started, self.started_cpu = time.perf_counter(), time.process_time()
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}; one of {', '.join(POLICIES)}")
         self.config = config
@@ -119,7 +123,8 @@ class Simulation:
         demand = TrueDemand(shares=shares, rate_rps=self.workload.rate,
                             hold_s=profile.max_num_seqs / replica_rate(profile, config.max_loras))
         self.ctx = SimContext(loop=loop, replicas=self.replicas, metrics=self.metrics, classes=classes,
-                              serve=config.serve, rng=random.Random(config.seed + 2), demand=demand)
+                              serve=config.serve, rng=random.Random(config.seed + 2), demand=demand,
+                              control_cost=control_cost or ControlCost.named(config.control_cost))
         self.policy: Policy = (POLICIES[config.policy](self.ctx) if self.split is None
                                else GroupedPolicy(self.ctx, self.split, POLICIES[config.policy]))
         self.base_figures: BaseFigures | None = None
@@ -220,6 +225,7 @@ class Simulation:
                 "prefix_cache_queried_tokens": sum(c.queried_tokens for c in caches),
                 "completed_by_replica": dict(sorted(self.metrics.by_replica.items())),
             }
+        details["sim_cpu_s_per_request"] = (time.process_time() - self.started_cpu) / max(1, self.arrivals)
         result = self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details,
                                      slots=c.nodes * c.max_loras, max_num_seqs=self.profile.max_num_seqs,
                                      window_s=c.duration)

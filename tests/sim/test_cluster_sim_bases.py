@@ -105,6 +105,7 @@ def _json(argv: list[str]) -> dict[str, Any]:
         main(argv)
     res = json.loads(out.getvalue())
     res.pop("wall_s")
+    res.pop("sim_cpu_s_per_request")
     res["control_plane"].pop("controller_cpu_s_per_sim_s")
     return res
 

@@ -1,0 +1,45 @@
+"""The simulator's controller actor loop, end to end (`sim.control_inbox`): a controller that costs time
+delays the grants, batches its inputs when busy, and the committed cost model loads."""
+
+from __future__ import annotations
+
+from sim_profiles import SYNTHETIC
+
+from lora_cluster.sim import SimConfig, Simulation
+from lora_cluster.sim.context import ServeSections
+from lora_cluster.sim.control_loop import KINDS, ControlCost
+
+CELL = SimConfig(nodes=6, adapters=60, zipf=1.0, load=1.6, duration=20, warmup=5, seed=4, max_loras=4)
+SLOW = ControlCost(call_s=0.004, work_s=dict.fromkeys(KINDS, 0.0), dispatch_s=0.002)
+
+
+def test_the_committed_cost_model_is_the_default_and_is_modelled() -> None:
+    plane = Simulation(CELL, SYNTHETIC).finish().to_json()["control_plane"]
+    assert plane["controller_loop_modelled"] is True, "one controller at window 0: the loop is modelled"
+    assert 0 < plane["controller_busy_share"] < 1, f"busy part of the time: {plane}"
+    assert ControlCost.named("none") is None, "`none` models no loop"
+
+
+def test_a_slow_controller_delays_first_tokens_and_batches_its_inputs() -> None:
+    free = Simulation(CELL, SYNTHETIC, control_cost=ControlCost.zero()).finish().to_json()
+    slow = Simulation(CELL, SYNTHETIC, control_cost=SLOW).finish().to_json()
+    p50 = {name: (free["classes"][name]["ttft_p50_s"], slow["classes"][name]["ttft_p50_s"])
+           for name in ("standard", "batch")}
+    assert any(s > f for f, s in p50.values()), f"a controller busy 4 ms a call delays grants: {p50}"
+    assert slow["control_plane"]["inputs_per_turn"] > free["control_plane"]["inputs_per_turn"], (
+        "inputs that arrive while it is busy wait for its next turn, together")
+    assert slow["control_plane"]["controller_busy_share"] > free["control_plane"]["controller_busy_share"], (
+        "a costlier input keeps the loop busier")
+
+
+def test_without_a_model_nothing_is_modelled() -> None:
+    plane = Simulation(CELL, SYNTHETIC, control_cost=None).finish().to_json()["control_plane"]
+    assert plane["controller_loop_modelled"] is True, "no override: the config's measured model"
+    none = Simulation(SimConfig(**{**CELL.__dict__, "control_cost": "none"}), SYNTHETIC).finish().to_json()
+    assert none["control_plane"]["controller_loop_modelled"] is False, "--control-cost none: no loop"
+
+
+def test_shards_are_not_modelled_and_say_so() -> None:
+    config = SimConfig(**{**CELL.__dict__, "serve": ServeSections().with_fields(controller_shards=2)})
+    plane = Simulation(config, SYNTHETIC).finish().to_json()["control_plane"]
+    assert plane["controller_loop_modelled"] is False, "each shard's loop is not modelled: the output says so"
