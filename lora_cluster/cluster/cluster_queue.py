@@ -191,7 +191,7 @@ class ClusterQueue:
             else:
                 raise QueueFullError(
                     f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size)",
-                    retry_after_s=self._retry_after(len(self._entries)),
+                    retry_after_s=self.full_retry_after_s(),
                 )
         now = self._clock()
         at_risk = deadline_at_risk() if callable(deadline_at_risk) else deadline_at_risk
@@ -281,6 +281,15 @@ class ClusterQueue:
             f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size) and more "
             f"urgent requests than this {ticket.sla_class} one took its place",
             retry_after_s=self._retry_after(len(self._entries)))
+
+    def least_rank(self) -> tuple[int, float] | None:
+        """The least urgent queued ticket's rank (None: empty): a full queue bumps it for a ticket
+        that ranks strictly lower (published for refusals at the edge, `cluster.edge`)."""
+        return (self._ranks[-1][0], self._ranks[-1][1]) if self._ranks else None
+
+    def full_retry_after_s(self) -> float:
+        """The retry-after of a refusal by the full queue, now."""
+        return self._retry_after(len(self._entries))
 
     def _retry_after(self, ahead: int) -> float:
         rate = self.drain.rate()

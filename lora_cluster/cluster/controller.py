@@ -14,7 +14,8 @@ Policies (each in its own module): `cluster_queue` orders and admits tickets (an
 classes without a TTFT target: one that waited 3/4 of the bound is granted first), `shedding` refuses
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
 replica for a ticket, `preemption` sends urgent tickets over capacity where less urgent work runs,
-`placement` spreads hot adapters. The controller
+`placement` spreads hot adapters, `edge` is what it publishes (`edge_state`) for the ingresses to
+refuse by before they park (the refusals it would make; it never sees, nor counts, those). The controller
 holds no request bodies and no Ray objects; the actor (`serve.controller_actor`) wraps it. Its state is
 soft: a restarted controller starts empty, rebuilds its view from the next reports (a delta it
 cannot apply gets `resync`, and the replica sends its full report at once), and the
@@ -31,6 +32,7 @@ from typing import Any
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.edge import ClassEdge, EdgeState
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
@@ -265,6 +267,27 @@ class Controller:
     def placement(self) -> dict[str, tuple[str, ...]]:
         """adapter -> replicas that should hold it (hot adapters only)."""
         return dict(self._placement)
+
+    def edge_state(self, held: bool = False) -> EdgeState:
+        """The admission state the ingresses refuse by (`cluster.edge`), as of now: the queue's
+        fullness and least urgent rank, and per class its predicted wait, whether a ticket of it
+        could count on preemption, and whether it sheds cold requests. `held`: with the adapters some
+        replica holds (O(those adapters): sent with the periodic fetch, not every reply). O(classes)
+        otherwise. Changes nothing."""
+        now, queue, rate = self._clock(), self.queue, self._expected_rate()
+        full = len(queue) >= queue.max_size and (not self._dispatch_due or self._room() <= 0)
+        classes = {}
+        for c in self.classes.classes:
+            probe = Ticket("", "", c.name, c.priority, None, now, None, c.ttft_s)
+            wait = queue.predicted_wait_s(probe, rate)
+            at_risk = not (self.view.preemptible_ids(c.priority) or self.view.claimed_less_urgent_ids(c.priority))
+            classes[c.priority] = ClassEdge(wait, at_risk, self.shedding.shed_until(c.priority),
+                                            self.shedding.under_pressure(probe, wait),
+                                            c.priority == queue.top_priority)
+        return EdgeState(now, self.settings.edge_max_age_s, queue.max_size, full, queue.least_rank(),
+                         queue.full_retry_after_s(), queue.top_priority, queue.aging_s,
+                         self.shedding.window_s, classes,
+                         self.view.held_adapters() if held else None, now if held else float("-inf"))
 
     # ----- policy ---------------------------------------------------------------------------
 
