@@ -280,10 +280,12 @@ class Controller:
         for c in self.classes.classes:
             probe = Ticket("", "", c.name, c.priority, None, now, None, c.ttft_s)
             wait = queue.predicted_wait_s(probe, rate)
-            at_risk = not (self.view.preemptible_ids(c.priority) or self.view.claimed_less_urgent_ids(c.priority))
-            classes[c.priority] = ClassEdge(wait, at_risk, self.shedding.shed_until(c.priority),
-                                            self.shedding.under_pressure(probe, wait),
-                                            c.priority == queue.top_priority)
+            at_risk = not (self.view.preemptible_ids(c.priority)
+                           or self.view.claimed_less_urgent_ids(c.priority))
+            classes[c.name] = ClassEdge(c.priority, c.ttft_s, wait, at_risk,
+                                        self.shedding.shed_until(c.priority),
+                                        self.shedding.under_pressure(probe, wait),
+                                        c.priority == queue.top_priority)
         return EdgeState(now, self.settings.edge_max_age_s, queue.max_size, full, queue.least_rank(),
                          queue.full_retry_after_s(), queue.top_priority, queue.aging_s,
                          self.shedding.window_s, classes,

@@ -57,6 +57,8 @@ REASONS = ("cold_shed", "queue_full", "deadline")  # the metric's `reason` label
 class ClassEdge:
     """One SLA class as the controller's admission saw it at publication."""
 
+    priority: int
+    ttft_s: float | None  # its TTFT target (None: none)
     wait_s: float | None  # the queue's predicted wait of a ticket of the class parked then (None: none yet)
     at_risk: bool  # no ticket of the class, whatever its adapter, could count on preemption then
     shed_until: float  # its shedding window ends then (a refusal for its deadline or wait bound)
@@ -72,12 +74,12 @@ class EdgeState:
     max_age_s: float  # a part older than this refuses nothing (0: the edge is off)
     queue_size: int
     full: bool  # the queue was full and the controller had no room to grant
-    least: tuple[int, float] | None  # the least urgent queued ticket's rank (tier, priority + enqueued / aging)
+    least: tuple[int, float] | None  # the least urgent queued ticket's rank (`rank`)
     full_retry_after_s: float
     top_priority: int | None
     aging_s: float
     cold_window_s: float
-    classes: Mapping[int, ClassEdge] = field(default_factory=dict)  # by priority
+    classes: Mapping[str, ClassEdge] = field(default_factory=dict)  # by class name
     held: frozenset[str] | None = None  # adapters some replica holds or loads (None: not published)
     held_at: float = float("-inf")
 
@@ -90,8 +92,8 @@ class EdgeState:
         wire = {k: getattr(self, k) for k in ("published_at", "max_age_s", "queue_size", "full", "least",
                                               "full_retry_after_s", "top_priority", "aging_s",
                                               "cold_window_s", "held_at")}
-        wire["classes"] = {p: (c.wait_s, c.at_risk, c.shed_until, c.pressured, c.exempt)
-                           for p, c in self.classes.items()}
+        wire["classes"] = {name: (c.priority, c.ttft_s, c.wait_s, c.at_risk, c.shed_until, c.pressured,
+                                  c.exempt) for name, c in self.classes.items()}
         wire["held"] = None if self.held is None else sorted(self.held)
         return wire
 
@@ -106,8 +108,9 @@ class EdgeState:
             full_retry_after_s=float(wire["full_retry_after_s"]),
             top_priority=None if wire["top_priority"] is None else int(wire["top_priority"]),
             aging_s=float(wire["aging_s"]), cold_window_s=float(wire["cold_window_s"]),
-            classes={int(p): ClassEdge(None if c[0] is None else float(c[0]), bool(c[1]), float(c[2]),
-                                       bool(c[3]), bool(c[4])) for p, c in wire["classes"].items()},
+            classes={str(name): ClassEdge(int(c[0]), None if c[1] is None else float(c[1]),
+                                          None if c[2] is None else float(c[2]), bool(c[3]), float(c[4]),
+                                          bool(c[5]), bool(c[6])) for name, c in wire["classes"].items()},
             held=None if held is None else frozenset(str(a) for a in held),
             held_at=float(wire.get("held_at", float("-inf"))))
 
@@ -123,7 +126,7 @@ def edge_refusal(state: EdgeState, ticket: Ticket, now: float) -> tuple[str, Clu
     None: park it (the controller decides). `now` and the ticket's times in the state's clock."""
     if state.max_age_s <= 0 or now - state.published_at > state.max_age_s:
         return None
-    edge = state.classes.get(ticket.priority)
+    edge = state.classes.get(ticket.sla_class)
     if edge is not None and _cold(state, edge, ticket, now):
         return "cold_shed", ColdAdapterShedError(
             f"the {ticket.sla_class} class is over capacity and adapter {ticket.adapter_id!r} is loaded on "
@@ -164,13 +167,32 @@ class EdgeView:
         self._offset = 0.0  # the state's clock minus this one, at its arrival
 
     def offer(self, state: EdgeState) -> None:
-        """A state arrived. One without held adapters keeps the last held adapters received (they
-        come with the periodic fetch only), with their own age."""
-        offset = state.published_at - self._clock()
+        """A state arrived. One published before the state held is dropped (a reply that was on its
+        way), unless the held one is past its bound (a restarted controller's clock may start
+        lower). One without held adapters keeps the last held adapters received (they come with the
+        periodic fetch only), with their own age."""
+        now = self._clock()
+        held = self.state
+        if (held is not None and state.published_at < held.published_at
+                and now + self._offset - held.published_at <= held.max_age_s):
+            return
+        offset = state.published_at - now
         if state.held is None and self.state is not None and self.state.held is not None:
             held_at = self.state.held_at - self._offset + offset  # its arrival, in the new state's clock
             state = state.with_held(self.state.held, held_at)
         self.state, self._offset = state, offset
+
+    def ticket(self, ticket_id: str, ingress_id: str, sla_class: str, adapter_id: str | None,
+               arrived_at: float) -> Ticket | None:
+        """The ticket the controller would queue for a request of `sla_class` that arrived at
+        `arrived_at` (this clock), from the class's priority and TTFT target as published (None: no
+        state yet, or a class it does not list)."""
+        edge = None if self.state is None else self.state.classes.get(sla_class)
+        if edge is None:
+            return None
+        deadline = None if edge.ttft_s is None else arrived_at + edge.ttft_s
+        return Ticket(ticket_id, ingress_id, sla_class, edge.priority, adapter_id, arrived_at, deadline,
+                      edge.ttft_s)
 
     def refusal(self, ticket: Ticket, arrived_at: float) -> tuple[str, ClusterOverloadedError] | None:
         """`edge_refusal` for `ticket` (its times on this clock, `arrived_at` its arrival), or None."""

@@ -12,8 +12,8 @@ wired to simulated replicas the way the live deployments are wired to each other
   request waits until a grant sends it, pinned, to its replica, or until `cluster_queue_timeout_s`
   (then it is rejected, 503). Before it parks, the ingress's edge (`sim.edge`, the live ingress's
   `cluster.edge` rule) refuses it when the controller's last published state says the controller
-  would (a rejection the controller never sees). As in `serve.routing.dispatch`, a request counts as on its way until
-  its first item (its first token: requests stream) and then as running on
+  would (a rejection the controller never sees). As in `serve.routing.dispatch`, a request counts
+  as on its way until its first item (its first token: requests stream) and then as running on
   its replica until it ends. The request's prompt routing keys (`SimRequest.prefix`: chats) go to
   the router and on the ticket, none with `prefix_aware_routing` off (adapter-only routing, as the
   live router and controller do).

@@ -1,16 +1,17 @@
-"""The ingress's refusals at the edge in the simulator, and their replay against the controller's own decisions.
+"""The ingress's refusals at the edge in the simulator, and their replay against the controller's decisions.
 
 `SimEdge` is what the live ingress runs (`cluster.edge.EdgeView`), fed as the live one is fed: the
 controller's `edge_state` after every park batch (the live actor sends it with its `admit` replies) and,
 with the adapters the replicas hold, at every placement fetch (the live `ingress_view`). A request
 that would park is refused there when `edge_refusal` says so; the controller never sees it.
 
-Replay (`python -m lora_cluster.sim [options] --edge-replay 0,0.25,1,4`: `sim.edge_replay`): the same run with the edge
-deciding but not refusing, so that every park reaches the controller; for each park and each age d,
-the edge's decision from the latest state published at least d seconds earlier (its bound lifted) is
-set against the controller's decision on that park: both refuse (the same error class or not), the
-edge refuses what the controller admits (the cost of staleness the bound limits), the edge parks what
-the controller refuses (a park the edge could have saved), both admit.
+Replay (`python -m lora_cluster.sim [options] --edge-replay 0,0.25,1,4`: `sim.edge_replay`): the
+same run with the edge deciding but not refusing, so that every park reaches the controller; for
+each park and each age d, the edge's decision from the latest state published at least d seconds
+earlier (its bound lifted) is set against the controller's decision on that park: both refuse (the
+same error class or not), the edge refuses what the controller admits (the cost of staleness the
+bound limits), the edge parks what the controller refuses (a park the edge could have saved), both
+admit.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The edge replay: a simulator run whose ingress edge decides without refusing, judged against the controller.
+"""The edge replay: a simulator run whose ingress edge decides without refusing, judged by the controller.
 
 `python -m lora_cluster.sim [options] --edge-replay 0,0.25,1,4` prints, for each age d, how the edge's
 decisions from a state at least d seconds old compare with the controller's own on the same parks
-(`sim.edge.OUTCOMES`, the edge's wrong refusals also by their error class); docs/scale.md#refusals-at-the-edge has the figures.
+(`sim.edge.OUTCOMES`, the edge's wrong refusals also by their error class);
+docs/scale.md#refusals-at-the-edge has the figures.
 """
 
 from __future__ import annotations
