@@ -231,7 +231,7 @@ class LoraClusterPolicy:
             self._claim = dict(self._claimed)
         claims = {"inflight": self._claim, "unassigned": self._unassigned}
         outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t, _ in parks])
-        if self.edge is not None:  # the live actor sends it with its replies to these parks
+        if self.edge is not None:  # the live actor sends it with its replies to these parks (and grants)
             self.edge.offer(self._call("edge_state", self.controller.edge_state))
         return outcomes
 
@@ -320,8 +320,11 @@ class LoraClusterPolicy:
         self._send(req, grant.replica_id)
 
     def _deliver(self) -> None:
-        for ticket_id, grant in self._call("take_grants", self.controller.take_grants).items():
+        grants = self._call("take_grants", self.controller.take_grants)
+        for ticket_id, grant in grants.items():
             self._grant(ticket_id, grant)
+        if grants and self.edge is not None:  # the live actor's grant replies carry it
+            self.edge.offer(self._call("edge_state", self.controller.edge_state))
 
     def _timeout(self, ticket_id: str) -> None:
         req = self._tickets.pop(ticket_id, None)

@@ -1,8 +1,9 @@
 """The ingress's refusals at the edge in the simulator, and their replay against the controller's decisions.
 
 `SimEdge` is what the live ingress runs (`cluster.edge.EdgeView`), fed as the live one is fed: the
-controller's `edge_state` after every park batch (the live actor sends it with its `admit` replies) and,
-with the adapters the replicas hold, at every placement fetch (the live `ingress_view`). A request
+controller's `edge_state` after every park batch and every delivery of grants (the live actor sends it
+with its `admit` replies, refusals and grants alike) and, with the adapters the replicas hold, at
+every placement fetch (the live `ingress_view`). A request
 that would park is refused there when `edge_refusal` says so; the controller never sees it.
 
 Replay (`python -m lora_cluster.sim [options] --edge-replay 0,0.25,1,4`: `sim.edge_replay`): the
