@@ -146,8 +146,12 @@ class ClusterQueue:
         self.drain = DrainMeter(drain_window_s, clock)
 
     def _rank(self, ticket: Ticket) -> tuple[int, float]:
-        tier = 0 if self.top_priority is not None and ticket.priority <= self.top_priority else 1
-        return tier, ticket.priority + ticket.enqueued_at / self.aging_s
+        return self.rank_of(ticket.priority, ticket.enqueued_at)
+
+    def rank_of(self, priority: int, enqueued_at: float) -> tuple[int, float]:
+        """A ticket's rank from its priority and enqueue time: (tier, priority + enqueued / aging_s)."""
+        tier = 0 if self.top_priority is not None and priority <= self.top_priority else 1
+        return tier, priority + enqueued_at / self.aging_s
 
     def key(self, ticket: Ticket) -> Key:
         deadline = ticket.deadline if ticket.deadline is not None else math.inf
@@ -167,10 +171,11 @@ class ClusterQueue:
         """Seconds until `ticket` would leave the queue, if it were parked now (None: no estimate yet).
         `expected_rate`: requests per second the replicas should complete (their slots / service time)."""
         rates = [r for r in (self.drain.rate(), expected_rate) if r]
-        if not rates:
-            return None
-        rate = max(rates)
-        ahead = bisect.bisect_right(self._ranks, (*self._rank(ticket), math.inf))
+        return self.wait_at(self._rank(ticket), max(rates)) if rates else None
+
+    def wait_at(self, rank: tuple[int, float], rate: float) -> float:
+        """Seconds until a ticket of queue rank `rank` would leave, at `rate` (> 0) requests per second."""
+        ahead = bisect.bisect_right(self._ranks, (*rank, math.inf))
         return (ahead + 1) / rate
 
     def park(self, ticket: Ticket, *, deadline_at_risk: bool | Callable[[], bool] = True,
@@ -191,7 +196,7 @@ class ClusterQueue:
             else:
                 raise QueueFullError(
                     f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size)",
-                    retry_after_s=self.full_retry_after_s(),
+                    retry_after_s=self._retry_after(len(self._entries)),
                 )
         now = self._clock()
         at_risk = deadline_at_risk() if callable(deadline_at_risk) else deadline_at_risk
@@ -287,9 +292,9 @@ class ClusterQueue:
         that ranks strictly lower (published for refusals at the edge, `cluster.edge`)."""
         return (self._ranks[-1][0], self._ranks[-1][1]) if self._ranks else None
 
-    def full_retry_after_s(self) -> float:
-        """The retry-after of a refusal by the full queue, now."""
-        return self._retry_after(len(self._entries))
+    def full_retry_after_s(self, drain_rate: float | None) -> float:
+        """The retry-after of a refusal by the full queue, at the measured `drain_rate` (`drain.rate()`)."""
+        return 1.0 if not drain_rate else max(1.0, len(self._entries) / drain_rate)
 
     def _retry_after(self, ahead: int) -> float:
         rate = self.drain.rate()

@@ -94,6 +94,9 @@ class Controller:
         self._rates: dict[str, float] = {}
         self._rate_sum: float | None = None  # their sum, until one of them changes (None: to sum again)
         self.started = clock()
+        # each class with a ticket standing for it in `edge_state` (the shedding rule reads its target)
+        self._probes = [(c, Ticket("", "", c.name, c.priority, None, 0.0, None, c.ttft_s))
+                        for c in classes.classes]
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
                        "bumped": 0, "shed_cold": 0, "wait_bound": 0, "overdue_grants": 0, "reports": 0,
                        "resyncs": 0}
@@ -274,22 +277,24 @@ class Controller:
         could count on preemption, and whether it sheds cold requests. `held`: with the adapters some
         replica holds (O(those adapters): sent with the periodic fetch, not every reply). O(classes)
         otherwise. Changes nothing."""
-        now, queue, rate = self._clock(), self.queue, self._expected_rate()
+        now, queue, view, shedding = self._clock(), self.queue, self.view, self.shedding
         full = len(queue) >= queue.max_size and (not self._dispatch_due or self._room() <= 0)
+        drain = queue.drain.rate()
+        rate = max(drain or 0.0, self._expected_rate() or 0.0)  # `predicted_wait_s`'s rate
         classes = {}
-        for c in self.classes.classes:
-            probe = Ticket("", "", c.name, c.priority, None, now, None, c.ttft_s)
-            wait = queue.predicted_wait_s(probe, rate)
-            at_risk = not (self.view.preemptible_ids(c.priority)
-                           or self.view.claimed_less_urgent_ids(c.priority))
-            classes[c.name] = ClassEdge(c.priority, c.ttft_s, wait, at_risk,
-                                        self.shedding.shed_until(c.priority),
-                                        self.shedding.under_pressure(probe, wait),
+        for c, probe in self._probes:
+            wait = queue.wait_at(queue.rank_of(c.priority, now), rate) if rate else None
+            # no deadline to miss without a TTFT target; under half of it, only a request that already
+            # waited the other half before parking would miss it: left to the controller (False parks)
+            at_risk = (c.ttft_s is not None and wait is not None and wait > c.ttft_s / 2
+                       and not (view.preemptible_ids(c.priority) or view.claimed_less_urgent_ids(c.priority)))
+            classes[c.name] = ClassEdge(c.priority, c.ttft_s, wait, at_risk, shedding.shed_until(c.priority),
+                                        shedding.under_pressure(probe, wait),
                                         c.priority == queue.top_priority)
         return EdgeState(now, self.settings.edge_max_age_s, queue.max_size, full, queue.least_rank(),
-                         queue.full_retry_after_s(), queue.top_priority, queue.aging_s,
-                         self.shedding.window_s, classes,
-                         self.view.held_adapters() if held else None, now if held else float("-inf"))
+                         queue.full_retry_after_s(drain), queue.top_priority, queue.aging_s,
+                         shedding.window_s, classes,
+                         view.held_adapters() if held else None, now if held else float("-inf"))
 
     # ----- policy ---------------------------------------------------------------------------
 

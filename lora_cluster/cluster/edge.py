@@ -39,8 +39,8 @@ requests, which it never saw; the ingress counts them (`lora_cluster_edge_refusa
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.errors import (
@@ -53,8 +53,7 @@ from lora_cluster.errors import (
 REASONS = ("cold_shed", "queue_full", "deadline")  # the metric's `reason` label values
 
 
-@dataclass(frozen=True)
-class ClassEdge:
+class ClassEdge(NamedTuple):
     """One SLA class as the controller's admission saw it at publication."""
 
     priority: int
@@ -66,9 +65,9 @@ class ClassEdge:
     exempt: bool  # never shed cold: the most urgent class
 
 
-@dataclass(frozen=True)
-class EdgeState:
-    """What the controller publishes for the edge (see the module docstring); the controller's clock."""
+class EdgeState(NamedTuple):
+    """What the controller publishes for the edge (see the module docstring); the controller's clock.
+    Tuples, cheap to build: the controller publishes one per batch window."""
 
     published_at: float
     max_age_s: float  # a part older than this refuses nothing (0: the edge is off)
@@ -79,13 +78,13 @@ class EdgeState:
     top_priority: int | None
     aging_s: float
     cold_window_s: float
-    classes: Mapping[str, ClassEdge] = field(default_factory=dict)  # by class name
+    classes: Mapping[str, ClassEdge]  # by class name
     held: frozenset[str] | None = None  # adapters some replica holds or loads (None: not published)
     held_at: float = float("-inf")
 
     def with_held(self, held: frozenset[str] | None, held_at: float) -> EdgeState:
         """This state with another publication's held adapters (they travel less often)."""
-        return replace(self, held=held, held_at=held_at)
+        return self._replace(held=held, held_at=held_at)
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict for a Ray reply (`from_wire` reads it back)."""

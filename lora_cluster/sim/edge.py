@@ -18,7 +18,6 @@ admit.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -83,7 +82,7 @@ class SimEdge:
         k = bisect.bisect_right(self._times, now - age_s) - 1
         if k < 0:
             return None
-        found = edge_refusal(dataclasses.replace(self._states[k], max_age_s=math.inf), ticket, now)
+        found = edge_refusal(self._states[k]._replace(max_age_s=math.inf), ticket, now)
         return None if found is None else found[1]
 
     def judged(self, ticket: Ticket, outcome: object) -> None:

@@ -4,8 +4,6 @@ message and retry-after; it parks what the controller admits; a state older than
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from helpers import FakeClock
 from tickets import CLASSES, ticket
@@ -125,7 +123,7 @@ def test_a_state_older_than_its_bound_refuses_nothing():
     t = ticket("s1", "standard", 100.0, "held")
     assert edge_refusal(state, t, clock() + MAX_AGE_S) is not None, "a state at its bound still refuses"
     assert edge_refusal(state, t, clock() + MAX_AGE_S + 0.01) is None, "one past its bound refuses nothing"
-    off = dataclasses.replace(state, max_age_s=0.0)
+    off = state._replace(max_age_s=0.0)
     assert edge_refusal(off, t, clock()) is None, "edge_max_age_s 0 turns the edge off"
 
 
