@@ -294,7 +294,8 @@ class Controller:
         return EdgeState(now, self.settings.edge_max_age_s, queue.max_size, full, queue.least_rank(),
                          queue.full_retry_after_s(drain), queue.top_priority, queue.aging_s,
                          shedding.window_s, classes,
-                         view.held_adapters() if held else None, now if held else float("-inf"))
+                         view.held_adapters() if held else None, now if held else float("-inf"),
+                         self.settings.edge_held_max_age_s)
 
     # ----- policy ---------------------------------------------------------------------------
 

@@ -19,16 +19,20 @@ in the controller's order (`Controller._admit`, `ClusterQueue.park`):
   such work claimed by preempting grants): then no adapter's ticket can count on preemption.
 
 Staleness bound. Each part of the state is the controller's own decision input at its publication
-time; a part older than `max_age_s` (`edge_max_age_s`, measured from its publication on the
-receiving side) refuses nothing, and `max_age_s` 0 turns the edge off. So a refusal at the edge is
-the refusal the controller made, or would have made, for this ticket on a queue and cluster view at
-most `max_age_s` old: a stale view costs at most a refusal the controller would have made anyway
+time. The admission part older than `max_age_s` (`edge_max_age_s`, default 0.1 s, counted from its
+arrival on the receiving side) refuses nothing, and `max_age_s` 0 turns the edge off; the held
+adapters (they come with the periodic fetch) refuse nothing cold once older than `held_max_age_s`
+(two report periods, 1 s by default). So a refusal at the edge is the refusal the controller made,
+or would have made, for this ticket on a queue at most `max_age_s` old (and a residency view at most
+`held_max_age_s` old): a stale view costs at most a refusal the controller would have made then
 (the queue drained or an adapter was loaded since), or a park the controller then refuses itself
-(the queue filled since: the ticket is parked and the controller decides as before). It never
-refuses work the controller would admit on a state younger than the bound. The wait estimate is
-the one for a ticket parked at `published_at`; a later ticket of the class ranks behind more aged
-tickets, so the estimate errs towards parking. Measured (a replay of the simulator's parks against
-states of age d): docs/scale.md#refusals-at-the-edge.
+(the queue filled since: it is parked, and the controller decides as before). It never refuses on a
+state older than the bound. The wait estimate is the one for a ticket parked at `published_at`; a
+later ticket of the class ranks behind more aged tickets, so the estimate errs towards parking.
+Measured (a replay of the simulator's parks against states of age d, and runs with the edge on and
+off): docs/scale.md#refusals-at-the-edge. Under load the state is refreshed with every reply (each
+refusal and each grant), so it is milliseconds old; the bound matters when replies stop: then one
+park per bound refreshes it.
 
 Clocks: the state is in the controller's clock (`published_at`); the receiver maps its own clock onto
 it (`EdgeView`), so that a state's age is counted from its arrival (its transit is not counted: a
@@ -81,6 +85,7 @@ class EdgeState(NamedTuple):
     classes: Mapping[str, ClassEdge]  # by class name
     held: frozenset[str] | None = None  # adapters some replica holds or loads (None: not published)
     held_at: float = float("-inf")
+    held_max_age_s: float = 0.0  # the held adapters older than this refuse nothing cold
 
     def with_held(self, held: frozenset[str] | None, held_at: float) -> EdgeState:
         """This state with another publication's held adapters (they travel less often)."""
@@ -90,7 +95,7 @@ class EdgeState(NamedTuple):
         """A plain dict for a Ray reply (`from_wire` reads it back)."""
         wire = {k: getattr(self, k) for k in ("published_at", "max_age_s", "queue_size", "full", "least",
                                               "full_retry_after_s", "top_priority", "aging_s",
-                                              "cold_window_s", "held_at")}
+                                              "cold_window_s", "held_at", "held_max_age_s")}
         wire["classes"] = {name: (c.priority, c.ttft_s, c.wait_s, c.at_risk, c.shed_until, c.pressured,
                                   c.exempt) for name, c in self.classes.items()}
         wire["held"] = None if self.held is None else sorted(self.held)
@@ -111,7 +116,8 @@ class EdgeState(NamedTuple):
                                           None if c[2] is None else float(c[2]), bool(c[3]), float(c[4]),
                                           bool(c[5]), bool(c[6])) for name, c in wire["classes"].items()},
             held=None if held is None else frozenset(str(a) for a in held),
-            held_at=float(wire.get("held_at", float("-inf"))))
+            held_at=float(wire.get("held_at", float("-inf"))),
+            held_max_age_s=float(wire.get("held_max_age_s", 0.0)))
 
 
 def rank(ticket: Ticket, top_priority: int | None, aging_s: float) -> tuple[int, float]:
@@ -150,7 +156,7 @@ def _cold(state: EdgeState, edge: ClassEdge, ticket: Ticket, now: float) -> bool
     """Its class sheds cold requests and no replica held its adapter (`ColdShedding.refuses`)."""
     if edge.exempt or ticket.adapter_id is None or state.held is None:
         return False
-    if now - state.held_at > state.max_age_s or ticket.adapter_id in state.held:
+    if now - state.held_at > state.held_max_age_s or ticket.adapter_id in state.held:
         return False
     return now < edge.shed_until or edge.pressured
 

@@ -86,6 +86,19 @@ def test_a_shedding_class_refuses_a_cold_adapter_at_the_edge_and_parks_a_held_on
     assert "warm" in ctl.queue, "and the controller queues it"
 
 
+def test_held_adapters_older_than_their_bound_shed_nothing_cold():
+    clock, ctl = busy_controller()
+    ctl.shedding.record(CLASSES.get("standard").priority)
+    held = ctl.edge_state(held=True)
+    clock.advance(ctl.settings.edge_held_max_age_s + 0.01)
+    ctl.shedding.record(CLASSES.get("standard").priority)  # the class still sheds
+    state = ctl.edge_state().with_held(held.held, held.held_at)
+    cold = ticket("cold", "standard", clock(), "rare")
+    assert edge_refusal(state, cold, clock()) is None, "residency older than its bound: parked"
+    fresh = ctl.edge_state(held=True)
+    assert edge_refusal(fresh, cold, clock()) is not None, "with fresh residency the same ticket is refused"
+
+
 def test_without_the_held_adapters_the_edge_sheds_nothing_cold():
     clock, ctl = busy_controller()
     ctl.shedding.record(CLASSES.get("standard").priority)
