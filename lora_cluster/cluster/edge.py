@@ -1,4 +1,4 @@
-"""Refusals at the edge: the admission state the controller publishes, and the ingress's pure rule over it.
+"""The ingress's refusals of what the controller would refuse, from the admission state it publishes.
 
 An ingress refuses, before parking it, a request that the controller would refuse, with the same
 error (class, message and `retry_after_s`, so the same 429 body and `Retry-After`), from an

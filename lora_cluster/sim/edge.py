@@ -82,7 +82,8 @@ class SimEdge:
         k = bisect.bisect_right(self._times, now - age_s) - 1
         if k < 0:
             return None
-        found = edge_refusal(self._states[k]._replace(max_age_s=math.inf), ticket, now)
+        unbounded = self._states[k]._replace(max_age_s=math.inf, held_max_age_s=math.inf)
+        found = edge_refusal(unbounded, ticket, now)
         return None if found is None else found[1]
 
     def judged(self, ticket: Ticket, outcome: object) -> None:

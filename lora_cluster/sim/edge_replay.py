@@ -1,4 +1,4 @@
-"""The edge replay: a simulator run whose ingress edge decides without refusing, judged by the controller.
+"""A simulator run whose ingress edge decides without refusing, each decision judged by the controller's.
 
 `python -m lora_cluster.sim [options] --edge-replay 0,0.25,1,4` prints, for each age d, how the edge's
 decisions from a state at least d seconds old compare with the controller's own on the same parks
