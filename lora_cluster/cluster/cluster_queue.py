@@ -146,8 +146,12 @@ class ClusterQueue:
         self.drain = DrainMeter(drain_window_s, clock)
 
     def _rank(self, ticket: Ticket) -> tuple[int, float]:
-        tier = 0 if self.top_priority is not None and ticket.priority <= self.top_priority else 1
-        return tier, ticket.priority + ticket.enqueued_at / self.aging_s
+        return self.rank_of(ticket.priority, ticket.enqueued_at)
+
+    def rank_of(self, priority: int, enqueued_at: float) -> tuple[int, float]:
+        """A ticket's rank from its priority and enqueue time: (tier, priority + enqueued / aging_s)."""
+        tier = 0 if self.top_priority is not None and priority <= self.top_priority else 1
+        return tier, priority + enqueued_at / self.aging_s
 
     def key(self, ticket: Ticket) -> Key:
         deadline = ticket.deadline if ticket.deadline is not None else math.inf
@@ -167,10 +171,11 @@ class ClusterQueue:
         """Seconds until `ticket` would leave the queue, if it were parked now (None: no estimate yet).
         `expected_rate`: requests per second the replicas should complete (their slots / service time)."""
         rates = [r for r in (self.drain.rate(), expected_rate) if r]
-        if not rates:
-            return None
-        rate = max(rates)
-        ahead = bisect.bisect_right(self._ranks, (*self._rank(ticket), math.inf))
+        return self.wait_at(self._rank(ticket), max(rates)) if rates else None
+
+    def wait_at(self, rank: tuple[int, float], rate: float) -> float:
+        """Seconds until a ticket of queue rank `rank` would leave, at `rate` (> 0) requests per second."""
+        ahead = bisect.bisect_right(self._ranks, (*rank, math.inf))
         return (ahead + 1) / rate
 
     def park(self, ticket: Ticket, *, deadline_at_risk: bool | Callable[[], bool] = True,
@@ -281,6 +286,15 @@ class ClusterQueue:
             f"the cluster queue is full ({self.max_size} requests wait; cluster_queue_size) and more "
             f"urgent requests than this {ticket.sla_class} one took its place",
             retry_after_s=self._retry_after(len(self._entries)))
+
+    def least_rank(self) -> tuple[int, float] | None:
+        """The least urgent queued ticket's rank (None: empty): a full queue bumps it for a ticket
+        that ranks strictly lower (published for refusals at the edge, `cluster.edge`)."""
+        return (self._ranks[-1][0], self._ranks[-1][1]) if self._ranks else None
+
+    def full_retry_after_s(self, drain_rate: float | None) -> float:
+        """The retry-after of a refusal by the full queue, at the measured `drain_rate` (`drain.rate()`)."""
+        return 1.0 if not drain_rate else max(1.0, len(self._entries) / drain_rate)
 
     def _retry_after(self, ahead: int) -> float:
         rate = self.drain.rate()

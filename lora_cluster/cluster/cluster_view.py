@@ -309,6 +309,10 @@ class ClusterView:
         """The replicas whose report holds `adapter_id` (resident or loading); read-only."""
         return self._holders.get(adapter_id, frozenset())
 
+    def held_adapters(self) -> frozenset[str]:
+        """Every adapter some replica's report holds, resident or loading: O(those adapters)."""
+        return frozenset(self._holders)
+
     def __len__(self) -> int:
         return len(self._seen)
 

@@ -14,7 +14,8 @@ Policies (each in its own module): `cluster_queue` orders and admits tickets (an
 classes without a TTFT target: one that waited 3/4 of the bound is granted first), `shedding` refuses
 first the requests that would load an adapter while their class sheds load, `scheduling` picks the
 replica for a ticket, `preemption` sends urgent tickets over capacity where less urgent work runs,
-`placement` spreads hot adapters. The controller
+`placement` spreads hot adapters, `edge` is what it publishes (`edge_state`) for the ingresses to
+refuse by before they park (the refusals it would make; it never sees, nor counts, those). The controller
 holds no request bodies and no Ray objects; the actor (`serve.controller_actor`) wraps it. Its state is
 soft: a restarted controller starts empty, rebuilds its view from the next reports (a delta it
 cannot apply gets `resync`, and the replica sends its full report at once), and the
@@ -31,6 +32,7 @@ from typing import Any
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.edge import ClassEdge, EdgeState
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
@@ -92,6 +94,9 @@ class Controller:
         self._rates: dict[str, float] = {}
         self._rate_sum: float | None = None  # their sum, until one of them changes (None: to sum again)
         self.started = clock()
+        # each class with a ticket standing for it in `edge_state` (the shedding rule reads its target)
+        self._probes = [(c, Ticket("", "", c.name, c.priority, None, 0.0, None, c.ttft_s))
+                        for c in classes.classes]
         self.counts = {"parked": 0, "granted": 0, "preempting_grants": 0, "rejected": 0, "cancelled": 0,
                        "bumped": 0, "shed_cold": 0, "wait_bound": 0, "overdue_grants": 0, "reports": 0,
                        "resyncs": 0}
@@ -265,6 +270,32 @@ class Controller:
     def placement(self) -> dict[str, tuple[str, ...]]:
         """adapter -> replicas that should hold it (hot adapters only)."""
         return dict(self._placement)
+
+    def edge_state(self, held: bool = False) -> EdgeState:
+        """The admission state the ingresses refuse by (`cluster.edge`), as of now: the queue's
+        fullness and least urgent rank, and per class its predicted wait, whether a ticket of it
+        could count on preemption, and whether it sheds cold requests. `held`: with the adapters some
+        replica holds (O(those adapters): sent with the periodic fetch, not every reply). O(classes)
+        otherwise. Changes nothing."""
+        now, queue, view, shedding = self._clock(), self.queue, self.view, self.shedding
+        full = len(queue) >= queue.max_size and (not self._dispatch_due or self._room() <= 0)
+        drain = queue.drain.rate()
+        rate = max(drain or 0.0, self._expected_rate() or 0.0)  # `predicted_wait_s`'s rate
+        classes = {}
+        for c, probe in self._probes:
+            wait = queue.wait_at(queue.rank_of(c.priority, now), rate) if rate else None
+            # no deadline to miss without a TTFT target; under half of it, only a request that already
+            # waited the other half before parking would miss it: left to the controller (False parks)
+            at_risk = (c.ttft_s is not None and wait is not None and wait > c.ttft_s / 2
+                       and not (view.preemptible_ids(c.priority) or view.claimed_less_urgent_ids(c.priority)))
+            classes[c.name] = ClassEdge(c.priority, c.ttft_s, wait, at_risk, shedding.shed_until(c.priority),
+                                        shedding.under_pressure(probe, wait),
+                                        c.priority == queue.top_priority)
+        return EdgeState(now, self.settings.edge_max_age_s, queue.max_size, full, queue.least_rank(),
+                         queue.full_retry_after_s(drain), queue.top_priority, queue.aging_s,
+                         shedding.window_s, classes,
+                         view.held_adapters() if held else None, now if held else float("-inf"),
+                         self.settings.edge_held_max_age_s)
 
     # ----- policy ---------------------------------------------------------------------------
 

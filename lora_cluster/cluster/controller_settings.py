@@ -37,6 +37,11 @@ class ControllerSettings:
     # the share of the replicas' completion rate this queue drains by, for its wait predictions:
     # 1/n for one of n controller shards (`sharding`: an adapter hash spreads demand evenly)
     rate_share: float = 1.0
+    # refusals at the edge: a published state older than this refuses nothing (0: off; `cluster.edge`)
+    edge_max_age_s: float = _DEFAULTS.edge_max_age_s
+    # ... and held adapters older than this refuse nothing cold (they come with the placement fetch,
+    # every `controller_report_period_s`: two of its periods)
+    edge_held_max_age_s: float = 2 * _DEFAULTS.controller_report_period_s
 
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
         """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
@@ -62,5 +67,6 @@ class ControllerSettings:
             stale_after_s=max(2.0, 4 * config.controller_report_period_s),
             hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
             cold_shed_window_s=config.cold_shed_window_s, cold_shed_pressure=config.cold_shed_pressure,
-            wait_bound_s=config.cluster_queue_max_wait_s or None,
+            wait_bound_s=config.cluster_queue_max_wait_s or None, edge_max_age_s=config.edge_max_age_s,
+            edge_held_max_age_s=2 * config.controller_report_period_s,
         )

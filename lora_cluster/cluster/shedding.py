@@ -63,6 +63,11 @@ class ColdShedding:
         at = self._shed_at.get(priority)
         return self.window_s > 0 and at is not None and self._clock() - at < self.window_s
 
+    def shed_until(self, priority: int) -> float:
+        """When the class of `priority` stops shedding unless it refuses again (-inf: not shedding)."""
+        at = self._shed_at.get(priority)
+        return at + self.window_s if self.window_s > 0 and at is not None else float("-inf")
+
     def under_pressure(self, ticket: Ticket, predicted_wait_s: float | None) -> bool:
         """A request of `ticket`'s class parked now would wait more than `pressure` times its bound."""
         bound = ticket.ttft_s if ticket.ttft_s is not None else self.no_target_bound_s

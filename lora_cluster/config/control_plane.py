@@ -156,6 +156,18 @@ class ControllerConfig(BaseModel):
         "without one: of half of cluster_queue_max_wait_s), by the cluster queue's prediction: the queue "
         "stands near the target between refusals too. Not the most urgent class. 0 turns it off.",
     )
+    edge_max_age_s: float = Field(
+        0.1,
+        ge=0,
+        le=10,
+        description="Refusals at the edge: an ingress refuses, before parking it, a request that the cluster "
+        "queue would refuse (queue full for its class, cold shedding, deadline out of reach), with the same "
+        "429 body and Retry-After, from the admission state the controller sends with its replies; a state "
+        "older than this many seconds refuses nothing (the adapters the replicas hold, sent every "
+        "controller_report_period_s, refuse nothing after two of its periods), so no request is refused on a "
+        "view older than that (docs/scale.md#refusals-at-the-edge). 0 turns the edge off (every such request "
+        "parks).",
+    )
     preempt_after_fraction: float = Field(
         0.5,
         ge=0,

@@ -112,7 +112,7 @@ GROUPS = (
     Group("controller", "Cluster controller: cluster queue, preemption, placement", "controller",
           ("enabled", "controller_shards", "cluster_queue_size",
            "cluster_queue_aging_s", "cluster_queue_timeout_s", "cluster_queue_max_wait_s",
-           "cold_shed_window_s", "cold_shed_pressure",
+           "cold_shed_window_s", "cold_shed_pressure", "edge_max_age_s",
            "preempt_after_fraction", "top_class_preempt_after_fraction", "controller_report_period_s",
            "controller_report_coalesce_s", "controller_batch_window_s", "placement_hot_share"),
           ("docs/serving.md", "cluster-controller")),

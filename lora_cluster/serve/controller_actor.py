@@ -11,16 +11,19 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
   room it reports is granted when its batch window is sent (`serve.batch_window`);
 * `admit(ticket, timeout_s)` from an ingress whose replicas are all busy: parks a ticket (with the
   other parks of its `controller_batch_window_s` window, `serve.batch_window`) and returns when it is
-  granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`,
-  at once or later, when more urgent tickets bump it out of a full queue) or timed out
-  (`{"timeout": true}`); a cancelled call (client gone) drops its ticket, or the room its grant
+  granted (`{"replica_id", "preempt"}`), refused (`{"overloaded", "retry_after_s"}`, and `error`,
+  the refusal's class, when refused at once; later, when more urgent tickets bump it out of a full
+  queue) or timed out (`{"timeout": true}`); a grant or refusal also carries `edge`, the admission
+  state the ingress refuses by before it parks (`cluster.edge`, computed once per batch window);
+  a cancelled call (client gone) drops its ticket, or the room its grant
   took if one was decided;
 * `cancel_ticket(ticket_id, replica_id=None)` from an ingress that will not use a grant (its client
   went away while the grant was on its way, or sending the request to the replica failed): the
   room the grant reserved is free again at once, not after `grant_ttl_s`;
 * `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router;
   `ingress_view(ingress_id)`: the placement and how many tickets of *other* ingresses wait, which
-  closes an ingress's fast path while any ingress has a request parked (`routing.admission`).
+  closes an ingress's fast path while any ingress has a request parked (`routing.admission`), and
+  the edge's admission state with the adapters the replicas hold.
 
 Everything here runs on the deployment's one event loop, so the controller needs no locks. A
 ticker lets time pass for the controller (stale replicas, preemption of long-waiting tickets).
@@ -71,6 +74,7 @@ class ClusterController:
                                    cfg.controller.controller_batch_window_s,
                                    after=self._deliver)
         self.shard, self.shards = shard, shards
+        self._edge: dict[str, Any] | None = None  # `edge_state` for the replies until the state changes
 
     def _own(self, adapter_id: str) -> bool:
         return self.shards <= 1 or owns(adapter_id, self.shard, self.shards)
@@ -89,6 +93,7 @@ class ClusterController:
                 log.exception("controller tick failed")
 
     def _deliver(self) -> None:
+        self._edge = None  # a window or a tick went by: the admission state may have changed
         for ticket_id, grant in self.core.take_grants().items():
             waiter = self._waiters.get(ticket_id)
             if waiter is not None and not waiter.done():
@@ -125,7 +130,8 @@ class ClusterController:
             grant = await self._window.park(ticket, request.get("claims"))
             if isinstance(grant, ClusterOverloadedError):
                 answered = True
-                return {"overloaded": str(grant), "retry_after_s": grant.retry_after_s}
+                return {"overloaded": str(grant), "retry_after_s": grant.retry_after_s,
+                        "error": type(grant).__name__, "edge": self._edge_state()}
             if isinstance(grant, LoraClusterError):
                 raise grant
             if grant is None:
@@ -138,14 +144,22 @@ class ClusterController:
                         del self._parked_by[ticket.ingress_id]
             answered = True
             if isinstance(grant, Refusal):  # bumped out of the full queue by more urgent requests
-                return {"overloaded": grant.reason, "retry_after_s": grant.retry_after_s}
-            return {"replica_id": grant.replica_id, "preempt": grant.preempt}
+                return {"overloaded": grant.reason, "retry_after_s": grant.retry_after_s,
+                        "edge": self._edge_state()}
+            return {"replica_id": grant.replica_id, "preempt": grant.preempt, "edge": self._edge_state()}
         except TimeoutError:
             return {"timeout": True}
         finally:
             self._waiters.pop(ticket.ticket_id, None)
             if not answered:  # timed out, or the caller went away: its ticket, or the room its grant took
                 self.core.cancel(ticket.ticket_id)
+
+    def _edge_state(self) -> dict[str, Any]:
+        """The admission state the ingresses refuse by (`cluster.edge`), without the held adapters
+        (those go with `ingress_view`): computed once per batch window or tick, for every reply."""
+        if self._edge is None:
+            self._edge = self.core.edge_state().to_wire()
+        return self._edge
 
     async def cancel_ticket(self, ticket_id: str, replica_id: str | None = None) -> None:
         """The ingress will not use the ticket's grant, or gave up its wait (`Controller.cancel`):
@@ -166,9 +180,11 @@ class ClusterController:
         return {a: list(r) for a, r in self.core.placement().items() if self._own(a)}
 
     async def ingress_view(self, ingress_id: str) -> dict[str, Any]:
-        """{"placement": `placement()`, "queued_elsewhere": tickets of other ingresses waiting now}."""
+        """{"placement": `placement()`, "queued_elsewhere": tickets of other ingresses waiting now,
+        "edge": the admission state with the adapters the replicas hold (`cluster.edge`)}."""
         elsewhere = sum(self._parked_by.values()) - self._parked_by.get(ingress_id, 0)
-        return {"placement": await self.placement(), "queued_elsewhere": elsewhere}
+        return {"placement": await self.placement(), "queued_elsewhere": elsewhere,
+                "edge": self.core.edge_state(held=True).to_wire()}
 
     def __del__(self) -> None:
         ticker = getattr(self, "_ticker", None)

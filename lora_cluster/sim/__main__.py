@@ -3,7 +3,8 @@
     python -m lora_cluster.sim --nodes 32 --adapters 1000 --zipf 1.0 --load 2 \
         --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile gpu|cpu|PATH] [--preload N] \
         [--chats N --turns 8 --think 10 --system-tokens 1000 --prefix-routing on|off] \
-        [--bases K | --base-nodes 20,12] [--json]
+        [--bases K | --base-nodes 20,12] [--edge-max-age 1.0] [--edge-replay 0,0.25,1,4] \
+        [--control-cost measured|none|PATH] [--json]
 
 The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
 `cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the name
@@ -47,6 +48,7 @@ import sys
 from lora_cluster.sim.bases import node_shares
 from lora_cluster.sim.chats import ChatSettings
 from lora_cluster.sim.context import ServeSections
+from lora_cluster.sim.edge_replay import replay_run
 from lora_cluster.sim.simulation import POLICIES, SimConfig, run
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
@@ -94,6 +96,11 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
                     help="the controller actor's loop (sim.control_loop): measured "
                     "(docs/profile_controller.json), none (every input answered at the instant it "
                     "arrives) or a JSON path")
+    ap.add_argument("--edge-max-age", type=float, default=_SERVE.controller.edge_max_age_s,
+                    help="edge_max_age_s: refusals at the edge from a state at most this old (0: off)")
+    ap.add_argument("--edge-replay", default="", metavar="AGES",
+                    help="seconds, comma-separated: the edge decides without refusing, and each park's "
+                         "decision from a state that old is set against the controller's (sim.edge_replay)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
@@ -122,12 +129,19 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
                        profile=a.profile, preload=a.preload, chats=chats, bases=bases, base_nodes=base_nodes,
                        control_cost=a.control_cost,
                        serve=ServeSections().with_fields(prefix_aware_routing=a.prefix_routing == "on",
-                                                         controller_shards=a.controller_shards))
+                                                         controller_shards=a.controller_shards,
+                                                         edge_max_age_s=a.edge_max_age))
     return config, a.json
 
 
 def main(argv: list[str] | None = None) -> int:
     config, as_json = parse(argv)
+    replay = argparse.ArgumentParser(add_help=False)
+    replay.add_argument("--edge-replay", default="")
+    ages = replay.parse_known_args(argv)[0].edge_replay
+    if ages:
+        print(json.dumps(replay_run(config, tuple(float(d) for d in ages.split(","))), indent=1))
+        return 0
     result = run(config)
     if as_json:
         print(json.dumps(result.to_json()))

@@ -10,8 +10,10 @@ wired to simulated replicas the way the live deployments are wired to each other
   (`controller_batch_window_s`: `cluster.batch_window.BatchWindow`, the object the live actor runs,
   on the simulated clock, handing them to `Controller.park_many`; a refusal is a rejection); the
   request waits until a grant sends it, pinned, to its replica, or until `cluster_queue_timeout_s`
-  (then it is rejected, 503). As in `serve.routing.dispatch`, a request counts as on its way until
-  its first item (its first token: requests stream) and then as running on
+  (then it is rejected, 503). Before it parks, the ingress's edge (`sim.edge`, the live ingress's
+  `cluster.edge` rule) refuses it when the controller's last published state says the controller
+  would (a rejection the controller never sees). As in `serve.routing.dispatch`, a request counts
+  as on its way until its first item (its first token: requests stream) and then as running on
   its replica until it ends. The request's prompt routing keys (`SimRequest.prefix`: chats) go to
   the router and on the ticket, none with `prefix_aware_routing` off (adapter-only routing, as the
   live router and controller do).
@@ -70,16 +72,11 @@ from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
 from lora_cluster.cluster.report_delta import ReportEncoder
 from lora_cluster.cluster.report_rules import AdmissionWindow, ReportPacer, report_on_finish, window_limit
-from lora_cluster.errors import (
-    ClusterOverloadedError,
-    ColdAdapterShedError,
-    DeadlineOutOfReachError,
-    LoraClusterError,
-    QueueFullError,
-    WaitBoundError,
-)
+from lora_cluster.errors import ClusterOverloadedError, LoraClusterError
 from lora_cluster.sim.context import SimContext
 from lora_cluster.sim.control_inbox import ControlInbox
+from lora_cluster.sim.edge import SimEdge, edge_figures
+from lora_cluster.sim.metrics import refusal_reason
 from lora_cluster.sim.replica import SimReplica
 from lora_cluster.sim.routing import AffinityRouting
 from lora_cluster.sim.sharded_controller import ShardedController
@@ -93,17 +90,6 @@ def _raise(error: BaseException) -> None:
     raise error
 
 
-def _refusal_reason(error: ClusterOverloadedError) -> str:
-    """The reason a parked request was refused, as the result's `rejections` count it."""
-    if isinstance(error, ColdAdapterShedError):
-        return "adapter on no replica while its class sheds"
-    if isinstance(error, DeadlineOutOfReachError):
-        return "deadline out of reach"
-    if isinstance(error, WaitBoundError):
-        return "class over its wait bound"
-    return "cluster queue full" if isinstance(error, QueueFullError) else "wait over the queue timeout"
-
-
 class LoraClusterPolicy:
     name = "lora-cluster"
 
@@ -115,6 +101,8 @@ class LoraClusterPolicy:
             measure_from=ctx.metrics.measure_from)
         self.controller = self.sharded if self.sharded is not None else Controller(
             ctx.classes, s.controller_settings(), clock=ctx.loop.clock)
+        # refusals at the edge (`sim.edge`): one controller (the live ingress keeps a view per shard)
+        self.edge = SimEdge(ctx.loop.clock) if self.sharded is None and control.edge_max_age_s > 0 else None
         self.routing = AffinityRouting(ctx.replicas, miss_cost=router.router_miss_cost,
                                        placement_ttl_s=router.router_placement_ttl_s, clock=ctx.loop.clock,
                                        prefix_share=router.prefix_routing_share)
@@ -207,13 +195,16 @@ class LoraClusterPolicy:
             self.router_s += time.thread_time() - t0
             self._send(req, rid)
             return
-        self.parked += 1
         tid, sla = str(req.rid), req.sla
-        self._tickets[tid] = req  # parked from now: the fast path stays closed
         ticket = Ticket(
             ticket_id=tid, ingress_id=INGRESS_ID, sla_class=sla.name, priority=sla.priority,
             adapter_id=req.adapter, enqueued_at=req.arrival, ttft_s=sla.ttft_s, prefix=prefix,
             deadline=None if sla.ttft_s is None else req.arrival + sla.ttft_s)
+        if self.edge is not None and (refused := self.edge.refusal(ticket)) is not None:
+            self.metrics.rejected(req, refusal_reason(refused))  # the controller never sees it
+            return
+        self.parked += 1
+        self._tickets[tid] = req  # parked from now: the fast path stays closed
         self._window_tickets.append(ticket)
         park = partial(self.window.park, ticket, None, deliver=partial(self._parked, ticket), fail=_raise)
         self.inbox.input("park", park)
@@ -224,7 +215,10 @@ class LoraClusterPolicy:
         if self._claim is None:  # the counts changed since the last claim sent: a new mapping
             self._claim = dict(self._claimed)
         claims = {"inflight": self._claim, "unassigned": self._unassigned}
-        return self._call("park_many", self.controller.park_many, [(t, claims) for t, _ in parks])
+        outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t, _ in parks])
+        if self.edge is not None:  # the live actor sends it with its replies to these parks (and grants)
+            self.edge.offer(self._call("edge_state", self.controller.edge_state))
+        return outcomes
 
     def _dispatch_window(self) -> None:
         """A window of reports alone: one dispatch for their room."""
@@ -232,8 +226,10 @@ class LoraClusterPolicy:
 
     def _parked(self, ticket: Ticket, outcome: Any) -> None:
         """A parked ticket's outcome from its window: refused, granted at once, or waiting."""
+        if self.edge is not None:
+            self.edge.judged(ticket, outcome)
         if isinstance(outcome, ClusterOverloadedError):
-            self.metrics.rejected(self._tickets.pop(ticket.ticket_id), _refusal_reason(outcome))
+            self.metrics.rejected(self._tickets.pop(ticket.ticket_id), refusal_reason(outcome))
         elif isinstance(outcome, LoraClusterError):
             raise outcome
         elif outcome is not None:
@@ -309,8 +305,11 @@ class LoraClusterPolicy:
         self._send(req, grant.replica_id)
 
     def _deliver(self) -> None:
-        for ticket_id, grant in self._call("take_grants", self.controller.take_grants).items():
+        grants = self._call("take_grants", self.controller.take_grants)
+        for ticket_id, grant in grants.items():
             self.inbox.granted(ticket_id, grant)
+        if grants and self.edge is not None:  # the live actor's grant replies carry it
+            self.edge.offer(self._call("edge_state", self.controller.edge_state))
 
     def _timeout(self, ticket_id: str) -> None:
         req = self._tickets.pop(ticket_id, None)
@@ -394,7 +393,15 @@ class LoraClusterPolicy:
         self.loop.after(self.ctx.serve.controller.controller_report_period_s, self._fetch_placement)
 
     def _placement_act(self) -> Callable[[], None]:
-        return partial(setattr, self.routing, "placement", self._call("placement", self.controller.placement))
+        placement = self._call("placement", self.controller.placement)
+        # with the adapters the replicas hold, as the live `ingress_view`
+        state = None if self.edge is None else self._call("edge_state", self.controller.edge_state, True)
+        return partial(self._placed, placement, state)
+
+    def _placed(self, placement: dict[str, tuple[str, ...]], state: Any) -> None:
+        self.routing.placement = placement
+        if self.edge is not None:
+            self.edge.offer(state)
 
     def refresh_stats(self, replica_id: str) -> None:
         """The replica's routing stats arrive at the router and the ingress's admission check."""
@@ -413,6 +420,7 @@ class LoraClusterPolicy:
         c = self.controller
         return {
             "fast_path": self.fast, "parked": self.parked, "preempting_grants": self.preempting,
+            **edge_figures(self.edge),
             "controller_counts": dict(c.counts), "controller_calls": dict(self.calls),
             "controller_cpu_s": self.controller_s, "router_cpu_s": self.router_s,
             "controller_cpu_s_by_call_after_warmup": dict(self.cpu_by_call),

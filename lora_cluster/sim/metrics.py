@@ -36,6 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from lora_cluster.cluster.class_stats import percentile
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.errors import (
+    ClusterOverloadedError,
+    ColdAdapterShedError,
+    DeadlineOutOfReachError,
+    QueueFullError,
+    WaitBoundError,
+)
 from lora_cluster.sim.slot_bound import pinned_slot_bound, static_ceiling
 from lora_cluster.sim.workload import SimRequest
 
@@ -43,6 +50,17 @@ if TYPE_CHECKING:
     from lora_cluster.sim.census import RankBuckets
 
 TIERS = ("host", "disk", "s3")
+
+
+def refusal_reason(error: ClusterOverloadedError) -> str:
+    """The reason the controller (or the edge, for it) refused a request, as `rejections` counts it."""
+    if isinstance(error, ColdAdapterShedError):
+        return "adapter on no replica while its class sheds"
+    if isinstance(error, DeadlineOutOfReachError):
+        return "deadline out of reach"
+    if isinstance(error, WaitBoundError):
+        return "class over its wait bound"
+    return "cluster queue full" if isinstance(error, QueueFullError) else "wait over the queue timeout"
 
 
 MACHINE_KEYS = ("wall_s", "sim_cpu_s_per_request", "control_plane")  # `to_json` keys set by the machine

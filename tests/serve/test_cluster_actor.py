@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from lora_cluster.cluster.edge import EdgeState
 from lora_cluster.config import ServeConfig
 from lora_cluster.serve.controller_actor import ClusterController
 
@@ -73,7 +74,28 @@ async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batc
     freed = await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
     assert freed["queue_depth"] == 0, "the report's reply counts the queue after its room was granted"
     reply = await asyncio.wait_for(call, 5.0)
-    assert reply == {"replica_id": "r1", "preempt": False}, "the room the report frees is granted to it"
+    assert (reply["replica_id"], reply["preempt"]) == ("r1", False), (
+        "the room the report frees is granted to it")
+    assert EdgeState.from_wire(reply["edge"]).held is None, (
+        "the grant carries the admission state for the edge, without the held adapters")
+
+
+async def test_a_refusal_names_its_class_and_carries_the_state_that_refuses_the_next_at_the_edge():
+    from test_cluster_policies import report
+
+    actor = ClusterController.func_or_class(ServeConfig(cluster_queue_size=1).model_dump())
+    await actor.report(report("r1", capacity=1, running=1, resident=("a1",), by_priority={1: 1}).to_dict())
+    first = asyncio.create_task(actor.admit(request("t1"), 30.0))
+    await _until_queued(actor)
+    reply = await actor.admit(request("t2"), 30.0)
+    assert reply["error"] == "QueueFullError", f"the refusal names its class: {reply}"
+    state = EdgeState.from_wire(reply["edge"])
+    assert state.full, "the state it carries says the queue is full"
+    view = await actor.ingress_view("i1")
+    assert EdgeState.from_wire(view["edge"]).held == frozenset({"a1"}), (
+        "ingress_view's state carries the adapters the replicas hold")
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
 
 
 async def test_a_grant_whose_caller_went_away_frees_its_room_at_once():

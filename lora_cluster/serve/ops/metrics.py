@@ -20,7 +20,7 @@ ingress shows the whole cluster. Names are prefixed `lora_cluster_` and end in t
 
 Labels are bounded: `route` is a route template, `status` an HTTP status code, `replica` a replica
 id and `node` a Ray node id (bounded by the cluster), `tier` one of device/host/disk/source,
-`priority_class` a configured SLA class (at most 16), `outcome`, `decision` and `use` fixed sets.
+`priority_class` a configured SLA class (at most 16), `outcome`, `decision`, `reason` and `use` fixed sets.
 `adapter` and `tenant` are bounded by `metrics_max_adapter_labels` / `metrics_max_tenant_labels`:
 the busiest ones over `metrics_label_window_s` keep their own label, every other one is "other"
 (`serve.ops.top_labels`; a demoted adapter's series are dropped). Base-model requests are
@@ -146,6 +146,11 @@ ROUTING_ERRORS = Counter(
     "lora_cluster_routing_errors_total",
     "Sends that failed for the routing's sake: no replica, a replica that died, was unreachable or "
     "ended a stream without output (before or after the first item).", registry=REGISTRY)
+EDGE_REFUSALS = Counter(
+    "lora_cluster_edge_refusals_total",
+    "Requests the ingress refused before parking them, because the cluster controller's last published "
+    "admission state says it would refuse them (cluster.edge; the controller never sees them), by reason "
+    "(queue_full, cold_shed, deadline) and SLA class.", ["reason", "priority_class"], registry=REGISTRY)
 for _decision in ROUTING_DECISION_VALUES:
     ROUTING_DECISIONS.labels(_decision)
 
@@ -153,7 +158,7 @@ for _decision in ROUTING_DECISION_VALUES:
 REQUEST_METRICS = (REQUESTS, REQUEST_LATENCY, ADAPTER_HITS, ADAPTER_MISSES, CANCELLED, RETRIES,
                    TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, GENERATIONS, PROMPT_TOKENS,
                    GENERATED_TOKENS, PROMPT_CACHED_TOKENS, SLO_REQUESTS, QUEUE_WAIT, QUEUE_DEPTH,
-                   ROUTING_DECISIONS, ROUTING_ERRORS)
+                   ROUTING_DECISIONS, ROUTING_ERRORS, EDGE_REFUSALS)
 
 
 @dataclass(frozen=True)

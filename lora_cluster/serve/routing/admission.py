@@ -20,6 +20,13 @@ with `Retry-After`; waiting past `cluster_queue_timeout_s` a 503. A grant the in
 (its client went away while parked, or sending the request failed before the replica answered) is
 given back (`ClusterController.cancel_ticket`), so its replica's room is free again at once.
 
+Refusals at the edge: before parking, the ingress refuses a request that the controller would
+refuse (queue full for its class, cold shedding, deadline out of reach), with the controller's own
+error and retry-after, from the admission state the controller last sent with a reply or with
+`ingress_view` (`cluster.edge`: a state older than `edge_max_age_s` refuses nothing). The
+controller never sees those requests; the ingress counts them (`edge_refused`,
+`lora_cluster_edge_refusals_total` by reason and class).
+
 Placement: every `placement_period_s` the ingress fetches the controller's placement table (hot
 adapter -> replicas that should hold it) and hands it to its request router (`placement_sink`),
 which then spreads a hot adapter's requests over those replicas; the same call
@@ -50,9 +57,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lora_cluster.cluster.edge import EdgeState, EdgeView
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sharding import merge_placement, merge_snapshots, shard_of
-from lora_cluster.errors import ClusterOverloadedError, ClusterQueueTimeoutError, ControllerOffError
+from lora_cluster.errors import (
+    ClusterOverloadedError,
+    ClusterQueueTimeoutError,
+    ColdAdapterShedError,
+    ControllerOffError,
+    DeadlineOutOfReachError,
+    QueueFullError,
+    WaitBoundError,
+)
+from lora_cluster.serve.ops import metrics
 from lora_cluster.serve.ops.background import keep_running
 
 log = logging.getLogger(__name__)
@@ -60,6 +77,9 @@ log = logging.getLogger(__name__)
 REPARK_WINDOW_S = 5.0  # how long a waiting request keeps trying to reach a (restarted) controller
 BACKOFF_S = 1.0  # after the controller could not be reached: direct routing for this long
 RETRY_PAUSE_S = 0.2
+# the controller's refusals by the class name its reply gives (`error`): the ingress raises the same class
+REFUSALS: dict[str, type[ClusterOverloadedError]] = {
+    c.__name__: c for c in (QueueFullError, DeadlineOutOfReachError, WaitBoundError, ColdAdapterShedError)}
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,7 @@ class ClusterAdmission:
         self.report_lag_s = report_lag_s
         self._on_their_way: deque[float] = deque()  # send times of direct requests, replica not known yet
         self._down_until = [0.0] * len(self._shards)  # per shard: direct routing until then
+        self._edges = [EdgeView(clock) for _ in self._shards]  # per shard: its last admission state
         self._parked = 0  # this ingress's requests waiting in the cluster queue now
         self._parked_elsewhere = 0  # other ingresses' requests waiting there, as of the last fetch
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
@@ -131,17 +152,40 @@ class ClusterAdmission:
             self.counts["fast"] += 1
             self._on_their_way.append(self._clock())
             return None
+        ticket_id = uuid.uuid4().hex
+        self._refuse_at_edge(shard, ticket_id, sla_class, adapter_id, arrived_at)
         self.counts["parked"] += 1
         self._parked += 1
         try:
-            return await self._wait_for_grant(shard, sla_class, adapter_id, arrived_at, tuple(prefix_of()))
+            return await self._wait_for_grant(shard, ticket_id, sla_class, adapter_id, arrived_at,
+                                              tuple(prefix_of()))
         finally:
             self._parked -= 1
 
-    async def _wait_for_grant(self, shard: int, sla_class: str, adapter_id: str | None, arrived_at: float,
-                              prefix: tuple[str, ...] = ()) -> Granted | None:
+    def _refuse_at_edge(self, shard: int, ticket_id: str, sla_class: str, adapter_id: str | None,
+                        arrived_at: float) -> None:
+        """Raise the refusal that `shard` would make, as its last published admission state shows it
+        (`cluster.edge`; none from a state older than `edge_max_age_s`): the request is not parked,
+        and is counted here (`edge_refused`, `lora_cluster_edge_refusals_total`), not by the shard."""
+        edge = self._edges[shard]
+        ticket = edge.ticket(ticket_id, self.ingress_id, sla_class, adapter_id, arrived_at)
+        found = None if ticket is None else edge.refusal(ticket, arrived_at)
+        if found is not None:
+            reason, error = found
+            self.counts["edge_refused"] += 1
+            metrics.EDGE_REFUSALS.labels(reason, sla_class).inc()
+            raise error
+
+    def _edge_state(self, shard: int, reply: Mapping[str, Any]) -> None:
+        """A reply of `shard` that carries its admission state (`edge`): the edge's view of it."""
+        wire = reply.get("edge")
+        if wire is not None:
+            self._edges[shard].offer(EdgeState.from_wire(wire))
+
+    async def _wait_for_grant(self, shard: int, ticket_id: str, sla_class: str, adapter_id: str | None,
+                              arrived_at: float, prefix: tuple[str, ...] = ()) -> Granted | None:
         """Park the request at `shard`, its adapter's, until it is granted a replica (see `admit`)."""
-        ticket = {"ticket_id": uuid.uuid4().hex, "ingress_id": self.ingress_id, "sla_class": sla_class,
+        ticket = {"ticket_id": ticket_id, "ingress_id": self.ingress_id, "sla_class": sla_class,
                   "adapter_id": adapter_id, "prefix": list(prefix)}
         give_up_reaching = None
         while True:
@@ -170,12 +214,14 @@ class ClusterAdmission:
                     return None
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
+            self._edge_state(shard, reply)
             if "replica_id" in reply:
                 self.counts["preempting" if reply.get("preempt") else "granted"] += 1
                 return Granted(str(reply["replica_id"]), ticket["ticket_id"], shard)
             if "overloaded" in reply:
                 self.counts["refused"] += 1
-                raise ClusterOverloadedError(str(reply["overloaded"]), float(reply["retry_after_s"]))
+                refusal = REFUSALS.get(str(reply.get("error")), ClusterOverloadedError)
+                raise refusal(str(reply["overloaded"]), float(reply["retry_after_s"]))
             give_up_reaching = None  # a timeout answer: loop to raise with the remaining time spent
 
     def _sync_placement(self) -> None:
@@ -197,6 +243,7 @@ class ClusterAdmission:
                     continue
                 elsewhere += int(view["queued_elsewhere"])
                 self._tables[k] = view["placement"]
+                self._edge_state(k, view)
             self._parked_elsewhere = elsewhere
             if len(self._shards) == 1:
                 if not isinstance(views[0], BaseException):
