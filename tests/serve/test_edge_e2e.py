@@ -45,7 +45,9 @@ def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counte
             burst = [pool.submit(one, i) for i in range(28)]  # 16 slots + 4 queued, the rest refused
             done = concurrent.futures.as_completed(burst)
             first_refused = next((f for f in done if f.result().status_code == 429), None)
-            later = [one(i) for i in range(4)]  # the state the controller sent with its refusal is full
+            # one after the other: each reaches the ingress soon after the previous answer, whose state
+            # (sent with the controller's refusal) says the queue is full, well within edge_max_age_s
+            later = [one(i) for i in range(12)]
             answers = [f.result() for f in burst] + later
         assert first_refused is not None, "the burst overflows the cluster queue"
         codes = [r.status_code for r in answers]
