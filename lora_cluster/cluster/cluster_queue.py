@@ -354,7 +354,8 @@ class ClusterQueue:
     def first(self, n: int) -> list[Ticket]:
         """The `n` most urgent tickets, most urgent first: a best-first walk down the heap's tree,
         O((n + removed entries met) log n), not O(size)."""
-        heap, out = self._heap, []
+        heap = self._heap
+        out: list[Ticket] = []
         frontier = [(heap[0], 0)] if heap else []
         while frontier and len(out) < n:
             entry, i = heapq.heappop(frontier)
