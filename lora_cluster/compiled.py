@@ -11,6 +11,11 @@ never mixed with compiled ones. Without the record (no compiled build: a copy of
 build with `LORA_CLUSTER_PURE_PYTHON=1`) nothing is installed. Cost: one `stat` when `lora_cluster` is
 imported; reading the record and hashing its sources (about 100 KB) once, at the first import of a
 recorded module.
+
+What the compiled modules keep as Python classes (`mypy_extensions.mypyc_attr(native_class=False)`):
+every frozen dataclass, since mypyc unpickles a compiled class by setting its fields one by one, which
+a frozen class refuses, and tickets, grants, refusals, reports and settings cross processes pickled;
+and a class that keeps values in its instances' `__dict__` (a compiled class has none).
 """
 
 from __future__ import annotations

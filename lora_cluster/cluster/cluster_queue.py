@@ -52,6 +52,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.errors import (
     ClusterOverloadedError,
     DeadlineOutOfReachError,
@@ -64,6 +66,7 @@ ADMIT_WAIT_SHARE = 0.5  # of the wait bound: a class without a TTFT target admit
 OVERDUE_SHARE = 0.75  # of the wait bound: such a ticket then goes first (the rest is left for a slot to free)
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class Ticket:
     ticket_id: str

@@ -41,9 +41,8 @@ REPORT_MAX_BYTES = ((MAX_REPORTED_RESIDENT + MAX_REPORTED_LOADING + MAX_REPORTED
                      + MAX_ARRIVED_TICKETS) * (MAX_ID_LEN + 16) + SUMMARY_KEYS * 32 + (16 << 10))
 
 
-# The reports stay Python classes when this module is compiled (mypyc's native classes have no
-# `__dict__`): a report keeps what it derives in its `__dict__` (`_derived`, `updated`), and `vars` reads
-# a memory split.
+# The reports stay Python classes when this module is compiled: frozen (lora_cluster.compiled), and a
+# report keeps what it derives in its `__dict__` (`_derived`, `updated`; mypyc's classes have none).
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class MemorySplit:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import warnings
@@ -23,6 +24,13 @@ import pytest
 
 import lora_cluster
 from lora_cluster import compiled
+from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.controller import Grant, Refusal
+from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.report_delta import ReportDelta
+from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.routing_stats import RoutingStats
+from lora_cluster.cluster.sla import SlaClass
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = Path(lora_cluster.__file__).with_name(compiled.RECORD_NAME)
@@ -106,6 +114,19 @@ def test_both_builds_decide_the_same_in_the_simulator(setting: str) -> None:
         f"the same keys: {sorted(compiled_run.keys() ^ pure_run.keys())}")
     differ = {k: (compiled_run[k], pure_run[k]) for k in compiled_run if compiled_run[k] != pure_run[k]}
     assert not differ, f"{setting}: figures that differ (compiled, pure): {differ}"
+
+
+def crossing_objects() -> list[object]:
+    """One of each policy object that crosses processes pickled (Ray: ingress, controller, replicas)."""
+    return [Ticket("t1", "ingress-0", "interactive", 0, "a1", 1.0), Grant("replica-0", preempt=True),
+            Refusal("queue full", 2.0), ReportDelta("replica-0", 2, 1), RoutingStats(), ControllerSettings(),
+            ReplicaReport("replica-0", "node-0", 4, 8, 2, 1, 0, 1), SlaClass("interactive", 0)]
+
+
+@pytest.mark.parametrize("obj", crossing_objects(), ids=lambda o: type(o).__name__)
+def test_the_objects_that_cross_processes_pickle_in_this_build(obj: object) -> None:
+    """In the compiled build too: a frozen class stays a Python class there (`lora_cluster.compiled`)."""
+    assert pickle.loads(pickle.dumps(obj)) == obj, f"{type(obj).__name__} comes back equal from pickle"
 
 
 def package(tmp_path: Path, recorded_source: str) -> compiled.SourceFinder:
