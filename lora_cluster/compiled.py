@@ -105,7 +105,9 @@ def install() -> SourceFinder | None:
 
 
 def is_compiled(module: ModuleType) -> bool:
-    """Whether a module was loaded from a compiled extension rather than its .py source."""
+    """Whether a module was loaded from a compiled extension rather than its .py source, by its file's
+    suffix (the folder may be wrong: mypyc names the modules that another compiled module imports first
+    under a doubled package folder; nothing reads a policy module's `__file__`)."""
     from importlib.machinery import EXTENSION_SUFFIXES
 
     return (module.__file__ or "").endswith(tuple(EXTENSION_SUFFIXES))
