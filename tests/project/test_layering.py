@@ -7,8 +7,8 @@ import of a unit not listed, at module level or inside a function, fails the tes
 file and line.
 The table is acyclic, so the layers read bottom to top:
 
-    compiled, errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker | config |
-    cluster, tenancy, store |
+    compiled, errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker |
+    config | cluster, tenancy, store |
     engine: sample < schedule < adapters < model < engine's own modules (llm_engine, factory,
             async_engine) | sim | client, demo < demo_families |
     serve: http_errors, ops < protocol < routing < replica < http < app;
