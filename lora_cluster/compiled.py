@@ -13,9 +13,10 @@ imported; reading the record and hashing its sources (about 100 KB) once, at the
 recorded module.
 
 What the compiled modules keep as Python classes (`mypy_extensions.mypyc_attr(native_class=False)`):
-every frozen dataclass, since mypyc unpickles a compiled class by setting its fields one by one, which
-a frozen class refuses, and tickets, grants, refusals, reports and settings cross processes pickled;
-and a class that keeps values in its instances' `__dict__` (a compiled class has none).
+every frozen dataclass but `Ticket`, since mypyc unpickles a compiled class by setting its fields one
+by one, which a frozen class refuses, and grants, refusals, reports and settings cross processes
+pickled (`Ticket`, read on every queue comparison, is compiled and pickles itself by `__reduce__`); and
+a class that keeps values in its instances' `__dict__` (a compiled class has none).
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-from mypy_extensions import mypyc_attr
+from typing import Any
 
 from lora_cluster.errors import (
     ClusterOverloadedError,
@@ -66,7 +65,6 @@ ADMIT_WAIT_SHARE = 0.5  # of the wait bound: a class without a TTFT target admit
 OVERDUE_SHARE = 0.75  # of the wait bound: such a ticket then goes first (the rest is left for a slot to free)
 
 
-@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class Ticket:
     ticket_id: str
@@ -78,6 +76,12 @@ class Ticket:
     deadline: float | None = None  # latest start that meets the class's TTFT target (None: no target)
     ttft_s: float | None = None  # the class's TTFT target
     prefix: tuple[str, ...] = ()  # routing keys of its prompt's prefix (`prefix_keys.routing_keys`)
+
+    def __reduce__(self) -> tuple[type[Ticket], tuple[Any, ...]]:
+        """Pickled as a call of the class with its fields: compiled, a frozen class cannot be unpickled
+        field by field (`lora_cluster.compiled`), and a ticket crosses from the ingress to the controller."""
+        return (Ticket, (self.ticket_id, self.ingress_id, self.sla_class, self.priority, self.adapter_id,
+                         self.enqueued_at, self.deadline, self.ttft_s, self.prefix))
 
 
 Key = tuple[int, float, float, float, int]  # tier, priority + enqueued / aging, deadline, arrival, seq
