@@ -51,6 +51,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from lora_cluster.errors import (
     ClusterOverloadedError,
@@ -75,6 +76,12 @@ class Ticket:
     deadline: float | None = None  # latest start that meets the class's TTFT target (None: no target)
     ttft_s: float | None = None  # the class's TTFT target
     prefix: tuple[str, ...] = ()  # routing keys of its prompt's prefix (`prefix_keys.routing_keys`)
+
+    def __reduce__(self) -> tuple[type[Ticket], tuple[Any, ...]]:
+        """Pickled as a call of the class with its fields: compiled, a frozen class cannot be unpickled
+        field by field (`lora_cluster.compiled`), and a ticket crosses from the ingress to the controller."""
+        return (Ticket, (self.ticket_id, self.ingress_id, self.sla_class, self.priority, self.adapter_id,
+                         self.enqueued_at, self.deadline, self.ttft_s, self.prefix))
 
 
 Key = tuple[int, float, float, float, int]  # tier, priority + enqueued / aging, deadline, arrival, seq
@@ -368,7 +375,8 @@ class ClusterQueue:
     def first(self, n: int) -> list[Ticket]:
         """The `n` most urgent tickets, most urgent first: a best-first walk down the heap's tree,
         O((n + removed entries met) log n), not O(size)."""
-        heap, out = self._heap, []
+        heap = self._heap
+        out: list[Ticket] = []
         frontier = [(heap[0], 0)] if heap else []
         while frontier and len(out) < n:
             entry, i = heapq.heappop(frontier)

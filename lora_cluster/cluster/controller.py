@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
@@ -56,12 +58,14 @@ MAX_UNCLAIMED_GRANTS = 65_536
 _SETTINGS = ControllerSettings()  # the defaults (`controller_settings`)
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class Grant:
     replica_id: str
     preempt: bool = False
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class Refusal:
     """A parked ticket's request is refused after all (bumped out of the full queue)."""

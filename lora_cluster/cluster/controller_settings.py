@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.config import ControllerConfig
 
 _DEFAULTS = ControllerConfig()
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class ControllerSettings:
     """The controller's knobs. Those from `ControllerConfig` default to its defaults (read from the

@@ -22,6 +22,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.cluster.reports import ReplicaReport
 
 MIN_RATE = 1e-3  # requests per second below which an adapter's demand is forgotten
@@ -66,6 +68,7 @@ class DemandTracker:
         return dict(self._value)
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class PlacementPolicy:
     service_time_s: float  # typical time a request holds a batch slot

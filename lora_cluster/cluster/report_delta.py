@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 from lora_cluster.cluster.reports import (
     MAX_ARRIVED_TICKETS,
@@ -45,6 +47,7 @@ STATE_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaReport)
                      if f.name not in {"replica_id", "seq", *SET_FIELDS, *EVENT_FIELDS})
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class ReportDelta:
     """What changed in a replica's report since its report `base_seq` (see the module docstring)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import ClassVar
 
 from lora_cluster.cluster.reports import MAX_REPORTED_ADAPTERS
 
@@ -129,9 +130,9 @@ class AdmissionWindow:
     `observe` runs on the engine's thread, `extra` is read from the event loop: one int, replaced whole.
     """
 
-    IDLE_STEPS = 3
-    SURPLUS = 2
-    SHRINK_EVERY = 8
+    IDLE_STEPS: ClassVar[int] = 3  # class constants (ClassVar: compiled, still read on the class)
+    SURPLUS: ClassVar[int] = 2
+    SHRINK_EVERY: ClassVar[int] = 8
 
     def __init__(self, limit: int):
         self.limit = max(0, limit)

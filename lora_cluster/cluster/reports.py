@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
+
+from mypy_extensions import mypyc_attr
 
 from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 
@@ -39,6 +41,9 @@ REPORT_MAX_BYTES = ((MAX_REPORTED_RESIDENT + MAX_REPORTED_LOADING + MAX_REPORTED
                      + MAX_ARRIVED_TICKETS) * (MAX_ID_LEN + 16) + SUMMARY_KEYS * 32 + (16 << 10))
 
 
+# The reports stay Python classes when this module is compiled: frozen (lora_cluster.compiled), and a
+# report keeps what it derives in its `__dict__` (`_derived`, `updated`; mypyc's classes have none).
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class MemorySplit:
     """Device memory of one replica, by use (bytes); `free` is what the device has left."""
@@ -60,19 +65,26 @@ class _derived(Generic[T]):
     and read by one thread, and computing a value twice gives the same value."""
 
     def __init__(self, fn: Callable[[Any], T]):
-        self.fn, self.name = fn, fn.__name__
+        self.fn, self.name = fn, ""  # the attribute's name: `__set_name__` (a compiled fn has no __name__)
         self.__doc__ = fn.__doc__
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: Any, owner: type | None = None) -> T:
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _derived[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: object, owner: type | None = None) -> T | _derived[T]:
         if obj is None:
-            return self  # type: ignore[return-value]  (the class's attribute: the descriptor)
+            return self  # the class's attribute: the descriptor
         value = obj.__dict__[self.name] = self.fn(obj)
         return value
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class ReplicaReport:
     replica_id: str

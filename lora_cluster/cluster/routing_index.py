@@ -198,7 +198,8 @@ class RoutingIndex:
             self._heaps[None] = []
             self._compact(None)
         heap = self._heaps[None if adapter_id is None else ABSENT]
-        version, kept, best = self._version, [], []
+        version, kept = self._version, []
+        best: list[str] = []
         while heap and len(best) < n:
             entry = heapq.heappop(heap)
             rid = entry[2]
@@ -239,9 +240,9 @@ class RoutingIndex:
         self._dirty.clear()
         self._recount.clear()
         bound = 8 * len(self.views) + 64
-        for aid, heap in self._heaps.items():
+        for key, heap in self._heaps.items():  # ABSENT or None
             if len(heap) > bound:
-                self._compact(aid)
+                self._compact(key)
 
     def _compact(self, aid: str | None) -> None:
         """The heap for `aid` (ABSENT or None) rebuilt from the current views, one entry each."""

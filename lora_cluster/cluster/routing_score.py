@@ -43,6 +43,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH, cached_depth
 from lora_cluster.cluster.routing_stats import UNKNOWN_SLOTS, RoutingStats
 
@@ -50,6 +52,7 @@ THRASH_MISS_FACTOR = 2  # a miss on a replica in full adapter thrash costs this 
 PREFIX_SHARE = 0.5  # the bonus of a fully cached prefix ladder as a share of miss_cost, by default
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class ReplicaView:
     """What the policy knows about one replica."""

@@ -23,11 +23,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 
 UNKNOWN_SLOTS = 1 << 30  # a capacity not reported yet: assume room
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class RoutingStats:
     """One replica's last routing report (see the module docstring)."""

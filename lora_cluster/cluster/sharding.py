@@ -118,7 +118,7 @@ def split_room(free: int, queued: Sequence[int], turn: int = 0) -> list[int]:
 
 def merge_replies(replies: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The shards' replies to one round of reports as one: queued tickets summed, prefetch united."""
-    depth, prefetch = 0, set()
+    depth, prefetch = 0, set[str]()
     for reply in replies:
         depth += int(reply.get("queue_depth", 0))
         prefetch.update(str(a) for a in reply.get("prefetch", ()))

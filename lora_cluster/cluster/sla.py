@@ -14,10 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from lora_cluster.config import DEFAULT_CLASS, MAX_CLASSES, ServeConfig, SlaClassConfig, serve_defaults
 from lora_cluster.errors import ConfigError, RequestError
 
 
+@mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
 @dataclass(frozen=True)
 class SlaClass:
     name: str

@@ -165,12 +165,12 @@ class DeviceAdapters:
             return True
         if priority is None:
             return False
-        victim = idle_victim(self._holders(priority, idle=True), priority)
-        if victim is None:
+        wanted_victim = idle_victim(self._holders(priority, idle=True), priority)
+        if wanted_victim is None:
             return False
-        del self.idle[victim]
-        del self.refs[victim]
-        self._submit(victim, explicit=False, priority=min(self.wanted[victim]))  # fetched again
+        del self.idle[wanted_victim]
+        del self.refs[wanted_victim]
+        self._submit(wanted_victim, explicit=False, priority=min(self.wanted[wanted_victim]))  # fetched again
         return True
 
     def slot_to_preempt(self, priority: int) -> str | None:

@@ -100,6 +100,23 @@ class BaseSplit:
                                          strict=True))
 
 
+def _numeric_tables(tables: Sequence[object]) -> list[dict[str, int | float]] | None:
+    """The groups' tables of one key when every one maps names to numbers, else None."""
+    found: list[dict[str, int | float]] = []
+    for table in tables:
+        if not isinstance(table, dict) or not all(isinstance(v, int | float) for v in table.values()):
+            return None
+        found.append(table)
+    return found
+
+
+def _number(value: object) -> int | float:
+    """One group's figure of a key whose first group's figure is a number (kept an int when it is one)."""
+    if not isinstance(value, int | float):
+        raise TypeError(f"the groups disagree on a figure's type: {value!r} is not a number")
+    return value
+
+
 class GroupedPolicy:
     """One policy per replica group, each over its group's replicas only; a request goes to its
     adapter's base's policy, a replica's events to its own group's policy."""
@@ -151,14 +168,15 @@ class GroupedPolicy:
             if isinstance(value, bool) or not isinstance(value, int | float | dict):
                 continue
             if isinstance(value, dict):
-                if all(isinstance(v, int | float) for d in per for v in d.get(key, {}).values()):
-                    summed: dict[str, float] = {}
-                    for d in per:
-                        for k, v in d[key].items():
+                tables = _numeric_tables([d.get(key, {}) for d in per])
+                if tables is not None:
+                    summed: dict[str, int | float] = {}
+                    for table in tables:
+                        for k, v in table.items():
                             summed[k] = summed.get(k, 0) + v
                     out[key] = summed
             else:  # queue_depth_mean: the groups' queues are sampled at the same ticks, so means add
-                out[key] = sum(d[key] for d in per)  # up; queue_depth_max: the sum of their maxima
+                out[key] = sum(_number(d[key]) for d in per)  # up; queue_depth_max: the sum of their maxima
         return out
 
     def _control_plane(self, per: list[dict[str, object]]) -> dict[str, float | None]:

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -139,8 +139,8 @@ class LoraClusterPolicy:
         self.encoders = {rid: ReportEncoder(clock=ctx.loop.clock) for rid in ctx.replicas}
         self.controller_s = self.router_s = 0.0
         # after the warm-up: reports and controller CPU seconds, as of the latest arrival (steady state)
-        self._measured = [0, 0.0]
-        self.cpu_by_call: Counter[str] = Counter()  # after the warm-up: CPU seconds per controller call
+        self._measured_reports, self._measured_cpu_s = 0, 0.0
+        self.cpu_by_call: dict[str, float] = {}  # after the warm-up: CPU seconds per controller call
         self._steady: tuple[int, float, float] = (0, 0.0, 0.0)
         self._shards_steady: tuple[float, ...] = ()  # each shard's CPU seconds, as of the latest arrival
         self.calls: Counter[str] = Counter()
@@ -170,9 +170,9 @@ class LoraClusterPolicy:
             self.controller_s += spent
             self.calls[name] += 1
             if self.loop.now >= self.metrics.measure_from:
-                self._measured[0] += name == "report"
-                self._measured[1] += spent
-                self.cpu_by_call[name] += spent
+                self._measured_reports += name == "report"
+                self._measured_cpu_s += spent
+                self.cpu_by_call[name] = self.cpu_by_call.get(name, 0.0) + spent
             if self.trace is not None:
                 self.trace.append((self.loop.now, name, args, answer))
 
@@ -183,7 +183,7 @@ class LoraClusterPolicy:
         return not self._tickets and self._free_total > self._unassigned
 
     def arrive(self, req: SimRequest) -> None:
-        self._steady = (self._measured[0], self._measured[1], self.loop.now)
+        self._steady = (self._measured_reports, self._measured_cpu_s, self.loop.now)
         if self.sharded is not None:
             self._shards_steady = tuple(self.sharded.cpu_s)
         prefix = req.prefix if self.ctx.serve.router.prefix_aware_routing else ()  # off: adapter-only routing
@@ -209,7 +209,7 @@ class LoraClusterPolicy:
         park = partial(self.window.park, ticket, None, deliver=partial(self._parked, ticket), fail=_raise)
         self.inbox.input("park", park)
 
-    def _park_window(self, parks: list[tuple[Ticket, Any]]) -> list[Any]:
+    def _park_window(self, parks: Sequence[tuple[Ticket, Any]]) -> list[Any]:
         """The window's parks reach the controller at once (`Controller.park_many`), each with the
         ingress's claims as of now."""
         if self._claim is None:  # the counts changed since the last claim sent: a new mapping
@@ -246,8 +246,12 @@ class LoraClusterPolicy:
 
     def _reply_depth(self, replica_id: str) -> None:
         """A report of the window gets its reply's queue depth: what is left after its dispatch."""
-        self._queue_depth[replica_id] = (len(self.controller.queue) if self.sharded is None
-                                         else self.sharded.queue_depth())
+        self._queue_depth[replica_id] = self._controller_depth()
+
+    def _controller_depth(self) -> int:
+        """Tickets queued at the controller (with shards: at all of them)."""
+        c = self.controller
+        return len(c.queue) if isinstance(c, Controller) else c.queue_depth()
 
     def first_token(self, replica: SimReplica, req: SimRequest) -> None:
         """The request's first item reached the ingress (`ClusterAdmission.started`)."""
@@ -377,7 +381,7 @@ class LoraClusterPolicy:
 
     def _tick(self) -> None:
         self.inbox.input("tick", self._tick_act)
-        depth = len(self.controller.queue) if self.sharded is None else self.sharded.queue_depth()
+        depth = self._controller_depth()
         self._depth_sum += depth
         self._depth_samples += 1
         self._depth_max = max(self._depth_max, depth)
@@ -431,7 +435,7 @@ class LoraClusterPolicy:
             "control_plane": self.control_plane(),
         }
 
-    def control_plane(self) -> dict[str, float | None]:
+    def control_plane(self) -> dict[str, float | bool | None]:
         """At steady state (from the end of the warm-up to the last arrival): reports per second per
         replica (rounds: one report to each shard counts once), and CPU seconds spent in the
         controller's calls per simulated second (with shards: all of them, and also the busiest one);
@@ -440,8 +444,9 @@ class LoraClusterPolicy:
         span = until - self.metrics.measure_from
         if span <= 0:
             return {"reports_per_s_per_replica": None, "controller_cpu_s_per_sim_s": None}
-        plane = {"reports_per_s_per_replica": reports / span / len(self.replicas),
-                 "controller_cpu_s_per_sim_s": cpu_s / span}
+        plane: dict[str, float | bool | None] = {
+            "reports_per_s_per_replica": reports / span / len(self.replicas),
+            "controller_cpu_s_per_sim_s": cpu_s / span}
         plane.update(self.inbox.figures())  # the actor's loop, when modelled
         if self.sharded is not None:
             plane["shards"] = len(self.sharded.shards)

@@ -211,10 +211,12 @@ class Simulation:
             "slot_census": self.census.result(),
             **self.policy.details(),
         }
+        bases: dict[str, object] | None = None
         if self.split is not None and self.base_figures is not None:
             details["hit_rate_ceiling"] = self.split.cluster_ceiling(c.zipf, c.max_loras)
             details["replica_bases"] = {rid: base_name(b) for rid, b in self.split.replica_base.items()}
-            details["bases"] = self.base_figures.result(unfinished, zipf=c.zipf, max_loras=c.max_loras)
+            bases = self.base_figures.result(unfinished, zipf=c.zipf, max_loras=c.max_loras)
+            details["bases"] = bases
         if self.chats is not None:
             caches = [r.prefix_cache for r in self.replicas.values() if r.prefix_cache is not None]
             details["chats"] = {
@@ -229,9 +231,9 @@ class Simulation:
         result = self.metrics.result(unfinished, round(time.perf_counter() - self.started, 3), details,
                                      slots=c.nodes * c.max_loras, max_num_seqs=self.profile.max_num_seqs,
                                      window_s=c.duration)
-        if "bases" in details:
-            result.bases = details["bases"]
-        if self.chats is not None:
+        if bases is not None:
+            result.bases = bases
+        if self.chats is not None and c.chats is not None:  # the one is built from the other
             s = c.serve.router
             result.chats = {**dataclasses.asdict(c.chats), "prefix_aware_routing": s.prefix_aware_routing,
                             "prefix_routing_share": s.prefix_routing_share,
