@@ -107,3 +107,41 @@ def test_the_replicas_with_room_are_kept_exactly_through_reports_grants_and_clai
             f"step {step}: the room summed over the replicas with room, as free() says")
         assert view.with_room() == sorted(want), f"step {step}: with_room, as free() says"
     assert renewed > 400, "claims were renewed often"
+
+
+def test_the_claimed_and_preemptible_replicas_are_kept_exactly_through_every_update_path():
+    """`claimed_less_urgent_ids` and `preemptible_ids`, kept incrementally, equal the walk of every
+    replica they replace, after random reports, preempting grants, arrivals, releases, forgotten
+    and pruned replicas; `prune` forgets exactly the replicas silent for `stale_after_s`."""
+    rng = random.Random(23)
+    clock = FakeClock(100.0)
+    view = ClusterView(stale_after_s=2.0, clock=clock, grant_ttl_s=1.0)
+    ids = [f"r{i:02d}" for i in range(20)]
+    seen_claimed = 0
+    for step in range(2000):
+        clock.now += rng.choice((0.0, 0.01, 0.1, 0.3))
+        action = rng.random()
+        rid = rng.choice(ids)
+        if action < 0.4:
+            view.update(random_report(rng, rid))
+        elif action < 0.75 and len(view):
+            view.granted(rng.choice(list(view.ids())), f"t{step}", preempting=rng.random() < 0.7)
+        elif action < 0.85 and view.get(rid) is not None:
+            view.arrived(rid, [f"t{step - k}" for k in range(1, 8)])
+        elif action < 0.92:
+            view.release(f"t{step - rng.randrange(1, 10)}", rid if rng.random() < 0.5 else None)
+        elif action < 0.95:
+            view.forget(rid)
+        else:
+            silent = {r for r in view.ids() if view.age_s(r) > 2.0}
+            assert set(view.prune()) == silent, f"step {step}: prune forgets exactly the silent replicas"
+        for priority in (0, 1):
+            claimed = {r for r in view.ids() if view.get(r).less_urgent_running(priority) > 0
+                       and view.preemptible(r, priority) <= 0}
+            assert view.claimed_less_urgent_ids(priority) == claimed, (
+                f"step {step}, priority {priority}: the claimed replicas, as a walk finds them")
+            preemptible = {r for r in view.ids() if view.preemptible(r, priority) > 0}
+            assert view.preemptible_ids(priority) == preemptible, (
+                f"step {step}, priority {priority}: the preemptible replicas, as a walk finds them")
+            seen_claimed += len(claimed)
+    assert seen_claimed > 200, f"states with claimed replicas were compared: {seen_claimed}"
