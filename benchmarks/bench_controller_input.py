@@ -17,11 +17,15 @@ a `park_many` is one input whatever its batch, and its CPU per parked ticket is 
 The last line is the acceptance ratio: CPU per input at 1,024 replicas over that at 32 (issue 45:
 <= 1.5).
 
+`--traces DIR` keeps each size's recorded calls there (pickled, refusals as their kind and text) and
+replays a file found there instead of running the simulator again: the code before and after a
+change then replays the same inputs (and must answer as recorded).
+
 `--profile N` also prints the 25 costliest functions (cProfile, cumulative) of one replay at N
 replicas: where the per-input cost goes.
 
-Run: python benchmarks/bench_controller_input.py [--load 2] [--warmup 20] [--duration 10]
-     [--rounds 3] [--sizes 32,256,1024] [--adapters 10000] [--profile 1024] [--out FILE]
+Run: python benchmarks/bench_controller_input.py [--load 2] [--warmup 10] [--duration 5]
+     [--rounds 2] [--sizes 32,256,1024] [--adapters 10000] [--traces DIR] [--profile 1024] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import cProfile
 import io
 import math
+import pickle
 import pstats
 import time
 from collections import Counter
@@ -40,6 +45,8 @@ from typing import Any
 from common import emit, header, load_avg
 
 from lora_cluster.cluster.controller import Controller
+from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.errors import ClusterOverloadedError
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.simulation import SimConfig, Simulation
@@ -47,30 +54,44 @@ from lora_cluster.sim.simulation import SimConfig, Simulation
 Trace = list[tuple[float, str, tuple[Any, ...], Any]]
 
 
-def record(nodes: int, adapters: int, load: float, warmup: float,
-           duration: float) -> tuple[Trace, Controller]:
-    """Every controller call of one simulator run (shipped defaults), and the controller it ran."""
+def _plain(name: str, answer: Any) -> Any:
+    """An answer as compared (and pickled): a park's refusals as their kind and text."""
+    if name != "park_many":
+        return answer
+    return [(type(o), str(o)) if isinstance(o, ClusterOverloadedError) else o for o in answer]
+
+
+def record(nodes: int, adapters: int, load: float, warmup: float, duration: float,
+           traces: Path | None = None) -> tuple[Trace, SlaClasses, ControllerSettings]:
+    """Every controller call of one simulator run (shipped defaults), its answer made plain, and the
+    controller's classes and settings; read from (or kept in) `traces` when given."""
+    path = None if traces is None else traces / f"trace-{nodes}-{adapters}-{load}-{warmup}-{duration}.pkl"
+    if path is not None and path.exists():
+        with path.open("rb") as f:
+            kept: tuple[Trace, SlaClasses, ControllerSettings] = pickle.load(f)
+        return kept
     sim = Simulation(SimConfig(nodes=nodes, adapters=adapters, load=load, warmup=warmup, duration=duration))
     policy = sim.policy
     assert isinstance(policy, LoraClusterPolicy), "the lora-cluster policy, one controller"
     policy.trace = []
     sim.finish()
-    return policy.trace, policy.controller
+    trace = [(when, name, args, _plain(name, answer)) for when, name, args, answer in policy.trace]
+    controller = policy.controller
+    assert isinstance(controller, Controller), "one controller"
+    out = (trace, controller.classes, controller.settings)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            pickle.dump(out, f, protocol=5)
+    return out
 
 
-def _same(name: str, got: Any, answer: Any) -> bool:
-    if name == "park_many":  # refusals are errors: compared by kind and text
-        got, answer = ([(type(o), str(o)) if isinstance(o, ClusterOverloadedError) else o for o in outcomes]
-                       for outcomes in (got, answer))
-    return bool(got == answer)
-
-
-def replay(trace: Trace, recorded: Controller, measure_from: float,
+def replay(trace: Trace, classes: SlaClasses, settings: ControllerSettings, measure_from: float,
            profiler: cProfile.Profile | None = None) -> tuple[Counter[str], Counter[str], int]:
     """Replay `trace` through a fresh Controller; returns CPU seconds and calls per kind after
     `measure_from`, and the tickets parked then. Raises if any answer differs from the recorded one."""
     now = [0.0]
-    live = Controller(recorded.classes, recorded.settings, clock=lambda: now[0])
+    live = Controller(classes, settings, clock=lambda: now[0])
     cpu: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     parked = 0
@@ -89,7 +110,7 @@ def replay(trace: Trace, recorded: Controller, measure_from: float,
         spent = clock() - t0
         if measured and profiler is not None:
             profiler.disable()
-        if not _same(name, got, answer):
+        if _plain(name, got) != answer:
             raise AssertionError(f"{name} at {when:.3f}: the replay decided otherwise than the run")
         if measured:
             cpu[name] += spent
@@ -103,9 +124,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="32,256,1024")
     ap.add_argument("--adapters", type=int, default=10_000)
     ap.add_argument("--load", type=float, default=2.0)
-    ap.add_argument("--warmup", type=float, default=20.0)
-    ap.add_argument("--duration", type=float, default=10.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--traces", help="keep (and reuse) each size's recorded calls in this folder")
     ap.add_argument("--profile", type=int, default=0, help="cProfile one replay at this many replicas")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -116,22 +138,23 @@ def main() -> None:
     profile_text = ""
     for n in sizes:
         t0 = time.perf_counter()
-        trace, recorded = record(n, args.adapters, args.load, args.warmup, args.duration)
+        trace, classes, settings = record(n, args.adapters, args.load, args.warmup, args.duration,
+                                          Path(args.traces) if args.traces else None)
         sim_s = time.perf_counter() - t0
         best: dict[str, float] = {}
         calls: Counter[str] = Counter()
         parked = 0
         for _ in range(args.rounds):
-            cpu, calls, parked = replay(trace, recorded, args.warmup)
+            cpu, calls, parked = replay(trace, classes, settings, args.warmup)
             total = sum(cpu.values())
             for name, spent in [*cpu.items(), ("all", total)]:
                 best[name] = min(best.get(name, math.inf), spent)
         rows[n] = (best, calls, parked)
-        print(f"{n} replicas: {len(trace)} calls recorded in {sim_s:.0f} s; per input "
+        print(f"{n} replicas: {len(trace)} calls (recorded or read in {sim_s:.0f} s); per input "
               f"{best['all'] / sum(calls.values()) * 1e6:.1f} us", flush=True)
         if args.profile == n:
             profiler = cProfile.Profile()
-            replay(trace, recorded, args.warmup, profiler)
+            replay(trace, classes, settings, args.warmup, profiler)
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
             profile_text = out.getvalue()

@@ -325,7 +325,7 @@ class Controller:
         times = [r.service_time_s for r in replicas if r.service_time_s]
         service = sum(times) / len(times) if times else DEFAULT_SERVICE_TIME_S
         policy = PlacementPolicy(service_time_s=service, hot_share=self.settings.hot_share)
-        self._placement = policy.targets(self.demand.rates(), replicas)
+        self._placement = policy.targets(self.demand.rates(), replicas, self.view.holders)
         self._by_replica = {}
         for adapter_id, replica_ids in self._placement.items():
             for rid in replica_ids:
