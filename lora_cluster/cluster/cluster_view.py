@@ -247,8 +247,13 @@ class ClusterView:
 
     def with_room(self) -> list[str]:
         """The replicas with room (`free` > 0), in id order."""
+        return sorted(self.room_ids())
+
+    def room_ids(self) -> set[str]:
+        """The replicas with room (`free` > 0), read-only, in no order: O(replicas changed since the
+        last call), as `total_free`."""
         self.total_free()
-        return sorted(self._roomy)
+        return self._roomy
 
     def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
         since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report

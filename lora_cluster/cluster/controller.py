@@ -36,7 +36,7 @@ from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
-    affinity_hit,
+    affinity_hit_in,
     choose_replica,
     hit_window_s,
     holder_preemption_target,
@@ -299,9 +299,9 @@ class Controller:
             self.counts["overdue_grants"] += overdue is not None
             if overdue is None and not holds(self.view, replica_id, ticket.adapter_id):  # a hit first?
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
-                hit = affinity_hit(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
-                                   self.view.with_room(), ticket.enqueued_at + window,
-                                   self.queue.queued_adapters(ticket.priority))
+                hit = affinity_hit_in(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
+                                      self.view.room_ids(), ticket.enqueued_at + window,
+                                      self.queue.queued_adapters(ticket.priority))
                 if hit is not None:
                     ticket, replica_id = hit
                 elif ticket.ttft_s is not None and (holder := holder_preemption_target(ticket, self.view)):
