@@ -12,8 +12,9 @@ cost of the same decisions. Only the calls after the warm-up are timed (the cont
 then holds a full queue, placement and demand); per size, input kind and figure, the best round
 is kept.
 
-CPU per input overall is the timed calls' CPU over their number (every call counts as one input;
-a `park_many` is one input whatever its batch, and its CPU per parked ticket is given beside).
+CPU per input is the CPU of every timed call (outputs included: `take_grants`, `placement`) over
+the controller's inputs: reports, parked tickets (a `park_many` of k tickets is k inputs), cancels,
+ticks and dispatches. The CPU per call of each kind is given beside.
 The last line is the acceptance ratio: CPU per input at 1,024 replicas over that at 32 (issue 45:
 <= 1.5).
 
@@ -119,6 +120,11 @@ def replay(trace: Trace, classes: SlaClasses, settings: ControllerSettings, meas
     return cpu, calls, parked
 
 
+def inputs(calls: Counter[str], parked: int) -> int:
+    """The controller's inputs among `calls`: reports, parked tickets, cancels, ticks, dispatches."""
+    return parked + sum(calls[k] for k in ("report", "cancel", "tick", "dispatch"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="32,256,1024")
@@ -129,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--traces", help="keep (and reuse) each size's recorded calls in this folder")
     ap.add_argument("--profile", type=int, default=0, help="cProfile one replay at this many replicas")
+    ap.add_argument("--code", help="the code measured, for the report (default: this checkout's commit; "
+                    "give it when PYTHONPATH points at another copy of lora_cluster)")
     ap.add_argument("--out")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -151,7 +159,7 @@ def main() -> None:
                 best[name] = min(best.get(name, math.inf), spent)
         rows[n] = (best, calls, parked)
         print(f"{n} replicas: {len(trace)} calls (recorded or read in {sim_s:.0f} s); per input "
-              f"{best['all'] / sum(calls.values()) * 1e6:.1f} us", flush=True)
+              f"{best['all'] / inputs(calls, parked) * 1e6:.1f} us", flush=True)
         if args.profile == n:
             profiler = cProfile.Profile()
             replay(trace, classes, settings, args.warmup, profiler)
@@ -160,24 +168,24 @@ def main() -> None:
             profile_text = out.getvalue()
         del trace
     kinds = sorted({k for _, calls, _ in rows.values() for k in calls})
-    lines = [*header("Controller cost per input", command, level=3, changed={}), "",
+    lines = [*header("Controller cost per input", command, level=3, changed={}, code=args.code), "",
              f"Load average {load_avg()}. The simulator's defaults but "
              f"`--load {args.load}` (the issue's operating point: every arrival parks), "
              f"`--adapters {args.adapters}`, `--warmup {args.warmup}` and `--duration {args.duration}` "
              "(a short run: the inputs of its measured seconds are what is timed). Best of "
              f"{args.rounds} replays, CPU µs per call.", "",
-             "| replicas | inputs timed | µs per input | " + " | ".join(f"{k} (calls)" for k in kinds)
-             + " | µs per parked ticket |",
+             "| replicas | inputs timed | µs per input | "
+             + " | ".join(f"{k}: µs per call (calls)" for k in kinds) + " | µs per parked ticket |",
              "|---:|---:|---:|" + "---:|" * len(kinds) + "---:|"]
     for n, (best, calls, parked) in rows.items():
-        count = sum(calls.values())
+        count = inputs(calls, parked)
         cells = [f"{best.get(k, 0.0) / calls[k] * 1e6:.1f} ({calls[k]})" if calls[k] else "-" for k in kinds]
         per_ticket = best.get("park_many", 0.0) / parked * 1e6 if parked else 0.0
         lines.append(f"| {n} | {count} | {best['all'] / count * 1e6:.1f} | " + " | ".join(cells)
                      + f" | {per_ticket:.1f} |")
     if len(rows) > 1:
-        (lo, (b0, c0, _)), (hi, (b1, c1, _)) = min(rows.items()), max(rows.items())
-        ratio = (b1["all"] / sum(c1.values())) / (b0["all"] / sum(c0.values()))
+        (lo, (b0, c0, p0)), (hi, (b1, c1, p1)) = min(rows.items()), max(rows.items())
+        ratio = (b1["all"] / inputs(c1, p1)) / (b0["all"] / inputs(c0, p0))
         lines += ["", f"CPU per input at {hi} replicas over that at {lo}: **{ratio:.2f}x** (target <= 1.5x)."]
     text = "\n".join(lines)
     emit(text, Path(args.out) if args.out else None)
