@@ -113,7 +113,9 @@ def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], o
     return None if best is None else (best[1], best[2])
 
 
-HELD_PER_REPLICA = 16  # what a replica's report typically holds: the walk of `affinity_hit_in` picks its side
+# the walk of `affinity_hit_in` takes the queued adapters' side only when they are fewer than this many
+# per replica with room: a replica costs one set intersection (in C), a queued adapter a few lookups
+QUEUED_PER_ROOM = 1
 
 
 def affinity_hit_in(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
@@ -122,10 +124,11 @@ def affinity_hit_in(priority: int, best_for: Callable[[str, int], Ticket | None]
     """`affinity_hit` over the replicas of `room` (in id order), from whichever side is smaller: the
     replicas and the adapters each holds (O(room x adapters held)), or the adapters with a ticket of
     `priority` queued and their holders (`ClusterView.holders`: O(queued adapters x their holders);
-    the queue is bounded, so this side does not grow with the cluster). The same answer either way:
+    the queue is bounded, so this side does not grow with the cluster), taken when they are fewer
+    than `QUEUED_PER_ROOM` per replica with room. The same answer either way:
     the most urgent such ticket (queue keys are unique), at the lowest id among the replicas of
     `room` that hold its adapter."""
-    if len(queued) >= HELD_PER_REPLICA * len(room):
+    if len(queued) >= QUEUED_PER_ROOM * len(room):
         return affinity_hit(priority, best_for, order, view, sorted(room), latest, queued)
     best: tuple[Any, Ticket, str] | None = None
     for adapter_id in queued:

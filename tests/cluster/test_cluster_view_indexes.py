@@ -15,7 +15,7 @@ from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.homes import HomeRanks, home_score
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
-    HELD_PER_REPLICA,
+    QUEUED_PER_ROOM,
     affinity_hit_in,
     choose_replica,
     preemption_target,
@@ -216,5 +216,5 @@ def test_grants_through_the_indexes_choose_what_a_scan_of_every_replica_chooses(
             got = None if hit is None else (hit[0].ticket_id, hit[1])
             assert got == scan_hit(view, queue, priority, latest), (
                 f"step {step}, priority {priority}: the hit found through the indexes, as a scan finds it")
-            sides.add(len(queued) >= HELD_PER_REPLICA * len(room))
+            sides.add(len(queued) >= QUEUED_PER_ROOM * len(room))
     assert sides == {True, False}, "both sides of the hit's walk were compared"
