@@ -65,6 +65,10 @@ class ClusterView:
         # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
         self._preemptible: dict[int, set[str]] = {}
         self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
+        # priority asked -> the replicas where `less_urgent_running(priority)` > 0 and
+        # `preemptible(rid, priority)` <= 0: preempting grants on their way claimed that work whole
+        # (`claimed_less_urgent_ids`; kept by `_repreempt` as `_preemptible` is)
+        self._claimed: dict[int, set[str]] = {}
         # each adapter's replicas by rendezvous score (`homes.HomeRanks`), rebuilt when one joins or goes
         self.homes = HomeRanks(self.ids)
 
@@ -187,9 +191,15 @@ class ClusterView:
         self._reported_at.pop(replica_id, None)
 
     def prune(self) -> list[str]:
-        """Forget replicas silent for `stale_after_s`; returns their ids."""
+        """Forget replicas silent for `stale_after_s`; returns their ids, oldest report first.
+        O(replicas forgotten + 1): `_reported_at` holds every replica by its latest report's time
+        (its `at`), oldest first, so the silent ones are its head."""
         now = self._clock()
-        gone = [rid for rid, s in self._seen.items() if now - s.at > self.stale_after_s]
+        gone = []
+        for rid, at in self._reported_at.items():
+            if now - at <= self.stale_after_s:
+                break
+            gone.append(rid)
         for rid in gone:
             self.forget(rid)
         return gone
@@ -237,8 +247,13 @@ class ClusterView:
 
     def with_room(self) -> list[str]:
         """The replicas with room (`free` > 0), in id order."""
+        return sorted(self.room_ids())
+
+    def room_ids(self) -> set[str]:
+        """The replicas with room (`free` > 0), read-only, in no order: O(replicas changed since the
+        last call), as `total_free`."""
         self.total_free()
-        return sorted(self._roomy)
+        return self._roomy
 
     def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
         since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report
@@ -261,15 +276,28 @@ class ClusterView:
             self._preemptible[priority] = ids
         return ids
 
-    def claimed_less_urgent_ids(self, priority: int) -> list[str]:
+    def claimed_less_urgent_ids(self, priority: int) -> set[str]:
         """The replicas that run work strictly less urgent than `priority` that preempting grants on
-        their way there have claimed whole (so `preemptible` is 0 there): O(replicas with such a grant)."""
-        return [rid for rid in self._preempting_at
-                if rid in self._seen and self._seen[rid].report.less_urgent_running(priority) > 0
-                and self.preemptible(rid, priority) <= 0]
+        their way there have claimed whole (so `preemptible` is 0 there); read-only. Built at the
+        first ask for `priority` (O(replicas with a preempting grant)), then kept up to date with
+        every report, arrival, preempting grant and forgotten replica (`_repreempt`), so that a
+        park's "could it count on preemption?" costs O(1) amortized, not a walk of the replicas."""
+        ids = self._claimed.get(priority)
+        if ids is None:
+            ids = {rid for rid in self._preempting_at
+                   if rid in self._seen and self._claims_whole(rid, priority)}
+            self._claimed[priority] = ids
+        return ids
+
+    def _claims_whole(self, replica_id: str, priority: int) -> bool:
+        """Less urgent work runs at the replica and its preempting grants on their way claim it all."""
+        s = self._seen[replica_id]
+        less = s.report.less_urgent_running(priority)
+        return less > 0 and less - len(s.preempting) <= 0
 
     def _repreempt(self, replica_id: str) -> None:
-        """`preemptible_ids` follows a change of the replica's report or of its preempting grants."""
+        """`preemptible_ids` and `claimed_less_urgent_ids` follow a change of the replica's report or of
+        its preempting grants."""
         seen = self._seen.get(replica_id)
         if seen is not None and seen.preempting:
             self._preempting_at.add(replica_id)
@@ -277,6 +305,11 @@ class ClusterView:
             self._preempting_at.discard(replica_id)
         for priority, ids in self._preemptible.items():
             if seen is not None and seen.report.less_urgent_running(priority) - len(seen.preempting) > 0:
+                ids.add(replica_id)
+            else:
+                ids.discard(replica_id)
+        for priority, ids in self._claimed.items():
+            if seen is not None and self._claims_whole(replica_id, priority):
                 ids.add(replica_id)
             else:
                 ids.discard(replica_id)

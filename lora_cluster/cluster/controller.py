@@ -40,7 +40,7 @@ from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
-    affinity_hit,
+    affinity_hit_in,
     choose_replica,
     hit_window_s,
     holder_preemption_target,
@@ -334,9 +334,9 @@ class Controller:
             self.counts["overdue_grants"] += overdue is not None
             if overdue is None and not holds(self.view, replica_id, ticket.adapter_id):  # a hit first?
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
-                hit = affinity_hit(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
-                                   self.view.with_room(), ticket.enqueued_at + window,
-                                   self.queue.queued_adapters(ticket.priority))
+                hit = affinity_hit_in(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
+                                      self.view.room_ids(), ticket.enqueued_at + window,
+                                      self.queue.queued_adapters(ticket.priority))
                 if hit is not None:
                     ticket, replica_id = hit
                 elif ticket.ttft_s is not None and (holder := holder_preemption_target(ticket, self.view)):
@@ -360,7 +360,7 @@ class Controller:
         times = [r.service_time_s for r in replicas if r.service_time_s]
         service = sum(times) / len(times) if times else DEFAULT_SERVICE_TIME_S
         policy = PlacementPolicy(service_time_s=service, hot_share=self.settings.hot_share)
-        self._placement = policy.targets(self.demand.rates(), replicas)
+        self._placement = policy.targets(self.demand.rates(), replicas, self.view.holders)
         self._by_replica = {}
         for adapter_id, replica_ids in self._placement.items():
             for rid in replica_ids:

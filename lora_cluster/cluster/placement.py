@@ -78,33 +78,48 @@ class PlacementPolicy:
         load = rate * self.service_time_s
         return max(1, min(live, math.ceil(load / max(self.hot_share * max_num_seqs, 1e-9))))
 
-    def targets(self, rates: Mapping[str, float],
-                replicas: Iterable[ReplicaReport]) -> dict[str, tuple[str, ...]]:
-        """adapter -> the replicas that should hold it, for adapters that need more than one."""
+    def targets(self, rates: Mapping[str, float], replicas: Iterable[ReplicaReport],
+                holders: Callable[[str], Iterable[str]] | None = None) -> dict[str, tuple[str, ...]]:
+        """adapter -> the replicas that should hold it, for adapters that need more than one.
+        `holders(adapter)`: the ids of the replicas whose report holds it (`ClusterView.holders`, an
+        index kept with every report); None: found by a walk of `replicas`. Cost: O(replicas log
+        replicas) once, plus per adapter needing more than one replica O(its holders log its holders
+        + the replicas it is given); a replica out of free adapter slots is dropped from the
+        candidates for good (`planned_new` only grows), so a full cluster is not walked again per
+        adapter."""
         live = sorted(replicas, key=lambda r: r.replica_id)
         if len(live) < 2:
             return {}
+        by_id = {r.replica_id: r for r in live}
         max_num_seqs = min(r.max_num_seqs for r in live)
         planned_new: dict[str, int] = {r.replica_id: 0 for r in live}  # new holders assigned this round
-        # new holders are taken least loaded first: an order that does not depend on the adapter
+        # new holders are taken least loaded first: an order that does not depend on the adapter; only
+        # those with a free adapter slot not yet planned are candidates (in that order)
         by_load = sorted(live, key=lambda r: (r.ongoing / max(r.capacity, 1), r.replica_id))
+        open_ = [r for r in by_load if r.free_adapter_slots > 0]
         out: dict[str, tuple[str, ...]] = {}
         for adapter_id, rate in sorted(rates.items(), key=lambda kv: (-kv[1], kv[0])):
             need = self.replicas_needed(rate, max_num_seqs, len(live))
             if need < 2:
                 continue
-            holders = [r for r in live if adapter_id in r.held]
-            held = {r.replica_id for r in holders}
+            if holders is None:
+                held_by = [r for r in live if adapter_id in r.held]
+            else:
+                held_by = [by_id[rid] for rid in sorted(holders(adapter_id)) if rid in by_id]
+            held = {r.replica_id for r in held_by}
             others: list[ReplicaReport] = []
-            for r in by_load:  # the first `need - holders` of them that can take it
-                if len(holders) + len(others) >= need:
-                    break
+            k = 0
+            while k < len(open_) and len(held_by) + len(others) < need:  # the first that can take it
+                r = open_[k]
                 if r.replica_id not in held and r.free_adapter_slots - planned_new[r.replica_id] > 0:
                     others.append(r)
-            chosen = [*holders, *others][:need]
+                k += 1
+            chosen = [*held_by, *others][:need]
             for r in chosen:
                 if r.replica_id not in held:
                     planned_new[r.replica_id] += 1
+            if others:  # those it took are among the first k: drop those left without a slot
+                open_[:k] = [r for r in open_[:k] if r.free_adapter_slots - planned_new[r.replica_id] > 0]
             if len(chosen) > 1:
                 out[adapter_id] = tuple(sorted(r.replica_id for r in chosen))
         return out

@@ -43,7 +43,10 @@ from lora_cluster.cluster.prefix_keys import cached_depth
 
 
 def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tuple[str, ...]]) -> str | None:
-    """The replica with room that should take `ticket` now, or None when none has room."""
+    """The replica with room that should take `ticket` now, or None when none has room. Without a
+    prompt prefix, a holder of its adapter with room is found through the holders index, then a
+    placed replica; only a miss scores every replica with room (a hash each, not a walk of the
+    cluster: `free_ids` is kept)."""
     candidates = view.free_ids()
     if not candidates:
         return None
@@ -55,7 +58,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
 
     if aid is None:
         return min(candidates, key=lambda rid: (-cached(rid), -view.free(rid), rid))
-    placed = set(placement.get(aid, ()))
+    placed = placement.get(aid, ())
 
     def key(rid: str) -> tuple[bool, int, bool, bool, int, str]:
         report = view.get(rid)
@@ -63,6 +66,17 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
         return (not holds(view, rid, aid), -cached(rid), rid not in placed, no_slot, -home_score(aid, rid),
                 rid)
 
+    if not prefix:  # no cached prefix anywhere: a holder with room, else a placed one, beats the rest
+        for first in (view.holders(aid), placed):
+            found = [rid for rid in first if rid in candidates]
+            if found:
+                return min(found, key=key)  # O(the adapter's holders or placed replicas)
+
+        def miss(rid: str) -> tuple[bool, int, str]:  # `key` where none holds it nor is placed
+            report = view.get(rid)
+            return report is None or report.free_adapter_slots <= 0, -home_score(aid, rid), rid
+
+        return min(candidates, key=miss)
     return min(candidates, key=key)
 
 
@@ -96,6 +110,42 @@ def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], o
             key = order(ticket.ticket_id)
             if best is None or key < best[0]:
                 best = (key, ticket, rid)
+    return None if best is None else (best[1], best[2])
+
+
+# the walk of `affinity_hit_in` takes the queued adapters' side only when they are fewer than this many
+# per replica with room: a replica costs one set intersection (in C), a queued adapter a few lookups
+QUEUED_PER_ROOM = 1
+
+
+def affinity_hit_in(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
+                    view: ClusterView, room: Set[str], latest: float,
+                    queued: Set[str | None]) -> tuple[Ticket, str] | None:
+    """`affinity_hit` over the replicas of `room` (in id order), from whichever side is smaller: the
+    replicas and the adapters each holds (O(room x adapters held)), or the adapters with a ticket of
+    `priority` queued and their holders (`ClusterView.holders`: O(queued adapters x their holders);
+    the queue is bounded, so this side does not grow with the cluster), taken when they are fewer
+    than `QUEUED_PER_ROOM` per replica with room. The same answer either way:
+    the most urgent such ticket (queue keys are unique), at the lowest id among the replicas of
+    `room` that hold its adapter."""
+    if len(queued) >= QUEUED_PER_ROOM * len(room):
+        return affinity_hit(priority, best_for, order, view, sorted(room), latest, queued)
+    best: tuple[Any, Ticket, str] | None = None
+    for adapter_id in queued:
+        if adapter_id is None:
+            continue  # the base model: no replica's report lists it as held
+        holders = view.holders(adapter_id)
+        if not holders:
+            continue
+        ticket = best_for(adapter_id, priority)
+        if ticket is None or ticket.enqueued_at > latest:
+            continue
+        key = order(ticket.ticket_id)
+        if best is not None and key >= best[0]:
+            continue
+        rid = min((r for r in holders if r in room), default=None)
+        if rid is not None:
+            best = (key, ticket, rid)
     return None if best is None else (best[1], best[2])
 
 
