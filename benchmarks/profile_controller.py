@@ -94,28 +94,43 @@ def _placement_work_s() -> float:
     return (time.thread_time() - t0) / 10_000
 
 
-def controller_work(config: SimConfig, call_s: float) -> dict[str, Any]:
-    """Part 2: the controller's own work per input kind and per dispatch, from the simulator."""
-    loop_cost = ControlCost(call_s, dict.fromkeys(KINDS, 0.0), 0.0)
-    sim = Simulation(config, control_cost=loop_cost)
-    controller = sim.policy.controller
-    spent: dict[str, list[float]] = defaultdict(list)
-    parks = [0]
+class Timed:
+    """The controller with its inputs timed on the thread's CPU clock once `measuring()` (a compiled
+    `Controller`'s methods cannot be wrapped in place)."""
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any) -> Any:
+    KINDS = ("report", "park_many", "dispatch", "tick", "cancel", "placement", "take_grants")
+
+    def __init__(self, controller: Any, spent: dict[str, list[float]], parks: list[int],
+                 measuring: Callable[[], bool]):
+        self.controller, self.spent, self.parks, self.measuring = controller, spent, parks, measuring
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.controller, name)
+        if name not in self.KINDS:
+            return fn
+
+        def timed(*args: Any) -> Any:
             t0 = time.thread_time()
             try:
                 return fn(*args)
             finally:
-                if sim.loop.now >= config.warmup:
-                    spent[name].append(time.thread_time() - t0)
+                if self.measuring():
+                    self.spent[name].append(time.thread_time() - t0)
                     if name == "park_many":
-                        parks[0] += len(args[0])
-        return wrapper
+                        self.parks[0] += len(args[0])
+        return timed
 
-    for name in ("report", "park_many", "dispatch", "tick", "cancel", "placement", "take_grants"):
-        setattr(controller, name, timed(name, getattr(controller, name)))
+    def queue_depth(self) -> int:
+        return len(self.controller.queue)
+
+
+def controller_work(config: SimConfig, call_s: float) -> dict[str, Any]:
+    """Part 2: the controller's own work per input kind and per dispatch, from the simulator."""
+    loop_cost = ControlCost(call_s, dict.fromkeys(KINDS, 0.0), 0.0)
+    sim = Simulation(config, control_cost=loop_cost)
+    spent: dict[str, list[float]] = defaultdict(list)
+    parks = [0]
+    sim.policy.controller = Timed(sim.policy.controller, spent, parks, lambda: sim.loop.now >= config.warmup)
     sim.finish()
 
     def mean(name: str) -> float:
