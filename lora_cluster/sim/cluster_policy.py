@@ -48,15 +48,12 @@ With `controller_shards` > 1 the controller is the shards as the live deployment
 (`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
 of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.
 
-One ingress is modelled. The controller actor's loop is modelled for one controller
-(`sim.control_inbox`, `sim.control_loop`: its measured cost per input, inputs that arrive while it
-is busy taken together in its next turn, grants and replies leaving when their turn ends); with
-`--control-cost none`, with shards or with a positive batch window it is not, and the control plane
-has no latency but the window: a report, a grant and a send happen at the same simulated instant.
-The CPU time spent inside the controller's methods is measured (the simulating thread's CPU clock,
-so that other jobs on the machine do not inflate it) and reported with the calls, so that its cost
-at scale is visible; with `trace` set to a list, every controller call and its answer is recorded
-there, for replay.
+One ingress is modelled, and the controller actor's loop for one controller (`sim.control_inbox`: a
+measured cost per input, inputs that arrive while it is busy taken in its next turn, outputs at the
+turn's end); with `--control-cost none`, shards or a positive window, a report, a grant and a send
+happen at one simulated instant. The controller's CPU is measured (the thread's CPU clock) and reported
+with the calls; with `trace` set to a list, every controller call and its answer is recorded there, for
+replay.
 """
 
 from __future__ import annotations
@@ -125,7 +122,6 @@ class LoraClusterPolicy:
         modelled = self.sharded is None and control.controller_batch_window_s == 0
         cost = ctx.control_cost if modelled else None
         self.inbox = ControlInbox(cost, ctx.loop, self._deliver, self._grant)
-        self.control = self.inbox.loop
         self.window = BatchWindow(self._park_window, self._dispatch_window, control.controller_batch_window_s,
                                   self.inbox.window_timer, after=self._window_sent)
         self._in_flight: dict[str, bool] = {}  # replica -> its report awaits its reply; another is due after
@@ -248,8 +244,7 @@ class LoraClusterPolicy:
         """A report of the window gets its reply's queue depth: what is left after its dispatch."""
         self._queue_depth[replica_id] = self._controller_depth()
 
-    def _controller_depth(self) -> int:
-        """Tickets queued at the controller (with shards: at all of them)."""
+    def _controller_depth(self) -> int:  # tickets queued at the controller (with shards: at all of them)
         c = self.controller
         return len(c.queue) if isinstance(c, Controller) else c.queue_depth()
 
@@ -354,10 +349,10 @@ class LoraClusterPolicy:
         """The controller takes a report: with the loop modelled, its room is granted at its turn's
         end and its reply leaves then; with a window, when the window is sent; else at once."""
         windowed = self.ctx.serve.controller.controller_batch_window_s > 0
-        reply = self._call("report", self.controller.report, sent, not (windowed or self.control))
+        reply = self._call("report", self.controller.report, sent, not (windowed or self.inbox.loop))
         if windowed:  # its room is granted when the window is sent, and its reply's depth set then
             self.window.on_sent(partial(self._reply_depth, replica_id))
-        elif self.control is not None:
+        elif self.inbox.loop is not None:
             self.window.dispatch_soon()
             self._in_flight[replica_id] = False
             return partial(self._replied, replica_id, reply)
@@ -371,7 +366,7 @@ class LoraClusterPolicy:
         if self.sharded is None:
             self.encoders[replica_id].replied(reply)
         self._queue_depth[replica_id] = int(reply["queue_depth"])
-        if self.control is not None:
+        if self.inbox.loop is not None:
             self._reply_depth(replica_id)
         for adapter_id in reply["prefetch"]:
             self.replicas[replica_id].prefetch(adapter_id)
@@ -389,7 +384,7 @@ class LoraClusterPolicy:
 
     def _tick_act(self) -> None:
         self._call("tick", self.controller.tick)
-        if self.control is None:  # with the loop, its turn's end takes the grants
+        if self.inbox.loop is None:  # with the loop, its turn's end takes the grants
             self._deliver()
 
     def _fetch_placement(self) -> None:
