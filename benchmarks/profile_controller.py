@@ -98,7 +98,7 @@ class Timed:
     """The controller with its inputs timed on the thread's CPU clock once `measuring()` (a compiled
     `Controller`'s methods cannot be wrapped in place)."""
 
-    KINDS = ("report", "park_many", "dispatch", "tick", "cancel", "placement", "take_grants")
+    CALLS = ("report", "park_many", "dispatch", "tick", "cancel", "placement", "take_grants")
 
     def __init__(self, controller: Any, spent: dict[str, list[float]], parks: list[int],
                  measuring: Callable[[], bool]):
@@ -106,7 +106,7 @@ class Timed:
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.controller, name)
-        if name not in self.KINDS:
+        if name not in self.CALLS:
             return fn
 
         def timed(*args: Any) -> Any:
