@@ -1,8 +1,11 @@
-"""Refusals at the edge through Ray Serve (the demo app's config, `shared_apps.demo_config`, deployed for
-this module: 2 replicas of 8 slots and a cluster queue of 4): once the controller has refused a request
-for its full queue, the ingress refuses the next ones itself, and a client cannot tell them apart: the
-same status, error body and Retry-After. The ingress counts its refusals
-(`lora_cluster_edge_refusals_total`), the controller its own."""
+"""Refusals at the edge through Ray Serve (the shared demo app, `shared_apps.demo_config`: 2 replicas of 8
+slots and a cluster queue of 4): once the controller has refused a request for its full queue, the ingress
+refuses the next ones itself, and a client cannot tell them apart: the same status, error body and
+Retry-After. The ingress counts its refusals (`lora_cluster_edge_refusals_total`), the controller its own.
+
+Named to run after `test_serve_e2e.py` on the same shared app: the 40 requests of `a5` here keep `a5` on
+a device slot of both replicas for the eviction window (`replica_policy.eviction`: frequency in a
+sliding window), and that module's affinity test counts on the 8 slots for its 8 adapters."""
 
 from __future__ import annotations
 
@@ -21,14 +24,8 @@ FULL = "the cluster queue is full (4 requests wait; cluster_queue_size)"  # Queu
 
 
 @pytest.fixture(scope="module")
-def edge_app(ray_app, demo_zoo):
-    """The demo app with a longer staleness bound, deployed for this module alone: on this loaded 2-core
-    machine an answer can take longer than the 0.1 s default (the rule is the same); and its own
-    deployment keeps the adapter this module makes hot (40 requests of `a5`) out of the shared demo
-    app, whose replicas' slot policy (`replica_policy.eviction`: frequency in a sliding window) would
-    keep `a5` on a device slot that the next modules' tests count on for their own adapters."""
-    with ray_app({**demo_config(demo_zoo), "edge_max_age_s": 1.0}) as url:
-        yield url
+def app_config(demo_zoo):
+    return demo_config(demo_zoo)
 
 
 def _edge_refusals(http: httpx.Client) -> float:
@@ -41,12 +38,12 @@ def _controller_refusals(http: httpx.Client) -> int:
     return int(http.get("/v1/cluster").json()["controller"]["counts"]["rejected"])
 
 
-def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counted(edge_app):
-    with httpx.Client(base_url=edge_app, timeout=120) as http:
+def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counted(demo_app):
+    with httpx.Client(base_url=demo_app, timeout=120) as http:
         edge_before, controller_before = _edge_refusals(http), _controller_refusals(http)
 
         def one(_: int) -> httpx.Response:
-            return httpx.post(f"{edge_app}/v1/completions", json=BODY, headers=HEADERS, timeout=120)
+            return httpx.post(f"{demo_app}/v1/completions", json=BODY, headers=HEADERS, timeout=120)
 
         with concurrent.futures.ThreadPoolExecutor(28) as pool:
             burst = [pool.submit(one, i) for i in range(28)]  # 16 slots + 4 queued, the rest refused
