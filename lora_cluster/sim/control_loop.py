@@ -112,8 +112,7 @@ class ControlLoop:
             self._timer(max(self._clock(), self.free_at), self._turn)
 
     def _turn(self) -> None:
-        self._scheduled = False
-        taken, self._waiting = self._waiting, []
+        taken, self._waiting = self._waiting, []  # `_scheduled` stays set: input submitted now waits
         outputs = [out for _, act in taken if (out := act()) is not None]
         last = self._end_turn()
         if last is not None:
@@ -125,6 +124,6 @@ class ControlLoop:
         self.inputs += len(taken)
         for out in outputs:
             self._timer(self.free_at, out)
-        if self._waiting:  # an act submitted more input: it waits for this turn to end
-            self._scheduled = True
+        self._scheduled = bool(self._waiting)
+        if self._scheduled:  # an act submitted more input: it waits for this turn to end
             self._timer(self.free_at, self._turn)

@@ -92,3 +92,18 @@ def test_a_cost_missing_a_kind_or_negative_is_refused() -> None:
         ControlCost(0.001, {"park": 0.0}, 0.0)
     with pytest.raises(ValueError, match="a cost >= 0 for each"):
         ControlCost(-0.001, dict.fromkeys(KINDS, 0.0), 0.0)
+
+
+def test_an_input_submitted_during_a_turn_waits_for_its_end_in_one_next_turn() -> None:
+    r = Recorder()
+
+    def act():
+        r.log.append((r.events.now, "act first"))
+        r.loop.submit("tick", lambda: r.log.append((r.events.now, "act inner")))
+        return None
+
+    r.events.at(1.0, r.loop.submit, "report", act)
+    r.events.run(10.0)
+    inner = [t for t, e in r.log if e == "act inner"]
+    assert inner == [pytest.approx(1.0 + 0.007)], f"it acts once, when the first turn ends: {r.log}"
+    assert r.loop.turns == 2, "two turns, not three"
