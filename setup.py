@@ -70,6 +70,6 @@ class BuildPolicies(build_ext):
             target.write_text(text)
 
 
-# a placeholder, replaced by mypyc's extensions when they are built (BuildPolicies.finalize_options)
+# one extension so that setuptools runs build_ext; BuildPolicies.finalize_options puts mypyc's in its place
 setup(ext_modules=[] if PURE else [Extension(f"{GROUP}__mypyc", sources=[])],
       cmdclass={"build_ext": BuildPolicies})
