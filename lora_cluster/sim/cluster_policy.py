@@ -43,15 +43,16 @@ where there was room. A refused or timed-out request no longer waits, and a pree
 entered a batch.
 
 With `controller_shards` > 1 the controller is the shards as the live deployment runs them
-(`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
-of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.
+(`sim.sharded_controller`'s `Controller`s: parks batched per shard at the adapter's shard, a report
+round to every shard with its share of the room, ticks and placement fetches to each, a cancel to
+its ticket's shard), each with its own actor loop, batch window and grants poll (`ShardPlane`); the
+`control_plane` gives the busiest shard's loop and CPU per simulated second.
 
-One ingress is modelled, and the controller actor's loop for one controller (`sim.control_inbox`: a
-measured cost per input, inputs that arrive while it is busy taken in its next turn, outputs at the
-turn's end); with `--control-cost none`, shards or a positive window, a report, a grant and a send
-happen at one simulated instant. The controller's CPU is measured (the thread's CPU clock) and reported
-with the calls; with `trace` set to a list, every controller call and its answer is recorded there, for
-replay.
+One ingress is modelled, and each controller actor's loop (`sim.control_inbox`: a measured cost per
+input, inputs that arrive while it is busy taken in its next turn, outputs at the turn's end); with
+`--control-cost none` or a positive window, a report, a grant and a send happen at one simulated
+instant. The controller's CPU is measured (the thread's CPU clock) and reported with the calls; with
+`trace` set to a list, every controller call and its answer is recorded there, for replay.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
 from lora_cluster.cluster.park_batch import ParkBatcher
 from lora_cluster.cluster.report_rules import AdmissionWindow, window_limit
+from lora_cluster.cluster.sharding import merge_placement, owns, shard_of
 from lora_cluster.errors import ClusterOverloadedError, LoraClusterError
 from lora_cluster.sim.context import SimContext
-from lora_cluster.sim.control_inbox import ControlInbox
+from lora_cluster.sim.control_inbox import ControlInbox, ShardPlane, shard_loop_figures
+from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.edge import SimEdge, edge_figures
 from lora_cluster.sim.metrics import refusal_reason
 from lora_cluster.sim.replica import SimReplica
@@ -115,20 +118,15 @@ class LoraClusterPolicy:
         self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
         self._free_total = sum(self._free.values())
         self._tickets: dict[str, SimRequest] = {}  # parked: in a park batch, a window or at the controller
-        self.batcher: ParkBatcher[Ticket] = ParkBatcher(control.controller_park_batch_max)
-        self._immediate: list[tuple[str, Grant | Refusal]] = []  # grants of the batch in flight, at once
-        # the controller actor's loop (`sim.control_inbox`): modelled for one controller, the window at 0
-        # (its default); the batch window is the live actor's composition (`cluster.batch_window`)
-        modelled = self.sharded is None and control.controller_batch_window_s == 0
-        cost = ctx.control_cost if modelled else None
-        self.inbox = ControlInbox(cost, ctx.loop, self._deliver, self._grant,
-                                  awaiting=lambda: len(self._tickets) > self.batcher.waiting)
-        self.window = BatchWindow(self._park_window, self._dispatch_window, control.controller_batch_window_s,
-                                  self.inbox.window_timer, after=self._deliver)
-        self.reports = SimReporters(ctx.replicas, ctx.loop, control, inbox=self.inbox, window=self.window,
-                                    call=self._call, controller=self.controller,
-                                    sharded=self.sharded is not None, taken=self._taken,
-                                    depth=self._controller_depth)
+        self.shards: list[Controller] = [self.controller] if self.sharded is None else self.sharded.shards
+        self._parked_at = [0] * len(self.shards)  # `_tickets` of each shard's adapters
+        self._tables: list[dict[str, tuple[str, ...]]] = [{} for _ in self.shards]  # each shard's placement
+        # each controller (shard)'s actor loop (`sim.control_inbox`), modelled at window 0 (the default)
+        cost = ctx.control_cost if control.controller_batch_window_s == 0 else None
+        self.planes = [self._plane(k, cost) for k in range(len(self.shards))]
+        self.inbox, self.window = self.planes[0].inbox, self.planes[0].window
+        self.reports = SimReporters(ctx.replicas, ctx.loop, control, planes=self.planes, shards=self.shards,
+                                    call=self._call_on, taken=self._taken, depth=self._controller_depth)
         self.controller_s = self.router_s = 0.0
         # after the warm-up: reports and controller CPU seconds, as of the latest arrival (steady state)
         self._measured_reports, self._measured_cpu_s = 0, 0.0
@@ -147,6 +145,27 @@ class LoraClusterPolicy:
             self.loop.at(s.router.routing_stats_period_s * i / n, self._stats_tick, rid, i == 0)
         self.loop.at(0.0, self._tick)
         self.loop.at(0.0, self._fetch_placement)
+
+    def _plane(self, k: int, cost: ControlCost | None) -> ShardPlane:
+        inbox = ControlInbox(cost, self.loop, partial(self._deliver, k), self._grant,
+                             awaiting=partial(self._awaiting, k))
+        window = BatchWindow(partial(self._park_window, k), partial(self._dispatch_window, k),
+                             self.ctx.serve.controller.controller_batch_window_s, inbox.window_timer,
+                             after=partial(self._deliver, k))
+        return ShardPlane(inbox, window, ParkBatcher(self.ctx.serve.controller.controller_park_batch_max))
+
+    def _shard(self, adapter_id: str | None) -> int:
+        return 0 if self.sharded is None else shard_of(adapter_id, len(self.shards))
+
+    def _awaiting(self, k: int) -> bool:
+        """The ingress has tickets at shard `k` (parked, not in its batcher): it polls for grants."""
+        return self._parked_at[k] > self.planes[k].batcher.waiting
+
+    def _call_on(self, k: int, name: str, fn: Callable[..., T], *args: Any) -> T:
+        """A controller call on shard `k` (`_call`; with shards, its CPU counted to that shard too)."""
+        if self.sharded is None:
+            return self._call(name, fn, *args)
+        return self._call(name, self.sharded.timed, k, fn, *args)
 
     def _call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
         t0 = time.thread_time()
@@ -197,64 +216,74 @@ class LoraClusterPolicy:
             return
         self.parked += 1
         self._tickets[tid] = req  # parked from now: the fast path stays closed
+        k = self._shard(req.adapter)
+        self._parked_at[k] += 1
         timeout_s = self.ctx.serve.controller.cluster_queue_timeout_s
         self.loop.at(ticket.enqueued_at + timeout_s, self._timeout, tid)
-        self._send_parks(self.batcher.add(tid, ticket))
+        self._send_parks(k, self.planes[k].batcher.add(tid, ticket))
 
-    def _send_parks(self, batch: list[Ticket]) -> None:
-        """One park call of the ingress (`ParkBatcher`): its batch reaches the controller together."""
+    def _unpark(self, ticket_id: str) -> SimRequest | None:
+        req = self._tickets.pop(ticket_id, None)
+        if req is not None:
+            self._parked_at[self._shard(req.adapter)] -= 1
+        return req
+
+    def _send_parks(self, k: int, batch: list[Ticket]) -> None:
+        """One park call of the ingress to shard `k` (`ParkBatcher`): its batch arrives together."""
         if batch:
-            self.inbox.input("park", partial(self._park_act, batch), count=len(batch))
+            self.planes[k].inbox.input("park", partial(self._park_act, k, batch), count=len(batch))
 
-    def _park_act(self, batch: list[Ticket]) -> Callable[[], None] | None:
-        """The controller takes a batch of parks into its window; the call's reply (the outcomes
-        decided at once) leaves when the window is sent: at the turn's end with the loop."""
+    def _park_act(self, k: int, batch: list[Ticket]) -> Callable[[], None] | None:
+        """Shard `k` takes a batch of parks into its window; the call's reply (the outcomes decided at
+        once) leaves when the window is sent: at the turn's end with the loop."""
+        plane = self.planes[k]
         for ticket in batch:  # a ticket that timed out meanwhile is left out (`wanted`)
-            self.window.park(ticket, None, deliver=partial(self._parked, ticket), fail=_raise,
-                             wanted=partial(self._tickets.__contains__, ticket.ticket_id))
-        if self.inbox.loop is not None:
-            self.inbox.carry()
-            return self._batch_replied
+            plane.window.park(ticket, None, deliver=partial(self._parked, k, ticket), fail=_raise,
+                              wanted=partial(self._tickets.__contains__, ticket.ticket_id))
+        if plane.inbox.loop is not None:
+            plane.inbox.carry()
+            return partial(self._batch_replied, k)
         if self.ctx.serve.controller.controller_batch_window_s > 0:
-            self.window.on_sent(self._batch_replied)
+            plane.window.on_sent(partial(self._batch_replied, k))
         else:
-            self._batch_replied()
+            self._batch_replied(k)
         return None
 
-    def _batch_replied(self) -> None:
+    def _batch_replied(self, k: int) -> None:
         """A park call's reply: its grants decided at once go, the next batch goes, and the ingress
         polls for the grants of the tickets left waiting."""
-        immediate, self._immediate = self._immediate, []
+        plane = self.planes[k]
+        immediate, plane.immediate = plane.immediate, []
         for ticket_id, grant in immediate:
             self._grant(ticket_id, grant)
-        self._send_parks(self.batcher.replied())
-        self.inbox.poll()
+        self._send_parks(k, plane.batcher.replied())
+        plane.inbox.poll()
 
-    def _park_window(self, parks: Sequence[tuple[Ticket, Any]]) -> list[Any]:
-        """The window's parks reach the controller at once (`Controller.park_many`), each with the
+    def _park_window(self, k: int, parks: Sequence[tuple[Ticket, Any]]) -> list[Any]:
+        """The window's parks reach shard `k` at once (`Controller.park_many`), each with the
         ingress's claims as of now."""
         if self._claim is None:  # the counts changed since the last claim sent: a new mapping
             self._claim = dict(self._claimed)
         claims = {"inflight": self._claim, "unassigned": self._unassigned}
-        outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t, _ in parks])
+        outcomes = self._call_on(k, "park_many", self.shards[k].park_many, [(t, claims) for t, _ in parks])
         if self.edge is not None:  # the live actor sends it with its replies to these parks (and grants)
             self.edge.offer(self._call("edge_state", self.controller.edge_state))
         return outcomes
 
-    def _dispatch_window(self) -> None:
+    def _dispatch_window(self, k: int) -> None:
         """A window of reports alone: one dispatch for their room."""
-        self._call("dispatch", self.controller.dispatch)
+        self._call_on(k, "dispatch", self.shards[k].dispatch)
 
-    def _parked(self, ticket: Ticket, outcome: Any) -> None:
+    def _parked(self, k: int, ticket: Ticket, outcome: Any) -> None:
         """A parked ticket's outcome from its window: refused, granted at once, or waiting."""
         if self.edge is not None:
             self.edge.judged(ticket, outcome)
         if isinstance(outcome, ClusterOverloadedError):
-            self.metrics.rejected(self._tickets.pop(ticket.ticket_id), refusal_reason(outcome))
+            self.metrics.rejected(self._unpark(ticket.ticket_id), refusal_reason(outcome))
         elif isinstance(outcome, LoraClusterError):
             raise outcome
         elif outcome is not None:
-            self._immediate.append((ticket.ticket_id, outcome))
+            self.planes[k].immediate.append((ticket.ticket_id, outcome))
 
     def _controller_depth(self) -> int:  # tickets queued at the controller (with shards: at all of them)
         c = self.controller
@@ -303,7 +332,7 @@ class LoraClusterPolicy:
         self._free[replica_id] = free
 
     def _grant(self, ticket_id: str, grant: Grant | Refusal) -> None:
-        req = self._tickets.pop(ticket_id, None)
+        req = self._unpark(ticket_id)
         if req is None:
             return
         if isinstance(grant, Refusal):
@@ -315,19 +344,21 @@ class LoraClusterPolicy:
         self.routing.record(grant.replica_id, req.adapter)
         self._send(req, grant.replica_id)
 
-    def _deliver(self) -> None:
-        grants = self._call("take_grants", self.controller.take_grants)
+    def _deliver(self, k: int) -> None:
+        grants = self._call_on(k, "take_grants", self.shards[k].take_grants)
         for ticket_id, grant in grants.items():
-            self.inbox.granted(ticket_id, grant)
+            self.planes[k].inbox.granted(ticket_id, grant)
         if grants and self.edge is not None:  # the live actor's grant replies carry it
             self.edge.offer(self._call("edge_state", self.controller.edge_state))
 
     def _timeout(self, ticket_id: str) -> None:
-        req = self._tickets.pop(ticket_id, None)
+        req = self._unpark(ticket_id)
         if req is None:
             return
-        if not self.batcher.withdraw(ticket_id):  # sent: the controller drops it (unsent: it never goes)
-            self.inbox.input("cancel", partial(self._call, "cancel", self.controller.cancel, ticket_id))
+        k = self._shard(req.adapter)
+        if not self.planes[k].batcher.withdraw(ticket_id):  # sent: its shard drops it (unsent: never goes)
+            cancel = partial(self._call_on, k, "cancel", self.shards[k].cancel, ticket_id)
+            self.planes[k].inbox.input("cancel", cancel)
         self.metrics.rejected(req, "cluster queue timeout")
 
     def pending(self) -> list[SimRequest]:
@@ -336,30 +367,38 @@ class LoraClusterPolicy:
     # ----- the periodic parts ---------------------------------------------------------------
 
     def _tick(self) -> None:
-        self.inbox.input("tick", self._tick_act)
+        for k, plane in enumerate(self.planes):
+            plane.inbox.input("tick", partial(self._tick_act, k))
         depth = self._controller_depth()
         self._depth_sum += depth
         self._depth_samples += 1
         self._depth_max = max(self._depth_max, depth)
         self.loop.after(TICK_S, self._tick)
 
-    def _tick_act(self) -> None:
-        self._call("tick", self.controller.tick)
-        if self.inbox.loop is None:  # with the loop, its turn's end takes the grants
-            self._deliver()
+    def _tick_act(self, k: int) -> None:
+        self._call_on(k, "tick", self.shards[k].tick)
+        if self.planes[k].inbox.loop is None:  # with the loop, its turn's end takes the grants
+            self._deliver(k)
 
     def _fetch_placement(self) -> None:
-        self.inbox.input("placement", self._placement_act)
+        for k, plane in enumerate(self.planes):
+            plane.inbox.input("placement", partial(self._placement_act, k))
         self.loop.after(self.ctx.serve.controller.controller_report_period_s, self._fetch_placement)
 
-    def _placement_act(self) -> Callable[[], None]:
-        placement = self._call("placement", self.controller.placement)
+    def _placement_act(self, k: int) -> Callable[[], None]:
+        placement = self._call_on(k, "placement", self.shards[k].placement)
         # with the adapters the replicas hold, as the live `ingress_view`
         state = None if self.edge is None else self._call("edge_state", self.controller.edge_state, True)
-        return partial(self._placed, placement, state)
+        return partial(self._placed, k, placement, state)
 
-    def _placed(self, placement: dict[str, tuple[str, ...]], state: Any) -> None:
-        self.routing.placement = placement
+    def _placed(self, k: int, placement: dict[str, tuple[str, ...]], state: Any) -> None:
+        """Shard `k`'s placement reaches the ingress (with shards, the union of each one's own)."""
+        if self.sharded is None:
+            self.routing.placement = placement
+        else:
+            n = len(self.shards)
+            self._tables[k] = {a: r for a, r in placement.items() if owns(a, k, n)}
+            self.routing.placement = {a: tuple(r) for a, r in merge_placement(self._tables).items()}
         if self.edge is not None:
             self.edge.offer(state)
 
@@ -401,9 +440,10 @@ class LoraClusterPolicy:
         if span <= 0:
             return {"reports_per_s_per_replica": None, "controller_cpu_s_per_sim_s": None}
         plane: dict[str, float | bool | None] = {
-            "reports_per_s_per_replica": reports / span / len(self.replicas),
+            "reports_per_s_per_replica": reports / len(self.shards) / span / len(self.replicas),
             "controller_cpu_s_per_sim_s": cpu_s / span}
-        plane.update(self.inbox.figures())  # the actor's loop, when modelled
+        loops = [p.inbox.figures() for p in self.planes]  # each actor's loop, when modelled
+        plane.update(loops[0] if len(loops) == 1 else shard_loop_figures(loops))
         if self.sharded is not None:
             plane["shards"] = len(self.sharded.shards)
             plane["busiest_shard_cpu_s_per_sim_s"] = max(self._shards_steady, default=0.0) / span

@@ -17,9 +17,13 @@ leaves when it is decided.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
+from lora_cluster.cluster.batch_window import BatchWindow
+from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import Grant, Refusal
+from lora_cluster.cluster.park_batch import ParkBatcher
 from lora_cluster.sim.control_loop import ControlCost, ControlLoop
 from lora_cluster.sim.events import EventLoop
 
@@ -120,3 +124,29 @@ class ControlInbox:
         self._polling = False
         self._send_all(outbox)
         self.poll()
+
+
+@dataclass
+class ShardPlane:
+    """How the simulated ingress and replicas reach one controller (shard): its actor loop's inbox, its
+    batch window, the ingress's park batcher for it, and the grants its batch in flight got at once."""
+
+    inbox: ControlInbox
+    window: BatchWindow
+    batcher: ParkBatcher[Ticket]
+    immediate: list[tuple[str, Grant | Refusal]] = field(default_factory=list)
+
+
+def shard_loop_figures(loops: list[dict[str, float | bool]]) -> dict[str, float | bool]:
+    """The shards' loops as one `control_plane`: the busiest one's busy share (and the quietest's),
+    its most inputs per turn, and the inputs, parks and calls a second summed over them."""
+    if not all(f.get("controller_loop_modelled") for f in loops):
+        return {"controller_loop_modelled": False}
+    figures: dict[str, float | bool] = {"controller_loop_modelled": True}
+    busy = [float(f["controller_busy_share"]) for f in loops]
+    figures["controller_busy_share"] = max(busy)  # the busiest shard's
+    figures["quietest_shard_busy_share"] = min(busy)
+    figures["inputs_per_turn"] = max(float(f["inputs_per_turn"]) for f in loops)
+    for key in ("inputs_per_s", "parks_per_s", "park_calls_per_s", "report_inputs_per_s", "poll_calls_per_s"):
+        figures[key] = sum(float(f[key]) for f in loops)
+    return figures

@@ -9,7 +9,9 @@ replica: a report due while the previous one awaits its reply goes right after i
 the granted tickets that arrived since the previous one; its reply's `prefetch` list is fetched into
 host memory. With the controller's loop modelled (`sim.control_inbox`), a report's room is granted
 at its turn's end and its reply leaves then; with a positive batch window, when the window is sent;
-else at once. Deterministic: every time is the simulated clock's.
+else at once. With `controller_shards` > 1 a report is a round (`cluster.report_round.ReportRounds`,
+as the live reporter sends it): one report to each shard, each an input of that shard's loop, the
+round replied when every shard has answered. Deterministic: every time is the simulated clock's.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from lora_cluster.cluster.batch_window import BatchWindow
+from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.report_delta import ReportEncoder
+from lora_cluster.cluster.report_round import ReportRounds
 from lora_cluster.cluster.report_rules import ReportPacer, report_on_finish
 from lora_cluster.config import ControllerConfig
-from lora_cluster.sim.control_inbox import ControlInbox
+from lora_cluster.sim.control_inbox import ShardPlane
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.replica import SimReplica
 
-Call = Callable[..., Any]  # the policy's timed controller call: call(name, fn, *args)
+Call = Callable[..., Any]  # the policy's timed controller call: call(shard, name, fn, *args)
 
 
 class SimReporters:
@@ -34,11 +37,14 @@ class SimReporters:
     depth the replica last heard of; `arrived[rid]` its granted tickets not reported yet."""
 
     def __init__(self, replicas: dict[str, SimReplica], loop: EventLoop, control: ControllerConfig, *,
-                 inbox: ControlInbox, window: BatchWindow, call: Call, controller: Any, sharded: bool,
+                 planes: list[ShardPlane], shards: list[Controller], call: Call,
                  taken: Callable[[str], int], depth: Callable[[], int]):
         self.replicas, self.loop, self.control = replicas, loop, control
-        self.inbox, self.window, self._call, self.controller = inbox, window, call, controller
-        self.sharded, self._taken, self._depth = sharded, taken, depth
+        self.planes, self.shards, self._call = planes, shards, call
+        self.inbox, self.window = planes[0].inbox, planes[0].window
+        self.sharded, self._taken, self._depth = len(shards) > 1, taken, depth
+        n = len(shards)
+        self._rounds = {rid: ReportRounds(n, loop.clock) for rid in replicas} if self.sharded else {}
         self.in_flight: dict[str, bool] = {}  # replica -> its report awaits its reply; another is due after
         self.arrived: dict[str, list[str]] = {rid: [] for rid in replicas}
         self.queue_depth = dict.fromkeys(replicas, 0)
@@ -81,13 +87,47 @@ class SimReporters:
         self.pacers[replica_id].sent()
         arrived, self.arrived[replica_id] = tuple(self.arrived[replica_id]), []
         built = self.replicas[replica_id].report(self._taken(replica_id), self.loop.now, arrived)
-        sent = built if self.sharded else self.encoders[replica_id].encode(built)  # shards: one encoder each
+        if self.sharded:
+            self._round(replica_id, built)
+            return
+        sent = self.encoders[replica_id].encode(built)
         self.inbox.input("report", partial(self._act, replica_id, sent))
+
+    def _round(self, replica_id: str, built: Any) -> None:
+        """One round of reports, each to its shard's loop (see the module docstring)."""
+        self.in_flight[replica_id] = False
+        messages = self._rounds[replica_id].messages(built)
+        replies: list[dict[str, Any] | None] = [None] * len(messages)
+        for k, message in enumerate(messages):
+            self.planes[k].inbox.input("report", partial(self._shard_act, replica_id, k, message, replies))
+
+    def _shard_act(self, replica_id: str, k: int, message: Any,
+                   replies: list[dict[str, Any] | None]) -> Callable[[], None] | None:
+        """Shard `k` takes its report without a dispatch; its window dispatches for its room."""
+        reply = self._call(k, "report", self.shards[k].report, message, False)
+        answer = partial(self._shard_replied, replica_id, k, reply, replies)
+        plane = self.planes[k]
+        if plane.inbox.loop is not None:
+            plane.window.dispatch_soon()
+            return answer
+        plane.window.on_sent(answer)
+        return None
+
+    def _shard_replied(self, replica_id: str, k: int, reply: dict[str, Any],
+                       replies: list[dict[str, Any] | None]) -> None:
+        """Shard `k`'s reply (its queue as its dispatch left it); the round's, once all have answered."""
+        replies[k] = {**reply, "queue_depth": len(self.shards[k].queue)}
+        if any(r is None for r in replies):
+            return
+        merged, resync = self._rounds[replica_id].replied(replies)
+        reply = {**(merged or {"queue_depth": 0, "prefetch": []}), "resync": resync}
+        self._replied(replica_id, reply)
+        self.queue_depth[replica_id] = self._rounds[replica_id].queue_depth
 
     def _act(self, replica_id: str, sent: Any) -> Callable[[], None] | None:
         """The controller takes a report (see the module docstring for when its room is granted)."""
         windowed = self.control.controller_batch_window_s > 0
-        reply = self._call("report", self.controller.report, sent, not (windowed or self.inbox.loop))
+        reply = self._call(0, "report", self.shards[0].report, sent, not (windowed or self.inbox.loop))
         if windowed:  # its room is granted when the window is sent, and its reply's depth set then
             self.window.on_sent(partial(self._reply_depth, replica_id))
         elif self.inbox.loop is not None:
@@ -108,7 +148,7 @@ class SimReporters:
         if not self.sharded:
             self.encoders[replica_id].replied(reply)
         self.queue_depth[replica_id] = int(reply["queue_depth"])
-        if self.inbox.loop is not None:
+        if self.inbox.loop is not None and not self.sharded:
             self._reply_depth(replica_id)
         for adapter_id in reply["prefetch"]:
             self.replicas[replica_id].prefetch(adapter_id)

@@ -49,7 +49,8 @@ class ShardedController:
         self._undispatched: set[int] = set()  # shards that took a report with dispatch=False since then
         self._replying: set[str] = set()  # the replicas of those reports (their replies' depths wait)
 
-    def _timed(self, k: int, fn: Callable[..., T], *args: Any) -> T:
+    def timed(self, k: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, its CPU time counted to shard `k` (from `measure_from` on)."""
         t0 = self._cpu()
         try:
             return fn(*args)
@@ -74,7 +75,7 @@ class ShardedController:
 
     def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | Refusal | None:
         k = shard_of(ticket.adapter_id, len(self.shards))
-        return self._timed(k, self.shards[k].park, ticket, claims)
+        return self.timed(k, self.shards[k].park, ticket, claims)
 
     def park_many(self, parks: Sequence[tuple[Ticket, Mapping[str, Any] | None]]
                   ) -> list[Grant | Refusal | LoraClusterError | None]:
@@ -85,7 +86,7 @@ class ShardedController:
             by_shard.setdefault(shard_of(ticket.adapter_id, n), []).append(i)
         outcomes: list[Grant | Refusal | LoraClusterError | None] = [None] * len(parks)
         for k, positions in by_shard.items():
-            got = self._timed(k, self.shards[k].park_many, [parks[i] for i in positions])
+            got = self.timed(k, self.shards[k].park_many, [parks[i] for i in positions])
             for i, outcome in zip(positions, got, strict=True):
                 outcomes[i] = outcome
         self._undispatched -= by_shard.keys()
@@ -94,21 +95,21 @@ class ShardedController:
 
     def cancel(self, ticket_id: str) -> None:
         for k, c in enumerate(self.shards):
-            self._timed(k, c.cancel, ticket_id)
+            self.timed(k, c.cancel, ticket_id)
 
     def tick(self) -> None:
         for k, c in enumerate(self.shards):
-            self._timed(k, c.tick)
+            self.timed(k, c.tick)
 
     def take_grants(self) -> dict[str, Grant | Refusal]:
         grants: dict[str, Grant | Refusal] = {}
         for k, c in enumerate(self.shards):
-            grants.update(self._timed(k, c.take_grants))
+            grants.update(self.timed(k, c.take_grants))
         return grants
 
     def placement(self) -> dict[str, tuple[str, ...]]:
         n = len(self.shards)
-        tables = [{a: r for a, r in self._timed(k, c.placement).items() if owns(a, k, n)}
+        tables = [{a: r for a, r in self.timed(k, c.placement).items() if owns(a, k, n)}
                   for k, c in enumerate(self.shards)]
         return {a: tuple(r) for a, r in merge_placement(tables).items()}
 
@@ -116,7 +117,7 @@ class ShardedController:
         """Every shard that took a report without dispatching since its last dispatch dispatches;
         then the replicas that reported since learn each shard's queue depth (their replies)."""
         for k in sorted(self._undispatched):
-            self._timed(k, self.shards[k].dispatch)
+            self.timed(k, self.shards[k].dispatch)
         self._undispatched.clear()
         depths = [len(c.queue) for c in self.shards]
         for rid in self._replying:
@@ -131,7 +132,7 @@ class ShardedController:
             rounds = self._rounds[report.replica_id] = ReportRounds(len(self.shards), self._clock)
         replies = []
         for k, sent in enumerate(rounds.messages(report)):
-            replies.append(self._timed(k, self.shards[k].report, sent, dispatch))
+            replies.append(self.timed(k, self.shards[k].report, sent, dispatch))
             if not dispatch:
                 self._undispatched.add(k)
                 self._replying.add(report.replica_id)

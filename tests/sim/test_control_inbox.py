@@ -39,10 +39,16 @@ def test_without_a_model_nothing_is_modelled() -> None:
     assert none["control_plane"]["controller_loop_modelled"] is False, "--control-cost none: no loop"
 
 
-def test_shards_are_not_modelled_and_say_so() -> None:
+def test_each_shard_runs_its_own_loop_and_the_busiest_one_is_reported() -> None:
     config = SimConfig(**{**CELL.__dict__, "serve": ServeSections().with_fields(controller_shards=2)})
-    plane = Simulation(config, SYNTHETIC).finish().to_json()["control_plane"]
-    assert plane["controller_loop_modelled"] is False, "each shard's loop is not modelled: the output says so"
+    plane = Simulation(config, SYNTHETIC, control_cost=SLOW).finish().to_json()["control_plane"]
+    one = Simulation(CELL, SYNTHETIC, control_cost=SLOW).finish().to_json()["control_plane"]
+    assert plane["controller_loop_modelled"] is True, f"each shard's loop is modelled: {plane}"
+    assert 0 < plane["quietest_shard_busy_share"] <= plane["controller_busy_share"] < 1, (
+        f"the busiest shard's busy share is reported, beside the quietest's: {plane}")
+    assert plane["report_inputs_per_s"] > 1.5 * one["report_inputs_per_s"], (
+        f"each shard takes every report round: twice the report inputs of one controller: {plane} {one}")
+    assert plane["parks_per_s"] > 0, f"the parks reach their adapters' shards: {plane}"
 
 
 def test_a_busy_controller_takes_the_ingress_parks_in_batches_one_call_at_a_time() -> None:
