@@ -2,16 +2,15 @@
 through the controller actor's loop when one is modelled (`sim.control_loop`), else at once.
 
 With a loop, an input's `act` runs at the start of the loop's turn that takes it and the output it
-returns leaves at that turn's end; the batch window (at `controller_batch_window_s` 0, the live
-actor's `call_soon`) is sent at the turn's end, after its inputs. A park goes in a batch of the
-ingress's parks (`cluster.park_batch`), whose call's reply carries the outcomes decided at once; the
-grants decided later reach the ingress with the reply of a park call of the same turn (`carry`), or
-else through its grants poll: one call in flight (`poll`, a call's cost) while the ingress has
-tickets waiting, answered at the end of the first turn that decided a grant or refusal for it and
-had no park call to carry it, and sent again as soon as its answer arrives (so each answered poll
-costs the loop one call). Without a loop (no cost model, or a positive window, whose timer then runs on the
-simulated clock as before), an input acts and is answered at the instant it arrives, and a grant
-leaves when it is decided.
+returns leaves at that turn's end; the batch window (at `controller_batch_window_s` 0, the live actor's
+`call_soon`) is sent at the turn's end, after its inputs. A park goes in a batch of the ingress's parks
+(`cluster.park_batch`), whose call's reply carries the outcomes decided at once; the grants decided
+later reach the ingress with the reply of a park call of the same turn (`carry`), or else through its
+grants poll: one call in flight (`poll`, a call's cost) while the ingress has tickets waiting, answered
+at the end of the first turn that decided a grant or refusal for it and had no park call to carry it,
+and sent again as soon as its answer arrives (so each answered poll costs the loop one call). Without a
+loop (no cost model, or a positive window, whose timer then runs on the simulated clock as before), an
+input acts and is answered at the instant it arrives, and a grant leaves when it is decided.
 """
 
 from __future__ import annotations
