@@ -109,11 +109,12 @@ class Controller:
 
     def report(self, report: ReplicaReport | ReportDelta, dispatch: bool = True) -> dict[str, Any]:
         """Take a replica's report, full or a delta (`report_delta`); returns its reply (`queue_depth`,
-        `prefetch`, and `resync` when a delta's base is not the report held for that replica: after a
-        restart, or a lost reply; its arrived tickets and demand still count, and the replica sends a
-        full report at once). With `dispatch` False the queue is not dispatched for the room it
-        reports: the caller calls `dispatch` later, once for every report of its batch window, and
-        reads the queue's depth after it for the reply (`queue_depth` here counts tickets that
+        `prefetch`, `replicas`: how many replicas it sees, which paces the reports
+        (`report_rules.ReportPacer.pace`), and `resync` when a delta's base is not the report held for
+        that replica: after a restart, or a lost reply; its arrived tickets and demand still count, and
+        the replica sends a full report at once). With `dispatch` False the queue is not dispatched for
+        the room it reports: the caller calls `dispatch` later, once for every report of its batch window,
+        and reads the queue's depth after it for the reply (`queue_depth` here counts tickets that
         dispatch may grant)."""
         self.counts["reports"] += 1
         base = self.view.get(report.replica_id)
@@ -122,7 +123,8 @@ class Controller:
                 self.counts["resyncs"] += 1
                 self.view.arrived(report.replica_id, report.arrived_tickets)
                 self.demand.record(report.adapter_requests)
-                return {"queue_depth": len(self.queue), "prefetch": [], "resync": True}
+                return {"queue_depth": len(self.queue), "prefetch": [], "resync": True,
+                        "replicas": len(self.view)}
             report = apply_delta(base, report)
         joined = base is None
         self.view.update(report)
@@ -141,7 +143,7 @@ class Controller:
             self._dispatch_due = True  # by `dispatch`, or the next `park_many`
         targeted = self._by_replica.get(report.replica_id, ())
         prefetch = [a for a in targeted if a not in report.resident and a not in report.loading]
-        return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch)}
+        return {"queue_depth": len(self.queue), "prefetch": sorted(prefetch), "replicas": len(self.view)}
 
     def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | Refusal | None:
         """Queue a request that no replica can take now; returns its grant if one is decided at once

@@ -6,6 +6,14 @@ and the simulator).
   (`report_on_finish`), unless a report went out within the coalescing window: then at the window's
   end, one report for every finish inside it. Two reports are at least min(window, period) apart,
   so a replica reports at most 1 / min(window, period) times a second however fast its requests end.
+* As the cluster grows (`ReportPacer.pace`): every replica's reports reach one controller (each
+  shard takes every round), whose event loop pays a call's overhead per report. With a budget of
+  `budget_per_s` reports a second (`controller_report_budget_per_s`) and `replicas` replicas (the
+  controller's last reply says how many it sees), the window and the period are each at least
+  `replicas / budget_per_s` (`report_spacing_s`), so the reports a controller takes stay under the
+  budget however many replicas report; under that size the configured window and period hold. A
+  freed slot still reaches the queue within one window, and the admission window
+  (`AdmissionWindow`) grows to cover the longer round trip.
 * What, beyond the engine's counts: requests per adapter since the last report (`AdapterDemand`,
   bounded to `MAX_TRACKED_ADAPTERS` ids), the mean time a request held the replica (`ServiceTime`,
   an exponentially weighted average), and the batch per priority once the engine has admitted and
@@ -37,14 +45,31 @@ def report_on_finish(queue_depth: int, ongoing_before: int, capacity: int) -> bo
     return queue_depth > 0 or ongoing_before >= capacity
 
 
+def report_spacing_s(replicas: int, budget_per_s: float) -> float:
+    """The shortest time between two reports of one replica that keeps `replicas` replicas within
+    `budget_per_s` reports a second to one controller (0: no budget, no spacing)."""
+    return max(0, replicas) / budget_per_s if budget_per_s > 0 else 0.0
+
+
 class ReportPacer:
     """When a replica sends its next report (see the module docstring): `periodic_at` on its period,
-    `finish_at` for a finish `report_on_finish` tells. `sent` records each report. Invariant: two
-    reports of which the later was due to a finish are at least `coalesce_s` apart."""
+    `finish_at` for a finish `report_on_finish` tells. `sent` records each report; `pace` the
+    controller's count of replicas. Invariants: two reports of which the later was due to a finish are
+    at least `coalesce_s` apart; `coalesce_s` and `period_s` are the configured ones or
+    `report_spacing_s(replicas, budget_per_s)`, whichever is longer."""
 
-    def __init__(self, *, period_s: float, coalesce_s: float, clock: Callable[[], float]):
-        self.period_s, self.coalesce_s, self._clock = period_s, coalesce_s, clock
+    def __init__(self, *, period_s: float, coalesce_s: float, clock: Callable[[], float],
+                 budget_per_s: float = 0.0):
+        self.base_period_s, self.base_coalesce_s, self._clock = period_s, coalesce_s, clock
+        self.period_s, self.coalesce_s = period_s, coalesce_s
+        self.budget_per_s = budget_per_s
         self.last = -float("inf")
+
+    def pace(self, replicas: int) -> None:
+        """The controller sees `replicas` replicas: stretch the window and the period to the budget."""
+        spacing = report_spacing_s(replicas, self.budget_per_s)
+        self.period_s = max(self.base_period_s, spacing)
+        self.coalesce_s = max(self.base_coalesce_s, spacing)
 
     def sent(self) -> None:
         self.last = self._clock()

@@ -117,12 +117,14 @@ def split_room(free: int, queued: Sequence[int], turn: int = 0) -> list[int]:
 
 
 def merge_replies(replies: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The shards' replies to one round of reports as one: queued tickets summed, prefetch united."""
-    depth, prefetch = 0, set[str]()
+    """The shards' replies to one round of reports as one: queued tickets summed, prefetch united,
+    the replicas seen the most any shard sees (each takes every round)."""
+    depth, seen, prefetch = 0, 0, set[str]()
     for reply in replies:
         depth += int(reply.get("queue_depth", 0))
+        seen = max(seen, int(reply.get("replicas", 0)))
         prefetch.update(str(a) for a in reply.get("prefetch", ()))
-    return {"queue_depth": depth, "prefetch": sorted(prefetch)}
+    return {"queue_depth": depth, "prefetch": sorted(prefetch), "replicas": seen}
 
 
 def merge_placement(tables: Iterable[Mapping[str, Sequence[str]]]) -> dict[str, list[str]]:

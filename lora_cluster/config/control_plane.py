@@ -194,6 +194,26 @@ class ControllerConfig(BaseModel):
         "#reports-that-scale: 0.02 completed 3-4% more requests at 2x load in the simulator, at 8 reports "
         "a second per replica).",
     )
+    controller_report_budget_per_s: float = Field(
+        400.0,
+        ge=0,
+        description="Replica reports a second that one controller (each shard: it takes every round) "
+        "is sent at most: each replica's coalescing window and report period are at least (replicas the "
+        "controller sees) / this, so that the reports stay within its event loop's reach as the cluster "
+        "grows (each costs a Serve call, about 0.6 ms of its CPU). Below budget x "
+        "controller_report_coalesce_s replicas (80 at the defaults) nothing changes; 256 replicas report "
+        "at most every 0.64 s (docs/scale.md#the-controller-actors-loop-what-a-call-costs-live). 0: no "
+        "budget.",
+    )
+    controller_park_batch_max: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="Parked requests one ingress sends a controller shard in one call: each ingress "
+        "keeps at most one park call in flight per shard, and the requests that park meanwhile go "
+        "together in its next call, at most this many (no wait is added: a request that parks while "
+        "no call is in flight goes at once).",
+    )
     controller_batch_window_s: float = Field(
         0.0,
         ge=0,

@@ -96,6 +96,9 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
                     help="the controller actor's loop (sim.control_loop): measured "
                     "(docs/profile_controller.json), none (every input answered at the instant it "
                     "arrives) or a JSON path")
+    ap.add_argument("--report-budget", type=float, default=_SERVE.controller.controller_report_budget_per_s,
+                    help="reports a second one controller takes at most (controller_report_budget_per_s; 0: "
+                         "no budget): the replicas' report window and period stretch to it")
     ap.add_argument("--edge-max-age", type=float, default=_SERVE.controller.edge_max_age_s,
                     help="edge_max_age_s: refusals at the edge from a state at most this old (0: off)")
     ap.add_argument("--edge-replay", default="", metavar="AGES",
@@ -104,9 +107,9 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
-            or a.preload < 0 or a.controller_shards < 1):
+            or a.preload < 0 or a.controller_shards < 1 or a.report_budget < 0):
         ap.error("--nodes, --adapters, --max-loras, --controller-shards must be >= 1; --load and "
-                 "--duration > 0; --warmup and --preload >= 0")
+                 "--duration > 0; --warmup, --preload and --report-budget >= 0")
     try:
         base_nodes = tuple(int(n) for n in a.base_nodes.split(",")) if a.base_nodes else ()
         bases = len(base_nodes) or a.bases
@@ -130,7 +133,8 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
                        control_cost=a.control_cost,
                        serve=ServeSections().with_fields(prefix_aware_routing=a.prefix_routing == "on",
                                                          controller_shards=a.controller_shards,
-                                                         edge_max_age_s=a.edge_max_age))
+                                                         edge_max_age_s=a.edge_max_age,
+                                                         controller_report_budget_per_s=a.report_budget))
     return config, a.json
 
 

@@ -10,20 +10,18 @@ wired to simulated replicas the way the live deployments are wired to each other
   (`controller_batch_window_s`: `cluster.batch_window.BatchWindow`, the object the live actor runs,
   on the simulated clock, handing them to `Controller.park_many`; a refusal is a rejection); the
   request waits until a grant sends it, pinned, to its replica, or until `cluster_queue_timeout_s`
-  (then it is rejected, 503). Before it parks, the ingress's edge (`sim.edge`, the live ingress's
-  `cluster.edge` rule) refuses it when the controller's last published state says the controller
-  would (a rejection the controller never sees). As in `serve.routing.dispatch`, a request counts
-  as on its way until its first item (its first token: requests stream) and then as running on
-  its replica until it ends. The request's prompt routing keys (`SimRequest.prefix`: chats) go to
-  the router and on the ticket, none with `prefix_aware_routing` off (adapter-only routing, as the
-  live router and controller do).
-* Replicas report to the controller (`Controller.report` with a `ReplicaReport` or, mostly, its
-  delta: `report_delta.ReportEncoder`) every `controller_report_period_s` and, as
-  `serve.replica.reporter.ControllerReporter` does, at once when a request finishes while their last
-  reply said tickets are queued or while the replica was full (`report_on_finish`), at most one
-  such report per `controller_report_coalesce_s` (`report_rules.ReportPacer`); a report lists
-  the granted tickets that arrived since the previous one.
-  The reply's `prefetch` list is fetched into host memory.
+  (then it is rejected, 503). Parks go as the live ingress sends them, coalesced
+  (`cluster.park_batch.ParkBatcher`: one park call in flight, the parks that arrive meanwhile in the next
+  call, at most `controller_park_batch_max`); a batch's reply carries the outcomes decided at once, later
+  grants come with the answers to the ingress's grants poll (`sim.control_inbox`). Before it parks, the
+  ingress's edge (`sim.edge`, the live ingress's `cluster.edge` rule) refuses it when the controller's
+  last published state says the controller would (a rejection the controller never sees). As in
+  `serve.routing.dispatch`, a request counts as on its way until its first item (its first token: requests
+  stream) and then as running on its replica until it ends. The request's prompt routing keys
+  (`SimRequest.prefix`: chats) go to the router and on the ticket, none with `prefix_aware_routing` off
+  (adapter-only routing, as the live router and controller do).
+* Replicas report to the controller as the live reporter does (`sim.replica_reports`: the period,
+  reports on finish coalesced, both stretched to the controller's report budget).
 * The controller ticks every `TICK_S` (stale replicas, preemption of long-waiting urgent tickets);
   grants are delivered after every controller call. The ingress fetches the placement table for
   its router every `controller_report_period_s`; each replica's routing stats refresh every
@@ -45,15 +43,16 @@ where there was room. A refused or timed-out request no longer waits, and a pree
 entered a batch.
 
 With `controller_shards` > 1 the controller is the shards as the live deployment runs them
-(`sim.sharded_controller`: parks at the adapter's shard, a report round to every shard with its share
-of the room), and `control_plane` also gives the busiest shard's CPU per simulated second.
+(`sim.sharded_controller`'s `Controller`s: parks batched per shard at the adapter's shard, a report
+round to every shard with its share of the room, ticks and placement fetches to each, a cancel to
+its ticket's shard), each with its own actor loop, batch window and grants poll (`ShardPlane`); the
+`control_plane` gives the busiest shard's loop and CPU per simulated second.
 
-One ingress is modelled, and the controller actor's loop for one controller (`sim.control_inbox`: a
-measured cost per input, inputs that arrive while it is busy taken in its next turn, outputs at the
-turn's end); with `--control-cost none`, shards or a positive window, a report, a grant and a send
-happen at one simulated instant. The controller's CPU is measured (the thread's CPU clock) and reported
-with the calls; with `trace` set to a list, every controller call and its answer is recorded there, for
-replay.
+One ingress is modelled, and each controller actor's loop (`sim.control_inbox`: a measured cost per
+input, inputs that arrive while it is busy taken in its next turn, outputs at the turn's end); with
+`--control-cost none` or a positive window, a report, a grant and a send happen at one simulated
+instant. The controller's CPU is measured (the thread's CPU clock) and reported with the calls; with
+`trace` set to a list, every controller call and its answer is recorded there, for replay.
 """
 
 from __future__ import annotations
@@ -67,14 +66,17 @@ from typing import Any, TypeVar
 from lora_cluster.cluster.batch_window import BatchWindow
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
-from lora_cluster.cluster.report_delta import ReportEncoder
-from lora_cluster.cluster.report_rules import AdmissionWindow, ReportPacer, report_on_finish, window_limit
+from lora_cluster.cluster.park_batch import ParkBatcher
+from lora_cluster.cluster.report_rules import AdmissionWindow, window_limit
+from lora_cluster.cluster.sharding import merge_placement, owns, shard_of
 from lora_cluster.errors import ClusterOverloadedError, LoraClusterError
 from lora_cluster.sim.context import SimContext
-from lora_cluster.sim.control_inbox import ControlInbox
+from lora_cluster.sim.control_inbox import ControlInbox, ShardPlane, shard_loop_figures
+from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.edge import SimEdge, edge_figures
 from lora_cluster.sim.metrics import refusal_reason
 from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.replica_reports import SimReporters
 from lora_cluster.sim.routing import AffinityRouting
 from lora_cluster.sim.sharded_controller import ShardedController
 from lora_cluster.sim.workload import SimRequest
@@ -115,24 +117,16 @@ class LoraClusterPolicy:
         self._unassigned = 0  # fast-path requests on their way (no first item yet)
         self._free = dict(self.capacity)  # each replica's free slots, as the admission check sees them
         self._free_total = sum(self._free.values())
-        self._tickets: dict[str, SimRequest] = {}  # parked: in the batch window or at the controller
-        self._window_tickets: list[Ticket] = []  # parked in the current batch window (timeouts: once sent)
-        # the controller actor's loop (`sim.control_inbox`): modelled for one controller, the window at 0
-        # (its default); the batch window is the live actor's composition (`cluster.batch_window`)
-        modelled = self.sharded is None and control.controller_batch_window_s == 0
-        cost = ctx.control_cost if modelled else None
-        self.inbox = ControlInbox(cost, ctx.loop, self._deliver, self._grant)
-        self.window = BatchWindow(self._park_window, self._dispatch_window, control.controller_batch_window_s,
-                                  self.inbox.window_timer, after=self._window_sent)
-        self._in_flight: dict[str, bool] = {}  # replica -> its report awaits its reply; another is due after
-        self._arrived: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}  # granted tickets, unreported
-        self._queue_depth = dict.fromkeys(ctx.replicas, 0)  # each replica's last reply
-        self._report_at: dict[str, float] = {}
-        self._report_version = dict.fromkeys(ctx.replicas, 0)
-        self.pacers = {rid: ReportPacer(period_s=control.controller_report_period_s,
-                                        coalesce_s=control.controller_report_coalesce_s, clock=ctx.loop.clock)
-                       for rid in ctx.replicas}
-        self.encoders = {rid: ReportEncoder(clock=ctx.loop.clock) for rid in ctx.replicas}
+        self._tickets: dict[str, SimRequest] = {}  # parked: in a park batch, a window or at the controller
+        self.shards: list[Controller] = [self.controller] if self.sharded is None else self.sharded.shards
+        self._parked_at = [0] * len(self.shards)  # `_tickets` of each shard's adapters
+        self._tables: list[dict[str, tuple[str, ...]]] = [{} for _ in self.shards]  # each shard's placement
+        # each controller (shard)'s actor loop (`sim.control_inbox`), modelled at window 0 (the default)
+        cost = ctx.control_cost if control.controller_batch_window_s == 0 else None
+        self.planes = [self._plane(k, cost) for k in range(len(self.shards))]
+        self.inbox, self.window = self.planes[0].inbox, self.planes[0].window
+        self.reports = SimReporters(ctx.replicas, ctx.loop, control, planes=self.planes, shards=self.shards,
+                                    call=self._call_on, taken=self._taken, depth=self._controller_depth)
         self.controller_s = self.router_s = 0.0
         # after the warm-up: reports and controller CPU seconds, as of the latest arrival (steady state)
         self._measured_reports, self._measured_cpu_s = 0, 0.0
@@ -146,11 +140,32 @@ class LoraClusterPolicy:
 
     def start(self) -> None:
         s, n = self.ctx.serve, len(self.replicas)
+        self.reports.start()
         for i, rid in enumerate(sorted(self.replicas)):
-            self._schedule_report(rid, s.controller.controller_report_period_s * i / n)
             self.loop.at(s.router.routing_stats_period_s * i / n, self._stats_tick, rid, i == 0)
         self.loop.at(0.0, self._tick)
         self.loop.at(0.0, self._fetch_placement)
+
+    def _plane(self, k: int, cost: ControlCost | None) -> ShardPlane:
+        inbox = ControlInbox(cost, self.loop, partial(self._deliver, k), self._grant,
+                             awaiting=partial(self._awaiting, k))
+        window = BatchWindow(partial(self._park_window, k), partial(self._dispatch_window, k),
+                             self.ctx.serve.controller.controller_batch_window_s, inbox.window_timer,
+                             after=partial(self._deliver, k))
+        return ShardPlane(inbox, window, ParkBatcher(self.ctx.serve.controller.controller_park_batch_max))
+
+    def _shard(self, adapter_id: str | None) -> int:
+        return 0 if self.sharded is None else shard_of(adapter_id, len(self.shards))
+
+    def _awaiting(self, k: int) -> bool:
+        """The ingress has tickets at shard `k` (parked, not in its batcher): it polls for grants."""
+        return self._parked_at[k] > self.planes[k].batcher.waiting
+
+    def _call_on(self, k: int, name: str, fn: Callable[..., T], *args: Any) -> T:
+        """A controller call on shard `k` (`_call`; with shards, its CPU counted to that shard too)."""
+        if self.sharded is None:
+            return self._call(name, fn, *args)
+        return self._call(name, self.sharded.timed, k, fn, *args)
 
     def _call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
         t0 = time.thread_time()
@@ -201,48 +216,74 @@ class LoraClusterPolicy:
             return
         self.parked += 1
         self._tickets[tid] = req  # parked from now: the fast path stays closed
-        self._window_tickets.append(ticket)
-        park = partial(self.window.park, ticket, None, deliver=partial(self._parked, ticket), fail=_raise)
-        self.inbox.input("park", park)
+        k = self._shard(req.adapter)
+        self._parked_at[k] += 1
+        timeout_s = self.ctx.serve.controller.cluster_queue_timeout_s
+        self.loop.at(ticket.enqueued_at + timeout_s, self._timeout, tid)
+        self._send_parks(k, self.planes[k].batcher.add(tid, ticket))
 
-    def _park_window(self, parks: Sequence[tuple[Ticket, Any]]) -> list[Any]:
-        """The window's parks reach the controller at once (`Controller.park_many`), each with the
+    def _unpark(self, ticket_id: str) -> SimRequest | None:
+        req = self._tickets.pop(ticket_id, None)
+        if req is not None:
+            self._parked_at[self._shard(req.adapter)] -= 1
+        return req
+
+    def _send_parks(self, k: int, batch: list[Ticket]) -> None:
+        """One park call of the ingress to shard `k` (`ParkBatcher`): its batch arrives together."""
+        if batch:
+            self.planes[k].inbox.input("park", partial(self._park_act, k, batch), count=len(batch))
+
+    def _park_act(self, k: int, batch: list[Ticket]) -> Callable[[], None] | None:
+        """Shard `k` takes a batch of parks into its window; the call's reply (the outcomes decided at
+        once) leaves when the window is sent: at the turn's end with the loop."""
+        plane = self.planes[k]
+        for ticket in batch:  # a ticket that timed out meanwhile is left out (`wanted`)
+            plane.window.park(ticket, None, deliver=partial(self._parked, k, ticket), fail=_raise,
+                              wanted=partial(self._tickets.__contains__, ticket.ticket_id))
+        if plane.inbox.loop is not None:
+            plane.inbox.carry()
+            return partial(self._batch_replied, k)
+        if self.ctx.serve.controller.controller_batch_window_s > 0:
+            plane.window.on_sent(partial(self._batch_replied, k))
+        else:
+            self._batch_replied(k)
+        return None
+
+    def _batch_replied(self, k: int) -> None:
+        """A park call's reply: its grants decided at once go, the next batch goes, and the ingress
+        polls for the grants of the tickets left waiting."""
+        plane = self.planes[k]
+        immediate, plane.immediate = plane.immediate, []
+        for ticket_id, grant in immediate:
+            self._grant(ticket_id, grant)
+        self._send_parks(k, plane.batcher.replied())
+        plane.inbox.poll()
+
+    def _park_window(self, k: int, parks: Sequence[tuple[Ticket, Any]]) -> list[Any]:
+        """The window's parks reach shard `k` at once (`Controller.park_many`), each with the
         ingress's claims as of now."""
         if self._claim is None:  # the counts changed since the last claim sent: a new mapping
             self._claim = dict(self._claimed)
         claims = {"inflight": self._claim, "unassigned": self._unassigned}
-        outcomes = self._call("park_many", self.controller.park_many, [(t, claims) for t, _ in parks])
+        outcomes = self._call_on(k, "park_many", self.shards[k].park_many, [(t, claims) for t, _ in parks])
         if self.edge is not None:  # the live actor sends it with its replies to these parks (and grants)
             self.edge.offer(self._call("edge_state", self.controller.edge_state))
         return outcomes
 
-    def _dispatch_window(self) -> None:
+    def _dispatch_window(self, k: int) -> None:
         """A window of reports alone: one dispatch for their room."""
-        self._call("dispatch", self.controller.dispatch)
+        self._call_on(k, "dispatch", self.shards[k].dispatch)
 
-    def _parked(self, ticket: Ticket, outcome: Any) -> None:
+    def _parked(self, k: int, ticket: Ticket, outcome: Any) -> None:
         """A parked ticket's outcome from its window: refused, granted at once, or waiting."""
         if self.edge is not None:
             self.edge.judged(ticket, outcome)
         if isinstance(outcome, ClusterOverloadedError):
-            self.metrics.rejected(self._tickets.pop(ticket.ticket_id), refusal_reason(outcome))
+            self.metrics.rejected(self._unpark(ticket.ticket_id), refusal_reason(outcome))
         elif isinstance(outcome, LoraClusterError):
             raise outcome
         elif outcome is not None:
-            self.inbox.granted(ticket.ticket_id, outcome)
-
-    def _window_sent(self) -> None:
-        """After a window: deliver the grants decided, and time out the window's tickets that wait."""
-        self._deliver()
-        tickets, self._window_tickets = self._window_tickets, []
-        timeout = self.ctx.serve.controller.cluster_queue_timeout_s
-        for ticket in tickets:
-            if ticket.ticket_id in self._tickets:
-                self.loop.at(ticket.enqueued_at + timeout, self._timeout, ticket.ticket_id)
-
-    def _reply_depth(self, replica_id: str) -> None:
-        """A report of the window gets its reply's queue depth: what is left after its dispatch."""
-        self._queue_depth[replica_id] = self._controller_depth()
+            self.planes[k].immediate.append((ticket.ticket_id, outcome))
 
     def _controller_depth(self) -> int:  # tickets queued at the controller (with shards: at all of them)
         c = self.controller
@@ -268,14 +309,14 @@ class LoraClusterPolicy:
         self._claim = None
         self._refree(rid)
         self.routing.changed(rid)
-        if report_on_finish(self._queue_depth[rid], replica.ongoing + 1, self._taken(rid)):
-            self._schedule_report(rid, self.pacers[rid].finish_at())
+        self.reports.finished(replica)
 
     def planned(self, replica: SimReplica) -> None:
         """A replica planned a step: its admission window observes it (as the live replica's does)."""
         rid = replica.replica_id
         self.windows[rid].observe(free_seats=replica.max_num_seqs - len(replica.running),
-                                  waiting=len(replica.waiting), tickets_queued=self._queue_depth[rid] > 0)
+                                  waiting=len(replica.waiting),
+                                  tickets_queued=self.reports.queue_depth[rid] > 0)
 
     def _taken(self, replica_id: str) -> int:
         """What the replica reports it takes: its admission capacity plus its window."""
@@ -291,7 +332,7 @@ class LoraClusterPolicy:
         self._free[replica_id] = free
 
     def _grant(self, ticket_id: str, grant: Grant | Refusal) -> None:
-        req = self._tickets.pop(ticket_id, None)
+        req = self._unpark(ticket_id)
         if req is None:
             return
         if isinstance(grant, Refusal):
@@ -299,106 +340,65 @@ class LoraClusterPolicy:
             return
         self.preempting += grant.preempt
         req.ticket = ticket_id
-        self._arrived[grant.replica_id].append(ticket_id)
+        self.reports.arrived[grant.replica_id].append(ticket_id)
         self.routing.record(grant.replica_id, req.adapter)
         self._send(req, grant.replica_id)
 
-    def _deliver(self) -> None:
-        grants = self._call("take_grants", self.controller.take_grants)
+    def _deliver(self, k: int) -> None:
+        grants = self._call_on(k, "take_grants", self.shards[k].take_grants)
         for ticket_id, grant in grants.items():
-            self.inbox.granted(ticket_id, grant)
+            self.planes[k].inbox.granted(ticket_id, grant)
         if grants and self.edge is not None:  # the live actor's grant replies carry it
             self.edge.offer(self._call("edge_state", self.controller.edge_state))
 
     def _timeout(self, ticket_id: str) -> None:
-        req = self._tickets.pop(ticket_id, None)
-        if req is not None:
-            self.inbox.input("cancel", partial(self._call, "cancel", self.controller.cancel, ticket_id))
-            self.metrics.rejected(req, "cluster queue timeout")
+        req = self._unpark(ticket_id)
+        if req is None:
+            return
+        k = self._shard(req.adapter)
+        if not self.planes[k].batcher.withdraw(ticket_id):  # sent: its shard drops it (unsent: never goes)
+            cancel = partial(self._call_on, k, "cancel", self.shards[k].cancel, ticket_id)
+            self.planes[k].inbox.input("cancel", cancel)
+        self.metrics.rejected(req, "cluster queue timeout")
 
     def pending(self) -> list[SimRequest]:
         return list(self._tickets.values())
 
     # ----- the periodic parts ---------------------------------------------------------------
 
-    def _schedule_report(self, replica_id: str, when: float) -> None:
-        pending = self._report_at.get(replica_id)
-        if pending is not None and pending <= when:
-            return
-        self._report_at[replica_id] = when
-        self._report_version[replica_id] += 1
-        self.loop.at(when, self._report, replica_id, self._report_version[replica_id])
-
-    def _report(self, replica_id: str, version: int) -> None:
-        if version != self._report_version[replica_id]:
-            return
-        now = self.loop.now
-        del self._report_at[replica_id]
-        if replica_id in self._in_flight:  # as the live reporter: one report at a time, the next after it
-            self._in_flight[replica_id] = True
-            return
-        pacer, encoder = self.pacers[replica_id], self.encoders[replica_id]
-        pacer.sent()
-        replica = self.replicas[replica_id]
-        arrived, self._arrived[replica_id] = tuple(self._arrived[replica_id]), []
-        built = replica.report(self._taken(replica_id), now, arrived)
-        sent = built if self.sharded is not None else encoder.encode(built)  # shards: one encoder each
-        self.inbox.input("report", partial(self._report_act, replica_id, sent))
-
-    def _report_act(self, replica_id: str, sent: Any) -> Callable[[], None] | None:
-        """The controller takes a report: with the loop modelled, its room is granted at its turn's
-        end and its reply leaves then; with a window, when the window is sent; else at once."""
-        windowed = self.ctx.serve.controller.controller_batch_window_s > 0
-        reply = self._call("report", self.controller.report, sent, not (windowed or self.inbox.loop))
-        if windowed:  # its room is granted when the window is sent, and its reply's depth set then
-            self.window.on_sent(partial(self._reply_depth, replica_id))
-        elif self.inbox.loop is not None:
-            self.window.dispatch_soon()
-            self._in_flight[replica_id] = False
-            return partial(self._replied, replica_id, reply)
-        self._replied(replica_id, reply)
-        if not windowed:
-            self._deliver()
-        return None
-
-    def _replied(self, replica_id: str, reply: dict[str, Any]) -> None:
-        """A report's reply reaches its replica (with the loop, the queue as its turn left it)."""
-        if self.sharded is None:
-            self.encoders[replica_id].replied(reply)
-        self._queue_depth[replica_id] = int(reply["queue_depth"])
-        if self.inbox.loop is not None:
-            self._reply_depth(replica_id)
-        for adapter_id in reply["prefetch"]:
-            self.replicas[replica_id].prefetch(adapter_id)
-        pacer, due = self.pacers[replica_id], self._in_flight.pop(replica_id, False)
-        soon = due or reply.get("resync")
-        self._schedule_report(replica_id, pacer.finish_at() if soon else pacer.periodic_at())
-
     def _tick(self) -> None:
-        self.inbox.input("tick", self._tick_act)
+        for k, plane in enumerate(self.planes):
+            plane.inbox.input("tick", partial(self._tick_act, k))
         depth = self._controller_depth()
         self._depth_sum += depth
         self._depth_samples += 1
         self._depth_max = max(self._depth_max, depth)
         self.loop.after(TICK_S, self._tick)
 
-    def _tick_act(self) -> None:
-        self._call("tick", self.controller.tick)
-        if self.inbox.loop is None:  # with the loop, its turn's end takes the grants
-            self._deliver()
+    def _tick_act(self, k: int) -> None:
+        self._call_on(k, "tick", self.shards[k].tick)
+        if self.planes[k].inbox.loop is None:  # with the loop, its turn's end takes the grants
+            self._deliver(k)
 
     def _fetch_placement(self) -> None:
-        self.inbox.input("placement", self._placement_act)
+        for k, plane in enumerate(self.planes):
+            plane.inbox.input("placement", partial(self._placement_act, k))
         self.loop.after(self.ctx.serve.controller.controller_report_period_s, self._fetch_placement)
 
-    def _placement_act(self) -> Callable[[], None]:
-        placement = self._call("placement", self.controller.placement)
+    def _placement_act(self, k: int) -> Callable[[], None]:
+        placement = self._call_on(k, "placement", self.shards[k].placement)
         # with the adapters the replicas hold, as the live `ingress_view`
         state = None if self.edge is None else self._call("edge_state", self.controller.edge_state, True)
-        return partial(self._placed, placement, state)
+        return partial(self._placed, k, placement, state)
 
-    def _placed(self, placement: dict[str, tuple[str, ...]], state: Any) -> None:
-        self.routing.placement = placement
+    def _placed(self, k: int, placement: dict[str, tuple[str, ...]], state: Any) -> None:
+        """Shard `k`'s placement reaches the ingress (with shards, the union of each one's own)."""
+        if self.sharded is None:
+            self.routing.placement = placement
+        else:
+            n = len(self.shards)
+            self._tables[k] = {a: r for a, r in placement.items() if owns(a, k, n)}
+            self.routing.placement = {a: tuple(r) for a, r in merge_placement(self._tables).items()}
         if self.edge is not None:
             self.edge.offer(state)
 
@@ -440,9 +440,10 @@ class LoraClusterPolicy:
         if span <= 0:
             return {"reports_per_s_per_replica": None, "controller_cpu_s_per_sim_s": None}
         plane: dict[str, float | bool | None] = {
-            "reports_per_s_per_replica": reports / span / len(self.replicas),
+            "reports_per_s_per_replica": reports / len(self.shards) / span / len(self.replicas),
             "controller_cpu_s_per_sim_s": cpu_s / span}
-        plane.update(self.inbox.figures())  # the actor's loop, when modelled
+        loops = [p.inbox.figures() for p in self.planes]  # each actor's loop, when modelled
+        plane.update(loops[0] if len(loops) == 1 else shard_loop_figures(loops))
         if self.sharded is not None:
             plane["shards"] = len(self.sharded.shards)
             plane["busiest_shard_cpu_s_per_sim_s"] = max(self._shards_steady, default=0.0) / span

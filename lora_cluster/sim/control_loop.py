@@ -9,8 +9,9 @@ replies) leave when the turn ends. Under load the actor is busy most of the time
 grow with the load and its cost per input falls; a simulator that runs every input alone at the
 instant it arrives overstates that cost and understates the latency of the control plane.
 
-Model. Each input costs `ControlCost.input_s(kind)`: the Serve call's own overhead (`call_s`:
-deserialising, the request wrapper, the reply) plus the controller's work for that kind; a turn also
+Model. Each input costs `ControlCost.input_s(kind, count)`: the Serve call's own overhead (`call_s`:
+deserialising, the request wrapper, the reply) plus the controller's work for that kind, once per item
+it carries (`count`: a batch of parks, `cluster.park_batch`, is one call of several parks); a turn also
 costs one dispatch of the queue (`dispatch_s`, its mean: what a dispatch grants varies). The
 constants are measured (`benchmarks/profile_controller.py`, committed in
 `docs/profile_controller.json`). A turn starts when an input waits and the loop is free: at the
@@ -35,7 +36,10 @@ from typing import Any
 
 Act = Callable[[], "Callable[[], None] | None"]  # acts at the turn's start; may return its output
 Timer = Callable[[float, Callable[[], None]], None]  # timer(when, fn): run fn at simulated time `when`
-KINDS = ("park", "report", "tick", "cancel", "placement")
+# a grants poll (an ingress's one call in flight that its grants answer: `sim.control_inbox`) has no
+# work of its own beyond the call; a model without it counts none
+KINDS = ("park", "report", "tick", "cancel", "placement", "poll")
+OPTIONAL_KINDS = ("poll",)
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "profile_controller.json"
 
 
@@ -52,11 +56,11 @@ class ControlCost:
         if any(v < 0 for v in values) or set(self.work_s) != set(KINDS):
             raise ValueError(f"a controller cost needs a cost >= 0 for each of {KINDS}, got {self}")
 
-    def input_s(self, kind: str) -> float:
-        return self.call_s + self.work_s[kind]
+    def input_s(self, kind: str, count: int = 1) -> float:
+        return self.call_s + count * self.work_s[kind]
 
-    def turn_s(self, kinds: list[str]) -> float:
-        return sum(self.input_s(k) for k in kinds) + self.dispatch_s
+    def turn_s(self, inputs: list[tuple[str, int]]) -> float:
+        return sum(self.input_s(k, n) for k, n in inputs) + self.dispatch_s
 
     @classmethod
     def zero(cls) -> ControlCost:
@@ -71,7 +75,9 @@ class ControlCost:
     @classmethod
     def load_dict(cls, data: dict[str, Any]) -> ControlCost:
         try:
-            return cls(float(data["call_s"]), {k: float(data["work_s"][k]) for k in KINDS},
+            work = data["work_s"]
+            return cls(float(data["call_s"]),
+                       {k: float(work.get(k, 0.0) if k in OPTIONAL_KINDS else work[k]) for k in KINDS},
                        float(data["dispatch_s"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a controller cost model needs call_s, work_s.<{'|'.join(KINDS)}> and "
@@ -94,30 +100,35 @@ class ControlLoop:
     def __init__(self, cost: ControlCost, clock: Callable[[], float], timer: Timer,
                  end_turn: Callable[[], Callable[[], None] | None]):
         self.cost, self._clock, self._timer, self._end_turn = cost, clock, timer, end_turn
-        self._waiting: list[tuple[str, Act]] = []
+        self._waiting: list[tuple[str, int, Act]] = []
         self._scheduled = False
         self.free_at = 0.0  # when the current turn ends
         self.busy_s = 0.0
         self.turns = 0
         self.inputs = 0
+        self.by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)  # inputs (calls) of each kind
+        self.items: dict[str, int] = dict.fromkeys(KINDS, 0)  # what they carried (parks in batches)
 
-    def submit(self, kind: str, act: Act) -> None:
-        """An input of `kind` reaches the actor now: `act` runs at the start of the turn that takes it,
-        and the output it returns is delivered at that turn's end."""
+    def submit(self, kind: str, act: Act, count: int = 1) -> None:
+        """An input of `kind` carrying `count` items reaches the actor now: `act` runs at the start of
+        the turn that takes it, and the output it returns is delivered at that turn's end."""
         if kind not in KINDS:
             raise ValueError(f"unknown controller input {kind!r}: one of {KINDS}")
-        self._waiting.append((kind, act))
+        self._waiting.append((kind, count, act))
         if not self._scheduled:
             self._scheduled = True
             self._timer(max(self._clock(), self.free_at), self._turn)
 
     def _turn(self) -> None:
         taken, self._waiting = self._waiting, []  # `_scheduled` stays set: input submitted now waits
-        outputs = [out for _, act in taken if (out := act()) is not None]
+        outputs = [out for _, _, act in taken if (out := act()) is not None]
         last = self._end_turn()
         if last is not None:
             outputs.append(last)
-        spent = self.cost.turn_s([k for k, _ in taken])
+        spent = self.cost.turn_s([(k, n) for k, n, _ in taken])
+        for k, n, _ in taken:
+            self.by_kind[k] += 1
+            self.items[k] += n
         self.free_at = self._clock() + spent
         self.busy_s += spent
         self.turns += 1

@@ -141,9 +141,10 @@ def test_a_shard_is_told_of_its_own_adapters_only():
 
 
 def test_replies_merge_into_one_queue_depth_and_prefetch_list():
-    merged = merge_replies([{"queue_depth": 2, "prefetch": ["b"]},
-                            {"queue_depth": 3, "prefetch": ["a", "b"]}])
-    assert merged == {"queue_depth": 5, "prefetch": ["a", "b"]}, "depths summed, prefetch united"
+    merged = merge_replies([{"queue_depth": 2, "prefetch": ["b"], "replicas": 7},
+                            {"queue_depth": 3, "prefetch": ["a", "b"], "replicas": 8}])
+    assert merged == {"queue_depth": 5, "prefetch": ["a", "b"], "replicas": 8}, (
+        "depths summed, prefetch united, the replicas the most any shard sees (they pace the reports)")
 
 
 def test_placement_tables_unite():
@@ -356,7 +357,8 @@ def test_a_report_round_merges_the_answers_and_a_silent_shard_queues_nothing():
     rounds.messages(report())
     mine, theirs = _owned(0)[0], _owned(1)[0]
     reply, resync = rounds.replied([{"queue_depth": 2, "prefetch": [mine, theirs], "resync": True}, None])
-    assert reply == {"queue_depth": 2, "prefetch": [mine]}, "a shard's prefetch is cut to its own adapters"
+    assert reply == {"queue_depth": 2, "prefetch": [mine], "replicas": 0}, (
+        "a shard's prefetch is cut to its own adapters")
     assert resync, "a shard asking for a full report is passed on"
     assert rounds.queued == [2, 0], "the silent shard counts as queueing nothing"
     assert rounds.replied([None, None]) == (None, False), "no answer, no reply"

@@ -11,6 +11,8 @@ import json
 import random
 from typing import Any
 
+import pytest
+
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.report_delta import (
     ReportDelta,
@@ -19,7 +21,7 @@ from lora_cluster.cluster.report_delta import (
     diff,
     parse_report,
 )
-from lora_cluster.cluster.report_rules import ReportPacer
+from lora_cluster.cluster.report_rules import ReportPacer, report_spacing_s
 from lora_cluster.cluster.reports import (
     MAX_ARRIVED_TICKETS,
     MAX_ID_LEN,
@@ -341,3 +343,48 @@ def test_what_a_report_derives_follows_the_deltas_that_change_a_few_fields_at_a_
             assert [held.less_urgent_running(p) for p in range(4)] == [
                 fresh.less_urgent_running(p) for p in range(4)], (
                 f"trial {trial} step {step}: the less urgent running counts after {name}")
+
+
+# ----- when: paced to the controller's report budget ----------------------------------------------
+
+def test_a_large_cluster_stretches_the_window_and_the_period_to_the_budget() -> None:
+    clock = FakeClock(100.0)
+    pacer = ReportPacer(period_s=0.5, coalesce_s=0.2, clock=clock, budget_per_s=400.0)
+    pacer.pace(32)
+    assert (pacer.coalesce_s, pacer.period_s) == (0.2, 0.5), "32 replicas stay under budget: as configured"
+    pacer.pace(256)
+    assert pacer.coalesce_s == pytest.approx(0.64), "256 replicas x 1 / 0.64 s = 400 reports a second"
+    assert pacer.period_s == pytest.approx(0.64), "the period is never shorter than the spacing either"
+    pacer.sent()
+    clock.now = 100.1
+    assert pacer.finish_at() == pytest.approx(100.64), "a finish waits for the stretched window's end"
+    pacer.pace(16)
+    assert (pacer.coalesce_s, pacer.period_s) == (0.2, 0.5), "a cluster that shrinks goes back to the config"
+
+
+def test_no_budget_paces_nothing() -> None:
+    assert report_spacing_s(10_000, 0.0) == 0.0, "budget 0: no spacing"
+    assert report_spacing_s(100, 50.0) == 2.0, "100 replicas within 50 a second: one each 2 s"
+
+
+def test_the_live_reporter_paces_itself_by_the_replicas_its_controller_sees() -> None:
+    class Controller256:
+        def __init__(self) -> None:
+            self.report = self
+
+        def remote(self, report: dict[str, Any]) -> Any:
+            async def reply() -> dict[str, Any]:
+                return {"queue_depth": 0, "prefetch": [], "replicas": 256}
+            return reply()
+
+    async def build() -> ReplicaReport:
+        return a_report(running=1)
+
+    async def on_reply(reply: dict[str, Any]) -> None:
+        return None
+
+    reporter = ControllerReporter(Controller256(), build, on_reply, period_s=0.5, coalesce_s=0.2,
+                                  budget_per_s=400.0)
+    asyncio.run(reporter.report_once())
+    assert reporter.pacer.coalesce_s == pytest.approx(0.64), "256 replicas at 400 a second: a 0.64 s window"
+    assert reporter.pacer.period_s == pytest.approx(0.64), "and a period as long"

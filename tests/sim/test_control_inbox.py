@@ -39,7 +39,38 @@ def test_without_a_model_nothing_is_modelled() -> None:
     assert none["control_plane"]["controller_loop_modelled"] is False, "--control-cost none: no loop"
 
 
-def test_shards_are_not_modelled_and_say_so() -> None:
+def test_each_shard_runs_its_own_loop_and_the_busiest_one_is_reported() -> None:
     config = SimConfig(**{**CELL.__dict__, "serve": ServeSections().with_fields(controller_shards=2)})
-    plane = Simulation(config, SYNTHETIC).finish().to_json()["control_plane"]
-    assert plane["controller_loop_modelled"] is False, "each shard's loop is not modelled: the output says so"
+    plane = Simulation(config, SYNTHETIC, control_cost=SLOW).finish().to_json()["control_plane"]
+    one = Simulation(CELL, SYNTHETIC, control_cost=SLOW).finish().to_json()["control_plane"]
+    assert plane["controller_loop_modelled"] is True, f"each shard's loop is modelled: {plane}"
+    assert 0 < plane["quietest_shard_busy_share"] <= plane["controller_busy_share"] < 1, (
+        f"the busiest shard's busy share is reported, beside the quietest's: {plane}")
+    assert plane["report_inputs_per_s"] > 1.5 * one["report_inputs_per_s"], (
+        f"each shard takes every report round: twice the report inputs of one controller: {plane} {one}")
+    assert plane["parks_per_s"] > 0, f"the parks reach their adapters' shards: {plane}"
+
+
+def test_a_busy_controller_takes_the_ingress_parks_in_batches_one_call_at_a_time() -> None:
+    busy = ControlCost(call_s=0.02, work_s=dict.fromkeys(KINDS, 0.0), dispatch_s=0.002)  # ~90% busy
+    overloaded = SimConfig(**{**CELL.__dict__, "load": 3.0})
+    plane = Simulation(overloaded, SYNTHETIC, control_cost=busy).finish().to_json()["control_plane"]
+    assert plane["parks_per_s"] > 0, f"the cell parks: {plane}"
+    assert plane["parks_per_s"] > 1.2 * plane["park_calls_per_s"], (
+        f"parks that arrive while a park call is in flight go together in the next one: {plane}")
+
+
+def test_free_calls_send_each_park_alone_with_no_added_wait() -> None:
+    plane = Simulation(CELL, SYNTHETIC, control_cost=ControlCost.zero()).finish().to_json()["control_plane"]
+    assert plane["parks_per_s"] == plane["park_calls_per_s"], (
+        f"a call answered at once is never in flight when the next park arrives: {plane}")
+
+
+def test_the_report_budget_bounds_the_reports_a_controller_takes() -> None:
+    config = SimConfig(**{**CELL.__dict__, "serve": ServeSections().with_fields(
+        controller_report_budget_per_s=6.0)})
+    free = Simulation(CELL, SYNTHETIC).finish().to_json()["control_plane"]
+    paced = Simulation(config, SYNTHETIC).finish().to_json()["control_plane"]
+    assert free["report_inputs_per_s"] > 6.0, f"at the shipped budget this cell reports more often: {free}"
+    assert paced["report_inputs_per_s"] <= 6.0 * 1.05, (
+        f"6 replicas within 6 reports a second report about once a second each: {paced}")

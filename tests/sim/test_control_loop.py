@@ -107,3 +107,17 @@ def test_an_input_submitted_during_a_turn_waits_for_its_end_in_one_next_turn() -
     inner = [t for t, e in r.log if e == "act inner"]
     assert inner == [pytest.approx(1.0 + 0.007)], f"it acts once, when the first turn ends: {r.log}"
     assert r.loop.turns == 2, "two turns, not three"
+
+
+def test_a_batch_of_items_is_one_call_and_each_items_work() -> None:
+    cost = ControlCost(call_s=0.001, work_s={**dict.fromkeys(KINDS, 0.0), "park": 0.0001}, dispatch_s=0.0)
+    r = Recorder(cost)
+    r.events.at(1.0, r.loop.submit, "park", lambda: None, 10)
+    r.events.run(10.0)
+    assert r.loop.busy_s == pytest.approx(0.001 + 10 * 0.0001), "one call's overhead for ten parks' work"
+    assert (r.loop.by_kind["park"], r.loop.items["park"]) == (1, 10), "one park input carrying ten parks"
+
+
+def test_a_model_without_a_poll_cost_reads_as_a_call_alone() -> None:
+    data = {"call_s": 0.001, "work_s": {k: 0.0 for k in KINDS if k != "poll"}, "dispatch_s": 0.0}
+    assert ControlCost.load_dict(data).input_s("poll") == 0.001, "a grants poll costs the call, no work"

@@ -137,7 +137,8 @@ class LoraReplica:
         self._arrived: collections.deque[str] = collections.deque(maxlen=4096)  # granted tickets, unreported
         self.reporter = None if controller is None else ControllerReporter(
             controller, self._report, self._on_reply, self.config.controller.controller_report_period_s,
-            self.config.controller.controller_report_coalesce_s)
+            self.config.controller.controller_report_coalesce_s,
+            budget_per_s=self.config.controller.controller_report_budget_per_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 

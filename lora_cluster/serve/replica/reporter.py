@@ -10,7 +10,9 @@ stats, memory split, per-class stats, requests per adapter since the last report
 is, mostly, its delta against the report the controller last acknowledged, and a full report first,
 periodically, and at once when the controller's reply says it lacks the delta's base (`resync`: a
 restarted controller) (`ReportEncoder`). The reply names adapters to prefetch (placement chose this
-replica for them) and how many requests are queued. A controller that cannot be reached is retried
+replica for them), how many requests are queued, and how many replicas the controller sees: the
+window and the period stretch to keep the controller within `budget_per_s` reports a second
+(`controller_report_budget_per_s`, `ReportPacer.pace`). A controller that cannot be reached is retried
 at the next period; the replica keeps serving meanwhile.
 
 A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles):
@@ -43,12 +45,14 @@ log = logging.getLogger(__name__)
 class ControllerReporter:
     def __init__(self, controller: Any, build_report: Callable[[], Awaitable[ReplicaReport]],
                  on_reply: Callable[[dict[str, Any]], Awaitable[None]], period_s: float,
-                 coalesce_s: float = 0.2, clock: Callable[[], float] = time.monotonic):
+                 coalesce_s: float = 0.2, clock: Callable[[], float] = time.monotonic,
+                 budget_per_s: float = 0.0):
         """`controller`: the controller's handle, or the list of its shards' handles."""
         self._shards = list(controller) if isinstance(controller, list | tuple) else [controller]
         self._build, self._on_reply = build_report, on_reply
         self.period_s, self._clock = period_s, clock
-        self.pacer = ReportPacer(period_s=period_s, coalesce_s=coalesce_s, clock=clock)
+        self.pacer = ReportPacer(period_s=period_s, coalesce_s=coalesce_s, clock=clock,
+                                 budget_per_s=budget_per_s)
         self.rounds = ReportRounds(len(self._shards), clock)  # encoders, shards' depths (as the simulator)
         self.queue_depth = 0
         self._wake = asyncio.Event()
@@ -92,6 +96,7 @@ class ControllerReporter:
         if reply is None:  # no shard answered: retried at the next period
             return
         self.queue_depth = self.rounds.queue_depth
+        self.pacer.pace(int(reply.get("replicas", 0)))
         await self._on_reply(reply)
 
     @staticmethod
