@@ -7,7 +7,8 @@ Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
   (one fetch per adapter however many requests want it); fetches wait for a worker in the order of
   the most urgent request that wants them (then submission order), prefetches after every
   request. The fetch takes the profile's time for that tier and the adapter's size; it is counted
-  as a load from that tier (prefetches too).
+  as a load from that tier (prefetches too). With the cluster tier (`sim.cluster_store`), a fetch of
+  an adapter only in S3 may copy it from another node instead (a load from tier "peer").
 * `acquire` (the scheduler's gate) answers READY (in a slot: a reference is taken; or fetched and
   a slot is free or evictable: the host -> device copy is charged to the current step), PENDING
   (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
@@ -43,6 +44,7 @@ from lora_cluster.cluster.report_rules import MAX_PREFETCHES
 from lora_cluster.config import EngineConfig
 from lora_cluster.replica_policy.eviction import AccessTracker
 from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.sim.cluster_store import SimClusterTier
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
@@ -58,8 +60,9 @@ def _engine_default(name: str) -> Any:
 class DeviceAdapters:
     def __init__(self, *, max_loras: int, profile: ReplicaProfile, store: NodeStore, loop: EventLoop,
                  sizes: dict[str, int], on_ready: Callable[[], None], on_load: Callable[[str], None],
-                 workers: int = 2):
+                 workers: int = 2, cluster: SimClusterTier | None = None, node_id: str = "node"):
         self.max_loras, self.profile, self.store, self.loop = max_loras, profile, store, loop
+        self.cluster, self.node_id = cluster, node_id  # the cluster tier, if modelled
         self.sizes, self._on_ready, self._on_load, self.workers = sizes, on_ready, on_load, workers
         self.refs: dict[str, int] = {}  # adapters in device slots -> running requests using them
         self.idle: OrderedDict[str, None] = OrderedDict()  # slots without references, least recent first
@@ -204,12 +207,18 @@ class DeviceAdapters:
         nbytes = self.sizes[adapter_id]
         if tier == "host":
             self.store.host.touch(adapter_id)
+        if tier == "s3" and self.cluster is not None:  # another node's copy, or S3 (`sim.cluster_store`)
+            tier, seconds = self.cluster.start_fetch(self.node_id, adapter_id)
+        else:
+            seconds = self.profile.fetch_s(tier, nbytes)
         self._on_load(tier)
-        self.loop.after(self.profile.fetch_s(tier, nbytes), self._done, adapter_id, tier)
+        self.loop.after(seconds, self._done, adapter_id, tier)
 
     def _done(self, adapter_id: str, tier: str) -> None:
         self._busy -= 1
         self.store.fetched(adapter_id, self.sizes[adapter_id], tier)
+        if self.cluster is not None:
+            self.cluster.fetch_done(self.node_id, adapter_id, tier)
         if self.loading.pop(adapter_id, False):
             self._prefetches -= 1
         if adapter_id in self.wanted and adapter_id not in self.refs:
