@@ -56,7 +56,8 @@ class SimClusterTier:
         self.index = ClusterTier(budget, clock=loop.clock)
         shuffled = list(catalog)
         random.Random(seed + 46).shuffle(shuffled)
-        self.planner = PrefetchPlanner(shuffled, sizes, bytes_per_s=settings.bytes_per_s_per_node * len(node_ids),
+        rate = settings.bytes_per_s_per_node * len(node_ids)
+        self.planner = PrefetchPlanner(shuffled, sizes, bytes_per_s=rate,
                                        max_bytes=int(settings.max_share * budget), clock=loop.clock,
                                        half_life_s=settings.half_life_s)
         self.node_ids = node_ids

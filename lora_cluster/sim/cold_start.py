@@ -64,15 +64,19 @@ def markdown(runs: list[dict[str, Any]]) -> tuple[str, int]:
         lines.append(f"| {key[0]} x {key[1]} | {key[2]:g} | {key[3]:g}x | {_pct(after['interactive'])} "
                      f"| {_pct(incl['interactive'])} | {_pct(incl['standard'])} | {_pct(incl['hit_rate'])} "
                      f"| {incl['adapter_loads']['peer']} / {incl['adapter_loads']['s3']} "
-                     f"| {_pct(off['interactive'])}, {off['adapter_loads']['s3']} | {'pass' if ok else 'FAIL'} |")
+                     f"| {_pct(off['interactive'])}, {off['adapter_loads']['s3']} "
+                     f"| {'pass' if ok else 'FAIL'} |")
     lines.append(f"\n{len(cells) - failed} of {len(cells)} cells pass (interactive >= "
-                 f"{100 * AFTER_TARGET:g}% after the first {FIRST_S:g} s, >= {100 * INCLUDING_TARGET:g}% with it).")
+                 f"{100 * AFTER_TARGET:g}% after the first {FIRST_S:g} s, "
+                 f">= {100 * INCLUDING_TARGET:g}% with it).")
     return "\n".join(lines), failed
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lora_cluster.sim.cold_start", description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default=",".join(f"{n}x{a}" for n, a in SIZES), help="NODESxADAPTERS, comma-separated")
+    ap = argparse.ArgumentParser(prog="python -m lora_cluster.sim.cold_start",
+                                 description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--sizes", default=",".join(f"{n}x{a}" for n, a in SIZES),
+                    help="NODESxADAPTERS, comma-separated")
     ap.add_argument("--zipfs", default=",".join(f"{z:g}" for z in ZIPFS))
     ap.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
     ap.add_argument("--seed", type=int, default=0)

@@ -29,8 +29,8 @@ from lora_cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
 from lora_cluster.sim.bases import BaseFigures, BaseSplit, GroupedPolicy, base_name, node_shares
 from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
-from lora_cluster.sim.cluster_store import ClusterTierSettings, SimClusterTier
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
+from lora_cluster.sim.cluster_store import ClusterTierSettings, SimClusterTier
 from lora_cluster.sim.context import Policy, ServeSections, SimContext, TrueDemand
 from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.events import EventLoop

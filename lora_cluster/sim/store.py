@@ -2,7 +2,8 @@
 
 An adapter is in the highest tier that holds it: host, else disk, else only in S3 (the source) and,
 with the cluster tier (`sim.cluster_store`), perhaps on other nodes. Fetching it to host memory puts
-it in the host tier, and, when it came from S3 or another node, in the disk tier too. Each tier evicts its least recently used adapters to stay within its budget (the real store
+it in the host tier, and, when it came from S3 or another node, in the disk tier too. Each tier
+evicts its least recently used adapters to stay within its budget (the real store
 weighs size, reload cost, frequency and recency; LRU is the simulator's simplification). A run
 starts with every adapter in S3 only, unless it preloads some (`preload`).
 """

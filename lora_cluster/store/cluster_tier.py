@@ -140,7 +140,11 @@ class ClusterTier:
         return True
 
     def published_by(self, adapter_id: str, node_id: str, nbytes: int, sha256: str) -> None:
-        """`node_id` put `adapter_id` (its stored form, `sha256`) into the tier after a successful claim."""
+        """`node_id` put `adapter_id` (its stored form, `sha256`) into the tier after a successful claim;
+        a second publication (two claims raced) only adds a holder."""
+        if adapter_id in self.published:
+            self.published[adapter_id].copies.add(node_id)
+            return
         self.published[adapter_id] = Published(nbytes, sha256, {node_id})
         self.bytes += nbytes
 
@@ -164,6 +168,15 @@ class ClusterTier:
             self.serving[holder] = left
         else:
             self.serving.pop(holder, None)
+
+    def withdraw(self, adapter_id: str) -> bool:
+        """Unpublish `adapter_id` (its stored object is gone whatever the copies: e.g. the live edge's
+        object died with its owner); returns whether it was published."""
+        if adapter_id not in self.published:
+            return False
+        self._unpublish(adapter_id)
+        self.lost += 1
+        return True
 
     def node_lost(self, node_id: str) -> list[str]:
         """`node_id` is gone: forget its copies and its fetches in flight; returns the adapters that
