@@ -1,5 +1,5 @@
 """The cluster tier and prefetch in the simulator, driven by the live policy code
-(`store.cluster_tier.ClusterTier`, `store.prefetch_plan.PrefetchPlanner`) on the simulated clock.
+(`cluster.cluster_tier.ClusterTier`, `cluster.prefetch_plan.PrefetchPlanner`) on the simulated clock.
 
 * A node's fetch of an adapter its own store lacks asks `ClusterTier.choose`: a copy from another
   node (the profile's `peer` cost: node to node at the assumed NIC bandwidth, then the checksum and
@@ -24,11 +24,11 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from lora_cluster.cluster.cluster_tier import ClusterTier, FetchFrom
+from lora_cluster.cluster.prefetch_plan import PrefetchPlanner
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import MB, ReplicaProfile
 from lora_cluster.sim.store import NodeStore
-from lora_cluster.store.cluster_tier import ClusterTier, FetchFrom
-from lora_cluster.store.prefetch_plan import PrefetchPlanner
 
 GB = 1 << 30
 

@@ -164,8 +164,8 @@ class StatelessHooks:
 
 
 class ClusterTierPort(Protocol):
-    """The cluster tier as the cold tiers use it (`store.cluster_tier`; the Ray edge:
-    `serve.cluster_tier_edge.RayClusterTier`). Both calls block (a loader thread calls them, never an
+    """The cluster tier as the cold tiers use it (`cluster.cluster_tier`; the Ray edge:
+    `serve.replica.cluster_tier.RayClusterTier`). Both calls block (a loader thread calls them, never an
     event loop) and never raise: a failure of the tier is a miss, and the source serves.
 
     * `fetch_into(adapter_id, dest)`: copy the published stored form of `adapter_id` (its files, as

@@ -137,8 +137,8 @@ class TieredAdapterStore:
         track_futures(warming, desc="preloading adapters", unit="adapter")  # a bar on a terminal only
 
     @classmethod
-    def from_config(cls, config: EngineConfig, shapes: ModelShapes,
-                    device: torch.device) -> TieredAdapterStore:
+    def from_config(cls, config: EngineConfig, shapes: ModelShapes, device: torch.device,
+                    cluster_tier: ClusterTierPort | None = None) -> TieredAdapterStore:
         policy = AdmissionPolicy(
             shapes=shapes, max_rank=config.max_lora_rank, base_model=config.model,
             base_model_check=config.base_model_check,
@@ -157,6 +157,7 @@ class TieredAdapterStore:
             source_breaker_failures=config.breaker_source_failures if config.breakers else None,
             source_breaker_cooldown_s=config.breaker_source_cooldown_s,
             max_merged_adapters=config.max_merged_adapters, merge_seed=config.merge_seed,
+            cluster_tier=cluster_tier,
         )
 
     @property

@@ -32,12 +32,12 @@ class NodeStore:
     def __init__(self, bucket: str, shapes: Any, disk_dir: str):
         import ray
 
-        from lora_cluster.serve.cluster_tier_edge import ACTOR_NAME, RayClusterTier
+        from lora_cluster.serve.replica.cluster_tier import ACTOR_NAME, RayClusterTier
         from lora_cluster.store import TieredAdapterStore
         from lora_cluster.store.admission import AdmissionPolicy
 
         node_id = ray.get_runtime_context().get_node_id()
-        tier = RayClusterTier(ray.get_actor(ACTOR_NAME), node_id, timeout_s=10.0)
+        tier = RayClusterTier(lambda: ray.get_actor(ACTOR_NAME), node_id, timeout_s=10.0)
         self.store = TieredAdapterStore([f"s3://{bucket}/zoo"], AdmissionPolicy(shapes, 64),
                                         disk_cache_dir=disk_dir, fetch_backoff_s=0.01, cluster_tier=tier)
 
@@ -73,7 +73,7 @@ def cluster(s3, demo_adapters_dir: Path, demo_model_dir: Path, moto_endpoint: st
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from lora_cluster.serve.cluster_tier_edge import cluster_tier_actor
+    from lora_cluster.serve.replica.cluster_tier import cluster_tier_actor
 
     s3.upload(demo_adapters_dir, "zoo")
     host, port = moto_endpoint.removeprefix("http://").split(":")
@@ -147,7 +147,8 @@ def test_losing_the_publishing_node_mid_transfer_loses_no_adapter(cluster) -> No
     copying = stores["node2"].load.remote("a4")  # node 2's copy from node 1 starts ...
     c.remove_node(nodes["node1"])  # ... while node 1 goes
     got = ray.get(copying, timeout=60)
-    print(f"\nnode 2 got a4 from {'the cluster tier' if got['cluster'][0] else 'the source'} while node 1 went")
+    path = "the cluster tier" if got["cluster"][0] else "the source"
+    print(f"\nnode 2 got a4 from {path} while node 1 went")
     assert got["weights"] == reference["weights"], "node 2 still got a4, with the same weights"
     later = ray.get(stores["node3"].load.remote("a4"), timeout=60)
     assert later["weights"] == reference["weights"], "a later miss on node 3 gets a4 too"

@@ -1,9 +1,9 @@
-"""The cluster tier's policy (`store.cluster_tier`): publication once, the cheapest source, byte budget
+"""The cluster tier's policy (`cluster.cluster_tier`): publication once, the cheapest source, byte budget
 and eviction, and losing a node."""
 
 from __future__ import annotations
 
-from lora_cluster.store.cluster_tier import ClusterTier, FetchFrom
+from lora_cluster.cluster.cluster_tier import ClusterTier, FetchFrom
 
 
 class Clock:
@@ -22,7 +22,7 @@ def published(tier: ClusterTier, adapter_id: str, node_id: str, nbytes: int = 10
 def test_an_adapter_is_published_once() -> None:
     tier = ClusterTier(1000, clock=Clock())
     published(tier, "a", "n1")
-    assert not tier.claim_publication("a", 100), "a second node fetching it from the source does not publish it again"
+    assert not tier.claim_publication("a", 100), "a second node's source fetch does not publish it again"
     assert tier.bytes == 100, "its bytes count once"
 
 
@@ -32,7 +32,7 @@ def test_a_miss_copies_from_a_peer_when_that_is_faster_than_the_source() -> None
         "an adapter nobody published comes from the source"
     published(tier, "a", "n1")
     choice = tier.choose("a", "n2", peer_s=0.2, source_s=1.3)
-    assert (choice.kind, choice.node_id) == (FetchFrom.PEER, "n1"), "a published adapter comes from its holder"
+    assert (choice.kind, choice.node_id) == (FetchFrom.PEER, "n1"), "a published adapter comes from a holder"
     assert tier.choose("a", "n2", peer_s=2.0, source_s=1.3).kind is FetchFrom.SOURCE, \
         "the source wins when a copy would be slower"
     assert tier.choose("a", "n1", peer_s=0.2, source_s=1.3).kind is FetchFrom.SOURCE, \
@@ -55,7 +55,7 @@ def test_waiting_for_a_fetch_in_flight_elsewhere_when_it_ends_sooner() -> None:
     clock = Clock()
     tier = ClusterTier(1000, clock=clock)
     assert tier.source_fetch_started("a", "n1", expected_s=1.3), "the first source fetch is recorded"
-    assert not tier.source_fetch_started("a", "n2", expected_s=1.3), "one source fetch per adapter is recorded"
+    assert not tier.source_fetch_started("a", "n2", expected_s=1.3), "one source fetch per adapter recorded"
     clock.now = 1.0
     choice = tier.choose("a", "n2", peer_s=0.2, source_s=1.3)
     assert (choice.kind, choice.node_id) == (FetchFrom.WAIT, "n1"), "0.3 s left plus a copy beats 1.3 s"

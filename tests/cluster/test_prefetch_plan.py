@@ -1,10 +1,10 @@
-"""Prefetch by predicted demand (`store.prefetch_plan`): ranking, a shift in popularity, and the bounds."""
+"""Prefetch by predicted demand (`cluster.prefetch_plan`): ranking, a shift in popularity, and the bounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from lora_cluster.store.prefetch_plan import PrefetchPlanner
+from lora_cluster.cluster.prefetch_plan import PrefetchPlanner
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The cluster tier's Ray edge: a thin named actor keeps the tier's index (`store.cluster_tier`) and
+"""The cluster tier's Ray edge: a thin named actor keeps the tier's index (`cluster.cluster_tier`) and
 the object refs of the published adapters; each node's store reaches it through `RayClusterTier`, its
 `store.ports.ClusterTierPort`.
 
@@ -20,15 +20,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayError
+from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayError
 
+from lora_cluster.cluster.cluster_tier import ClusterTier, FetchFrom
 from lora_cluster.store.checksum import sha256_bytes
-from lora_cluster.store.cluster_tier import ClusterTier, FetchFrom
 
 log = logging.getLogger(__name__)
 ACTOR_NAME = "lora_cluster_tier"
@@ -104,16 +106,34 @@ def cluster_tier_actor(budget_bytes: int, **options: Any) -> Any:
 
 
 class RayClusterTier:
-    """A node's `ClusterTierPort` over the tier actor (blocking calls: a loader thread's)."""
+    """A node's `ClusterTierPort` over the tier actor (blocking calls: a loader thread's). The actor is
+    found (or created) by `connect` on first use, so a store that never downloads never reaches it;
+    when it died (its creator went), the next call connects again."""
 
-    def __init__(self, actor: Any, node_id: str, *, timeout_s: float = 60.0):
-        self.actor, self.node_id, self.timeout_s = actor, node_id, timeout_s
+    def __init__(self, connect: Callable[[], Any], node_id: str, *, timeout_s: float = 60.0):
+        self._connect, self.node_id, self.timeout_s = connect, node_id, timeout_s
+        self._actor: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def actor(self) -> Any:
+        with self._lock:
+            if self._actor is None:
+                self._actor = self._connect()
+            return self._actor
+
+    def _lost_actor(self, error: RayError) -> None:
+        if isinstance(error, RayActorError):
+            with self._lock:
+                self._actor = None
 
     def fetch_into(self, adapter_id: str, dest: Path) -> dict[str, str] | None:
         try:
             found = ray.get(self.actor.locate.remote(adapter_id, self.node_id), timeout=self.timeout_s)
-        except RayError as e:
+        except (RayError, ValueError) as e:  # ValueError: no such named actor
             log.warning("cluster tier unreachable for %r: %s", adapter_id, e)
+            if isinstance(e, RayError):
+                self._lost_actor(e)
             return None
         if found is None:
             return None
@@ -148,5 +168,7 @@ class RayClusterTier:
                 return
             ref = ray.put({name: (folder / name).read_bytes() for name in digests})
             self.actor.publish.remote(adapter_id, self.node_id, [ref], nbytes, dict(digests))
-        except RayError as e:
+        except (RayError, ValueError) as e:
             log.warning("cannot publish %r to the cluster tier: %s", adapter_id, e)
+            if isinstance(e, RayError):
+                self._lost_actor(e)
