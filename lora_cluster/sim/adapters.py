@@ -9,6 +9,7 @@ Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
   request. The fetch takes the profile's time for that tier and the adapter's size; it is counted
   as a load from that tier (prefetches too). With the cluster tier (`sim.cluster_store`), a fetch of
   an adapter only in S3 may copy it from another node instead (a load from tier "peer").
+  `live_waits`, `live_wait_s`, `live_wait_max_s`: how long requests' fetches waited for a worker.
 * `acquire` (the scheduler's gate) answers READY (in a slot: a reference is taken; or fetched and
   a slot is free or evictable: the host -> device copy is charged to the current step), PENDING
   (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
@@ -72,6 +73,8 @@ class DeviceAdapters:
         self.fetched: set[str] = set()
         self.pinned: set[str] = set()  # adapters whose slot is never given up (`pin`)
         self._queue: list[tuple[int, int, str]] = []  # (priority, seq, adapter) waiting for a worker
+        self._submitted: dict[str, float] = {}  # adapter -> when its fetch was submitted (queued or not)
+        self.live_waits, self.live_wait_s, self.live_wait_max_s = 0, 0.0, 0.0  # a request's fetch waits
         self._seq = itertools.count()
         self._busy = 0
         self._prefetches = 0
@@ -196,6 +199,7 @@ class DeviceAdapters:
 
     def _submit(self, adapter_id: str, *, explicit: bool, priority: int) -> None:
         self.loading[adapter_id] = explicit
+        self._submitted[adapter_id] = self.loop.now
         if self._busy < self.workers:
             self._start(adapter_id)
         else:
@@ -203,6 +207,11 @@ class DeviceAdapters:
 
     def _start(self, adapter_id: str) -> None:
         self._busy += 1
+        waited = self.loop.now - self._submitted.pop(adapter_id, self.loop.now)
+        if not self.loading.get(adapter_id, True):  # a request's fetch (not a placement prefetch)
+            self.live_waits += 1
+            self.live_wait_s += waited
+            self.live_wait_max_s = max(self.live_wait_max_s, waited)
         tier = self.store.tier(adapter_id)
         nbytes = self.sizes[adapter_id]
         if tier == "host":

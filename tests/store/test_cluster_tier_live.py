@@ -23,8 +23,8 @@ from remote_sources import S3, TcpProxy
 from lora_cluster.engine.model.model_loader import load_base_model
 
 pytestmark = pytest.mark.e2e
-RATE = 256 << 10  # bytes per second through the S3 proxy
-BIG = "a2"  # ~262 KB of weights: about a second from the capped S3
+RATE = 128 << 10  # bytes per second through the S3 proxy
+BIG = "a2"  # ~262 KB of weights: about 2 s from the capped S3
 
 
 class NodeStore:
@@ -68,6 +68,19 @@ class NodeStore:
         start = time.monotonic()
         ray.get(boxed[0])
         return time.monotonic() - start
+
+
+def wait_published(tier: Any, adapter_id: str, timeout_s: float = 30.0) -> list[str]:
+    """The holders of `adapter_id` once the tier lists it (publication runs off the load, just after)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        holders = ray.get(tier.published.remote()).get(adapter_id)
+        if holders:
+            return holders
+        time.sleep(0.05)
+    return []
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +132,10 @@ def test_an_adapter_fetched_on_one_node_reaches_another_through_the_object_store
         cluster, demo_adapters_dir: Path) -> None:
     import ray
 
-    stores = cluster[3]
+    _, nodes, tier, stores = cluster
     first = ray.get(stores["node1"].load.remote(BIG))
     assert first["source"][0] == 1 and first["cluster"][0] == 0, "node 1 fetched it from S3"
+    assert wait_published(tier, BIG) == [nodes["node1"].node_id], "node 1 published it"
     s3_s = first["source"][1]
     nbytes = sum(p.stat().st_size for p in (demo_adapters_dir / BIG).iterdir() if p.is_file())
     transfer_s = ray.get(stores["node2"].get_blob.remote(ray.get(stores["node1"].put_blob.remote(nbytes))))
@@ -159,7 +173,7 @@ def test_losing_the_publishing_node_mid_transfer_loses_no_adapter(cluster) -> No
 
     c, nodes, tier, stores = cluster
     reference = ray.get(stores["node1"].load.remote("a4"))
-    assert ray.get(tier.published.remote()).get("a4"), "node 1 published a4"
+    assert wait_published(tier, "a4"), "node 1 published a4"
     copying = stores["node2"].load.remote("a4")  # node 2's copy from node 1 starts ...
     c.remove_node(nodes["node1"])  # ... while node 1 goes
     got = ray.get(copying, timeout=60)

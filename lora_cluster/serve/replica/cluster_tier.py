@@ -7,12 +7,13 @@ the files the disk tier keeps (encrypted at rest when the source holds them encr
 weights), with each file's sha256. Another node's miss asks the actor where it is and pulls the object
 node to node (Ray's object manager); every file's sha256 is checked against the publisher's before a
 byte reaches the disk cache. The object is owned by the process that put it: when that node (or
-process) is lost, a pull fails, the actor forgets that holder (`ClusterTier.node_lost`) and the node
-fetches from the source, which publishes the adapter again. Losing a node loses no adapter.
+process) is lost, a pull fails, the actor withdraws what that holder owned (`ClusterTier.withdraw`)
+and the node fetches from the source, which publishes the adapter again. Losing a node loses no adapter.
 
-The actor is called once per cold load of a node (locate, and after a source fetch claim and
-publish), never per request, and never by the cluster controller. Its byte budget bounds the published
-bytes; an evicted adapter's ref is dropped, so Ray frees the object.
+The actor is called once per cold load of a node (locate; after a source fetch, claim and publish on
+the node's publishing thread, off the load), never per request, and never by the cluster controller.
+Its byte budget bounds the published bytes; an evicted adapter's ref is dropped, so Ray frees the
+object.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +112,13 @@ class RayClusterTier:
     found (or created) by `connect` on first use, so a store that never downloads never reaches it;
     when it died (its creator went), the next call connects again."""
 
-    def __init__(self, connect: Callable[[], Any], node_id: str, *, timeout_s: float = 60.0):
+    def __init__(self, connect: Callable[[], Any], node_id: str, *, timeout_s: float = 60.0,
+                 max_pending: int = 4):
         self._connect, self.node_id, self.timeout_s = connect, node_id, timeout_s
         self._actor: Any = None
         self._lock = threading.Lock()
+        self.max_pending, self._pending = max_pending, 0  # publications read and not yet put
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="cluster-tier-publish")
 
     @property
     def actor(self) -> Any:
@@ -162,13 +167,35 @@ class RayClusterTier:
             self.actor.copy_ended.remote(adapter_id, holder, self.node_id, ok)
 
     def publish(self, adapter_id: str, folder: Path, digests: dict[str, str]) -> None:
-        nbytes = sum((folder / name).stat().st_size for name in digests)
-        try:
-            if not ray.get(self.actor.claim.remote(adapter_id, nbytes), timeout=self.timeout_s):
+        """Read the files (the folder's lease ends when the load returns) and publish them on this
+        node's one publishing thread, off the load: a live load never waits for the claim or the put.
+        At most `max_pending` publications wait; past that one is skipped (the next node that
+        downloads the adapter publishes it)."""
+        with self._lock:
+            if self._pending >= self.max_pending:
                 return
-            ref = ray.put({name: (folder / name).read_bytes() for name in digests})
-            self.actor.publish.remote(adapter_id, self.node_id, [ref], nbytes, dict(digests))
+            self._pending += 1
+        try:
+            files = {name: (folder / name).read_bytes() for name in digests}
+        except OSError as e:
+            self._published()
+            log.warning("cannot read %r to publish it: %s", adapter_id, e)
+            return
+        self._publisher.submit(self._publish, adapter_id, files, dict(digests))
+
+    def _publish(self, adapter_id: str, files: dict[str, bytes], digests: dict[str, str]) -> None:
+        nbytes = sum(map(len, files.values()))
+        try:
+            if ray.get(self.actor.claim.remote(adapter_id, nbytes), timeout=self.timeout_s):
+                ref = ray.put(files)
+                self.actor.publish.remote(adapter_id, self.node_id, [ref], nbytes, digests)
         except (RayError, ValueError) as e:
             log.warning("cannot publish %r to the cluster tier: %s", adapter_id, e)
             if isinstance(e, RayError):
                 self._lost_actor(e)
+        finally:
+            self._published()
+
+    def _published(self) -> None:
+        with self._lock:
+            self._pending -= 1
