@@ -73,6 +73,14 @@ class SimClusterTier:
     def register(self, node_id: str, store: NodeStore) -> None:
         self.stores[node_id] = store
 
+    def preloaded(self, node_id: str, adapter_ids: list[str]) -> None:
+        """`node_id` fetched `adapter_ids` at start (the engine's `preload`): published, as a live
+        node's downloads are (the first node to publish one owns it; the others hold copies)."""
+        for adapter_id in adapter_ids:
+            nbytes = self.sizes[adapter_id]
+            if adapter_id in self.index or self.index.claim_publication(adapter_id, nbytes):
+                self.index.published_by(adapter_id, node_id, nbytes, sha256="")
+
     def observe(self, adapter_id: str) -> None:
         """A request for `adapter_id` reached a replica (summed until the next tick, as a report)."""
         self._counts[adapter_id] += 1
@@ -86,9 +94,9 @@ class SimClusterTier:
         if choice.kind is FetchFrom.SOURCE:
             self.index.source_fetch_started(adapter_id, node_id, choice.seconds)
             return "s3", choice.seconds
-        assert choice.node_id is not None  # a peer or a fetch in flight names its node
-        self.index.copy_started(adapter_id, choice.node_id)
-        self.copies_from[(node_id, adapter_id)] = choice.node_id
+        holder = choice.node_id or ""  # a peer or a fetch in flight always names its node
+        self.index.copy_started(adapter_id, holder)
+        self.copies_from[(node_id, adapter_id)] = holder
         self.peer_copies += 1
         self.waits += choice.kind is FetchFrom.WAIT
         return "peer", choice.seconds

@@ -131,6 +131,8 @@ class SimReplica:
     def preload(self, adapter_ids: list[str]) -> None:
         """Start as after the engine's `preload` setting fetched `adapter_ids` (see `NodeStore.preload`)."""
         self.store.preload(adapter_ids, self.adapters.sizes)
+        if self.cluster is not None:
+            self.cluster.preloaded(self.node_id, adapter_ids)
 
     def _kick_now(self) -> None:
         self._kick(self.loop.now)

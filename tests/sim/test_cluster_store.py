@@ -61,3 +61,10 @@ def test_prefetch_fills_the_cluster_tier_within_its_bandwidth() -> None:
     assert cluster.planner.handed_out_bytes <= bound, "prefetch stays within its bandwidth"
     lanes = dataclasses.asdict(settings)["lanes_per_node"]
     assert all(n <= lanes for n in cluster.lanes.values()), "at most lanes_per_node prefetches per node"
+
+
+def test_a_cluster_in_service_runs_the_same_with_or_without_the_cluster_tier() -> None:
+    warm = {**COLD, "preload": COLD["adapters"], "warmup": 5}
+    on, off = run(SimConfig(**warm)), run(SimConfig(**warm, cluster_tier=False))
+    assert on.classes == off.classes, "every adapter preloaded: the same requests met their targets"
+    assert on.details["cluster_tier"]["prefetched"] == 0, "preloaded adapters count as published: no prefetch"
