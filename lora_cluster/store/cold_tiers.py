@@ -16,7 +16,8 @@ cache, created (and scanned) on first use by a remote source.
   keep what cannot be served); a refused disk-cached copy is fetched again.
 * With a cluster tier wired (`cluster`, a `ports.ClusterTierPort`), a disk miss of a remote source
   first asks the tier for another node's copy (checksums verified there); a copy fetched from the
-  source is then offered to the tier, which publishes it once. Either way the copy lands in the disk
+  source that passed admission is then offered to the tier, which publishes it once (never what
+  cannot be served). Either way the copy lands in the disk
   cache and passes the same admission checks.
 * `forget(adapter_id)` drops its disk copies and its in-place mark; `on_disk(adapter_id)` says
   whether a disk copy (or the in-place folder) holds it.
@@ -218,17 +219,18 @@ class ColdTiers:
             with disk.fill(key, adapter_id, fetch) as entry:
                 seconds = time.monotonic() - start
                 self.stats.record_load("cluster" if via_cluster else "source", seconds, entry.nbytes)
-                if self.cluster is not None and not via_cluster:  # offered to the other nodes, published once
-                    self.cluster.publish(adapter_id, entry.path, entry.digests)
                 if not entry.transient:
                     self.stats.record_load("disk", seconds, entry.nbytes)
                 self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
                 try:
-                    return self._admit(adapter_id, entry.path, entry.digests)
+                    admitted = self._admit(adapter_id, entry.path, entry.digests)
                 except AdapterError:
                     disk.remove(key)  # never keep what cannot be served
                     self._settle(adapter_id)
                     raise
+                if self.cluster is not None and not via_cluster:  # admitted: offered to the others, once
+                    self.cluster.publish(adapter_id, entry.path, entry.digests)
+                return admitted
         except AdapterError:
             self.stats.add("source", "failures")
             raise
