@@ -8,6 +8,7 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,14 @@ import pytest
 
 
 class TcpProxy:
-    """A TCP proxy in front of a server that injects network failures: the next `cuts` connections whose
+    """A TCP proxy in front of a server that injects network failures (and, with `rate_bytes_per_s`,
+    caps each response's bandwidth, a slow link): the next `cuts` connections whose
     response passes `cut_after` bytes are closed there, or, past `die_after` bytes of a response, the
     whole proxy goes away (listener closed: later connections are refused)."""
 
-    def __init__(self, target: tuple[str, int]):
+    def __init__(self, target: tuple[str, int], rate_bytes_per_s: float | None = None):
         self.target, self.cut_after, self.cuts, self.die_after = target, 64 << 10, 0, None
+        self.rate_bytes_per_s = rate_bytes_per_s  # a cap on each response's bandwidth (None: none)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
@@ -46,11 +49,13 @@ class TcpProxy:
             threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, response: bool) -> None:
-        sent = 0
+        sent, start = 0, time.monotonic()
         try:
             while data := src.recv(16 << 10):
                 dst.sendall(data)
                 sent += len(data)
+                if response and self.rate_bytes_per_s:  # a slow link: never ahead of the cap
+                    time.sleep(max(0.0, start + sent / self.rate_bytes_per_s - time.monotonic()))
                 if response and self.die_after is not None and sent >= self.die_after:
                     return self.kill()
                 if response and sent >= self.cut_after and self.cuts > 0:

@@ -157,6 +157,14 @@ class EngineConfig(BaseSettings):
         description="Byte budget of the disk tier (0 = downloads are used once and deleted). "
         "Accepts suffixes.",
     )
+    cluster_tier_bytes: ByteSize = Field(
+        8 << 30,
+        ge=0,
+        description="Byte budget of the cluster tier, cluster-wide: an adapter one node downloaded "
+        "from a remote source (s3://, hf://) is published once to Ray's object store (its stored "
+        "files, checksummed) and other nodes copy it node to node instead of downloading it "
+        "(0 = off; only under Ray Serve). Accepts suffixes.",
+    )
     pinned: StrList = Field(
         default_factory=list,
         description="Adapter ids loaded at start and never evicted from any tier "

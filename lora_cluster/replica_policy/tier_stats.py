@@ -12,7 +12,7 @@ import threading
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 
-TIERS = ("device", "host", "disk", "source")
+TIERS = ("device", "host", "disk", "cluster", "source")  # cluster: another node's copy (`cluster_tier`)
 # upper bounds (seconds) of the adapter-load latency buckets; a last, unbounded bucket follows
 LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -4,12 +4,13 @@
         --duration 120 --seed 0 --max-loras 16 --policy lora-cluster [--profile gpu|cpu|PATH] [--preload N] \
         [--chats N --turns 8 --think 10 --system-tokens 1000 --prefix-routing on|off] \
         [--bases K | --base-nodes 20,12] [--edge-max-age 1.0] [--edge-replay 0,0.25,1,4] \
-        [--control-cost measured|none|PATH] [--json]
+        [--control-cost measured|none|PATH] [--cluster-tier on|off] [--json]
 
 The default profile is `gpu` (docs/profile_gpu_papers.json: the GPU nodes a cluster is planned for);
 `cpu` (measured on this 2-core machine) must be asked for. `--json` prints one object: profile (the name
 of the profile the run used), completed, rejected, hit_rate, adapter_loads (by tier), classes (per
-class: ttft_p50_s, ttft_p99_s, slo_attainment, offered, completed, refused) and wall_s; the hit rate
+class: ttft_p50_s, ttft_p99_s, slo_attainment, offered, completed, refused) and wall_s (adapter_loads:
+host, disk, peer (another node's copy through the cluster tier) and s3); the hit rate
 over offered requests and its bounds (hit_rate_offered, psb, static_ceiling, hit_rate_ceiling) with the
 bound's inputs (slot_hold_s_mean, adapters_completed, slots_total, max_num_seqs, window_s;
 `sim.metrics`), and with the lora-cluster policy control_plane (reports_per_s_per_replica,
@@ -104,6 +105,9 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--edge-replay", default="", metavar="AGES",
                     help="seconds, comma-separated: the edge decides without refusing, and each park's "
                          "decision from a state that old is set against the controller's (sim.edge_replay)")
+    ap.add_argument("--cluster-tier", choices=("on", "off"), default="on",
+                    help="lora-cluster's cluster tier and prefetch (sim.cluster_store; the profile's "
+                    "tiers.peer cost); off: every node loads from S3 itself")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if (a.nodes < 1 or a.adapters < 1 or a.load <= 0 or a.duration <= 0 or a.warmup < 0 or a.max_loras < 1
@@ -130,7 +134,7 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     config = SimConfig(nodes=a.nodes, adapters=a.adapters, zipf=a.zipf, load=a.load, duration=a.duration,
                        warmup=a.warmup, seed=a.seed, max_loras=a.max_loras, policy=a.policy,
                        profile=a.profile, preload=a.preload, chats=chats, bases=bases, base_nodes=base_nodes,
-                       control_cost=a.control_cost,
+                       control_cost=a.control_cost, cluster_tier=a.cluster_tier == "on",
                        serve=ServeSections().with_fields(prefix_aware_routing=a.prefix_routing == "on",
                                                          controller_shards=a.controller_shards,
                                                          edge_max_age_s=a.edge_max_age,

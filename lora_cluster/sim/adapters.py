@@ -7,7 +7,9 @@ Modelled on `engine.adapters.residency` and `engine.adapters.pool`:
   (one fetch per adapter however many requests want it); fetches wait for a worker in the order of
   the most urgent request that wants them (then submission order), prefetches after every
   request. The fetch takes the profile's time for that tier and the adapter's size; it is counted
-  as a load from that tier (prefetches too).
+  as a load from that tier (prefetches too). With the cluster tier (`sim.cluster_store`), a fetch of
+  an adapter only in S3 may copy it from another node instead (a load from tier "peer").
+  `live_waits`, `live_wait_s`, `live_wait_max_s`: how long requests' fetches waited for a worker.
 * `acquire` (the scheduler's gate) answers READY (in a slot: a reference is taken; or fetched and
   a slot is free or evictable: the host -> device copy is charged to the current step), PENDING
   (still fetching) or BLOCKED (fetched, but every slot is referenced or kept for queued requests,
@@ -43,6 +45,7 @@ from lora_cluster.cluster.report_rules import MAX_PREFETCHES
 from lora_cluster.config import EngineConfig
 from lora_cluster.replica_policy.eviction import AccessTracker
 from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
+from lora_cluster.sim.cluster_store import SimClusterTier
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import ReplicaProfile
 from lora_cluster.sim.store import NodeStore
@@ -58,8 +61,9 @@ def _engine_default(name: str) -> Any:
 class DeviceAdapters:
     def __init__(self, *, max_loras: int, profile: ReplicaProfile, store: NodeStore, loop: EventLoop,
                  sizes: dict[str, int], on_ready: Callable[[], None], on_load: Callable[[str], None],
-                 workers: int = 2):
+                 workers: int = 2, cluster: SimClusterTier | None = None, node_id: str = "node"):
         self.max_loras, self.profile, self.store, self.loop = max_loras, profile, store, loop
+        self.cluster, self.node_id = cluster, node_id  # the cluster tier, if modelled
         self.sizes, self._on_ready, self._on_load, self.workers = sizes, on_ready, on_load, workers
         self.refs: dict[str, int] = {}  # adapters in device slots -> running requests using them
         self.idle: OrderedDict[str, None] = OrderedDict()  # slots without references, least recent first
@@ -69,6 +73,8 @@ class DeviceAdapters:
         self.fetched: set[str] = set()
         self.pinned: set[str] = set()  # adapters whose slot is never given up (`pin`)
         self._queue: list[tuple[int, int, str]] = []  # (priority, seq, adapter) waiting for a worker
+        self._submitted: dict[str, float] = {}  # adapter -> when its fetch was submitted (queued or not)
+        self.live_waits, self.live_wait_s, self.live_wait_max_s = 0, 0.0, 0.0  # a request's fetch waits
         self._seq = itertools.count()
         self._busy = 0
         self._prefetches = 0
@@ -193,6 +199,7 @@ class DeviceAdapters:
 
     def _submit(self, adapter_id: str, *, explicit: bool, priority: int) -> None:
         self.loading[adapter_id] = explicit
+        self._submitted[adapter_id] = self.loop.now
         if self._busy < self.workers:
             self._start(adapter_id)
         else:
@@ -200,16 +207,27 @@ class DeviceAdapters:
 
     def _start(self, adapter_id: str) -> None:
         self._busy += 1
+        waited = self.loop.now - self._submitted.pop(adapter_id, self.loop.now)
+        if not self.loading.get(adapter_id, True):  # a request's fetch (not a placement prefetch)
+            self.live_waits += 1
+            self.live_wait_s += waited
+            self.live_wait_max_s = max(self.live_wait_max_s, waited)
         tier = self.store.tier(adapter_id)
         nbytes = self.sizes[adapter_id]
         if tier == "host":
             self.store.host.touch(adapter_id)
+        if tier == "s3" and self.cluster is not None:  # another node's copy, or S3 (`sim.cluster_store`)
+            tier, seconds = self.cluster.start_fetch(self.node_id, adapter_id)
+        else:
+            seconds = self.profile.fetch_s(tier, nbytes)
         self._on_load(tier)
-        self.loop.after(self.profile.fetch_s(tier, nbytes), self._done, adapter_id, tier)
+        self.loop.after(seconds, self._done, adapter_id, tier)
 
     def _done(self, adapter_id: str, tier: str) -> None:
         self._busy -= 1
         self.store.fetched(adapter_id, self.sizes[adapter_id], tier)
+        if self.cluster is not None:
+            self.cluster.fetch_done(self.node_id, adapter_id, tier)
         if self.loading.pop(adapter_id, False):
             self._prefetches -= 1
         if adapter_id in self.wanted and adapter_id not in self.refs:

@@ -49,7 +49,7 @@ from lora_cluster.sim.workload import SimRequest
 if TYPE_CHECKING:
     from lora_cluster.sim.census import RankBuckets
 
-TIERS = ("host", "disk", "s3")
+TIERS = ("host", "disk", "peer", "s3")  # "peer": another node's copy (`sim.cluster_store`)
 
 
 def refusal_reason(error: ClusterOverloadedError) -> str:

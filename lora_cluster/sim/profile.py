@@ -8,7 +8,9 @@ A profile (JSON, see `benchmarks/profile_replica.py` for the measured one and
   per_adapter_s * distinct adapters in the batch`;
 * the time to move an adapter of a given size between tiers, each `fixed_s + per_mb_s * MB`:
   `host` (host memory -> device slot, done inside an engine step), `disk` (local disk -> host,
-  off the step loop) and `s3` (S3 -> local disk); a device hit costs nothing;
+  off the step loop) and `s3` (S3 -> local disk); a device hit costs nothing; optionally `peer`
+  (one node's copy of an adapter to another node, over the network: the cluster tier,
+  `sim.cluster_store`; without it the cluster tier is not modelled);
 * the adapter sizes to draw from (bytes), the node's memory budgets (host cache, disk cache) and
   the engine's batch shape (`max_num_seqs`, `max_num_batched_tokens`);
 * optionally the engine's KV pool in tokens (`engine.kv_cache_tokens`), which bounds the replica's
@@ -57,6 +59,7 @@ class ReplicaProfile:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_tokens: int | None = None  # the engine's KV pool (None: see `kv_tokens`)
+    node_to_node: TierCost | None = None  # a copy between nodes (None: no cluster tier modelled)
 
     @property
     def kv_tokens(self) -> int:
@@ -75,6 +78,13 @@ class ReplicaProfile:
         seconds = self.disk_to_host.seconds(nbytes)
         return seconds + self.s3_to_disk.seconds(nbytes) if tier == "s3" else seconds
 
+    def peer_fetch_s(self, nbytes: int) -> float:
+        """Seconds to bring an adapter from another node into host memory: the copy over the network,
+        then the same checksum and parse as a read from local disk."""
+        if self.node_to_node is None:
+            raise ValueError(f"profile {self.name} has no node-to-node cost (tiers.peer)")
+        return self.node_to_node.seconds(nbytes) + self.disk_to_host.seconds(nbytes)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReplicaProfile:
         step, tiers, node, engine = d["step"], d["tiers"], d["node"], d["engine"]
@@ -92,6 +102,7 @@ class ReplicaProfile:
             max_num_seqs=int(engine["max_num_seqs"]),
             max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
             kv_cache_tokens=int(engine["kv_cache_tokens"]) if "kv_cache_tokens" in engine else None,
+            node_to_node=tier("peer") if "peer" in tiers else None,
         )
 
 

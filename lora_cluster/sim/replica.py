@@ -44,6 +44,7 @@ from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import EngineConfig
 from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
 from lora_cluster.sim.adapters import BLOCKED, READY, DeviceAdapters
+from lora_cluster.sim.cluster_store import SimClusterTier
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.profile import ReplicaProfile
@@ -63,7 +64,8 @@ class SimReplica:
                  on_load: Callable[[str], None],
                  on_first_token: Callable[[SimReplica, SimRequest], None] | None = None,
                  on_plan: Callable[[SimReplica], None] | None = None, base: str = "base",
-                 prefix_cache: SimPrefixCache | None = None, preempt_patience: float = PREEMPT_PATIENCE):
+                 prefix_cache: SimPrefixCache | None = None, preempt_patience: float = PREEMPT_PATIENCE,
+                 cluster: SimClusterTier | None = None):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
         self.base = base  # the API name of the base model it serves, reported as a live replica does
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
@@ -71,8 +73,12 @@ class SimReplica:
         self._on_finish, self._on_first_token, self._on_plan = on_finish, on_first_token, on_plan
         self.store = store = NodeStore(host_bytes=profile.host_cache_bytes,
                                        disk_bytes=profile.disk_cache_bytes)
+        self.cluster = cluster  # the cluster tier and prefetch (`sim.cluster_store`), if modelled
+        if cluster is not None:
+            cluster.register(self.node_id, store)
         self.adapters = DeviceAdapters(max_loras=max_loras, profile=profile, store=store, loop=loop,
-                                       sizes=sizes, on_ready=self._kick_now, on_load=on_load)
+                                       sizes=sizes, on_ready=self._kick_now, on_load=on_load,
+                                       cluster=cluster, node_id=self.node_id)
         self.waiting: list[SimRequest] = []
         self.running: dict[int, SimRequest] = {}
         self._least: SimRequest | None = None  # the least urgent of `running` (None: to find again)
@@ -103,6 +109,8 @@ class SimReplica:
         req.joined = req.adapter in self.adapters.loading
         req.hit = self.adapters.request_started(req.adapter, req.priority)
         self.demand.record(req.adapter)
+        if self.cluster is not None:  # what the live replica reports as `adapter_requests`
+            self.cluster.observe(req.adapter)
         if self.prefix_cache is not None:  # as the live replica: with the prefix cache on
             self.prefixes.record(req.prefix)
         self.ongoing += 1
@@ -123,6 +131,8 @@ class SimReplica:
     def preload(self, adapter_ids: list[str]) -> None:
         """Start as after the engine's `preload` setting fetched `adapter_ids` (see `NodeStore.preload`)."""
         self.store.preload(adapter_ids, self.adapters.sizes)
+        if self.cluster is not None:
+            self.cluster.preloaded(self.node_id, adapter_ids)
 
     def _kick_now(self) -> None:
         self._kick(self.loop.now)

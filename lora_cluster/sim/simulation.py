@@ -30,6 +30,7 @@ from lora_cluster.sim.bases import BaseFigures, BaseSplit, GroupedPolicy, base_n
 from lora_cluster.sim.census import RankBuckets, SlotCensus
 from lora_cluster.sim.chats import ChatSettings, ChatWorkload
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
+from lora_cluster.sim.cluster_store import ClusterTierSettings, SimClusterTier
 from lora_cluster.sim.context import Policy, ServeSections, SimContext, TrueDemand
 from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.events import EventLoop
@@ -67,6 +68,9 @@ class SimConfig:
     bases: int = 1  # replica groups, one base model each (`sim.bases`); 1: one base, as before
     base_nodes: tuple[int, ...] = ()  # each group's nodes (empty: equal shares of `nodes`)
     control_cost: str = "measured"  # the controller actor's loop: `ControlCost.named` (measured, none, path)
+    cluster_tier: bool = True  # lora-cluster's cluster tier and prefetch (`sim.cluster_store`), where the
+    # profile gives a node-to-node cost; the baselines load from S3 on every node, as their systems do
+    cluster_tier_settings: ClusterTierSettings = field(default_factory=ClusterTierSettings)
 
 
 def replica_rate(profile: ReplicaProfile, max_loras: int) -> float:
@@ -101,12 +105,17 @@ class Simulation:
         slots = config.nodes * config.max_loras
         buckets = RankBuckets(ranks.__getitem__, (max(1, slots // 32), max(2, slots // 4), slots))
         self.metrics = Metrics(classes, measure_from=config.warmup, clock=loop.clock, buckets=buckets)
+        self.cluster: SimClusterTier | None = None
+        if config.cluster_tier and config.policy == "lora-cluster" and profile.node_to_node is not None:
+            self.cluster = SimClusterTier(profile, loop, self.workload.sizes, list(self.workload.names),
+                                          [f"node-r{i:04d}" for i in range(config.nodes)],
+                                          config.cluster_tier_settings, config.seed)
         self.replicas = {
             f"r{i:04d}": SimReplica(f"r{i:04d}", profile=profile, max_num_seqs=profile.max_num_seqs,
                                     max_loras=config.max_loras, loop=loop, sizes=self.workload.sizes,
                                     on_finish=self._finished, on_load=self.metrics.load,
                                     on_first_token=self._first_token, on_plan=self._planned,
-                                    prefix_cache=self._prefix_cache())
+                                    prefix_cache=self._prefix_cache(), cluster=self.cluster)
             for i in range(config.nodes)
         }
         self.split: BaseSplit | None = None
@@ -211,6 +220,8 @@ class Simulation:
             "slot_census": self.census.result(),
             **self.policy.details(),
         }
+        if self.cluster is not None:
+            details["cluster_tier"] = self.cluster.details()
         bases: dict[str, object] | None = None
         if self.split is not None and self.base_figures is not None:
             details["hit_rate_ceiling"] = self.split.cluster_ceiling(c.zipf, c.max_loras)

@@ -1,8 +1,9 @@
 """One node's adapter store below the device: host memory and local disk, each with a byte budget.
 
-An adapter is in the highest tier that holds it: host, else disk, else only in S3 (the source).
-Fetching it to host memory puts it in the host tier, and, when it came from S3, in the disk tier
-too. Each tier evicts its least recently used adapters to stay within its budget (the real store
+An adapter is in the highest tier that holds it: host, else disk, else only in S3 (the source) and,
+with the cluster tier (`sim.cluster_store`), perhaps on other nodes. Fetching it to host memory puts
+it in the host tier, and, when it came from S3 or another node, in the disk tier too. Each tier
+evicts its least recently used adapters to stay within its budget (the real store
 weighs size, reload cost, frequency and recency; LRU is the simulator's simplification). A run
 starts with every adapter in S3 only, unless it preloads some (`preload`).
 """
@@ -82,8 +83,9 @@ class NodeStore:
         self.host.fill(oldest_first, sizes)
 
     def fetched(self, adapter_id: str, nbytes: int, tier: str) -> None:
-        """A fetch from `tier` completed: the adapter is now in host memory (and on disk if from S3)."""
-        if tier == "s3":
+        """A fetch from `tier` completed: the adapter is now in host memory (and on disk if from S3 or,
+        through the cluster tier, from another node: `sim.cluster_store`)."""
+        if tier in ("s3", "peer"):
             self.disk.put(adapter_id, nbytes)
         else:
             self.disk.touch(adapter_id)

@@ -24,16 +24,18 @@ if TYPE_CHECKING:
 
     from lora_cluster.adapter_format import ModelShapes
     from lora_cluster.config import EngineConfig
-    from lora_cluster.store.ports import AdapterStore
+    from lora_cluster.store.ports import AdapterStore, ClusterTierPort
 
 
-def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterStore:
-    """The adapter store of `config` (see the module docstring)."""
+def build_adapter_loader(config: EngineConfig, shapes: ModelShapes, device: torch.device,
+                         cluster_tier: ClusterTierPort | None = None) -> AdapterStore:
+    """The adapter store of `config` (see the module docstring); `cluster_tier` (the tiered store's
+    tier between host memory and the sources) is wired by a caller that runs under Ray."""
     if config.adapter_store == "folder":
         return FolderAdapterLoader(config.adapter_source, shapes, config.max_lora_rank,
                                    max_merged_adapters=config.max_merged_adapters,
                                    merge_seed=config.merge_seed)
-    return TieredAdapterStore.from_config(config, shapes, device)
+    return TieredAdapterStore.from_config(config, shapes, device, cluster_tier=cluster_tier)
 
 
 __all__ = ["TRANSITIONS", "AdapterInfo", "AdapterState", "FolderAdapterLoader", "Lifecycle",

@@ -14,6 +14,11 @@ cache, created (and scanned) on first use by a remote source.
   through its breaker); then run the admission checks (`admission`) on the calling thread's one
   intra-op thread (`cpu_policy`). A copy that fails admission is dropped from the disk cache (never
   keep what cannot be served); a refused disk-cached copy is fetched again.
+* With a cluster tier wired (`cluster`, a `ports.ClusterTierPort`), a disk miss of a remote source
+  first asks the tier for another node's copy (checksums verified there); a copy fetched from the
+  source that passed admission is then offered to the tier, which publishes it once (never what
+  cannot be served). Either way the copy lands in the disk
+  cache and passes the same admission checks.
 * `forget(adapter_id)` drops its disk copies and its in-place mark; `on_disk(adapter_id)` says
   whether a disk copy (or the in-place folder) holds it.
 * `adapter_ids()` / `describe_adapters()`: what the sources offer, first source wins, from their
@@ -40,6 +45,7 @@ from lora_cluster.store.admission import AdmissionPolicy, admit_folder
 from lora_cluster.store.cpu_policy import single_threaded
 from lora_cluster.store.disk_cache import DiskCache
 from lora_cluster.store.lifecycle import AdapterState, Lifecycle
+from lora_cluster.store.ports import ClusterTierPort
 from lora_cluster.store.source_breaker import SourceBreaker
 from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located, open_source
 
@@ -71,9 +77,12 @@ class ColdTiers:
         breaker_cooldown_s: float,
         clock: Callable[[], float],
         sleep: Callable[[float], None],
+        cluster: ClusterTierPort | None = None,
     ):
         """`settle(adapter_id)`: the store re-settles the adapter's lifecycle state after a disk copy is
-        dropped; `protected`/`priority`: the disk cache's victim policy (the store's usage)."""
+        dropped; `protected`/`priority`: the disk cache's victim policy (the store's usage); `cluster`:
+        the cluster tier, if the caller wired one."""
+        self.cluster = cluster
         self.policy, self.stats, self.lifecycle, self._settle = policy, stats, lifecycle, settle
         self._disk: DiskCache | None = None
         self._disk_args = (Path(disk_cache_dir).expanduser() if disk_cache_dir else default_disk_cache_dir(),
@@ -196,22 +205,32 @@ class ColdTiers:
                        or _not_found(adapter_id, source))
         start = time.monotonic()
 
+        via_cluster = False
+
         def fetch(dest: Path) -> dict[str, str]:
+            nonlocal via_cluster
+            copied = None if self.cluster is None else self.cluster.fetch_into(adapter_id, dest)
+            if copied is not None:
+                via_cluster = True
+                return copied
             return self._guarded(source, adapter_id, lambda: source.fetch(adapter_id, located, dest))
 
         try:
             with disk.fill(key, adapter_id, fetch) as entry:
                 seconds = time.monotonic() - start
-                self.stats.record_load("source", seconds, entry.nbytes)
+                self.stats.record_load("cluster" if via_cluster else "source", seconds, entry.nbytes)
                 if not entry.transient:
                     self.stats.record_load("disk", seconds, entry.nbytes)
                 self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
                 try:
-                    return self._admit(adapter_id, entry.path, entry.digests)
+                    admitted = self._admit(adapter_id, entry.path, entry.digests)
                 except AdapterError:
                     disk.remove(key)  # never keep what cannot be served
                     self._settle(adapter_id)
                     raise
+                if self.cluster is not None and not via_cluster:  # admitted: offered to the others, once
+                    self.cluster.publish(adapter_id, entry.path, entry.digests)
+                return admitted
         except AdapterError:
             self.stats.add("source", "failures")
             raise

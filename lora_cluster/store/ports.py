@@ -1,6 +1,7 @@
 """What the engine and the replica need from wherever adapters come from: the store's ports.
 
-Four small protocols, each served to the one caller that uses it, and two compositions of them:
+Four small protocols, each served to the one caller that uses it, and two compositions of them
+(and `ClusterTierPort`, what the cold tiers need from the cluster tier):
 * `WeightSource` (`load`, `version`): an adapter's validated host weights and its current version;
   the engine's residency manager (`engine.adapters.residency`) fetches through it.
 * `ResidencyHooks` (`slot_policy`, `request_started`, `request_finished`, `load_abandoned`): what
@@ -44,6 +45,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from lora_cluster.adapter_format import LoraWeights
     from lora_cluster.request.merge_spec import MergeSpec
 
@@ -158,3 +161,20 @@ class StatelessHooks:
 
     def close(self) -> None:
         return None
+
+
+class ClusterTierPort(Protocol):
+    """The cluster tier as the cold tiers use it (`cluster.cluster_tier`; the Ray edge:
+    `serve.replica.cluster_tier.RayClusterTier`). Both calls block (a loader thread calls them, never an
+    event loop) and never raise: a failure of the tier is a miss, and the source serves.
+
+    * `fetch_into(adapter_id, dest)`: copy the published stored form of `adapter_id` (its files, as
+      the disk tier keeps them) into the folder `dest`, each file's sha256 verified against the
+      publisher's; returns {file: sha256}, or None when it is not published or the copy failed.
+    * `publish(adapter_id, folder, digests)`: offer the files of `folder` (fetched from the source,
+      `digests` their sha256) to the tier; the tier publishes each adapter once.
+    """
+
+    def fetch_into(self, adapter_id: str, dest: Path) -> dict[str, str] | None: ...
+
+    def publish(self, adapter_id: str, folder: Path, digests: dict[str, str]) -> None: ...

@@ -72,7 +72,7 @@ from lora_cluster.store.versions import Versions
 
 if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
-    from lora_cluster.store.ports import SlotPolicy
+    from lora_cluster.store.ports import ClusterTierPort, SlotPolicy
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -105,6 +105,7 @@ class TieredAdapterStore:
         merge_seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        cluster_tier: ClusterTierPort | None = None,  # another node's copies (`cold_tiers`), if wired
     ):
         self.stats = StoreStats()
         self.lifecycle = Lifecycle()
@@ -121,7 +122,7 @@ class TieredAdapterStore:
             protected=self.usage.protected, priority=self.usage.priority, disk_cache_dir=disk_cache_dir,
             disk_cache_bytes=disk_cache_bytes, fetch_retries=fetch_retries, fetch_backoff_s=fetch_backoff_s,
             fetch_timeout_s=fetch_timeout_s, breaker_failures=source_breaker_failures,
-            breaker_cooldown_s=source_breaker_cooldown_s, clock=clock, sleep=sleep)
+            breaker_cooldown_s=source_breaker_cooldown_s, clock=clock, sleep=sleep, cluster=cluster_tier)
         self._registered: dict[str, tuple[AdapterSource, Located]] = {}
         self._flight: SingleFlight[LoraWeights] = SingleFlight()
         self._lock = threading.Lock()
@@ -136,8 +137,8 @@ class TieredAdapterStore:
         track_futures(warming, desc="preloading adapters", unit="adapter")  # a bar on a terminal only
 
     @classmethod
-    def from_config(cls, config: EngineConfig, shapes: ModelShapes,
-                    device: torch.device) -> TieredAdapterStore:
+    def from_config(cls, config: EngineConfig, shapes: ModelShapes, device: torch.device,
+                    cluster_tier: ClusterTierPort | None = None) -> TieredAdapterStore:
         policy = AdmissionPolicy(
             shapes=shapes, max_rank=config.max_lora_rank, base_model=config.model,
             base_model_check=config.base_model_check,
@@ -156,6 +157,7 @@ class TieredAdapterStore:
             source_breaker_failures=config.breaker_source_failures if config.breakers else None,
             source_breaker_cooldown_s=config.breaker_source_cooldown_s,
             max_merged_adapters=config.max_merged_adapters, merge_seed=config.merge_seed,
+            cluster_tier=cluster_tier,
         )
 
     @property

@@ -317,7 +317,7 @@ def test_the_command_line_prints_exactly_the_documented_json() -> None:
                            "adapters_completed",
                            "slots_total", "max_num_seqs", "window_s", "static_ceiling", "hit_rate_ceiling"}, (
         "top-level keys")
-    assert set(result["adapter_loads"]) == {"host", "disk", "s3"}, "loads by tier"
+    assert set(result["adapter_loads"]) == {"host", "disk", "peer", "s3"}, "loads by tier"
     assert set(result["classes"]) == {"interactive", "standard", "batch"}, "one entry per class"
     for name, c in result["classes"].items():
         assert set(c) == {"ttft_p50_s", "ttft_p99_s", "slo_attainment", "offered", "completed", "refused"}, (

@@ -19,7 +19,7 @@ ingress shows the whole cluster. Names are prefixed `lora_cluster_` and end in t
 (`_seconds`, `_bytes`, `_ratio`, `_total` for counters).
 
 Labels are bounded: `route` is a route template, `status` an HTTP status code, `replica` a replica
-id and `node` a Ray node id (bounded by the cluster), `tier` one of device/host/disk/source,
+id and `node` a Ray node id (bounded by the cluster), `tier` one of device/host/disk/cluster/source,
 `priority_class` a configured SLA class (at most 16), `outcome`, `decision`, `reason` and `use` fixed sets.
 `adapter` and `tenant` are bounded by `metrics_max_adapter_labels` / `metrics_max_tenant_labels`:
 the busiest ones over `metrics_label_window_s` keep their own label, every other one is "other"
@@ -219,7 +219,7 @@ ENGINE_GAUGES = {
 }
 
 
-# Adapter store tiers (device, host, disk, source), from the `store` part of a replica's report:
+# Adapter store tiers (device, host, disk, cluster, source), from the `store` part of a replica's report:
 # counters (name suffix, help, TierStats field) and gauges (name, help, field); labels replica, tier.
 STORE_COUNTERS = (
     ("lora_cluster_adapter_cache_hits", "Adapter requests served from the tier.", "hits"),

@@ -62,6 +62,7 @@ from lora_cluster.request import RequestOutput
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
+from lora_cluster.serve.replica.cluster_tier import RayClusterTier, cluster_tier_actor
 from lora_cluster.serve.replica.model import resolve_model, served_name
 from lora_cluster.serve.replica.report import build_report, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
@@ -144,8 +145,14 @@ class LoraReplica:
 
     def _build_store(self, config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterStore:
         """The engine's loader factory: builds the adapter store and keeps it as `self.store`, the
-        catalog and counters this replica talks to (the engine gets its weights and hooks)."""
-        self.store: AdapterStore = build_adapter_loader(config, shapes, device)
+        catalog and counters this replica talks to (the engine gets its weights and hooks); a tiered
+        store gets the cluster tier (`serve.replica.cluster_tier`) unless `cluster_tier_bytes` is 0."""
+        tier = None
+        if config.adapter_store != "folder" and config.cluster_tier_bytes:
+            budget = int(config.cluster_tier_bytes)
+            tier = RayClusterTier(lambda: cluster_tier_actor(budget), ray.get_runtime_context().get_node_id(),
+                                  timeout_s=config.fetch_timeout_s)
+        self.store: AdapterStore = build_adapter_loader(config, shapes, device, cluster_tier=tier)
         return self.store
 
     # ----- generation ---------------------------------------------------------------------
