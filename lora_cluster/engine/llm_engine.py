@@ -117,7 +117,7 @@ class Engine:
                  memory: MemoryPlan, kv: PagedKVCache, loader: EnginePort, pool: AdapterPool,
                  adapters: AdapterResidency, adapter_guard: AdapterGuard, counters: EngineCounters,
                  runner: ModelRunner, scheduler: Scheduler, grammars: GrammarCompiler,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], meter: StepMeter):
         self.config, self.model, self.device, self.max_model_len = config, model, device, max_model_len
         self.tokenizer, self.dtype, self.shapes = model.tokenizer, model.embed.dtype, model.dims.shapes()
         self.memory, self.kv = memory, kv  # the memory plan; the paged KV cache's block tensors
@@ -129,7 +129,7 @@ class Engine:
         self._ids = itertools.count()
         self.consecutive_step_failures = 0
         self.failed_steps = 0
-        self.meter = StepMeter()  # step time charged to requests, slot time to adapters
+        self.meter = meter  # step time charged to requests, slot and load time to adapters
 
     # ----- adapters -------------------------------------------------------------------------
 

@@ -145,3 +145,27 @@ def test_a_cached_prompt_costs_less_than_the_first_one(make_engine):
     assert second.device_s < first.device_s, (
         "a prompt served from the prefix cache is charged what it cost, less than computing it"
     )
+
+
+def test_the_meter_charges_load_time_to_the_adapter_that_needed_it():
+    meter = StepMeter(FakeClock())
+    meter.loaded("a1", 0.25)
+    meter.loaded("a1", 0.5)
+    assert meter.take_loads() == {"a1": 0.75}, "each load of an adapter adds to its load seconds"
+    assert meter.take_loads() == {}, "taking the loads clears them"
+
+
+def test_an_engine_charges_adapter_loads_and_slot_time_to_their_adapters(make_engine):
+    engine = make_engine(max_loras=1, max_num_seqs=1)
+    try:
+        engine.meter.take_loads()
+        engine.meter.take_residency()
+        for adapter_id in ("a3", "a4", "a3"):
+            engine.generate(["the river"], adapter_ids=[adapter_id], sampling=greedy(4))
+        loads, residency = engine.meter.take_loads(), engine.meter.take_residency()
+    finally:
+        engine.close()
+    assert set(loads) == {"a3", "a4"}, "each adapter placed into the one slot is charged its loads"
+    assert all(s > 0 for s in loads.values()), "a load takes measurable time"
+    assert set(residency) == {"a3", "a4"}, "slot-seconds go to the adapters that held the slot"
+    assert all(s > 0 for s in residency.values()), "each held it for some time"

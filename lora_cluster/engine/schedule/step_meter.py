@@ -7,10 +7,11 @@ total, never a second one). `busy_s` is the sum of the measured step times; ever
 charged to some sequence (conservation: the shares of a step sum to its time).
 
 `resided` adds slot-seconds of residency per adapter (the time its weights held a device slot,
-whether or not a request ran on it); `take_residency` hands them over and clears them, so the map
-holds at most the adapters resident since the last take (bounded by `max_loras` times the
-rotations in between, and by `MAX_TRACKED_ADAPTERS`: past it, the rest are counted under `""`).
-Written and read on the step loop's thread only.
+whether or not a request ran on it); `loaded` adds an adapter's load time (its host fetch and its
+copy into the slot) to the adapter that needed it. `take_residency` and `take_loads` hand them over
+and clear them, so each map holds at most the adapters seen since the last take (bounded by
+`MAX_TRACKED_ADAPTERS`: past it, the rest are counted under `""`). Written and read on the step
+loop's thread only (adapter placement runs there too).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class StepMeter:
         self.clock = clock
         self.busy_s = 0.0  # measured time of the steps that ran a batch, since start
         self._residency: dict[str, float] = {}
+        self._loads: dict[str, float] = {}
         self._last_resided: float | None = None
 
     def charge(self, elapsed_s: float, decodes: Iterable[Sequence],
@@ -56,17 +58,28 @@ class StepMeter:
         last, self._last_resided = self._last_resided, now
         if last is None:
             return
-        dt = now - last
         for adapter_id in resident:
-            key = adapter_id
-            if key not in self._residency and len(self._residency) >= MAX_TRACKED_ADAPTERS:
-                key = OVERFLOW
-            self._residency[key] = self._residency.get(key, 0.0) + dt
+            _add(self._residency, adapter_id, now - last)
+
+    def loaded(self, adapter_id: str, seconds: float) -> None:
+        """An adapter's fetch and copy into its slot took `seconds`: charge them to it."""
+        _add(self._loads, adapter_id, seconds)
 
     def take_residency(self) -> dict[str, float]:
         """Slot-seconds per adapter since the last take; clears them."""
         taken, self._residency = self._residency, {}
         return taken
+
+    def take_loads(self) -> dict[str, float]:
+        """Load seconds per adapter since the last take; clears them."""
+        taken, self._loads = self._loads, {}
+        return taken
+
+
+def _add(seconds: dict[str, float], adapter_id: str, dt: float) -> None:
+    """Add `dt` to the adapter's entry; past `MAX_TRACKED_ADAPTERS` entries, to `OVERFLOW`'s."""
+    key = adapter_id if adapter_id in seconds or len(seconds) < MAX_TRACKED_ADAPTERS else OVERFLOW
+    seconds[key] = seconds.get(key, 0.0) + dt
 
 
 __all__ = ["MAX_TRACKED_ADAPTERS", "OVERFLOW", "StepMeter"]
