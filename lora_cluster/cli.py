@@ -194,8 +194,61 @@ def _run_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_usage(subparsers: argparse._SubParsersAction) -> None:
+    from lora_cluster.tenancy.usage_store import GROUPS
+
+    p = subparsers.add_parser("usage", help="usage for chargeback: requests, tokens, device-seconds",
+                              description="Read the usage store (docs/metering.md) on the controller's "
+                              "node: sums per group over a time range, as a table or CSV.")
+    p.add_argument("--db", default=None, help="the store's file (default: usage_db_path of the config, "
+                   "LORA_CLUSTER_USAGE_DB_PATH)")
+    p.add_argument("--group-by", default="tenant", help=f"comma-separated, of {', '.join(GROUPS)} "
+                   "(default tenant)")
+    p.add_argument("--tenant", default=None, help="only this tenant's usage")
+    p.add_argument("--adapter", default=None, help="only this adapter's usage")
+    p.add_argument("--since", type=float, default=None, help="from this Unix time (seconds)")
+    p.add_argument("--until", type=float, default=None, help="to this Unix time (seconds), excluded")
+    p.add_argument("--format", choices=("table", "csv"), default="table", help="output (default table)")
+    p.set_defaults(handler=_run_usage)
+
+
+def _run_usage(args: argparse.Namespace) -> int:
+    import csv
+
+    from lora_cluster.config import ServeConfig
+    from lora_cluster.errors import LoraClusterError
+    from lora_cluster.tenancy.usage_store import SUMS, UsageStore
+
+    path = Path(args.db or ServeConfig(model="-").tenancy.usage_db_path).expanduser()
+    if not path.is_file():
+        print(f"lora-cluster usage: no usage store at {path}", file=sys.stderr)
+        return 1
+    groups = tuple(g for g in args.group_by.split(",") if g)
+    store = UsageStore(path)
+    try:
+        rows = store.query(group_by=groups, tenant=args.tenant, adapter=args.adapter, since=args.since,
+                           until=args.until)
+    except LoraClusterError as e:
+        print(f"lora-cluster usage: {e}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    columns = [*groups, *SUMS]
+    if args.format == "csv":
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows([row[c] for c in columns] for row in rows)
+        return 0
+    cells = [columns, *([f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
+                        for row in rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    for line in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    return 0
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo, _add_encrypt, _add_status, _add_adapters]
+    _add_demo, _add_encrypt, _add_status, _add_adapters, _add_usage]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -116,6 +116,17 @@ class TenancyConfig(BaseModel):
         description="Concurrency slots of a tenant held by an ingress that has not given back to the "
         "quota ledger for this long are released (the ingress died, or keeps taking without settling).",
     )
+    usage_db_path: str = Field(
+        "~/.local/state/lora-cluster/usage.db",
+        description="The usage store (docs/metering.md): a SQLite file of one record per request and "
+        "per-minute sums per tenant, adapter, version and SLA class, on the controller's node; `~` is "
+        "the user's home. Read by `lora-cluster usage`.",
+    )
+    usage_retention_s: float = Field(
+        7 * 86400.0, gt=0,
+        description="Per-request usage records are kept this long after their request ended; the "
+        "per-minute sums are kept for good.",
+    )
 
     @field_validator("open_routes")
     @classmethod

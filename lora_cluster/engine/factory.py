@@ -45,6 +45,7 @@ from lora_cluster.engine.schedule.kv_cache import BlockAllocator, PagedKVCache
 from lora_cluster.engine.schedule.prefix_cache import PrefixCacheIndex
 from lora_cluster.engine.schedule.scheduler import Scheduler, grammar_first
 from lora_cluster.engine.schedule.sequence import Sequence
+from lora_cluster.engine.schedule.step_meter import StepMeter
 from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
 from lora_cluster.replica_policy.prefix_hash import chain_root
 from lora_cluster.store import build_adapter_loader
@@ -85,10 +86,11 @@ def build_engine(
                        dtype=dtype, device=device, policy=loader.slot_policy(),
                        base_weight=projection_weights(base.layers, base.dims))  # fmt: skip
     guard, counters = AdapterGuard(config), EngineCounters()  # counters: steps, batches, placements
+    meter = StepMeter()  # shared: the engine charges step time, the residency load time
     adapters = AdapterResidency(
         loader, loader, pool, config.adapter_load_workers, guard=guard, rotation=rotation_from_config(config),
         pinned=config.pinned, copier=AdapterCopier(pool, device, config.adapter_async_copy_bytes),
-        counters=counters,
+        counters=counters, meter=meter,
     )
     scheduler = _scheduler(config, kv, pool, adapters)
     eos = eos_token_ids(base)
@@ -100,7 +102,7 @@ def build_engine(
     )
     return Engine(config=config, model=base, device=device, max_model_len=max_model_len, memory=memory,
                   kv=kv, loader=loader, pool=pool, adapters=adapters, adapter_guard=guard, counters=counters,
-                  runner=runner, scheduler=scheduler, grammars=grammars, eos_token_ids=eos)
+                  runner=runner, scheduler=scheduler, grammars=grammars, eos_token_ids=eos, meter=meter)
 
 
 def prefix_root(pool: AdapterPool, seq: Sequence) -> bytes:

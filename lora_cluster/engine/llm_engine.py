@@ -70,6 +70,7 @@ from lora_cluster.engine.schedule.counters import EngineCounters
 from lora_cluster.engine.schedule.kv_cache import PagedKVCache
 from lora_cluster.engine.schedule.scheduler import Scheduler, SchedulerOutput, check_priority
 from lora_cluster.engine.schedule.sequence import SeqStatus, Sequence, snapshot
+from lora_cluster.engine.schedule.step_meter import StepMeter
 from lora_cluster.errors import EngineStepError, PromptTooLongError, RequestError
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.output import FinishReason, RequestOutput
@@ -116,7 +117,7 @@ class Engine:
                  memory: MemoryPlan, kv: PagedKVCache, loader: EnginePort, pool: AdapterPool,
                  adapters: AdapterResidency, adapter_guard: AdapterGuard, counters: EngineCounters,
                  runner: ModelRunner, scheduler: Scheduler, grammars: GrammarCompiler,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], meter: StepMeter):
         self.config, self.model, self.device, self.max_model_len = config, model, device, max_model_len
         self.tokenizer, self.dtype, self.shapes = model.tokenizer, model.embed.dtype, model.dims.shapes()
         self.memory, self.kv = memory, kv  # the memory plan; the paged KV cache's block tensors
@@ -128,6 +129,7 @@ class Engine:
         self._ids = itertools.count()
         self.consecutive_step_failures = 0
         self.failed_steps = 0
+        self.meter = meter  # step time charged to requests, slot and load time to adapters
 
     # ----- adapters -------------------------------------------------------------------------
 
@@ -277,6 +279,7 @@ class Engine:
             log.exception("scheduling failed")
             return self._fail(list(self._seqs.values()), "scheduling", e)
         outputs = [self._end(seq, FinishReason.ERROR) for seq in plan.failed]
+        self.meter.resided(self.pool.resident())
         if plan.empty:
             self._idle()
             return outputs
@@ -286,12 +289,21 @@ class Engine:
             sampled = self.runner.run(batch)
         except Exception as e:
             log.exception("engine step failed")
+            self._charge(plan, started)
             return outputs + self._fail([*plan.decodes, *(s for s, _ in plan.prefills)], "step", e)
         taken, failed = self._take(plan, batch, sampled)
+        device_s = self._charge(plan, started)
+        for out in taken:
+            out.device_s = device_s.get(out.request_id, out.device_s)
         self.counters.step(len(plan.decodes) + len(plan.prefills), len(batch.sampled))
         self.adapter_guard.stepped(time.perf_counter() - started)
         self._count_step(failed)
         return outputs + taken
+
+    def _charge(self, plan: SchedulerOutput, started: float) -> dict[str, float]:
+        """Charge the step's time since `started` to its sequences (`schedule.step_meter`)."""
+        return self.meter.charge(time.perf_counter() - started, plan.decodes, plan.prefills,
+                                 self.pool.slot_rank)
 
     def _idle(self) -> None:
         """An empty step: wait a little for an adapter load that waiting requests need, rather than

@@ -145,6 +145,10 @@ class AdapterPool:
         """The version of the weights a slot holds (its current or retired adapter's)."""
         return self._version[slot]
 
+    def slot_rank(self, slot: int) -> int:
+        """The LoRA rank a slot runs with (its largest projection rank); 0 for the base model (-1)."""
+        return 0 if slot < 0 else max((ranks[slot] for ranks in self.module_ranks.values()), default=0)
+
     def resident(self) -> list[str]:
         return list(self._slot_of)
 

@@ -71,6 +71,7 @@ from lora_cluster.engine.adapters.rotation import AdapterRotation, Resident, Rot
 from lora_cluster.engine.schedule.counters import EngineCounters
 from lora_cluster.engine.schedule.scheduler import Gate
 from lora_cluster.engine.schedule.sequence import Sequence
+from lora_cluster.engine.schedule.step_meter import StepMeter
 from lora_cluster.errors import AdapterError, EngineOverloadedError
 from lora_cluster.replica_policy.slot_urgency import SlotHolder, busy_victim, idle_victim
 from lora_cluster.store.ports import ResidencyHooks, WeightSource
@@ -85,12 +86,14 @@ class AdapterResidency:
     def __init__(self, source: WeightSource, hooks: ResidencyHooks, pool: AdapterPool, workers: int,
                  guard: AdapterGuard | None = None, *, rotation: AdapterRotation | None = None,
                  copier: AdapterCopier | None = None, pinned: Iterable[str] = (),
-                 counters: EngineCounters | None = None, clock: Callable[[], float] = time.monotonic):
+                 counters: EngineCounters | None = None, meter: StepMeter | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.source, self.hooks, self.pool, self.guard = source, hooks, pool, guard
         self.protect = guard is not None and guard.enabled  # the choices of the module docstring
         self._clock = clock
         self.demand = DemandTracker(clock=clock)
         self.counters = counters or EngineCounters()  # placements and switches, for metrics
+        self.meter = meter or StepMeter()  # load time charged to the adapter that needed it
         self.rotation, self._pinned = rotation, frozenset(pinned)
         self.copier = copier or AdapterCopier.inline(pool)
         self._draining: frozenset[str] = frozenset()
@@ -258,10 +261,12 @@ class AdapterResidency:
         evicts = len(self.pool.resident()) >= self.pool.num_slots
         start = time.perf_counter()
         self._copy(weights)
+        copy_s = time.perf_counter() - start
+        with self._fetch_s_lock:
+            fetch_s = self._fetch_s.pop(weights.adapter_id, 0.0)
+        self.meter.loaded(weights.adapter_id, fetch_s + copy_s)
         if self.guard is not None:
-            with self._fetch_s_lock:
-                fetch_s = self._fetch_s.pop(weights.adapter_id, 0.0)
-            self.guard.placed(time.perf_counter() - start, evicts, fetch_s)
+            self.guard.placed(copy_s, evicts, fetch_s)
 
     def _copy(self, weights: LoraWeights) -> None:
         """`copier.place(weights)`, counted in `counters` (a switch when it takes another adapter's slot)."""

@@ -58,6 +58,7 @@ class Sequence:
     preempt_at: float = 0.0  # monotonic time from which, waiting, it may preempt less urgent work
     arrival_order: int = 0  # stamped by the scheduler when queued; kept across preemptions
     num_preemptions: int = 0
+    device_s: float = 0.0  # step time charged to it (engine.schedule.step_meter), recomputes included
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt id (first None), if asked
@@ -100,6 +101,7 @@ def snapshot(seq: Sequence) -> RequestOutput:
         time_to_first_token=(seq.first_token_time - seq.arrival) if seq.first_token_time else None,
         num_preemptions=seq.num_preemptions,
         num_cached_tokens=seq.num_cached_tokens or 0,
+        device_s=seq.device_s,
     )
     if seq.sampling.logprobs is not None:
         out.logprobs = list(seq.output_logprobs)
