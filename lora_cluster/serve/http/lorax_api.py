@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
 from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.adapter_versions import version_header
 from lora_cluster.serve.http.best_of import best_one
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals
 from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
@@ -163,7 +164,8 @@ class LoraxRoutes:
 
 
 def _headers(generations: list[Generation], sla: SlaClass, prompt: Prompt) -> dict[str, str]:
-    return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name, **truncation_headers([prompt])}
+    return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name, **truncation_headers([prompt]),
+            **version_header(generations[0].job)}
 
 
 def _details(final: dict[str, Any], seed: int | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What the names in a request run on: the base models' API names, the base a request runs on, the
-adapter its `model` names (within what the caller's tenant may use), and where an adapter registered
-through the vLLM API lies.
+adapter its `model` names (within what the caller's tenant may use; `fin@N` one version of `fin`, the
+bare `fin` its latest: `adapter_versions`), and where an adapter registered through the vLLM API lies.
 
 A route first asks which base a request runs on (`request_base`: the base its `model` names, or that
 of the group its adapter or merge goes to, as the dispatcher will pick it), then tokenizes with that
@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.errors import AdapterNotFoundError, AdapterVersionNotFoundError
+from lora_cluster.releases.catalog import parse_ref
+from lora_cluster.serve.http.adapter_versions import VersionIndex
 from lora_cluster.serve.http.registry import Registrations
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.replica.model import served_name
@@ -28,6 +30,7 @@ class ModelNames:
     def __init__(self, config: ServeConfig, dispatcher: Dispatcher | GroupedDispatcher,
                  registrations: Registrations):
         self.config, self.dispatcher, self.registrations = config, dispatcher, registrations
+        self.versions = VersionIndex(registrations)
 
     @property
     def base_name(self) -> str:
@@ -58,15 +61,22 @@ class ModelNames:
         return await grouped.base_of(adapter, tenant, self.base_for(model), merged)
 
     def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False) -> str | None:
-        """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
-        unknown adapter when the caller's tenant may not use it (existence does not leak). `merging`:
+        """The replica adapter id a request's `model` names (None: the base model; `fin@N` and `fin`
+        resolved by `adapter_versions`); a 404 with the body of an unknown adapter when the caller's
+        tenant may not use the name (existence does not leak), or the version is not kept. `merging`:
         the request merges adapters (`merged_adapters`) onto the base model it names; the merge's own
         adapter ids are checked then (`schemas.merge_of`), so a tenant without `base_model` access
         may merge adapters it owns."""
         adapter = None if model is None or self.base_for(model) is not None else model
-        if not (merging and adapter is None) and not caller.may_use(adapter):
+        name = None if adapter is None else parse_ref(adapter)[0]
+        if not (merging and adapter is None) and not caller.may_use(name):
             raise ApiException(describe(AdapterNotFoundError(model or self.base_name, "not accessible")))
-        return adapter
+        if adapter is None:
+            return None
+        try:
+            return self.versions.replica_id(adapter)
+        except AdapterVersionNotFoundError as exc:
+            raise ApiException(describe(exc)) from exc
 
     def adapter_path(self, adapter_id: str | None) -> str | None:
         """The path of an adapter registered through vLLM's load_lora_adapter (None: not registered)."""

@@ -34,7 +34,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.releases.catalog import parse_ref
 from lora_cluster.serve.http import openapi, tool_calls
+from lora_cluster.serve.http.adapter_versions import model_ids, version_header
 from lora_cluster.serve.http.best_of import best_n
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
 from lora_cluster.serve.http.logprob_format import (
@@ -116,7 +118,9 @@ class OpenAiRoutes:
         with `parent` set to its base."""
         ctx = self.ctx
         created = int(time.time())
-        registered = ctx.registrations.snapshot()
+        paths = ctx.registrations.snapshot()
+        listed_ids = model_ids(paths)  # a registered adapter's bare name and each version, name@N
+        registered = {model: paths[replica_id] for model, replica_id in listed_ids.items()}
         grouped = ctx.dispatcher
         if isinstance(grouped, GroupedDispatcher) and grouped.several_bases:
             listed = await grouped.listings()
@@ -132,7 +136,7 @@ class OpenAiRoutes:
                              "root": root, "parent": None})
             data.extend({"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
                          "root": registered.get(a, a) if caller.principal.admin else a, "parent": base}
-                        for a in dict.fromkeys(adapters) if caller.may_use(a))
+                        for a in dict.fromkeys(adapters) if caller.may_use(parse_ref(a)[0]))
         return {"object": "list", "data": data}
 
     def _screen(self, body: CompletionRequest | ChatCompletionRequest, caller: Caller,
@@ -190,7 +194,7 @@ class OpenAiRoutes:
         generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
         cached = cached_tokens(generations, len(prompts))
         headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name,
-                   **truncation_headers(fitted)}
+                   **truncation_headers(fitted), **version_header(jobs[0])}
         texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream and not body.whole:

@@ -93,8 +93,12 @@ class MergedAdaptersBody(Body):
 
 class LoadLoraAdapterRequest(Body):
     lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_ID_LEN, pattern=ADAPTER_ID_PATTERN,
-                           description="The adapter id to serve it as (letters, digits, '._-/').")
+                           description="The adapter id to serve it as (letters, digits, '._-/'); a "
+                           "version number is given by the load, never chosen (no `@N` here).")
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = Field(False, description="vLLM's field: load a new version of a loaded name. "
+                               "Here it creates the next version `name@N`; the bare name moves to it, "
+                               "the earlier versions stay addressable as `name@K` until retired.")
 
 
 class UnloadLoraAdapterRequest(Body):
