@@ -238,6 +238,32 @@ def test_load_and_unload_lora_adapter(http, demo_zoo, tmp_path):
         "unloading a name that is not loaded is a 404")
 
 
+def test_versions_of_a_loaded_name_answer_side_by_side(http, demo_zoo):
+    """A load in place is the name's next version: the bare name moves to it, `name@1` still answers
+    with version 1's weights, and the response header says which version answered."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+
+    def answer(model: str) -> tuple[str, str | None]:
+        r = http.post("/v1/completions", json={**body, "model": model})
+        assert r.status_code == 200, f"{model} serves: {r.text}"
+        return r.json()["choices"][0]["text"], r.headers.get("x-lora-adapter-version")
+
+    own_a3, own_a4 = answer("a3")[0], answer("a4")[0]
+    assert own_a3 != own_a4, "a3 and a4 answer differently (else this test proves nothing)"
+    first = {"lora_name": "fin", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    assert http.post("/v1/load_lora_adapter", json=first).status_code == 200, "version 1 loads"
+    second = {"lora_name": "fin", "lora_path": str(demo_zoo.adapters_dir / "a4"), "load_inplace": True}
+    loaded = http.post("/v1/load_lora_adapter", json=second)
+    assert loaded.status_code == 200, f"a load in place makes version 2: {loaded.text}"
+    assert answer("fin") == (own_a4, "2"), "the bare name is answered by version 2's weights"
+    assert answer("fin@1") == (own_a3, "1"), "fin@1 still answers with version 1's weights"
+    listed = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert {"fin", "fin@1", "fin@2"} <= set(listed), f"/v1/models lists the name and its versions: {listed}"
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fin"}).status_code == 200, "it unloads"
+    gone = http.post("/v1/completions", json={**body, "model": "fin@1"})
+    assert gone.status_code == 404, f"every version went with the name: {gone.text}"
+
+
 def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(http, demo_zoo):
     """Regression: the replica's device slot kept the source adapter's weights after the name was
     registered with another path (and again after it was unloaded)."""
