@@ -3,7 +3,7 @@
 An id names a sub-folder of a source or a key prefix in a bucket, so it is refused when it could
 escape one: letters, digits and `._-` in `/`-separated segments, each starting with a letter or digit
 (no `..` segment, no absolute path, no odd bytes), at most `MAX_ADAPTER_ID_LEN` characters, with an
-optional version suffix `@N` (a positive number: `fin@2`, one version of `fin`, `releases.catalog`). The HTTP
+optional version suffix `@N` (a positive number: `fin@2`, one version of `fin`, `releases.refs`). The HTTP
 API's JSON Schema states the same pattern (`ADAPTER_ID_PATTERN`).
 """
 

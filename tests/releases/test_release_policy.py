@@ -9,7 +9,7 @@ import pytest
 from helpers import FakeClock
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import AdapterVersionNotFoundError, ReleaseConflictError
+from lora_cluster.errors import AdapterNotFoundError, ReleaseConflictError
 from lora_cluster.releases.book import ReleaseBook
 from lora_cluster.releases.gates import ReleaseSettings, StepStats, judge
 from lora_cluster.releases.release import Release, ReleaseState
@@ -158,63 +158,46 @@ def test_a_release_resumes_at_its_step_after_a_restart():
     assert [e.kind for e in again.events()] == [e.kind for e in release.events()], "and its audit log"
 
 
-def book(clock: FakeClock) -> ReleaseBook:
-    b = ReleaseBook(SETTINGS, clock, versions_kept=3)
-    b.register("fin", "/zoo/fin-1", "h1")
-    return b
-
-
-def test_the_bare_name_follows_registrations_and_releases():
-    clock = FakeClock()
-    b = book(clock)
-    assert b.resolve("fin", "u") == ("fin", 1), "the first version is the alias"
-    b.register("fin", "/zoo/fin-2", "h2")
-    assert b.resolve("fin", "u") == ("fin", 2), "a registration without a release replaces at once"
-    _, release, _ = b.register("fin", "/zoo/fin-3", "h3", release_id="r1")
-    assert release is not None and release.stable == 2, "a release stages against the alias's version"
-    assert b.resolve("fin", "u") == ("fin", 2), "a staged candidate gets no traffic before its eval"
-    assert b.resolve("fin@3", "u") == ("fin", 3), "but it is addressable by name@N"
+def test_the_bare_name_follows_loads_and_releases():
+    book = ReleaseBook(SETTINGS, FakeClock())
+    assert book.alias("fin", [1, 2], "u") == 2, "with no release the bare name is the latest version"
+    release = book.start("fin", "r1", stable=2, candidate=3)
+    assert book.alias("fin", [1, 2, 3], "u") == 2, "a candidate being evaluated gets no traffic"
     release.eval_passed({})
-    b.command("fin", "r1", "promote")
-    assert b.resolve("fin", "u") == ("fin", 3), "a promotion moves the alias"
-    assert b.resolve("fin@1", "u") == ("fin", 1), "an older version still answers by name@N"
-    assert b.resolve("other", "u") is None, "a name without versions is not the book's"
+    book.command("fin", "r1", "promote")
+    assert book.alias("fin", [1, 2, 3], "u") == 3, "a promotion moves the bare name to the candidate"
+    assert book.alias("fin", [], "u") is None, "a name with no version kept has no alias"
 
 
 def test_one_release_runs_per_name_and_a_rollback_keeps_the_alias():
-    clock = FakeClock()
-    b = book(clock)
-    b.register("fin", "/zoo/fin-2", "h2", release_id="r1")
+    book = ReleaseBook(SETTINGS, FakeClock())
+    book.start("fin", "r1", stable=1, candidate=2).eval_passed({})
     with pytest.raises(ReleaseConflictError, match="promote or roll it back"):
-        b.register("fin", "/zoo/fin-3", "h3", release_id="r2")
-    with pytest.raises(ReleaseConflictError, match="promote or roll it back"):
-        b.register("fin", "/zoo/fin-3", "h3")
-    b.running("fin").eval_passed({})
+        book.start("fin", "r2", stable=1, candidate=3)
     for _ in range(SETTINGS.gate_min_requests):
-        b.record("fin", 2, ok=False)
-    assert [r.id for r in b.tick()] == ["r1"], "the failing release settles on the tick"
-    assert b.resolve("fin", "u") == ("fin", 1), "after a rollback the alias stays on the stable version"
+        book.record("fin", 2, ok=False)
+    assert book.running("fin") is None, "a failing gate ends the release on the request that fails it"
+    assert book.alias("fin", [1, 2], "u") == 1, "after a rollback the bare name stays on the stable version"
+    assert book.alias("fin", [1, 2, 3], "u") == 3, "until a newer version is loaded without a release"
+    assert book.protected("fin") == [], "a finished release protects no version"
 
 
-def test_the_stable_version_is_never_retired():
-    b = book(FakeClock())
-    b.register("fin", "/zoo/fin-2", "h2", release_id="r1")
-    b.command("fin", "r1", "rollback")
-    b.register("fin", "/zoo/fin-3", "h3", release_id="r2")
-    b.command("fin", "r2", "rollback")
-    _, _, retired = b.register("fin", "/zoo/fin-4", "h4", release_id="r3")
-    assert [v.number for v in retired] == [2], "the oldest version that is not the stable one is retired"
-    assert b.resolve("fin", "u") == ("fin", 1), "the stable version 1 still answers the bare name"
-    with pytest.raises(AdapterVersionNotFoundError, match="retired"):
-        b.resolve("fin@2", "u")
+def test_finished_releases_are_bounded():
+    book = ReleaseBook(SETTINGS, FakeClock(), finished_kept=2)
+    for n in range(5):
+        book.start("fin", f"r{n}", stable=1, candidate=n + 2)
+        book.command("fin", f"r{n}", "rollback")
+    assert [r.id for r in book.releases("fin")] == ["r2", "r3", "r4"], \
+        "at most finished_kept releases before the latest are kept, the oldest dropped first"
+    with pytest.raises(AdapterNotFoundError, match="no release 'r0'"):
+        book.release("fin", "r0")
 
 
 def test_the_book_survives_a_restart():
     clock = FakeClock()
-    b = book(clock)
-    b.register("fin", "/zoo/fin-2", "h2", release_id="r1")
-    b.running("fin").eval_passed({})
-    again = ReleaseBook(SETTINGS, clock, versions_kept=3)
-    again.restore(b.to_dict())
+    book = ReleaseBook(SETTINGS, clock)
+    book.start("fin", "r1", stable=1, candidate=2).eval_passed({})
+    again = ReleaseBook(SETTINGS, clock)
+    again.restore(book.to_dict())
     assert again.running("fin").percent == 1.0, "the running release resumes at its step"
-    assert again.resolve("fin@2", "u") == ("fin", 2), "its versions are known again"
+    assert again.protected("fin") == [1, 2], "and keeps its versions from retirement"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from lora_cluster.errors import AdapterError
-from lora_cluster.releases.catalog import parse_ref
+from lora_cluster.releases.refs import parse_ref
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.serve.http.adapter_versions import replica_id_of
 from lora_cluster.serve.http.context import ApiContext

@@ -1,6 +1,6 @@
 """The versions of adapters registered through the vLLM API, and what a request's `model` means.
 
-Every load of a name creates a version (`releases.catalog`'s numbering): the first load of `fin` is
+Every load of a name creates a version (`releases.refs`'s numbering): the first load of `fin` is
 version 1, registered on the replicas as `fin`; a load of `fin` again with `load_inplace: true` is
 version 2, registered as `fin@2`, and so on. The registrations (name -> path, shared by every
 ingress replica, `registry`) hold one entry per kept version, so this index is rebuilt from their
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from lora_cluster.errors import AdapterVersionNotFoundError
-from lora_cluster.releases.catalog import parse_ref, version_ref
+from lora_cluster.releases.refs import parse_ref, version_ref
 from lora_cluster.releases.split import VERSION_HEADER
 
 __all__ = ["VERSION_HEADER", "RegisteredEntries", "VersionIndex", "number_of", "replica_id_of",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import AdapterNotFoundError, AdapterVersionNotFoundError
-from lora_cluster.releases.catalog import parse_ref
+from lora_cluster.releases.refs import parse_ref
 from lora_cluster.serve.http.adapter_versions import VersionIndex
 from lora_cluster.serve.http.registry import Registrations
 from lora_cluster.serve.http_errors import ApiException, describe

@@ -34,7 +34,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
-from lora_cluster.releases.catalog import parse_ref
+from lora_cluster.releases.refs import parse_ref
 from lora_cluster.serve.http import openapi, tool_calls
 from lora_cluster.serve.http.adapter_versions import model_ids, version_header
 from lora_cluster.serve.http.best_of import best_n
