@@ -6,14 +6,13 @@ A load validates the name, reserves it (`registrations`: a concurrent load or un
 from the others and raises the first refusal (naming the base with several bases). Versions
 (`adapter_versions`): the first load of a name is version 1, registered as the name; a load in place
 of a loaded name is its next version `name@N`, and the oldest versions beyond
-`release_versions_kept` are retired (unloaded), except those `keep` names (a running release's). An
-unload of `name` unloads every version of it, of `name@N` that version only.
+`release_versions_kept` are retired (unloaded), except those a running release uses. An
+unload of `name` unloads every version of it (and forgets its releases), of `name@N` that version.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
 from typing import Any
 
 from lora_cluster.errors import AdapterError
@@ -27,11 +26,11 @@ from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
 
 
 class AdapterLoads:
-    """Loads and unloads through one ingress's context (module docstring). `keep(name)`: version
-    numbers of `name` that retirement must not unload."""
+    """Loads and unloads through one ingress's context (module docstring); the versions a running
+    release uses are never retired, and an unload of a name forgets its releases."""
 
-    def __init__(self, ctx: ApiContext, keep: Callable[[str], Collection[int]] = lambda name: ()):
-        self.ctx, self.dispatcher, self.keep = ctx, ctx.dispatcher, keep
+    def __init__(self, ctx: ApiContext):
+        self.ctx, self.dispatcher, self.releases = ctx, ctx.dispatcher, ctx.releases
 
     def next_version(self, name: str, inplace: bool) -> int:
         """The version a load of `name` would create: 400 for a `name@N` (the load gives numbers),
@@ -65,10 +64,12 @@ class AdapterLoads:
         unloaded = [await self._unregister(replica_id) for replica_id in ids]
         if not any(unloaded):
             raise not_found(f"the LoRA adapter {ref!r} cannot be found", code="adapter_not_found")
+        if number is None:
+            self.releases.forget(name)
 
     async def _retire(self, name: str, kept: list[int]) -> None:
         """Unload the oldest versions of `name` beyond `release_versions_kept` (not those kept)."""
-        keep = set(self.keep(name))
+        keep = set(self.releases.protected(name))
         retirable = [n for n in kept if n not in keep]
         excess = len(kept) - self.ctx.config.releases.release_versions_kept
         for number in retirable[:max(0, excess)]:

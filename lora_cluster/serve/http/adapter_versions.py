@@ -81,9 +81,11 @@ class VersionIndex:
         self._refresh()
         return {name: list(numbers) for name, numbers in self._versions.items()}
 
-    def replica_id(self, model: str) -> str:
-        """The replica adapter id a request's `model` (an adapter: `fin` or `fin@N`) runs on."""
+    def replica_id(self, model: str, alias: int | None = None) -> str:
+        """The replica adapter id a request's `model` (an adapter: `fin` or `fin@N`) runs on;
+        `alias`: the version the bare name means (a release's choice; None: the latest)."""
         name, number = parse_ref(model)
+        number = alias if number is None else number
         kept = self.versions(name)
         if not kept:
             if number is None or number == 1:

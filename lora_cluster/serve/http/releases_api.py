@@ -1,0 +1,119 @@
+"""Adapter release routes: `/v1/adapters/{name}/releases` (create, list), `.../{release_id}` (status),
+`.../{release_id}/promote|pause|resume|rollback` (commands) and `.../{release_id}/events` (the audit
+log with its evidence).
+
+Creating a release loads `lora_path` as the name's next version (`adapter_loads`, as a load in place)
+and stages it as the candidate against the version the bare name means now; the bare name keeps
+its stable version until the release decides (`releases.book`). The release is registered before the
+load, so no request reaches the candidate early, and rolled back if the load fails. With no
+evaluation set run yet (`releases.eval_gate` is not wired to the engine), the release enters its
+canary at once, with that recorded as the eval event's evidence. Steps then advance and roll back on
+live evidence (`release_traffic`).
+
+Access: an admin key reaches every release; a tenant key the releases of the adapters its patterns
+match (another tenant's are a 404, as its adapters are); creating one loads a server path, so it
+needs an admin key (403). The release state is this ingress's: with several ingress replicas
+(shared registrations) a release cannot be created (409), since the others would not follow it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from lora_cluster.errors import AdapterNotFoundError, PermissionDeniedError, ReleaseConflictError
+from lora_cluster.releases.book import ACTIONS
+from lora_cluster.releases.release import Release
+from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.adapter_loads import AdapterLoads
+from lora_cluster.serve.http.context import ApiContext
+from lora_cluster.serve.http.registry import LocalRegistrations
+from lora_cluster.serve.http.schemas import Body
+from lora_cluster.serve.routing.auth import Caller, CallerDep
+
+PREFIX = "/v1/adapters/{name}/releases"
+
+
+class CreateReleaseRequest(Body):
+    lora_path: str = Field(min_length=1, description="Where the candidate version's weights are "
+                           "(a folder, or a URI of the configured sources' kinds).")
+
+
+def releases_router(ctx: ApiContext) -> APIRouter:
+    """The release routes of one ingress (`ReleaseRoutes`)."""
+    routes, router = ReleaseRoutes(ctx), APIRouter()
+    router.post(PREFIX, responses=openapi.RELEASE_ACTION)(routes.create_release)
+    router.get(PREFIX, responses=openapi.RELEASE_VIEW)(routes.list_releases)
+    router.get(PREFIX + "/{release_id}", responses=openapi.RELEASE_VIEW)(routes.release_status)
+    for action in ACTIONS:
+        router.post(PREFIX + "/{release_id}/" + action, responses=openapi.RELEASE_ACTION,
+                    operation_id=f"{action}_release", summary=f"{action.capitalize()} release",
+                    description=f"`{action}` one release (409 when its state refuses it).",
+                    )(routes.command(action))
+    router.get(PREFIX + "/{release_id}/events", responses=openapi.RELEASE_VIEW)(routes.release_events)
+    return router
+
+
+class ReleaseRoutes:
+    """The handlers of the release routes (module docstring)."""
+
+    def __init__(self, ctx: ApiContext):
+        self.ctx, self.book = ctx, ctx.releases
+        self.loads = AdapterLoads(ctx)
+
+    def _visible(self, name: str, caller: Caller) -> None:
+        """404 unless the caller's tenant may use `name` (existence does not leak)."""
+        if not caller.may_use(name):
+            raise AdapterNotFoundError(name, "not accessible")
+
+    async def create_release(self, name: str, req: CreateReleaseRequest, caller: CallerDep) -> dict[str, Any]:
+        """Load `lora_path` as the next version of `name` and start its release against the version
+        the bare name means now (no traffic to it before its eval gate)."""
+        self._visible(name, caller)
+        if not caller.principal.admin and self.ctx.tenants is not None:
+            raise PermissionDeniedError("creating a release loads a server path: it needs an admin key")
+        if not isinstance(self.ctx.registrations, LocalRegistrations):
+            raise ReleaseConflictError(name, "-", "releases need one ingress replica (ingress_num_replicas"
+                                       "=1); the other replicas would not follow this one's release")
+        kept = self.ctx.models.versions.versions(name)
+        stable = self.book.alias(name, kept, "")
+        if stable is None:
+            raise AdapterNotFoundError(name, "load a first version before releasing another")
+        number = self.loads.next_version(name, inplace=True)
+        release = self.book.start(name, f"rel-{uuid.uuid4().hex[:12]}", stable, number, caller.tenant)
+        try:
+            await self.loads.load(name, req.lora_path, inplace=True)
+        except BaseException:
+            release.eval_failed("the candidate did not load", {"lora_path_given": True})
+            raise
+        release.eval_passed({"eval_set": None, "note": "no evaluation set was run"})
+        return release.status()
+
+    async def list_releases(self, name: str, caller: CallerDep) -> dict[str, Any]:
+        """The releases of `name` kept here, oldest first."""
+        self._visible(name, caller)
+        return {"object": "list", "data": [r.status() for r in self.book.releases(name)]}
+
+    async def release_status(self, name: str, release_id: str, caller: CallerDep) -> dict[str, Any]:
+        """One release: its state, step, share and this step's counts."""
+        return self._release(name, release_id, caller).status()
+
+    async def release_events(self, name: str, release_id: str, caller: CallerDep) -> dict[str, Any]:
+        """The release's audit log: every decision with its evidence, oldest first."""
+        release = self._release(name, release_id, caller)
+        return {"object": "list", "data": [e.to_dict() for e in release.events()]}
+
+    def command(self, action: str) -> Any:
+        async def handler(name: str, release_id: str, caller: CallerDep) -> dict[str, Any]:
+            self._release(name, release_id, caller)
+            return self.book.command(name, release_id, action).status()
+
+        handler.__name__ = f"{action}_release"
+        return handler
+
+    def _release(self, name: str, release_id: str, caller: Caller) -> Release:
+        self._visible(name, caller)
+        return self.book.release(name, release_id)
