@@ -60,10 +60,15 @@ class ReleasesConfig(BaseModel):
     @field_validator("release_canary_steps")
     @classmethod
     def _steps(cls, steps: list[float]) -> list[float]:
-        if not steps or len(steps) > MAX_STEPS:
-            raise ValueError(f"release_canary_steps needs 1 to {MAX_STEPS} steps, got {len(steps)}")
-        if any(not 0 < s <= 100 for s in steps) or any(b <= a for a, b in itertools.pairwise(steps)):
-            raise ValueError(f"release_canary_steps must increase within (0, 100], got {steps}")
-        if steps[-1] != 100:
-            raise ValueError(f"release_canary_steps must end at 100, got {steps}")
-        return steps
+        return check_steps(steps, "release_canary_steps")
+
+
+def check_steps(steps: list[float], field: str) -> list[float]:
+    """Canary steps: 1 to MAX_STEPS percents, increasing within (0, 100], the last 100 (ValueError)."""
+    if not steps or len(steps) > MAX_STEPS:
+        raise ValueError(f"{field} needs 1 to {MAX_STEPS} steps, got {len(steps)}")
+    if any(not 0 < s <= 100 for s in steps) or any(b <= a for a, b in itertools.pairwise(steps)):
+        raise ValueError(f"{field} must increase within (0, 100], got {steps}")
+    if steps[-1] != 100:
+        raise ValueError(f"{field} must end at 100, got {steps}")
+    return steps

@@ -38,14 +38,15 @@ class ReleaseBook:
         self.settings, self._clock, self.finished_kept = settings, clock, finished_kept
         self._releases: dict[str, list[Release]] = {}  # name -> its releases, oldest first
 
-    def start(self, name: str, release_id: str, stable: int, candidate: int,
-              tenant: str | None = None) -> Release:
-        """A new release of `name` (evaluating: no traffic yet); ReleaseConflictError when one runs."""
+    def start(self, name: str, release_id: str, stable: int, candidate: int, tenant: str | None = None,
+              settings: ReleaseSettings | None = None) -> Release:
+        """A new release of `name` (evaluating: no traffic yet), under `settings` (None: the book's);
+        ReleaseConflictError when one runs."""
         running = self.running(name)
         if running is not None:
             raise ReleaseConflictError(name, running.id, f"it is {running.state.value}; promote or roll it "
                                        "back before starting another release")
-        release = Release(release_id, name, stable, candidate, self.settings, self._clock, tenant)
+        release = Release(release_id, name, stable, candidate, settings or self.settings, self._clock, tenant)
         kept = self._releases.setdefault(name, [])
         kept.append(release)
         finished = [r for r in kept if r.final]

@@ -188,11 +188,15 @@ class Release:
                 "candidate_answered": self.candidate_answered, "stats": self._evidence()}
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything a restart needs (`from_dict`)."""
-        return {**self.status(), "seq": self._seq, "events": [e.to_dict() for e in self._events]}
+        """Everything a restart needs (`from_dict`), its own settings included."""
+        return {**self.status(), "seq": self._seq, "events": [e.to_dict() for e in self._events],
+                "settings": {**asdict(self.settings), "steps": list(self.settings.steps)}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], settings: ReleaseSettings, clock: Callable[[], float]) -> Release:
+        """A release from `to_dict`; `settings`: for a state written without its own."""
+        if "settings" in d:
+            settings = ReleaseSettings(**{**d["settings"], "steps": tuple(d["settings"]["steps"])})
         release = cls.__new__(cls)
         release.id, release.name, release.tenant = str(d["id"]), str(d["adapter"]), d.get("tenant")
         release.stable, release.candidate = int(d["stable_version"]), int(d["candidate_version"])

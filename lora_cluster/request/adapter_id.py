@@ -14,7 +14,9 @@ import re
 from lora_cluster.errors import AdapterIdError
 
 # adapter ids, as the HTTP API's JSON Schema states them (anchored): no segment can be `..`
-ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*(@[1-9][0-9]{0,8})?$"
+# an adapter's name (what a load registers: no version), and an id (a name, or one version `name@N`)
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*$"
+ADAPTER_ID_PATTERN = ADAPTER_NAME_PATTERN.removesuffix("$") + r"(@[1-9][0-9]{0,8})?$"
 _ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN.strip("^$"))
 MAX_ADAPTER_ID_LEN = 256
 

@@ -216,6 +216,16 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, "invalid_request_error", "invalid_parameter", "invalid request: " + "; ".join(parts))
 
 
+def allowed_methods(request) -> list[str]:
+    """The methods the app's OpenAPI schema declares for the request's path (a path may have a route
+    per method: GET and POST of `/v1/adapters/{name}/releases`)."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        if re.fullmatch(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(template)), request.url.path):
+            methods |= {method.upper() for method in operations}
+    return sorted(methods)
+
+
 def install_handlers(app) -> None:
     """Make a FastAPI app answer every error in the OpenAI shape with the status from `describe`."""
     from fastapi.exceptions import RequestValidationError
@@ -228,10 +238,12 @@ def install_handlers(app) -> None:
     async def on_validation(_request, exc: RequestValidationError) -> JSONResponse:
         return respond(validation_error(list(exc.errors())))
 
-    async def on_http(_request, exc: HTTPException) -> JSONResponse:
+    async def on_http(request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         response = respond(ApiError(exc.status_code, kind, "http_error", str(exc.detail)))
         response.headers.update(exc.headers or {})  # e.g. `Allow` on a 405, which RFC 9110 requires
+        if exc.status_code == 405:  # every route of the path, not only the first one Starlette matched
+            response.headers["Allow"] = ", ".join(allowed_methods(request))
         return response
 
     async def on_any(_request, exc: Exception) -> JSONResponse:

@@ -158,6 +158,14 @@ def test_a_release_resumes_at_its_step_after_a_restart():
     assert [e.kind for e in again.events()] == [e.kind for e in release.events()], "and its audit log"
 
 
+def test_a_release_keeps_its_own_settings_across_a_restart():
+    clock = FakeClock()
+    own = ReleaseSettings(steps=(50.0, 100.0), step_min_requests=2, step_dwell_s=0.0)
+    release = Release("r1", "fin", 1, 2, own, clock)
+    again = Release.from_dict(release.to_dict(), SETTINGS, clock)
+    assert again.settings == own, "the release's own steps and gates come back, not the defaults"
+
+
 def test_the_bare_name_follows_loads_and_releases():
     book = ReleaseBook(SETTINGS, FakeClock())
     assert book.alias("fin", [1, 2], "u") == 2, "with no release the bare name is the latest version"

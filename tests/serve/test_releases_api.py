@@ -150,3 +150,17 @@ async def test_a_tenant_reaches_only_its_own_adapters_releases(tmp_path):
     assert other_rolls.status_code == 404, "nor roll it back"
     assert anonymous.status_code == 401, "no key is a 401"
     assert own_pause.json()["state"] == "paused", "the owning tenant commands its release"
+
+
+async def test_a_release_may_set_its_own_steps():
+    async with serving(FakeTokenizer(), FakeDispatcher()) as client:
+        await first_version(client)
+        bad = await client.post(RELEASES, json={"lora_path": "/zoo/fin-2", "steps": [50, 20, 100]})
+        own = await client.post(RELEASES, json={"lora_path": "/zoo/fin-2", "steps": [50, 100],
+                                                "step_min_requests": 2, "step_dwell_s": 0})
+        for i in range(8):
+            await ask(client, f"user-{i}")
+        status = (await client.get(f"{RELEASES}/{own.json()['id']}")).json()
+    assert bad.status_code == 400, f"steps that do not increase are refused: {bad.text}"
+    assert own.json()["steps"] == [50.0, 100.0], "the release runs the steps it was given"
+    assert status["state"] == "promoted", f"with its own minimum and dwell it completes quickly: {status}"

@@ -18,14 +18,22 @@ needs an admin key (403). The release state is this ingress's: with several ingr
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 from fastapi import APIRouter
 from pydantic import Field
 
-from lora_cluster.errors import AdapterNotFoundError, PermissionDeniedError, ReleaseConflictError
+from lora_cluster.config.releases import MAX_STEPS, check_steps
+from lora_cluster.errors import (
+    AdapterNotFoundError,
+    PermissionDeniedError,
+    ReleaseConflictError,
+    RequestError,
+)
 from lora_cluster.releases.book import ACTIONS
+from lora_cluster.releases.gates import ReleaseSettings
 from lora_cluster.releases.release import Release
 from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_loads import AdapterLoads
@@ -40,6 +48,22 @@ PREFIX = "/v1/adapters/{name}/releases"
 class CreateReleaseRequest(Body):
     lora_path: str = Field(min_length=1, description="Where the candidate version's weights are "
                            "(a folder, or a URI of the configured sources' kinds).")
+    steps: list[float] | None = Field(None, min_length=1, max_length=MAX_STEPS,
+                                      description="This release's canary steps, percent, increasing, "
+                                      "ending at 100 (default: release_canary_steps).")
+    step_min_requests: int | None = Field(None, ge=1, description="Default: release_step_min_requests.")
+    step_dwell_s: float | None = Field(None, ge=0, le=86_400, description="Default: release_step_dwell_s.")
+
+    def settings(self, defaults: ReleaseSettings) -> ReleaseSettings:
+        """The release's settings: the config's, with what this request overrides (400 on bad steps)."""
+        try:
+            steps = defaults.steps if self.steps is None else tuple(check_steps(self.steps, "steps"))
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        return dataclasses.replace(
+            defaults, steps=steps,
+            step_min_requests=self.step_min_requests or defaults.step_min_requests,
+            step_dwell_s=defaults.step_dwell_s if self.step_dwell_s is None else self.step_dwell_s)
 
 
 def releases_router(ctx: ApiContext) -> APIRouter:
@@ -83,7 +107,8 @@ class ReleaseRoutes:
         if stable is None:
             raise AdapterNotFoundError(name, "load a first version before releasing another")
         number = self.loads.next_version(name, inplace=True)
-        release = self.book.start(name, f"rel-{uuid.uuid4().hex[:12]}", stable, number, caller.tenant)
+        release = self.book.start(name, f"rel-{uuid.uuid4().hex[:12]}", stable, number, caller.tenant,
+                                  req.settings(self.book.settings))
         try:
             await self.loads.load(name, req.lora_path, inplace=True)
         except BaseException:
