@@ -264,6 +264,42 @@ def test_versions_of_a_loaded_name_answer_side_by_side(http, demo_zoo):
     assert gone.status_code == 404, f"every version went with the name: {gone.text}"
 
 
+def test_a_release_goes_through_every_step_while_model_fin_callers_change_nothing(http, base_url, demo_zoo):
+    """A release of `rel` (version 2, a4's weights, against version 1, a3's): the openai client calling
+    the bare name is answered by v1 or v2 as the steps say, each user by one version at a time, until
+    the promotion; `rel@1` answers with version 1 throughout."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    first = {"lora_name": "rel", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    assert http.post("/v1/load_lora_adapter", json=first).status_code == 200, "version 1 loads"
+    body = {"lora_path": str(demo_zoo.adapters_dir / "a4"), "steps": [25, 50, 100], "step_min_requests": 3,
+            "step_dwell_s": 0}
+    created = http.post("/v1/adapters/rel/releases", json=body)
+    assert created.status_code == 200, f"the release starts: {created.text}"
+    release = created.json()
+    shares, users = [], {}
+    for i in range(120):  # bounded: about 3 / 0.25 + 3 / 0.5 + 3 requests are needed
+        user = f"user-{i % 10}"
+        raw = client.completions.with_raw_response.create(model="rel", prompt=PROMPT, max_tokens=2,
+                                                            temperature=0, user=user)
+        users.setdefault(user, []).append(raw.headers["x-lora-adapter-version"])
+        status = http.get(f"/v1/adapters/rel/releases/{release['id']}").json()
+        shares.append(status["percent"])
+        if status["state"] == "promoted":
+            break
+    pinned = http.post("/v1/completions", json={"model": "rel@1", "prompt": PROMPT, "max_tokens": 2})
+    bare = http.post("/v1/completions", json={"model": "rel", "prompt": PROMPT, "max_tokens": 2})
+    events = http.get(f"/v1/adapters/rel/releases/{release['id']}/events").json()["data"]
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "rel"})
+    assert status["state"] == "promoted", f"the release reaches 100% and is promoted: {status}"
+    assert [s for s in dict.fromkeys(shares) if s] == [25.0, 50.0], f"it went through the steps: {shares}"
+    assert [e["kind"] for e in events].count("step_advanced") == 2, "each step's advance is in the audit log"
+    assert all(v == sorted(v) for v in users.values()), f"a user never goes back to version 1: {users}"
+    assert pinned.headers["x-lora-adapter-version"] == "1", "rel@1 still answers with version 1"
+    assert bare.headers["x-lora-adapter-version"] == "2", "the bare name is version 2 once promoted"
+
+
 def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(http, demo_zoo):
     """Regression: the replica's device slot kept the source adapter's weights after the name was
     registered with another path (and again after it was unloaded)."""
