@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app_client import FakeDispatcher, FakeTokenizer, serving
+from app_client import FakeDispatcher, FakeStream, FakeTokenizer, outputs, serving
 from tenant_app import ADMIN_KEY, FIN_KEY, HR_KEY, bearer, tenant_app, tenants_yaml
 
 from lora_cluster.config import ServeConfig
@@ -164,3 +164,44 @@ async def test_a_release_may_set_its_own_steps():
     assert bad.status_code == 400, f"steps that do not increase are refused: {bad.text}"
     assert own.json()["steps"] == [50.0, 100.0], "the release runs the steps it was given"
     assert status["state"] == "promoted", f"with its own minimum and dwell it completes quickly: {status}"
+
+
+class RandomCandidate(FakeDispatcher):
+    """A replica on which version 2 of `fin` answers gibberish (random weights), version 1 the x's."""
+
+    async def start(self, job: GenerateJob, route: str) -> Generation:
+        if job.adapter_id != "fin@2":
+            return await super().start(job, route)
+        self.jobs.append(job)
+        first, *rest = [{**item, "text": "zq" if item["text"] else item["text"]} for item in outputs(job)]
+        return Generation(job=job, replica="r1", hit=True, first=first, stream=FakeStream(rest))
+
+
+EVAL_SET = [{"prompt": "hi", "expected": "xx"}, {"prompt": "hello", "expected": "xxx"}]
+
+
+async def test_the_eval_gate_refuses_a_random_candidate_before_any_client_sees_it():
+    dispatcher = RandomCandidate()
+    async with serving(FakeTokenizer(), dispatcher, CONFIG) as client:
+        await first_version(client)
+        refused = (await client.post(RELEASES, json={"lora_path": "/zoo/fin-2", "eval_set": EVAL_SET})).json()
+        answers = [(await ask(client, f"user-{i}")).headers[VERSION_HEADER] for i in range(20)]
+        events = (await client.get(f"{RELEASES}/{refused['id']}/events")).json()["data"]
+    eval_jobs = [job for job in dispatcher.jobs if job.request_id.startswith("eval")]
+    assert refused["state"] == "rolled_back", f"the random candidate is refused: {refused}"
+    assert events[-1]["kind"] == "eval_failed", "by the eval gate"
+    assert events[-1]["evidence"]["candidate_score"] == 0.0, "with the candidate's score as evidence"
+    assert answers == ["1"] * 20, "no client request reached the candidate"
+    assert {job.priority_class for job in eval_jobs} == {"batch"}, "the evaluation runs at batch priority"
+    assert len(eval_jobs) == 2 * len(EVAL_SET), "every case ran on both versions"
+
+
+async def test_a_close_candidate_passes_the_eval_gate_and_a_bad_set_is_refused():
+    async with serving(FakeTokenizer(), FakeDispatcher(), CONFIG) as client:
+        await first_version(client)
+        bad = await client.post(RELEASES, json={"lora_path": "/zoo/fin-2", "eval_set": [{"expected": "x"}]})
+        passed = (await client.post(RELEASES, json={"lora_path": "/zoo/fin-2", "eval_set": EVAL_SET})).json()
+        events = (await client.get(f"{RELEASES}/{passed['id']}/events")).json()["data"]
+    assert bad.status_code == 400, f"a case without a prompt is refused before anything loads: {bad.text}"
+    assert passed["state"] == "canary", f"a candidate within the margin enters its canary: {passed}"
+    assert events[1]["evidence"]["candidate_score"] == 1.0, "the eval event carries both scores"

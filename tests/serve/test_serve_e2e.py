@@ -300,6 +300,30 @@ def test_a_release_goes_through_every_step_while_model_fin_callers_change_nothin
     assert bare.headers["x-lora-adapter-version"] == "2", "the bare name is version 2 once promoted"
 
 
+def test_the_eval_gate_refuses_random_weights_and_passes_a_close_candidate(http, demo_zoo, tmp_path):
+    """The eval set is version 1's own greedy answers: a copy of its weights (a close retrain)
+    passes, another adapter's random weights are refused before any client sees them."""
+    prompts = ["the river", "a quiet town", "once upon"]
+    first = {"lora_name": "ev", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    loaded = http.post("/v1/load_lora_adapter", json=first)
+    assert loaded.status_code == 200, f"version 1 loads: {loaded.text}"
+    greedy = {"model": "ev", "max_tokens": 8, "temperature": 0}
+    answers = [http.post("/v1/completions", json={**greedy, "prompt": p}).json()["choices"][0]["text"]
+               for p in prompts]
+    cases = [{"prompt": p, "expected": a} for p, a in zip(prompts, answers, strict=True)]
+    refused = http.post("/v1/adapters/ev/releases", json={"lora_path": str(demo_zoo.adapters_dir / "a4"),
+                                                           "eval_set": cases}).json()
+    after = [http.post("/v1/completions", json={"model": "ev", "prompt": p, "max_tokens": 2, "user": f"u{i}"})
+             .headers["x-lora-adapter-version"] for i, p in enumerate(prompts * 4)]
+    close = tmp_path / "retrained"
+    shutil.copytree(demo_zoo.adapters_dir / "a3", close)
+    passed = http.post("/v1/adapters/ev/releases", json={"lora_path": str(close), "eval_set": cases}).json()
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "ev"})
+    assert refused["state"] == "rolled_back", f"random weights are refused by the eval gate: {refused}"
+    assert after == ["1"] * len(after), "no client was answered by the refused candidate"
+    assert passed["state"] == "canary", f"a close candidate passes the eval gate: {passed}"
+
+
 def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(http, demo_zoo):
     """Regression: the replica's device slot kept the source adapter's weights after the name was
     registered with another path (and again after it was unloaded)."""

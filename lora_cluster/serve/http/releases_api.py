@@ -5,10 +5,12 @@ log with its evidence).
 Creating a release loads `lora_path` as the name's next version (`adapter_loads`, as a load in place)
 and stages it as the candidate against the version the bare name means now; the bare name keeps
 its stable version until the release decides (`releases.book`). The release is registered before the
-load, so no request reaches the candidate early, and rolled back if the load fails. With no
-evaluation set run yet (`releases.eval_gate` is not wired to the engine), the release enters its
-canary at once, with that recorded as the eval event's evidence. Steps then advance and roll back on
-live evidence (`release_traffic`).
+load, so no request reaches the candidate early, and rolled back if the load fails. Its eval gate
+(`release_eval`) then runs the evaluation set on both versions: a candidate more than
+`release_eval_margin` below the stable version is rolled back before any client sees it (the answer
+says `rolled_back`, with the scores in its `eval_failed` event). With no set, the release enters its
+canary at once, and its `eval_passed` event says so. Steps then advance and roll back on live
+evidence (`release_traffic`).
 
 Access: an admin key reaches every release; a tenant key the releases of the adapters its patterns
 match (another tenant's are a 404, as its adapters are); creating one loads a server path, so it
@@ -39,6 +41,7 @@ from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_loads import AdapterLoads
 from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.registry import LocalRegistrations
+from lora_cluster.serve.http.release_eval import MAX_EVAL_CASES, ReleaseEvaluation, eval_set
 from lora_cluster.serve.http.schemas import Body
 from lora_cluster.serve.routing.auth import Caller, CallerDep
 
@@ -53,6 +56,10 @@ class CreateReleaseRequest(Body):
                                       "ending at 100 (default: release_canary_steps).")
     step_min_requests: int | None = Field(None, ge=1, description="Default: release_step_min_requests.")
     step_dwell_s: float | None = Field(None, ge=0, le=86_400, description="Default: release_step_dwell_s.")
+    eval_set: list[dict[str, Any]] | None = Field(
+        None, min_length=1, max_length=MAX_EVAL_CASES,
+        description="The evaluation set, one object a case: {prompt, expected}, run on both versions "
+        "before any traffic (default: eval.jsonl beside a local candidate, else none).")
 
     def settings(self, defaults: ReleaseSettings) -> ReleaseSettings:
         """The release's settings: the config's, with what this request overrides (400 on bad steps)."""
@@ -87,6 +94,7 @@ class ReleaseRoutes:
     def __init__(self, ctx: ApiContext):
         self.ctx, self.book = ctx, ctx.releases
         self.loads = AdapterLoads(ctx)
+        self.evaluation = ReleaseEvaluation(ctx)
 
     def _visible(self, name: str, caller: Caller) -> None:
         """404 unless the caller's tenant may use `name` (existence does not leak)."""
@@ -107,14 +115,21 @@ class ReleaseRoutes:
         if stable is None:
             raise AdapterNotFoundError(name, "load a first version before releasing another")
         number = self.loads.next_version(name, inplace=True)
+        cases = await eval_set(req.eval_set, req.lora_path)  # a bad set is a 400 before any load
         release = self.book.start(name, f"rel-{uuid.uuid4().hex[:12]}", stable, number, caller.tenant,
                                   req.settings(self.book.settings))
         try:
             await self.loads.load(name, req.lora_path, inplace=True)
-        except BaseException:
-            release.eval_failed("the candidate did not load", {"lora_path_given": True})
+            verdict = None if cases is None else await self.evaluation.judge(cases, name, stable, number)
+        except BaseException as exc:  # a failed load or evaluation, or the client went away
+            release.eval_failed(f"the candidate was not evaluated ({type(exc).__name__})", {})
             raise
-        release.eval_passed({"eval_set": None, "note": "no evaluation set was run"})
+        if verdict is None:
+            release.eval_passed({"eval_set": None, "note": "no evaluation set was given or found"})
+        elif verdict.passed:
+            release.eval_passed(verdict.evidence)
+        else:
+            release.eval_failed(verdict.reason, verdict.evidence)
         return release.status()
 
     async def list_releases(self, name: str, caller: CallerDep) -> dict[str, Any]:
