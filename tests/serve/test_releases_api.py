@@ -205,3 +205,17 @@ async def test_a_close_candidate_passes_the_eval_gate_and_a_bad_set_is_refused()
     assert bad.status_code == 400, f"a case without a prompt is refused before anything loads: {bad.text}"
     assert passed["state"] == "canary", f"a candidate within the margin enters its canary: {passed}"
     assert events[1]["evidence"]["candidate_score"] == 1.0, "the eval event carries both scores"
+
+
+async def test_a_version_in_a_running_release_cannot_be_unloaded_alone():
+    async with serving(FakeTokenizer(), FakeDispatcher(), CONFIG) as client:
+        await first_version(client)
+        await client.post(RELEASES, json={"lora_path": "/zoo/fin-2"})
+        stable = await client.post("/v1/unload_lora_adapter", json={"lora_name": "fin@1"})
+        candidate = await client.post("/v1/unload_lora_adapter", json={"lora_name": "fin@2"})
+        whole = await client.post("/v1/unload_lora_adapter", json={"lora_name": "fin"})
+        listed = (await client.get(RELEASES)).json()["data"]
+    assert stable.status_code == 409, f"the stable version of a running release stays: {stable.text}"
+    assert candidate.status_code == 409, f"so does its candidate: {candidate.text}"
+    assert whole.status_code == 200, "the whole name unloads"
+    assert listed == [], "and its releases go with it"

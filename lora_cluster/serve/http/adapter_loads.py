@@ -7,7 +7,8 @@ from the others and raises the first refusal (naming the base with several bases
 (`adapter_versions`): the first load of a name is version 1, registered as the name; a load in place
 of a loaded name is its next version `name@N`, and the oldest versions beyond
 `release_versions_kept` are retired (unloaded), except those a running release uses. An
-unload of `name` unloads every version of it (and forgets its releases), of `name@N` that version.
+unload of `name` unloads every version of it (and forgets its releases), of `name@N` that version
+(a 409 while a running release uses it).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class AdapterLoads:
     async def unload(self, ref: str) -> None:
         """Unload `name` (every version) or `name@N` (that one); 404 when nothing of it is loaded."""
         name, number = parse_ref(ref)
+        if number is not None and number in self.releases.protected(name):
+            raise conflict(f"{ref!r} is in a running release of {name!r}; roll it back or promote it first",
+                           code="release_conflict")
         kept = self.ctx.models.versions.versions(name)
         ids = [replica_id_of(name, n) for n in kept] if number is None else [replica_id_of(name, number)]
         unloaded = [await self._unregister(replica_id) for replica_id in ids]
