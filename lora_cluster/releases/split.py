@@ -1,14 +1,14 @@
 """Which version a request for a bare adapter name gets: the alias, resolved by the release policy.
 
-`name@N` always answers with version N. The bare `name` is an alias: without a running release it is
-the latest version (or, after a promotion or rollback, the version the release left stable); during a
-canary step it is the candidate for `percent`% of the traffic and the stable version for the rest.
+`name@N` always answers with version N. The bare `name` is an alias (`releases.book` says what it
+means outside a release); during a canary step it is the candidate for `percent`% of the traffic and
+the stable version for the rest.
 
 Sticky: the split is decided by a bucket in [0, 10000) hashed from the release's id and the end user
-(the OpenAI `user` field, or the `x-lora-user` header), so one user sees one version for the whole
-release: a user in the candidate's share at 5% stays in it at 25% (the shares only grow, and a
-bucket below 500 is below 2500). A request with no user is bucketed by its request id (no
-stickiness to keep). Hashing is blake2b: stable across processes and ingress replicas.
+(the OpenAI `user` field), so one user sees one version for the whole release: a user in the
+candidate's share at 5% stays in it at 25% (the shares only grow, and a bucket below 500 is below
+2500). A request with no user is bucketed by a random key (no stickiness to keep). Hashing is
+blake2b: stable across processes and ingress replicas.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import hashlib
 from dataclasses import dataclass
 
 BUCKETS = 10_000
-USER_HEADER = "x-lora-user"  # request: who the end user is, when the body has no `user` field
 VERSION_HEADER = "x-lora-adapter-version"  # response: the version of the adapter that answered
 
 
