@@ -247,8 +247,67 @@ def _run_usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_release(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("release", help="stage a new adapter version as a canary release",
+                              description="Adapter releases of a running server (/v1/adapters/NAME/"
+                              "releases): create one, show them, promote, pause, resume or roll one back, "
+                              "read its audit log. Answers are printed as JSON.")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="load PATH as NAME's next version and release it")
+    create.add_argument("name")
+    create.add_argument("path", help="the candidate's folder, as the replicas see it")
+    create.add_argument("--steps", help="canary steps in percent, comma-separated (e.g. 1,5,25,50,100)")
+    create.add_argument("--min-requests", type=int, help="candidate requests a step needs")
+    create.add_argument("--dwell", type=float, help="seconds a step lasts at least")
+    create.add_argument("--eval-set", type=Path, help="a JSONL evaluation set ({prompt, expected} per line)")
+    show = actions.add_parser("status", help="NAME's releases, or one release's status")
+    show.add_argument("name")
+    show.add_argument("id", nargs="?")
+    parsers = [create, show]
+    for action in ("promote", "pause", "resume", "rollback", "events"):
+        command = actions.add_parser(action, help=f"{action} the release ID of NAME")
+        command.add_argument("name")
+        command.add_argument("id")
+        parsers.append(command)
+    for action_parser in parsers:
+        _add_server_options(action_parser)
+    p.set_defaults(handler=_run_release)
+
+
+def _release_body(args: argparse.Namespace) -> dict[str, object]:
+    body: dict[str, object] = {"lora_path": args.path}
+    if args.steps:
+        body["steps"] = [float(step) for step in args.steps.split(",")]
+    if args.min_requests is not None:
+        body["step_min_requests"] = args.min_requests
+    if args.dwell is not None:
+        body["step_dwell_s"] = args.dwell
+    if args.eval_set is not None:
+        lines = args.eval_set.read_text().splitlines()
+        body["eval_set"] = [json.loads(line) for line in lines if line.strip()]
+    return body
+
+
+def _run_release(args: argparse.Namespace) -> int:
+    from lora_cluster.client import ServerError
+
+    client = _client(args)
+    try:
+        if args.action == "create":
+            answer = client.create_release(args.name, _release_body(args))
+        elif args.action == "status":
+            answer = client.releases(args.name) if args.id is None else client.release(args.name, args.id)
+        else:
+            answer = client.release(args.name, args.id, args.action)
+    except (ServerError, OSError, ValueError) as e:
+        print(f"lora-cluster release {args.action}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo, _add_encrypt, _add_status, _add_adapters, _add_usage]
+    _add_demo, _add_encrypt, _add_status, _add_adapters, _add_usage, _add_release]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,6 +86,24 @@ class LoraClusterClient:
     def unload_adapter(self, name: str) -> str:
         return self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})[1].decode()
 
+    def create_release(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/adapters/{name}/releases: the new release's status."""
+        return self._json("POST", f"/v1/adapters/{name}/releases", body)
+
+    def releases(self, name: str) -> list[dict[str, Any]]:
+        """GET /v1/adapters/{name}/releases: the releases of `name`, oldest first."""
+        return list(self._json("GET", f"/v1/adapters/{name}/releases").get("data", []))
+
+    def release(self, name: str, release_id: str, action: str | None = None) -> Any:
+        """One release's status (action None), its audit log (`events`), or a command's answer
+        (`promote`, `pause`, `resume`, `rollback`)."""
+        path = f"/v1/adapters/{name}/releases/{release_id}"
+        if action is None:
+            return self._json("GET", path)
+        if action == "events":
+            return list(self._json("GET", f"{path}/events").get("data", []))
+        return self._json("POST", f"{path}/{action}")
+
 
 def _error_message(raw: bytes) -> tuple[str, bool]:
     """(the `error.message` of an OpenAI-shaped error body, else the body's start, on one line;

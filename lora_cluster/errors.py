@@ -43,6 +43,14 @@ class AdapterIdError(AdapterNotFoundError):
     """The adapter id is not a valid id (so no adapter can have it); the message says why."""
 
 
+class AdapterVersionNotFoundError(AdapterNotFoundError):
+    """`name@N` names a version that was never registered, or was retired (404)."""
+
+    def __init__(self, name: str, number: int, reason: str):
+        self.name, self.number = name, number
+        super().__init__(f"{name}@{number}", reason)
+
+
 class AdapterFormatError(AdapterError):
     """The adapter's files are not a valid PEFT LoRA adapter (pickle, corrupt safetensors, bad config)."""
 
@@ -200,3 +208,15 @@ class QuotaExceededError(LoraClusterError):
         self.tenant, self.limit, self.value, self.retry_after_s = tenant, limit, value, retry_after_s
         super().__init__(f"tenant {tenant!r} is over its quota: {limit}={value}; retry after "
                          f"{max(retry_after_s, 0.001):.3g} s")
+
+
+# ----- adapter releases (lora_cluster.releases) -----
+
+
+class ReleaseConflictError(LoraClusterError):
+    """A release command that the release's state refuses (promote a rolled-back release, start a
+    second release of a name that has one running); names the adapter, the release and its state (409)."""
+
+    def __init__(self, adapter: str, release_id: str, message: str):
+        self.adapter, self.release_id = adapter, release_id
+        super().__init__(f"release {release_id!r} of adapter {adapter!r}: {message}")

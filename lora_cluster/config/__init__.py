@@ -1,7 +1,8 @@
 """The one typed configuration of lora-cluster: `ServeConfig` (the Ray Serve application, config.serve)
 in sections, each taken whole by its owner: `EngineConfig` (one engine, config.engine), the control
 plane's `RouterConfig`, `AdmissionConfig` and `ControllerConfig` (config.control_plane) and the
-ingress's `ApiConfig`, `TenancyConfig` and `MetricsConfig` (config.ingress).
+ingress's `ApiConfig`, `TenancyConfig` and `MetricsConfig` (config.ingress), and `ReleasesConfig`
+(config.releases).
 
 Every field documents itself, is validated when the config is built, and can be overridden by an
 environment variable `LORA_CLUSTER_<FIELD>` (config.parsing), its flat name also for a section's
@@ -13,6 +14,7 @@ from lora_cluster.config.control_plane import AdmissionConfig, ControllerConfig,
 from lora_cluster.config.engine import EngineConfig
 from lora_cluster.config.ingress import ApiConfig, MetricsConfig, TenancyConfig
 from lora_cluster.config.parsing import ENV_PREFIX, ByteSize, StrList, build_config, env_var, parse_bytes
+from lora_cluster.config.releases import ReleasesConfig
 from lora_cluster.config.serve import (
     DEFAULT_CLASS,
     DEFAULT_SLA_CLASSES,
@@ -39,6 +41,7 @@ __all__ = [
     "ControllerConfig",
     "EngineConfig",
     "MetricsConfig",
+    "ReleasesConfig",
     "ReplicaGroupConfig",
     "RouterConfig",
     "ServeConfig",

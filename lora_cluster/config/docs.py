@@ -31,7 +31,7 @@ from lora_cluster.config.parsing import format_bytes, is_byte_size
 from lora_cluster.config.serve import FLAT, ReplicaGroupConfig, ServeConfig, SlaClassConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/serving.md", "docs/adapter-store.md")
+DOCS = ("README.md", "docs/serving.md", "docs/adapter-store.md", "docs/releases.md")
 SERVE_YAML = "serve_config.yaml"
 ARGS_LINE = "    args: {}\n"
 YAML_INDENT = " " * 6
@@ -132,6 +132,11 @@ GROUPS = (
           ("metrics_max_adapter_labels", "metrics_max_tenant_labels", "metrics_label_window_s", "log_format",
            "internal_access_log"),
           ("docs/serving.md", "metrics")),
+    Group("releases", "Adapter releases: versions kept, canary steps and gates", "releases",
+          ("release_versions_kept", "release_canary_steps", "release_step_min_requests",
+           "release_step_dwell_s", "release_error_rate_margin", "release_gate_min_requests",
+           "release_latency_attainment", "release_eval_margin", "release_max_events"),
+          ("docs/releases.md", "configuration")),
 )
 NESTED: dict[str, tuple[str, type[BaseModel]]] = {
     "sla_class": ("One entry of `sla_classes`", SlaClassConfig),

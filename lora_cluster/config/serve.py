@@ -1,6 +1,6 @@
 """The configuration of the Ray Serve application (`ServeConfig`): the base model, replicas and
 resources, SLA classes and replica groups, and one section per owner (engine, router, admission,
-controller, api, tenancy, metrics), each field also by its flat name (config.flat_aliases)."""
+controller, api, tenancy, metrics, releases), each field also by its flat name (config.flat_aliases)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lora_cluster.config.engine import EngineConfig
 from lora_cluster.config.flat_aliases import FlatEnvSource, FlatNames
 from lora_cluster.config.ingress import ApiConfig, MetricsConfig, TenancyConfig
 from lora_cluster.config.parsing import SETTINGS, build_config
+from lora_cluster.config.releases import ReleasesConfig
 
 MAX_CLASSES = 16
 DEFAULT_CLASS = "standard"
@@ -198,6 +199,7 @@ class ServeConfig(BaseSettings):
     api: ApiConfig = Field(default_factory=ApiConfig, description=ApiConfig.__doc__)
     tenancy: TenancyConfig = Field(default_factory=TenancyConfig, description=TenancyConfig.__doc__)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description=MetricsConfig.__doc__)
+    releases: ReleasesConfig = Field(default_factory=ReleasesConfig, description=ReleasesConfig.__doc__)
 
     def __init__(self, **values: Any) -> None:
         super().__init__(**FLAT.nest(values))
@@ -271,7 +273,7 @@ class ServeConfig(BaseSettings):
 
 FLAT = FlatNames({"engine": EngineConfig, "router": RouterConfig, "admission": AdmissionConfig,
                    "controller": ControllerConfig, "api": ApiConfig, "tenancy": TenancyConfig,
-                   "metrics": MetricsConfig}, excluded=frozenset({"model"}))
+                   "metrics": MetricsConfig, "releases": ReleasesConfig}, excluded=frozenset({"model"}))
 """Every section field's flat name (config.flat_aliases)."""
 
 

@@ -28,6 +28,7 @@ errors by status code).
 | PermissionDeniedError (tenant key, admin route) | 403 | permission_error     | permission_denied   |
 | QuotaExceededError (Retry-After: its s)     | 429    | rate_limit_error      | rate_limit_exceeded |
 | QuotaUnavailableError (ledger unreachable) | 503    | service_unavailable   | quota_unavailable   |
+| ReleaseConflictError (a release's state)    | 409    | invalid_request_error | release_conflict    |
 | anything else                               | 500    | server_error          | internal_error      |
 
 No information leaks: every error body passes `ApiError.body()`, which replaces local filesystem
@@ -139,6 +140,7 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.RegistryUnavailableError, 503, "service_unavailable", "registry_unavailable"),
     (e.PermissionDeniedError, 403, "permission_error", "permission_denied"),
     (e.QuotaUnavailableError, 503, "service_unavailable", "quota_unavailable"),
+    (e.ReleaseConflictError, 409, "invalid_request_error", "release_conflict"),
 ]
 
 
@@ -214,6 +216,16 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, "invalid_request_error", "invalid_parameter", "invalid request: " + "; ".join(parts))
 
 
+def allowed_methods(request) -> list[str]:
+    """The methods the app's OpenAPI schema declares for the request's path (a path may have a route
+    per method: GET and POST of `/v1/adapters/{name}/releases`)."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        if re.fullmatch(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(template)), request.url.path):
+            methods |= {method.upper() for method in operations}
+    return sorted(methods)
+
+
 def install_handlers(app) -> None:
     """Make a FastAPI app answer every error in the OpenAI shape with the status from `describe`."""
     from fastapi.exceptions import RequestValidationError
@@ -226,10 +238,12 @@ def install_handlers(app) -> None:
     async def on_validation(_request, exc: RequestValidationError) -> JSONResponse:
         return respond(validation_error(list(exc.errors())))
 
-    async def on_http(_request, exc: HTTPException) -> JSONResponse:
+    async def on_http(request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         response = respond(ApiError(exc.status_code, kind, "http_error", str(exc.detail)))
         response.headers.update(exc.headers or {})  # e.g. `Allow` on a 405, which RFC 9110 requires
+        if exc.status_code == 405:  # every route of the path, not only the first one Starlette matched
+            response.headers["Allow"] = ", ".join(allowed_methods(request))
         return response
 
     async def on_any(_request, exc: Exception) -> JSONResponse:

@@ -12,6 +12,7 @@ from lora_cluster.config import (
     ControllerConfig,
     EngineConfig,
     MetricsConfig,
+    ReleasesConfig,
     RouterConfig,
     ServeConfig,
     TenancyConfig,
@@ -24,7 +25,7 @@ from lora_cluster.errors import ConfigError
 
 SECTIONS = {"engine": EngineConfig, "router": RouterConfig, "admission": AdmissionConfig,
             "controller": ControllerConfig, "api": ApiConfig, "tenancy": TenancyConfig,
-            "metrics": MetricsConfig}
+            "metrics": MetricsConfig, "releases": ReleasesConfig}
 
 
 def test_every_section_is_a_field_of_the_serve_config_and_holds_its_owner_s_fields() -> None:

@@ -50,7 +50,8 @@ def test_demo_progress_bar_on_request_and_not_in_a_pipe(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["status"], ["adapters", "list"], ["adapters", "load", "x", "/p"],
-                                  ["adapters", "unload", "x"]])
+                                  ["adapters", "unload", "x"], ["release", "status", "x"],
+                                  ["release", "rollback", "x", "rel-1"]])
 def test_an_unreachable_server_is_one_clear_line(free_port, argv, capsys):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert main([*argv, "--url", url, "--timeout", "5"]) == 1, f"{argv}: exit status 1"
@@ -182,3 +183,24 @@ def test_status_prints_one_section_per_replica_group(recorder, capsys):
     assert lines[0] == "group fin" and "group ops" in lines, f"a section per group: {lines}"
     assert "    replica r1: running 3, waiting 1, free 5/8, adapter slots free 2/4" in lines, (
         f"each group's replicas, indented under it: {lines}")
+
+
+def test_release_commands_call_the_release_routes(recorder, tmp_path, capsys):
+    url, handler = recorder
+    handler.answer = (200, b'{"id": "rel-1", "state": "canary"}')
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text('{"prompt": "2+2=", "expected": "4"}\n\n')
+    create = ["release", "create", "fin", "/zoo/fin-2", "--steps", "10,100", "--min-requests", "5",
+              "--dwell", "0", "--eval-set", str(eval_set), "--url", url]
+    assert main(create) == 0, "create succeeds"
+    assert main(["release", "promote", "fin", "rel-1", "--url", url]) == 0, "promote succeeds"
+    assert main(["release", "status", "fin", "rel-1", "--url", url]) == 0, "status succeeds"
+    created, promoted, status = handler.seen
+    assert (created["method"], created["path"]) == ("POST", "/v1/adapters/fin/releases"), "create's route"
+    assert json.loads(created["body"]) == {"lora_path": "/zoo/fin-2", "steps": [10.0, 100.0],
+                                           "step_min_requests": 5, "step_dwell_s": 0.0,
+                                           "eval_set": [{"prompt": "2+2=", "expected": "4"}]}, "its body"
+    assert (promoted["method"], promoted["path"]) == ("POST", "/v1/adapters/fin/releases/rel-1/promote"), \
+        "a command posts to the release's action"
+    assert (status["method"], status["path"]) == ("GET", "/v1/adapters/fin/releases/rel-1"), "status reads"
+    assert '"state": "canary"' in capsys.readouterr().out, "the answers are printed as JSON"

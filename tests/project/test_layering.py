@@ -8,7 +8,7 @@ file and line.
 The table is acyclic, so the layers read bottom to top:
 
     compiled, errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker |
-    config | cluster, tenancy, store |
+    config | cluster, tenancy, store, releases |
     engine: sample < schedule < adapters < model < engine's own modules (llm_engine, factory,
             async_engine) | sim | client, demo < demo_families |
     serve: http_errors, ops < protocol < routing < replica < http < app;
@@ -32,7 +32,7 @@ ROOM_PACKAGES = {"serve": SERVE_UNITS, "engine": ENGINE_ROOMS}
 BASE = {"errors", "progress"}
 FORMAT = BASE | {"request", "replica_policy", "adapter_experts", "adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
-POLICY = CONFIG | {"cluster", "tenancy", "store"}
+POLICY = CONFIG | {"cluster", "tenancy", "store", "releases"}
 ENGINE_BELOW = {room: CONFIG | {"store"} | {f"engine.{r}" for r in ENGINE_ROOMS[:i]}
                 for i, room in enumerate(ENGINE_ROOMS)}
 ENGINE = POLICY | {"engine", *(f"engine.{r}" for r in ENGINE_ROOMS)}
@@ -51,6 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors"},
     "cluster": {"errors", "config"},
     "tenancy": {"errors", "config"},
+    "releases": {"errors", "config"},
     "store": CONFIG,
     **{f"engine.{room}": below for room, below in ENGINE_BELOW.items()},
     "engine": CONFIG | {"store"} | {f"engine.{r}" for r in ENGINE_ROOMS},

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import schemathesis
 from helpers import ROOT
@@ -277,13 +278,18 @@ def _grammar(value: Any) -> bool:
 
 def _schema_text(value: Any) -> bool:
     """Whether `value`, where the schema says `format: json-schema` (a schema object or its JSON
-    text), is one (constants are mixed in as into `grammar` strings)."""
-    if not isinstance(value, str):
+    text), is one: an object valid for the JSON Schema meta-schema (constants are mixed in as into
+    `grammar` strings, and generated objects such as `{"format": null}` are not schemas)."""
+    if value is None:
         return True
     try:
-        return isinstance(json.loads(value), dict)
-    except ValueError:
+        document = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(document, dict):
+            return False
+        jsonschema.Draft202012Validator.check_schema(document)
+    except (ValueError, jsonschema.SchemaError):
         return False
+    return True
 
 
 def filter_body(context: Any, body: Any) -> bool:
@@ -354,7 +360,12 @@ def _http_report(request) -> Any:
 
 
 def _fuzz(case: Any, mode: str) -> None:
-    """One case, every default schemathesis check, none loosened."""
+    """One case, every default schemathesis check, none loosened. A case whose body breaks a rule
+    that a format states (`filter_body`) is not schema-valid data: it is left out here too, since
+    schemathesis's deterministic phases do not pass their bodies through the filter."""
+    if not filter_body(case, case.body):
+        HTTP_STATUSES[f"{mode}: {case.method} {case.path} -> left out (a format's rule)"] += 1
+        return
     response = case.call(headers=MODES[mode])
     HTTP_STATUSES[f"{mode}: {case.method} {case.path} -> {response.status_code}"] += 1
     case.validate_response(response, headers=MODES[mode])

@@ -238,6 +238,92 @@ def test_load_and_unload_lora_adapter(http, demo_zoo, tmp_path):
         "unloading a name that is not loaded is a 404")
 
 
+def test_versions_of_a_loaded_name_answer_side_by_side(http, demo_zoo):
+    """A load in place is the name's next version: the bare name moves to it, `name@1` still answers
+    with version 1's weights, and the response header says which version answered."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+
+    def answer(model: str) -> tuple[str, str | None]:
+        r = http.post("/v1/completions", json={**body, "model": model})
+        assert r.status_code == 200, f"{model} serves: {r.text}"
+        return r.json()["choices"][0]["text"], r.headers.get("x-lora-adapter-version")
+
+    own_a3, own_a4 = answer("a3")[0], answer("a4")[0]
+    assert own_a3 != own_a4, "a3 and a4 answer differently (else this test proves nothing)"
+    first = {"lora_name": "fin", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    assert http.post("/v1/load_lora_adapter", json=first).status_code == 200, "version 1 loads"
+    second = {"lora_name": "fin", "lora_path": str(demo_zoo.adapters_dir / "a4"), "load_inplace": True}
+    loaded = http.post("/v1/load_lora_adapter", json=second)
+    assert loaded.status_code == 200, f"a load in place makes version 2: {loaded.text}"
+    assert answer("fin") == (own_a4, "2"), "the bare name is answered by version 2's weights"
+    assert answer("fin@1") == (own_a3, "1"), "fin@1 still answers with version 1's weights"
+    listed = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert {"fin", "fin@1", "fin@2"} <= set(listed), f"/v1/models lists the name and its versions: {listed}"
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fin"}).status_code == 200, "it unloads"
+    gone = http.post("/v1/completions", json={**body, "model": "fin@1"})
+    assert gone.status_code == 404, f"every version went with the name: {gone.text}"
+
+
+def test_a_release_goes_through_every_step_while_model_fin_callers_change_nothing(http, base_url, demo_zoo):
+    """A release of `rel` (version 2, a4's weights, against version 1, a3's): the openai client calling
+    the bare name is answered by v1 or v2 as the steps say, each user by one version at a time, until
+    the promotion; `rel@1` answers with version 1 throughout."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    first = {"lora_name": "rel", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    assert http.post("/v1/load_lora_adapter", json=first).status_code == 200, "version 1 loads"
+    body = {"lora_path": str(demo_zoo.adapters_dir / "a4"), "steps": [25, 50, 100], "step_min_requests": 3,
+            "step_dwell_s": 0}
+    created = http.post("/v1/adapters/rel/releases", json=body)
+    assert created.status_code == 200, f"the release starts: {created.text}"
+    release = created.json()
+    shares, users = [], {}
+    for i in range(120):  # bounded: about 3 / 0.25 + 3 / 0.5 + 3 requests are needed
+        user = f"user-{i % 10}"
+        raw = client.completions.with_raw_response.create(model="rel", prompt=PROMPT, max_tokens=2,
+                                                            temperature=0, user=user)
+        users.setdefault(user, []).append(raw.headers["x-lora-adapter-version"])
+        status = http.get(f"/v1/adapters/rel/releases/{release['id']}").json()
+        shares.append(status["percent"])
+        if status["state"] == "promoted":
+            break
+    pinned = http.post("/v1/completions", json={"model": "rel@1", "prompt": PROMPT, "max_tokens": 2})
+    bare = http.post("/v1/completions", json={"model": "rel", "prompt": PROMPT, "max_tokens": 2})
+    events = http.get(f"/v1/adapters/rel/releases/{release['id']}/events").json()["data"]
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "rel"})
+    assert status["state"] == "promoted", f"the release reaches 100% and is promoted: {status}"
+    assert [s for s in dict.fromkeys(shares) if s] == [25.0, 50.0, 100.0], f"it went every step: {shares}"
+    assert [e["kind"] for e in events].count("step_advanced") == 2, "each step's advance is in the audit log"
+    assert all(v == sorted(v) for v in users.values()), f"a user never goes back to version 1: {users}"
+    assert pinned.headers["x-lora-adapter-version"] == "1", "rel@1 still answers with version 1"
+    assert bare.headers["x-lora-adapter-version"] == "2", "the bare name is version 2 once promoted"
+
+
+def test_the_eval_gate_refuses_random_weights_and_passes_a_close_candidate(http, demo_zoo, tmp_path):
+    """The eval set is version 1's own greedy answers: a copy of its weights (a close retrain)
+    passes, another adapter's random weights are refused before any client sees them."""
+    prompts = ["the river", "a quiet town", "once upon"]
+    first = {"lora_name": "ev", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    loaded = http.post("/v1/load_lora_adapter", json=first)
+    assert loaded.status_code == 200, f"version 1 loads: {loaded.text}"
+    greedy = {"model": "ev", "max_tokens": 8, "temperature": 0}
+    answers = [http.post("/v1/completions", json={**greedy, "prompt": p}).json()["choices"][0]["text"]
+               for p in prompts]
+    cases = [{"prompt": p, "expected": a} for p, a in zip(prompts, answers, strict=True)]
+    refused = http.post("/v1/adapters/ev/releases", json={"lora_path": str(demo_zoo.adapters_dir / "a4"),
+                                                           "eval_set": cases}).json()
+    after = [http.post("/v1/completions", json={"model": "ev", "prompt": p, "max_tokens": 2, "user": f"u{i}"})
+             .headers["x-lora-adapter-version"] for i, p in enumerate(prompts * 4)]
+    close = tmp_path / "retrained"
+    shutil.copytree(demo_zoo.adapters_dir / "a3", close)
+    passed = http.post("/v1/adapters/ev/releases", json={"lora_path": str(close), "eval_set": cases}).json()
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "ev"})
+    assert refused["state"] == "rolled_back", f"random weights are refused by the eval gate: {refused}"
+    assert after == ["1"] * len(after), "no client was answered by the refused candidate"
+    assert passed["state"] == "canary", f"a close candidate passes the eval gate: {passed}"
+
+
 def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(http, demo_zoo):
     """Regression: the replica's device slot kept the source adapter's weights after the name was
     registered with another path (and again after it was unloaded)."""

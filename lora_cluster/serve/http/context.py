@@ -1,9 +1,10 @@
-"""What every API route of the ingress shares: the config, the dispatcher, and three parts, each one
+"""What every API route of the ingress shares: the config, the dispatcher, and four parts, each one
 concept: `tokens` (each base's tokenizer off the event loop, the prompt and chat limits:
 `tokenization`), `models` (what a request's names run on: `model_names`) and `policy` (the caller and
-its SLA class: `request_policy`); plus the generations' fan-in (`merge`, `finals`).
+its SLA class: `request_policy`), and `releases` (the adapters' releases: `releases.book`); plus the
+generations' fan-in (`merge`, `finals`).
 
-The context is the ingress's composition root: it builds the three parts from its fields, so a test
+The context is the ingress's composition root: it builds the four parts from its fields, so a test
 or the ingress gives it a config, a tokenizer and a dispatcher (and optionally each base's tokenizer,
 the adapter registrations, the tenants and quotas) and every route reads the same parts. Call
 `close()` when the ingress goes away.
@@ -12,6 +13,7 @@ the adapter registrations, the tenants and quotas) and every route reads the sam
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from fastapi import Header
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import RequestAbortedError
+from lora_cluster.releases.book import ReleaseBook
+from lora_cluster.releases.gates import ReleaseSettings
 from lora_cluster.serve.http.model_names import ModelNames
 from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
@@ -54,6 +58,7 @@ class ApiContext:
     tenants: TenantsSource | None = None  # None: no tenants file, every route is open
     quotas: Quotas | None = None  # the tenants' quota ledger (None: quotas are not enforced)
     metrics_hub: SharedMetrics | None = None  # several ingress replicas: /metrics sums them (ops.metrics_hub)
+    releases: ReleaseBook = field(init=False, repr=False)  # this ingress's adapter releases
     tokens: Tokenization = field(init=False, repr=False)
     models: ModelNames = field(init=False, repr=False)
     policy: RequestPolicy = field(init=False, repr=False)
@@ -62,7 +67,9 @@ class ApiContext:
         if isinstance(self.registrations, AdapterRegistrations):
             self.registrations = LocalRegistrations(self.registrations)
         self.tokens = Tokenization(self.config, self.tokenizer, self.tokenizers, self.encode_threads)
-        self.models = ModelNames(self.config, self.dispatcher, self.registrations)
+        # a release outlives a step's dwell across restarts: a wall clock (releases.release)
+        self.releases = ReleaseBook(ReleaseSettings.from_config(self.config.releases), time.time)
+        self.models = ModelNames(self.config, self.dispatcher, self.registrations, self.releases)
         self.policy = RequestPolicy(self.config, self.tenants, self.quotas)
 
     def close(self) -> None:

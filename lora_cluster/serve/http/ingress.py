@@ -30,6 +30,7 @@ from lora_cluster.serve.http.lorax_api import lorax_router
 from lora_cluster.serve.http.openai_api import openai_router
 from lora_cluster.serve.http.openapi import install_openapi
 from lora_cluster.serve.http.registry import LocalRegistrations, SharedRegistrations
+from lora_cluster.serve.http.releases_api import releases_router
 from lora_cluster.serve.http.schema_limits import constrain
 from lora_cluster.serve.http_errors import install_handlers
 from lora_cluster.serve.ops import generation_metrics, metrics, metrics_exposition
@@ -114,6 +115,7 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(openai_router(ctx))
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
+    app.include_router(releases_router(ctx))
     # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
     install_openapi(app, priority_classes=[c.name for c in ctx.policy.sla.classes],
                     auth=ctx.policy.authenticate,

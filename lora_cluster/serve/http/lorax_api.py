@@ -28,10 +28,12 @@ from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
 from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.adapter_versions import version_header
 from lora_cluster.serve.http.best_of import best_one
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals
 from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
 from lora_cluster.serve.http.lorax_schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest
+from lora_cluster.serve.http.release_traffic import record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import EventStream, event
 from lora_cluster.serve.http.truncation import Prompt, truncation_headers
@@ -127,7 +129,12 @@ class LoraxRoutes:
         """The answer of a request not streamed, and its headers (best_of: the best candidate's, the
         others as `best_of_sequences` with `details`)."""
         generations, seeds, prompt, base = await self._start(body, False, route, sla, caller)
-        done = await finals(generations)
+        try:
+            done = await finals(generations)
+        except BaseException as exc:
+            record_failure(self.ctx.releases, generations[0].job, exc)  # evidence for a release
+            raise
+        record_answer(self.ctx.releases, generations[0].job, done[0], sla)
         best, others = best_one(done) if len(done) > 1 else (0, [])
         p = body.parameters
         texts = TokenTexts(partial(self.ctx.tokens.token_text, base=base))
@@ -163,7 +170,8 @@ class LoraxRoutes:
 
 
 def _headers(generations: list[Generation], sla: SlaClass, prompt: Prompt) -> dict[str, str]:
-    return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name, **truncation_headers([prompt])}
+    return {**routing_headers(generations), HEADER_PRIORITY_CLASS: sla.name, **truncation_headers([prompt]),
+            **version_header(generations[0].job)}
 
 
 def _details(final: dict[str, Any], seed: int | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What the names in a request run on: the base models' API names, the base a request runs on, the
-adapter its `model` names (within what the caller's tenant may use), and where an adapter registered
-through the vLLM API lies.
+adapter its `model` names (within what the caller's tenant may use; `fin@N` one version of `fin`, the
+bare `fin` its latest: `adapter_versions`), and where an adapter registered through the vLLM API lies.
 
 A route first asks which base a request runs on (`request_base`: the base its `model` names, or that
 of the group its adapter or merge goes to, as the dispatcher will pick it), then tokenizes with that
@@ -10,10 +10,14 @@ that base only.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import AdapterNotFoundError
+from lora_cluster.errors import AdapterNotFoundError, AdapterVersionNotFoundError
+from lora_cluster.releases.book import ReleaseBook
+from lora_cluster.releases.refs import parse_ref
+from lora_cluster.serve.http.adapter_versions import VersionIndex
 from lora_cluster.serve.http.registry import Registrations
 from lora_cluster.serve.http_errors import ApiException, describe
 from lora_cluster.serve.replica.model import served_name
@@ -26,8 +30,10 @@ class ModelNames:
     """The model names of one ingress (see the module docstring)."""
 
     def __init__(self, config: ServeConfig, dispatcher: Dispatcher | GroupedDispatcher,
-                 registrations: Registrations):
+                 registrations: Registrations, releases: ReleaseBook | None = None):
         self.config, self.dispatcher, self.registrations = config, dispatcher, registrations
+        self.versions = VersionIndex(registrations)
+        self.releases = releases
 
     @property
     def base_name(self) -> str:
@@ -57,16 +63,32 @@ class ModelNames:
             return self.base_for(model)
         return await grouped.base_of(adapter, tenant, self.base_for(model), merged)
 
-    def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False) -> str | None:
-        """The adapter id a request's `model` names (None: the base model); a 404 with the body of an
-        unknown adapter when the caller's tenant may not use it (existence does not leak). `merging`:
-        the request merges adapters (`merged_adapters`) onto the base model it names; the merge's own
-        adapter ids are checked then (`schemas.merge_of`), so a tenant without `base_model` access
-        may merge adapters it owns."""
+    def adapter_for(self, model: str | None, caller: Caller, *, merging: bool = False,
+                    user: str | None = None) -> str | None:
+        """The replica adapter id a request's `model` names (None: the base model; `fin@N` and `fin`
+        resolved by `adapter_versions`, a bare name under release by the release for `user`, the
+        end user: sticky; None: a share of the anonymous requests); a 404 with the body of an unknown
+        adapter when the caller's tenant may not use the name (existence does not leak), or the
+        version is not kept. `merging`: the request merges adapters (`merged_adapters`) onto the base
+        model it names; the merge's own adapter ids are checked then (`schemas.merge_of`), so a
+        tenant without `base_model` access may merge adapters it owns."""
         adapter = None if model is None or self.base_for(model) is not None else model
-        if not (merging and adapter is None) and not caller.may_use(adapter):
+        name = None if adapter is None else parse_ref(adapter)[0]
+        if not (merging and adapter is None) and not caller.may_use(name):
             raise ApiException(describe(AdapterNotFoundError(model or self.base_name, "not accessible")))
-        return adapter
+        if adapter is None:
+            return None
+        try:
+            return self.versions.replica_id(adapter, self._alias(adapter, user))
+        except AdapterVersionNotFoundError as exc:
+            raise ApiException(describe(exc)) from exc
+
+    def _alias(self, adapter: str, user: str | None) -> int | None:
+        """The version a bare name under release means for `user` (None: a `name@N`, or the latest)."""
+        if self.releases is None or parse_ref(adapter)[1] is not None:
+            return None
+        kept = self.versions.versions(adapter)
+        return self.releases.alias(adapter, kept, user or uuid.uuid4().hex) if kept else None
 
     def adapter_path(self, adapter_id: str | None) -> str | None:
         """The path of an adapter registered through vLLM's load_lora_adapter (None: not registered)."""

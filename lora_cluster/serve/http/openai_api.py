@@ -34,7 +34,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.releases.refs import parse_ref
 from lora_cluster.serve.http import openapi, tool_calls
+from lora_cluster.serve.http.adapter_versions import model_ids, version_header
 from lora_cluster.serve.http.best_of import best_n
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
 from lora_cluster.serve.http.logprob_format import (
@@ -45,6 +47,7 @@ from lora_cluster.serve.http.logprob_format import (
 )
 from lora_cluster.serve.http.openai_schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
 from lora_cluster.serve.http.prompt_limits import ChatLimits
+from lora_cluster.serve.http.release_traffic import record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
 from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
@@ -116,7 +119,9 @@ class OpenAiRoutes:
         with `parent` set to its base."""
         ctx = self.ctx
         created = int(time.time())
-        registered = ctx.registrations.snapshot()
+        paths = ctx.registrations.snapshot()
+        listed_ids = model_ids(paths)  # a registered adapter's bare name and each version, name@N
+        registered = {model: paths[replica_id] for model, replica_id in listed_ids.items()}
         grouped = ctx.dispatcher
         if isinstance(grouped, GroupedDispatcher) and grouped.several_bases:
             listed = await grouped.listings()
@@ -132,7 +137,7 @@ class OpenAiRoutes:
                              "root": root, "parent": None})
             data.extend({"id": a, "object": "model", "created": created, "owned_by": "lora-cluster",
                          "root": registered.get(a, a) if caller.principal.admin else a, "parent": base}
-                        for a in dict.fromkeys(adapters) if caller.may_use(a))
+                        for a in dict.fromkeys(adapters) if caller.may_use(parse_ref(a)[0]))
         return {"object": "list", "data": data}
 
     def _screen(self, body: CompletionRequest | ChatCompletionRequest, caller: Caller,
@@ -158,7 +163,8 @@ class OpenAiRoutes:
                   sla: SlaClass, caller: Caller, base: str | None) -> list[GenerateJob]:
         """The request's jobs: `body.candidates` per prompt, prompt by prompt (choice i: seed + i)."""
         ctx = self.ctx
-        adapter = ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        adapter = ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None,
+                                         user=body.user)
         merge = merge_of(body.merged_adapters, adapter, ctx.config,
                          lambda aid: ctx.models.adapter_for(aid, caller))
         path = ctx.models.adapter_path(adapter)
@@ -187,17 +193,26 @@ class OpenAiRoutes:
         prompt_tokens = sum(len(p) for p in prompts)
         await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
         # each choice is charged from its start: a fan-out cancelled while starting charges what ran
-        generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
+        try:
+            generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
+        except BaseException as exc:
+            record_failure(ctx.releases, jobs[0], exc)  # evidence for a release of this version
+            raise
         cached = cached_tokens(generations, len(prompts))
         headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name,
-                   **truncation_headers(fitted)}
+                   **truncation_headers(fitted), **version_header(jobs[0])}
         texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream and not body.whole:
             events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
                              texts, reader, cached=cached)
             return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
-        done = await finals(generations)
+        try:
+            done = await finals(generations)
+        except BaseException as exc:
+            record_failure(ctx.releases, jobs[0], exc)
+            raise
+        record_answer(ctx.releases, jobs[0], done[0], sla)
         completion_tokens = sum(item["completion_tokens"] for item in done)  # every candidate's
         if body.selects:
             done = _selected(done, body.candidates, body.n, asked=body.logprobs_k() is not None)

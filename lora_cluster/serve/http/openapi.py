@@ -70,6 +70,9 @@ _ROUTING_HEADERS = {
     "x-lora-truncated-tokens": {"description": "Tokens cut from the request's prompts to fit the prompt "
                                 "limit (prompt_truncation: auto; absent when none were).",
                                 "schema": {"type": "integer", "minimum": 1}},
+    "x-lora-adapter-version": {"description": "The version of the adapter that answered (`name@N`'s N; "
+                               "absent for the base model and a merge).",
+                               "schema": {"type": "integer", "minimum": 1}},
     "x-lora-cached-tokens": {"description": "Prompt tokens whose KV came from the replicas' prefix caches "
                              "(once per prompt, as usage.prompt_tokens_details.cached_tokens).",
                              "schema": {"type": "integer", "minimum": 0}},
@@ -113,6 +116,9 @@ LISTING = errors(401, 403, 429, 503)
 ADMIN_ACTION = errors(400, 401, 403, 404, 409, 413, 503)
 # GET /v1/cluster, /debug/replicas
 ADMIN_VIEW = errors(400, 401, 403, 503)
+# /v1/adapters/{name}/releases...: JSON, a release's status, list or events
+RELEASE_VIEW = errors(400, 401, 403, 404)
+RELEASE_ACTION = errors(400, 401, 403, 404, 409, 413, 503)
 # GET /health
 HEALTH = errors(503)
 

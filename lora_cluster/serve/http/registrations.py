@@ -41,6 +41,7 @@ class AdapterRegistrations:
         self.limit = limit
         self._paths: dict[str, str] = {}
         self._busy: dict[str, Operation] = {}  # name -> what is being done to it
+        self.changes = 0  # grows with every change of the registered names (readers rebuild on it)
 
     def path(self, name: str) -> str | None:
         """The path a registered adapter was loaded from (None: not registered, or still loading)."""
@@ -70,6 +71,7 @@ class AdapterRegistrations:
             raise RuntimeError(f"complete_load({name!r}) without reserve_load")
         del self._busy[name]
         self._paths[name] = path
+        self.changes += 1
 
     def reserve_unload(self, name: str) -> bool:
         """Unregister `name` and mark it as being unloaded; False when it is not registered."""
@@ -77,6 +79,7 @@ class AdapterRegistrations:
             return False
         del self._paths[name]
         self._busy[name] = "unloaded"
+        self.changes += 1
         return True
 
     def release(self, name: str) -> None:

@@ -56,6 +56,11 @@ class CatalogSink(Protocol):
 class Registrations(Protocol):
     """The ingress's registrations (see `registrations` for the reserve/settle protocol)."""
 
+    @property
+    def changes(self) -> int:
+        """Grows with every change of the registered names (`adapter_versions` rebuilds on it)."""
+        ...
+
     def path(self, name: str) -> str | None: ...
 
     def snapshot(self) -> dict[str, str]: ...
@@ -75,6 +80,10 @@ class LocalRegistrations:
 
     def __init__(self, registrations: AdapterRegistrations | None = None):
         self.registrations = registrations or AdapterRegistrations()
+
+    @property
+    def changes(self) -> int:
+        return self.registrations.changes
 
     def path(self, name: str) -> str | None:
         return self.registrations.path(name)
@@ -105,6 +114,7 @@ class SharedRegistrations:
         self.subscriber = f"ingress-{uuid.uuid4().hex[:12]}"
         self._entries: dict[str, tuple[str, str | None]] = {}
         self.version, self.epoch = -1, None
+        self.changes = 0  # entries taken from the registry so far
         self._poller: asyncio.Task[None] | None = None
 
     def path(self, name: str) -> str | None:
@@ -186,6 +196,7 @@ class SharedRegistrations:
                 if base is not None:
                     self._catalog.register(base, name)
         self._entries, self.version, self.epoch = entries, reply["version"], reply["epoch"]
+        self.changes += 1
 
 
 @serve.deployment(name="AdapterRegistry", num_replicas=1, ray_actor_options={"num_cpus": 0},

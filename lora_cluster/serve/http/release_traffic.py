@@ -1,0 +1,52 @@
+"""What a release learns from live traffic: each answered request of a version under release, as
+evidence for its gates (`releases.book.record`).
+
+A request counts once, by its first job's adapter (a request's choices share one version; a merge
+of adapters is no one version's evidence). It is an error when it failed for a reason the version
+can cause (a failed adapter load, an engine error, an invalid adapter...), not when the client went
+away or the cluster shed it for overload (`NOT_THE_VERSIONS`). On target: the first token came
+within the SLA class's TTFT target (`SlaClass.met`). Recording is synchronous, between two awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from lora_cluster.cluster.sla import SlaClass
+from lora_cluster.errors import (
+    ClusterOverloadedError,
+    EngineOverloadedError,
+    QuotaExceededError,
+    RequestAbortedError,
+)
+from lora_cluster.releases.book import ReleaseBook
+from lora_cluster.releases.refs import parse_ref
+from lora_cluster.serve.http_errors import ApiException
+
+NOT_THE_VERSIONS = (asyncio.CancelledError, RequestAbortedError, ClusterOverloadedError,
+                    EngineOverloadedError, QuotaExceededError)
+
+
+def _version(job: Any) -> tuple[str, int] | None:
+    if job.adapter_id is None or job.merge is not None:
+        return None
+    name, number = parse_ref(job.adapter_id)
+    return name, number or 1
+
+
+def record_answer(book: ReleaseBook, job: Any, final: dict[str, Any], sla: SlaClass) -> None:
+    """A request whose first job is `job` was answered; `final` is that job's last item."""
+    version = _version(job)
+    if version is not None:
+        book.record(*version, ok=True, on_target=sla.met(final.get("ttft_s"), None))
+
+
+def record_failure(book: ReleaseBook, job: Any, exc: BaseException) -> None:
+    """A request whose first job is `job` failed with `exc` (counted unless not the version's doing)."""
+    version = _version(job)
+    if version is None or isinstance(exc, NOT_THE_VERSIONS):
+        return
+    if isinstance(exc, ApiException) and exc.error.status in (429,):
+        return
+    book.record(*version, ok=False)
