@@ -15,6 +15,9 @@ that text. Within one response a token id is decoded once (`TokenTexts`).
 - LoRAX: each token's `logprob` and, with `return_k_alternatives`, `alternative_tokens`
   (`[{"id", "text", "logprob"}]`, most likely first); `decoder_input_details` gives `prefill`
   (`[{"id", "text", "logprob"}]`, the first logprob null).
+
+A constrained row's disallowed tokens have logprob -inf, which JSON cannot carry: every logprob these
+shapes report is at least `LOGPROB_FLOOR` (-9999.0, what vLLM's OpenAI server reports for them).
 """
 
 from __future__ import annotations
@@ -23,6 +26,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lora_cluster.request.output import TokenLogprob
+
+LOGPROB_FLOOR = -9999.0  # a -inf logprob (a token a grammar masks), as JSON can carry it
+
+
+def json_logprob(value: float) -> float:
+    """`value`, or `LOGPROB_FLOOR` when it is lower (-inf included)."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _top(lp: TokenLogprob) -> list[tuple[int, float]]:
+    return [(tid, json_logprob(value)) for tid, value in lp.top]
 
 
 class TokenTexts:
@@ -48,10 +62,10 @@ def completion_logprobs(lps: Sequence[TokenLogprob], text: TokenTexts, offset: i
         offset += len(tokens[-1])
     top = []
     for lp in lps:
-        alternatives = {text(tid): value for tid, value in lp.top}
-        alternatives.setdefault(text(lp.token_id), lp.logprob)
+        alternatives = {text(tid): value for tid, value in _top(lp)}
+        alternatives.setdefault(text(lp.token_id), json_logprob(lp.logprob))
         top.append(alternatives)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
+    return {"tokens": tokens, "token_logprobs": [json_logprob(lp.logprob) for lp in lps], "top_logprobs": top,
             "text_offset": offsets}
 
 
@@ -67,15 +81,15 @@ def echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob | None] 
         if lp is None:
             top.append(None)
             continue
-        alternatives = {text(t): value for t, value in lp.top}
-        alternatives.setdefault(text(tid), lp.logprob)
+        alternatives = {text(t): value for t, value in _top(lp)}
+        alternatives.setdefault(text(tid), json_logprob(lp.logprob))
         top.append(alternatives)
-    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": top, "text_offset": offsets}
+    values = [None if lp is None else json_logprob(lp.logprob) for lp in lps]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
 
 def _chat_entry(token_text: str, logprob: float) -> dict[str, Any]:
-    return {"token": token_text, "logprob": logprob, "bytes": list(token_text.encode("utf-8"))}
+    return {"token": token_text, "logprob": json_logprob(logprob), "bytes": list(token_text.encode("utf-8"))}
 
 
 def chat_logprobs(lps: Sequence[TokenLogprob], text: TokenTexts) -> dict[str, Any]:
@@ -90,12 +104,13 @@ def chat_logprobs(lps: Sequence[TokenLogprob], text: TokenTexts) -> dict[str, An
 
 def lorax_alternatives(lp: TokenLogprob, text: TokenTexts) -> list[dict[str, Any]]:
     """LoRAX's `alternative_tokens` of one generated token."""
-    return [{"id": tid, "text": text(tid), "logprob": value} for tid, value in lp.top]
+    return [{"id": tid, "text": text(tid), "logprob": value} for tid, value in _top(lp)]
 
 
 def lorax_prefill(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob | None] | None,
                   text: TokenTexts) -> list[dict[str, Any]]:
     """LoRAX's `prefill`: every prompt token with its logprob (None for the first, or when not computed)."""
-    values = [None if lp is None else lp.logprob for lp in lps] if lps else [None] * len(prompt_ids)
+    values = ([None if lp is None else json_logprob(lp.logprob) for lp in lps] if lps
+              else [None] * len(prompt_ids))
     return [{"id": tid, "text": text(tid), "logprob": value}
             for tid, value in zip(prompt_ids, values, strict=True)]

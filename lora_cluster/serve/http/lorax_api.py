@@ -31,7 +31,7 @@ from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_versions import version_header
 from lora_cluster.serve.http.best_of import best_one
 from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals
-from lora_cluster.serve.http.logprob_format import TokenTexts, lorax_alternatives, lorax_prefill
+from lora_cluster.serve.http.logprob_format import TokenTexts, json_logprob, lorax_alternatives, lorax_prefill
 from lora_cluster.serve.http.lorax_schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest
 from lora_cluster.serve.http.release_traffic import record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
@@ -85,7 +85,7 @@ class LoraxRoutes:
                text: str | None = None) -> dict[str, Any]:
         """One token in LoRAX's shape (`text` None: the token's own text)."""
         out = {"id": token_id, "text": texts(token_id) if text is None else text,
-               "logprob": 0.0 if lp is None else lp.logprob,
+               "logprob": 0.0 if lp is None else json_logprob(lp.logprob),
                "special": self.ctx.tokens.is_special(token_id, base)}
         if alternatives and lp is not None:
             out["alternative_tokens"] = lorax_alternatives(lp, texts)
