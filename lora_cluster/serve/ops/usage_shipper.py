@@ -42,7 +42,10 @@ class UsageShipper:
         """Keep `record` for the next flush (starts the flushing task on the running loop if needed)."""
         self.buffer.add(record)
         if self.background and (self._task is None or self._task.done()):
-            self._task = asyncio.get_running_loop().create_task(self._flush_forever())
+            try:
+                self._task = asyncio.get_running_loop().create_task(self._flush_forever())
+            except RuntimeError:  # no loop here (a generator finalized late): the next add starts it
+                self._task = None
 
     async def flush(self) -> bool:
         """Send the buffer in one call; False (and the batch put back) if the call failed."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -27,8 +28,8 @@ class UsageSinkCore:
 
     def __init__(self, db_path: str, retention_s: float):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-store")
-        self.store = UsageStore(db_path, retention_s)
-        self._pruned_at = 0.0
+        self.store = UsageStore(Path(db_path).expanduser(), retention_s)  # `~`: this node's user's home
+        self._pruned_at = -PRUNE_EVERY_S
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, lambda: fn(*args, **kwargs))
@@ -36,10 +37,9 @@ class UsageSinkCore:
     async def record(self, records: list[UsageRecord]) -> int:
         """Store a batch (one transaction); returns how many requests were new."""
         new = await self._run(self.store.record, records)
-        now = time.time()
-        if now - self._pruned_at >= PRUNE_EVERY_S:
-            self._pruned_at = now
-            await self._run(self.store.prune, now)
+        if time.monotonic() - self._pruned_at >= PRUNE_EVERY_S:
+            self._pruned_at = time.monotonic()
+            await self._run(self.store.prune, time.time())  # records end at Unix times
         return new
 
     async def query(self, **filters: Any) -> list[dict[str, object]]:
