@@ -193,4 +193,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         hub = MetricsHub.options(logging_config=internal_logging(config)).bind(
             config.metrics.metrics_max_adapter_labels, config.metrics.metrics_max_tenant_labels,
             config.metrics.metrics_label_window_s)
-    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub)
+    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub,
+                       sink)

@@ -1,7 +1,8 @@
 """Usage records from the LoRA replicas to the usage store on a real Ray Serve app (conftest's
 `tenants_app`, this module's tenants `usage-a` and `usage-b`; the store is the session's
-`LORA_CLUSTER_USAGE_DB_PATH` file): one record per request with the tokens the client received, and
-nothing lost when the usage-store deployment's actor is killed and Serve starts it again."""
+`LORA_CLUSTER_USAGE_DB_PATH` file): one record per request with the tokens the client received,
+`GET /v1/usage` scoped to the caller's tenant (and `lora-cluster usage --url`), and nothing lost
+when the usage-store deployment's actor is killed and Serve starts it again."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import time
 
 import httpx
 import pytest
-from shared_apps import USAGE_A, USAGE_B
+from shared_apps import QUOTA_ADMIN, USAGE_A, USAGE_B
 
+from lora_cluster.cli import main
 from lora_cluster.tenancy.usage_store import UsageStore
 
 TENANTS = {"usage-a": USAGE_A, "usage-b": USAGE_B}
@@ -56,6 +58,29 @@ def test_each_request_is_one_record_with_the_tokens_the_client_received(tenants_
         assert row["device_s"] > 0, f"{tenant}: device time is charged: {row}"
 
 
+def over_http(url: str, key: str, **params: object) -> httpx.Response:
+    return httpx.get(f"{url}/v1/usage", params=params, headers={"authorization": f"Bearer {key}"},
+                     timeout=30)
+
+
+@pytest.mark.e2e
+def test_a_tenant_reads_only_its_own_usage_and_an_admin_reads_any(tenants_app, capsys):
+    wait_for("usage-b", 1)
+    own = over_http(tenants_app, USAGE_A, group_by="tenant")
+    assert own.status_code == 200, f"a tenant reads its usage: {own.text}"
+    assert [r["tenant"] for r in own.json()["data"]] == ["usage-a"], f"only its own tenant: {own.json()}"
+    assert own.json()["data"][0]["requests"] == stored("usage-a")["requests"], "the store's sums"
+    other = over_http(tenants_app, USAGE_A, tenant="usage-b")
+    assert other.status_code == 403, f"another tenant's usage is refused: {other.text}"
+    admin = over_http(tenants_app, QUOTA_ADMIN, tenant="usage-b")
+    assert admin.json()["data"][0]["requests"] == stored("usage-b")["requests"], \
+        f"an admin reads any tenant's usage: {admin.text}"
+    status = main(["usage", "--url", tenants_app, "--api-key", USAGE_B, "--format", "csv"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 0, "lora-cluster usage --url succeeds"
+    assert [line.split(",")[0] for line in lines[1:]] == ["usage-b"], f"the CLI reads the route: {lines}"
+
+
 @pytest.mark.e2e
 def test_usage_survives_a_kill_of_the_usage_store_actor(tenants_app):
     import ray
@@ -67,3 +92,6 @@ def test_usage_survives_a_kill_of_the_usage_store_actor(tenants_app):
     complete(tenants_app, USAGE_A)  # its record waits in the replica's buffer until the store is back
     row = wait_for("usage-a", before + 1, timeout_s=60.0)
     assert row["requests"] == before + 1, f"the usage before the kill is kept and the new record lands: {row}"
+    reply = over_http(tenants_app, USAGE_A)
+    assert reply.json()["data"][0]["requests"] == before + 1, \
+        f"the restarted usage store reports the usage from before the kill: {reply.text}"
