@@ -198,10 +198,14 @@ def _add_usage(subparsers: argparse._SubParsersAction) -> None:
     from lora_cluster.tenancy.usage_store import GROUPS
 
     p = subparsers.add_parser("usage", help="usage for chargeback: requests, tokens, device-seconds",
-                              description="Read the usage store (docs/metering.md) on the controller's "
-                              "node: sums per group over a time range, as a table or CSV.")
+                              description="Read the usage store (docs/metering.md): its file on the "
+                              "UsageSink deployment's node, or a server's GET /v1/usage (--url): sums per "
+                              "group over a time range, as a table or CSV.")
     p.add_argument("--db", default=None, help="the store's file (default: usage_db_path of the config, "
                    "LORA_CLUSTER_USAGE_DB_PATH)")
+    p.add_argument("--url", default=None, help="read a running server's GET /v1/usage instead of a file")
+    p.add_argument("--api-key", default=None, help="with --url: sent as `Authorization: Bearer <key>`")
+    p.add_argument("--timeout", type=float, default=30.0, help="with --url: seconds to wait (default 30)")
     p.add_argument("--group-by", default="tenant", help=f"comma-separated, of {', '.join(GROUPS)} "
                    "(default tenant)")
     p.add_argument("--tenant", default=None, help="only this tenant's usage")
@@ -213,17 +217,26 @@ def _add_usage(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_usage(args: argparse.Namespace) -> int:
-    import csv
-
     from lora_cluster.config import ServeConfig
     from lora_cluster.errors import LoraClusterError
-    from lora_cluster.tenancy.usage_store import SUMS, UsageStore
+    from lora_cluster.tenancy.usage_store import UsageStore
 
+    groups = tuple(g for g in args.group_by.split(",") if g)
+    if args.url is not None:
+        from lora_cluster.client import LoraClusterClient, ServerError
+
+        try:
+            rows = LoraClusterClient(args.url, api_key=args.api_key, timeout_s=args.timeout).usage(
+                group_by=",".join(groups), tenant=args.tenant, adapter=args.adapter, since=args.since,
+                until=args.until)
+        except ServerError as e:
+            print(f"lora-cluster usage: {e}", file=sys.stderr)
+            return 1
+        return _print_usage(rows, groups, args.format)
     path = Path(args.db or ServeConfig(model="-").tenancy.usage_db_path).expanduser()
     if not path.is_file():
         print(f"lora-cluster usage: no usage store at {path}", file=sys.stderr)
         return 1
-    groups = tuple(g for g in args.group_by.split(",") if g)
     store = UsageStore(path)
     try:
         rows = store.query(group_by=groups, tenant=args.tenant, adapter=args.adapter, since=args.since,
@@ -233,8 +246,16 @@ def _run_usage(args: argparse.Namespace) -> int:
         return 1
     finally:
         store.close()
+    return _print_usage(rows, groups, args.format)
+
+
+def _print_usage(rows: list[dict[str, object]], groups: tuple[str, ...], fmt: str) -> int:
+    import csv
+
+    from lora_cluster.tenancy.usage_store import SUMS
+
     columns = [*groups, *SUMS]
-    if args.format == "csv":
+    if fmt == "csv":
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
         writer.writerows([row[c] for c in columns] for row in rows)

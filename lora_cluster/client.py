@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -70,6 +71,13 @@ class LoraClusterClient:
 
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/health")
+
+    def usage(self, **params: Any) -> list[dict[str, Any]]:
+        """Usage sums per group (GET /v1/usage; `sla_class` is the query's `class`); None values are
+        left out."""
+        query = {("class" if k == "sla_class" else k): v for k, v in params.items() if v is not None}
+        path = "/v1/usage" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        return self._json("GET", path)["data"]
 
     def cluster(self) -> dict[str, Any]:
         """The cluster controller's view (GET /v1/cluster)."""

@@ -200,6 +200,11 @@ class QuotaUnavailableError(LoraClusterError):
     """The quota ledger cannot be reached, so a tenant's quota cannot be checked (503)."""
 
 
+class UsageUnavailableError(LoraClusterError):
+    """The usage store cannot be read: usage is not recorded (`usage_db_path` empty), or its
+    deployment cannot be reached (503)."""
+
+
 class QuotaExceededError(LoraClusterError):
     """A tenant's quota refused a request; names the tenant and the limit, `retry_after_s` says when
     a retry may succeed (429)."""

@@ -50,7 +50,8 @@ def cache_fingerprint(folder: Path, limit: int = 5000) -> tuple[tuple[str, int, 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """XDG_CACHE_HOME (from which the demo zoo's and the disk tier's default folders derive) is a temp
-    folder for the whole session, Ray workers included (they inherit the environment). Torch's
+    folder for the whole session, Ray workers included (they inherit the environment), and every app's
+    usage store (`usage_db_path`) a file in it. Torch's
     extension folder stays where it was (TORCH_EXTENSIONS_DIR pinned to it), so the C++ kernel built
     once is reused by later sessions. The user's ~/.cache/lora-cluster is compared once, at the end of
     the session (walking it per test took minutes on a machine that has used the product)."""
@@ -61,6 +62,7 @@ def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         real_xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         patch.setenv("TORCH_EXTENSIONS_DIR", str(real_xdg / "torch_extensions"))  # torch's own default
     patch.setenv("XDG_CACHE_HOME", str(cache))
+    patch.setenv("LORA_CLUSTER_USAGE_DB_PATH", str(cache / "usage" / "usage.db"))  # every app's usage store
     for name in _CACHE_ENV:
         patch.delenv(name, raising=False)
     yield cache

@@ -16,7 +16,8 @@ actor, an environment of its own), keeps an app of its own.
 * `tenants_yaml` / `tenants_config`: four ingress replicas, the cluster controller, one LoRA replica
   of two batch slots and a tenants file (test_ingress_replicas_e2e: spread, quota, registrations and
   parked requests across the ingresses; test_quotas_e2e: one tenant held to its quota across the
-  ingresses while another is served). Each module's tenants are its own, so neither spends the other's
+  ingresses while another is served; test_usage_e2e: usage records reach the store, flushed every
+  0.2 s). Each module's tenants are its own, so neither spends the other's
   quota.
 """
 
@@ -121,6 +122,7 @@ ADMIN = "sk-admin-0123456789"  # test_ingress_replicas_e2e's admin and limited t
 FIN = "sk-fin-0123456789"
 QUOTA_ADMIN = "sk-admin"  # test_quotas_e2e's admin, its limited tenant (`quota-fin`) and another (`quota-hr`)
 QUOTA_FIN, QUOTA_HR = "sk-fin-quota", "sk-hr-quota"
+USAGE_A, USAGE_B = "sk-usage-a-0123", "sk-usage-b-0123"  # test_usage_e2e's tenants `usage-a`, `usage-b`
 
 
 def tenants_yaml() -> str:
@@ -138,6 +140,12 @@ tenants:
   - name: quota-hr
     api_keys: ["{hash_key(QUOTA_HR)}"]
     adapters: ["a*"]
+  - name: usage-a
+    api_keys: ["{hash_key(USAGE_A)}"]
+    adapters: ["a*"]
+  - name: usage-b
+    api_keys: ["{hash_key(USAGE_B)}"]
+    adapters: ["a*"]
 """
 
 
@@ -146,4 +154,4 @@ def tenants_config(demo_zoo: DemoZoo, tenants_file: Path) -> dict[str, Any]:
             "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
             "max_num_batched_tokens": 64, "ingress_num_replicas": INGRESSES, "admission_window_max": 0,
             "routing_stats_period_s": 0.2, "controller_report_period_s": 0.2,
-            "tenants_file": str(tenants_file)}
+            "tenants_file": str(tenants_file), "usage_flush_s": 0.2}

@@ -126,7 +126,7 @@ GROUPS = (
           ("docs/serving.md", "input-limits")),
     Group("tenants", "Tenants, API keys and quotas", "tenancy",
           ("tenants_file", "tenants_reload_period_s", "open_routes", "quota_lease_s", "quota_ticket_ttl_s",
-           "usage_db_path", "usage_retention_s"),
+           "usage_db_path", "usage_flush_s", "usage_retention_s"),
           ("docs/serving.md", "tenants-and-quotas")),
     Group("ops", "Metrics and logs", "metrics",
           ("metrics_max_adapter_labels", "metrics_max_tenant_labels", "metrics_label_window_s", "log_format",

@@ -119,8 +119,15 @@ class TenancyConfig(BaseModel):
     usage_db_path: str = Field(
         "~/.local/state/lora-cluster/usage.db",
         description="The usage store (docs/metering.md): a SQLite file of one record per request and "
-        "per-minute sums per tenant, adapter, version and SLA class, on the controller's node; `~` is "
-        "the user's home. Read by `lora-cluster usage`.",
+        "per-minute sums per tenant, adapter, version and SLA class, on the node of the usage-store "
+        "deployment (`UsageSink`); `~` is "
+        "the user's home. Empty: no usage is recorded. Read by `lora-cluster usage`.",
+    )
+    usage_flush_s: float = Field(
+        5.0, gt=0, le=300,
+        description="Each LoRA replica sends its usage records to the usage store in one call this "
+        "often, and when it stops (docs/metering.md); at most 10,000 requests' records wait between "
+        "two calls.",
     )
     usage_retention_s: float = Field(
         7 * 86400.0, gt=0,

@@ -14,6 +14,8 @@ ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). A gr
 controller run its own configuration (`group_bases.group_config`: its `model` and engine settings
 over the top-level ones); the ingress gets the top-level one. With a `tenants_file`,
 a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.routing.quotas`).
+Unless `usage_db_path` is empty, a one-replica `UsageSink` owns the usage store, and every LoRA replica
+sends it its usage records in batches (`serve.ops.usage_sink`, `serve.ops.usage_shipper`).
 With several ingress replicas (`ingress_num_replicas` > 1 or `ingress_autoscaling_config`), a
 one-replica `AdapterRegistry` holds the adapters loaded through the vLLM API for all of them
 (`serve.http.registry`), and a one-replica `MetricsHub` sums their request metrics so that each
@@ -51,6 +53,7 @@ from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.http.registry import AdapterRegistry
 from lora_cluster.serve.ops.metrics_hub import MetricsHub
+from lora_cluster.serve.ops.usage_sink import UsageSink
 from lora_cluster.serve.replica.deployment import LoraReplica
 from lora_cluster.serve.replica.model import load_tokenizers, resolve_model
 from lora_cluster.serve.routing.group_bases import group_configs
@@ -155,6 +158,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     load_tokenizers(resolved)  # each base's tokenizer loads (the ingress encodes with it), or no start
     replicas: dict[str, Application] = {}
     controllers: dict[str, Application | list[Application] | None] = {}
+    sink = None  # the usage store (`serve.ops.usage_sink`): every group's replicas send to it
+    if config.tenancy.usage_db_path:
+        sink = UsageSink.options(logging_config=internal_logging(config)).bind(
+            config.tenancy.usage_db_path, config.tenancy.usage_retention_s)
     for group in replica_groups(config):  # each group: its own replicas and cluster controller
         fields = configs[group.name].model_dump(exclude_unset=False)
         controller: Application | list[Application] | None = None
@@ -168,7 +175,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             controller = shards[0] if n == 1 else shards
         options = {**replica_options(config, group), "logging_config": internal_logging(config)}
         options["ray_actor_options"] = single_loop(options["ray_actor_options"])
-        replicas[group.name] = LoraReplica.options(**options).bind(fields, controller, group.name)
+        replicas[group.name] = LoraReplica.options(**options).bind(fields, controller, group.name, sink)
         controllers[group.name] = controller
     ingress = LoraIngress.options(
         **ingress_count(config),
@@ -186,4 +193,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         hub = MetricsHub.options(logging_config=internal_logging(config)).bind(
             config.metrics.metrics_max_adapter_labels, config.metrics.metrics_max_tenant_labels,
             config.metrics.metrics_label_window_s)
-    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub)
+    return ingress.bind(replicas, config.model_dump(exclude_unset=False), controllers, ledger, registry, hub,
+                       sink)

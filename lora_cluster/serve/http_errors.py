@@ -28,6 +28,7 @@ errors by status code).
 | PermissionDeniedError (tenant key, admin route) | 403 | permission_error     | permission_denied   |
 | QuotaExceededError (Retry-After: its s)     | 429    | rate_limit_error      | rate_limit_exceeded |
 | QuotaUnavailableError (ledger unreachable) | 503    | service_unavailable   | quota_unavailable   |
+| UsageUnavailableError (no usage store)     | 503    | service_unavailable   | usage_unavailable   |
 | ReleaseConflictError (a release's state)    | 409    | invalid_request_error | release_conflict    |
 | anything else                               | 500    | server_error          | internal_error      |
 
@@ -140,6 +141,7 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.RegistryUnavailableError, 503, "service_unavailable", "registry_unavailable"),
     (e.PermissionDeniedError, 403, "permission_error", "permission_denied"),
     (e.QuotaUnavailableError, 503, "service_unavailable", "quota_unavailable"),
+    (e.UsageUnavailableError, 503, "service_unavailable", "usage_unavailable"),
     (e.ReleaseConflictError, 409, "invalid_request_error", "release_conflict"),
 ]
 

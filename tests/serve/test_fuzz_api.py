@@ -53,6 +53,7 @@ from lora_cluster.errors import LoraClusterError
 from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.ingress import build_fastapi
 from lora_cluster.serve.http_errors import ApiError, ApiException, describe
+from lora_cluster.serve.ops.usage_sink import UsageSinkCore
 from lora_cluster.serve.protocol import GenerateJob, output_item
 from lora_cluster.serve.replica.deployment import coalesce
 from lora_cluster.serve.replica.model import load_tokenizer
@@ -321,13 +322,16 @@ def zoo_engine(make_engine) -> Any:
 
 
 @contextlib.contextmanager
-def _serving(mode: str, demo_zoo: Any, aengine: AsyncEngine) -> Any:
-    """The slot's app replaced by the ingress app on a real engine, for the tests of one mode."""
+def _serving(mode: str, demo_zoo: Any, aengine: AsyncEngine, usage_dir: Path) -> Any:
+    """The slot's app replaced by the ingress app on a real engine, for the tests of one mode (its
+    usage store, read by GET /v1/usage, a file in `usage_dir`)."""
     config = ServeConfig(model=str(demo_zoo.model_dir), adapter_source=[str(demo_zoo.adapters_dir)],
                          **FUZZ_LIMITS)
     tenants = StaticTenants() if mode == "tenants" else None
+    usage = UsageSinkCore(str(usage_dir / "usage.db"), retention_s=86400.0)
     ctx = ApiContext(config=config, tokenizer=load_tokenizer(config),
-                     dispatcher=EngineDispatcher(aengine, aengine.engine.loader, config), tenants=tenants)
+                     dispatcher=EngineDispatcher(aengine, aengine.engine.loader, config), tenants=tenants,
+                     usage=usage)
     slot = SLOTS[mode]
     schema_only, slot.app = slot.app, build_fastapi(ctx)
     try:
@@ -335,20 +339,21 @@ def _serving(mode: str, demo_zoo: Any, aengine: AsyncEngine) -> Any:
     finally:
         slot.app = schema_only
         ctx.close()
+        usage.close()
 
 
 @pytest.fixture(scope="module")
-def fuzzed_app(demo_zoo, zoo_engine) -> Any:
+def fuzzed_app(demo_zoo, zoo_engine, tmp_path_factory) -> Any:
     """The app without a tenants file: every route open."""
-    with _serving("open", demo_zoo, zoo_engine) as app:
+    with _serving("open", demo_zoo, zoo_engine, tmp_path_factory.mktemp("usage")) as app:
         yield app
 
 
 @pytest.fixture(scope="module")
-def fuzzed_app_with_tenants(demo_zoo, zoo_engine) -> Any:
+def fuzzed_app_with_tenants(demo_zoo, zoo_engine, tmp_path_factory) -> Any:
     """The app with a tenants file: the fuzzer sends an admin key (the schema declares the key headers,
     and schemathesis checks that the routes refuse a request without one or with a wrong one)."""
-    with _serving("tenants", demo_zoo, zoo_engine) as app:
+    with _serving("tenants", demo_zoo, zoo_engine, tmp_path_factory.mktemp("usage")) as app:
         yield app
 
 

@@ -30,6 +30,7 @@ from lora_cluster.serve.http.registrations import AdapterRegistrations
 from lora_cluster.serve.http.registry import LocalRegistrations, Registrations
 from lora_cluster.serve.http.request_policy import RequestPolicy
 from lora_cluster.serve.http.tokenization import ENCODE_THREADS, Tokenization
+from lora_cluster.serve.http.usage_api import UsageReader
 from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.routing.auth import TenantsSource
 from lora_cluster.serve.routing.dispatch import Dispatcher, Generation
@@ -58,6 +59,7 @@ class ApiContext:
     tenants: TenantsSource | None = None  # None: no tenants file, every route is open
     quotas: Quotas | None = None  # the tenants' quota ledger (None: quotas are not enforced)
     metrics_hub: SharedMetrics | None = None  # several ingress replicas: /metrics sums them (ops.metrics_hub)
+    usage: UsageReader | None = None  # the usage store, read by GET /v1/usage (None: usage not recorded)
     releases: ReleaseBook = field(init=False, repr=False)  # this ingress's adapter releases
     tokens: Tokenization = field(init=False, repr=False)
     models: ModelNames = field(init=False, repr=False)

@@ -32,6 +32,7 @@ from lora_cluster.serve.http.openapi import install_openapi
 from lora_cluster.serve.http.registry import LocalRegistrations, SharedRegistrations
 from lora_cluster.serve.http.releases_api import releases_router
 from lora_cluster.serve.http.schema_limits import constrain
+from lora_cluster.serve.http.usage_api import RemoteUsage, usage_router
 from lora_cluster.serve.http_errors import install_handlers
 from lora_cluster.serve.ops import generation_metrics, metrics, metrics_exposition
 from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
@@ -115,6 +116,7 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     app.include_router(openai_router(ctx))
     app.include_router(lorax_router(ctx))
     app.include_router(admin_router(ctx))
+    app.include_router(usage_router(ctx.usage))
     app.include_router(releases_router(ctx))
     # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
     install_openapi(app, priority_classes=[c.name for c in ctx.policy.sla.classes],
@@ -131,13 +133,14 @@ def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
 class LoraIngress:
     def __init__(self, replicas: dict[str, Any], config: dict[str, Any],
                  controllers: dict[str, Any | None] | None = None, quota_ledger: Any | None = None,
-                 registry: Any | None = None, metrics_hub: Any | None = None):
+                 registry: Any | None = None, metrics_hub: Any | None = None, usage_sink: Any | None = None):
         """`replicas`: each replica group's deployment handle by group name (`replica_groups`);
         `controllers`: each group's cluster controller (None or absent: controller off);
         `quota_ledger`: the tenants' `QuotaLedger` (None: no tenants file); `registry`: the
         `AdapterRegistry` that several ingress replicas share (None: one ingress, registrations kept
         here; `http.registry`); `metrics_hub`: the `MetricsHub` that sums several ingress replicas'
-        request metrics (None: this ingress's own; `ops.metrics_hub`)."""
+        request metrics (None: this ingress's own; `ops.metrics_hub`); `usage_sink`: the `UsageSink`
+        that GET /v1/usage reads (None: usage is not recorded)."""
         top = load_config(config)
         configs = group_configs(top)  # each group's base and engine settings (group_bases)
         requested = next(iter(configs.values()))  # the first group's: its base is the first base
@@ -170,7 +173,8 @@ class LoraIngress:
         self.ctx = ApiContext(config=resolved, tokenizer=tokenizers[served_name(resolved)],
                               dispatcher=dispatcher, tokenizers=tokenizers,
                               tenants=self.tenants, quotas=quotas, registrations=registrations,
-                              metrics_hub=shared_metrics)
+                              metrics_hub=shared_metrics,
+                              usage=None if usage_sink is None else RemoteUsage(usage_sink))
         if isinstance(registrations, SharedRegistrations):
             registrations.start()  # this ingress follows the registry from its start
         generation_metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes

@@ -61,11 +61,13 @@ from lora_cluster.errors import LoraClusterError
 from lora_cluster.request import RequestOutput
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
+from lora_cluster.serve.ops.usage_shipper import UsageShipper
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
 from lora_cluster.serve.replica.cluster_tier import RayClusterTier, cluster_tier_actor
 from lora_cluster.serve.replica.model import resolve_model, served_name
 from lora_cluster.serve.replica.report import build_report, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
+from lora_cluster.serve.replica.usage import UsageTap
 from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP
 from lora_cluster.store import build_adapter_loader
 from lora_cluster.store.ports import AdapterStore
@@ -113,7 +115,8 @@ async def tracked(outputs: AsyncIterator[RequestOutput],
 
 @serve.deployment(name="LoraReplica")
 class LoraReplica:
-    def __init__(self, config: dict[str, Any], controller: Any | None = None, group: str = DEFAULT_GROUP):
+    def __init__(self, config: dict[str, Any], controller: Any | None = None, group: str = DEFAULT_GROUP,
+                 usage_sink: Any | None = None):
         self.config = resolve_model(load_config(config))
         self.group = group  # its replica group (`replica_groups`), reported in the routing stats
         configure_logging(self.config.metrics.log_format)
@@ -141,6 +144,9 @@ class LoraReplica:
             self.config.controller.controller_report_coalesce_s,
             budget_per_s=self.config.controller.controller_report_budget_per_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
+        # usage records go to the `UsageSink` deployment in batches (`serve.ops.usage_shipper`)
+        self.usage = None if usage_sink is None else UsageShipper(
+            lambda batch: usage_sink.record.remote(batch), self.config.tenancy.usage_flush_s)
         log.info("replica %s serving %s", self.replica_id, self.config.model)
 
     def _build_store(self, config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterStore:
@@ -191,6 +197,7 @@ class LoraReplica:
         if self.reporter is not None:
             self.reporter.start()
         ended = False  # the request's final item was produced: a close after it cancels nothing
+        tap, cancelled, refused = UsageTap(), False, False
         try:
             if job.adapter_path is not None and aid is not None:
                 await self._ensure_registered(aid, job.adapter_path)
@@ -198,8 +205,9 @@ class LoraReplica:
                 aid = self.store.define_merge(job.merge)
             sla = self.sla_classes.by_name.get(job.priority_class)
             patience = sla.preempt_after_s(self.config.engine.preempt_patience) if sla is not None else 0.0
-            outputs = tracked(self.aengine.generate(job.prompt, aid, job.sampling, request_id=job.request_id,
-                                                    priority=job.priority, preempt_after_s=patience), tracker)
+            outputs = tap.watch(tracked(self.aengine.generate(
+                job.prompt, aid, job.sampling, request_id=job.request_id, priority=job.priority,
+                preempt_after_s=patience), tracker))
             if self.config.engine.enable_prefix_caching:
                 self.prefixes.record(job.routing_prefix)
             if not stream:
@@ -219,9 +227,11 @@ class LoraReplica:
             if not ended:
                 self.counts["cancelled"] += 1
             tracker.cancelled()
+            cancelled = True
             raise
         except LoraClusterError as exc:
             self.counts["errors"] += 1
+            refused = True
             tracker.failed()
             yield {**head, "error": describe(exc).to_dict()}
         except Exception:
@@ -231,6 +241,9 @@ class LoraReplica:
             tracker.cancelled()  # the caller closed the stream early; no-op once the request ended
             self.active -= 1
             self.service_time.record(time.monotonic() - started)
+            if self.usage is not None:
+                self.usage.add(tap.record(job, self.replica_id, served_name(self.config), cancelled=cancelled,
+                                          refused=refused))
             if self.reporter is not None:
                 self.reporter.request_finished(self.active + 1, self.capacity)
 
@@ -364,7 +377,11 @@ class LoraReplica:
         """Serve's health probe: fails while the engine loop is gone or its steps keep failing."""
         self.aengine.check_health()
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (awaited): the usage records still buffered are sent first."""
+        usage = getattr(self, "usage", None)
+        if usage is not None:
+            await usage.close()
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             reporter.stop()

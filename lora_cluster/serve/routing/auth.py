@@ -5,9 +5,10 @@ is in one of three kinds, by its path template (default deny: a route not listed
 
 * open: the routes of the `open_routes` setting (default `/health` only, for probes), no key needed;
 * tenant (`TENANT_ROUTES`): the generation routes, `/v1/models`, the release routes (a tenant's own
-  adapters' releases: `serve.http.releases_api`), and the API's description
-  (`/openapi.json`, `/docs`, `/redoc`): any known key (a tenant's or an admin's); a tenant reaches
-  only the adapters its patterns match (see `ModelNames.adapter_for`);
+  adapters' releases: `serve.http.releases_api`), `/v1/usage` (its own tenant's usage:
+  `serve.http.usage_api`), and the API's description (`/openapi.json`, `/docs`, `/redoc`): any
+  known key (a tenant's or an admin's); a tenant reaches only the adapters its patterns match (see
+  `ModelNames.adapter_for`);
 * admin: everything else (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/cluster`,
   `/debug/replicas`, `/metrics`, whose `adapter` and `tenant` labels name every tenant's adapters
   and tenants, ...): an admin key; a tenant key gets 403.
@@ -48,7 +49,8 @@ RELEASE_ROUTES = frozenset({"/v1/adapters/{name}/releases", "/v1/adapters/{name}
                             *(f"/v1/adapters/{{name}}/releases/{{release_id}}/{action}"
                               for action in ("promote", "pause", "resume", "rollback", "events"))})
 TENANT_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
-                           "/generate_stream", "/", "/openapi.json", "/docs", "/redoc", *RELEASE_ROUTES})
+                           "/generate_stream", "/", "/openapi.json", "/docs", "/redoc", "/v1/usage",
+                           *RELEASE_ROUTES})
 _SLOT = "lora_cluster.callers"  # ASGI scope key: CallerMiddleware's list of the request's Callers
 _CALLER = "lora_cluster.caller"  # ASGI scope key: the request's Caller (set by the Authenticator)
 ANONYMOUS = Principal(tenant=None, admin=False)  # an open route's caller when keys are required
