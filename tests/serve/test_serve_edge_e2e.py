@@ -38,31 +38,41 @@ def _controller_refusals(http: httpx.Client) -> int:
     return int(http.get("/v1/cluster").json()["controller"]["counts"]["rejected"])
 
 
+def _burst(url: str) -> list[httpx.Response]:
+    """28 long requests at once (16 slots + 4 queued, the rest refused), then 12 one after the other:
+    each of those reaches the ingress soon after the previous answer, whose state (sent with the
+    controller's refusal) says the queue is full, well within edge_max_age_s."""
+
+    def one(_: int) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", json=BODY, headers=HEADERS, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(28) as pool:
+        burst = [pool.submit(one, i) for i in range(28)]
+        next((f for f in concurrent.futures.as_completed(burst) if f.result().status_code == 429), None)
+        later = [one(i) for i in range(12)]
+        return [f.result() for f in burst] + later
+
+
 def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counted(demo_app):
     with httpx.Client(base_url=demo_app, timeout=120) as http:
-        edge_before, controller_before = _edge_refusals(http), _controller_refusals(http)
-
-        def one(_: int) -> httpx.Response:
-            return httpx.post(f"{demo_app}/v1/completions", json=BODY, headers=HEADERS, timeout=120)
-
-        with concurrent.futures.ThreadPoolExecutor(28) as pool:
-            burst = [pool.submit(one, i) for i in range(28)]  # 16 slots + 4 queued, the rest refused
-            done = concurrent.futures.as_completed(burst)
-            first_refused = next((f for f in done if f.result().status_code == 429), None)
-            # one after the other: each reaches the ingress soon after the previous answer, whose state
-            # (sent with the controller's refusal) says the queue is full, well within edge_max_age_s
-            later = [one(i) for i in range(12)]
-            answers = [f.result() for f in burst] + later
-        assert first_refused is not None, "the burst overflows the cluster queue"
+        # the premise is that the burst fills the cluster queue, so that the controller refuses; a
+        # burst can instead overrun the fast path's view into Serve's own queue (a slow adapter load
+        # on a loaded machine: the direct requests not started within report_lag_s stop counting),
+        # whose 429s are not the controller's: the burst is tried again then, at most 3 times
+        for _ in range(3):
+            edge_before, controller_before = _edge_refusals(http), _controller_refusals(http)
+            answers = _burst(demo_app)
+            edge = _edge_refusals(http) - edge_before
+            by_controller = _controller_refusals(http) - controller_before
+            if by_controller >= 1:
+                break
         codes = [r.status_code for r in answers]
+        assert by_controller >= 1, f"the controller refused some (the burst filled its queue): {codes}"
         assert set(codes) <= {200, 429}, f"served or refused: {codes}"
         # the full queue's refusals (the others: a parked request bumped by one that arrived earlier and
         # parked later, or Serve's own queue in front of a replica; neither is the edge's to make)
         full = [r for r in answers if r.status_code == 429 and r.json()["error"]["message"] == FULL]
-        edge = _edge_refusals(http) - edge_before
-        by_controller = _controller_refusals(http) - controller_before
-        assert edge >= 1, f"the ingress refused some itself: {edge}"
-        assert by_controller >= 1, f"the controller refused some: {by_controller}"
+        assert edge >= 1, f"the ingress refused some itself: {edge} (the controller {by_controller})"
         assert edge + by_controller == len(full), (
             f"each full-queue 429 was refused once, at the edge ({edge}) or by the controller "
             f"({by_controller}): {len(full)}")
