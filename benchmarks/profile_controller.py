@@ -70,12 +70,7 @@ def serve_call_s(calls: int, concurrency: int) -> float:
         replica = next(p for p in psutil.process_iter(["cmdline"])
                        if "ProfiledController" in " ".join(p.info["cmdline"] or ()))
 
-        async def burst() -> None:
-            for start in range(0, calls, concurrency):
-                n = min(concurrency, calls - start)
-                await asyncio.gather(*(handle.placement.remote() for _ in range(n)))
-
-        spent = _process_cpu_s(replica, lambda: asyncio.run(burst()))
+        spent = _process_cpu_s(replica, lambda: asyncio.run(_burst(handle.placement, calls, concurrency)))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -111,15 +106,17 @@ def actor_call_s(calls: int, concurrency: int) -> float:
         process = psutil.Process(ray.get(actor.pid.remote()))
         ray.get(actor.placement.remote())
 
-        async def burst() -> None:
-            for start in range(0, calls, concurrency):
-                n = min(concurrency, calls - start)
-                await asyncio.gather(*(actor.placement.remote() for _ in range(n)))
-
-        spent = _process_cpu_s(process, lambda: asyncio.run(burst()))
+        spent = _process_cpu_s(process, lambda: asyncio.run(_burst(actor.placement, calls, concurrency)))
     finally:
         ray.shutdown()
     return max(0.0, spent / calls - _placement_work_s())
+
+
+async def _burst(method: Any, calls: int, concurrency: int) -> None:
+    """`calls` calls of `method` (a handle's or an actor's), `concurrency` at a time."""
+    for start in range(0, calls, concurrency):
+        n = min(concurrency, calls - start)
+        await asyncio.gather(*(method.remote() for _ in range(n)))
 
 
 def _process_cpu_s(process: Any, run: Callable[[], None]) -> float:
