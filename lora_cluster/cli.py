@@ -201,7 +201,8 @@ def _add_usage(subparsers: argparse._SubParsersAction) -> None:
                               description="Read the usage store (docs/metering.md): its file on the "
                               "UsageSink deployment's node, or a server's GET /v1/usage (--url): sums per "
                               "group over a time range, as a table or CSV.")
-    p.add_argument("--db", default=None, help="the store's file (default: usage_db_path of the config, "
+    p.add_argument("--db", default=None, help="the store's SQLite file or postgresql:// URL (default: "
+                   "usage_store_uri of the config, else usage_db_path; LORA_CLUSTER_USAGE_STORE_URI, "
                    "LORA_CLUSTER_USAGE_DB_PATH)")
     p.add_argument("--url", default=None, help="read a running server's GET /v1/usage instead of a file")
     p.add_argument("--api-key", default=None, help="with --url: sent as `Authorization: Bearer <key>`")
@@ -219,6 +220,7 @@ def _add_usage(subparsers: argparse._SubParsersAction) -> None:
 def _run_usage(args: argparse.Namespace) -> int:
     from lora_cluster.config import ServeConfig
     from lora_cluster.errors import LoraClusterError
+    from lora_cluster.tenancy.usage_db import POSTGRES_SCHEMES
     from lora_cluster.tenancy.usage_store import UsageStore
 
     groups = tuple(g for g in args.group_by.split(",") if g)
@@ -233,14 +235,19 @@ def _run_usage(args: argparse.Namespace) -> int:
             print(f"lora-cluster usage: {e}", file=sys.stderr)
             return 1
         return _print_usage(rows, groups, args.format)
-    path = Path(args.db or ServeConfig(model="-").tenancy.usage_db_path).expanduser()
-    if not path.is_file():
-        print(f"lora-cluster usage: no usage store at {path}", file=sys.stderr)
+    tenancy = ServeConfig(model="-").tenancy
+    location = args.db or tenancy.usage_store_uri or tenancy.usage_db_path
+    if not location.startswith(POSTGRES_SCHEMES) and not Path(location).expanduser().is_file():
+        print(f"lora-cluster usage: no usage store at {Path(location).expanduser()}", file=sys.stderr)
         return 1
-    store = UsageStore(path)
+    try:
+        store = UsageStore(location)
+    except Exception as e:  # a database that cannot be reached, psycopg missing: one line, no trace
+        print(f"lora-cluster usage: cannot open the usage store: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     try:
         rows = store.query(group_by=groups, tenant=args.tenant, adapter=args.adapter, since=args.since,
-                           until=args.until)
+                           until=args.until, residency=True)
     except LoraClusterError as e:
         print(f"lora-cluster usage: {e}", file=sys.stderr)
         return 1
@@ -254,7 +261,7 @@ def _print_usage(rows: list[dict[str, object]], groups: tuple[str, ...], fmt: st
 
     from lora_cluster.tenancy.usage_store import SUMS
 
-    columns = [*groups, *SUMS]
+    columns = [*groups, *SUMS, *(c for c in ("slot_s", "load_s") if rows and c in rows[0])]
     if fmt == "csv":
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
@@ -280,7 +287,10 @@ def _add_release(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--steps", help="canary steps in percent, comma-separated (e.g. 1,5,25,50,100)")
     create.add_argument("--min-requests", type=int, help="candidate requests a step needs")
     create.add_argument("--dwell", type=float, help="seconds a step lasts at least")
-    create.add_argument("--eval-set", type=Path, help="a JSONL evaluation set ({prompt, expected} per line)")
+    create.add_argument("--eval-set", type=Path, help="a JSONL evaluation set ({prompt, expected}, {prompt, "
+                        "choices, answer} or {prompt, schema} per line)")
+    create.add_argument("--shadow", type=float, metavar="PERCENT",
+                        help="percent of the stable version's greedy requests copied to the candidate")
     show = actions.add_parser("status", help="NAME's releases, or one release's status")
     show.add_argument("name")
     show.add_argument("id", nargs="?")
@@ -303,6 +313,8 @@ def _release_body(args: argparse.Namespace) -> dict[str, object]:
         body["step_min_requests"] = args.min_requests
     if args.dwell is not None:
         body["step_dwell_s"] = args.dwell
+    if args.shadow is not None:
+        body["shadow_percent"] = args.shadow
     if args.eval_set is not None:
         lines = args.eval_set.read_text().splitlines()
         body["eval_set"] = [json.loads(line) for line in lines if line.strip()]

@@ -205,6 +205,17 @@ class UsageUnavailableError(LoraClusterError):
     deployment cannot be reached (503)."""
 
 
+class BudgetExceededError(LoraClusterError):
+    """A tenant used all of a monthly budget whose action is `refuse` (tenancy.budget); names the
+    tenant, the budget, its limit and the use; `retry_after_s` is when the month ends (429)."""
+
+    def __init__(self, tenant: str, budget: str, limit: float, used: float, retry_after_s: float):
+        self.tenant, self.budget, self.limit, self.used = tenant, budget, limit, used
+        self.retry_after_s = retry_after_s
+        super().__init__(f"tenant {tenant!r} has used its monthly budget: {budget}={limit:g}, used "
+                         f"{used:g} this month (UTC); it resets in {retry_after_s / 86400:.1f} days")
+
+
 class QuotaExceededError(LoraClusterError):
     """A tenant's quota refused a request; names the tenant and the limit, `retry_after_s` says when
     a retry may succeed (429)."""
@@ -225,3 +236,22 @@ class ReleaseConflictError(LoraClusterError):
     def __init__(self, adapter: str, release_id: str, message: str):
         self.adapter, self.release_id = adapter, release_id
         super().__init__(f"release {release_id!r} of adapter {adapter!r}: {message}")
+
+
+class ReleaseStateUnavailableError(LoraClusterError):
+    """The shared release state (`release_state_uri`) cannot be read or written, or other ingresses
+    kept changing it through every retry; names the location's kind and the cause, never a path (503)."""
+
+    def __init__(self, where: str, cause: str):
+        self.where, self.cause = where, cause
+        kind = "s3" if where.startswith("s3://") else "memory" if where == "memory" else "folder"
+        super().__init__(f"the release state ({kind}, release_state_uri) is unavailable: {cause}; retry")
+
+
+class ReleasePermissionError(PermissionDeniedError):
+    """A tenant key asked to release an adapter that is not its own, or a candidate that is not one
+    of its adapters in the configured sources; names the tenant and the adapter (403)."""
+
+    def __init__(self, tenant: str | None, adapter: str, reason: str):
+        self.tenant, self.adapter = tenant, adapter
+        super().__init__(f"tenant {tenant!r} may not release adapter {adapter!r}: {reason}")

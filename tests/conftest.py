@@ -10,6 +10,12 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Releases are kept in memory unless a test gives release_state_uri: under the default (`auto`) the
+# ingresses of the whole session would share one `.lora-cluster` document (in the session's demo zoo,
+# or its disk tier folder), and one test's releases and loaded versions would come back in the next.
+# Set before any test module builds a config at import. tests/releases/test_state_location.py tests `auto`.
+os.environ["LORA_CLUSTER_RELEASE_STATE_URI"] = ""
+
 import contextlib
 import logging
 import uuid
@@ -63,6 +69,7 @@ def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         patch.setenv("TORCH_EXTENSIONS_DIR", str(real_xdg / "torch_extensions"))  # torch's own default
     patch.setenv("XDG_CACHE_HOME", str(cache))
     patch.setenv("LORA_CLUSTER_USAGE_DB_PATH", str(cache / "usage" / "usage.db"))  # every app's usage store
+    patch.setenv("LORA_CLUSTER_USAGE_SPOOL_DIR", str(cache / "usage" / "spool"))  # and its records' spool
     for name in _CACHE_ENV:
         patch.delenv(name, raising=False)
     yield cache

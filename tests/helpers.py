@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -273,3 +275,63 @@ def serve_run(config: Path, env: dict[str, str], url: str, log: Path, start_s: f
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+async def _answer_of(response: Any) -> Any:
+    return await response
+
+
+class CoalescedShard:
+    """A controller shard handle of the coalesced park API (`admit_many`, `grants`,
+    `serve.controller_actor`) over an older fake whose `admit.remote(ticket, timeout_s)` answers one park
+    once its outcome is decided: each ticket of a park call goes to it at once; what it answers within
+    a few loop turns is the call's reply (an exception fails the call, as a dead controller's would;
+    an outcome's `edge` is the reply's), later answers wait for the ingress's grants poll. Every other
+    attribute is the fake's."""
+
+    def __init__(self, fake: Any, turns: int = 3):
+        self.fake, self.turns = fake, turns
+        self.admit_many = types.SimpleNamespace(remote=self._admit_many)
+        self.grants = types.SimpleNamespace(remote=self._grants)
+        self._mail: dict[str, dict[str, dict]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fake, name)
+
+    def _admit_many(self, ingress_id: str, tickets: list[dict], claims: dict | None) -> Any:
+        sent = [(t["ticket_id"], self.fake.admit.remote({**t, "ingress_id": ingress_id, "claims": claims},
+                                                        t["ttl_s"])) for t in tickets]
+        return self._reply(ingress_id, sent)
+
+    async def _reply(self, ingress_id: str, sent: list[tuple[str, Any]]) -> dict:
+        tasks = [(tid, asyncio.ensure_future(_answer_of(r))) for tid, r in sent]
+        for _ in range(self.turns):
+            await asyncio.sleep(0)
+        reply: dict[str, Any] = {"outcomes": {}, "epoch": "e1"}
+        for tid, task in tasks:
+            if task.done():
+                self._file(reply, tid, task.result())  # raises the call's failure
+            else:
+                task.add_done_callback(functools.partial(self._later, ingress_id, tid))
+        reply["outcomes"].update(self._mail.pop(ingress_id, {}))
+        return reply
+
+    @staticmethod
+    def _file(reply: dict, ticket_id: str, outcome: dict) -> None:
+        if "edge" in outcome:
+            reply["edge"] = outcome["edge"]
+        if "timeout" not in outcome:
+            reply["outcomes"][ticket_id] = {k: v for k, v in outcome.items() if k != "edge"}
+
+    def _later(self, ingress_id: str, ticket_id: str, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            reply: dict[str, Any] = {"outcomes": self._mail.setdefault(ingress_id, {})}
+            self._file(reply, ticket_id, task.result())
+
+    def _grants(self, ingress_id: str, timeout_s: float, epoch: str | None = None) -> Any:
+        async def answer() -> dict:
+            deadline = time.monotonic() + min(timeout_s, 5.0)
+            while not self._mail.get(ingress_id) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            return {"outcomes": self._mail.pop(ingress_id, {}), "epoch": "e1"}
+        return answer()

@@ -17,8 +17,9 @@ actor, an environment of its own), keeps an app of its own.
   of two batch slots and a tenants file (test_ingress_replicas_e2e: spread, quota, registrations and
   parked requests across the ingresses; test_quotas_e2e: one tenant held to its quota across the
   ingresses while another is served; test_usage_e2e: usage records reach the store, flushed every
-  0.2 s). Each module's tenants are its own, so neither spends the other's
-  quota.
+  0.2 s; test_releases_e2e: a release state folder, and eval gates' leases of 4 s so that a gate
+  whose ingress is killed is taken over within seconds). Each module's tenants are its own, so
+  neither spends the other's quota.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ FIN = "sk-fin-0123456789"
 QUOTA_ADMIN = "sk-admin"  # test_quotas_e2e's admin, its limited tenant (`quota-fin`) and another (`quota-hr`)
 QUOTA_FIN, QUOTA_HR = "sk-fin-quota", "sk-hr-quota"
 USAGE_A, USAGE_B = "sk-usage-a-0123", "sk-usage-b-0123"  # test_usage_e2e's tenants `usage-a`, `usage-b`
+RELEASER = "sk-releases-0123"  # test_releases_e2e's tenant `releases`
+USAGE_CAPPED = "sk-usage-capped-0123"  # test_usage_e2e's tenant `usage-capped`: a 1-token monthly budget
+USAGE_CHAOS = "sk-usage-chaos-0123"  # test_usage_e2e's tenant `usage-chaos`: its chaos test's requests
 
 
 def tenants_yaml() -> str:
@@ -146,6 +150,16 @@ tenants:
   - name: usage-b
     api_keys: ["{hash_key(USAGE_B)}"]
     adapters: ["a*"]
+  - name: releases
+    api_keys: ["{hash_key(RELEASER)}"]
+    adapters: ["a*"]
+  - name: usage-capped
+    api_keys: ["{hash_key(USAGE_CAPPED)}"]
+    adapters: ["a*"]
+    budget: {{tokens_per_month: 1, action: refuse}}
+  - name: usage-chaos
+    api_keys: ["{hash_key(USAGE_CHAOS)}"]
+    adapters: ["a*"]
 """
 
 
@@ -154,4 +168,6 @@ def tenants_config(demo_zoo: DemoZoo, tenants_file: Path) -> dict[str, Any]:
             "num_replicas": 1, "num_cpus": 1, "max_loras": 4, "max_lora_rank": 32, "max_num_seqs": 2,
             "max_num_batched_tokens": 64, "ingress_num_replicas": INGRESSES, "admission_window_max": 0,
             "routing_stats_period_s": 0.2, "controller_report_period_s": 0.2,
-            "tenants_file": str(tenants_file), "usage_flush_s": 0.2}
+            "tenants_file": str(tenants_file), "usage_flush_s": 0.2,
+            "release_state_uri": str(tenants_file.parent / "release-state"), "usage_budget_refresh_s": 0.5,
+            "release_lease_s": 4.0}

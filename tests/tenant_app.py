@@ -54,12 +54,14 @@ class ZooDispatcher(FakeDispatcher):
 
 @contextlib.asynccontextmanager
 async def tenant_app(tenants_file: Path, dispatcher: Any, period_s: float = 60.0,
-                     watcher: TenantsWatcher | None = None) -> AsyncIterator[httpx.AsyncClient]:
-    """The app with `tenants_file` in force (re-read every `period_s`), or `watcher`'s when given."""
+                     watcher: TenantsWatcher | None = None,
+                     **context: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with `tenants_file` in force (re-read every `period_s`), or `watcher`'s when given;
+    `context`: more ApiContext fields."""
     if watcher is None:
         watcher = TenantsWatcher(str(tenants_file), ("interactive", "standard", "batch"), period_s)
     try:
-        async with serving(FakeTokenizer(), dispatcher, tenants=watcher) as client:
+        async with serving(FakeTokenizer(), dispatcher, tenants=watcher, **context) as client:
             yield client
     finally:
         watcher.close()

@@ -94,6 +94,22 @@ class _Entry:
     removed: bool = field(default=False, compare=False)
 
 
+DRAIN_HEAD = 32  # the oldest drain events an edge state carries (`DrainMeter.head`)
+
+
+def drain_rate(count: int, first: float, now: float, window_s: float) -> float:
+    """The drain meter's rate: `count` events in the window, the oldest at `first`, over the time
+    since then but at least a quarter of the window. One formula for the controller and the edge."""
+    return count / max(now - first, window_s / 4)
+
+
+def full_retry_after_s(queued: int, rate: float | None) -> float:
+    """The retry-after of a refusal by the full queue of `queued` tickets at drain `rate` (None: no
+    drain measured): the time the queue takes to drain, at least 1 s. One formula for the
+    controller and the edge."""
+    return 1.0 if not rate else max(1.0, queued / rate)
+
+
 class DrainMeter:
     """Requests that left the queue's way per second (grants, or capacity freed), over a window."""
 
@@ -112,8 +128,24 @@ class DrainMeter:
         self._prune(now)
         if not self._times:
             return None
-        span = max(now - self._times[0], self.window_s / 4)
-        return len(self._times) / span
+        return drain_rate(len(self._times), self._times[0], now, self.window_s)
+
+    def head(self, horizon_s: float, limit: int = DRAIN_HEAD) -> tuple[int, tuple[float, ...]]:
+        """(the events in the window now, the oldest event times): those that leave the window within
+        `horizon_s` from now, then the first that stays, at most `limit` of them. With them a reader
+        computes `rate` at any moment of the next `horizon_s` as this meter would, while no event is
+        recorded (`cluster.edge.DrainEdge`). O(limit)."""
+        now = self._clock()
+        self._prune(now)
+        cut = now + horizon_s - self.window_s  # an event before it leaves the window within horizon_s
+        head: list[float] = []
+        for t in self._times:
+            if len(head) >= limit:
+                break
+            head.append(t)
+            if t >= cut:
+                break
+        return len(self._times), tuple(head)
 
     def _prune(self, now: float) -> None:
         """Drop the events older than the window: O(dropped), from the left."""
@@ -299,13 +331,8 @@ class ClusterQueue:
         that ranks strictly lower (published for refusals at the edge, `cluster.edge`)."""
         return (self._ranks[-1][0], self._ranks[-1][1]) if self._ranks else None
 
-    def full_retry_after_s(self, drain_rate: float | None) -> float:
-        """The retry-after of a refusal by the full queue, at the measured `drain_rate` (`drain.rate()`)."""
-        return 1.0 if not drain_rate else max(1.0, len(self._entries) / drain_rate)
-
     def _retry_after(self, ahead: int) -> float:
-        rate = self.drain.rate()
-        return 1.0 if not rate else max(1.0, ahead / rate)
+        return full_retry_after_s(ahead, self.drain.rate())
 
     def remove(self, ticket_id: str) -> Ticket | None:
         """Take a ticket out (granted elsewhere, or its request went away)."""

@@ -62,6 +62,9 @@ class ClusterView:
         self._stale: set[str] = set()
         self._reported_at: dict[str, float] = {}  # replica -> when its latest report came, oldest first
         self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
+        self._host_holders: dict[str, set[str]] = {}  # adapter -> replicas whose host tier holds it
+        self._cluster_holders: dict[str, set[str]] = {}  # adapter -> replicas reporting its node's copy
+        self._on_node: dict[str, set[str]] = {}  # node -> the replicas whose report names it
         # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
         self._preemptible: dict[int, set[str]] = {}
         self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
@@ -110,10 +113,18 @@ class ClusterView:
             self._stale.add(rid)
 
     def _fresh_claims(self) -> list[tuple[float, Mapping[str, int], int]]:
-        now = self._clock()
-        for ingress in [i for i, (at, _, _) in self._claims.items() if now - at > self.claim_ttl_s]:
-            self._touch(self._claims.pop(ingress)[1])
-        return list(self._claims.values())
+        """The claims that still count, oldest first; the expired ones dropped. `_claims` is in the
+        order of its claims' times (`claim` puts a renewed claim last), so the expired ones are its
+        head: O(expired + fresh), not a test of every claim's age."""
+        now, ttl, claims = self._clock(), self.claim_ttl_s, self._claims
+        expired = []
+        for ingress, (at, _, _) in claims.items():
+            if now - at <= ttl:
+                break
+            expired.append(ingress)
+        for ingress in expired:
+            self._touch(claims.pop(ingress)[1])
+        return list(claims.values())
 
     def unassigned(self) -> int:
         """Requests the ingresses sent the direct way that no replica has answered yet."""
@@ -150,18 +161,16 @@ class ClusterView:
             self._repreempt(rid)
 
     def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
-        """The holders index follows the replica's report from `old` to `new` (None: none)."""
-        before = frozenset() if old is None else old.held
-        after = frozenset() if new is None else new.held
-        if before is after or before == after:
-            return
-        for aid in before - after:
-            holders = self._holders[aid]
-            holders.discard(replica_id)
-            if not holders:
-                del self._holders[aid]
-        for aid in after - before:
-            self._holders.setdefault(aid, set()).add(replica_id)
+        """The holders indexes follow the replica's report from `old` to `new` (None: none)."""
+        _reindex(self._holders, replica_id, frozenset() if old is None else old.held,
+                 frozenset() if new is None else new.held)
+        _reindex(self._host_holders, replica_id, frozenset() if old is None else old.host_set,
+                 frozenset() if new is None else new.host_set)
+        _reindex(self._cluster_holders, replica_id, frozenset() if old is None else old.cluster_set,
+                 frozenset() if new is None else new.cluster_set)
+        if old is None or new is None or old.node_id != new.node_id:  # mostly: its node stays
+            _reindex(self._on_node, replica_id, frozenset(() if old is None else (old.node_id,)),
+                     frozenset(() if new is None else (new.node_id,)))
 
     def arrived(self, replica_id: str, tickets: Iterable[str]) -> None:
         """Granted tickets that reached the replica, told by a report the view could not use (a
@@ -257,9 +266,13 @@ class ClusterView:
 
     def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
         since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report
-        claimed = sum(inflight.get(replica_id, 0) for at, inflight, _ in claims if at > since)
-        free = s.report.capacity - max(s.report.ongoing + len(s.outstanding), claimed)
-        return free if s.report.room is None else min(free, s.report.room - len(s.outstanding))
+        claimed = 0
+        for at, inflight, _ in claims:  # a loop, not a generator: read for every replica whose room changed
+            if at > since:
+                claimed += inflight.get(replica_id, 0)
+        report = s.report
+        free = report.capacity - max(report.ongoing + len(s.outstanding), claimed)
+        return free if report.room is None else min(free, report.room - len(s.outstanding))
 
     def preemptible(self, replica_id: str, priority: int) -> int:
         """Less urgent running requests a grant over capacity could still preempt there."""
@@ -342,6 +355,30 @@ class ClusterView:
         """The replicas whose report holds `adapter_id` (resident or loading); read-only."""
         return self._holders.get(adapter_id, frozenset())
 
+    def host_holders(self, adapter_id: str) -> frozenset[str] | set[str]:
+        """The replicas whose report lists `adapter_id` in their host tier (`ReplicaReport.host_held`:
+        a miss there copies it from host memory, not from the source); read-only."""
+        return self._host_holders.get(adapter_id, frozenset())
+
+    def cluster_nodes(self, adapter_id: str) -> set[str]:
+        """The nodes where a replica's report lists a cluster-tier copy of `adapter_id`
+        (`ReplicaReport.cluster_held`): O(the replicas reporting it)."""
+        out = set()
+        for rid in self._cluster_holders.get(adapter_id, ()):
+            report = self.get(rid)
+            if report is not None:
+                out.add(report.node_id)
+        return out
+
+    def cluster_local(self, adapter_id: str) -> set[str]:
+        """The replicas on a node where a cluster-tier copy of `adapter_id` lies (`cluster_nodes`):
+        a miss there reads the node's own copy instead of copying it from a peer or fetching it from
+        the source. O(the replicas reporting it + the replicas on those nodes)."""
+        out: set[str] = set()
+        for node in self.cluster_nodes(adapter_id):
+            out.update(self._on_node.get(node, ()))
+        return out
+
     def held_adapters(self) -> frozenset[str]:
         """Every adapter some replica's report holds, resident or loading: O(those adapters)."""
         return frozenset(self._holders)
@@ -351,3 +388,17 @@ class ClusterView:
 
     def age_s(self, replica_id: str) -> float:
         return self._clock() - self._seen[replica_id].at
+
+
+def _reindex(index: dict[str, set[str]], replica_id: str, before: frozenset[str],
+             after: frozenset[str]) -> None:
+    """`index` (adapter -> replicas) follows one replica's adapters from `before` to `after`."""
+    if before is after or before == after:
+        return
+    for aid in before - after:
+        holders = index[aid]
+        holders.discard(replica_id)
+        if not holders:
+            del index[aid]
+    for aid in after - before:
+        index.setdefault(aid, set()).add(replica_id)

@@ -34,7 +34,7 @@ from mypy_extensions import mypyc_attr
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
-from lora_cluster.cluster.edge import ClassEdge, EdgeState
+from lora_cluster.cluster.edge import ClassEdge, DrainEdge, EdgeState
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
@@ -44,7 +44,9 @@ from lora_cluster.cluster.scheduling import (
     choose_replica,
     hit_window_s,
     holder_preemption_target,
+    holder_queue_target,
     holds,
+    holds_for,
     will_preempt,
 )
 from lora_cluster.cluster.shedding import ColdShedding
@@ -297,8 +299,9 @@ class Controller:
             classes[c.name] = ClassEdge(c.priority, c.ttft_s, wait, at_risk, shedding.shed_until(c.priority),
                                         shedding.under_pressure(probe, wait),
                                         c.priority == queue.top_priority)
+        count, head = queue.drain.head(self.settings.edge_max_age_s)
         return EdgeState(now, self.settings.edge_max_age_s, queue.max_size, full, queue.least_rank(),
-                         queue.full_retry_after_s(drain), queue.top_priority, queue.aging_s,
+                         DrainEdge(queue.drain.window_s, count, head), queue.top_priority, queue.aging_s,
                          shedding.window_s, classes,
                          view.held_adapters() if held else None, now if held else float("-inf"),
                          self.settings.edge_held_max_age_s)
@@ -334,15 +337,22 @@ class Controller:
             if replica_id is None:
                 break
             self.counts["overdue_grants"] += overdue is not None
-            if overdue is None and not holds(self.view, replica_id, ticket.adapter_id):  # a hit first?
+            # a miss there, or a copy its adapter's demand does not need: a hit elsewhere first?
+            placement = self._placement
+            if overdue is None and not holds_for(self.view, replica_id, ticket, placement):
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
                 hit = affinity_hit_in(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
                                       self.view.room_ids(), ticket.enqueued_at + window,
                                       self.queue.queued_adapters(ticket.priority))
+                held = holds(self.view, replica_id, ticket.adapter_id)
                 if hit is not None:
                     ticket, replica_id = hit
-                elif ticket.ttft_s is not None and (holder := holder_preemption_target(ticket, self.view)):
+                elif (ticket.ttft_s is not None and not held
+                      and (holder := holder_preemption_target(ticket, self.view, placement))):
                     self._grant(ticket, holder, preempt=True)  # a hit by preemption beats a miss
+                    continue
+                elif not held and (holder := holder_queue_target(ticket, self.view, placement)):
+                    self._grant(ticket, holder, preempt=False)  # a hit a little later beats a copy
                     continue
             self._grant(ticket, replica_id, preempt=False)
             room -= 1
@@ -367,6 +377,11 @@ class Controller:
         for adapter_id, replica_ids in self._placement.items():
             for rid in replica_ids:
                 self._by_replica.setdefault(rid, []).append(adapter_id)
+
+    def hot_adapters(self, k: int) -> list[tuple[str, int]]:
+        """The `k` adapters of most recent demand, busiest first, with their rates in requests per
+        1,000 s (`DemandTracker.hot`): what the replicas prefetch ahead of requests."""
+        return self.demand.hot(k)
 
     # ----- the view -------------------------------------------------------------------------
 

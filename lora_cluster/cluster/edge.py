@@ -13,7 +13,11 @@ in the controller's order (`Controller._admit`, `ClusterQueue.park`):
   `cold_shed_pressure` of its bound) and its adapter is in no replica's report as of `held_at`
   (`held`: published with the placement fetch; None, never published, refuses nothing cold);
 * queue full per class: the queue was full (and the controller had no room to grant) and its least
-  urgent ticket is not strictly less urgent than this one, which would otherwise bump it;
+  urgent ticket is not strictly less urgent than this one, which would otherwise bump it. Its
+  retry-after (the queue over the drain rate, `cluster_queue.full_retry_after_s`) is computed at the
+  moment of refusal from the drain meter's published inputs (`DrainEdge`), as the controller computes
+  it then: the measured rate falls as its oldest grants age, so a value computed at publication
+  would be up to `max_age_s` behind the controller's, another `Retry-After` across a whole second;
 * deadline out of reach: the class's predicted wait at `published_at` ends past the ticket's
   deadline and no replica runs less urgent work that a ticket of this class could preempt (nor
   such work claimed by preempting grants): then no adapter's ticket can count on preemption.
@@ -46,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.cluster_queue import Ticket, drain_rate, full_retry_after_s
 from lora_cluster.errors import (
     ClusterOverloadedError,
     ColdAdapterShedError,
@@ -69,6 +73,30 @@ class ClassEdge(NamedTuple):
     exempt: bool  # never shed cold: the most urgent class
 
 
+class DrainEdge(NamedTuple):
+    """The controller's drain meter at publication (`DrainMeter.head`): enough to compute its rate at
+    any moment the state is valid, as the controller would then (its rate falls as its oldest events
+    age, and steps when they leave the window), so that a refusal's retry-after is the controller's
+    at the moment of refusal, not at publication."""
+
+    window_s: float
+    events: int  # events in the window at publication
+    head: tuple[float, ...]  # the oldest events: those that leave within max_age_s, then one that stays
+
+    def rate(self, now: float) -> float | None:
+        """`DrainMeter.rate` at `now` (the controller's clock), no event recorded since publication.
+        Exact while at most `DRAIN_HEAD` events leave the window within the state's max age; past
+        that (hundreds of grants a second), the oldest event kept is the last of `head`, a rate that
+        errs low by one event in hundreds."""
+        head, gone = self.head, 0
+        while gone < len(head) and now - head[gone] > self.window_s:
+            gone += 1
+        count = self.events - gone
+        if count <= 0 or not head:
+            return None
+        return drain_rate(count, head[min(gone, len(head) - 1)], now, self.window_s)
+
+
 class EdgeState(NamedTuple):
     """What the controller publishes for the edge (see the module docstring); the controller's clock.
     Tuples, cheap to build: the controller publishes one per batch window."""
@@ -78,7 +106,7 @@ class EdgeState(NamedTuple):
     queue_size: int
     full: bool  # the queue was full and the controller had no room to grant
     least: tuple[int, float] | None  # the least urgent queued ticket's rank (`rank`)
-    full_retry_after_s: float
+    drain: DrainEdge  # the full queue's retry-after is computed from it at the moment of refusal
     top_priority: int | None
     aging_s: float
     cold_window_s: float
@@ -94,8 +122,9 @@ class EdgeState(NamedTuple):
     def to_wire(self) -> dict[str, Any]:
         """A plain dict for a Ray reply (`from_wire` reads it back)."""
         wire = {k: getattr(self, k) for k in ("published_at", "max_age_s", "queue_size", "full", "least",
-                                              "full_retry_after_s", "top_priority", "aging_s",
-                                              "cold_window_s", "held_at", "held_max_age_s")}
+                                              "top_priority", "aging_s", "cold_window_s", "held_at",
+                                              "held_max_age_s")}
+        wire["drain"] = (self.drain.window_s, self.drain.events, list(self.drain.head))
         wire["classes"] = {name: (c.priority, c.ttft_s, c.wait_s, c.at_risk, c.shed_until, c.pressured,
                                   c.exempt) for name, c in self.classes.items()}
         wire["held"] = None if self.held is None else sorted(self.held)
@@ -103,13 +132,13 @@ class EdgeState(NamedTuple):
 
     @staticmethod
     def from_wire(wire: Mapping[str, Any]) -> EdgeState:
-        least = wire["least"]
+        least, (window_s, count, head) = wire["least"], wire["drain"]
         held = wire.get("held")
         return EdgeState(
             published_at=float(wire["published_at"]), max_age_s=float(wire["max_age_s"]),
             queue_size=int(wire["queue_size"]), full=bool(wire["full"]),
             least=None if least is None else (int(least[0]), float(least[1])),
-            full_retry_after_s=float(wire["full_retry_after_s"]),
+            drain=DrainEdge(float(window_s), int(count), tuple(float(t) for t in head)),
             top_priority=None if wire["top_priority"] is None else int(wire["top_priority"]),
             aging_s=float(wire["aging_s"]), cold_window_s=float(wire["cold_window_s"]),
             classes={str(name): ClassEdge(int(c[0]), None if c[1] is None else float(c[1]),
@@ -142,7 +171,7 @@ def edge_refusal(state: EdgeState, ticket: Ticket, now: float) -> tuple[str, Clu
                            and state.least > rank(ticket, state.top_priority, state.aging_s)):
         return "queue_full", QueueFullError(
             f"the cluster queue is full ({state.queue_size} requests wait; cluster_queue_size)",
-            retry_after_s=state.full_retry_after_s)
+            retry_after_s=full_retry_after_s(state.queue_size, state.drain.rate(now)))
     if (edge is not None and edge.at_risk and edge.wait_s is not None and ticket.deadline is not None
             and now + edge.wait_s > ticket.deadline):
         return "deadline", DeadlineOutOfReachError(
@@ -210,4 +239,4 @@ class EdgeView:
         return edge_refusal(state, moved, self._clock() + offset)
 
 
-__all__ = ["REASONS", "ClassEdge", "EdgeState", "EdgeView", "edge_refusal", "rank"]
+__all__ = ["REASONS", "ClassEdge", "DrainEdge", "EdgeState", "EdgeView", "edge_refusal", "rank"]

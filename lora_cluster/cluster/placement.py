@@ -18,6 +18,7 @@ as a new holder. Pure: injected clock, no Ray.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from mypy_extensions import mypyc_attr
 from lora_cluster.cluster.reports import ReplicaReport
 
 MIN_RATE = 1e-3  # requests per second below which an adapter's demand is forgotten
+MAX_HOT = 256  # adapters `DemandTracker.hot` names at most, whatever a caller asks for
+HOT_TTL_S = 1.0  # `DemandTracker.hot` computes its list at most this often
 
 
 class DemandTracker:
@@ -41,6 +44,8 @@ class DemandTracker:
         self.window_s, self.max_adapters, self._clock = window_s, max_adapters, clock
         self._value: dict[str, float] = {}
         self._ref = clock()
+        self._hot: list[tuple[str, int]] = []  # the busiest adapters as of `_hot_at`, at most MAX_HOT
+        self._hot_at = -math.inf
 
     def record(self, counts: Mapping[str, int]) -> None:
         """Requests per adapter observed since the previous call (from one replica's report)."""
@@ -66,6 +71,18 @@ class DemandTracker:
         """Requests per second per adapter, now."""
         self._rebase(self._clock())
         return dict(self._value)
+
+    def hot(self, k: int) -> list[tuple[str, int]]:
+        """The `k` busiest adapters (at most MAX_HOT), busiest first (ties by id), each with its rate in
+        requests per 1,000 s (an int, at least 1). The list is computed at most once per HOT_TTL_S
+        (one pass over the table, O(adapters log MAX_HOT)), however many callers ask in between."""
+        now = self._clock()
+        if now - self._hot_at >= HOT_TTL_S:
+            rates = self.rates()
+            top = heapq.nsmallest(MAX_HOT, rates, key=lambda a: (-rates[a], a))
+            self._hot = [(a, max(1, round(rates[a] * 1000))) for a in top]
+            self._hot_at = now
+        return self._hot[:max(0, min(k, MAX_HOT))]
 
 
 @mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)

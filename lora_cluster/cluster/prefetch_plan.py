@@ -15,7 +15,13 @@ Bounds, each stated by its caller's setting:
 * bytes: `plan` hands out nothing that would take the tier's bytes (`used_bytes`, the caller's)
   past `max_bytes`; a prefetch never evicts anything;
 * memory: only catalog adapters are tracked (a client can request any id; those not in the catalog
-  are ignored), so the demand table is bounded by the catalog.
+  are ignored), so the demand table is bounded by the catalog; a demand set from outside
+  (`set_demand`) keeps at most MAX_DEMAND adapters.
+
+Live, a replica's planner has no catalog: its demand is the controller's hot list (`set_demand`,
+the cluster's busiest adapters, already decayed there), and sizes are known only once fetched: the
+caller passes a size estimate at hand-out and `settle`s the real bytes afterwards, so the bandwidth
+bucket is charged what was really read.
 
 Prefetch runs at the lowest priority: the caller runs its jobs on their own lane, never on a worker
 a live load could take, and `plan` hands out nothing while `live_waiting` says a live load waits.
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+
+MAX_DEMAND = 256  # adapters `set_demand` keeps at most (the busiest)
 
 
 class PrefetchPlanner:
@@ -48,9 +56,23 @@ class PrefetchPlanner:
             if adapter_id in self._position:
                 self.demand[adapter_id] = self.demand.get(adapter_id, 0.0) + n * weight
 
+    def set_demand(self, rates: Mapping[str, int]) -> None:
+        """Demand as the caller measured it (the controller's hot list: adapter -> its rate), replacing
+        what was observed; at most MAX_DEMAND adapters kept (the busiest), catalog or not."""
+        weight = math.exp(self._rate * (self._clock() - self._epoch))
+        top = sorted(rates, key=lambda a: (-rates[a], a))[:MAX_DEMAND]
+        self.demand = {a: rates[a] * weight for a in top if rates[a] > 0}
+
+    def settle(self, adapter_id: str, estimate: int, nbytes: int) -> None:
+        """A job handed out with `estimate` bytes ended having read `nbytes`: the bucket and the count
+        of bytes handed out are charged the difference."""
+        self._tokens -= nbytes - estimate
+        self.handed_out_bytes += nbytes - estimate
+
     def ranking(self) -> list[str]:
         """Every catalog adapter, most demanded first; never requested ones after, in catalog order."""
-        seen = sorted(self.demand, key=lambda a: (-self.demand[a], self._position[a]))
+        last = len(self.catalog)
+        seen = sorted(self.demand, key=lambda a: (-self.demand[a], self._position.get(a, last), a))
         return seen + [a for a in self.catalog if a not in self.demand]
 
     def plan(self, slots: int, *, skip: Callable[[str], bool], used_bytes: int,

@@ -8,7 +8,8 @@ acknowledged, and a full report now and then (pure; the live replica and the sim
   unreachable) leaves the base where it was: the controller may or may not hold the lost one, and if
   it does, the next delta's base is not its own, so it asks for a full report.
 * `ReportDelta` carries the fields whose value changed (`changed`), the adapters loaded and evicted
-  (`resident_added`/`resident_removed`, likewise `loading_*` and the prefix keys, `prefixes_*`), and,
+  (`resident_added`/`resident_removed`, likewise `loading_*`, the prefix keys, `prefixes_*`, and the
+  host tier's adapters, `host_held_*`, and the cluster tier's copies on its node, `cluster_held_*`), and,
   as every report, the events since the previous report (requests per adapter, arrived tickets).
   `apply_delta(base, delta)` is the report the replica built, as `ReplicaReport.from_dict` bounds it:
   applying every delta of a sequence gives the latest full report exactly (tested on random
@@ -32,6 +33,8 @@ from mypy_extensions import mypyc_attr
 from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 from lora_cluster.cluster.reports import (
     MAX_ARRIVED_TICKETS,
+    MAX_REPORTED_CLUSTER,
+    MAX_REPORTED_HOST,
     MAX_REPORTED_LOADING,
     MAX_REPORTED_RESIDENT,
     ReplicaReport,
@@ -41,7 +44,8 @@ from lora_cluster.cluster.reports import (
 )
 
 FULL_REPORT_EVERY_S = 30.0  # a replica sends a full report at least this often
-SET_FIELDS = {"resident": MAX_REPORTED_RESIDENT, "loading": MAX_REPORTED_LOADING, "prefixes": SUMMARY_KEYS}
+SET_FIELDS = {"resident": MAX_REPORTED_RESIDENT, "loading": MAX_REPORTED_LOADING, "prefixes": SUMMARY_KEYS,
+              "host_held": MAX_REPORTED_HOST, "cluster_held": MAX_REPORTED_CLUSTER}
 EVENT_FIELDS = ("adapter_requests", "arrived_tickets")  # since the previous report: in every report
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaReport)
                      if f.name not in {"replica_id", "seq", *SET_FIELDS, *EVENT_FIELDS})
@@ -62,6 +66,10 @@ class ReportDelta:
     loading_removed: tuple[str, ...] = ()
     prefixes_added: tuple[str, ...] = ()  # routing keys of prompt prefixes run since, and those dropped
     prefixes_removed: tuple[str, ...] = ()
+    host_held_added: tuple[str, ...] = ()  # adapters that entered its host tier since, and those that left
+    host_held_removed: tuple[str, ...] = ()
+    cluster_held_added: tuple[str, ...] = ()  # cluster-tier copies on its node since, and those gone
+    cluster_held_removed: tuple[str, ...] = ()
     adapter_requests: Mapping[str, int] = field(default_factory=dict)
     arrived_tickets: tuple[str, ...] = ()
 

@@ -5,13 +5,21 @@ cache bytes, adapters resident and loading, requests running and waiting (in all
 recent latency and SLO attainment per class, and the replica's recent requests per adapter (its
 busiest adapters only, so a report stays small with thousands of adapters), and the routing keys
 of the prompt prefixes it ran lately (`prefix_keys.PrefixSummary`, at most `SUMMARY_KEYS`), which
-the grant policy weighs (`scheduling.choose_replica`).
+the grant policy weighs (`scheduling.choose_replica`), and the adapters its host tier holds
+(`host_held`: its host cache's most recently used, at most `MAX_REPORTED_HOST`), which a miss
+prefers: a copy from host memory to the device takes milliseconds, a fetch from the source seconds;
+and the adapters of the cluster tier whose published copy is on its node (`cluster_held`: those its
+node published or copied, the most recent `MAX_REPORTED_CLUSTER`), which a miss without a host-tier
+holder prefers: a read from the node's own copy, not a copy from a peer nor a fetch from the source.
 
 The controller's view of all the reports is `cluster_view.ClusterView`.
 
 Bounded in bytes: a report as the controller takes it (`from_dict`) keeps at most
 `MAX_REPORTED_RESIDENT` resident and `MAX_REPORTED_LOADING` loading adapters (sorted, so that a
-report and the same report rebuilt from deltas are equal), `MAX_REPORTED_ADAPTERS` adapters' demand,
+report and the same report rebuilt from deltas are equal), `MAX_REPORTED_HOST` adapters of its host
+tier and `MAX_REPORTED_CLUSTER` of the cluster tier's copies on its node (each the last of the list as
+sent, least recently used first, then sorted),
+`MAX_REPORTED_ADAPTERS` adapters' demand,
 `MAX_ARRIVED_TICKETS` arrived tickets, `SUMMARY_KEYS` prefix keys (the last, sorted) and
 `MAX_REPORTED_CLASSES` classes,
 and drops ids longer than `MAX_ID_LEN`: its JSON is at most `REPORT_MAX_BYTES`, and the view keeps one
@@ -33,12 +41,15 @@ from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
 MAX_REPORTED_ADAPTERS = 64  # per report: the replica's busiest adapters by recent requests
 MAX_REPORTED_RESIDENT = 512  # adapters on the device listed per report (the first, sorted)
 MAX_REPORTED_LOADING = 64  # adapters loading listed per report
+MAX_REPORTED_HOST = 256  # adapters in host memory listed per report (the most recently used)
+MAX_REPORTED_CLUSTER = 256  # adapters with a cluster-tier copy on the node listed per report (the latest)
 MAX_ARRIVED_TICKETS = 512  # arrived tickets per report (beyond: a grant counts until `grant_ttl_s`)
 MAX_REPORTED_CLASSES = 16  # SLA classes' stats per report
 MAX_ID_LEN = 256  # longest adapter or ticket id kept (adapter ids are validated to this length)
 # the JSON of a report at every bound above, ids at MAX_ID_LEN, plus 16 KiB for the counts and stats
-REPORT_MAX_BYTES = ((MAX_REPORTED_RESIDENT + MAX_REPORTED_LOADING + MAX_REPORTED_ADAPTERS
-                     + MAX_ARRIVED_TICKETS) * (MAX_ID_LEN + 16) + SUMMARY_KEYS * 32 + (16 << 10))
+REPORT_MAX_BYTES = ((MAX_REPORTED_RESIDENT + MAX_REPORTED_LOADING + MAX_REPORTED_HOST
+                     + MAX_REPORTED_CLUSTER + MAX_REPORTED_ADAPTERS + MAX_ARRIVED_TICKETS) * (MAX_ID_LEN + 16)
+                    + SUMMARY_KEYS * 32 + (16 << 10))
 
 
 # The reports stay Python classes when this module is compiled: frozen (lora_cluster.compiled), and a
@@ -110,6 +121,10 @@ class ReplicaReport:
     seq: int = 0  # the replica's report number (a delta names the one it applies to)
     # of its free room, what this controller shard may grant (None: all; `sharding.split_room`)
     room: int | None = None
+    # adapters its host tier (host memory) holds: the host cache's most recently used, sorted
+    host_held: tuple[str, ...] = ()
+    # adapters of the cluster tier with a published copy on its node (published or copied there), sorted
+    cluster_held: tuple[str, ...] = ()
 
     @_derived
     def prefix_set(self) -> frozenset[str]:
@@ -137,6 +152,16 @@ class ReplicaReport:
     def held(self) -> frozenset[str]:
         """The adapters it holds: resident or loading (built once per report)."""
         return frozenset((*self.resident, *self.loading))
+
+    @_derived
+    def host_set(self) -> frozenset[str]:
+        """The adapters its host tier holds, as a set (built once per report)."""
+        return frozenset(self.host_held)
+
+    @_derived
+    def cluster_set(self) -> frozenset[str]:
+        """The adapters whose cluster-tier copy is on its node, as a set (built once per report)."""
+        return frozenset(self.cluster_held)
 
     def updated(self, values: Mapping[str, Any]) -> ReplicaReport:
         """This report with `values` (field -> value) in place of its own, as `dataclasses.replace`
@@ -171,9 +196,11 @@ class ReplicaReport:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ReplicaReport))
 # what a report derives once (its cached properties) -> the fields it derives it from
 _DERIVED = {"held": frozenset({"resident", "loading"}), "prefix_set": frozenset({"prefixes"}),
+            "host_set": frozenset({"host_held"}), "cluster_set": frozenset({"cluster_held"}),
             "_less_urgent": frozenset({"running_by_priority"})}
+# the fields whose dict form differs or is bounded
 WIRE_FIELDS = ("resident", "loading", "arrived_tickets", "prefixes", "running_by_priority", "memory",
-               "adapter_requests", "classes")  # the fields whose dict form differs or is bounded
+               "adapter_requests", "classes", "host_held", "cluster_held")
 
 
 def _ids(values: Iterable[Any], limit: int, *, ordered: bool) -> tuple[str, ...]:
@@ -183,7 +210,7 @@ def _ids(values: Iterable[Any], limit: int, *, ordered: bool) -> tuple[str, ...]
 
 def field_to_wire(name: str, value: Any) -> Any:
     """A report field's JSON-able form."""
-    if name in ("resident", "loading", "arrived_tickets", "prefixes"):
+    if name in ("resident", "loading", "arrived_tickets", "prefixes", "host_held", "cluster_held"):
         return list(value)
     if name == "running_by_priority":
         return {str(p): n for p, n in value.items()}
@@ -203,6 +230,9 @@ def field_from_wire(name: str, value: Any) -> Any:
         return _ids(value or (), MAX_ARRIVED_TICKETS, ordered=True)
     if name == "prefixes":  # the most recently used (last) SUMMARY_KEYS, as a sorted set
         return _ids(list(value or ())[-SUMMARY_KEYS:], SUMMARY_KEYS, ordered=False)
+    if name in ("host_held", "cluster_held"):  # the most recently used (last) `limit`, as a sorted set
+        limit = MAX_REPORTED_HOST if name == "host_held" else MAX_REPORTED_CLUSTER
+        return _ids(list(value or ())[-limit:], limit, ordered=False)
     if name == "running_by_priority":
         return {int(p): int(n) for p, n in dict(value or {}).items()}
     if name == "memory":

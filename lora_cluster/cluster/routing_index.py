@@ -14,15 +14,18 @@ The full rank builds a `ReplicaView` of every replica (`PlacementTracker.view`) 
 * holders: adapter -> the replicas whose view holds it (resident, loading, or recently placed);
 * prefix holders: routing key of a prompt prefix (`cluster.prefix_keys`) -> the replicas whose
   view reports it, at most `MAX_KEY_HOLDERS` per key (those that began reporting it last);
+* host holders: adapter -> the replicas whose view lists it in their host tier (`ReplicaView.host`),
+  at most `MAX_KEY_HOLDERS` per adapter (those that began listing it last);
 * a heap of every replica keyed by `rank_key(ABSENT, view)`, and one keyed by `rank_key(None,
   view)` from the first base-model request on; entries are invalidated by a per-replica version
   (lazy deletion, compacted when they pile up).
 
 Why it is exact: for a replica whose view does not hold adapter A (and that the controller's
-placement table does not name for A), `rank_key(A, view) == rank_key(ABSENT, view)`: the cost and
-every tie-break read only the view, never A. So the replicas outside A's holders are ordered by the
-ABSENT heap, and `ranked(A)` = `rank_replicas` over A's holders, the table's replicas for A and
-the best `spare` others, cut after the last of those others, is a prefix of `rank_replicas` over
+placement table does not name for A, and whose host tier does not hold A),
+`rank_key(A, view) == rank_key(ABSENT, view)`: the cost and every tie-break read only the view,
+never A. So the replicas outside A's holders are ordered by the ABSENT heap, and `ranked(A)` =
+`rank_replicas` over A's holders, its host holders, the table's replicas for A and the best `spare`
+others, cut after the last of those others, is a prefix of `rank_replicas` over
 every replica (keys end with the replica id, so they are unique). A base-model request (None)
 holds no adapter and is ranked by the None heap alone. A request's prompt prefix (its routing
 keys) adds the replicas that report any of them to the candidates: a replica that reports none
@@ -32,12 +35,14 @@ last), and a decision takes the holders of the request's keys deepest first unti
 `MAX_KEY_HOLDERS` (the deeper the cached prefix, the larger its bonus). So a prefix cached on more
 replicas than that (a system prompt everybody caches) is weighed on some of them, the others
 ranked as if they lacked it: the index equals the full rank while the request's keys have at most
-`MAX_KEY_HOLDERS` holders in all.
+`MAX_KEY_HOLDERS` holders in all. Likewise an adapter in more host tiers than that is weighed on
+the last `MAX_KEY_HOLDERS` to take it (the host tier is a tie-break among equal costs: the others
+rank as if their host tier lacked it).
 
 Freshness invariant: the index is exact when every change of a replica's ongoing count is
 signalled by `touch` before the next decision. The candidates' counts are re-read at every
 decision anyway, so a missed signal can only hide a replica that became better unseen.
-Cost per decision: O((holders + placed + MAX_KEY_HOLDERS + spare) log replicas + prefix keys
+Cost per decision: O((holders + placed + 2 MAX_KEY_HOLDERS + spare) log replicas + prefix keys
 + touched replicas since the last).
 """
 
@@ -57,8 +62,8 @@ from lora_cluster.cluster.routing_score import (
 from lora_cluster.cluster.routing_stats import RoutingStats
 
 ABSENT = "\x00absent"  # an adapter id no replica holds (adapter ids cannot contain NUL)
-Key = tuple[float, int, bool, int, int, str]
-MAX_KEY_HOLDERS = 32  # replicas the index keeps per prefix routing key
+Key = tuple[float, int, bool, bool, int, int, str]
+MAX_KEY_HOLDERS = 32  # replicas the index keeps per prefix routing key, and per adapter in host tiers
 
 
 class RoutingIndex:
@@ -75,6 +80,7 @@ class RoutingIndex:
         self.views: dict[str, ReplicaView] = {}
         self.holders: dict[str, set[str]] = {}  # adapter -> replicas whose view holds it
         self.prefix_holders: dict[str, dict[str, None]] = {}  # routing key -> latest replicas reporting it
+        self.host_holders: dict[str, dict[str, None]] = {}  # adapter -> latest replicas with it in host
         self._heaps: dict[str | None, list[tuple[Key, int, str]]] = {ABSENT: []}  # None: on first use
         self._version: dict[str, int] = {}  # replica -> its valid heap entries' version (never reused)
         self._versions = 0
@@ -174,6 +180,7 @@ class RoutingIndex:
         holders: set[str] = set()
         if adapter_id is not None:
             holders.update(self.holders.get(adapter_id, ()))
+            holders.update(self.host_holders.get(adapter_id, ()))
             holders.update(placed_here)
         cached: set[str] = set()
         for key in reversed(prefix):  # deepest first, until the bound
@@ -228,7 +235,10 @@ class RoutingIndex:
                 for aid in new.adapters - before:
                     self.holders.setdefault(aid, set()).add(rid)
             if old is None or old.prefixes is not new.prefixes:
-                self._hold_prefixes(rid, frozenset() if old is None else old.prefixes, new.prefixes)
+                _hold_latest(self.prefix_holders, rid, frozenset() if old is None else old.prefixes,
+                             new.prefixes)
+            if old is None or old.host is not new.host:
+                _hold_latest(self.host_holders, rid, frozenset() if old is None else old.host, new.host)
             self._put(rid, new)
         for rid in self._recount:
             old = self.views.get(rid)
@@ -265,27 +275,30 @@ class RoutingIndex:
             if not holders:
                 del self.holders[aid]
 
-    def _hold_prefixes(self, replica_id: str, before: frozenset[str], after: frozenset[str]) -> None:
-        """The replica's reported prefix keys went from `before` to `after`."""
-        index = self.prefix_holders
-        for key in before - after:
-            holders = index.get(key)
-            if holders is not None:
-                holders.pop(replica_id, None)
-                if not holders:
-                    del index[key]
-        for key in after - before:
-            holders = index.setdefault(key, {})
-            holders[replica_id] = None
-            if len(holders) > MAX_KEY_HOLDERS:
-                del holders[next(iter(holders))]  # the earliest reporter leaves the key's list
-
     def _forget(self, replica_id: str) -> None:
         view = self.views.pop(replica_id, None)
         if view is not None:
             self._unhold(replica_id, view.adapters)
-            self._hold_prefixes(replica_id, view.prefixes, frozenset())
+            _hold_latest(self.prefix_holders, replica_id, view.prefixes, frozenset())
+            _hold_latest(self.host_holders, replica_id, view.host, frozenset())
         del self.stats[replica_id]
         self._version.pop(replica_id, None)
         self._dirty.pop(replica_id, None)
         self._recount.pop(replica_id, None)
+
+
+def _hold_latest(index: dict[str, dict[str, None]], replica_id: str, before: frozenset[str],
+                 after: frozenset[str]) -> None:
+    """The replica's reported keys (prefix keys, or adapters in its host tier) went from `before` to
+    `after`: `index` (key -> replicas) follows, each key keeping its latest `MAX_KEY_HOLDERS`."""
+    for key in before - after:
+        holders = index.get(key)
+        if holders is not None:
+            holders.pop(replica_id, None)
+            if not holders:
+                del index[key]
+    for key in after - before:
+        holders = index.setdefault(key, {})
+        holders[replica_id] = None
+        if len(holders) > MAX_KEY_HOLDERS:
+            del holders[next(iter(holders))]  # the earliest reporter leaves the key's list

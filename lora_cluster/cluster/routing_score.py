@@ -29,8 +29,12 @@ full `miss_cost`, the bonus at most one).
 Among equal costs the policy prefers, in order: a replica that is not oversubscribed (the distinct
 adapters recently sent to it fit in its `max_loras` slots; otherwise its adapters evict each other
 and every hit there is a gamble), one whose report confirms the adapter on its device (not just a
-recent placement), fewer ongoing requests, more empty adapter slots, and the lower id (so that
-concurrent routers agree).
+recent placement), one that lacks it on its device but holds it in its host tier (`host`: a miss
+there copies it from host memory in milliseconds, not from the source in seconds; the controller's
+miss choice ranks the host tier the same way, after room and a free slot; a device holder's queue
+against a miss elsewhere is already weighed in the cost, and a tie there goes on to the next
+rules, so that a hot adapter spills at a tie), fewer ongoing requests, more empty adapter
+slots, and the lower id (so that concurrent routers agree).
 
 `PlacementTracker` bridges the gap between a routing decision and the replicas' next stats report
 (`record_routing_stats`, every `routing_stats_period_s`): the router records where it sent each
@@ -68,6 +72,7 @@ class ReplicaView:
     max_loras: int = 1 << 30  # its adapter slots
     miss_penalty: float = 0.0  # 0..1: the replica's adapter thrash (a miss there is better sent elsewhere)
     prefixes: frozenset[str] = frozenset()  # routing keys of the prompt prefixes its cache holds
+    host: frozenset[str] = frozenset()  # adapters its host tier holds (a miss there loads in milliseconds)
 
     @property
     def oversubscribed(self) -> int:
@@ -120,11 +125,14 @@ def adapter_cost(adapter_id: str | None, replica: ReplicaView, miss_cost: float,
 
 
 def rank_key(adapter_id: str | None, replica: ReplicaView, miss_cost: float, prefix: Sequence[str] = (),
-             prefix_share: float = PREFIX_SHARE) -> tuple[float, int, bool, int, int, str]:
+             prefix_share: float = PREFIX_SHARE) -> tuple[float, int, bool, bool, int, int, str]:
     """The order of `rank_replicas`: smaller is better (cost, then the tie-breaks of the module docstring)."""
     unconfirmed = adapter_id is not None and adapter_id not in replica.confirmed
+    # a miss there copies from host memory; a device holder's advantage is already in its cost
+    not_host_only = adapter_id is not None and (adapter_id in replica.adapters
+                                                or adapter_id not in replica.host)
     return (adapter_cost(adapter_id, replica, miss_cost, prefix, prefix_share), replica.oversubscribed,
-            unconfirmed, replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
+            unconfirmed, not_host_only, replica.ongoing, -replica.empty_adapter_slots, replica.replica_id)
 
 
 def rank_replicas(adapter_id: str | None, replicas: Iterable[ReplicaView], miss_cost: float,
@@ -195,4 +203,5 @@ class PlacementTracker:
             max_loras=UNKNOWN_SLOTS if stats.max_loras is None else stats.max_loras,
             miss_penalty=stats.miss_penalty,
             prefixes=stats.prefix_set,
+            host=stats.host_set,
         )

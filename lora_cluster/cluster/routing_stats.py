@@ -10,7 +10,8 @@ Invariants:
   sends `{}`) and ignores unknown keys (a replica of a newer version during a rolling upgrade):
   a missing routing field reads as "unknown", and the router then assumes room.
 * `prefixes` (routing keys of the prompt prefixes its cache holds, `cluster.prefix_keys`) keeps at
-  most `SUMMARY_KEYS` keys of a report, whatever the report holds.
+  most `SUMMARY_KEYS` keys of a report, and `host_held` (the adapters its host tier holds, the most
+  recently used last) at most `MAX_REPORTED_HOST`, the last of the list, whatever the report holds.
 * `to_dict(from_dict(d))` keeps every field this version knows; the operator payloads (`store`,
   `engine`, `memory`, `classes`, `breakers`, `adapter_thrash`) travel as reported.
 """
@@ -26,6 +27,7 @@ from typing import Any
 from mypy_extensions import mypyc_attr
 
 from lora_cluster.cluster.prefix_keys import SUMMARY_KEYS
+from lora_cluster.cluster.reports import MAX_REPORTED_HOST
 
 UNKNOWN_SLOTS = 1 << 30  # a capacity not reported yet: assume room
 
@@ -60,6 +62,7 @@ class RoutingStats:
     engine: Mapping[str, Any] = field(default_factory=dict)  # engine counters
     memory: Mapping[str, Any] = field(default_factory=dict)  # device memory by use
     prefixes: tuple[str, ...] = ()  # routing keys of prefixes its cache holds (`prefix_keys.PrefixSummary`)
+    host_held: tuple[str, ...] = ()  # adapters its host tier holds (a miss there copies from host memory)
 
     @property
     def ongoing(self) -> int:
@@ -75,6 +78,11 @@ class RoutingStats:
     def prefix_set(self) -> frozenset[str]:
         """Its reported prefix keys as a set (built once per report)."""
         return frozenset(self.prefixes)
+
+    @functools.cached_property
+    def host_set(self) -> frozenset[str]:
+        """The adapters its host tier holds, as a set (built once per report)."""
+        return frozenset(self.host_held)
 
     def holds(self, adapter_id: str) -> bool:
         """The adapter is on its device or being placed there."""
@@ -100,7 +108,7 @@ class RoutingStats:
         """The wire form (JSON-ready: adapter lists as lists)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["resident"], out["loading"] = list(self.resident), list(self.loading)
-        out["prefixes"] = list(self.prefixes)
+        out["prefixes"], out["host_held"] = list(self.prefixes), list(self.host_held)
         for name in ("adapter_thrash", "breakers", "store", "classes", "engine", "memory"):
             out[name] = dict(out[name])
         return out
@@ -118,6 +126,8 @@ class RoutingStats:
                 values[f.name] = tuple(str(a) for a in raw)
             elif f.name == "prefixes":
                 values[f.name] = tuple(str(k) for k in list(raw)[-SUMMARY_KEYS:])
+            elif f.name == "host_held":
+                values[f.name] = tuple(str(a) for a in list(raw)[-MAX_REPORTED_HOST:])
             elif f.name == "miss_penalty":
                 values[f.name] = min(1.0, max(0.0, float(raw)))
             elif f.name in ("group", "base", "node_id"):

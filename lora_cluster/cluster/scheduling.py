@@ -4,9 +4,13 @@ Grant: a ticket goes to a replica with room (`ClusterView.free > 0`), preferring
 holds its adapter (resident or loading), the one whose report names the deepest cached prefix of its
 prompt (`prefix_keys.cached_depth`: a chat's next turn goes where its earlier turns are cached;
 every candidate has room, so a cached prefix never sends it to an overloaded replica), one the
-placement table names for it, one with a free adapter slot (elsewhere a miss waits for a slot), and
-then the adapter's home (`home_score`: rendezvous hashing, so that one adapter's misses go to one
-replica, where the next request finds it). The base model (no adapter) goes to the replica caching
+placement table names for it, one with a free adapter slot (elsewhere a miss waits for a slot), one
+whose host tier holds the adapter (`ReplicaReport.host_held`, through `ClusterView.host_holders`: the
+miss then copies it from host memory in milliseconds instead of fetching it from the source in
+seconds), one on a node where the cluster tier's copy of the adapter lies (`ReplicaReport.cluster_held`,
+through `ClusterView.cluster_local`: a read of the node's own copy, not a copy from a peer), and then
+the adapter's home (`home_score`: rendezvous hashing, so that one adapter's misses
+go to one replica, where the next request finds it). The base model (no adapter) goes to the replica caching
 the deepest prefix of its prompt, then the one with the most room (ties by id: decisions are
 deterministic). When the most urgent ticket would miss its adapter wherever it goes, the room goes
 first to the most urgent ticket of the same class whose adapter a replica with room holds
@@ -15,6 +19,15 @@ replica's adapters serving the requests that want them, and the hit rate up unde
 hits that arrived within a window after the miss may pass it (`hit_window_s`: a share of its TTFT
 target, or the aging period for a class without one), so a miss waits for a bounded number of hits,
 however long it has already waited.
+
+Copies: when the head ticket would copy its adapter to the replica with room (no hit there, no hit by
+preemption) while a busy replica holds it, it is granted instead to that holder, over its room by at
+most a quarter of its batch (`holder_queue_target`), and the room goes to the next ticket: a hit a
+fraction of a second later beats a copy, and no room idles while tickets wait. Among an adapter's
+holders its primary ones come first (`primary_holder`: its placed replicas when the placement table
+spreads it, else its holder of the highest home score), for a grant with room (after a holder that
+caches the ticket's prompt prefix: a chat's turn stays where its prefix is), a hit by preemption and
+that queue alike, so that its tickets gather on the copies its demand needs.
 
 Preemption: when no replica has room, an urgent ticket that has waited at least
 `preempt_after_fraction` of its class's TTFT target is sent, over capacity, to a replica with
@@ -60,23 +73,38 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
         return min(candidates, key=lambda rid: (-cached(rid), -view.free(rid), rid))
     placed = placement.get(aid, ())
 
-    def key(rid: str) -> tuple[bool, int, bool, bool, int, str]:
+    hosts = view.host_holders(aid)
+    local: Set[str] = frozenset()  # `cluster_local`, looked up only when a miss is ranked
+
+    def key(rid: str) -> tuple[bool, int, bool, bool, bool, bool, bool, int, str]:
         report = view.get(rid)
         no_slot = report is None or report.free_adapter_slots <= 0
-        return (not holds(view, rid, aid), -cached(rid), rid not in placed, no_slot, -home_score(aid, rid),
-                rid)
+        held = holds(view, rid, aid)
+        extra = held and not primary_holder(view, rid, aid, placement)
+        return (not held, -cached(rid), extra, rid not in placed, no_slot, rid not in hosts,
+                rid not in local, -home_score(aid, rid), rid)
 
     if not prefix:  # no cached prefix anywhere: a holder with room, else a placed one, beats the rest
         for first in (view.holders(aid), placed):
             found = [rid for rid in first if rid in candidates]
             if found:
                 return min(found, key=key)  # O(the adapter's holders or placed replicas)
+        local = view.cluster_local(aid)
 
-        def miss(rid: str) -> tuple[bool, int, str]:  # `key` where none holds it nor is placed
+        def miss(rid: str) -> tuple[bool, bool, bool, int, str]:  # `key` where none holds it nor is placed
             report = view.get(rid)
-            return report is None or report.free_adapter_slots <= 0, -home_score(aid, rid), rid
+            no_slot = report is None or report.free_adapter_slots <= 0
+            return no_slot, rid not in hosts, rid not in local, -home_score(aid, rid), rid
 
-        return min(candidates, key=miss)
+        # a host-tier holder with room and a free adapter slot beats every other miss, then a replica
+        # on a node with the cluster tier's copy: found through the indexes, O(those replicas); the
+        # others copy it from a peer when it is published (or fetch it from the source), at one cost
+        # wherever they are, so the adapter's home takes it (its next misses find it there)
+        near = [rid for rid in hosts if rid in candidates and not miss(rid)[0]]
+        if not near:
+            near = [rid for rid in local if rid in candidates and not miss(rid)[0]]
+        return min(near or candidates, key=miss)
+    local = view.cluster_local(aid)
     return min(candidates, key=key)
 
 
@@ -86,6 +114,41 @@ def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
         return True
     report = view.get(replica_id)
     return report is not None and adapter_id in report.held
+
+
+def holds_for(view: ClusterView, replica_id: str, ticket: Ticket,
+              placement: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether `ticket` is where it should be at this replica: a primary holder of its adapter
+    (`primary_holder`), or a holder that caches its prompt prefix (a chat's next turn stays with its
+    cached conversation, as `choose_replica` ranks it)."""
+    if primary_holder(view, replica_id, ticket.adapter_id, placement):
+        return True
+    if not ticket.prefix or not holds(view, replica_id, ticket.adapter_id):
+        return False
+    report = view.get(replica_id)
+    return report is not None and cached_depth(ticket.prefix, report.prefix_set) > 0
+
+
+def primary_holder(view: ClusterView, replica_id: str, adapter_id: str | None,
+                   placement: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether the replica holds the adapter and is one of the holders its tickets should go to
+    first: for an adapter the placement table spreads, a placed replica (`placement.PlacementPolicy`);
+    for any other, its holder of the highest home score (`home_score`, ties by id), so that one
+    adapter's tickets gather on the same copies rather than keep every copy they ever made busy. The
+    base model: every replica. O(the adapter's holders) hashes when it has several and is not placed."""
+    if adapter_id is None:
+        return True
+    holders = view.holders(adapter_id)
+    if replica_id not in holders:
+        return False
+    if len(holders) == 1:
+        return True
+    placed = placement.get(adapter_id, ())
+    if replica_id in placed:
+        return True
+    if any(rid in holders for rid in placed):
+        return False
+    return replica_id == min(holders, key=lambda rid: (-home_score(adapter_id, rid), rid))
 
 
 def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
@@ -167,14 +230,52 @@ def holder_wait_until(ticket: Ticket, target: str, view: ClusterView, wait_fract
     return ticket.enqueued_at + wait_fraction * ticket.ttft_s
 
 
-def holder_preemption_target(ticket: Ticket, view: ClusterView) -> str | None:
+def holder_preemption_target(ticket: Ticket, view: ClusterView,
+                             placement: Mapping[str, tuple[str, ...]] | None = None) -> str | None:
     """A holder of the ticket's adapter with running work strictly less urgent than it (None: no
-    such holder, or the base model, which every replica holds)."""
-    if ticket.adapter_id is None:
+    such holder, or the base model, which every replica holds); with `placement`, one of its primary
+    holders (`primary_holder`) when one has such work."""
+    aid = ticket.adapter_id
+    if aid is None:
         return None
     # only those with such work can be chosen: O(the smaller of the two sets), not a score per holder
-    holders = view.holders(ticket.adapter_id) & view.preemptible_ids(ticket.priority)
+    holders = view.holders(aid) & view.preemptible_ids(ticket.priority)
+    if placement is not None and len(holders) > 1:
+        holders = {rid for rid in holders if primary_holder(view, rid, aid, placement)} or holders
     return _best_target(ticket, view, holders, False) if holders else None
+
+
+HOLDER_QUEUE_SHARE = 4  # a holder is given at most max_num_seqs / this over its room by `holder_queue_target`
+
+
+def holder_queue_limit(max_num_seqs: int) -> int:
+    """Requests a holder may be given over its room by `holder_queue_target`: a quarter of its batch
+    (8 of 32), at least 1; well within what a replica accepts over `max_ongoing_requests` while the
+    controller is on (its `max_num_seqs`)."""
+    return max(1, max_num_seqs // HOLDER_QUEUE_SHARE)
+
+
+def holder_queue_target(ticket: Ticket, view: ClusterView,
+                        placement: Mapping[str, tuple[str, ...]]) -> str | None:
+    """A holder of the ticket's adapter to queue it at, over its room, rather than copy the adapter
+    to a replica with room that does not hold it (None: the base model, no holder, or every holder
+    already `holder_queue_limit` requests past its room). Its primary holders (`primary_holder`)
+    first, the one with the most room left (ties by id). A seat frees every fraction of a second on
+    a busy replica, and its engine admits by priority, so the ticket waits there about that long and
+    then hits; the copy would take a slot, evict the idle adapter of lowest priority there (often
+    the only copy of a warm adapter, whose next request then misses) and stay as long as requests
+    keep coming. The replica with room is not left idle: its room goes to the next ticket.
+    O(the holders)."""
+    aid = ticket.adapter_id
+    if aid is None:
+        return None
+    holders = view.holders(aid)
+    if not holders:
+        return None
+    primary = [rid for rid in holders if primary_holder(view, rid, aid, placement)] or list(holders)
+    best = min(primary, key=lambda rid: (-view.free(rid), rid))
+    report = view.get(best)
+    return best if report is not None and view.free(best) > -holder_queue_limit(report.max_num_seqs) else None
 
 
 def can_preempt(ticket: Ticket, view: ClusterView) -> bool:

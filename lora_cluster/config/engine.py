@@ -4,12 +4,19 @@ serving fields; how values are read (environment, byte sizes) is config.parsing.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
 from lora_cluster.config.parsing import SETTINGS, ByteSize, StrList
+
+
+def default_disk_cache_dir() -> Path:
+    """The disk tier's folder when `disk_cache_dir` is unset: $XDG_CACHE_HOME/lora-cluster/adapters."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cluster" / "adapters"
 
 
 class EngineConfig(BaseSettings):
@@ -190,6 +197,27 @@ class EngineConfig(BaseSettings):
         ge=0,
         description="Requests within the window that make an adapter hot: a hot adapter on the "
         "device gets its host copy back in the background (0 = no promotion).",
+    )
+    prefetch_bytes_per_s: ByteSize = Field(
+        100 << 20,
+        ge=0,
+        description="Demand prefetch (with a cluster controller): bytes per second each replica may "
+        "fetch into its host tier ahead of requests, for the adapters of most recent demand in the "
+        "cluster (the controller's hot list); paused while a request's adapter load waits or runs "
+        "(0 = off). Accepts suffixes.",
+    )
+    prefetch_max_bytes: ByteSize = Field(
+        2 << 30,
+        ge=0,
+        description="Demand prefetch fills the host tier up to this many bytes (at most "
+        "host_cache_bytes) and never evicts anything to do so (0 = off). Default: half the default "
+        "host_cache_bytes. Accepts suffixes.",
+    )
+    prefetch_hot_period_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often each replica asks the cluster controller for its hot list (the 32 "
+        "adapters of most recent demand) to prefetch.",
     )
     fetch_retries: int = Field(
         3, ge=0, le=20, description="Retries of a transient source error (network, 5xx)."

@@ -129,11 +129,54 @@ class TenancyConfig(BaseModel):
         "often, and when it stops (docs/metering.md); at most 10,000 requests' records wait between "
         "two calls.",
     )
+    usage_spool_dir: str = Field(
+        "~/.local/state/lora-cluster/usage-spool",
+        description="A folder on each node's local disk where every LoRA replica and ingress writes "
+        "each usage record as its request ends, until the usage store has it; the spool of a process "
+        "killed without a graceful stop is sent by another one on the same node (docs/metering.md). "
+        "`~` is the user's home. Empty: records wait in memory only (a killed replica loses its last "
+        "`usage_flush_s`).",
+    )
+    usage_budget_refresh_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Each ingress reads the tenants' usage this month from the usage store this often, "
+        "for their monthly budgets (`budget` in the tenants file; docs/metering.md): a budget check "
+        "reads that copy, never the store, so its use is at most this old.",
+    )
     usage_retention_s: float = Field(
         7 * 86400.0, gt=0,
         description="Per-request usage records are kept this long after their request ended; the "
         "per-minute sums are kept for good.",
     )
+    usage_store_uri: str = Field(
+        "", max_length=1024,
+        description="A PostgreSQL database for the usage store instead of the SQLite file at "
+        "usage_db_path: postgresql://user@host:port/dbname (libpq's URL; give the password by PGPASSWORD "
+        "or ~/.pgpass on the usage store's node rather than in the URL). The tables are created on "
+        "first use. Needs psycopg on that node (`pip install lora-cluster[postgres]`; without it the "
+        "app does not start). Empty: the SQLite file.",
+    )
+    usage_export_uri: str = Field(
+        "", max_length=1024,
+        description="Where each closed minute's usage sums are also written as a Parquet file, for a "
+        "billing pipeline (docs/metering.md): a folder (or file://) or s3://bucket/prefix, under "
+        "`usage/date=YYYY-MM-DD/part-<minute>.parquet`; one file per minute, rewritten in place if the "
+        "minute changes later. Needs pyarrow on the usage store's node (`pip install "
+        "lora-cluster[parquet]`; without it the app does not start). Empty: no export.",
+    )
+    usage_export_interval_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="How often the usage store writes the files of the minutes closed since "
+        "(with usage_export_uri): a minute's file appears at most this long after the minute closed "
+        "(usage_flush_s + 10 s after its end).",
+    )
+
+    @field_validator("usage_store_uri")
+    @classmethod
+    def _store_is_postgres(cls, value: str) -> str:
+        if value and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("usage_store_uri is a postgresql:// URL (a SQLite file goes in usage_db_path)")
+        return value
 
     @field_validator("open_routes")
     @classmethod

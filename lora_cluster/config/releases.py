@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from lora_cluster.config.parsing import SECTION
 
@@ -51,11 +51,52 @@ class ReleasesConfig(BaseModel):
     )
     release_eval_margin: float = Field(
         0.05, ge=0, le=1, description="Eval gate: the candidate's score on the evaluation set (exact "
-        "match, choice accuracy, schema-valid rate) may be below the stable version's by at most this."
+        "match, choice accuracy, schema-valid rate) may be below the stable version's by at most this; "
+        "so may the schema-valid rate of its shadow copies of JSON-constrained requests, once "
+        "release_gate_min_requests were checked."
     )
     release_max_events: int = Field(
         1000, ge=10, description="Audit-log events kept per release (the oldest dropped first)."
     )
+    release_shadow_percent: float = Field(
+        0.0, ge=0, le=100, description="Shadow: the percent of the stable version's greedy (temperature 0), "
+        "one-choice requests (OpenAI and LoRAX, streamed or not) during a canary that are copied to the "
+        "candidate at the least urgent SLA class after the live answer, never answered to a client "
+        "(0: no shadow). A release may set its own."
+    )
+    release_shadow_min_agreement: float = Field(
+        0.5, ge=0, le=1, description="Shadow gate: the least token agreement of the candidate's copies with "
+        "the stable version's answers, once a step has release_gate_min_requests copies; below it the "
+        "release rolls back."
+    )
+    release_state_uri: str = Field(
+        "auto", max_length=1024, description="Where releases and the versions of loaded adapters are "
+        "kept, so that they survive a restart and every ingress replica follows the same releases: a "
+        "folder (or file://), s3://bucket/prefix, `adapter_source` for a `.lora-cluster` folder (key "
+        "prefix) under the first adapter source, or empty for the ingress's memory (lost on a restart; "
+        "releases need one ingress replica). `auto`: the `.lora-cluster` folder under the first "
+        "adapter source that is a writable local folder; else, with one ingress replica, under the "
+        "disk tier folder (disk_cache_dir); else memory, with a WARNING at start (docs/releases.md)."
+    )
+    release_sync_s: float = Field(
+        2.0, gt=0, le=300, description="How often each ingress reads the shared release state and writes "
+        "its live evidence (with `release_state_uri`): the longest an ingress's traffic split lags a "
+        "step decided elsewhere."
+    )
+
+    release_lease_s: float = Field(
+        30.0, gt=0, le=3600, description="The lease of a release's eval gate in the shared release "
+        "state: the ingress running the gate renews it every release_sync_s; when that ingress dies, "
+        "the next ingress to sync after the lease expired takes it and runs the gate again. At least "
+        "twice release_sync_s."
+    )
+
+    @model_validator(mode="after")
+    def _lease_outlives_syncs(self) -> ReleasesConfig:
+        if self.release_lease_s < 2 * self.release_sync_s:
+            raise ValueError(f"release_lease_s ({self.release_lease_s}) must be at least twice "
+                             f"release_sync_s ({self.release_sync_s}): its owner renews it once per sync")
+        return self
 
     @field_validator("release_canary_steps")
     @classmethod

@@ -238,6 +238,11 @@ class Engine:
         """Adapter fetches are held (a `step` lets go of those nobody waits for any more)."""
         return self.adapters.has_fetches()
 
+    def live_fetches(self) -> int:
+        """Adapter fetches of requests queued or running now; thread-safe (a background prefetcher
+        outside the engine yields while it is not zero)."""
+        return self.adapters.live_fetches()
+
     def counters_snapshot(self) -> dict[str, Any]:
         """The engine's cumulative counters (`engine.schedule.counters`) and the adapter pool's fragmentation
         (`AdapterPool.fragmentation`), for metrics. Call on the step loop's thread."""

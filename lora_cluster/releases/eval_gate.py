@@ -8,7 +8,8 @@ in the release request), at most `MAX_CASES` cases, each one of:
 * `{"prompt": ..., "choices": [...], "answer": i}`: the choice with the highest loglikelihood after
   the prompt must be choice `i` (choice accuracy);
 * `{"prompt": ..., "schema": {...}}`: the completion must be a JSON document valid for the schema
-  (schema-valid rate).
+  (schema-valid rate); it is generated under the schema's constraint unless the case adds
+  `"constrained": false` (then the version must write a valid document by itself).
 
 A version's score is the share of cases it passes (`score`). The candidate passes the gate when
 its score is at least the stable version's minus `margin` (`compare`). Running the cases through
@@ -18,6 +19,7 @@ the engine (at `batch` priority) is the caller's; this module only reads the set
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,7 @@ class EvalCase:
     choices: tuple[str, ...] = ()
     answer: int = 0
     schema: dict[str, Any] | None = None
+    constrained: bool = True  # a schema case's completion is generated under the schema's constraint
 
     @property
     def kind(self) -> str:
@@ -81,7 +84,10 @@ def _case(d: Any) -> EvalCase:
     if kinds[0] == "schema":
         if not isinstance(d["schema"], dict):
             raise ValueError("`schema` is a JSON schema object")
-        return EvalCase(d["prompt"], schema=d["schema"])
+        constrained = d.get("constrained", True)
+        if not isinstance(constrained, bool):
+            raise ValueError("`constrained` is true or false")
+        return EvalCase(d["prompt"], schema=d["schema"], constrained=constrained)
     choices, answer = d["choices"], d.get("answer")
     if (not isinstance(choices, list) or not 2 <= len(choices) <= MAX_CHOICES
             or not all(isinstance(c, str) for c in choices)):
@@ -102,7 +108,8 @@ def passes(case: EvalCase, result: CaseResult, schema_valid: SchemaCheck) -> boo
         logprobs = result.choice_logprobs
         if len(logprobs) != len(case.choices):
             return False
-        return max(range(len(logprobs)), key=logprobs.__getitem__) == case.answer
+        best = max(range(len(logprobs)), key=logprobs.__getitem__)
+        return best == case.answer and math.isfinite(logprobs[best])
     try:
         document = json.loads(result.text)
     except ValueError:

@@ -16,6 +16,11 @@ advances, but a failing gate still rolls back (a pause hands the pace to an oper
 safety). `promoted`: the candidate is the stable version; `rolled_back`: the stable version keeps
 every request. Both are final.
 
+While evaluating, the release also holds what its eval gate needs to run again (`gate`: the
+candidate's location and the evaluation set given, if any) and the lease of the ingress that runs
+it (`lease`, `releases.lease`); both are dropped when it leaves `evaluating`. A takeover of an
+expired lease is a `gate_taken_over` event.
+
 The audit log keeps the last `max_events` events, each with its evidence (`events`). The clock is
 injected and is a wall clock: a release outlives its process (`to_dict`/`from_dict`), and its step's
 dwell is measured across a restart.
@@ -30,7 +35,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lora_cluster.errors import ReleaseConflictError
-from lora_cluster.releases.gates import ReleaseSettings, StepStats, judge
+from lora_cluster.releases.gates import ReleaseSettings, ShadowCheck, ShadowStats, StepStats, judge
+from lora_cluster.releases.lease import Lease
 from lora_cluster.releases.split import Alias
 
 
@@ -60,7 +66,8 @@ class ReleaseEvent:
 
     seq: int
     at: float
-    kind: str  # created, eval_passed, eval_failed, step_advanced, promoted, paused, resumed, rolled_back
+    kind: str  # created, gate_taken_over, eval_passed, eval_failed, step_advanced, promoted, paused,
+    # resumed, rolled_back
     state: str
     step: int
     percent: float
@@ -83,7 +90,10 @@ class Release:
         self.step = 0
         self.step_started_at = self.created_at = clock()
         self.stats = {"candidate": StepStats(), "stable": StepStats()}
+        self.shadow = ShadowStats()  # the current step's shadow copies (releases.gates)
         self.candidate_answered = 0  # every request the candidate answered, all steps together
+        self.gate: dict[str, Any] | None = None  # {"lora_path", "eval_set"} while evaluating
+        self.lease: Lease | None = None  # the ingress running the eval gate (releases.lease)
         self._events: deque[ReleaseEvent] = deque(maxlen=settings.max_events)
         self._seq = 0
         self._log("created", f"candidate {name}@{candidate} against stable {name}@{stable}", {})
@@ -115,6 +125,18 @@ class Release:
     def eval_failed(self, reason: str, evidence: dict[str, Any]) -> None:
         self._move(S.ROLLED_BACK, "eval_failed", reason, evidence)
 
+    def stage(self, gate: dict[str, Any], lease: Lease | None) -> None:
+        """What the eval gate needs to run again, and the lease of the ingress that runs it first."""
+        self.gate, self.lease = gate, lease
+
+    def take_over(self, owner: str, expires_at: float) -> None:
+        """Ingress `owner` takes the expired lease of the eval gate (it runs the gate again)."""
+        previous = self.lease
+        self.lease = Lease(owner, expires_at)
+        self._log("gate_taken_over", "the eval gate's lease expired; another ingress runs the gate again",
+                  {"previous_owner": None if previous is None else previous.owner,
+                   "expired_at": None if previous is None else previous.expires_at, "owner": owner})
+
     # --- live traffic ---
 
     def record(self, version: int, ok: bool, on_target: bool = True) -> None:
@@ -126,13 +148,29 @@ class Release:
         if version == self.candidate:
             self.candidate_answered += 1
 
+    def record_shadow(self, stable_tokens: list[int], candidate_tokens: list[int], stable_ttft_s: float,
+                      candidate_ttft_s: float, check: ShadowCheck | None = None) -> None:
+        """Count one shadow copy compared in the current step (ignored unless canary or paused)."""
+        if self.state in (S.CANARY, S.PAUSED):
+            self.shadow.record(stable_tokens, candidate_tokens, stable_ttft_s, candidate_ttft_s, check)
+
+    def absorb(self, stats: dict[str, StepStats], candidate_answered: int,
+               shadow: ShadowStats | None = None) -> None:
+        """Add evidence counted elsewhere for the current step (an ingress's, not yet in the shared
+        state; `releases.book.adopt`)."""
+        for key, counted in stats.items():
+            self.stats[key].add(counted)
+        self.candidate_answered += candidate_answered
+        if shadow is not None:
+            self.shadow.add(shadow)
+
     def tick(self) -> None:
         """Judge the current step: roll back on a failing gate, advance (or promote after the last
         step) on a pass, else hold."""
         if self.state not in (S.CANARY, S.PAUSED):
             return
         verdict = judge(self.settings, self.stats["candidate"], self.stats["stable"],
-                        self._clock() - self.step_started_at)
+                        self._clock() - self.step_started_at, self.shadow)
         if verdict.outcome == "fail":
             self._move(S.ROLLED_BACK, "rolled_back", f"automatic: {verdict.reason}", verdict.evidence)
         elif verdict.outcome == "pass" and self.state is S.CANARY:
@@ -161,17 +199,20 @@ class Release:
         self._move(S.CANARY, "resumed", reason, self._evidence())
 
     def _evidence(self) -> dict[str, Any]:
-        return {k: s.to_dict() for k, s in self.stats.items()}
+        return {**{k: s.to_dict() for k, s in self.stats.items()}, "shadow": self.shadow.to_dict()}
 
     def _start_step(self, step: int) -> None:
         self.step, self.step_started_at = step, self._clock()
         self.stats = {"candidate": StepStats(), "stable": StepStats()}
+        self.shadow = ShadowStats()
 
     def _move(self, to: ReleaseState, kind: str, reason: str, evidence: dict[str, Any]) -> None:
         if to not in TRANSITIONS[self.state]:
             raise ReleaseConflictError(self.name, self.id, f"cannot go from {self.state.value} to {to.value}")
         percent = self.percent  # the share the decision was taken at
         self.state = to
+        if to is not S.EVALUATING:
+            self.gate = self.lease = None
         self._log(kind, reason, evidence, percent)
 
     def _log(self, kind: str, reason: str, evidence: dict[str, Any], percent: float | None = None) -> None:
@@ -180,17 +221,19 @@ class Release:
                                          self.percent if percent is None else percent, reason, evidence))
 
     def status(self) -> dict[str, Any]:
-        """The release as the admin API shows it."""
+        """The release as the admin API shows it (`lease`: the ingress running its eval gate, and
+        until when, while it evaluates)."""
         return {"id": self.id, "adapter": self.name, "tenant": self.tenant, "state": self.state.value,
                 "stable_version": self.stable, "candidate_version": self.candidate, "step": self.step,
                 "steps": list(self.settings.steps), "percent": self.percent,
                 "step_started_at": self.step_started_at, "created_at": self.created_at,
-                "candidate_answered": self.candidate_answered, "stats": self._evidence()}
+                "candidate_answered": self.candidate_answered, "stats": self._evidence(),
+                "lease": None if self.lease is None else self.lease.to_dict()}
 
     def to_dict(self) -> dict[str, Any]:
         """Everything a restart needs (`from_dict`), its own settings included."""
         return {**self.status(), "seq": self._seq, "events": [e.to_dict() for e in self._events],
-                "settings": {**asdict(self.settings), "steps": list(self.settings.steps)}}
+                "settings": {**asdict(self.settings), "steps": list(self.settings.steps)}, "gate": self.gate}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], settings: ReleaseSettings, clock: Callable[[], float]) -> Release:
@@ -204,8 +247,10 @@ class Release:
         release.state = ReleaseState(d["state"])
         release.step = min(int(d["step"]), len(settings.steps) - 1)
         release.step_started_at, release.created_at = float(d["step_started_at"]), float(d["created_at"])
-        release.stats = {k: StepStats.from_dict(v) for k, v in d["stats"].items()}
+        release.stats = {k: StepStats.from_dict(d["stats"][k]) for k in ("candidate", "stable")}
+        release.shadow = ShadowStats.from_dict(d["stats"].get("shadow"))
         release.candidate_answered = int(d["candidate_answered"])
         release._events = deque((ReleaseEvent(**e) for e in d["events"]), maxlen=settings.max_events)
         release._seq = int(d["seq"])
+        release.gate, release.lease = d.get("gate"), Lease.from_dict(d.get("lease"))
         return release

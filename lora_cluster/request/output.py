@@ -55,6 +55,7 @@ class RequestOutput:
     num_preemptions: int = 0  # times the request was preempted (and recomputed)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's name)
     device_s: float = 0.0  # engine step time charged to it so far (docs/metering.md), recomputes included
+    queue_s: float = 0.0  # time it waited in the engine's queue to be scheduled (after preemptions too)
     logprobs: list[TokenLogprob] | None = None  # one per token id (asked with SamplingParams.logprobs)
     delta_logprobs: list[TokenLogprob] | None = None  # one per delta token id
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt id, first None; once prefilled

@@ -14,8 +14,9 @@ ingress gets {group name: handle} (see `replica_groups`, `group_dispatch`). A gr
 controller run its own configuration (`group_bases.group_config`: its `model` and engine settings
 over the top-level ones); the ingress gets the top-level one. With a `tenants_file`,
 a one-replica `QuotaLedger` holds every tenant's quota for all ingress replicas (`serve.routing.quotas`).
-Unless `usage_db_path` is empty, a one-replica `UsageSink` owns the usage store, and every LoRA replica
-sends it its usage records in batches (`serve.ops.usage_sink`, `serve.ops.usage_shipper`).
+Unless `usage_db_path` and `usage_store_uri` are empty, a one-replica `UsageSink` owns the usage store,
+and every LoRA replica sends it its usage records in batches (`serve.ops.usage_sink`,
+`serve.ops.usage_shipper`).
 With several ingress replicas (`ingress_num_replicas` > 1 or `ingress_autoscaling_config`), a
 one-replica `AdapterRegistry` holds the adapters loaded through the vLLM API for all of them
 (`serve.http.registry`), and a one-replica `MetricsHub` sums their request metrics so that each
@@ -53,6 +54,7 @@ from lora_cluster.serve.controller_actor import ClusterController
 from lora_cluster.serve.http.ingress import LoraIngress
 from lora_cluster.serve.http.registry import AdapterRegistry
 from lora_cluster.serve.ops.metrics_hub import MetricsHub
+from lora_cluster.serve.ops.usage_shipper import SEND_TIMEOUT_S
 from lora_cluster.serve.ops.usage_sink import UsageSink
 from lora_cluster.serve.replica.deployment import LoraReplica
 from lora_cluster.serve.replica.model import load_tokenizers, resolve_model
@@ -60,6 +62,9 @@ from lora_cluster.serve.routing.group_bases import group_configs
 from lora_cluster.serve.routing.quotas import QuotaLedger
 from lora_cluster.serve.routing.replica_groups import ReplicaGroup, replica_groups
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
+from lora_cluster.tenancy.usage_db import require_psycopg
+from lora_cluster.tenancy.usage_export import require_pyarrow
+from lora_cluster.tenancy.usage_export_target import open_export_target
 from lora_cluster.tenancy.watch import read_tenants
 
 # Ray Serve 2.60's switches (public environment variables) for running replica code and a handle's
@@ -150,6 +155,24 @@ def replica_options(config: ServeConfig, group: ReplicaGroup | None = None) -> d
     }
 
 
+def usage_sink(config: ServeConfig) -> Application:
+    """The `UsageSink` deployment, on `usage_store_uri` (PostgreSQL) or else the SQLite `usage_db_path`;
+    psycopg (for `usage_store_uri`) and pyarrow (for `usage_export_uri`) are checked here (ConfigError),
+    so a missing extra stops the start rather than the first write. A minute closes once late batches
+    (one flush interval and a send timeout) have had their time."""
+    tenancy = config.tenancy
+    if tenancy.usage_store_uri:
+        require_psycopg()
+    if tenancy.usage_export_uri:
+        require_pyarrow(tenancy.usage_export_uri)
+        open_export_target(tenancy.usage_export_uri)  # a malformed URI: ConfigError now
+    return UsageSink.options(logging_config=internal_logging(config)).bind(
+        tenancy.usage_store_uri or tenancy.usage_db_path, tenancy.usage_retention_s,
+        export_uri=tenancy.usage_export_uri,
+        export_interval_s=tenancy.usage_export_interval_s,
+        close_after_s=tenancy.usage_flush_s + SEND_TIMEOUT_S)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The application for `args` (serve_config.yaml's application args); raises ConfigError."""
     config = load_config(args)
@@ -159,9 +182,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     replicas: dict[str, Application] = {}
     controllers: dict[str, Application | list[Application] | None] = {}
     sink = None  # the usage store (`serve.ops.usage_sink`): every group's replicas send to it
-    if config.tenancy.usage_db_path:
-        sink = UsageSink.options(logging_config=internal_logging(config)).bind(
-            config.tenancy.usage_db_path, config.tenancy.usage_retention_s)
+    if config.tenancy.usage_store_uri or config.tenancy.usage_db_path:
+        sink = usage_sink(config)
     for group in replica_groups(config):  # each group: its own replicas and cluster controller
         fields = configs[group.name].model_dump(exclude_unset=False)
         controller: Application | list[Application] | None = None

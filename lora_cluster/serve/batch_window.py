@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from lora_cluster.cluster import batch_window
@@ -36,6 +37,14 @@ def _settle(future: asyncio.Future[Any], value: Any = None, error: BaseException
         future.set_result(value)
 
 
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    _settle(future, error=error)
+
+
+def _wanted(future: asyncio.Future[Any]) -> bool:
+    return not future.cancelled()
+
+
 class BatchWindow:
     def __init__(self, park_many: Callable[[Sequence[Park]], list[Outcome]], dispatch: Callable[[], None],
                  window_s: float, after: Callable[[], None] = lambda: None):
@@ -48,6 +57,18 @@ class BatchWindow:
                          fail=lambda error: _settle(future, error=error),
                          wanted=lambda: not future.cancelled())
         return await future
+
+    async def park_all(self, parks: Sequence[tuple[Ticket, Mapping[str, Any] | None]]
+                       ) -> list[Outcome | BaseException]:
+        """Each ticket's outcome, in order, as `park` gives it (an error of the batch in its place)."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Outcome]] = []
+        for ticket, claims in parks:
+            future: asyncio.Future[Outcome] = loop.create_future()
+            futures.append(future)
+            self.window.park(ticket, claims, deliver=partial(_settle, future),
+                             fail=partial(_fail, future), wanted=partial(_wanted, future))
+        return list(await asyncio.gather(*futures, return_exceptions=True))
 
     async def dispatched(self) -> None:
         """Return once the current window (opened now if none is) has been sent: its dispatch done

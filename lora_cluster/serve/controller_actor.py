@@ -17,10 +17,24 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
   state the ingress refuses by before it parks (`cluster.edge`, computed once per batch window);
   a cancelled call (client gone) drops its ticket, or the room its grant
   took if one was decided;
+* `admit_many(ingress_id, tickets, claims)` from an ingress's park batcher (`cluster.park_batch`:
+  one call in flight per ingress and shard, the parks that arrive meanwhile in the next): parks the
+  batch in one call (the same batch window) and answers at once with what is decided now:
+  `{"outcomes": {ticket: grant or refusal}, "epoch", "edge"}` (a ticket that waits is not in
+  `outcomes`; a ticket already parked here, a re-park, still waits); its outcome comes later in the
+  reply of a `grants` poll or of a later `admit_many` of the same ingress (`serve.park_mailbox`).
+  `epoch` names this actor: a restarted one has a new one, and the ingress parks its tickets again;
+* `grants(ingress_id, timeout_s, epoch)`: the ingress's long poll, one per ingress and shard while it
+  has tickets parked here; answers as soon as any of them has an outcome (all of them then), after
+  `timeout_s` (none), or at once if `epoch` is not this actor's. A ticket is known for its
+  `ttl_s` (the ingress's remaining wait) plus `EXPIRY_GRACE_S`: past it (an ingress that stopped
+  polling) it is cancelled at the controller, and a grant nobody took gives its room back;
 * `cancel_ticket(ticket_id, replica_id=None)` from an ingress that will not use a grant (its client
   went away while the grant was on its way, or sending the request to the replica failed): the
   room the grant reserved is free again at once, not after `grant_ttl_s`;
-* `snapshot()` for `GET /v1/cluster`, `placement()` for the ingress's request router;
+* `hot_adapters(k)` from each replica's demand prefetch, every `prefetch_hot_period_s`;
+* `snapshot()` for `GET /v1/cluster` (with the ingresses' calls by method, `calls`), `placement()`
+  for the ingress's request router;
   `ingress_view(ingress_id)`: the placement and how many tickets of *other* ingresses wait, which
   closes an ingress's fast path while any ingress has a request parked (`routing.admission`), and
   the edge's admission state with the adapters the replicas hold.
@@ -41,6 +55,8 @@ import collections
 import contextlib
 import logging
 import time
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -55,8 +71,19 @@ from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError, LoraClusterError
 from lora_cluster.serve.batch_window import BatchWindow
+from lora_cluster.serve.park_mailbox import ParkMailboxes
 
 log = logging.getLogger(__name__)
+
+EXPIRY_GRACE_S = 2.0  # a ticket is known past its ingress's wait this long (the ingress cancels first)
+MAX_POLL_S = 30.0  # the longest a grants poll is held open
+
+
+def outcome_wire(grant: Grant | Refusal) -> dict[str, Any]:
+    """A grant or a refusal decided after its park, as a reply carries it."""
+    if isinstance(grant, Refusal):  # bumped out of the full queue by more urgent requests
+        return {"overloaded": grant.reason, "retry_after_s": grant.retry_after_s}
+    return {"replica_id": grant.replica_id, "preempt": grant.preempt}
 
 
 @serve.deployment(name="ClusterController", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -75,6 +102,9 @@ class ClusterController:
                                    after=self._deliver)
         self.shard, self.shards = shard, shards
         self._edge: dict[str, Any] | None = None  # `edge_state` for the replies until the state changes
+        self._mail = ParkMailboxes(time.monotonic)  # the tickets of `admit_many` and their outcomes
+        self.epoch = uuid.uuid4().hex[:12]  # this actor: a restarted one has another
+        self.calls: collections.Counter[str] = collections.Counter()  # the ingresses' calls, by method
 
     def _own(self, adapter_id: str) -> bool:
         return self.shards <= 1 or owns(adapter_id, self.shard, self.shards)
@@ -89,6 +119,8 @@ class ClusterController:
             try:
                 self.core.tick()
                 self._deliver()
+                for ticket_id, replica_id in self._mail.expired():  # nobody waits for them any more
+                    self.core.cancel(ticket_id, replica_id)
             except Exception:
                 log.exception("controller tick failed")
 
@@ -98,6 +130,8 @@ class ClusterController:
             waiter = self._waiters.get(ticket_id)
             if waiter is not None and not waiter.done():
                 waiter.set_result(grant)
+            elif waiter is None:
+                self._mail.decided(ticket_id, outcome_wire(grant))
 
     async def report(self, report: dict[str, Any]) -> dict[str, Any]:
         self._ensure_ticker()
@@ -108,21 +142,64 @@ class ClusterController:
             reply["prefetch"] = [a for a in reply.get("prefetch", ()) if self._own(a)]
         return reply
 
-    async def admit(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Park a ticket for `request` ({ticket_id, ingress_id, sla_class, adapter_id, waited_s, and
-        prefix: its prompt's routing keys, at most MAX_DEPTH / GRAIN kept, none with
-        prefix_aware_routing off}) and wait for its grant (see the module docstring)."""
-        self._ensure_ticker()
+    def _ticket(self, request: Mapping[str, Any], ingress_id: str) -> Ticket:
+        """The queue's ticket for an ingress's park `request` (see `admit`)."""
         sla = self.core.classes.get(request["sla_class"])
-        now = time.monotonic()
-        enqueued = now - max(0.0, float(request.get("waited_s", 0.0)))
-        ticket = Ticket(
-            ticket_id=str(request["ticket_id"]), ingress_id=str(request["ingress_id"]), sla_class=sla.name,
+        enqueued = time.monotonic() - max(0.0, float(request.get("waited_s", 0.0)))
+        return Ticket(
+            ticket_id=str(request["ticket_id"]), ingress_id=ingress_id, sla_class=sla.name,
             priority=sla.priority, adapter_id=request.get("adapter_id"), enqueued_at=enqueued,
             deadline=None if sla.ttft_s is None else enqueued + sla.ttft_s, ttft_s=sla.ttft_s,
             prefix=tuple(str(k) for k in list(request.get("prefix") or ())[:MAX_DEPTH // GRAIN])
             if self._prefix_aware else (),
         )
+
+    async def admit_many(self, ingress_id: str, tickets: list[dict[str, Any]],
+                         claims: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Park a batch of one ingress's tickets (each as `admit`'s request, plus `ttl_s`: how long
+        the ingress still waits) and answer at once (see the module docstring)."""
+        self.calls["admit_many"] += 1
+        self._ensure_ticker()
+        parks: list[tuple[Ticket, Mapping[str, Any] | None]] = []
+        for request in tickets:
+            ticket = self._ticket(request, str(ingress_id))
+            if self._mail.knows(ticket.ticket_id):
+                continue  # parked here already (the ingress parks again after a failed call): it waits
+            ttl_s = float(request.get("ttl_s", MAX_POLL_S)) + EXPIRY_GRACE_S
+            for gone, replica_id in self._mail.register(ticket.ticket_id, ticket.ingress_id, ttl_s):
+                self.core.cancel(gone, replica_id)
+            parks.append((ticket, claims))
+        outcomes: dict[str, dict[str, Any]] = {}
+        for (ticket, _), outcome in zip(parks, await self._window.park_all(parks), strict=True):
+            if outcome is None:
+                continue  # it waits: its outcome goes to the mailbox
+            self._mail.settled(ticket.ticket_id)
+            if isinstance(outcome, Grant | Refusal):
+                outcomes[ticket.ticket_id] = outcome_wire(outcome)
+            else:  # refused at once (a ClusterOverloadedError), or failed
+                retry_after_s = outcome.retry_after_s if isinstance(outcome, ClusterOverloadedError) else 1.0
+                outcomes[ticket.ticket_id] = {"overloaded": str(outcome), "retry_after_s": retry_after_s,
+                                              "error": type(outcome).__name__}
+        outcomes.update(self._mail.take(str(ingress_id)))  # decided since its last poll: carried
+        return {"outcomes": outcomes, "epoch": self.epoch, "edge": self._edge_state()}
+
+    async def grants(self, ingress_id: str, timeout_s: float, epoch: str | None = None) -> dict[str, Any]:
+        """The outcomes decided for `ingress_id`'s parked tickets, as soon as there are any (see the
+        module docstring)."""
+        self.calls["grants"] += 1
+        self._ensure_ticker()
+        outcomes: dict[str, dict[str, Any]] = {}
+        if epoch is None or epoch == self.epoch:
+            outcomes = await self._mail.wait(str(ingress_id), min(max(0.0, float(timeout_s)), MAX_POLL_S))
+        return {"outcomes": outcomes, "epoch": self.epoch, "edge": self._edge_state()}
+
+    async def admit(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Park a ticket for `request` ({ticket_id, ingress_id, sla_class, adapter_id, waited_s, and
+        prefix: its prompt's routing keys, at most MAX_DEPTH / GRAIN kept, none with
+        prefix_aware_routing off}) and wait for its grant (see the module docstring)."""
+        self.calls["admit"] += 1
+        self._ensure_ticker()
+        ticket = self._ticket(request, str(request["ingress_id"]))
         waiter: asyncio.Future[Grant | Refusal] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.ticket_id] = waiter
         answered = False  # its outcome is on its way to the caller
@@ -164,13 +241,17 @@ class ClusterController:
     async def cancel_ticket(self, ticket_id: str, replica_id: str | None = None) -> None:
         """The ingress will not use the ticket's grant, or gave up its wait (`Controller.cancel`):
         the room the grant reserved at its replica is free again at once, not after `grant_ttl_s`."""
+        self.calls["cancel_ticket"] += 1
+        reserved = self._mail.withdraw(str(ticket_id))
+        replica_id = reserved if replica_id is None else replica_id
         self.core.cancel(str(ticket_id), None if replica_id is None else str(replica_id))
 
     async def snapshot(self) -> dict[str, Any]:
         """The controller's view, plus where the controller itself runs (its actor and node)."""
         view = self.core.snapshot()
         context = ray.get_runtime_context()
-        view["controller"].update(actor=context.get_actor_name(), node_id=context.get_node_id())
+        view["controller"].update(actor=context.get_actor_name(), node_id=context.get_node_id(),
+                                  calls=dict(self.calls))
         if self.shards > 1:
             view["controller"].update(shard=self.shard, shards=self.shards)
             view["placement"] = {a: r for a, r in view["placement"].items() if self._own(a)}
@@ -179,10 +260,17 @@ class ClusterController:
     async def placement(self) -> dict[str, list[str]]:
         return {a: list(r) for a, r in self.core.placement().items() if self._own(a)}
 
+    async def hot_adapters(self, k: int = 32) -> list[tuple[str, int]]:
+        """The `k` adapters of most recent demand this shard sees, busiest first, each with its rate in
+        requests per 1,000 s (`Controller.hot_adapters`; recomputed at most once a second): what each
+        replica's demand prefetch polls (`serve.replica.demand_prefetch`), apart from its reports."""
+        return [(a, rate) for a, rate in self.core.hot_adapters(int(k)) if self._own(a)]
+
     async def ingress_view(self, ingress_id: str) -> dict[str, Any]:
         """{"placement": `placement()`, "queued_elsewhere": tickets of other ingresses waiting now,
         "edge": the admission state with the adapters the replicas hold (`cluster.edge`)}."""
         elsewhere = sum(self._parked_by.values()) - self._parked_by.get(ingress_id, 0)
+        elsewhere += self._mail.waiting() - self._mail.waiting(ingress_id)
         return {"placement": await self.placement(), "queued_elsewhere": elsewhere,
                 "edge": self.core.edge_state(held=True).to_wire()}
 

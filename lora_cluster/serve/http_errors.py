@@ -27,9 +27,11 @@ errors by status code).
 | AuthenticationError (no or unknown API key) | 401    | invalid_request_error | missing/invalid_api_key |
 | PermissionDeniedError (tenant key, admin route) | 403 | permission_error     | permission_denied   |
 | QuotaExceededError (Retry-After: its s)     | 429    | rate_limit_error      | rate_limit_exceeded |
+| BudgetExceededError (Retry-After: month end) | 429   | rate_limit_error      | budget_exceeded     |
 | QuotaUnavailableError (ledger unreachable) | 503    | service_unavailable   | quota_unavailable   |
 | UsageUnavailableError (no usage store)     | 503    | service_unavailable   | usage_unavailable   |
 | ReleaseConflictError (a release's state)    | 409    | invalid_request_error | release_conflict    |
+| ReleaseStateUnavailableError (state store)  | 503    | service_unavailable   | release_state_unavailable |
 | anything else                               | 500    | server_error          | internal_error      |
 
 No information leaks: every error body passes `ApiError.body()`, which replaces local filesystem
@@ -139,6 +141,7 @@ _DOMAIN: list[tuple[type[BaseException], int, str, str]] = [
     (e.ClusterQueueTimeoutError, 503, "service_unavailable", "queue_timeout"),
     (e.ControllerOffError, 503, "service_unavailable", "controller_unavailable"),
     (e.RegistryUnavailableError, 503, "service_unavailable", "registry_unavailable"),
+    (e.ReleaseStateUnavailableError, 503, "service_unavailable", "release_state_unavailable"),
     (e.PermissionDeniedError, 403, "permission_error", "permission_denied"),
     (e.QuotaUnavailableError, 503, "service_unavailable", "quota_unavailable"),
     (e.UsageUnavailableError, 503, "service_unavailable", "usage_unavailable"),
@@ -188,6 +191,8 @@ def describe(exc: BaseException) -> ApiError:
         return ApiError(503, "service_unavailable", "source_unavailable", str(exc), exc.retry_after_s)
     if isinstance(exc, e.QuotaExceededError):
         return ApiError(429, "rate_limit_error", "rate_limit_exceeded", str(exc), exc.retry_after_s)
+    if isinstance(exc, e.BudgetExceededError):
+        return ApiError(429, "rate_limit_error", "budget_exceeded", str(exc), exc.retry_after_s)
     if isinstance(exc, e.AuthenticationError):
         return ApiError(401, "invalid_request_error", exc.code, str(exc))
     if isinstance(exc, e.AdapterNotFoundError) and not isinstance(exc, e.AdapterIdError):

@@ -52,6 +52,7 @@ class GenerateJob:
     priority: int = _DEFAULT_CLASS.priority
     replica_id: str | None = None  # granted by the cluster controller: run there (None: router's choice)
     ticket_id: str | None = None  # the cluster queue ticket it was granted with (the replica reports it)
+    queued_s: float = 0.0  # how long it waited for that grant at the ingress (its usage record's queue_s)
     merge: MergeSpec | None = None  # a merged adapter (then `adapter_id` is `merge.adapter_id`)
     tenant: str | None = None  # the request's tenant (None: open server); picks its replica group
     base: str | None = None  # the base model a request without adapter names (None: the first group's)
@@ -87,6 +88,7 @@ def output_item(out: RequestOutput, *, full: bool) -> dict[str, Any]:
         "cached_tokens": out.num_cached_tokens,  # prompt tokens found in the replica's prefix cache
         "completion_tokens": out.completion_tokens,
         "ttft_s": out.time_to_first_token,
+        "device_s": out.device_s,  # engine time charged to it so far (the ingress's usage counters)
         "delta_logprobs": out.delta_logprobs,  # a TokenLogprob per delta id (None: not asked)
         "logprobs": out.logprobs if full else None,
         "prompt_logprobs": out.prompt_logprobs if full else None,

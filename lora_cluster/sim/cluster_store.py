@@ -13,6 +13,9 @@
   fetching node's disk, not in its host memory, and is published. Before any request the planner
   walks the catalog in a shuffled order (the simulator's adapter names are in popularity order, which
   a live cluster does not know).
+* What each node reports of the tier (`held_on`): the adapters with a copy on that node, the latest
+  it published or copied first, as a live replica reports `cluster_held`; the controller's miss
+  choice reads them (`scheduling.choose_replica`).
 
 Not modelled: contention between a node's S3 streams, prefetch included, and its NIC (each fetch runs at
 the profile's per-stream figure); node failures (the policy's `node_lost` is unit-tested instead).
@@ -20,12 +23,14 @@ the profile's per-stream figure); node failures (the policy's `node_lost` is uni
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from lora_cluster.cluster.cluster_tier import ClusterTier, FetchFrom
 from lora_cluster.cluster.prefetch_plan import PrefetchPlanner
+from lora_cluster.cluster.reports import MAX_REPORTED_CLUSTER
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.profile import MB, ReplicaProfile
 from lora_cluster.sim.store import NodeStore
@@ -65,6 +70,8 @@ class SimClusterTier:
         self.prefetching: set[str] = set()
         self.copies_from: dict[tuple[str, str], str] = {}  # (node, adapter) -> holder, copies in progress
         self._counts: Counter[str] = Counter()
+        # node -> the adapters it published or copied, latest last (pruned of gone copies past a bound)
+        self._on_node: dict[str, OrderedDict[str, None]] = {}
         self.stores: dict[str, NodeStore] = {}  # each node's store, where its prefetches land
         self.prefetched = self.peer_copies = self.waits = 0
         if settings.prefetch:
@@ -80,6 +87,7 @@ class SimClusterTier:
             nbytes = self.sizes[adapter_id]
             if adapter_id in self.index or self.index.claim_publication(adapter_id, nbytes):
                 self.index.published_by(adapter_id, node_id, nbytes, sha256="")
+                self._copied(node_id, adapter_id)
 
     def observe(self, adapter_id: str) -> None:
         """A request for `adapter_id` reached a replica (summed until the next tick, as a report)."""
@@ -107,12 +115,37 @@ class SimClusterTier:
         elif tier == "peer":
             holder = self.copies_from.pop((node_id, adapter_id))
             self.index.copy_ended(adapter_id, holder, node_id, ok=True)
+            self._copied(node_id, adapter_id)
 
     def _from_source(self, node_id: str, adapter_id: str) -> None:
         self.index.source_fetch_ended(adapter_id, node_id)
         nbytes = self.sizes[adapter_id]
         if self.index.claim_publication(adapter_id, nbytes):
             self.index.published_by(adapter_id, node_id, nbytes, sha256="")
+            self._copied(node_id, adapter_id)
+
+    def _copied(self, node_id: str, adapter_id: str) -> None:
+        latest = self._on_node.setdefault(node_id, OrderedDict())
+        latest[adapter_id] = None
+        latest.move_to_end(adapter_id)
+        if len(latest) > 4 * MAX_REPORTED_CLUSTER:  # drop the copies gone, then the oldest
+            for gone in [a for a in latest if not self._has_copy(node_id, a)]:
+                del latest[gone]
+            while len(latest) > 2 * MAX_REPORTED_CLUSTER:
+                latest.popitem(last=False)
+
+    def _has_copy(self, node_id: str, adapter_id: str) -> bool:
+        entry = self.index.published.get(adapter_id)
+        return entry is not None and node_id in entry.copies
+
+    def held_on(self, node_id: str, limit: int = MAX_REPORTED_CLUSTER) -> tuple[str, ...]:
+        """The adapters with a cluster-tier copy on `node_id`, at most `limit`, the latest it
+        published or copied (least recent first, as a report lists them): O(what it walks)."""
+        latest = self._on_node.get(node_id)
+        if not latest:
+            return ()
+        held = itertools.islice((a for a in reversed(latest) if self._has_copy(node_id, a)), limit)
+        return tuple(reversed(list(held)))
 
     # ----- prefetch -------------------------------------------------------------------------
 

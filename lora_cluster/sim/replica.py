@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from lora_cluster.cluster.prefix_keys import PrefixSummary
 from lora_cluster.cluster.report_rules import AdapterDemand, ServiceTime, projected_batch
-from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.reports import MAX_REPORTED_HOST, ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import EngineConfig
 from lora_cluster.replica_policy.prefill_plan import URGENT_PRIORITY
@@ -366,10 +366,12 @@ class SimReplica:
                             empty_adapter_slots=a.empty_slots, free_adapter_slots=a.free_slots,
                             max_loras=a.max_loras,
                             num_running=len(self.running), num_waiting=len(self.waiting),
-                            max_num_seqs=self.max_num_seqs, base=self.base, prefixes=self.prefixes.keys())
+                            max_num_seqs=self.max_num_seqs, base=self.base, prefixes=self.prefixes.keys(),
+                            host_held=self.store.host.recent(MAX_REPORTED_HOST))
 
     def report(self, capacity: int, now: float, arrived_tickets: tuple[str, ...] = ()) -> ReplicaReport:
-        """The controller report (`serve.replica.report.build_report` without memory and class stats;
+        """The controller report (`serve.replica.report.build_report` without memory and class stats,
+        with its host tier's most recently used adapters and the cluster tier's copies on its node;
         the batch per priority as `projected_batch` gives it);
         `active` (generate calls in progress) is the ongoing count."""
         a = self.adapters
@@ -383,4 +385,5 @@ class SimReplica:
                                                 self.max_num_seqs),
             adapter_requests=self.demand.take(), service_time_s=self.service_time.mean, sent_at=now,
             active=self.ongoing, arrived_tickets=arrived_tickets, base=self.base,
-            prefixes=self.prefixes.keys())
+            prefixes=self.prefixes.keys(), host_held=self.store.host.recent(MAX_REPORTED_HOST),
+            cluster_held=() if self.cluster is None else self.cluster.held_on(self.node_id))

@@ -10,6 +10,7 @@ starts with every adapter in S3 only, unless it preloads some (`preload`).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -40,6 +41,11 @@ class _LruBytes:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def recent(self, n: int) -> tuple[str, ...]:
+        """Its `n` most recently used adapters, least recent first (what a replica reports): O(n)."""
+        latest = list(itertools.islice(reversed(self._items), n))
+        return tuple(reversed(latest))
 
     def fill(self, oldest_first: Sequence[str], sizes: Mapping[str, int]) -> None:
         """The tier as after `put` of `oldest_first` in order into an empty tier, computed directly:

@@ -107,7 +107,7 @@ def _declared(adapter_id: str, folder: Path, weights: str, policy: AdmissionPoli
     return declared
 
 
-def _read_verified(adapter_id: str, folder: Path, name: str, *expected: str | None) -> bytes:
+def read_verified(adapter_id: str, folder: Path, name: str, *expected: str | None) -> bytes:
     """The bytes of `name`, checked against every expected digest (hashed only when one exists)."""
     data = read_adapter_file(adapter_id, folder, name)
     if any(expected):
@@ -125,12 +125,12 @@ def admit_folder(adapter_id: str, folder: Path, policy: AdmissionPolicy,
     folder, known = Path(folder), known_digests or {}
     weights = _weights_file(adapter_id, folder_files(adapter_id, folder), policy)
     declared = _declared(adapter_id, folder, weights, policy, source_digests or {})
-    config_bytes = _read_verified(adapter_id, folder, CONFIG_FILE, declared.get(CONFIG_FILE),
+    config_bytes = read_verified(adapter_id, folder, CONFIG_FILE, declared.get(CONFIG_FILE),
                                   known.get(CONFIG_FILE))
     config = parse_adapter_config(adapter_id, config_bytes)
     check_base_model(adapter_id, config, policy)
     check_rank(adapter_id, config, policy.max_rank)
-    data = _read_verified(adapter_id, folder, weights, declared.get(weights), known.get(weights))
+    data = read_verified(adapter_id, folder, weights, declared.get(weights), known.get(weights))
     if weights == ENC_WEIGHTS_FILE:
         data = decrypt_bytes(adapter_id, policy.key, data, WEIGHTS_FILE)
     tensors = parse_safetensors_bytes(adapter_id, data)

@@ -17,8 +17,12 @@ cache, created (and scanned) on first use by a remote source.
 * With a cluster tier wired (`cluster`, a `ports.ClusterTierPort`), a disk miss of a remote source
   first asks the tier for another node's copy (checksums verified there); a copy fetched from the
   source that passed admission is then offered to the tier, which publishes it once (never what
-  cannot be served). Either way the copy lands in the disk
-  cache and passes the same admission checks.
+  cannot be served). Either way the copy lands in the disk cache and passes admission. The copy
+  offered is this node's *stored form*: the source's files (encrypted when they are), or with
+  `int8` the int8 host copy (`int8_form`, encrypted when the weights were or `require_encryption` is
+  set), so a receiving node keeps and admits that form and never re-quantizes from full precision.
+* `read` returns a `ColdCopy`: the float weights for the engine and, with `int8`, the int8 copy for
+  the host tier (quantized once, on the publishing node; as received, on the others).
 * `forget(adapter_id)` drops its disk copies and its in-place mark; `on_disk(adapter_id)` says
   whether a disk copy (or the in-place folder) holds it.
 * `adapter_ids()` / `describe_adapters()`: what the sources offer, first source wins, from their
@@ -31,21 +35,25 @@ The store's lifecycle is told when an adapter reaches the disk tier (`ON_DISK`),
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from lora_cluster.adapter_format import LoraWeights
+from lora_cluster.adapter_format import CONFIG_FILE, LoraWeights
+from lora_cluster.config.engine import default_disk_cache_dir
 from lora_cluster.errors import AdapterError, AdapterNotFoundError
 from lora_cluster.replica_policy.tier_stats import StoreStats
 from lora_cluster.store.admission import AdmissionPolicy, admit_folder
 from lora_cluster.store.cpu_policy import single_threaded
+from lora_cluster.store.crypto import ENC_WEIGHTS_FILE
 from lora_cluster.store.disk_cache import DiskCache
+from lora_cluster.store.int8_form import admit_int8_folder, encode, holds_int8_form
 from lora_cluster.store.lifecycle import AdapterState, Lifecycle
 from lora_cluster.store.ports import ClusterTierPort
+from lora_cluster.store.quant import Int8LoraWeights, dequantize, quantize
 from lora_cluster.store.source_breaker import SourceBreaker
 from lora_cluster.store.sources import AdapterInfo, AdapterSource, Located, open_source
 
@@ -53,8 +61,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def default_disk_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cluster" / "adapters"
+@dataclass(frozen=True)
+class ColdCopy:
+    """What `ColdTiers.read` returns: float weights, the int8 copy for an int8 host tier (else None),
+    and the seconds reading them took."""
+
+    weights: LoraWeights
+    stored: Int8LoraWeights | None
+    seconds: float
 
 
 class ColdTiers:
@@ -78,11 +92,14 @@ class ColdTiers:
         clock: Callable[[], float],
         sleep: Callable[[float], None],
         cluster: ClusterTierPort | None = None,
+        int8: bool = False,
     ):
         """`settle(adapter_id)`: the store re-settles the adapter's lifecycle state after a disk copy is
         dropped; `protected`/`priority`: the disk cache's victim policy (the store's usage); `cluster`:
-        the cluster tier, if the caller wired one."""
-        self.cluster = cluster
+        the cluster tier, if the caller wired one; `int8`: the host tier keeps int8 copies (the stored
+        form this node publishes and asks the cluster tier for)."""
+        self.cluster, self.int8 = cluster, int8
+        self.form = "int8" if int8 else "files"
         self.policy, self.stats, self.lifecycle, self._settle = policy, stats, lifecycle, settle
         self._disk: DiskCache | None = None
         self._disk_args = (Path(disk_cache_dir).expanduser() if disk_cache_dir else default_disk_cache_dir(),
@@ -178,15 +195,15 @@ class ColdTiers:
         where = "the configured adapter sources" if self.source_uris else "any source (none is configured)"
         raise AdapterNotFoundError(adapter_id, f"not found in {where}")
 
-    def read(self, adapter_id: str, source: AdapterSource, located: Located) -> tuple[LoraWeights, float]:
-        """The admitted weights of `adapter_id` from `source` and the seconds reading them took."""
+    def read(self, adapter_id: str, source: AdapterSource, located: Located) -> ColdCopy:
+        """The admitted weights of `adapter_id` from `source` (see `ColdCopy`)."""
         if not hasattr(source, "fetch"):  # local folder or hub cache: read in place
             folder, digests = source.local_folder(adapter_id, located)  # type: ignore[attr-defined]
             with self._lock:
                 self._in_place.add(adapter_id)
             self.lifecycle.ensure(adapter_id, AdapterState.ON_DISK)
             self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
-            return self._admit(adapter_id, folder, {}, digests)
+            return self._admit(adapter_id, folder, {}, digests, cached=False)
         disk, key = self.disk, self._disk_key(source, located.subpath)
         with disk.open(key) as entry:
             if entry is not None:
@@ -203,13 +220,28 @@ class ColdTiers:
             subpath = located.subpath
             located = (self._guarded(source, adapter_id, lambda: source.locate(adapter_id, subpath))
                        or _not_found(adapter_id, source))
-        start = time.monotonic()
+        if self.cluster is not None:
+            try:
+                copied = self._download(adapter_id, source, located, key, self.cluster)
+            except AdapterError as e:
+                if not isinstance(e, _RefusedPeerCopy):
+                    raise
+                log.warning("cluster tier copy of %r refused (%s); fetching it from the source", adapter_id,
+                            e.reason)
+            else:
+                return copied
+        return self._download(adapter_id, source, located, key, None)
 
-        via_cluster = False
+    def _download(self, adapter_id: str, source: AdapterSource, located: Located, key: str,
+                  cluster: ClusterTierPort | None) -> ColdCopy:
+        """Fill the disk entry `key` from `cluster` (another node's copy; None: skipped) or else the
+        source, admit it, and publish a source copy. A peer's copy that fails admission is dropped and
+        raised as `_RefusedPeerCopy` (the caller then asks the source); anything else is raised."""
+        disk, start, via_cluster = self.disk, time.monotonic(), False
 
         def fetch(dest: Path) -> dict[str, str]:
             nonlocal via_cluster
-            copied = None if self.cluster is None else self.cluster.fetch_into(adapter_id, dest)
+            copied = None if cluster is None else cluster.fetch_into(adapter_id, dest, self.form)
             if copied is not None:
                 via_cluster = True
                 return copied
@@ -224,15 +256,17 @@ class ColdTiers:
                 self.lifecycle.promote(adapter_id, AdapterState.ON_DISK)
                 try:
                     admitted = self._admit(adapter_id, entry.path, entry.digests)
-                except AdapterError:
+                except AdapterError as e:
                     disk.remove(key)  # never keep what cannot be served
                     self._settle(adapter_id)
+                    if via_cluster:
+                        raise _RefusedPeerCopy(adapter_id, e.reason) from e
                     raise
                 if self.cluster is not None and not via_cluster:  # admitted: offered to the others, once
-                    self.cluster.publish(adapter_id, entry.path, entry.digests)
+                    self._publish(self.cluster, adapter_id, entry.path, entry.digests, admitted)
                 return admitted
-        except AdapterError:
-            self.stats.add("source", "failures")
+        except AdapterError as e:
+            self.stats.add("cluster" if isinstance(e, _RefusedPeerCopy) else "source", "failures")
             raise
 
     def _guarded(self, source: AdapterSource, adapter_id: str, call: Callable[[], T]) -> T:
@@ -245,11 +279,39 @@ class ColdTiers:
         return DiskCache.key_for(source.uri, subpath)
 
     def _admit(self, adapter_id: str, folder: Path, known: dict[str, str],
-               declared: dict[str, str] | None = None) -> tuple[LoraWeights, float]:
+               declared: dict[str, str] | None = None, *, cached: bool = True) -> ColdCopy:
+        """Admit `folder` (the source's files, or in a disk-cache entry, `cached`, the int8 form a peer
+        published); with `int8`, the int8 copy is quantized here once (or taken as received), never
+        again by the host tier."""
         start = time.monotonic()
         with single_threaded():
-            weights = admit_folder(adapter_id, folder, self.policy, known, declared)
-        return weights, time.monotonic() - start
+            if cached and holds_int8_form(folder):
+                stored: Int8LoraWeights | None = admit_int8_folder(adapter_id, folder, self.policy, known)
+                weights = dequantize(stored)
+            else:
+                weights = admit_folder(adapter_id, folder, self.policy, known, declared)
+                stored = quantize(weights) if self.int8 else None
+        return ColdCopy(weights, stored if self.int8 else None, time.monotonic() - start)
+
+    def _publish(self, cluster: ClusterTierPort, adapter_id: str, folder: Path, digests: dict[str, str],
+                 admitted: ColdCopy) -> None:
+        """Offer this node's stored form of an admitted source copy to the cluster tier (see the module
+        docstring); the files are read now, while the disk entry is leased."""
+        try:
+            if admitted.stored is None:
+                files = {name: (folder / name).read_bytes() for name in digests}
+            else:
+                encrypted = (folder / ENC_WEIGHTS_FILE).is_file() or self.policy.require_encryption
+                files = encode(admitted.stored, (folder / CONFIG_FILE).read_bytes(),
+                               self.policy.key if encrypted else None)
+        except OSError as e:
+            log.warning("cannot read %r to publish it: %s", adapter_id, e)
+            return
+        cluster.publish(adapter_id, files, self.form)
+
+
+class _RefusedPeerCopy(AdapterError):
+    """A copy from the cluster tier passed its checksums but not admission (the source serves)."""
 
 
 def _not_found(adapter_id: str, source: AdapterSource) -> Located:

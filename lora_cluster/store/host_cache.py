@@ -6,13 +6,16 @@ With `int8=True` the copy is quantized per channel (`quant`), a quarter of the f
 dequantized on every hit. With `pin=True` (CUDA only) the tensors live in page-locked memory so
 the copy into a device slot is a fast DMA. Entries are immutable once stored: a hit returns the
 cached `LoraWeights` itself (float) or a fresh dequantized one (int8); callers must not mutate it.
-Thread-safe.
+Entries are kept in recency order (a hit or a store moves one to the end), so `recent(limit)` lists
+the most recently used ones in O(limit). Thread-safe.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -52,7 +55,7 @@ class HostCache:
         self.int8 = int8
         self.pin = pin and torch.cuda.is_available()
         self.index = TierIndex(budget_bytes, protected=protected, priority=priority, clock=clock)
-        self._data: dict[str, HostCopy] = {}
+        self._data: OrderedDict[str, HostCopy] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self.stats = stats or StoreStats()
@@ -63,12 +66,24 @@ class HostCache:
             return adapter_id in self._data
 
     def keys(self) -> list[str]:
+        """The cached adapters, least recently used first."""
         with self._lock:
             return list(self._data)
+
+    def recent(self, limit: int) -> list[str]:
+        """At most `limit` cached adapters, most recently used (loaded or hit) first; O(limit)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._data), max(0, limit)))
 
     @property
     def bytes(self) -> int:
         return self.index.bytes
+
+    def nbytes(self, adapter_id: str) -> int | None:
+        """Bytes of the cached copy of `adapter_id` (as stored: int8 copies are smaller), or None."""
+        with self._lock:
+            entry = self.index.entries.get(adapter_id)
+            return None if entry is None else entry.nbytes
 
     def get(self, adapter_id: str) -> LoraWeights | None:
         """The float weights of a cached adapter (dequantized when stored as int8), or None."""
@@ -76,12 +91,15 @@ class HostCache:
             copy = self._data.get(adapter_id)
             if copy is None:
                 return None
+            self._data.move_to_end(adapter_id)
             self.index.touch(adapter_id)
         return dequantize(copy) if isinstance(copy, Int8LoraWeights) else copy
 
-    def put(self, weights: LoraWeights, reload_cost_s: float) -> bool:
-        """Keep a copy of `weights`; False when it cannot be admitted within the budget."""
-        copy: HostCopy = quantize(weights) if self.int8 else weights
+    def put(self, weights: LoraWeights, reload_cost_s: float, stored: Int8LoraWeights | None = None) -> bool:
+        """Keep a copy of `weights`; False when it cannot be admitted within the budget. An int8 cache
+        keeps `stored` (the int8 copy the cold tiers already hold, e.g. as received from a peer) as it
+        is, and quantizes `weights` only without one."""
+        copy: HostCopy = (stored or quantize(weights)) if self.int8 else weights
         if self.pin:
             copy = _pinned(copy)
         aid = weights.adapter_id
@@ -93,6 +111,7 @@ class HostCache:
             for entry in evicted:
                 self._data.pop(entry.key, None)
             self._data[aid] = copy
+            self._data.move_to_end(aid)
             self._update_gauges(len(evicted))
         for entry in evicted:
             self._on_evict(entry.key)

@@ -168,13 +168,15 @@ class ClusterTierPort(Protocol):
     `serve.replica.cluster_tier.RayClusterTier`). Both calls block (a loader thread calls them, never an
     event loop) and never raise: a failure of the tier is a miss, and the source serves.
 
-    * `fetch_into(adapter_id, dest)`: copy the published stored form of `adapter_id` (its files, as
-      the disk tier keeps them) into the folder `dest`, each file's sha256 verified against the
-      publisher's; returns {file: sha256}, or None when it is not published or the copy failed.
-    * `publish(adapter_id, folder, digests)`: offer the files of `folder` (fetched from the source,
-      `digests` their sha256) to the tier; the tier publishes each adapter once.
+    * `fetch_into(adapter_id, dest, form)`: copy the published stored form of `adapter_id` into the
+      folder `dest`, each file's sha256 verified against the publisher's; returns {file: sha256}, or
+      None when it is not published in `form` or the copy failed. `form` is "files" (the source's
+      files, as the disk tier keeps them) or "int8" (`store.int8_form`).
+    * `publish(adapter_id, files, form)`: offer `files` ({name: bytes}, the stored form `form` of an
+      adapter fetched from its source and admitted) to the tier; the tier publishes each adapter
+      once, with each file's sha256, and counts `files`' bytes against its budget.
     """
 
-    def fetch_into(self, adapter_id: str, dest: Path) -> dict[str, str] | None: ...
+    def fetch_into(self, adapter_id: str, dest: Path, form: str) -> dict[str, str] | None: ...
 
-    def publish(self, adapter_id: str, folder: Path, digests: dict[str, str]) -> None: ...
+    def publish(self, adapter_id: str, files: dict[str, bytes], form: str) -> None: ...

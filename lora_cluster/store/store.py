@@ -122,7 +122,8 @@ class TieredAdapterStore:
             protected=self.usage.protected, priority=self.usage.priority, disk_cache_dir=disk_cache_dir,
             disk_cache_bytes=disk_cache_bytes, fetch_retries=fetch_retries, fetch_backoff_s=fetch_backoff_s,
             fetch_timeout_s=fetch_timeout_s, breaker_failures=source_breaker_failures,
-            breaker_cooldown_s=source_breaker_cooldown_s, clock=clock, sleep=sleep, cluster=cluster_tier)
+            breaker_cooldown_s=source_breaker_cooldown_s, clock=clock, sleep=sleep, cluster=cluster_tier,
+            int8=host_int8)
         self._registered: dict[str, tuple[AdapterSource, Located]] = {}
         self._flight: SingleFlight[LoraWeights] = SingleFlight()
         self._lock = threading.Lock()
@@ -285,6 +286,8 @@ class TieredAdapterStore:
         with self._lock:
             future = self._prefetches.get(adapter_id)
             if future is None or future.done():
+                if len(self._prefetches) >= 1024:  # bounded: ended prefetches go first
+                    self._prefetches = {a: f for a, f in self._prefetches.items() if not f.done()}
                 future = self._prefetcher.submit(self._prefetch_one, adapter_id)
                 self._prefetches[adapter_id] = future
             return future
@@ -361,7 +364,7 @@ class TieredAdapterStore:
             in_place = self.cold.reads_in_place(adapter_id, source)
             self.lifecycle.ensure(adapter_id, AdapterState.ON_DISK if in_place else AdapterState.REMOTE)
             tracked = True
-            weights, seconds = self.cold.read(adapter_id, source, located)
+            copy = self.cold.read(adapter_id, source, located)
         except AdapterNotFoundError:
             self.stats.add("host", "failures")
             self._forget_missing(adapter_id)
@@ -375,11 +378,12 @@ class TieredAdapterStore:
             log.error("loading adapter %r failed", adapter_id, exc_info=e)
             reason = f"loading failed ({type(e).__name__}; see the server log)"
             raise AdapterLoadError(adapter_id, reason) from e
+        weights, seconds = copy.weights, copy.seconds
         weights.version = version
         self.stats.record_load("host", seconds, weights.nbytes)
         self.lifecycle.promote(adapter_id, AdapterState.IN_HOST)
         with single_threaded():
-            self.host.put(weights, seconds)
+            self.host.put(weights, seconds, stored=copy.stored)
         return weights
 
     def _forget_missing(self, adapter_id: str) -> None:

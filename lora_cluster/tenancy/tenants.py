@@ -10,6 +10,9 @@
         requests_per_minute: 600
         tokens_per_minute: 200000                # prompt + completion tokens
         max_concurrent: 32
+        budget:                                  # optional, monthly (tenancy.budget)
+          tokens_per_month: 50000000
+          action: refuse                         # at 100%: refuse (429) or warn
 
 Keys are stored as `sha256:<64 hex digits>` of the key's UTF-8 bytes (`hash_key`, or
 `printf %s KEY | sha256sum`). A presented key is hashed and compared with every stored digest in
@@ -34,6 +37,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lora_cluster.errors import ConfigError
+from lora_cluster.tenancy.budget import BudgetSpec
 from lora_cluster.tenancy.quota import QuotaLimits
 
 KEY_PREFIX = "sha256:"
@@ -77,6 +81,7 @@ class TenantSpec(BaseModel):
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=1)
+    budget: BudgetSpec | None = None
 
     @field_validator("adapters")
     @classmethod
@@ -105,6 +110,7 @@ class Tenant:
     base_model: bool
     priority_class: str | None
     limits: QuotaLimits
+    budget: BudgetSpec | None = None  # its monthly budget (tenancy.budget), if any
 
     def may_use(self, adapter_id: str | None) -> bool:
         """Whether this tenant may call `adapter_id` (None: the base model)."""
@@ -138,7 +144,8 @@ class Directory:
     def __init__(self, spec: TenantsSpec):
         self.tenants = {t.name: Tenant(
             t.name, tuple(t.adapters), t.base_model, t.priority_class,
-            QuotaLimits(t.requests_per_minute, t.tokens_per_minute, t.max_concurrent)) for t in spec.tenants}
+            QuotaLimits(t.requests_per_minute, t.tokens_per_minute, t.max_concurrent), t.budget)
+            for t in spec.tenants}
         entries = [(k, ADMIN) for k in spec.admin_api_keys]
         for t in spec.tenants:
             entries += [(k, Principal(self.tenants[t.name], admin=False)) for k in t.api_keys]

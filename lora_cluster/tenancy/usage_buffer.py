@@ -2,14 +2,13 @@
 
 Records are added as requests end and taken in one batch per flush (`serve.ops.usage_shipper`). Two
 parts of the same request in the buffer are merged (`tenancy.usage_record.merge`), so a batch never
-holds a request twice. A batch the store did not take is put back, merged with what arrived since
-(the put-back part is the earlier one). When the buffer is full a new request's record is dropped and
-counted in `dropped` (the store's sums then miss it; the owner logs the count).
+holds a request twice. A batch the store did not acknowledge is never put back: the shipper sends it
+again unchanged, under its id, so that the store can take it exactly once. When the buffer is full
+a new request's record is dropped and counted in `dropped` (the store's sums then miss it; the
+owner logs the count).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from lora_cluster.tenancy.usage_record import UsageRecord, merge
 
@@ -40,15 +39,6 @@ class UsageBuffer:
         batch = list(self._records.values())
         self._records.clear()
         return batch
-
-    def put_back(self, batch: Iterable[UsageRecord]) -> None:
-        """Records of a batch the store did not take: before any later part of the same request."""
-        for record in batch:
-            later = self._records.get(record.request_id)
-            if later is not None:
-                self._records[record.request_id] = merge(record, later)
-            else:
-                self._insert(record)
 
     def _insert(self, record: UsageRecord) -> bool:
         if len(self._records) >= self.max_records:

@@ -11,9 +11,25 @@ the record so far, and the store keeps exactly one record per request id:
 * the outcome is the latest part's, except that a record once preempted and then completed reads
   `preempted_resumed`; `ended_at` is the latest part's.
 
-Outcomes: `completed`, `cancelled` (the client went away or aborted), `refused` (accepted, then
-refused before running: a budget, a quota, an overload; no device time), `preempted_resumed`
-(completed after at least one preemption with recompute), `failed` (ended by an engine error).
+A `lost` part is the ingress's account of a request whose replica was lost (killed or unreachable)
+before the request ended: its tokens are those the ingress sent the client, its device-seconds the
+last cumulative charge the replica reported on the wire. It wins whatever the order of arrival: a
+record with a `lost` part keeps that part's tokens, outcome and end, and its device- and
+queue-seconds are the larger of the two sides' (the replica's own record of the same attempt, if it
+ever comes, reports at least what it had put on the wire), so the merge of the two is the same in
+either order and counts the attempt once.
+
+Outcomes: `completed`, `cancelled` (the client went away or aborted), `refused` (refused before
+running, by the ingress or the replica: a budget, a quota, an overload; no device time), `preempted_resumed`
+(completed after at least one preemption with recompute), `failed` (ended by an engine error), `lost`
+(its replica was lost mid-request; recorded by the ingress).
+
+Records travel in a `UsageBatch`: a sender's id (`source`, unique per sending process) and its
+sequence number (`seq`, from 1, one more per new batch). A sender sends its next batch only once the
+previous one is acknowledged, and sends an unacknowledged one again unchanged, under the same id: so
+the store takes a batch exactly once by keeping, per source, the highest `seq` it took. A batch also
+carries the sender's adapter residency since its previous batch (`Residency`: slot-seconds and load
+seconds per adapter, from the engine's `StepMeter`), taken once with it.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ class Outcome(enum.StrEnum):
     REFUSED = "refused"
     PREEMPTED_RESUMED = "preempted_resumed"
     FAILED = "failed"
+    LOST = "lost"
 
 
 @dataclass(frozen=True)
@@ -70,16 +87,68 @@ class UsageRecord:
         return int(self.ended_at // 60)
 
 
+@dataclass(frozen=True)
+class Residency:
+    """One adapter's slot-seconds and load seconds on one replica, taken in Unix minute `minute`."""
+
+    minute: int
+    adapter: str  # the adapter id as the engine holds it (`name@N`)
+    replica: str
+    slot_s: float
+    load_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("adapter", "replica"):
+            if len(getattr(self, name)) > MAX_FIELD_CHARS:
+                raise RequestError(f"usage residency {name} longer than {MAX_FIELD_CHARS} characters")
+        if self.slot_s < 0 or self.load_s < 0:
+            raise RequestError("usage residency slot_s and load_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class UsageBatch:
+    """Records sent in one call, with the id the store takes them once by (see the module docstring)."""
+
+    source: str
+    seq: int
+    records: tuple[UsageRecord, ...]
+    residency: tuple[Residency, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.source) > MAX_FIELD_CHARS:
+            raise RequestError(f"usage batch source longer than {MAX_FIELD_CHARS} characters")
+        if self.seq < 1:
+            raise RequestError("usage batch seq must be >= 1")
+
+    @property
+    def seen_at(self) -> float:
+        """The latest end time among its records (Unix seconds): when its source was last heard of."""
+        return max([*(r.ended_at for r in self.records), *(60.0 * r.minute for r in self.residency)],
+                   default=0.0)
+
+
 def merge(before: UsageRecord, part: UsageRecord) -> UsageRecord:
     """`before` with a later part of the same request folded in (see the module docstring)."""
     if before.request_id != part.request_id:
         raise RequestError(f"cannot merge usage of {part.request_id!r} into {before.request_id!r}")
     preempted = before.preempted or part.preempted
+    if Outcome.LOST in (before.outcome, part.outcome):
+        told = part if part.outcome is Outcome.LOST else before
+        return replace(told, device_s=max(before.device_s, part.device_s),
+                       queue_s=max(before.queue_s, part.queue_s), preempted=preempted)
     outcome = part.outcome
     if preempted and outcome is Outcome.COMPLETED:
         outcome = Outcome.PREEMPTED_RESUMED
     return replace(part, device_s=before.device_s + part.device_s, queue_s=before.queue_s + part.queue_s,
                    preempted=preempted, outcome=outcome)
+
+
+def adapter_version(adapter_id: str | None) -> tuple[str, int]:
+    """(name, version) of an adapter id `name@N`; version 0 when the id names none (or no adapter)."""
+    if not adapter_id:
+        return "", 0
+    name, _, version = adapter_id.rpartition("@")
+    return (name, int(version)) if name and version.isdigit() else (adapter_id, 0)
 
 
 def final_outcome(finish_reason: str | None, cancelled: bool, preempted: bool) -> Outcome:
@@ -91,4 +160,5 @@ def final_outcome(finish_reason: str | None, cancelled: bool, preempted: bool) -
     return Outcome.PREEMPTED_RESUMED if preempted else Outcome.COMPLETED
 
 
-__all__ = ["MAX_FIELD_CHARS", "Outcome", "UsageRecord", "final_outcome", "merge"]
+__all__ = ["MAX_FIELD_CHARS", "Outcome", "Residency", "UsageBatch", "UsageRecord", "adapter_version",
+           "final_outcome", "merge"]

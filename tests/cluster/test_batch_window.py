@@ -10,8 +10,7 @@ import asyncio
 
 import pytest
 from helpers import FakeClock
-from test_cluster_policies import report
-from tickets import CLASSES, ticket
+from tickets import CLASSES, report, ticket
 
 from lora_cluster.cluster import batch_window as pure
 from lora_cluster.cluster.controller import Controller, ControllerSettings, Grant, Refusal

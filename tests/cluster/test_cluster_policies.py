@@ -10,7 +10,7 @@ import random
 
 import pytest
 from helpers import FakeClock
-from tickets import CLASSES, ticket
+from tickets import CLASSES, report, ticket
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue
 from lora_cluster.cluster.cluster_view import ClusterView
@@ -21,17 +21,6 @@ from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import choose_replica, home_score, preemption_target
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import ClusterOverloadedError, WaitBoundError
-
-
-def report(rid: str, *, capacity: int = 2, running: int = 0, waiting: int = 0, node: str = "n1",
-           resident: tuple[str, ...] = (), by_priority: dict[int, int] | None = None,
-           free_slots: int = 2, demand: dict[str, int] | None = None,
-           arrived: tuple[str, ...] = ()) -> ReplicaReport:
-    return ReplicaReport(rid, node, capacity=capacity, max_num_seqs=capacity, max_loras=4, running=running,
-                         waiting=waiting, free_adapter_slots=free_slots, resident=resident,
-                         running_by_priority=by_priority or {}, adapter_requests=demand or {},
-                         arrived_tickets=arrived)
-
 
 # ----- the queue ------------------------------------------------------------------------------
 

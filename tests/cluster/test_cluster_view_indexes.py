@@ -19,6 +19,7 @@ from lora_cluster.cluster.scheduling import (
     affinity_hit_in,
     choose_replica,
     preemption_target,
+    primary_holder,
 )
 from lora_cluster.errors import ClusterOverloadedError
 
@@ -162,7 +163,9 @@ def scan_choice(view: ClusterView, t, placement: dict[str, tuple[str, ...]]) -> 
         if view.free(rid) <= 0:
             continue
         report = view.get(rid)
-        scored.append((t.adapter_id not in report.held, rid not in placement.get(t.adapter_id, ()),
+        held = t.adapter_id in report.held
+        scored.append((not held, held and not primary_holder(view, rid, t.adapter_id, placement),
+                       rid not in placement.get(t.adapter_id, ()),
                        report.free_adapter_slots <= 0, -home_score(t.adapter_id, rid), rid))
     return min(scored)[-1] if scored else None
 

@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from helpers import FakeClock, FakeResponse
+from helpers import CoalescedShard, FakeClock, FakeResponse
 from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.controller import Controller
@@ -280,7 +280,8 @@ def full() -> dict[str, RoutingStats]:
 
 async def test_a_request_parks_at_its_adapters_shard():
     shards = [FakeShard(0, 0, {}), FakeShard(1, 0, {})]
-    admission = ClusterAdmission(shards, capacity=None, replica_stats=full, timeout_s=30.0, clock=lambda: 0.0)
+    admission = ClusterAdmission([CoalescedShard(s) for s in shards], capacity=None, replica_stats=full,
+                                 timeout_s=30.0, clock=lambda: 0.0)
     adapters = IDS[:20]
     for a in adapters:
         granted = await admission.admit(sla_class="standard", adapter_id=a, arrived_at=0.0)
@@ -294,7 +295,8 @@ async def test_an_unreachable_shard_sends_only_its_own_adapters_the_direct_way()
     shards = [FakeShard(0, 0, {}), FakeShard(1, 0, {})]
     shards[1].dead = True
     shards[1].on_dead_call = lambda: clock.advance(3.0)  # each failed call takes 3 s
-    admission = ClusterAdmission(shards, capacity=None, replica_stats=full, timeout_s=60.0, clock=clock)
+    admission = ClusterAdmission([CoalescedShard(s) for s in shards], capacity=None, replica_stats=full,
+                                 timeout_s=60.0, clock=clock)
     mine = {k: next(a for a in IDS if shard_of(a, 2) == k) for k in (0, 1)}
     assert await admission.admit(sla_class="standard", adapter_id=mine[1], arrived_at=clock()) is None, \
         "shard 1 unreachable past the re-park window: its adapter's request goes the direct way"

@@ -56,6 +56,39 @@ def test_a_full_queue_is_refused_at_the_edge_with_the_controllers_error():
     assert same_refusal(found, ctl, t) == "queue_full", "counted as queue_full"
 
 
+def test_a_full_queue_refused_later_at_the_edge_gets_the_controllers_retry_after_of_that_moment():
+    # the drain meter's one grant is 3 s old (over a quarter of its window): its measured rate falls as
+    # time passes, and the full queue's retry-after grows with it
+    clock, ctl = busy_controller(queue_size=2)
+    clock.advance(3.0)
+    ctl.park(ticket("s0", "batch", clock(), "held"))
+    ctl.park(ticket("s1", "batch", clock(), "held"))
+    state = EdgeState.from_wire(ctl.edge_state().to_wire())
+    published = edge_refusal(state, ticket("s2", "batch", clock(), "held"), clock())
+    clock.advance(MAX_AGE_S * 0.9)  # the state is still within its bound
+    t = ticket("s3", "batch", clock(), "held")
+    found = edge_refusal(state, t, clock())
+    assert same_refusal(found, ctl, t) == "queue_full", "refused for the full queue"
+    later, earlier = (None if f is None else f[1].retry_after_s for f in (found, published))
+    assert later is not None and earlier is not None and later > earlier, (
+        f"the retry-after is the controller's at the moment of refusal ({later}), "
+        f"not at publication ({earlier})")
+
+
+def test_a_drain_event_that_leaves_the_window_after_publication_counts_at_the_edge_as_at_the_controller():
+    clock, ctl = busy_controller(queue_size=2)  # one grant at 100.0
+    clock.advance(5.0)
+    ctl.queue.drain.record(1)  # a second one at 105.0
+    clock.advance(5.0 - MAX_AGE_S / 2)  # the first is about to leave the 10 s window
+    ctl.park(ticket("s0", "batch", clock(), "held"))
+    ctl.park(ticket("s1", "batch", clock(), "held"))
+    state = EdgeState.from_wire(ctl.edge_state().to_wire())
+    clock.advance(MAX_AGE_S * 0.9)  # the first grant has left the window; the state is within its bound
+    t = ticket("s2", "batch", clock(), "held")
+    assert same_refusal(edge_refusal(state, t, clock()), ctl, t) == "queue_full", (
+        "the same retry-after once the oldest grant left the controller's window")
+
+
 def test_a_full_queue_still_parks_a_more_urgent_ticket_that_bumps_a_less_urgent_one():
     clock, ctl = busy_controller(queue_size=2, running_priority=0)
     ctl.park(ticket("b0", "batch", 100.0, "held"))

@@ -4,8 +4,7 @@ directly (a queue, a view and a recording grant), as the controller wires it."""
 from __future__ import annotations
 
 from helpers import FakeClock
-from test_cluster_policies import report
-from tickets import CLASSES, ticket
+from tickets import CLASSES, report, ticket
 
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView

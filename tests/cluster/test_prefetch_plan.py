@@ -68,3 +68,25 @@ def test_byte_bound_and_live_loads_come_first() -> None:
 def test_invalid_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="bytes_per_s"):
         planner(Clock(), bytes_per_s=0)
+
+
+def test_a_demand_set_from_outside_replaces_the_ranking_and_is_bounded() -> None:
+    from lora_cluster.cluster.prefetch_plan import MAX_DEMAND
+
+    p = PrefetchPlanner((), {}, bytes_per_s=1e9, max_bytes=10**9, clock=Clock())
+    p.set_demand({"x": 5, "y": 50, "z": 0})
+    assert p.ranking() == ["y", "x"], "busiest first, without a catalog; a zero rate is no demand"
+    p.set_demand({f"h{i}": i + 1 for i in range(MAX_DEMAND + 50)})
+    assert len(p.ranking()) == MAX_DEMAND, "at most MAX_DEMAND adapters are kept"
+    assert p.ranking()[0] == f"h{MAX_DEMAND + 49}", "the busiest are the ones kept"
+
+
+def test_settle_charges_the_bytes_really_read() -> None:
+    clock = Clock()
+    p = PrefetchPlanner((), {"x": 0}, bytes_per_s=100.0, max_bytes=10**9, clock=clock)
+    p.set_demand({"x": 1, "y": 1})
+    assert p.plan(1, skip=lambda a: False, used_bytes=0) == ["x"], "x handed out at an estimate of 0 bytes"
+    p.settle("x", 0, 300)
+    assert p.handed_out_bytes == 300, "the real bytes count as handed out"
+    clock.now = 1.0
+    assert p.plan(1, skip=lambda a: a == "x", used_bytes=0) == [], "the bucket is in debt for x's real bytes"

@@ -26,6 +26,8 @@ from lora_cluster.cluster.reports import (
     MAX_ARRIVED_TICKETS,
     MAX_ID_LEN,
     MAX_REPORTED_ADAPTERS,
+    MAX_REPORTED_CLUSTER,
+    MAX_REPORTED_HOST,
     MAX_REPORTED_LOADING,
     MAX_REPORTED_RESIDENT,
     REPORT_MAX_BYTES,
@@ -71,6 +73,8 @@ def random_report(rng: random.Random, adapters: list[str], seq_tickets: list[int
         service_time_s=rng.choice([None, 0.5, round(rng.random(), 3)]), active=rng.randint(0, 6),
         arrived_tickets=tuple(tickets), sent_at=rng.random(), base=rng.choice([None, "base"]),
         prefixes=tuple(f"k{rng.randint(0, 20)}" for _ in range(rng.randint(0, 4))),
+        host_held=tuple(rng.sample(adapters, rng.randint(0, 6))),
+        cluster_held=tuple(rng.sample(adapters, rng.randint(0, 6))),
     )
 
 
@@ -255,7 +259,9 @@ def test_a_report_and_a_delta_stay_within_their_bound_in_bytes() -> None:
                     adapter_requests={a: 1 for a in ids("d", 3 * MAX_REPORTED_ADAPTERS)},
                     arrived_tickets=tuple(ids("t", 3 * MAX_ARRIVED_TICKETS)),
                     classes={f"class{k}": {"running": k, "ttft_p50_s": 0.1} for k in range(100)},
-                    prefixes=tuple(f"{k:016x}" for k in range(10_000)))
+                    prefixes=tuple(f"{k:016x}" for k in range(10_000)),
+                    host_held=tuple(ids("h", 2 * MAX_REPORTED_HOST)),
+                    cluster_held=tuple(ids("c", 2 * MAX_REPORTED_CLUSTER)))
     parsed = ReplicaReport.from_dict(json.loads(json.dumps(huge.to_dict())) | {"extra": "x" * 10})
     size = len(json.dumps(parsed.to_dict()))
     assert size <= REPORT_MAX_BYTES, f"a report at every bound is {size} bytes, over {REPORT_MAX_BYTES}"

@@ -2,7 +2,7 @@
 over every replica's view, on 1,000 random cluster states (seeded), with the index updated through
 its commands as a live router updates it (stats, ongoing changes, placements, replicas leaving and
 joining, time passing placements' ttl), with replicas reporting cached prompt prefixes and requests
-carrying theirs."""
+carrying theirs, and replicas reporting the adapters their host tiers hold."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def random_stats(rng: random.Random, adapters: list[str], chains: list[str] = ()
                         free_adapter_slots=rng.choice([None, 0, 1, 2]),
                         max_num_seqs=rng.choice([None, 2, 4]), num_running=rng.randint(0, 4),
                         num_waiting=rng.randint(0, 2), miss_penalty=rng.choice([0.0, 0.0, 0.5, 1.0]),
-                        prefixes=random_prefixes(rng, list(chains)))
+                        prefixes=random_prefixes(rng, list(chains)),
+                        host_held=tuple(rng.sample(adapters, rng.randint(0, min(3, len(adapters))))))
 
 
 class Cluster:

@@ -66,6 +66,8 @@ def test_serve_config_yaml_lists_every_field_at_its_default() -> None:
 
 def test_uncommenting_every_arg_gives_the_default_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LORA_CLUSTER_USAGE_DB_PATH", raising=False)  # conftest points it at a temp folder
+    monkeypatch.delenv("LORA_CLUSTER_RELEASE_STATE_URI", raising=False)  # conftest keeps releases in memory
+    monkeypatch.delenv("LORA_CLUSTER_USAGE_SPOOL_DIR", raising=False)  # and this one too
     values = docs.commented_args((docs.ROOT / docs.SERVE_YAML).read_text())
     values.pop("demo_dir")  # machine-dependent, shown as its rule
     values["engine"].pop("adapter_wait_bounds_s")  # derived from the SLA classes unless given

@@ -1,6 +1,7 @@
 """Metering in the engine: the step-cost rule (`replica_policy.step_cost`) on hand-computed cases, the
-engine's meter (`engine.schedule.step_meter`) with a fake clock, and conservation on a mixed run of the
-demo engine (every second of measured step time is charged to exactly one request)."""
+engine's meter (`engine.schedule.step_meter`) with a fake clock (step time, queue time, residency),
+and conservation on a mixed run of the demo engine (every second of measured step time is charged to
+exactly one request)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 from helpers import FakeClock, greedy
 
 from lora_cluster.engine import Engine
+from lora_cluster.engine.sample.detokenizer import IncrementalDetokenizer
+from lora_cluster.engine.schedule.sequence import Sequence
 from lora_cluster.engine.schedule.step_meter import MAX_TRACKED_ADAPTERS, OVERFLOW, StepMeter
 from lora_cluster.replica_policy.step_cost import RANK_UNIT, SeqWork, split_step, work_units
 from lora_cluster.request.output import RequestOutput
+from lora_cluster.request.sampling_params import SamplingParams
 
 # ----- the rule (unit) ---------------------------------------------------------------------------
 
@@ -65,6 +69,29 @@ def test_the_meter_counts_slot_seconds_per_resident_adapter():
         "each interval's time goes to every adapter resident at its end"
     )
     assert meter.take_residency() == {}, "taking the residency clears it"
+
+
+def waiting_seq(rid: str, arrival: float) -> Sequence:
+    return Sequence(rid, None, [1, 2, 3], SamplingParams(), IncrementalDetokenizer(None), None,
+                    arrival=arrival)
+
+
+def test_the_meter_charges_each_wait_until_the_step_that_runs_the_sequence():
+    clock = FakeClock()
+    meter = StepMeter(clock, wait_clock=clock)
+    seq = waiting_seq("r1", arrival=clock())
+    clock.advance(3.0)  # it waits 3 s, then a step of 0.5 s runs it
+    clock.advance(0.5)
+    meter.charge(0.5, [], [(seq, 3)], lambda slot: 0)
+    assert seq.queue_s == pytest.approx(3.0), "the wait from arrival to the step's start is its queue time"
+    clock.advance(1.0)
+    meter.charge(1.0, [seq], [], lambda slot: 0)
+    assert seq.queue_s == pytest.approx(3.0), "a step that continues it is no wait"
+    seq.waiting_since = clock()  # preempted (the scheduler stamps it), waits 2 s, runs again
+    clock.advance(2.0)
+    clock.advance(0.25)
+    meter.charge(0.25, [], [(seq, 4)], lambda slot: 0)
+    assert seq.queue_s == pytest.approx(5.0), "a wait after a preemption adds to the same total"
 
 
 def test_residency_is_bounded_by_the_number_of_tracked_adapters():
@@ -134,16 +161,35 @@ def test_every_second_of_step_time_is_charged_to_a_request(engine: Engine):
     )
 
 
-def test_a_cached_prompt_costs_less_than_the_first_one(make_engine):
-    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=256, enable_prefix_caching=True)
+def test_a_request_that_waits_for_a_slot_reports_its_queue_time(make_engine):
+    engine = make_engine(max_num_seqs=1)
     try:
-        prompt = "the river runs to the sea and back again and again " * 6
-        first, second = (engine.generate([prompt], sampling=greedy(1))[0] for _ in range(2))
+        first, second = engine.generate(["the river", "the sea"], sampling=greedy(6))
     finally:
         engine.close()
-    assert second.num_cached_tokens > 0, "precondition: the second request found its prompt cached"
-    assert second.device_s < first.device_s, (
-        "a prompt served from the prefix cache is charged what it cost, less than computing it"
+    assert second.queue_s >= first.device_s * 0.5, (
+        f"the second request waited while the first ran in the one slot: {second.queue_s} s queued, "
+        f"the first ran {first.device_s} s"
+    )
+    assert first.queue_s < second.queue_s, "the first request waited less than the second"
+
+
+def test_a_cached_prompt_costs_less_than_a_computed_one_in_the_same_step(make_engine):
+    # both requests run in the same steps, so the comparison depends on the rule, not on timing (the
+    # machine's load moves a step's measured time, never how the step is split)
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=512, enable_prefix_caching=True)
+    cached_prompt = "the river runs to the sea and back again and again " * 6
+    computed_prompt = "our river runs to the sea and back again and again " * 6
+    try:
+        engine.generate([cached_prompt], sampling=greedy(1))  # computes the prompt: now in the prefix cache
+        cached, computed = engine.generate([cached_prompt, computed_prompt], sampling=greedy(1))
+    finally:
+        engine.close()
+    assert cached.num_cached_tokens > 0, "precondition: the repeated prompt was found in the prefix cache"
+    assert computed.num_cached_tokens == 0, "precondition: the other prompt was computed"
+    assert cached.device_s < computed.device_s, (
+        f"a prompt served from the prefix cache is charged less of the shared step than one computed in it: "
+        f"cached {cached.device_s}, computed {computed.device_s}"
     )
 
 

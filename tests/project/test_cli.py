@@ -191,7 +191,7 @@ def test_release_commands_call_the_release_routes(recorder, tmp_path, capsys):
     eval_set = tmp_path / "eval.jsonl"
     eval_set.write_text('{"prompt": "2+2=", "expected": "4"}\n\n')
     create = ["release", "create", "fin", "/zoo/fin-2", "--steps", "10,100", "--min-requests", "5",
-              "--dwell", "0", "--eval-set", str(eval_set), "--url", url]
+              "--dwell", "0", "--eval-set", str(eval_set), "--shadow", "10", "--url", url]
     assert main(create) == 0, "create succeeds"
     assert main(["release", "promote", "fin", "rel-1", "--url", url]) == 0, "promote succeeds"
     assert main(["release", "status", "fin", "rel-1", "--url", url]) == 0, "status succeeds"
@@ -199,6 +199,7 @@ def test_release_commands_call_the_release_routes(recorder, tmp_path, capsys):
     assert (created["method"], created["path"]) == ("POST", "/v1/adapters/fin/releases"), "create's route"
     assert json.loads(created["body"]) == {"lora_path": "/zoo/fin-2", "steps": [10.0, 100.0],
                                            "step_min_requests": 5, "step_dwell_s": 0.0,
+                                           "shadow_percent": 10.0,
                                            "eval_set": [{"prompt": "2+2=", "expected": "4"}]}, "its body"
     assert (promoted["method"], promoted["path"]) == ("POST", "/v1/adapters/fin/releases/rel-1/promote"), \
         "a command posts to the release's action"

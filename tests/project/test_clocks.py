@@ -22,7 +22,8 @@ REVIEWED = {
     "serve/http/admin_api.py": 1,  # /debug/replicas' `time`: when the snapshot was taken, for people
     "serve/replica/deployment.py": 1,  # a report's `sent_at`: wall-clock time for display (cluster.reports)
     "store/disk_cache.py": 2,  # entry metadata's `created`; ages of files left by an earlier process
-    "serve/ops/usage_sink.py": 1,  # pruning usage records by their Unix end times (tenancy.usage_store)
+    "serve/ops/usage_sink.py": 2,  # pruning records by their Unix end times; which Unix minutes are closed
+    # for the Parquet export (tenancy.usage_export): both compare with record times, which are Unix times
     "serve/replica/usage.py": 1,  # a usage record's `ended_at`: the Unix time its minute is summed in
 }
 WALL_CLOCK = {("time", "time"), ("time", "time_ns"), ("datetime", "now"), ("datetime", "utcnow"),

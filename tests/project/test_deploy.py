@@ -6,8 +6,10 @@ runs on every clone)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -178,11 +180,150 @@ def test_dashboard_has_the_sections_and_variables():
     assert {"tenant", "adapter"} <= variables, f"the dashboard has tenant and adapter variables: {variables}"
     rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
     for section in ("Cluster overview", "Per tenant", "Per adapter (top N)", "Adapter cache tiers",
-                    "Memory and engines", "SLA attainment", "Prefix cache"):
+                    "Memory and engines", "SLA attainment", "Prefix cache", "Usage by tenant", "Releases"):
         assert section in rows, f"the dashboard has a '{section}' row"
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in panels), "every panel queries"
     assert any("topk($topn" in t["expr"] for p in panels for t in p["targets"]), "adapters are shown top N"
+
+
+def test_the_usage_row_queries_declared_usage_counters_by_tenant():
+    from lora_cluster.serve.ops import metrics
+    from lora_cluster.tenancy.budget import ALERT_RATIO
+
+    dashboard = json.loads((ROOT / "deploy/grafana/lora-cluster.json").read_text())
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    (usage_row,) = [r for r in rows if r["title"] == "Usage by tenant"]
+    below = [r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > usage_row["gridPos"]["y"]]
+    end = min(below, default=float("inf"))
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"
+              and usage_row["gridPos"]["y"] < p["gridPos"]["y"] < end]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    declared = {m._name for m in metrics.REQUEST_METRICS}  # prometheus_client's name, no _total suffix
+    declared.add(metrics.USAGE_BUDGET_USED.name)
+    used = set(re.findall(r"lora_cluster_usage_\w+", " ".join(exprs)))
+    assert len(panels) >= 4, \
+        f"the row shows device time, tokens, requests and budgets: {[p['title'] for p in panels]}"
+    assert used and all(name.removesuffix("_total") in declared for name in used), \
+        f"every usage metric the row queries is declared in serve.ops.metrics: {used}"
+    assert all("by (tenant" in e for e in exprs), "every usage panel is per tenant"
+    gauges = [p for p in panels if p["type"] == "gauge"]
+    assert [t["expr"] for p in gauges for t in p["targets"]] == [
+        'max by (tenant, budget) (lora_cluster_usage_budget_used_ratio{tenant=~"$tenant"})'], \
+        "one gauge shows each tenant's budgets used, one series per tenant and budget across ingresses"
+    steps = [s["value"] for p in gauges for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert steps == [None, ALERT_RATIO, 1.0], "the gauge turns at the alerts' 80% and at 100%"
+    cells = sorted((p["gridPos"]["y"], p["gridPos"]["x"], p["gridPos"]["w"]) for p in panels)
+    assert all(a[0] != b[0] or a[1] + a[2] <= b[1] for a, b in pairwise(cells)) and \
+        all(x + w <= 24 for _, x, w in cells), f"the row's panels do not overlap: {cells}"
+
+
+def test_the_budget_alerts_read_the_declared_gauge_at_80_and_100_percent():
+    from lora_cluster.serve.ops.metrics import USAGE_BUDGET_USED
+    from lora_cluster.tenancy.budget import ALERT_RATIO
+
+    (rule,) = [d for d in _docs("deploy/k8s/usage-budgets.yaml") if d["kind"] == "PrometheusRule"]
+    alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert all(USAGE_BUDGET_USED.name in expr for expr in alerts.values()), \
+        f"the alerts read the gauge declared in serve.ops.metrics: {alerts}"
+    thresholds = sorted(float(expr.rsplit(">=", 1)[1]) for expr in alerts.values())
+    assert thresholds == [ALERT_RATIO, 1.0], f"a warning at 80% and a critical alert at 100%: {alerts}"
+
+
+# ----- adapter releases (issue 47): the Releases row and the release alerts -----------------------------
+
+
+def _declared_metrics() -> set[str]:
+    """Every metric name serve.ops.metrics declares: measured (prometheus_client's name, no `_total`),
+    computed at each scrape (`ScrapeFamily`), or named in its tables of report fields."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from lora_cluster.serve.ops import metrics
+
+    def names(value: object) -> set[str]:
+        if isinstance(value, str):
+            return {value} if value.startswith("lora_cluster_") else set()
+        if isinstance(value, dict):
+            return names(list(value.keys())) | names(list(value.values()))
+        if isinstance(value, list | tuple | set | frozenset):
+            return set().union(*(names(v) for v in value)) if value else set()
+        return set()
+
+    declared = set()
+    for value in vars(metrics).values():
+        if isinstance(value, MetricWrapperBase):
+            declared |= {family.name for family in value.describe()}
+        elif isinstance(value, metrics.ScrapeFamily):
+            declared.add(value.name)
+        else:
+            declared |= names(value)
+    return declared
+
+
+def _metric_base(sample: str) -> str:
+    """The metric a sample name belongs to (a histogram's `_bucket`, `_count`, `_sum`; a counter's
+    `_total`)."""
+    for suffix in ("_bucket", "_count", "_sum", "_total"):
+        if sample.endswith(suffix):
+            return sample.removesuffix(suffix)
+    return sample
+
+
+def _row_panels(title: str) -> list[dict]:
+    dashboard = json.loads((ROOT / "deploy/grafana/lora-cluster.json").read_text())
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    (row,) = [r for r in rows if r["title"] == title]
+    top = row["gridPos"]["y"]
+    end = min((r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > top), default=float("inf"))
+    return [p for p in dashboard["panels"] if p["type"] != "row" and top < p["gridPos"]["y"] < end]
+
+
+def test_every_metric_the_dashboard_and_the_alerts_query_is_declared():
+    declared = _declared_metrics()
+    texts = {"deploy/grafana/lora-cluster.json": (ROOT / "deploy/grafana/lora-cluster.json").read_text()}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "deploy/k8s").rglob("*.yaml"))}
+    for where, text in texts.items():
+        used = set(re.findall(r"lora_cluster_\w+", text))
+        unknown = sorted(name for name in used if name not in declared and _metric_base(name) not in declared)
+        assert not unknown, f"{where} queries metrics serve.ops.metrics does not declare: {unknown}"
+
+
+def test_the_releases_row_shows_requests_errors_and_ttft_per_version_and_role_and_the_release_gauges():
+    from lora_cluster.serve.ops.metrics import (
+        RELEASE_CANDIDATE_SHARE,
+        RELEASE_ROLLBACK_TIME,
+        RELEASE_STEP_SECONDS,
+        RELEASE_VERSION_ERRORS,
+        RELEASE_VERSION_REQUESTS,
+        RELEASE_VERSION_TTFT,
+    )
+
+    panels = _row_panels("Releases")
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    per_version = [e for e in exprs if "lora_cluster_release_version_" in e]
+    for metric in (RELEASE_VERSION_REQUESTS, RELEASE_VERSION_ERRORS, RELEASE_VERSION_TTFT):
+        (family,) = metric.describe()
+        assert any(family.name in e for e in per_version), f"the row shows {family.name}"
+    assert per_version and all("by (adapter, version, role" in e for e in per_version), \
+        f"every per-version panel is per name, version and role: {per_version}"
+    for family in (RELEASE_CANDIDATE_SHARE, RELEASE_STEP_SECONDS, RELEASE_ROLLBACK_TIME):
+        assert any(family.name in e for e in exprs), f"the row shows {family.name}"
+    assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in panels), "every panel queries"
+
+
+def test_the_release_alerts_fire_on_a_rollback_and_on_a_release_stuck_in_one_step():
+    from lora_cluster.serve.ops.metrics import RELEASE_ROLLBACK_TIME, RELEASE_STEP_SECONDS
+
+    (rule,) = [d for d in _docs("deploy/k8s/releases.yaml") if d["kind"] == "PrometheusRule"]
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    rolled_back, stuck = alerts["LoraReleaseRolledBack"], alerts["LoraReleaseStuck"]
+    assert RELEASE_ROLLBACK_TIME.name in rolled_back["expr"], "the rollback alert reads the rollback's time"
+    assert "by (adapter, cause)" in rolled_back["expr"], "and names the adapter and the cause"
+    assert RELEASE_STEP_SECONDS.name in stuck["expr"], "the stuck alert reads the seconds in the step"
+    assert float(stuck["expr"].rsplit(">", 1)[1]) >= 600, f"above a bound of minutes: {stuck['expr']}"
+    assert "paused" not in stuck["expr"].split("{", 1)[1].split("}", 1)[0], \
+        "a release an operator paused is not stuck"
+    assert {r["labels"]["severity"] for r in alerts.values()} == {"warning"}, "both are warnings"
 
 
 # ----- replica groups (issue 10 part 6): a KubeRay worker group per business line ----------------------

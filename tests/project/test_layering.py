@@ -7,12 +7,13 @@ import of a unit not listed, at module level or inside a function, fails the tes
 file and line.
 The table is acyclic, so the layers read bottom to top:
 
-    compiled, errors, progress | request, replica_policy | adapter_experts < adapter_format, breaker |
+    compiled, errors, progress, s3_client | request, replica_policy |
+    adapter_experts < adapter_format, breaker |
     config | cluster, tenancy, store, releases |
     engine: sample < schedule < adapters < model < engine's own modules (llm_engine, factory,
             async_engine) | sim | client, demo < demo_families |
     serve: http_errors, ops < protocol < routing < replica < http < app;
-           batch_window < controller_actor < app | cli
+           batch_window, park_mailbox < controller_actor < app | cli
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lora_cluster"
 SERVE_UNITS = ("http", "routing", "replica", "ops", "protocol", "http_errors", "app", "controller_actor",
-               "batch_window")
+               "batch_window", "park_mailbox")
 ENGINE_ROOMS = ("sample", "schedule", "adapters", "model")  # bottom to top
 ROOM_PACKAGES = {"serve": SERVE_UNITS, "engine": ENGINE_ROOMS}
 
-BASE = {"errors", "progress"}
+BASE = {"errors", "progress", "s3_client"}
 FORMAT = BASE | {"request", "replica_policy", "adapter_experts", "adapter_format", "breaker"}
 CONFIG = FORMAT | {"config"}
 POLICY = CONFIG | {"cluster", "tenancy", "store", "releases"}
@@ -43,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "compiled": set(),
     "errors": set(),
     "progress": set(),
+    "s3_client": set(),
     "request": {"errors"},
     "replica_policy": {"errors"},
     "adapter_experts": {"errors"},
@@ -50,8 +52,8 @@ ALLOWED: dict[str, set[str]] = {
     "breaker": {"errors"},
     "config": {"errors"},
     "cluster": {"errors", "config"},
-    "tenancy": {"errors", "config"},
-    "releases": {"errors", "config"},
+    "tenancy": {"errors", "config", "s3_client"},
+    "releases": {"errors", "config", "s3_client"},
     "store": CONFIG,
     **{f"engine.{room}": below for room, below in ENGINE_BELOW.items()},
     "engine": CONFIG | {"store"} | {f"engine.{r}" for r in ENGINE_ROOMS},
@@ -66,7 +68,8 @@ ALLOWED: dict[str, set[str]] = {
     "serve.replica": SERVE_BASE | {"serve.protocol", "serve.routing"},
     "serve.http": SERVE_BASE | {"serve.protocol", "serve.routing", "serve.replica"},
     "serve.batch_window": POLICY,
-    "serve.controller_actor": POLICY | {"serve.batch_window"},
+    "serve.park_mailbox": set(),
+    "serve.controller_actor": POLICY | {"serve.batch_window", "serve.park_mailbox"},
     "serve.app": SERVE_BASE | {"serve.protocol", "serve.routing", "serve.replica", "serve.http",
                                "serve.controller_actor"},
     "serve": set(),  # serve/__init__.py imports nothing

@@ -71,3 +71,19 @@ def test_a_candidate_below_the_margin_is_refused():
     verdict = compare(stable, score(cases, random_weights, schema_valid), 0.05, 3)
     assert not verdict.passed, "a candidate that fails every case is refused"
     assert verdict.evidence["candidate_score"] == 0.0, "with its score as evidence"
+
+
+def test_a_schema_case_is_constrained_unless_it_says_otherwise():
+    schema = {"type": "object"}
+    default, free = parse_eval_set([json.dumps({"prompt": "p", "schema": schema}),
+                                    json.dumps({"prompt": "p", "schema": schema, "constrained": False})])
+    assert default.constrained, "a schema case runs under its schema's constraint by default"
+    assert not free.constrained, "`constrained: false` lets the version write the document by itself"
+    with pytest.raises(RequestError, match="`constrained` is true or false"):
+        parse_eval_set([json.dumps({"prompt": "p", "schema": schema, "constrained": "no"})])
+
+
+def test_a_choice_no_version_could_score_never_passes():
+    (choices,) = parse_eval_set([json.dumps({"prompt": "p", "choices": ["a", "b"], "answer": 0})])
+    unscored = CaseResult(choice_logprobs=(float("-inf"), float("-inf")))
+    assert not passes(choices, unscored, schema_valid), "a case whose choices all scored -inf fails"

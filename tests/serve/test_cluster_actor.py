@@ -64,7 +64,7 @@ async def test_a_request_bumped_out_of_the_full_queue_is_refused_with_a_retry_af
 
 
 async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batch_window():
-    from test_cluster_policies import report
+    from tickets import report
 
     actor = controller()
     await actor.report(report("r1", capacity=2, running=2, by_priority={2: 2}).to_dict())
@@ -81,7 +81,7 @@ async def test_a_report_that_frees_room_grants_a_parked_request_through_the_batc
 
 
 async def test_a_refusal_names_its_class_and_carries_the_state_that_refuses_the_next_at_the_edge():
-    from test_cluster_policies import report
+    from tickets import report
 
     actor = ClusterController.func_or_class(ServeConfig(cluster_queue_size=1).model_dump())
     await actor.report(report("r1", capacity=1, running=1, resident=("a1",), by_priority={1: 1}).to_dict())
@@ -99,7 +99,7 @@ async def test_a_refusal_names_its_class_and_carries_the_state_that_refuses_the_
 
 
 async def test_a_grant_whose_caller_went_away_frees_its_room_at_once():
-    from test_cluster_policies import report
+    from tickets import report
 
     actor = controller()
     await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())
@@ -113,7 +113,7 @@ async def test_a_grant_whose_caller_went_away_frees_its_room_at_once():
 
 
 async def test_an_ingress_that_will_not_use_a_grant_gives_its_room_back():
-    from test_cluster_policies import report
+    from tickets import report
 
     actor = controller()
     await actor.report(report("r1", capacity=2, running=1, by_priority={2: 1}).to_dict())

@@ -5,10 +5,11 @@ and then bypassed (no request is lost)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
-from helpers import FakeResponse
+from helpers import CoalescedShard, FakeResponse
 
 from lora_cluster.cluster.report_rules import AdapterDemand
 from lora_cluster.cluster.reports import ReplicaReport
@@ -42,7 +43,7 @@ def full_stats() -> dict[str, RoutingStats]:
 
 def admission(controller: Any, stats: Any = full_stats, clock: list[float] | None = None) -> ClusterAdmission:
     clock = clock if clock is not None else [0.0]
-    return ClusterAdmission(controller, capacity=None, replica_stats=stats, timeout_s=30.0,
+    return ClusterAdmission(CoalescedShard(controller), capacity=None, replica_stats=stats, timeout_s=30.0,
                             clock=lambda: clock[0])
 
 
@@ -102,12 +103,12 @@ async def test_a_new_request_never_overtakes_a_parked_one():
     controller, running = GatedController(), [2]
     a = admission(controller, stats=lambda: one_replica(running[0]))
     parked = asyncio.create_task(a.admit(sla_class="interactive", adapter_id="x", arrived_at=0.0))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0.02)  # its park call is sent (and answered: it waits)
     assert len(controller.calls) == 1, "the full cluster parks the first request"
     running[0] = 1  # a slot frees before the controller's grant reaches the parked request
     assert not a.has_room(), "the freed slot is not offered to newcomers while a request is parked"
     later = asyncio.create_task(a.admit(sla_class="batch", adapter_id="y", arrived_at=0.0))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0.02)  # its park call is sent (and answered: it waits)
     assert len(controller.calls) == 2, "the newcomer parks behind it instead of taking the fast path"
     controller.gate.set()
     assert (await parked).replica_id == "r1", "the parked request gets its grant"
@@ -120,10 +121,13 @@ async def test_refusals_become_429_and_timeouts_503():
     with pytest.raises(ClusterOverloadedError, match="full") as info:
         await a.admit(sla_class="batch", adapter_id=None, arrived_at=0.0)
     assert info.value.retry_after_s == 3.0, "the retry-after estimate travels"
-    clock = [0.0]
-    slow = admission(FakeController({"timeout": True}, clock=clock, step_s=30.0), clock=clock)
+    gated, releases = GatedController(), Releases()
+    gated.cancel_ticket = releases
+    slow = ClusterAdmission(CoalescedShard(gated), capacity=None, replica_stats=full_stats, timeout_s=0.1)
     with pytest.raises(ClusterQueueTimeoutError, match="cluster_queue_timeout_s"):
-        await slow.admit(sla_class="batch", adapter_id=None, arrived_at=0.0)
+        await slow.admit(sla_class="batch", adapter_id=None, arrived_at=time.monotonic())
+    assert releases.calls == [(gated.calls[0]["ticket_id"], None)], (
+        "the ticket of a request that timed out is dropped at the controller")
 
 
 async def test_a_dead_controller_is_asked_again_then_bypassed(monkeypatch):

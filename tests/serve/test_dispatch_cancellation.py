@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from app_client import BOUND_S, FakeTokenizer, serving
-from helpers import greedy, wait_until_async
+from helpers import CoalescedShard, greedy, wait_until_async
 from ray.serve.exceptions import RequestCancelledError
 
 from lora_cluster.cluster.routing_stats import RoutingStats
@@ -200,7 +200,7 @@ def dispatcher_over(replicas: dict[str, Any], rng: random.Random,
                     parked: bool) -> tuple[Dispatcher, InProcessReplicas]:
     """A real Dispatcher over the in-process replicas; `parked`: its requests wait for grants."""
     handle = InProcessReplicas(replicas, rng)
-    admission = ClusterAdmission(GrantingController(rng), capacity=None, timeout_s=BOUND_S,
+    admission = ClusterAdmission(CoalescedShard(GrantingController(rng)), capacity=None, timeout_s=BOUND_S,
                                  replica_stats=full if parked else dict)
     return Dispatcher(handle, "cancel-app", admission=admission), handle
 

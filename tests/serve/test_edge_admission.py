@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import FakeClock, FakeResponse
+from helpers import CoalescedShard, FakeClock, FakeResponse
 from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.controller import Controller, ControllerSettings
@@ -51,7 +51,7 @@ def edge_count(reason: str, sla_class: str) -> float:
 async def test_a_request_the_published_state_refuses_is_refused_at_the_edge_as_the_controller_refused():
     reply = full_queue_reply()
     controller = ScriptedController(reply)
-    a = ClusterAdmission(controller, capacity=None, timeout_s=30.0, clock=FakeClock(7.0),
+    a = ClusterAdmission(CoalescedShard(controller), capacity=None, timeout_s=30.0, clock=FakeClock(7.0),
                          replica_stats=lambda: {"r1": RoutingStats(num_running=1, max_num_seqs=1)})
     with pytest.raises(QueueFullError) as by_controller:
         await a.admit(sla_class="standard", adapter_id="held", arrived_at=7.0)

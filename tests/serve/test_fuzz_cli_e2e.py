@@ -31,8 +31,24 @@ def shipped_server(free_port, tmp_path_factory) -> Any:
            "LORA_CLUSTER_DEMO_NUM_ADAPTERS": "8"}
     env.pop("RAY_ADDRESS", None)  # its own local Ray, as `serve run` on a fresh machine
     url = f"http://127.0.0.1:{port}"
-    with serve_run(config, env, url, folder / "serve.log"):
-        yield url
+    log = folder / "serve.log"
+    with serve_run(config, env, url, log):
+        yield url, log
+
+
+def _server_state(url: str, log: Path) -> str:
+    """What a failed run needs to be understood afterwards: the engine's and the cluster queue's gauges
+    now, and the end of the server's own log (the replicas' errors reach it through `serve run`)."""
+    import httpx
+
+    try:
+        lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        gauges = "\n".join(line for line in lines if line.startswith(
+            ("lora_cluster_engine_running_requests", "lora_cluster_engine_waiting_requests",
+             "lora_cluster_queue_depth", "lora_cluster_adapter_slots_in_use")))
+    except httpx.HTTPError as error:
+        gauges = f"/metrics did not answer: {error!r}"
+    return f"gauges after the run:\n{gauges}\nserve log (end):\n{log.read_text()[-4000:]}"
 
 
 def _st_run(url: str, *options: str) -> tuple[int, str]:
@@ -54,8 +70,10 @@ def _tested_every_operation(out: str) -> bool:
 def test_the_schemathesis_cli_passes_every_default_check_and_phase_against_serve_run(shipped_server):
     """Every operation, chat included: a conversation longer than the demo's 512 positions (the
     fuzzer's largest is) is served on its latest messages (prompt_truncation: auto, the default)."""
-    code, out = _st_run(shipped_server)
+    url, log = shipped_server
+    code, out = _st_run(url)
     tail = out[-6000:]
     assert "schemathesis.toml" in out, f"the repository's config (its formats) is loaded: {tail}"
     assert _tested_every_operation(out), f"every operation's bodies are generated and tested: {tail}"
-    assert code == 0, f"no failure and no error under every default check and phase: {tail}"
+    assert code == 0, (f"no failure and no error under every default check and phase: {tail}\n"
+                       f"{_server_state(url, log) if code else ''}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from app_client import FakeDispatcher, FakeTokenizer, serving
+from helpers import CoalescedShard
 
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.config import ServeConfig, load_config
@@ -189,7 +190,7 @@ async def test_an_ingress_takes_no_fast_path_while_another_has_a_request_parked(
     def stats() -> dict[str, RoutingStats]:
         return {"r1": RoutingStats(num_running=running[0], num_waiting=0, max_num_seqs=2)}
 
-    a, b = (ClusterAdmission(controller, capacity=None, replica_stats=stats, timeout_s=30.0,
+    a, b = (ClusterAdmission(CoalescedShard(controller), capacity=None, replica_stats=stats, timeout_s=30.0,
                              placement_sink=lambda table: None, placement_period_s=0.01,
                              clock=lambda: clock[0]) for _ in range(2))
     assert await b.admit(sla_class="batch", adapter_id="x", arrived_at=0.0) is None, "b: fast path while idle"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers import FakeClock
+from helpers import CoalescedShard, FakeClock
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
@@ -297,8 +297,8 @@ async def test_a_parked_request_carries_its_prompts_keys_to_the_controller():
             return reply()
 
     full = {rid: RoutingStats(num_running=4, max_num_seqs=4) for rid in ("r1", "r2")}
-    admission = ClusterAdmission(Controller(), capacity=None, replica_stats=lambda: full, timeout_s=30.0,
-                                 clock=lambda: 0.0)
+    admission = ClusterAdmission(CoalescedShard(Controller()), capacity=None, replica_stats=lambda: full,
+                                 timeout_s=30.0, clock=lambda: 0.0)
     keys = routing_keys("sql", CHAT)
     granted = await admission.admit(sla_class="standard", adapter_id="sql", arrived_at=0.0,
                                     prefix_of=lambda: keys)

@@ -82,3 +82,11 @@ async def test_a_replica_without_the_prefix_cache_reports_no_prefixes(make_repli
     await replica.complete(job(SYSTEM))
     report = await replica.record_routing_stats()
     assert report["prefixes"] == [], "a replica that caches nothing claims no prefix"
+
+
+async def test_a_replica_reports_its_host_tier_to_the_router(make_replica) -> None:
+    replica = make_replica("r4")
+    await replica.complete(job(SYSTEM, adapter="a2"))
+    report = await replica.record_routing_stats()
+    assert "a2" in report["host_held"], (
+        "the routing stats list the adapters its host tier holds (the router's host-tier tie-break)")

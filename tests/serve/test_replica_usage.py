@@ -5,20 +5,21 @@ from __future__ import annotations
 
 from lora_cluster.request import RequestOutput, SamplingParams
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.serve.replica.usage import UsageTap, adapter_version
-from lora_cluster.tenancy.usage_record import Outcome
+from lora_cluster.serve.replica.usage import UsageTap
+from lora_cluster.tenancy.usage_record import Outcome, adapter_version
 
 
-def job(adapter_id: str | None = "fin@3") -> GenerateJob:
+def job(adapter_id: str | None = "fin@3", queued_s: float = 0.0) -> GenerateJob:
     return GenerateJob(request_id="req-1", prompt=[1, 2, 3], adapter_id=adapter_id,
-                       sampling=SamplingParams(max_new_tokens=4), priority_class="standard", tenant="acme")
+                       sampling=SamplingParams(max_new_tokens=4), priority_class="standard", tenant="acme",
+                       queued_s=queued_s)
 
 
 def output(finished: bool, tokens: int, preemptions: int = 0, reason: str | None = "length") -> RequestOutput:
     return RequestOutput(request_id="req-1", adapter_id="fin@3", prompt_token_ids=[1, 2, 3],
                          token_ids=list(range(tokens)), text="", delta_text="", delta_token_ids=[],
                          finished=finished, finish_reason=reason if finished else None,
-                         num_preemptions=preemptions, num_cached_tokens=2, device_s=0.25)
+                         num_preemptions=preemptions, num_cached_tokens=2, device_s=0.25, queue_s=0.5)
 
 
 async def replay(tap: UsageTap, outs: list[RequestOutput]) -> None:
@@ -64,3 +65,10 @@ def test_a_request_refused_before_any_output_is_refused_with_no_cost():
 
 def test_adapter_ids_without_a_version_read_version_0():
     assert adapter_version("team/fin") == ("team/fin", 0), "no @N suffix: version 0"
+
+
+async def test_the_queue_time_is_the_cluster_queue_wait_plus_the_engine_wait():
+    tap = UsageTap()
+    await replay(tap, [output(True, 4)])
+    rec = tap.record(job(queued_s=1.25), "rep-1", "demo", cancelled=False, refused=False)
+    assert rec.queue_s == 1.75, "1.25 s waiting for its grant at the ingress plus 0.5 s in the engine's queue"

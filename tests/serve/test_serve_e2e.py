@@ -324,6 +324,35 @@ def test_the_eval_gate_refuses_random_weights_and_passes_a_close_candidate(http,
     assert passed["state"] == "canary", f"a close candidate passes the eval gate: {passed}"
 
 
+def test_choices_and_schema_eval_cases_run_through_the_engine_on_both_versions(http, demo_zoo, tmp_path):
+    """The same choices asked with each answer: exactly one of the two cases passes on any version
+    (its likelier choice), so version 1 scores 1/2 on them; a closed schema's document is complete
+    under its constraint. A copy of version 1's weights, released through vLLM's load call, scores
+    the same as version 1."""
+    choices = {"prompt": "the river", "choices": [" flows", " stone"]}
+    schema = {"type": "object", "properties": {"label": {"enum": ["good", "bad"]}},
+              "required": ["label"], "additionalProperties": False}
+    cases = [{**choices, "answer": 0}, {**choices, "answer": 1},
+             {"prompt": "Rate the river", "schema": schema}]
+    first = {"lora_name": "evk", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    loaded = http.post("/v1/load_lora_adapter", json=first)
+    close = tmp_path / "retrained"
+    shutil.copytree(demo_zoo.adapters_dir / "a3", close)
+    released = http.post("/v1/load_lora_adapter", json={"lora_name": "evk", "lora_path": str(close),
+                                                         "release": {"eval_set": cases}})
+    (created,) = http.get("/v1/adapters/evk/releases").json()["data"]
+    events = http.get(f"/v1/adapters/evk/releases/{created['id']}/events").json()["data"]
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "evk"})
+    assert loaded.status_code == 200, f"version 1 loads: {loaded.text}"
+    assert released.status_code == 200, f"vLLM's load call with a release object: {released.text}"
+    assert created["state"] == "canary", f"the copy passes the eval gate: {created}"
+    evidence = events[1]["evidence"]
+    assert evidence["kinds"] == ["choices", "schema"], f"both kinds ran: {evidence}"
+    assert evidence["stable_score"] == round(2 / 3, 4), f"one choices case and the schema case pass: " \
+        f"{evidence}"
+    assert evidence["candidate_score"] == evidence["stable_score"], "the same weights score the same"
+
+
 def test_loading_a_name_that_shadows_a_source_adapter_serves_the_new_weights(http, demo_zoo):
     """Regression: the replica's device slot kept the source adapter's weights after the name was
     registered with another path (and again after it was unloaded)."""
@@ -433,7 +462,8 @@ def test_a_non_streaming_job_gets_the_same_item_from_the_unary_call_as_from_the_
         dataclasses.replace(job, request_id="unary-2")))
     assert len(streamed) == 1, "a non-streaming job's stream has one item"
     assert unary.keys() == streamed[0].keys(), "the unary reply has the streamed item's keys"
-    same = {k: v for k, v in unary.items() if k not in ("ttft_s", "replica", "hit")}
+    measured = ("ttft_s", "replica", "hit", "device_s")  # where and how long each run took: its own
+    same = {k: v for k, v in unary.items() if k not in measured}
     assert same == {k: streamed[0][k] for k in same}, "the unary reply's output is the streamed item's"
     assert unary["finished"] and unary["text"] and len(unary["token_ids"]) == 6, (
         "the unary reply is the final item, with the cumulative text and token ids")

@@ -1,7 +1,8 @@
 """Refusals at the edge through Ray Serve (the shared demo app, `shared_apps.demo_config`: 2 replicas of 8
 slots and a cluster queue of 4): once the controller has refused a request for its full queue, the ingress
 refuses the next ones itself, and a client cannot tell them apart: the same status, error body and
-Retry-After. The ingress counts its refusals (`lora_cluster_edge_refusals_total`), the controller its own.
+Retry-After (the controller's at that moment). The ingress counts its refusals
+(`lora_cluster_edge_refusals_total`), the controller its own.
 
 Named to run after `test_serve_e2e.py` on the same shared app: the 40 requests of `a5` here keep `a5` on
 a device slot of both replicas for the eviction window (`replica_policy.eviction`: frequency in a
@@ -78,5 +79,12 @@ def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counte
             f"({by_controller}): {len(full)}")
         bodies = {r.text for r in full}
         assert len(bodies) == 1, f"every refusal has the same error body: {bodies}"
-        retry = {r.headers.get("retry-after") for r in full}
-        assert len(retry) == 1 and None not in retry, f"every refusal has the same Retry-After: {retry}"
+        retry = [r.headers.get("retry-after") for r in full]
+        assert None not in retry, f"every refusal has a Retry-After: {retry}"
+        # the controller's own Retry-After for a full queue (the queue over its measured drain rate)
+        # rises as the grants it measured age, so over the burst it may cross a whole second; the edge
+        # computes it as the controller does at the moment of refusal (`cluster.edge.DrainEdge`; exact
+        # agreement at one moment: tests/cluster/test_edge_refusals.py), so edge and controller
+        # refusals together stay within that drift
+        seconds = sorted({int(str(v)) for v in retry})
+        assert seconds[-1] - seconds[0] <= 1, f"the refusals' Retry-After agree (within the drift): {retry}"

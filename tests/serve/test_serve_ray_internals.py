@@ -24,6 +24,7 @@ from lora_cluster.serve.ops.ray_internals import (
     offline_replica_id,
     offline_router,
     own_request_id,
+    serve_controller_name,
 )
 from lora_cluster.serve.routing.request_router import LoraAffinityRouter
 
@@ -119,6 +120,13 @@ def test_the_serve_client_exposes_its_root_url():
         "`_get_global_client` no longer takes `raise_if_no_controller_running`")
     attribute = inspect.getattr_static(ServeControllerClient, "root_url", None)
     assert isinstance(attribute, property), broken("ServeControllerClient has no `root_url` property")
+
+
+def test_serve_names_its_controller_actor_in_its_constants():
+    name, namespace = serve_controller_name()
+    assert isinstance(name, str) and name, broken(
+        "ray.serve._private.constants.SERVE_CONTROLLER_NAME is no longer a non-empty actor name")
+    assert namespace == "serve", broken(f"Serve's namespace is {namespace!r}, not 'serve'")
 
 
 def test_serves_handle_router_signals_queue_length_changes_through_the_methods_the_listener_overrides():

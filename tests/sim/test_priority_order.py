@@ -17,6 +17,8 @@ the rule that allows it, or counted as a defect:
 * U in L's replica's waiting queue: the engine admits by (priority, arrival), so only U's adapter
   not being on the device (loading, or waiting for a slot that requests at least as urgent as U
   want, L's adapter's among them: `sim.replica`, step 3) lets L, whose adapter is there, go first;
+  so does a slot U could take only by preempting the running requests of L's adapter while U is
+  still within its preemption patience (`EngineConfig.preempt_patience`: `SimRequest.preempt_at`);
   anything else is a defect;
 * U in another replica's waiting queue: a request does not move once sent (`sim.cluster_policy`), so L
   may start first where there was room; counted, not a defect.
@@ -99,6 +101,8 @@ class PriorityOrder:
             return "replica: U's adapter loading"
         if u.adapter not in adapters.refs:  # fetched, no device slot free for it
             if at is replica and min(adapters.wanted[late.adapter]) > u.priority:
+                if self.sim.loop.now < u.preempt_at:  # taking that slot preempts: not before its patience
+                    return "replica: U's slot needs a preemption, U within its patience"
                 return REPLICA_DEFECT  # U should have taken L's adapter's slot (`slot_to_preempt`)
             return "replica: U's adapter waiting for a slot"
         if at is replica:

@@ -33,14 +33,3 @@ def test_a_full_buffer_drops_and_counts_new_requests_but_merges_known_ones():
     assert buf.add(rec("r1", device_s=1.0)), "a part of a request already held is merged, not dropped"
     assert buf.dropped == 1, "the dropped record is counted"
     assert len(buf) == 2, "the buffer holds at most max_records requests"
-
-
-def test_a_batch_put_back_merges_as_the_earlier_part():
-    buf = UsageBuffer()
-    buf.add(rec("r1", device_s=0.5, output_tokens=3))
-    batch = buf.take()
-    buf.add(rec("r1", device_s=0.25, output_tokens=9))
-    buf.put_back(batch)
-    (merged,) = buf.take()
-    assert merged.device_s == 0.75, "the put-back part's device time is kept"
-    assert merged.output_tokens == 9, "the later part's tokens win over the put-back part's"

@@ -1,6 +1,6 @@
 """Usage records and their durable store (`tenancy.usage_record`, `tenancy.usage_store`): one record per
 request id whatever the parts, per-minute sums equal to the records, grouping, filters, durability
-across a reopen, bounded per-request rows."""
+across a reopen, bounded per-request rows, each sender's batch taken exactly once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from lora_cluster.errors import RequestError
-from lora_cluster.tenancy.usage_record import MAX_FIELD_CHARS, Outcome, UsageRecord, final_outcome
+from lora_cluster.tenancy import usage_store
+from lora_cluster.tenancy.usage_record import MAX_FIELD_CHARS, Outcome, UsageBatch, UsageRecord, final_outcome
 from lora_cluster.tenancy.usage_store import UsageStore
 
 T0 = 1_795_995_600.0  # 2026-11-29T23:40:00Z, a minute boundary
@@ -126,3 +127,58 @@ def test_the_outcome_of_a_request_that_ran():
     assert final_outcome("abort", cancelled=False, preempted=True) is Outcome.CANCELLED, "aborted"
     assert final_outcome("length", cancelled=True, preempted=False) is Outcome.CANCELLED, "client left"
     assert final_outcome("error", cancelled=False, preempted=False) is Outcome.FAILED, "engine error"
+
+
+def test_a_batch_sent_again_is_taken_once_even_after_a_reopen(tmp_path):
+    first = UsageStore(tmp_path / "usage.db")
+    batch = UsageBatch("replica-1-ab12", 1, (rec("r1"), rec("r2")))
+    assert first.record_batch(batch) == 2, "a new batch's requests are new"
+    assert first.record_batch(batch) == 0, "the same batch again adds no request"
+    del first  # no close: a killed store, then the sender's retry reaches its successor
+    again = UsageStore(tmp_path / "usage.db")
+    assert again.record_batch(batch) == 0, "the batch id is remembered across a restart"
+    row = again.query(group_by=())[0]
+    assert row["device_s"] == 1.0, f"two requests of 0.5 device-seconds, each counted once: {row}"
+    assert again.record_batch(UsageBatch("replica-1-ab12", 2, (rec("r1"),))) == 0, \
+        "the next batch of the source is taken (a later part of r1 merges into its record)"
+    assert again.query(group_by=())[0]["device_s"] == 1.5, "the later part's device time is added"
+    assert again.record_batch(UsageBatch("replica-2-cd34", 1, (rec("r3"),))) == 1, \
+        "another source's batch 1 is its own"
+    again.close()
+
+
+def test_the_remembered_sources_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(usage_store, "MAX_SOURCES", 3)
+    store = UsageStore(tmp_path / "usage.db", retention_s=3600)
+    for i in range(5):
+        store.record_batch(UsageBatch(f"replica-{i}", 1, (rec(f"r{i}", ended_at=T0 + i),)))
+    store.prune(now=T0 + 10)
+    assert store.sources() == 3, "past MAX_SOURCES, the least recently heard of sources are forgotten"
+    store.prune(now=T0 + 3600 + 3)
+    assert store.sources() == 2, "a source not heard of for retention_s is forgotten"
+    store.close()
+
+
+def test_a_batch_is_validated():
+    with pytest.raises(RequestError, match="seq must be >= 1"):
+        UsageBatch("replica-1", 0, ())
+    with pytest.raises(RequestError, match="source longer than"):
+        UsageBatch("s" * (MAX_FIELD_CHARS + 1), 1, ())
+
+
+@pytest.mark.parametrize("lost_first", [True, False])
+def test_a_lost_part_keeps_what_the_client_received_in_either_order(tmp_path, lost_first):
+    store = UsageStore(tmp_path / "usage.db")
+    lost = rec("r1", output_tokens=4, device_s=0.3, outcome=Outcome.LOST, replica="dead")
+    own = rec("r1", output_tokens=6, device_s=0.5, outcome=Outcome.CANCELLED, replica="dead")
+    for part in ([lost, own] if lost_first else [own, lost]):
+        store.record([part])
+    merged = store.get("r1")
+    rows = store.query(group_by=())
+    store.close()
+    assert merged is not None, "the request has its record"
+    assert merged.output_tokens == 4, f"the tokens the ingress sent the client win: {merged}"
+    assert merged.outcome is Outcome.LOST, f"the record says its replica was lost: {merged}"
+    assert merged.device_s == pytest.approx(0.5), f"the attempt's cost counts once, the larger side: {merged}"
+    assert rows[0]["requests"] == 1, f"one record: {rows}"
+    assert rows[0]["output_tokens"] == 4, f"the sums follow the record: {rows}"

@@ -16,6 +16,9 @@ one-off loads. A cold fetch that a repeated adapter's request wants becomes warm
 Futures are plain `concurrent.futures.Future`s (`wait`, `result` as usual); `cancel(future)` takes a
 queued fetch out of the queue (False once it runs).
 
+`live()` counts the request fetches (priority below `PREFETCH`) queued or running: a background
+fetcher outside this queue (the replica's demand prefetch) pauses while it is not zero.
+
 Bounds: at most `max_prefetches` queued prefetches (one more raises `EngineOverloadedError`);
 request fetches are bounded by the engine's queues (one fetch per adapter of an unfinished request).
 """
@@ -52,6 +55,7 @@ class FetchQueue:
                  max_cold_running: int | None = None):
         self.max_prefetches, self.max_cold_running = max_prefetches, max_cold_running  # None: no limit
         self._cold_running = 0
+        self._live_running = 0  # request fetches (priority < PREFETCH) running now
         self._cv = threading.Condition()
         self._heap: list[tuple[int, bool, int, _Job]] = []
         self._queued: dict[Future, _Job] = {}  # jobs in the heap
@@ -111,6 +115,11 @@ class FetchQueue:
         with self._cv:
             return [e[3].key for e in sorted(self._heap, key=lambda e: e[:3])]
 
+    def live(self) -> int:
+        """Request fetches (priority below `PREFETCH`) queued or running now (thread-safe)."""
+        with self._cv:
+            return self._live_running + sum(1 for j in self._queued.values() if j.priority < PREFETCH)
+
     def close(self) -> None:
         """Cancel queued fetches and let the workers end (running fetches finish on their own)."""
         with self._cv:
@@ -144,8 +153,9 @@ class FetchQueue:
                     heapq.heappop(self._heap)
                 else:
                     self._reheap()
-                cold = job.cold
+                cold, live = job.cold, job.priority < PREFETCH
                 self._cold_running += cold
+                self._live_running += live
             try:
                 if not job.future.set_running_or_notify_cancel():
                     continue
@@ -158,6 +168,7 @@ class FetchQueue:
             finally:
                 with self._cv:
                     self._cold_running -= cold
+                    self._live_running -= live
                     self._cv.notify_all()
 
 

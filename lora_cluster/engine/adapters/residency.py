@@ -410,6 +410,10 @@ class AdapterResidency:
     def loading(self) -> tuple[str, ...]:
         return tuple(a for a, f in self._loads.items() if not f.done()) + self.copier.in_flight()
 
+    def live_fetches(self) -> int:
+        """Request fetches queued or running on the loader workers now (thread-safe, `FetchQueue.live`)."""
+        return self._queue.live()
+
     def held(self) -> int:
         """Fetches this object holds (in flight or finished, not yet on the device or let go)."""
         return len(self._loads)

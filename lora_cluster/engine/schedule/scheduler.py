@@ -378,6 +378,7 @@ class Scheduler:
         self._stop_running(seq)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
+        seq.waiting_since = self._clock()  # it waits again (its queue time: engine.schedule.step_meter)
         seq.num_preemptions += 1
         self.num_preemptions += 1
 

@@ -59,10 +59,16 @@ class Sequence:
     arrival_order: int = 0  # stamped by the scheduler when queued; kept across preemptions
     num_preemptions: int = 0
     device_s: float = 0.0  # step time charged to it (engine.schedule.step_meter), recomputes included
+    queue_s: float = 0.0  # time it waited to be scheduled (engine.schedule.step_meter), re-waits included
+    waiting_since: float | None = None  # when its current wait began (arrival, preemption); None: ran since
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt id (first None), if asked
     guided: GuidedState | None = None  # the output constraint's matcher (engine.sample.guided_state), if any
+
+    def __post_init__(self) -> None:
+        if self.waiting_since is None:
+            self.waiting_since = self.arrival  # a new sequence waits from its arrival
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +108,7 @@ def snapshot(seq: Sequence) -> RequestOutput:
         num_preemptions=seq.num_preemptions,
         num_cached_tokens=seq.num_cached_tokens or 0,
         device_s=seq.device_s,
+        queue_s=seq.queue_s,
     )
     if seq.sampling.logprobs is not None:
         out.logprobs = list(seq.output_logprobs)

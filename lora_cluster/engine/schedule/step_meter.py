@@ -6,6 +6,11 @@ a preempted and recomputed request keeps its `Sequence`, so its recompute is add
 total, never a second one). `busy_s` is the sum of the measured step times; every second of it is
 charged to some sequence (conservation: the shares of a step sum to its time).
 
+`charge` also ends each sequence's wait: a sequence that waited (from its arrival, or from a
+preemption: `Sequence.waiting_since`, on the scheduler's clock) adds the time until the step began to
+its `queue_s`, which its `RequestOutput` reports (cumulative, like `device_s`); the chunks of one
+prefill after the first are not waits. `wait_clock` is the scheduler's clock (time.monotonic).
+
 `resided` adds slot-seconds of residency per adapter (the time its weights held a device slot,
 whether or not a request ran on it); `loaded` adds an adapter's load time (its host fetch and its
 copy into the slot) to the adapter that needed it. `take_residency` and `take_loads` hand them over
@@ -29,8 +34,9 @@ OVERFLOW = ""  # the key residency past MAX_TRACKED_ADAPTERS is counted under
 class StepMeter:
     """Charges step time to sequences and slot time to adapters (see the module docstring)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 wait_clock: Callable[[], float] = time.monotonic):
+        self.clock, self.wait_clock = clock, wait_clock
         self.busy_s = 0.0  # measured time of the steps that ran a batch, since start
         self._residency: dict[str, float] = {}
         self._loads: dict[str, float] = {}
@@ -48,8 +54,13 @@ class StepMeter:
             seqs[seq.request_id] = seq
             works.append(SeqWork(seq.request_id, prefill_tokens=n, rank=rank_of(seq.lora_slot)))
         self.busy_s += elapsed_s
+        began = self.wait_clock() - elapsed_s  # the step's start, on the sequences' clock
         for rid, share in split_step(elapsed_s, works).items():
-            seqs[rid].device_s += share
+            seq = seqs[rid]
+            seq.device_s += share
+            if seq.waiting_since is not None:
+                seq.queue_s += max(0.0, began - seq.waiting_since)
+                seq.waiting_since = None
         return {rid: seq.device_s for rid, seq in seqs.items()}
 
     def resided(self, resident: Iterable[str]) -> None:

@@ -9,14 +9,21 @@ of a loaded name is its next version `name@N`, and the oldest versions beyond
 `release_versions_kept` are retired (unloaded), except those a running release uses. An
 unload of `name` unloads every version of it (and forgets its releases), of `name@N` that version
 (a 409 while a running release uses it).
+
+With a durable release state (`release_state`), the versions kept after each load and unload are
+written beside the releases, so that a restarted ingress serves them again; a write that fails is
+logged and does not undo the load (the next load, unload or release writes every kept version).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from typing import Any
 
-from lora_cluster.errors import AdapterError
+from lora_cluster.errors import AdapterError, ReleaseStateUnavailableError
+from lora_cluster.releases.book import ReleaseBook
 from lora_cluster.releases.refs import parse_ref
 from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.serve.http.adapter_versions import replica_id_of
@@ -24,6 +31,8 @@ from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.registrations import RegistrationConflict
 from lora_cluster.serve.http_errors import ApiError, ApiException, bad_request, conflict, not_found
 from lora_cluster.serve.routing.group_dispatch import GroupedDispatcher
+
+log = logging.getLogger(__name__)
 
 
 class AdapterLoads:
@@ -55,6 +64,7 @@ class AdapterLoads:
         kept = self.ctx.models.versions.versions(name)
         await self._register(replica_id_of(name, number), path)
         await self._retire(name, [*kept, number])
+        await self._save(lambda book: None)
         return number
 
     async def unload(self, ref: str) -> None:
@@ -68,8 +78,15 @@ class AdapterLoads:
         unloaded = [await self._unregister(replica_id) for replica_id in ids]
         if not any(unloaded):
             raise not_found(f"the LoRA adapter {ref!r} cannot be found", code="adapter_not_found")
-        if number is None:
-            self.releases.forget(name)
+        await self._save(lambda book: book.forget(name) if number is None else None)
+
+    async def _save(self, change: Callable[[ReleaseBook], object]) -> None:
+        """Apply `change` to the releases and write the versions kept now (module docstring)."""
+        state = self.ctx.release_state
+        try:
+            await state.transact(change, versions=self.ctx.registrations.snapshot())
+        except ReleaseStateUnavailableError as exc:
+            log.warning("adapter versions not written to the release state: %s", exc)
 
     async def _retire(self, name: str, kept: list[int]) -> None:
         """Unload the oldest versions of `name` beyond `release_versions_kept` (not those kept)."""

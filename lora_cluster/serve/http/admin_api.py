@@ -12,7 +12,10 @@ undoes it (404 when it was not loaded).
 
 Versions: the first load of a name is its version 1; a load of a loaded name with vLLM's
 `load_inplace: true` registers its next version `name@N` (the bare name moves to it); an unload of
-`name` unloads every version, of `name@N` that one (`adapter_loads`).
+`name` unloads every version, of `name@N` that one (`adapter_loads`). A load of a loaded name with
+a `release` object (`release_schemas`) releases `lora_path` as its next version instead: the release
+route's creation, with the same options (`ReleaseCreator`); the text answer names the version, the
+release and its state (`rolled_back` when its eval gate refused the candidate).
 
 With several base models (replica groups on several bases), an adapter registers on the groups of
 one base (`GroupedDispatcher.registration_base`: its group's base; a 409 when another base already
@@ -22,7 +25,7 @@ lists the id), whose replicas check it against that base; a refusal names the ba
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -31,14 +34,23 @@ from lora_cluster.errors import ControllerOffError, LoraClusterError
 from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_loads import AdapterLoads
 from lora_cluster.serve.http.context import ApiContext
-from lora_cluster.serve.http.schemas import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from lora_cluster.serve.http.release_schemas import CreateReleaseRequest, LoadLoraAdapterRequest
+from lora_cluster.serve.http.schemas import UnloadLoraAdapterRequest
 from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.ops import metrics_exposition
+from lora_cluster.serve.routing.auth import Caller, CallerDep
 
 
-def admin_router(ctx: ApiContext) -> APIRouter:
+class ReleaseCreator(Protocol):
+    """Creates a release as `POST /v1/adapters/{name}/releases` does (`releases_api.ReleaseRoutes`)."""
+
+    async def create_release(self, name: str, req: CreateReleaseRequest,
+                             caller: Caller) -> dict[str, Any]: ...
+
+
+def admin_router(ctx: ApiContext, releases: ReleaseCreator) -> APIRouter:
     """The operational routes of one ingress, on `ctx` (`AdminRoutes`), in the schema's order."""
-    routes, router = AdminRoutes(ctx), APIRouter()
+    routes, router = AdminRoutes(ctx, releases), APIRouter()
     router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
                 responses=openapi.ADMIN_ACTION)(routes.load_lora_adapter)
     router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
@@ -56,14 +68,20 @@ class AdminRoutes:
     A handler's name is its OpenAPI operation's id and summary, its docstring the operation's
     description: renaming one, or editing its docstring, changes the published schema."""
 
-    def __init__(self, ctx: ApiContext):
-        self.ctx, self.dispatcher = ctx, ctx.dispatcher
+    def __init__(self, ctx: ApiContext, releases: ReleaseCreator):
+        self.ctx, self.dispatcher, self.releases = ctx, ctx.dispatcher, releases
         self.loads = AdapterLoads(ctx)
 
-    async def load_lora_adapter(self, req: LoadLoraAdapterRequest) -> Any:
-        """Register on every replica, as the name's next version with `load_inplace` (module
-        docstring). The name is reserved before the broadcast's first await (a concurrent load of it
-        gets a 409) and released if the load fails."""
+    async def load_lora_adapter(self, req: LoadLoraAdapterRequest, caller: CallerDep) -> Any:
+        """Register on every replica, as the name's next version with `load_inplace`, or release it
+        as the next version with `release` (module docstring). The name is reserved before the
+        broadcast's first await (a concurrent load of it gets a 409) and released if the load fails."""
+        if req.release is not None:
+            status = await self.releases.create_release(req.lora_name, req.create_request(), caller)
+            outcome = "Refused" if status["state"] == "rolled_back" else "Success"
+            return PlainTextResponse(f"{outcome}: LoRA adapter '{req.lora_name}' version "
+                                     f"{status['candidate_version']} is in release {status['id']} "
+                                     f"({status['state']}, {status['percent']:g}% of its traffic).")
         number = await self.loads.load(req.lora_name, req.lora_path, req.load_inplace)
         version = "" if number == 1 else f" as version {number}"
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully{version}.")

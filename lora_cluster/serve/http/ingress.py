@@ -13,8 +13,10 @@ that answered (several ingress replicas: `ingress_num_replicas`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +32,17 @@ from lora_cluster.serve.http.lorax_api import lorax_router
 from lora_cluster.serve.http.openai_api import openai_router
 from lora_cluster.serve.http.openapi import install_openapi
 from lora_cluster.serve.http.registry import LocalRegistrations, SharedRegistrations
-from lora_cluster.serve.http.releases_api import releases_router
+from lora_cluster.serve.http.release_shadow import ShadowCopies
+from lora_cluster.serve.http.releases_api import ReleaseRoutes, releases_router
 from lora_cluster.serve.http.schema_limits import constrain
 from lora_cluster.serve.http.usage_api import RemoteUsage, usage_router
 from lora_cluster.serve.http_errors import install_handlers
-from lora_cluster.serve.ops import generation_metrics, metrics, metrics_exposition
+from lora_cluster.serve.ops import generation_metrics, metrics, metrics_exposition, release_metrics
 from lora_cluster.serve.ops.logs import RequestIdMiddleware, configure_logging
 from lora_cluster.serve.ops.metrics_hub import SharedMetrics
 from lora_cluster.serve.ops.ray_internals import serve_root_url
 from lora_cluster.serve.ops.ready import ready_line, watch_in_background
+from lora_cluster.serve.ops.usage_refusals import RefusalMeter
 from lora_cluster.serve.replica.model import DEMO, load_tokenizers, resolve_model, served_name
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.auth import CallerMiddleware
@@ -104,20 +108,33 @@ class IngressIdMiddleware:
 
 def build_fastapi(ctx: ApiContext, *, echo_request_id: bool = True) -> FastAPI:
     """The API app; `echo_request_id=False` under Ray Serve, whose proxy already echoes `x-request-id`."""
+    shadows = ShadowCopies(ctx)  # one per ingress: the bound of copies in flight holds for every route
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.release_state.start()  # follow the shared release state from the start (http.release_state)
+        yield
+        shadows.stop()  # the shadow copies in flight
+
     app = FastAPI(title="lora-cluster", description="OpenAI-, LoRAX- and vLLM-compatible multi-LoRA serving.",
                   dependencies=[Depends(ctx.policy.authenticate)],  # THE auth dependency, every route
-                  openapi_url=None, docs_url=None, redoc_url=None)  # served as app routes (http.openapi)
+                  openapi_url=None, docs_url=None, redoc_url=None,  # served as app routes (http.openapi)
+                  lifespan=lifespan)
     install_handlers(app)
     app.add_middleware(CallerMiddleware)  # closes each request's Caller once its response is over
     app.add_middleware(BodyLimitsMiddleware, max_bytes=ctx.config.api.max_body_bytes,
                        max_depth=ctx.config.api.max_json_depth)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(RequestIdMiddleware, echo=echo_request_id)  # outermost: every line has the id
-    app.include_router(openai_router(ctx))
-    app.include_router(lorax_router(ctx))
-    app.include_router(admin_router(ctx))
+    app.include_router(openai_router(ctx, shadows))
+    app.include_router(lorax_router(ctx, shadows))
+    releases = ReleaseRoutes(ctx)
+    app.include_router(admin_router(ctx, releases))
     app.include_router(usage_router(ctx.usage))
-    app.include_router(releases_router(ctx))
+    ctx.export_usage_metrics()  # the usage counters' label bounds, the budget gauge
+    metrics_exposition.set_scrape_collector("releases", release_metrics.ReleaseGauges(
+        ctx.releases, ctx.config.metrics.metrics_max_adapter_labels))  # steps, shares, rollbacks
+    app.include_router(releases_router(releases))
     # the schema declares every status, body and content type, and the SLA classes (serve.http.openapi)
     install_openapi(app, priority_classes=[c.name for c in ctx.policy.sla.classes],
                     auth=ctx.policy.authenticate,
@@ -150,6 +167,9 @@ class LoraIngress:
         tokenizers = load_tokenizers(by_group)  # one per base, by API name; the first group's first
         replica = serve.get_replica_context()
         app_name, self.ingress_id = replica.app_name, replica.replica_id.unique_id
+        tenancy = resolved.tenancy  # its refusals and lost replicas' requests are usage (usage_refusals)
+        refusals = RefusalMeter.to_sink(usage_sink, tenancy.usage_flush_s, served_name(resolved),
+                                        self.ingress_id, spool_dir=tenancy.usage_spool_dir)
         groups = []
         for group in replica_groups(top):  # one admission per group, keyed by its deployment
             handle = replicas[group.name]
@@ -159,11 +179,12 @@ class LoraIngress:
                 timeout_s=resolved.controller.cluster_queue_timeout_s,
                 placement_sink=functools.partial(publish_placement, app_name, handle.deployment_name),
                 placement_period_s=resolved.controller.controller_report_period_s,
-                report_lag_s=2 * resolved.router.routing_stats_period_s)
+                report_lag_s=2 * resolved.router.routing_stats_period_s,
+                park_batch_max=resolved.controller.controller_park_batch_max)
             guard = RoutingGuard.from_config(resolved)  # routing-error breaker, one per group
-            groups.append((group, Dispatcher(handle, app_name, admission, guard)))
+            lost = functools.partial(refusals.lost, base=served_name(by_group.get(group.name, resolved)))
+            groups.append((group, Dispatcher(handle, app_name, admission, guard, lost=lost)))
         dispatcher = GroupedDispatcher(groups)
-        tenancy = resolved.tenancy
         self.tenants = None if tenancy.tenants_file is None else TenantsWatcher(
             tenancy.tenants_file, build_sla_classes(resolved).names, tenancy.tenants_reload_period_s)
         quotas = None if quota_ledger is None else RemoteQuotas(quota_ledger, resolved.tenancy.quota_lease_s)
@@ -174,10 +195,12 @@ class LoraIngress:
                               dispatcher=dispatcher, tokenizers=tokenizers,
                               tenants=self.tenants, quotas=quotas, registrations=registrations,
                               metrics_hub=shared_metrics,
-                              usage=None if usage_sink is None else RemoteUsage(usage_sink))
+                              usage=None if usage_sink is None else RemoteUsage(usage_sink),
+                              refusals=refusals, ingress_id=self.ingress_id)
         if isinstance(registrations, SharedRegistrations):
             registrations.start()  # this ingress follows the registry from its start
         generation_metrics.configure(resolved)  # bounded adapter/tenant labels, SLA classes
+        release_metrics.configure(resolved)  # bounded names of the per-version release metrics
         metrics_exposition.set_replica_stats_source(dispatcher.replica_stats)
         if self.ctx.metrics_hub is not None:
             self.ctx.metrics_hub.start()  # pushes from the ingress's start (on its event loop)
@@ -191,12 +214,14 @@ class LoraIngress:
         app.add_middleware(IngressIdMiddleware, ingress_id=self.ingress_id)
         return app
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown (awaited): the refusals' usage records still buffered are sent."""
         watch = getattr(self, "_ready_watch", None)
         if watch is not None:
             watch.set()
         ctx = getattr(self, "ctx", None)
         if ctx is not None:
+            await ctx.refusals.close()
             ctx.close()
         tenants = getattr(self, "tenants", None)
         if tenants is not None:

@@ -30,9 +30,16 @@ from lora_cluster.cluster.sla import SlaClass
 from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_versions import version_header
 from lora_cluster.serve.http.best_of import best_one
-from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals
+from lora_cluster.serve.http.context import (
+    HEADER_PRIORITY_CLASS,
+    ApiContext,
+    PriorityHeader,
+    UserHeader,
+    finals,
+)
 from lora_cluster.serve.http.logprob_format import TokenTexts, json_logprob, lorax_alternatives, lorax_prefill
 from lora_cluster.serve.http.lorax_schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest
+from lora_cluster.serve.http.release_shadow import ShadowCopies, StreamTap
 from lora_cluster.serve.http.release_traffic import record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import EventStream, event
@@ -43,9 +50,10 @@ from lora_cluster.serve.routing.auth import Caller, CallerDep
 from lora_cluster.serve.routing.dispatch import Generation, routing_headers
 
 
-def lorax_router(ctx: ApiContext) -> APIRouter:
-    """The LoRAX routes of one ingress, on `ctx` (`LoraxRoutes`), in the schema's order."""
-    routes, router = LoraxRoutes(ctx), APIRouter()
+def lorax_router(ctx: ApiContext, shadows: ShadowCopies) -> APIRouter:
+    """The LoRAX routes of one ingress, on `ctx` (`LoraxRoutes`), in the schema's order; `shadows`:
+    the ingress's shadow copies of releases (shared with the OpenAI routes)."""
+    routes, router = LoraxRoutes(ctx, shadows), APIRouter()
     router.post("/generate", responses=openapi.GENERATION_JSON)(routes.generate_route)
     router.post("/generate_stream", status_code=200, response_class=EventStream,
                 responses=openapi.GENERATION_STREAM)(routes.generate_stream_route)
@@ -59,26 +67,28 @@ class LoraxRoutes:
     A handler's name is its OpenAPI operation's id and summary, its docstring (where it has one) the
     operation's description: renaming one, or adding a docstring, changes the published schema."""
 
-    def __init__(self, ctx: ApiContext):
+    def __init__(self, ctx: ApiContext, shadows: ShadowCopies):
         self.ctx = ctx
+        self.shadows = shadows  # a release's shadow copies (http.release_shadow)
 
     async def generate_route(self, body: LoraxRequest, caller: CallerDep,
-                             x_lora_priority: PriorityHeader = None) -> Any:
+                             x_lora_priority: PriorityHeader = None, x_lora_user: UserHeader = None) -> Any:
         sla = self.ctx.policy.priority_class(x_lora_priority, caller=caller)
-        result, headers = await self._generate(body, "/generate", sla, caller)
+        result, headers = await self._generate(body, "/generate", sla, caller, x_lora_user)
         return JSONResponse(result, headers=headers)
 
     async def generate_stream_route(self, body: LoraxStreamRequest, caller: CallerDep,
-                                    x_lora_priority: PriorityHeader = None) -> Any:
+                                    x_lora_priority: PriorityHeader = None,
+                                    x_lora_user: UserHeader = None) -> Any:
         sla = self.ctx.policy.priority_class(x_lora_priority, caller=caller)
-        return await self._generate_stream(body, "/generate_stream", sla, caller)
+        return await self._generate_stream(body, "/generate_stream", sla, caller, x_lora_user)
 
     async def compat_route(self, body: LoraxRequest, caller: CallerDep,
-                           x_lora_priority: PriorityHeader = None) -> Any:
+                           x_lora_priority: PriorityHeader = None, x_lora_user: UserHeader = None) -> Any:
         sla = self.ctx.policy.priority_class(x_lora_priority, caller=caller)
         if body.stream:
-            return await self._generate_stream(body, "/", sla, caller)
-        result, headers = await self._generate(body, "/", sla, caller)
+            return await self._generate_stream(body, "/", sla, caller, x_lora_user)
+        result, headers = await self._generate(body, "/", sla, caller, x_lora_user)
         return JSONResponse([result], headers=headers)
 
     def _token(self, token_id: int, lp: Any, alternatives: bool, texts: TokenTexts, base: str | None,
@@ -92,7 +102,7 @@ class LoraxRoutes:
         return out
 
     async def _start(self, body: LoraxRequest, stream: bool, route: str, sla: SlaClass, caller: Caller,
-                     ) -> tuple[list[Generation], list[int | None], Prompt, str | None]:
+                     user: str | None) -> tuple[list[Generation], list[int | None], Prompt, str | None]:
         """The request's generations (best_of candidates: several), the seed each reports, the prompt,
         the base model it runs on (whose tokenizer encoded it; `ModelNames.request_base`)."""
         ctx = self.ctx
@@ -100,41 +110,49 @@ class LoraxRoutes:
         p.check()
         p.check_best_of(ctx.config, streamed=stream or body.stream)
         # 404 when the tenant may not use it
-        adapter = ctx.models.adapter_for(p.adapter_id, caller, merging=p.merged_adapters is not None)
+        adapter = ctx.models.adapter_for(p.adapter_id, caller, merging=p.merged_adapters is not None,
+                                         user=user)
         merge = merge_of(p.merged_adapters, adapter, ctx.config,
                          lambda aid: ctx.models.adapter_for(aid, caller))
         path = ctx.models.adapter_path(adapter)
         adapter = merge.adapter_id if merge is not None else adapter
         samplings = [p.sampling(ctx.config) for _ in range(p.candidates)]  # a seed of its own each
-        caller.check()  # the tenant's requests_per_minute, before any tokenizing
-        base = await ctx.models.request_base(p.adapter_id, adapter if merge is None else None,
-                                             None if merge is None else merge.ids, caller.tenant)
-        prompt = await ctx.tokens.encode(body.inputs, base=base)
-        await caller.admit(len(prompt.ids))  # the tenant's quota: 429 naming the limit
         request_id = ctx.new_id("lorax")
-        ids = [request_id] if len(samplings) == 1 else [f"{request_id}-{i}" for i in range(len(samplings))]
-        jobs = [GenerateJob(request_id=ids[i], prompt=prompt.ids, adapter_id=adapter, sampling=sampling,
-                            stream=stream, adapter_path=path, priority_class=sla.name, priority=sla.priority,
-                            merge=merge, tenant=caller.tenant, base=base)
-                for i, (sampling, _) in enumerate(samplings)]
-        if len(jobs) == 1:
-            generations = [await ctx.dispatcher.start(jobs[0], route)]
-            caller.track(generations)
-        else:  # each candidate is charged from its start, as OpenAI's choices
-            generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
+        # a refusal from here on (quota, cluster queue) is the request's usage record (`usage_refusals`)
+        with ctx.refusals.watch(tenant=caller.tenant, adapter_id=adapter, sla_class=sla.name,
+                                request_id=request_id):
+            caller.check()  # the tenant's requests_per_minute, before any tokenizing
+            ctx.check_budget(caller)  # a tenant's used-up monthly budget (action refuse): 429
+            base = await ctx.models.request_base(p.adapter_id, adapter if merge is None else None,
+                                                 None if merge is None else merge.ids, caller.tenant)
+            prompt = await ctx.tokens.encode(body.inputs, base=base)
+            await caller.admit(len(prompt.ids))  # the tenant's quota: 429 naming the limit
+            n = len(samplings)
+            ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+            jobs = [GenerateJob(request_id=ids[i], prompt=prompt.ids, adapter_id=adapter, sampling=sampling,
+                                stream=stream, adapter_path=path, priority_class=sla.name,
+                                priority=sla.priority, merge=merge, tenant=caller.tenant, base=base)
+                    for i, (sampling, _) in enumerate(samplings)]
+            if len(jobs) == 1:
+                generations = [await ctx.dispatcher.start(jobs[0], route)]
+                caller.track(generations)
+            else:  # each candidate is charged from its start, as OpenAI's choices
+                generations = await ctx.dispatcher.start_all(jobs, route,
+                                                             on_started=lambda g: caller.track([g]))
         return generations, [seed for _, seed in samplings], prompt, base
 
-    async def _generate(self, body: LoraxRequest, route: str, sla: SlaClass,
-                        caller: Caller) -> tuple[dict[str, Any], dict[str, str]]:
+    async def _generate(self, body: LoraxRequest, route: str, sla: SlaClass, caller: Caller,
+                        user: str | None) -> tuple[dict[str, Any], dict[str, str]]:
         """The answer of a request not streamed, and its headers (best_of: the best candidate's, the
         others as `best_of_sequences` with `details`)."""
-        generations, seeds, prompt, base = await self._start(body, False, route, sla, caller)
+        generations, seeds, prompt, base = await self._start(body, False, route, sla, caller, user)
         try:
             done = await finals(generations)
         except BaseException as exc:
-            record_failure(self.ctx.releases, generations[0].job, exc)  # evidence for a release
+            record_failure(self.ctx.release_state, generations[0].job, exc)  # evidence for a release
             raise
-        record_answer(self.ctx.releases, generations[0].job, done[0], sla)
+        record_answer(self.ctx.release_state, generations[0].job, done[0], sla)
+        self.shadows.maybe_copy([g.job for g in generations], done)  # after the live answer
         best, others = best_one(done) if len(done) > 1 else (0, [])
         p = body.parameters
         texts = TokenTexts(partial(self.ctx.tokens.token_text, base=base))
@@ -159,14 +177,16 @@ class LoraxRoutes:
             details = {**_details(done[best], seeds[best]), **sequence(done[best]),
                        "best_of_sequences": sequences or None}
         answer = {"generated_text": text_of(done[best]), "details": details}
-        return answer, _headers(generations, sla, prompt)
+        return answer, {**_headers(generations, sla, prompt), **self.ctx.budget_headers(caller)}
 
-    async def _generate_stream(self, body: LoraxRequest, route: str, sla: SlaClass,
-                               caller: Caller) -> EventStream:
-        generations, seeds, prompt, base = await self._start(body, True, route, sla, caller)
+    async def _generate_stream(self, body: LoraxRequest, route: str, sla: SlaClass, caller: Caller,
+                               user: str | None) -> EventStream:
+        generations, seeds, prompt, base = await self._start(body, True, route, sla, caller, user)
         generation = generations[0]  # a stream has one (check_best_of)
-        events = _events(self.ctx, generation, body, seeds[0], partial(self._token, base=base), base)
-        return EventStream(events, _headers(generations, sla, prompt), on_close=generation.cancel)
+        events = _events(self.ctx, generation, body, seeds[0], partial(self._token, base=base), base,
+                         self.shadows.tap([generation.job]))
+        headers = {**_headers(generations, sla, prompt), **self.ctx.budget_headers(caller)}
+        return EventStream(events, headers, on_close=generation.cancel)
 
 
 def _headers(generations: list[Generation], sla: SlaClass, prompt: Prompt) -> dict[str, str]:
@@ -186,13 +206,17 @@ def _sequence_details(final: dict[str, Any], seed: int | None) -> dict[str, Any]
 
 
 async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, seed: int | None,
-                  token: Any, base: str | None) -> AsyncIterator[bytes]:
+                  token: Any, base: str | None, tap: StreamTap | None) -> AsyncIterator[bytes]:
+    """TGI's stream events of one generation; `tap` (a release's shadow copy) sees every item the
+    client is sent and starts the copy once the stream ended."""
     p = body.parameters
     last_id, last_lp = None, None
     texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
     alternatives = p.return_k_alternatives is not None
     try:
         async for item in generation.items():
+            if tap is not None:
+                tap.add(item)
             ids, lps = item["delta_token_ids"], item.get("delta_logprobs")
             last_id = ids[-1] if ids else last_id
             last_lp = lps[-1] if lps else last_lp
@@ -210,3 +234,5 @@ async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, s
                          "generated_text": text, "details": details})
     except ApiException as exc:
         yield event(exc.error.body())
+    if tap is not None:
+        tap.end()  # after the live stream, never delaying it (a stream that failed is not copied)

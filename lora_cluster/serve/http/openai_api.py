@@ -38,7 +38,14 @@ from lora_cluster.releases.refs import parse_ref
 from lora_cluster.serve.http import openapi, tool_calls
 from lora_cluster.serve.http.adapter_versions import model_ids, version_header
 from lora_cluster.serve.http.best_of import best_n
-from lora_cluster.serve.http.context import HEADER_PRIORITY_CLASS, ApiContext, PriorityHeader, finals, merge
+from lora_cluster.serve.http.context import (
+    HEADER_PRIORITY_CLASS,
+    ApiContext,
+    PriorityHeader,
+    UserHeader,
+    finals,
+    merge,
+)
 from lora_cluster.serve.http.logprob_format import (
     TokenTexts,
     chat_logprobs,
@@ -47,6 +54,7 @@ from lora_cluster.serve.http.logprob_format import (
 )
 from lora_cluster.serve.http.openai_schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
 from lora_cluster.serve.http.prompt_limits import ChatLimits
+from lora_cluster.serve.http.release_shadow import ShadowCopies, StreamTap
 from lora_cluster.serve.http.release_traffic import record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
@@ -67,9 +75,10 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def openai_router(ctx: ApiContext) -> APIRouter:
-    """The OpenAI routes of one ingress, on `ctx` (`OpenAiRoutes`), in the schema's order."""
-    routes, router = OpenAiRoutes(ctx), APIRouter()
+def openai_router(ctx: ApiContext, shadows: ShadowCopies) -> APIRouter:
+    """The OpenAI routes of one ingress, on `ctx` (`OpenAiRoutes`), in the schema's order; `shadows`:
+    the ingress's shadow copies of releases (shared with the LoRAX routes)."""
+    routes, router = OpenAiRoutes(ctx, shadows), APIRouter()
     router.post("/v1/completions", responses=openapi.GENERATION)(routes.completions)
     router.post("/v1/chat/completions", responses=openapi.GENERATION)(routes.chat_completions)
     router.get("/v1/models", responses=openapi.LISTING)(routes.models)
@@ -82,12 +91,14 @@ class OpenAiRoutes:
     A handler's name is its OpenAPI operation's id and summary, its docstring (where it has one) the
     operation's description: renaming one, or adding a docstring, changes the published schema."""
 
-    def __init__(self, ctx: ApiContext):
+    def __init__(self, ctx: ApiContext, shadows: ShadowCopies):
         self.ctx = ctx
+        self.shadows = shadows  # a release's shadow copies (http.release_shadow)
 
     async def completions(self, body: CompletionRequest, caller: CallerDep,
-                          x_lora_priority: PriorityHeader = None) -> Any:
+                          x_lora_priority: PriorityHeader = None, x_lora_user: UserHeader = None) -> Any:
         ctx = self.ctx
+        body = _with_user(body, x_lora_user)
         sla = self._screen(body, caller, x_lora_priority)
         base = await self._base_of(body, caller)
         raw = body.prompts()
@@ -98,7 +109,8 @@ class OpenAiRoutes:
                                caller, base, echoes)
 
     async def chat_completions(self, body: ChatCompletionRequest, caller: CallerDep,
-                               x_lora_priority: PriorityHeader = None) -> Any:
+                               x_lora_priority: PriorityHeader = None, x_lora_user: UserHeader = None) -> Any:
+        body = _with_user(body, x_lora_user)
         ctx = self.ctx
         sla = self._screen(body, caller, x_lora_priority)
         base = await self._base_of(body, caller)
@@ -145,9 +157,11 @@ class OpenAiRoutes:
         """The checks before any work, cheapest first: the body's limits, the adapter (404 when the
         tenant may not use it), the SLA class, the tenant's requests_per_minute."""
         body.check(self.ctx.config)
-        self.ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
+        adapter = self.ctx.models.adapter_for(body.model, caller, merging=body.merged_adapters is not None)
         sla = self.ctx.policy.priority_class(x_lora_priority, body.priority, caller)
-        caller.check()
+        with self.ctx.refusals.watch(tenant=caller.tenant, adapter_id=adapter, sla_class=sla.name):
+            caller.check()
+            self.ctx.check_budget(caller)  # a tenant's used-up monthly budget (action refuse): 429
         return sla
 
     async def _base_of(self, body: CompletionRequest | ChatCompletionRequest, caller: Caller) -> str | None:
@@ -191,28 +205,33 @@ class OpenAiRoutes:
         created = int(time.time())
         jobs = self._jobs_for(body, prompts, default_max, request_id, sla, caller, base)
         prompt_tokens = sum(len(p) for p in prompts)
-        await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
-        # each choice is charged from its start: a fan-out cancelled while starting charges what ran
-        try:
-            generations = await ctx.dispatcher.start_all(jobs, route, on_started=lambda g: caller.track([g]))
-        except BaseException as exc:
-            record_failure(ctx.releases, jobs[0], exc)  # evidence for a release of this version
-            raise
+        # a refusal (quota, cluster queue) is the request's usage record (`serve.ops.usage_refusals`)
+        with ctx.refusals.watch(tenant=caller.tenant, adapter_id=jobs[0].adapter_id, sla_class=sla.name,
+                                base=base, request_id=request_id):
+            await caller.admit(prompt_tokens)  # the tenant's quota: 429 naming the limit
+            # each choice is charged from its start: a fan-out cancelled while starting charges what ran
+            try:
+                generations = await ctx.dispatcher.start_all(jobs, route,
+                                                             on_started=lambda g: caller.track([g]))
+            except BaseException as exc:
+                record_failure(ctx.release_state, jobs[0], exc)  # evidence for a release of this version
+                raise
         cached = cached_tokens(generations, len(prompts))
         headers = {**routing_headers(generations, len(prompts)), HEADER_PRIORITY_CLASS: sla.name,
-                   **truncation_headers(fitted), **version_header(jobs[0])}
+                   **truncation_headers(fitted), **version_header(jobs[0]), **ctx.budget_headers(caller)}
         texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream and not body.whole:
             events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
-                             texts, reader, cached=cached)
+                             texts, reader, cached=cached, tap=self.shadows.tap(jobs))
             return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
         try:
             done = await finals(generations)
         except BaseException as exc:
-            record_failure(ctx.releases, jobs[0], exc)
+            record_failure(ctx.release_state, jobs[0], exc)
             raise
-        record_answer(ctx.releases, jobs[0], done[0], sla)
+        record_answer(ctx.release_state, jobs[0], done[0], sla)
+        self.shadows.maybe_copy(jobs, done)  # after the live answer, never delaying it
         completion_tokens = sum(item["completion_tokens"] for item in done)  # every candidate's
         if body.selects:
             done = _selected(done, body.candidates, body.n, asked=body.logprobs_k() is not None)
@@ -302,7 +321,10 @@ def _echoed(prompt: list[int], item: dict[str, Any], texts: TokenTexts) -> dict[
 
 async def _stream(generations: list[Generation], request_id: str, created: int, model: str, kind: str,
                   prompt_tokens: int, include_usage: bool, texts: TokenTexts,
-                  reader: Callable[[], ToolCallReader], *, cached: int = 0) -> AsyncIterator[bytes]:
+                  reader: Callable[[], ToolCallReader], *, cached: int = 0,
+                  tap: StreamTap | None = None) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed response; `tap` (a release's shadow copy of a one-job request)
+    sees every item the client is sent and starts the copy once the stream ended."""
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     offsets = [0] * len(generations)  # completions: text offset of each choice's next token
     readers = [reader() for _ in generations]  # chat: each choice's content and tool calls
@@ -330,6 +352,8 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
             for index in range(len(generations)):
                 yield chunk(index, None, None, first=True)
         async for index, item in merge(generations):
+            if tap is not None:
+                tap.add(item)
             completion_tokens[index] = item["completion_tokens"]
             finish = OPENAI_FINISH.get(item["finish_reason"]) if item["finished"] else None
             lps = item.get("delta_logprobs")
@@ -344,6 +368,8 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
     except ApiException as exc:
         yield event(exc.error.body())
     yield DONE
+    if tap is not None:
+        tap.end()  # after the live stream, never delaying it (a stream that failed is not copied)
 
 
 def _chat_parts(reader: ToolCallReader, item: dict[str, Any], finish: str | None, lps: list[Any] | None,
@@ -370,3 +396,8 @@ def _chat_parts(reader: ToolCallReader, item: dict[str, Any], finish: str | None
         parts = [(None, None)]
     return [(text, calls, finish if i == len(parts) - 1 else None, lps if i == 0 else None)
             for i, (text, calls) in enumerate(parts)]
+
+
+def _with_user(body: Any, header: str | None) -> Any:
+    """The body with `user` from the x-lora-user header when it has none (the release split's key)."""
+    return body if body.user is not None or header is None else body.model_copy(update={"user": header})

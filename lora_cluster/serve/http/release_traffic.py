@@ -5,12 +5,16 @@ A request counts once, by its first job's adapter (a request's choices share one
 of adapters is no one version's evidence). It is an error when it failed for a reason the version
 can cause (a failed adapter load, an engine error, an invalid adapter...), not when the client went
 away or the cluster shed it for overload (`NOT_THE_VERSIONS`). On target: the first token came
-within the SLA class's TTFT target (`SlaClass.met`). Recording is synchronous, between two awaits.
+within the SLA class's TTFT target (`SlaClass.met`). Recording is synchronous, between two awaits;
+it goes into this ingress's book, and with a durable release state its background sync (started
+here, on the first answered request) writes it to the shared state (`release_state`). The same
+requests go into the per-version metrics of the running releases (`serve.ops.release_metrics`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from lora_cluster.cluster.sla import SlaClass
@@ -20,9 +24,10 @@ from lora_cluster.errors import (
     QuotaExceededError,
     RequestAbortedError,
 )
-from lora_cluster.releases.book import ReleaseBook
 from lora_cluster.releases.refs import parse_ref
+from lora_cluster.serve.http.release_state import SharedReleases
 from lora_cluster.serve.http_errors import ApiException
+from lora_cluster.serve.ops import release_metrics
 
 NOT_THE_VERSIONS = (asyncio.CancelledError, RequestAbortedError, ClusterOverloadedError,
                     EngineOverloadedError, QuotaExceededError)
@@ -35,18 +40,29 @@ def _version(job: Any) -> tuple[str, int] | None:
     return name, number or 1
 
 
-def record_answer(book: ReleaseBook, job: Any, final: dict[str, Any], sla: SlaClass) -> None:
+def _running(state: SharedReleases) -> Callable[[str], tuple[int, int] | None]:
+    def pair(name: str) -> tuple[int, int] | None:
+        release = state.book.running(name)
+        return None if release is None else (release.stable, release.candidate)
+    return pair
+
+
+def record_answer(state: SharedReleases, job: Any, final: dict[str, Any], sla: SlaClass) -> None:
     """A request whose first job is `job` was answered; `final` is that job's last item."""
     version = _version(job)
     if version is not None:
-        book.record(*version, ok=True, on_target=sla.met(final.get("ttft_s"), None))
+        state.start()
+        release_metrics.record(*version, _running(state), ok=True, ttft_s=final.get("ttft_s"))
+        state.book.record(*version, ok=True, on_target=sla.met(final.get("ttft_s"), None))
 
 
-def record_failure(book: ReleaseBook, job: Any, exc: BaseException) -> None:
+def record_failure(state: SharedReleases, job: Any, exc: BaseException) -> None:
     """A request whose first job is `job` failed with `exc` (counted unless not the version's doing)."""
     version = _version(job)
     if version is None or isinstance(exc, NOT_THE_VERSIONS):
         return
     if isinstance(exc, ApiException) and exc.error.status in (429,):
         return
-    book.record(*version, ok=False)
+    state.start()
+    release_metrics.record(*version, _running(state), ok=False)  # before a gate may end the release
+    state.book.record(*version, ok=False)

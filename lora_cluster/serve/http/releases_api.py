@@ -9,73 +9,55 @@ load, so no request reaches the candidate early, and rolled back if the load fai
 (`release_eval`) then runs the evaluation set on both versions: a candidate more than
 `release_eval_margin` below the stable version is rolled back before any client sees it (the answer
 says `rolled_back`, with the scores in its `eval_failed` event). With no set, the release enters its
-canary at once, and its `eval_passed` event says so. Steps then advance and roll back on live
+canary at once, and its `eval_passed` event says so. The gate runs at the creating ingress under a
+lease in the shared state (`release_gate`): if that ingress dies, another one takes the lease and
+runs the gate again. Steps then advance and roll back on live
 evidence (`release_traffic`).
 
 Access: an admin key reaches every release; a tenant key the releases of the adapters its patterns
-match (another tenant's are a 404, as its adapters are); creating one loads a server path, so it
-needs an admin key (403). The release state is this ingress's: with several ingress replicas
+match (another tenant's are a 404, as its adapters are). A tenant creates releases of its own
+adapters only (another tenant's name is a 403 naming it), and its candidate must be one of its
+adapters in the configured sources (`tenant_candidate`): an adapter id (`fin-v2`, loaded from the
+first adapter source) or a location under an adapter source whose id its patterns match; any other
+server path or URI is a 403 naming it (a tenant never makes the server read a path of its choosing).
+
+State: every call reads and writes the shared release state first (`release_state.transact`), so
+with `release_state_uri` every ingress replica answers the same release, at the same step, and a
+restarted ingress resumes it. Without it the state is this ingress's: with several ingress replicas
 (shared registrations) a release cannot be created (409), since the others would not follow it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import posixpath
 import uuid
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import Field
 
-from lora_cluster.config.releases import MAX_STEPS, check_steps
 from lora_cluster.errors import (
+    AdapterError,
     AdapterNotFoundError,
-    PermissionDeniedError,
     ReleaseConflictError,
-    RequestError,
+    ReleasePermissionError,
 )
-from lora_cluster.releases.book import ACTIONS
-from lora_cluster.releases.gates import ReleaseSettings
-from lora_cluster.releases.release import Release
+from lora_cluster.releases.book import ACTIONS, ReleaseBook
+from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_loads import AdapterLoads
 from lora_cluster.serve.http.context import ApiContext
 from lora_cluster.serve.http.registry import LocalRegistrations
-from lora_cluster.serve.http.release_eval import MAX_EVAL_CASES, ReleaseEvaluation, eval_set
-from lora_cluster.serve.http.schemas import Body
+from lora_cluster.serve.http.release_eval import eval_set
+from lora_cluster.serve.http.release_gate import ReleaseGate
+from lora_cluster.serve.http.release_schemas import CreateReleaseRequest
 from lora_cluster.serve.routing.auth import Caller, CallerDep
 
 PREFIX = "/v1/adapters/{name}/releases"
 
 
-class CreateReleaseRequest(Body):
-    lora_path: str = Field(min_length=1, description="Where the candidate version's weights are "
-                           "(a folder, or a URI of the configured sources' kinds).")
-    steps: list[float] | None = Field(None, min_length=1, max_length=MAX_STEPS,
-                                      description="This release's canary steps, percent, increasing, "
-                                      "ending at 100 (default: release_canary_steps).")
-    step_min_requests: int | None = Field(None, ge=1, description="Default: release_step_min_requests.")
-    step_dwell_s: float | None = Field(None, ge=0, le=86_400, description="Default: release_step_dwell_s.")
-    eval_set: list[dict[str, Any]] | None = Field(
-        None, min_length=1, max_length=MAX_EVAL_CASES,
-        description="The evaluation set, one object a case: {prompt, expected}, run on both versions "
-        "before any traffic (default: eval.jsonl beside a local candidate, else none).")
-
-    def settings(self, defaults: ReleaseSettings) -> ReleaseSettings:
-        """The release's settings: the config's, with what this request overrides (400 on bad steps)."""
-        try:
-            steps = defaults.steps if self.steps is None else tuple(check_steps(self.steps, "steps"))
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-        return dataclasses.replace(
-            defaults, steps=steps,
-            step_min_requests=self.step_min_requests or defaults.step_min_requests,
-            step_dwell_s=defaults.step_dwell_s if self.step_dwell_s is None else self.step_dwell_s)
-
-
-def releases_router(ctx: ApiContext) -> APIRouter:
-    """The release routes of one ingress (`ReleaseRoutes`)."""
-    routes, router = ReleaseRoutes(ctx), APIRouter()
+def releases_router(routes: ReleaseRoutes) -> APIRouter:
+    """The release routes of one ingress, on its `ReleaseRoutes`."""
+    router = APIRouter()
     router.post(PREFIX, responses=openapi.RELEASE_ACTION)(routes.create_release)
     router.get(PREFIX, responses=openapi.RELEASE_VIEW)(routes.list_releases)
     router.get(PREFIX + "/{release_id}", responses=openapi.RELEASE_VIEW)(routes.release_status)
@@ -94,7 +76,8 @@ class ReleaseRoutes:
     def __init__(self, ctx: ApiContext):
         self.ctx, self.book = ctx, ctx.releases
         self.loads = AdapterLoads(ctx)
-        self.evaluation = ReleaseEvaluation(ctx)
+        self.gate = ReleaseGate(ctx, self.loads)
+        ctx.release_state.on_takeover(self.gate.run)  # this ingress runs the gates it takes over
 
     def _visible(self, name: str, caller: Caller) -> None:
         """404 unless the caller's tenant may use `name` (existence does not leak)."""
@@ -104,56 +87,90 @@ class ReleaseRoutes:
     async def create_release(self, name: str, req: CreateReleaseRequest, caller: CallerDep) -> dict[str, Any]:
         """Load `lora_path` as the next version of `name` and start its release against the version
         the bare name means now (no traffic to it before its eval gate)."""
+        lora_path = req.lora_path
+        if not caller.principal.admin and self.ctx.tenants is not None:  # 403 naming the adapter
+            lora_path = tenant_candidate(name, lora_path, self.ctx.config.engine.adapter_source, caller)
         self._visible(name, caller)
-        if not caller.principal.admin and self.ctx.tenants is not None:
-            raise PermissionDeniedError("creating a release loads a server path: it needs an admin key")
-        if not isinstance(self.ctx.registrations, LocalRegistrations):
+        state = self.ctx.release_state
+        if not state.durable and not isinstance(self.ctx.registrations, LocalRegistrations):
             raise ReleaseConflictError(name, "-", "releases need one ingress replica (ingress_num_replicas"
-                                       "=1); the other replicas would not follow this one's release")
+                                       "=1) or release_state_uri; the other replicas would not follow this "
+                                       "one's release")
         kept = self.ctx.models.versions.versions(name)
-        stable = self.book.alias(name, kept, "")
-        if stable is None:
+        if not kept:  # nothing to release against: a 404 before the name's and the body's checks (400s)
             raise AdapterNotFoundError(name, "load a first version before releasing another")
         number = self.loads.next_version(name, inplace=True)
-        cases = await eval_set(req.eval_set, req.lora_path)  # a bad set is a 400 before any load
-        release = self.book.start(name, f"rel-{uuid.uuid4().hex[:12]}", stable, number, caller.tenant,
-                                  req.settings(self.book.settings))
-        try:
-            await self.loads.load(name, req.lora_path, inplace=True)
-            verdict = None if cases is None else await self.evaluation.judge(cases, name, stable, number)
-        except BaseException as exc:  # a failed load or evaluation, or the client went away
-            release.eval_failed(f"the candidate was not evaluated ({type(exc).__name__})", {})
-            raise
-        if verdict is None:
-            release.eval_passed({"eval_set": None, "note": "no evaluation set was given or found"})
-        elif verdict.passed:
-            release.eval_passed(verdict.evidence)
-        else:
-            release.eval_failed(verdict.reason, verdict.evidence)
-        return release.status()
+        cases = await eval_set(req.eval_set, lora_path)  # a bad set is a 400 before any load
+        release_id, settings = f"rel-{uuid.uuid4().hex[:12]}", req.settings(self.book.settings)
+
+        def start(book: ReleaseBook) -> None:
+            stable = book.alias(name, kept, "")
+            if stable is None:
+                raise AdapterNotFoundError(name, "load a first version before releasing another")
+            release = book.start(name, release_id, stable, number, caller.tenant, settings)
+            lease = book.lease(state.owner, state.lease_s)
+            release.stage({"lora_path": lora_path, "eval_set": req.eval_set}, lease)
+
+        await state.transact(start)
+        return await self.gate.run(name, release_id, cases, read_set=False)
 
     async def list_releases(self, name: str, caller: CallerDep) -> dict[str, Any]:
-        """The releases of `name` kept here, oldest first."""
+        """The releases of `name`, oldest first, and where they are kept (`state_store`: folder, s3,
+        or memory, lost on a restart)."""
         self._visible(name, caller)
-        return {"object": "list", "data": [r.status() for r in self.book.releases(name)]}
+        state = self.ctx.release_state
+        data = await state.transact(lambda book: [r.status() for r in book.releases(name)])
+        return {"object": "list", "data": data, "state_store": state.kind}
 
     async def release_status(self, name: str, release_id: str, caller: CallerDep) -> dict[str, Any]:
         """One release: its state, step, share and this step's counts."""
-        return self._release(name, release_id, caller).status()
+        self._visible(name, caller)
+        return await self.ctx.release_state.transact(lambda book: book.release(name, release_id).status())
 
     async def release_events(self, name: str, release_id: str, caller: CallerDep) -> dict[str, Any]:
         """The release's audit log: every decision with its evidence, oldest first."""
-        release = self._release(name, release_id, caller)
-        return {"object": "list", "data": [e.to_dict() for e in release.events()]}
+        self._visible(name, caller)
+        data = await self.ctx.release_state.transact(
+            lambda book: [e.to_dict() for e in book.release(name, release_id).events()])
+        return {"object": "list", "data": data}
 
     def command(self, action: str) -> Any:
         async def handler(name: str, release_id: str, caller: CallerDep) -> dict[str, Any]:
-            self._release(name, release_id, caller)
-            return self.book.command(name, release_id, action).status()
+            self._visible(name, caller)
+            return await self.ctx.release_state.transact(
+                lambda book: book.command(name, release_id, action).status())
 
         handler.__name__ = f"{action}_release"
         return handler
 
-    def _release(self, name: str, release_id: str, caller: Caller) -> Release:
-        self._visible(name, caller)
-        return self.book.release(name, release_id)
+
+def tenant_candidate(name: str, lora_path: str, sources: list[str], caller: Caller) -> str:
+    """Where a tenant's candidate is loaded from: an adapter of the configured sources that the
+    tenant may use, as an id (from the first source) or a location under a source (module
+    docstring); a ReleasePermissionError (403) naming it otherwise."""
+    if not caller.may_use(name):
+        raise ReleasePermissionError(caller.tenant, name, "it is not one of the tenant's adapters")
+    adapter_id, location = None, lora_path
+    if "://" not in lora_path and not lora_path.startswith(("/", "~")):
+        adapter_id = lora_path
+        location = sources[0].rstrip("/") + "/" + lora_path if sources else lora_path
+    else:
+        normal = lora_path if lora_path.startswith("s3://") else posixpath.normpath(
+            lora_path.removeprefix("file://"))
+        for source in sources:
+            root = source.removeprefix("file://").rstrip("/")
+            if normal.startswith(root + "/"):
+                adapter_id = normal[len(root) + 1:]
+                location = normal
+                break
+    try:
+        valid = adapter_id is not None and bool(sources) and check_adapter_id(adapter_id) == adapter_id
+    except AdapterError:
+        valid = False
+    if not valid or adapter_id is None:
+        raise ReleasePermissionError(caller.tenant, name, "a tenant's candidate must be one of its adapters "
+                                     "in the configured adapter sources, by id")
+    if not caller.may_use(adapter_id):
+        raise ReleasePermissionError(caller.tenant, name, f"the candidate {adapter_id!r} is not one of the "
+                                     "tenant's adapters")
+    return location

@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.request.adapter_id import ADAPTER_NAME_PATTERN, MAX_ADAPTER_ID_LEN
 from lora_cluster.request.merge_spec import MERGED_PREFIX, SIGN_METHODS, STRATEGIES, MergeSpec
 from lora_cluster.serve.http_errors import bad_request
 
@@ -89,16 +88,6 @@ class MergedAdaptersBody(Body):
         """The validated merge (RequestError naming the field: a 400)."""
         return MergeSpec.parse(self.ids, self.weights, self.merge_strategy, self.density,
                                self.majority_sign_method, max_ids=limits.engine.max_merged_adapter_ids)
-
-
-class LoadLoraAdapterRequest(Body):
-    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_ID_LEN, pattern=ADAPTER_NAME_PATTERN,
-                           description="The adapter id to serve it as (letters, digits, '._-/'); a "
-                           "version number is given by the load, never chosen (no `@N` here).")
-    lora_path: str = Field(min_length=1)
-    load_inplace: bool = Field(False, description="vLLM's field: load a new version of a loaded name. "
-                               "Here it creates the next version `name@N`; the bare name moves to it, "
-                               "the earlier versions stay addressable as `name@K` until retired.")
 
 
 class UnloadLoraAdapterRequest(Body):

@@ -4,8 +4,11 @@ Query: `since`, `until` (Unix seconds), `tenant`, `adapter`, `version`, `class`,
 (comma-separated: tenant, adapter, version, class, hour, day; default tenant). A tenant's key sees
 only its own tenant's usage: its query is scoped to it, and a `tenant` naming another tenant is a 403.
 An admin key, or any caller on a server without tenants file, sees every tenant's. The store is read
-through the `UsageSink` deployment (`serve.ops.usage_sink`); without one (`usage_db_path` empty) or
-when it cannot be reached, 503.
+through the `UsageSink` deployment (`serve.ops.usage_sink`); without one (`usage_db_path` and
+`usage_store_uri` empty) or when it cannot be reached, 503. Grouped by adapter alone and not filtered
+by tenant, version or class, an admin's (or a tenantless server's) rows also carry `slot_s` and
+`load_s`, the adapter's slot residency and load time on the replicas: the store keeps them per adapter,
+not per tenant, so a tenant's key never sees them.
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ def usage_router(reader: UsageReader | None) -> APIRouter:
             tenant = own
         groups = tuple(g for g in group_by.split(",") if g)
         if reader is None:
-            raise UsageUnavailableError("usage is not recorded on this server (usage_db_path is empty)")
+            raise UsageUnavailableError("usage is not recorded on this server (usage_db_path and "
+                                        "usage_store_uri are empty)")
         try:
             rows = await reader.query(group_by=groups, tenant=tenant, adapter=adapter, version=version,
-                                      sla_class=sla_class, since=since, until=until)
+                                      sla_class=sla_class, since=since, until=until,
+                                      residency=caller.principal.admin or own is None)
         except LoraClusterError:
             raise
         except Exception as exc:

@@ -21,6 +21,7 @@ from typing import Any
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import SlaClasses, build_sla_classes
 from lora_cluster.config import ServeConfig
+from lora_cluster.serve.ops import usage_metrics
 from lora_cluster.serve.ops.metrics import (
     BASE_ADAPTER,
     E2E_LATENCY,
@@ -130,6 +131,7 @@ class GenerationMetrics:
         self._first_at: float | None = None
         self._labels: tuple[str, str] | None = None
         self._ended = False
+        self._output = 0  # tokens received so far (the usage counters' count of a cancelled one)
 
     def admitted(self) -> None:
         """Admission answered (at once, or after a wait in the cluster queue)."""
@@ -146,12 +148,18 @@ class GenerationMetrics:
 
     def tokens(self, n: int) -> None:
         if n and self._labels is not None:
+            self._output += n
             self._child(GENERATED_TOKENS).inc(n)
 
-    def finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
-        """The generation ended well; `cached_tokens` of its prompt tokens came from the prefix cache."""
+    def finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                 device_s: float = 0.0) -> None:
+        """The generation ended well; `cached_tokens` of its prompt tokens came from the prefix cache,
+        `device_s` is the engine time its replica charged it (the usage counters: `usage_metrics`)."""
         if not self._end("ok"):
             return
+        usage_metrics.count(tenant=self.tenant, sla_class=self.priority_class, outcome="completed",
+                            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                            output_tokens=completion_tokens, device_s=device_s)
         now = self._clock()
         self._child(E2E_LATENCY).observe(now - self.arrived_at)
         self._child(PROMPT_TOKENS).inc(prompt_tokens)
@@ -167,9 +175,13 @@ class GenerationMetrics:
     def failed(self) -> None:
         if self._end("error"):
             self._slo("missed")
+            usage_metrics.count(tenant=self.tenant, sla_class=self.priority_class, outcome="failed",
+                                output_tokens=self._output)
 
     def cancelled(self) -> None:
-        self._end("cancelled")
+        if self._end("cancelled"):
+            usage_metrics.count(tenant=self.tenant, sla_class=self.priority_class, outcome="cancelled",
+                                output_tokens=self._output)
 
     def _end(self, outcome: str) -> bool:
         if self._ended or self._labels is None:

@@ -151,14 +151,57 @@ EDGE_REFUSALS = Counter(
     "Requests the ingress refused before parking them, because the cluster controller's last published "
     "admission state says it would refuse them (cluster.edge; the controller never sees them), by reason "
     "(queue_full, cold_shed, deadline) and SLA class.", ["reason", "priority_class"], registry=REGISTRY)
+# adapter versions under release (serve.ops.release_metrics): adapter = a name with a running release
+# (at most metrics_max_adapter_labels names), version = its stable or candidate number, role = which
+_RELEASE = ["adapter", "version", "role"]
+RELEASE_ROLES = ("stable", "candidate")
+RELEASE_VERSION_REQUESTS = Counter(
+    "lora_cluster_release_version_requests_total",
+    "Requests of the bare name or a pinned version answered or failed by the stable or the candidate "
+    "version of a running release (a version outside it, or after it ended: no series).",
+    _RELEASE, registry=REGISTRY)
+RELEASE_VERSION_ERRORS = Counter(
+    "lora_cluster_release_version_errors_total",
+    "Of those, the requests that failed for a reason the version can cause (what the release's error "
+    "gate counts).", _RELEASE, registry=REGISTRY)
+RELEASE_VERSION_TTFT = Histogram(
+    "lora_cluster_release_version_time_to_first_token_seconds",
+    "The engine's time to first token of the answered requests of a version under release.",
+    _RELEASE, buckets=_TTFT_BUCKETS, registry=REGISTRY)
 for _decision in ROUTING_DECISION_VALUES:
     ROUTING_DECISIONS.labels(_decision)
+
+# ----- usage by tenant and SLA class, for chargeback (serve.ops.usage_metrics; docs/metering.md) -----
+# `tenant` is a tenant of the tenants file, "other" (a name no longer in it) or "_none"; `priority_class`
+# a configured class or "other"; `outcome` completed, cancelled, failed or refused. The adapter is not
+# a label (unbounded): per-adapter usage is the usage store's (GET /v1/usage?group_by=adapter).
+_USAGE = ["tenant", "priority_class"]
+USAGE_REQUESTS = Counter(
+    "lora_cluster_usage_requests_total",
+    "Requests (generations) by tenant, SLA class and how they ended, refusals at the ingress included.",
+    [*_USAGE, "outcome"], registry=REGISTRY)
+USAGE_PROMPT_TOKENS = Counter(
+    "lora_cluster_usage_prompt_tokens_total", "Prompt tokens of the generations that ended, by tenant.",
+    _USAGE, registry=REGISTRY)
+USAGE_CACHED_TOKENS = Counter(
+    "lora_cluster_usage_cached_tokens_total",
+    "Prompt tokens served from the prefix cache (part of the prompt tokens), by tenant.", _USAGE,
+    registry=REGISTRY)
+USAGE_OUTPUT_TOKENS = Counter(
+    "lora_cluster_usage_output_tokens_total", "Output tokens the clients received, by tenant.", _USAGE,
+    registry=REGISTRY)
+USAGE_DEVICE_SECONDS = Counter(
+    "lora_cluster_usage_device_seconds_total",
+    "Engine step time charged to the generations that finished (docs/metering.md), by tenant.", _USAGE,
+    registry=REGISTRY)
 
 # every metric measured by this ingress: what several ingress replicas sum (serve.ops.metrics_hub)
 REQUEST_METRICS = (REQUESTS, REQUEST_LATENCY, ADAPTER_HITS, ADAPTER_MISSES, CANCELLED, RETRIES,
                    TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, GENERATIONS, PROMPT_TOKENS,
                    GENERATED_TOKENS, PROMPT_CACHED_TOKENS, SLO_REQUESTS, QUEUE_WAIT, QUEUE_DEPTH,
-                   ROUTING_DECISIONS, ROUTING_ERRORS, EDGE_REFUSALS)
+                   ROUTING_DECISIONS, ROUTING_ERRORS, EDGE_REFUSALS, USAGE_REQUESTS, USAGE_PROMPT_TOKENS,
+                   USAGE_CACHED_TOKENS, USAGE_OUTPUT_TOKENS, USAGE_DEVICE_SECONDS,
+                   RELEASE_VERSION_REQUESTS, RELEASE_VERSION_ERRORS, RELEASE_VERSION_TTFT)
 
 
 @dataclass(frozen=True)
@@ -261,6 +304,31 @@ ENGINE_COUNTERS = (
 )
 MEMORY_USES = ("base_weights", "kv_cache", "adapter_pool", "free")
 
+# Each replica's cold-start counters, sent in the `engine` part of its report beside the engine's:
+# its demand prefetch (`serve.replica.demand_prefetch`) and its node's cluster tier
+# (`serve.replica.cluster_tier`); name, help, field; label replica.
+COLD_START_COUNTERS = (
+    ("lora_cluster_prefetches", "Demand prefetches that put an adapter into the replica's host tier.",
+     "prefetches"),
+    ("lora_cluster_prefetch_bytes", "Bytes those prefetches put into the host tier.", "prefetch_bytes"),
+    ("lora_cluster_prefetch_failures",
+     "Demand prefetches that did not land (the load failed, or the host tier refused the copy).",
+     "prefetch_failures"),
+    ("lora_cluster_prefetch_skipped",
+     "Prefetch turns skipped because a live request's adapter load waited or ran.", "prefetch_skipped"),
+    ("lora_cluster_cluster_tier_fetches",
+     "Adapters copied from another node through the cluster tier, checksums verified.",
+     "cluster_tier_fetches"),
+    ("lora_cluster_cluster_tier_refused",
+     "Copies from the cluster tier refused for a checksum mismatch (the source served).",
+     "cluster_tier_refused"),
+    ("lora_cluster_cluster_tier_publications",
+     "Adapters this replica published to the cluster tier.", "cluster_tier_publications"),
+    ("lora_cluster_cluster_tier_publications_skipped",
+     "Publications skipped because the replica's publishing queue was full.",
+     "cluster_tier_publications_skipped"),
+)
+
 ADAPTER_LOADS = ScrapeFamily(
     CounterMetricFamily, "lora_cluster_adapter_loads", "Adapter loads by tier (device: placements into a "
     "slot; host, disk: fills from the next tier; source: fetches) and outcome (ok, failed).",
@@ -287,7 +355,29 @@ REPLICA_SLO_ATTAINMENT = ScrapeFamily(
     GaugeMetricFamily, "lora_cluster_replica_slo_attainment_ratio", "Share of the class's requests that met "
     "its targets on the replica over the last minute (engine-measured).", ("replica", "priority_class"))
 
+# ----- releases, from the ingress's release book at each scrape (serve.ops.release_metrics) -----
+# every ingress follows the same release state, so any one answers for all; `adapter` is a name with a
+# running (or rolled-back) release, at most metrics_max_adapter_labels names; `state` and `cause` fixed sets
+RELEASE_STEP_SECONDS = ScrapeFamily(
+    GaugeMetricFamily, "lora_cluster_release_step_seconds", "Seconds the running release of the adapter "
+    "name has been in its current step (evaluating: since it was created), by state (evaluating, canary, "
+    "paused): the stuck-release alert's input.", ("adapter", "state"))
+RELEASE_CANDIDATE_SHARE = ScrapeFamily(
+    GaugeMetricFamily, "lora_cluster_release_candidate_share_ratio", "Share of the bare name's traffic "
+    "the running release's candidate answers now (its canary step; 0 while evaluating).", ("adapter",))
+RELEASE_ROLLBACK_TIME = ScrapeFamily(
+    GaugeMetricFamily, "lora_cluster_release_rollback_timestamp_seconds", "Unix time the adapter name's "
+    "latest release was rolled back, for the names whose latest release was, by cause (eval: the eval "
+    "gate; gate: a live gate, automatically; manual): the rollback alert's input.", ("adapter", "cause"))
+RELEASE_STATES = ("evaluating", "canary", "paused")
+ROLLBACK_CAUSES = ("eval", "gate", "manual")
+
 # ----- the sum over several ingress replicas (serve.ops.metrics_exposition) -----
+USAGE_BUDGET_USED = ScrapeFamily(
+    GaugeMetricFamily, "lora_cluster_usage_budget_used_ratio",
+    "Used / limit of each monthly budget of each tenant that has one (tenancy.budget), this UTC month, "
+    "as last read from the usage store (at most usage_budget_refresh_s old): the 80% alert's input.",
+    ("tenant", "budget"))
 METRICS_HUB_UP = ScrapeFamily(
     GaugeMetricFamily, "lora_cluster_metrics_hub_up", "1: the request metrics of this scrape are the sum "
     "over every ingress replica (the metrics hub answered); 0: this ingress replica's own only.")

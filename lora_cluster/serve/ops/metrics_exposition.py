@@ -24,6 +24,18 @@ from lora_cluster.serve.ops.replica_metrics import ReplicaStatsCollector
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _replica_collector: ReplicaStatsCollector | None = None
+_extra_collectors: dict[str, Collector] = {}  # other families computed at each scrape, by name
+
+
+def set_scrape_collector(name: str, collector: Collector) -> None:
+    """Export families computed at each scrape from this ingress's own state (not summed over the
+    ingresses: each holds the same, e.g. the tenants' budget use), in place of an earlier collector
+    under the same `name`."""
+    earlier = _extra_collectors.pop(name, None)
+    if earlier is not None:
+        REGISTRY.unregister(earlier)
+    _extra_collectors[name] = collector
+    REGISTRY.register(collector)
 
 
 def set_replica_stats_source(source: Callable[[], Mapping[str, RoutingStats] | None]) -> None:
@@ -60,6 +72,8 @@ class _Merged(Collector):
                 yield family
         if _replica_collector is not None:
             yield from _replica_collector.collect()
+        for collector in _extra_collectors.values():
+            yield from collector.collect()
         up = METRICS_HUB_UP.family()
         up.add_metric([], 1.0 if self._merged is not None else 0.0)
         yield up

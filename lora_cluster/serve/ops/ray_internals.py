@@ -77,6 +77,19 @@ def serve_root_url() -> str | None:
     return url or None
 
 
+def serve_controller_name() -> tuple[str, str]:
+    """(actor name, namespace) of Ray Serve's controller actor, the detached actor that keeps the
+    applications' state (Serve restarts it when it dies, and it recovers from the GCS).
+
+    Reads `ray.serve._private.constants.SERVE_CONTROLLER_NAME` and `SERVE_NAMESPACE`. No public API
+    names the actor; the fault tests kill it (`ray.kill`) to check that a release and its traffic
+    live through a restart of Serve's controller.
+    """
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+
 def offline_router(router_cls: type[Any], app_name: str, deployment_name: str = "LoraReplica") -> Any:
     """A `RequestRouter` of `router_cls` built outside Serve, as Serve's handle router builds it
     (tests and benchmarks drive it with replicas of `offline_replica_id`; call its

@@ -4,8 +4,9 @@ The LoRA replicas live in other processes; the ingress's request router already 
 report (at most `routing_stats_period_s` old), and `ReplicaStatsCollector` turns the latest reports
 into the families declared in `serve.ops.metrics`: engine gauges and counters, adapter store tiers,
 adapter loads and their latency, device memory by use, adapter pool fragmentation, requests and SLO
-attainment by class. One sample per replica (and tier, use, class, ...), replicas in id order; a
-field a replica does not report is no sample (never a 0).
+attainment by class, and the cold-start counters (demand prefetch, cluster tier). One sample per
+replica (and tier, use, class, ...), replicas in id order; a field a replica does not report is no
+sample (never a 0).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _replica_families(stats: Mapping[str, RoutingStats]) -> Iterable[Any]:
     fragmentation = metrics.ADAPTER_POOL_FRAGMENTATION.family()
     classes, attainment = metrics.REPLICA_REQUESTS.family(), metrics.REPLICA_SLO_ATTAINMENT.family()
     engine_families = [(CounterMetricFamily(n, h, labels=["replica"]), f)
-                       for n, h, f in metrics.ENGINE_COUNTERS]
+                       for n, h, f in (*metrics.ENGINE_COUNTERS, *metrics.COLD_START_COUNTERS)]
     for rid, report in sorted(stats.items()):
         for tier, (ok, failed, buckets, seconds) in sorted(_tier_loads(report).items()):
             loads.add_metric([rid, tier, "ok"], float(ok))

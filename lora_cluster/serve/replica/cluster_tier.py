@@ -1,14 +1,18 @@
-"""The cluster tier's Ray edge: a thin named actor keeps the tier's index (`cluster.cluster_tier`) and
-the object refs of the published adapters; each node's store reaches it through `RayClusterTier`, its
-`store.ports.ClusterTierPort`.
+"""The cluster tier's Ray edge: the index actor's body (`ClusterTierIndex`: the tier's policy,
+`cluster.cluster_tier`, and the refs of the published adapters) and `RayClusterTier`, each node's
+`store.ports.ClusterTierPort` over it. The actors and their lifetime: `tier_actors`.
 
-An adapter one node fetched from its source is put once into Ray's object store, in its stored form:
-the files the disk tier keeps (encrypted at rest when the source holds them encrypted; never decrypted
-weights), with each file's sha256. Another node's miss asks the actor where it is and pulls the object
-node to node (Ray's object manager); every file's sha256 is checked against the publisher's before a
-byte reaches the disk cache. The object is owned by the process that put it: when that node (or
-process) is lost, a pull fails, the actor withdraws what that holder owned (`ClusterTier.withdraw`)
-and the node fetches from the source, which publishes the adapter again. Losing a node loses no adapter.
+An adapter one node fetched from its source is put once into Ray's object store, in the node's stored
+form (`store.ports.ClusterTierPort`): the files the disk tier keeps (encrypted at rest when the source
+holds them encrypted; never decrypted weights), or with `host_int8` the int8 host copy
+(`store.int8_form`, encrypted when the weights were), with each file's sha256; the tier's budget counts
+those bytes. A node asks only for its own form (a publication in another form is a miss). Another node's
+miss asks the actor where it is and pulls the object node to node (Ray's object manager); every file's
+sha256 is checked against the publisher's before a byte reaches the disk cache. The object is owned by
+the node's holder actor (`tier_actors.NodeHolder`), so it outlives the replica that published it; when
+that node (or the holder) is lost, a pull fails, the actor withdraws what that holder owned
+(`ClusterTier.withdraw`) and the node fetches from the source, which publishes the adapter again. Losing
+a node loses no adapter.
 
 The actor is called once per cold load of a node (locate; after a source fetch, claim and publish on
 the node's publishing thread, off the load), never per request, and never by the cluster controller.
@@ -23,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +37,7 @@ import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError, RayActorError, RayError
 
 from lora_cluster.cluster.cluster_tier import ClusterTier, FetchFrom
+from lora_cluster.cluster.reports import MAX_REPORTED_CLUSTER
 from lora_cluster.store.checksum import sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -48,8 +54,8 @@ class ClusterTierIndex:
 
     def __init__(self, budget_bytes: int):
         self.tier = ClusterTier(budget_bytes, clock=time.monotonic)
-        # published adapter -> (its object's ref, file digests, the node of the process that owns it)
-        self.objects: dict[str, tuple[ray.ObjectRef, dict[str, str], str]] = {}
+        # published adapter -> (its object's ref, file digests, the node of the process that owns it, form)
+        self.objects: dict[str, tuple[ray.ObjectRef, dict[str, str], str, str]] = {}
 
     def claim(self, adapter_id: str, nbytes: int) -> bool:
         """Whether the caller should put `adapter_id` (once; evictions for it are made now)."""
@@ -58,18 +64,20 @@ class ClusterTierIndex:
         return claimed
 
     def publish(self, adapter_id: str, node_id: str, boxed: list[ray.ObjectRef], nbytes: int,
-                digests: dict[str, str]) -> None:
-        """`node_id` put the stored form of `adapter_id` (the ref in a list, so it is not resolved)."""
+                digests: dict[str, str], form: str = "files") -> None:
+        """`node_id` put the stored form `form` of `adapter_id` (the ref in a list, so it is not resolved)."""
         if adapter_id in self.objects:
             return
         self.tier.published_by(adapter_id, node_id, nbytes, stored_form_sha256(digests))
-        self.objects[adapter_id] = (boxed[0], dict(digests), node_id)
+        self.objects[adapter_id] = (boxed[0], dict(digests), node_id, form)
 
-    def locate(self, adapter_id: str, node_id: str) -> tuple[str, list[ray.ObjectRef], dict[str, str]] | None:
-        """Where `node_id` copies `adapter_id` from: (the owner's node, [ref], file digests), or None.
-        Ray pulls from whichever node holds a copy; the owner's node names the object's fate."""
+    def locate(self, adapter_id: str, node_id: str,
+               form: str = "files") -> tuple[str, list[ray.ObjectRef], dict[str, str]] | None:
+        """Where `node_id` copies `adapter_id` from: (the owner's node, [ref], file digests), or None
+        (not published, or not in `form`). Ray pulls from whichever node holds a copy; the owner's node
+        names the object's fate."""
         found = self.objects.get(adapter_id)
-        if found is None:
+        if found is None or found[3] != form:
             return None
         choice = self.tier.choose(adapter_id, node_id, peer_s=1.0, source_s=math.inf)
         if choice.kind is not FetchFrom.PEER:  # the node itself published it (its disk copy went)
@@ -84,12 +92,17 @@ class ClusterTierIndex:
         """A pull of an object owned on `node_id` failed for good (its node or process is gone): every
         object owned there is gone, whatever copies other nodes pulled (Ray's ownership), so each of
         those adapters is withdrawn; returns them (their next fetch goes to the source)."""
-        gone = sorted(a for a, (_, _, owner) in self.objects.items() if owner == node_id)
+        gone = sorted(a for a, (_, _, owner, _) in self.objects.items() if owner == node_id)
         for adapter_id in gone:
             self.tier.withdraw(adapter_id)
         self.tier.node_lost(node_id)
         self._drop_unpublished()
         return gone
+
+    def transfers(self) -> dict[str, int]:
+        """Holder node -> copies it serves now (begun by `locate`, not yet ended; a query for
+        operators and tests)."""
+        return dict(self.tier.serving)
 
     def published(self) -> dict[str, list[str]]:
         """Published adapter -> its holders (a query for operators and tests)."""
@@ -100,41 +113,76 @@ class ClusterTierIndex:
             del self.objects[adapter_id]
 
 
-def cluster_tier_actor(budget_bytes: int, **options: Any) -> Any:
-    """The cluster's one tier actor (created by the first caller, found by the others by name);
-    `options` are Ray actor options (e.g. a scheduling strategy keeping it off a node that may go)."""
-    actor_class = ray.remote(num_cpus=0)(ClusterTierIndex)
-    return actor_class.options(name=ACTOR_NAME, get_if_exists=True, **options).remote(budget_bytes)
-
-
 class RayClusterTier:
-    """A node's `ClusterTierPort` over the tier actor (blocking calls: a loader thread's). The actor is
-    found (or created) by `connect` on first use, so a store that never downloads never reaches it;
-    when it died (its creator went), the next call connects again."""
+    """A node's `ClusterTierPort` over the tier's index and the node's holder (`tier_actors`; blocking
+    calls: a loader thread's). Each actor is found (or created) by its `connect` on first use, so a
+    store that never downloads never reaches them; when one died, the next call connects again.
 
-    def __init__(self, connect: Callable[[], Any], node_id: str, *, timeout_s: float = 60.0,
-                 max_pending: int = 4):
-        self._connect, self.node_id, self.timeout_s = connect, node_id, timeout_s
+    `local_adapters()` names what this node's copy of the tier holds as far as this replica saw it: the
+    adapters it published or copied here, the latest `MAX_REPORTED_CLUSTER`, latest last (its reports'
+    `cluster_held`). It does not see the index evict a publication, nor another replica's copies, so it
+    may name an adapter whose object is gone: a miss sent here then fetches from a peer or the source,
+    as it would anywhere."""
+
+    def __init__(self, connect: Callable[[], Any], connect_holder: Callable[[], Any], node_id: str, *,
+                 timeout_s: float = 60.0, max_pending: int = 4):
+        self._connect, self._connect_holder = connect, connect_holder
+        self.node_id, self.timeout_s = node_id, timeout_s
         self._actor: Any = None
+        self._holder: Any = None
         self._lock = threading.Lock()
         self.max_pending, self._pending = max_pending, 0  # publications read and not yet put
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="cluster-tier-publish")
+        self._counts = dict.fromkeys(("cluster_tier_fetches", "cluster_tier_refused",
+                                      "cluster_tier_publications", "cluster_tier_publications_skipped"), 0)
+        self._local: OrderedDict[str, None] = OrderedDict()  # published or copied here, latest last
+
+    def local_adapters(self) -> tuple[str, ...]:
+        """The adapters published or copied on this node by this replica, latest last (bounded)."""
+        with self._lock:
+            return tuple(self._local)
+
+    def _held_here(self, adapter_id: str) -> None:
+        with self._lock:
+            self._local[adapter_id] = None
+            self._local.move_to_end(adapter_id)
+            while len(self._local) > MAX_REPORTED_CLUSTER:
+                self._local.popitem(last=False)
+
+    def counters(self) -> dict[str, int]:
+        """Copies received and refused, publications made and skipped (the fields of
+        `serve.ops.metrics.COLD_START_COUNTERS`)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
 
     @property
     def actor(self) -> Any:
+        """The tier's index actor."""
         with self._lock:
             if self._actor is None:
                 self._actor = self._connect()
             return self._actor
 
+    @property
+    def holder(self) -> Any:
+        """This node's holder actor (it puts and owns what this node publishes)."""
+        with self._lock:
+            if self._holder is None:
+                self._holder = self._connect_holder()
+            return self._holder
+
     def _lost_actor(self, error: RayError) -> None:
         if isinstance(error, RayActorError):
             with self._lock:
-                self._actor = None
+                self._actor = self._holder = None
 
-    def fetch_into(self, adapter_id: str, dest: Path) -> dict[str, str] | None:
+    def fetch_into(self, adapter_id: str, dest: Path, form: str) -> dict[str, str] | None:
         try:
-            found = ray.get(self.actor.locate.remote(adapter_id, self.node_id), timeout=self.timeout_s)
+            found = ray.get(self.actor.locate.remote(adapter_id, self.node_id, form), timeout=self.timeout_s)
         except (RayError, ValueError) as e:  # ValueError: no such named actor
             log.warning("cluster tier unreachable for %r: %s", adapter_id, e)
             if isinstance(e, RayError):
@@ -150,10 +198,13 @@ class RayClusterTier:
             if bad or set(files) != set(digests):
                 log.warning("cluster tier copy of %r from %s failed its checksum (%s)", adapter_id, holder,
                             ", ".join(bad) or "file list")
+                self._count("cluster_tier_refused")
                 return None
             for name, data in files.items():
                 (dest / name).write_bytes(data)
             ok = True
+            self._count("cluster_tier_fetches")
+            self._held_here(adapter_id)
             return dict(digests)
         except (OwnerDiedError, ObjectLostError, GetTimeoutError) as e:
             log.info("cluster tier copy of %r from %s lost (%s); fetching from the source", adapter_id,
@@ -166,29 +217,26 @@ class RayClusterTier:
         finally:
             self.actor.copy_ended.remote(adapter_id, holder, self.node_id, ok)
 
-    def publish(self, adapter_id: str, folder: Path, digests: dict[str, str]) -> None:
-        """Read the files (the folder's lease ends when the load returns) and publish them on this
-        node's one publishing thread, off the load: a live load never waits for the claim or the put.
-        At most `max_pending` publications wait; past that one is skipped (the next node that
-        downloads the adapter publishes it)."""
+    def publish(self, adapter_id: str, files: dict[str, bytes], form: str) -> None:
+        """Publish `files` on this node's one publishing thread, off the load: a live load never waits
+        for the checksums, the claim or the put. At most `max_pending` publications wait; past that one
+        is skipped (the next node that downloads the adapter publishes it)."""
         with self._lock:
             if self._pending >= self.max_pending:
+                self._counts["cluster_tier_publications_skipped"] += 1
                 return
             self._pending += 1
-        try:
-            files = {name: (folder / name).read_bytes() for name in digests}
-        except OSError as e:
-            self._published()
-            log.warning("cannot read %r to publish it: %s", adapter_id, e)
-            return
-        self._publisher.submit(self._publish, adapter_id, files, dict(digests))
+        self._publisher.submit(self._publish, adapter_id, files, form)
 
-    def _publish(self, adapter_id: str, files: dict[str, bytes], digests: dict[str, str]) -> None:
+    def _publish(self, adapter_id: str, files: dict[str, bytes], form: str) -> None:
         nbytes = sum(map(len, files.values()))
         try:
             if ray.get(self.actor.claim.remote(adapter_id, nbytes), timeout=self.timeout_s):
-                ref = ray.put(files)
-                self.actor.publish.remote(adapter_id, self.node_id, [ref], nbytes, digests)
+                digests = {name: sha256_bytes(data) for name, data in files.items()}
+                ray.get(self.holder.put.remote(self.actor, adapter_id, files, nbytes, digests, form),
+                        timeout=self.timeout_s)
+                self._count("cluster_tier_publications")
+                self._held_here(adapter_id)
         except (RayError, ValueError) as e:
             log.warning("cannot publish %r to the cluster tier: %s", adapter_id, e)
             if isinstance(e, RayError):

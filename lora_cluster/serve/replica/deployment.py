@@ -21,7 +21,12 @@ attainment (`lora_cluster.cluster.class_stats`). Each job runs at its class's pr
 With a cluster controller, the replica also reports to it (`reporter`, `replica_report`): every
 `controller_report_period_s`, and at once when a request finishes while requests wait in the
 cluster queue (at most one such report per `controller_report_coalesce_s`; mostly deltas of its
-report, `cluster.report_delta`); it prefetches the adapters the controller's placement names for it.
+report, `cluster.report_delta`); it prefetches the adapters the controller's placement names for it,
+and fills its host tier ahead of requests with the cluster's busiest adapters (`demand_prefetch`).
+
+Each request's usage record (`usage.UsageTap`) goes to the shipper, and its node-local spool, before
+the request's final item leaves the replica (a kill after the client's last token loses nothing;
+`serve.ops.usage_shipper`); a request that ends otherwise is recorded as it ends.
 
 The replica is its engine's composition root: it builds the adapter store (`store.build_adapter_loader`,
 once the engine knows the base model's shapes and device) and wires it into the engine as its
@@ -61,15 +66,17 @@ from lora_cluster.errors import LoraClusterError
 from lora_cluster.request import RequestOutput
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
-from lora_cluster.serve.ops.usage_shipper import UsageShipper
+from lora_cluster.serve.ops.usage_shipper import UsageShipper, take_meter
 from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
-from lora_cluster.serve.replica.cluster_tier import RayClusterTier, cluster_tier_actor
+from lora_cluster.serve.replica.cluster_tier import RayClusterTier
+from lora_cluster.serve.replica.demand_prefetch import ControllerHotList, DemandPrefetch
 from lora_cluster.serve.replica.model import resolve_model, served_name
-from lora_cluster.serve.replica.report import build_report, memory_split
+from lora_cluster.serve.replica.report import build_report, host_by_recency, host_held, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
+from lora_cluster.serve.replica.tier_actors import cluster_tier_actor, node_holder
 from lora_cluster.serve.replica.usage import UsageTap
 from lora_cluster.serve.routing.replica_groups import DEFAULT_GROUP
-from lora_cluster.store import build_adapter_loader
+from lora_cluster.store import TieredAdapterStore, build_adapter_loader
 from lora_cluster.store.ports import AdapterStore
 
 if TYPE_CHECKING:
@@ -144,20 +151,42 @@ class LoraReplica:
             self.config.controller.controller_report_coalesce_s,
             budget_per_s=self.config.controller.controller_report_budget_per_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
+        self.prefetcher = self._demand_prefetch(controller)
         # usage records go to the `UsageSink` deployment in batches (`serve.ops.usage_shipper`)
         self.usage = None if usage_sink is None else UsageShipper(
-            lambda batch: usage_sink.record.remote(batch), self.config.tenancy.usage_flush_s)
+            lambda batch: usage_sink.record.remote(batch), self.config.tenancy.usage_flush_s,
+            owner=self.replica_id, spool_dir=self.config.tenancy.usage_spool_dir,
+            take=lambda: self.aengine.call(take_meter))  # the meter's slot and load time, on its thread
         log.info("replica %s serving %s", self.replica_id, self.config.model)
+
+    def _demand_prefetch(self, controller: Any | None) -> DemandPrefetch | None:
+        """Demand prefetch (`demand_prefetch`): with a controller and a tiered store, unless
+        `prefetch_bytes_per_s` or `prefetch_max_bytes` is 0; its byte bound within the host tier's."""
+        engine = self.config.engine
+        if controller is None or not isinstance(self.store, TieredAdapterStore):
+            return None
+        max_bytes = min(int(engine.prefetch_max_bytes), int(engine.host_cache_bytes))
+        if not engine.prefetch_bytes_per_s or not max_bytes:
+            return None
+        return DemandPrefetch(ControllerHotList(controller), self.store, self.engine,
+                              bytes_per_s=float(engine.prefetch_bytes_per_s), max_bytes=max_bytes,
+                              period_s=engine.prefetch_hot_period_s)
 
     def _build_store(self, config: EngineConfig, shapes: ModelShapes, device: torch.device) -> AdapterStore:
         """The engine's loader factory: builds the adapter store and keeps it as `self.store`, the
         catalog and counters this replica talks to (the engine gets its weights and hooks); a tiered
         store gets the cluster tier (`serve.replica.cluster_tier`) unless `cluster_tier_bytes` is 0."""
-        tier = None
+        self.cluster_tier: RayClusterTier | None = None
         if config.adapter_store != "folder" and config.cluster_tier_bytes:
-            budget = int(config.cluster_tier_bytes)
-            tier = RayClusterTier(lambda: cluster_tier_actor(budget), ray.get_runtime_context().get_node_id(),
-                                  timeout_s=config.fetch_timeout_s)
+            node, budget = ray.get_runtime_context().get_node_id(), int(config.cluster_tier_bytes)
+
+            def app() -> str:  # asked on the tier's first use (a store that never downloads never asks)
+                return serve.get_replica_context().app_name
+
+            self.cluster_tier = RayClusterTier(
+                lambda: cluster_tier_actor(budget, app()), lambda: node_holder(node, app()), node,
+                timeout_s=config.fetch_timeout_s)
+        tier = self.cluster_tier
         self.store: AdapterStore = build_adapter_loader(config, shapes, device, cluster_tier=tier)
         return self.store
 
@@ -196,6 +225,8 @@ class LoraReplica:
         started = time.monotonic()
         if self.reporter is not None:
             self.reporter.start()
+        if self.prefetcher is not None:
+            self.prefetcher.start()
         ended = False  # the request's final item was produced: a close after it cancels nothing
         tap, cancelled, refused = UsageTap(), False, False
         try:
@@ -214,12 +245,13 @@ class LoraReplica:
                 async with contextlib.aclosing(outputs):  # a close aborts the request at once
                     async for out in outputs:
                         if out.finished:
-                            ended = True
+                            ended = self._record_usage(tap, job, cancelled=False, refused=False)
                             yield {**head, **output_item(out, full=True)}
                 return
             async with contextlib.aclosing(coalesce(outputs)) as items:  # a close aborts the request at once
                 async for item in items:
-                    ended = item["finished"]
+                    # the record is spooled before the final item leaves: a kill after it loses nothing
+                    ended = item["finished"] and self._record_usage(tap, job, cancelled=False, refused=False)
                     yield {**head, **item}
                     head = {}
         except (asyncio.CancelledError, GeneratorExit):
@@ -241,11 +273,17 @@ class LoraReplica:
             tracker.cancelled()  # the caller closed the stream early; no-op once the request ended
             self.active -= 1
             self.service_time.record(time.monotonic() - started)
-            if self.usage is not None:
-                self.usage.add(tap.record(job, self.replica_id, served_name(self.config), cancelled=cancelled,
-                                          refused=refused))
+            if not ended:
+                self._record_usage(tap, job, cancelled=cancelled, refused=refused)
             if self.reporter is not None:
                 self.reporter.request_finished(self.active + 1, self.capacity)
+
+    def _record_usage(self, tap: UsageTap, job: GenerateJob, *, cancelled: bool, refused: bool) -> bool:
+        """Add the request's usage record to the shipper (and its spool) once, as the request ends."""
+        if self.usage is not None:
+            self.usage.add(tap.record(job, self.replica_id, served_name(self.config), cancelled=cancelled,
+                                      refused=refused))
+        return True
 
     async def _ensure_registered(self, adapter_id: str, path: str) -> None:
         if self._registered.get(adapter_id) == path:
@@ -265,6 +303,10 @@ class LoraReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         if self.reporter is not None:
             self.reporter.start()  # Serve polls this from the start: the reports begin with it
+        if self.prefetcher is not None:
+            self.prefetcher.start()
+        if self.usage is not None:
+            self.usage.start()  # dead senders' spools on this node are adopted from the start
         # fresh from the loop thread: `AsyncEngine.stats` is refreshed only by engine steps, so it
         # would still show an aborted request as running while the engine idles
         s, counters = await self.aengine.call(lambda engine: (engine.stats(), engine.counters_snapshot()))
@@ -288,10 +330,12 @@ class LoraReplica:
             **{k: self.counts[k] for k in ("requests", "hits", "misses", "cancelled", "errors")},
             store=store,
             classes=self.class_stats.snapshot(),
-            engine={**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps},
+            engine={**counters, "preemptions": s.num_preemptions, "failed_steps": s.failed_steps,
+                    **self._cold_start_counters()},
             memory=dataclasses.asdict(memory_split(self.engine, store)),
             node_id=self.node_id,
             prefixes=self.prefixes.keys(),
+            host_held=self._host_held(),
         ).to_dict()
 
     # ----- the cluster controller ---------------------------------------------------------
@@ -321,7 +365,13 @@ class LoraReplica:
             max_num_seqs=self.config.engine.max_num_seqs, max_loras=self.config.engine.max_loras,
             classes=self.class_stats.snapshot(), adapter_requests=self.demand.take(),
             memory=memory_split(self.engine, self._store_tiers()), service_time_s=self.service_time.mean,
-            sent_at=time.time(), base=served_name(self.config), prefixes=self.prefixes.keys())
+            sent_at=time.time(), base=served_name(self.config), prefixes=self.prefixes.keys(),
+            host_held=self._host_held(),
+            cluster_held=() if self.cluster_tier is None else self.cluster_tier.local_adapters())
+
+    def _host_held(self) -> tuple[str, ...]:
+        """Its host tier's adapters as its reports (`report.host_held`) and routing stats list them."""
+        return host_held(host_by_recency(self.store))
 
     async def _on_reply(self, reply: dict[str, Any]) -> None:
         """Prefetch what the controller's placement chose this replica for (host copy first; the
@@ -339,6 +389,11 @@ class LoraReplica:
             log.info("prefetch of %r for placement failed: %s", adapter_id, exc)
         finally:
             self._prefetching.discard(adapter_id)
+
+    def _cold_start_counters(self) -> dict[str, int]:
+        """Its demand prefetch's and cluster tier's counters (`metrics.COLD_START_COUNTERS`), if any."""
+        counters = {} if self.prefetcher is None else self.prefetcher.counters()
+        return counters if self.cluster_tier is None else {**counters, **self.cluster_tier.counters()}
 
     def _store_tiers(self) -> dict[str, Any]:
         """The adapter store's per-tier counters (for /metrics); empty with the plain folder loader."""
@@ -385,6 +440,9 @@ class LoraReplica:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             reporter.stop()
+        prefetcher = getattr(self, "prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.stop()
         aengine = getattr(self, "aengine", None)
         if aengine is not None:
             aengine.shutdown()

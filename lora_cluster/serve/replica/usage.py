@@ -3,7 +3,9 @@
 `UsageTap.watch` passes the engine's outputs through and keeps the latest one; when the request
 ends, however it ends, `UsageTap.record` builds its `UsageRecord` from the job (tenant, adapter and
 its version, SLA class), the replica (its id, its base model) and that output (prompt, cached and
-output tokens, device-seconds, preemptions, finish reason). A request that ended with no output is
+output tokens, device-seconds, preemptions, finish reason). Its `queue_s` is the request's whole wait:
+for its grant in the cluster queue (`GenerateJob.queued_s`, measured by the ingress) plus in the
+engine's queue (`RequestOutput.queue_s`). A request that ended with no output is
 `refused` when the replica refused it, `cancelled` when its caller went away, else `failed`.
 """
 
@@ -15,15 +17,13 @@ from collections.abc import AsyncIterator
 
 from lora_cluster.request import RequestOutput
 from lora_cluster.serve.protocol import GenerateJob
-from lora_cluster.tenancy.usage_record import MAX_FIELD_CHARS, Outcome, UsageRecord, final_outcome
-
-
-def adapter_version(adapter_id: str | None) -> tuple[str, int]:
-    """(name, version) of an adapter id `name@N`; version 0 when the id names none (or no adapter)."""
-    if not adapter_id:
-        return "", 0
-    name, _, version = adapter_id.rpartition("@")
-    return (name, int(version)) if name and version.isdigit() else (adapter_id, 0)
+from lora_cluster.tenancy.usage_record import (
+    MAX_FIELD_CHARS,
+    Outcome,
+    UsageRecord,
+    adapter_version,
+    final_outcome,
+)
 
 
 class UsageTap:
@@ -57,8 +57,9 @@ class UsageTap:
             prompt_tokens=0 if out is None else len(out.prompt_token_ids),
             cached_tokens=0 if out is None else out.num_cached_tokens,
             output_tokens=0 if out is None else len(out.token_ids),
-            device_s=0.0 if out is None else out.device_s, queue_s=0.0, outcome=outcome,
+            device_s=0.0 if out is None else out.device_s,
+            queue_s=job.queued_s + (0.0 if out is None else out.queue_s), outcome=outcome,
             ended_at=time.time(), preempted=out is not None and out.num_preemptions > 0)
 
 
-__all__ = ["UsageTap", "adapter_version"]
+__all__ = ["UsageTap"]

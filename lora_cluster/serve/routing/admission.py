@@ -13,12 +13,15 @@ slots). A replica's free slots are its admission capacity (`admission_capacity`,
 ingress, up to `routing_stats_period_s` old) and this ingress's own requests running there (exact,
 immediate). The check reads memory only: the fast path makes no actor call.
 
-Slow path: no replica has room (or a request is parked already), so the request is parked in the
-cluster queue (`ClusterController.admit`) and sent to the replica it is granted (pinned) once one
-frees a slot, in class-then-deadline order. A refusal (full queue, deadline out of reach) is a 429
-with `Retry-After`; waiting past `cluster_queue_timeout_s` a 503. A grant the ingress will not use
-(its client went away while parked, or sending the request failed before the replica answered) is
-given back (`ClusterController.cancel_ticket`), so its replica's room is free again at once.
+Slow path: no replica has room (or a request is parked already), so the request is parked in the cluster
+queue and sent to the replica it is granted (pinned) once one frees a slot, in class-then-deadline
+order. Parks are coalesced per shard (`routing.park_link`): one `ClusterController.admit_many` call in
+flight, the parks that arrive meanwhile in the next (at most `controller_park_batch_max`), and one
+`grants` long poll while tickets wait there, so the controller's cost per park is a share of one call,
+not a call. A refusal (full queue, deadline out of reach) is a 429 with `Retry-After`; waiting past
+`cluster_queue_timeout_s` a 503. A grant the ingress will not use (its client went away while parked, or
+sending the request failed before the replica answered) is given back
+(`ClusterController.cancel_ticket`), so its replica's room is free again at once.
 
 Refusals at the edge: before parking, the ingress refuses a request that the controller would
 refuse (queue full for its class, cold shedding, deadline out of reach), with the controller's own
@@ -32,10 +35,10 @@ adapter -> replicas that should hold it) and hands it to its request router (`pl
 which then spreads a hot adapter's requests over those replicas; the same call
 (`ClusterController.ingress_view`) says how many requests of other ingresses wait.
 
-Faults: if the controller dies while a request waits, the request is parked again at its
-restarted successor (Serve starts one); if no controller answers within `REPARK_WINDOW_S`, or
-the controller is off, requests go the direct way (Serve's own queue) and the ingress stops asking
-for `BACKOFF_S`. No accepted request is lost to a controller failure.
+Faults: if the controller dies while a request waits (a call fails, or a reply names another actor), the
+request is parked again at its restarted successor (Serve starts one); if no controller answers within
+`REPARK_WINDOW_S`, or the controller is off, requests go the direct way (Serve's own queue) and the
+ingress stops asking for `BACKOFF_S`. No accepted request is lost to a controller failure.
 
 A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles): a
 request parks at the shard that owns its adapter (`shard_of`), and re-parks at that shard's
@@ -49,6 +52,7 @@ last table), and the cluster view one view of every shard (`merge_snapshots`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -71,6 +75,7 @@ from lora_cluster.errors import (
 )
 from lora_cluster.serve.ops import metrics
 from lora_cluster.serve.ops.background import keep_running
+from lora_cluster.serve.routing.park_link import ShardLink
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,14 @@ RETRY_PAUSE_S = 0.2
 # the controller's refusals by the class name its reply gives (`error`): the ingress raises the same class
 REFUSALS: dict[str, type[ClusterOverloadedError]] = {
     c.__name__: c for c in (QueueFullError, DeadlineOutOfReachError, WaitBoundError, ColdAdapterShedError)}
+
+
+def _abandon(link: ShardLink, ticket_id: str, decided: asyncio.Future[dict[str, Any]]) -> None:
+    """The waiter of `ticket_id` left: its ticket is withdrawn, and a grant that reached it meanwhile
+    is given back."""
+    link.withdraw(ticket_id)
+    if decided.done() and "replica_id" in decided.result():
+        link.release(ticket_id, str(decided.result()["replica_id"]))
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ class ClusterAdmission:
     def __init__(self, controller: Any | None, *, capacity: int | None,
                  replica_stats: Callable[[], Mapping[str, RoutingStats] | None], timeout_s: float,
                  placement_sink: Callable[[Mapping[str, list[str]]], None] | None = None,
-                 placement_period_s: float = 1.0, report_lag_s: float = 1.0,
+                 placement_period_s: float = 1.0, report_lag_s: float = 1.0, park_batch_max: int = 256,
                  clock: Callable[[], float] = time.monotonic):
         """`controller`: a handle to the ClusterController deployment, or the list of its shards'
         handles (None: controller off); `capacity`: requests per replica before parking (None: each
@@ -117,6 +130,11 @@ class ClusterAdmission:
         self._parked = 0  # this ingress's requests waiting in the cluster queue now
         self._parked_elsewhere = 0  # other ingresses' requests waiting there, as of the last fetch
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
+        # per shard: its parks coalesced, one park call and one grants poll in flight (`park_link`)
+        self._links = [ShardLink(handle, self.ingress_id, max_batch=park_batch_max, timeout_s=timeout_s,
+                                 claims=self._claims, on_reply=functools.partial(self._edge_state, k),
+                                 clock=clock, retry_pause_s=RETRY_PAUSE_S, repark_window_s=REPARK_WINDOW_S)
+                       for k, handle in enumerate(self._shards)]
 
     @property
     def enabled(self) -> bool:
@@ -185,44 +203,41 @@ class ClusterAdmission:
     async def _wait_for_grant(self, shard: int, ticket_id: str, sla_class: str, adapter_id: str | None,
                               arrived_at: float, prefix: tuple[str, ...] = ()) -> Granted | None:
         """Park the request at `shard`, its adapter's, until it is granted a replica (see `admit`)."""
-        ticket = {"ticket_id": ticket_id, "ingress_id": self.ingress_id, "sla_class": sla_class,
-                  "adapter_id": adapter_id, "prefix": list(prefix)}
-        give_up_reaching = None
-        while True:
-            now = self._clock()
-            remaining = self.timeout_s - (now - arrived_at)
-            if remaining <= 0:
-                raise ClusterQueueTimeoutError(
-                    f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
-            claims = {"inflight": dict(self._inflight), "unassigned": self.unassigned()}
-            response = self._shards[shard].admit.remote(
-                {**ticket, "waited_s": now - arrived_at, "claims": claims}, remaining)
-            try:
-                reply = await response
-            except asyncio.CancelledError:
-                response.cancel()  # the client went away: drop the ticket
-                self._release(shard, ticket["ticket_id"])  # and a grant decided meanwhile, if any
-                raise
-            except Exception as exc:  # the controller died or is restarting: park again there
-                give_up_reaching = give_up_reaching or self._clock() + REPARK_WINDOW_S
-                if self._clock() >= give_up_reaching:
-                    log.warning("cluster controller shard %d unreachable (%s); routing its adapters "
-                                "directly for %.0f s", shard, exc, BACKOFF_S)
-                    self._down_until[shard] = self._clock() + BACKOFF_S
-                    self.counts["fallback"] += 1
-                    self._on_their_way.append(self._clock())
-                    return None
-                await asyncio.sleep(RETRY_PAUSE_S)
-                continue
-            self._edge_state(shard, reply)
-            if "replica_id" in reply:
-                self.counts["preempting" if reply.get("preempt") else "granted"] += 1
-                return Granted(str(reply["replica_id"]), ticket["ticket_id"], shard)
-            if "overloaded" in reply:
-                self.counts["refused"] += 1
-                refusal = REFUSALS.get(str(reply.get("error")), ClusterOverloadedError)
-                raise refusal(str(reply["overloaded"]), float(reply["retry_after_s"]))
-            give_up_reaching = None  # a timeout answer: loop to raise with the remaining time spent
+        remaining = self.timeout_s - (self._clock() - arrived_at)
+        if remaining <= 0:
+            raise ClusterQueueTimeoutError(
+                f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)")
+        ticket = {"ticket_id": ticket_id, "sla_class": sla_class, "adapter_id": adapter_id,
+                  "prefix": list(prefix)}
+        link = self._links[shard]
+        decided = link.park(ticket, arrived_at)
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(decided), remaining)
+        except TimeoutError:
+            _abandon(link, ticket_id, decided)
+            raise ClusterQueueTimeoutError(
+                f"the request waited {self.timeout_s:g} s in the cluster queue (cluster_queue_timeout_s)"
+            ) from None
+        except asyncio.CancelledError:  # the client went away
+            _abandon(link, ticket_id, decided)
+            raise
+        if "unreachable" in reply:
+            log.warning("cluster controller shard %d unreachable (%s); routing its adapters directly "
+                        "for %.0f s", shard, reply["unreachable"], BACKOFF_S)
+            self._down_until[shard] = self._clock() + BACKOFF_S
+            self.counts["fallback"] += 1
+            self._on_their_way.append(self._clock())
+            return None
+        if "replica_id" in reply:
+            self.counts["preempting" if reply.get("preempt") else "granted"] += 1
+            return Granted(str(reply["replica_id"]), ticket_id, shard)
+        self.counts["refused"] += 1
+        refusal = REFUSALS.get(str(reply.get("error")), ClusterOverloadedError)
+        raise refusal(str(reply.get("overloaded")), float(reply.get("retry_after_s", 1.0)))
+
+    def _claims(self) -> dict[str, Any]:
+        """This ingress's requests in flight, for a park call (`ClusterView.claim`)."""
+        return {"inflight": dict(self._inflight), "unassigned": self.unassigned()}
 
     def _sync_placement(self) -> None:
         """Start the placement fetch loop (once, on the serving event loop)."""
@@ -279,18 +294,9 @@ class ClusterAdmission:
         (`cancel_ticket`): the request may never have reached the replica, which would then never
         report it (if it did, the release only counts it a report period early)."""
         if grant is not None:
-            self._release(grant.shard, grant.ticket_id, grant.replica_id)
+            self._links[grant.shard].release(grant.ticket_id, grant.replica_id)
         elif self._on_their_way:
             self._on_their_way.popleft()
-
-    def _release(self, shard: int, ticket_id: str, replica_id: str | None = None) -> None:
-        """Tell `shard` (not waiting for its answer) that this ingress will not use the ticket's grant
-        (`ClusterController.cancel_ticket`); a failure to send is logged, never raised: the caller
-        is on an error or cancellation path, and the grant's reservation still ends at its TTL."""
-        try:
-            self._shards[shard].cancel_ticket.remote(ticket_id, replica_id)
-        except Exception as exc:
-            log.debug("ticket %s not released at shard %d: %s", ticket_id, shard, exc)
 
     def unassigned(self) -> int:
         """Direct requests sent in the last `report_lag_s` that no replica has answered yet."""

@@ -11,6 +11,15 @@ non-streaming job's first item is its whole result, so it is retried whole. A st
 dies after the first item ends with that error (an SSE error event). Every outcome feeds the
 routing-error breaker (`routing_guard`), which sheds new requests with 503 while it is open.
 
+Usage of a lost replica's request: the replica that died cannot record it, so the dispatcher hands
+it to `lost` (wired by the ingress: `usage_refusals.RefusalMeter.lost`) with the last item passed on
+to the caller (mid-stream), or none (every try failed before a first item): the request's one usage
+record then holds the tokens the client received.
+
+A caller that goes away (cancelled) after a try died, during the pause before the retry or while
+the retry runs, gets the same `lost` record of nothing: the dead replica cannot record the request,
+and a retry that reached a live replica merges its own record into it (what the client received wins).
+
 Fan-out (`start_all`: `n > 1`, several prompts): the choices start concurrently. However the start
 ends (a choice fails, or the caller is cancelled, e.g. the client went away, at any await), every
 choice that had started is cancelled (its replica aborts it), and its `on_done` runs (the cluster
@@ -70,7 +79,8 @@ class Generation:
     tokens: int = 0
     finished: bool = field(default=False)
     on_done: Callable[[], None] | None = None  # called once when the generation ends, however it ends
-    on_routing_error: Callable[[], None] | None = None  # its replica died or went away mid-stream
+    on_routing_error: Callable[[Generation], None] | None = None  # its replica died or went away mid-stream
+    last: dict[str, Any] | None = None  # the last item passed on to the caller
     meter: GenerationMetrics | None = None  # its request metrics (labels: adapter, tenant, class)
 
     def _done(self) -> None:
@@ -90,11 +100,12 @@ class Generation:
                 if self.meter is not None:  # by the cumulative count: a non-streaming item has one delta
                     self.meter.tokens(item["completion_tokens"] - self.tokens)
                 self.tokens = item["completion_tokens"]
+                self.last = item
                 if item["finished"]:
                     self.finished = True
                     if self.meter is not None:
                         self.meter.finished(item["prompt_tokens"], item["completion_tokens"],
-                                            item.get("cached_tokens") or 0)
+                                            item.get("cached_tokens") or 0, item.get("device_s") or 0.0)
                 yield item
                 if item["finished"]:
                     return
@@ -106,7 +117,7 @@ class Generation:
                     if is_routing_error(exc):
                         metrics.ROUTING_ERRORS.inc()
                         if self.on_routing_error is not None:
-                            self.on_routing_error()  # the replica died mid-stream
+                            self.on_routing_error(self)  # the replica died mid-stream
                     self._meter_failed()
                     raise ApiException(describe(exc)) from exc
         finally:
@@ -143,8 +154,10 @@ class Dispatcher:
     goes at once (a replica has room) or waits in the cluster queue for a granted replica."""
 
     def __init__(self, handle: Any, app_name: str, admission: ClusterAdmission | None = None,
-                 guard: RoutingGuard | None = None):
+                 guard: RoutingGuard | None = None,
+                 lost: Callable[..., None] | None = None):
         self._handle = handle
+        self._lost = lost  # records a lost replica's request (see the module docstring)
         self.guard = guard or RoutingGuard(enabled=False)
         self._stream = handle.options(stream=True)
         self._key = (app_name, handle.deployment_name)
@@ -187,6 +200,7 @@ class Dispatcher:
         except RoutingUnavailableError as exc:
             raise ApiException(describe(exc)) from None
         outcome_told = False
+        lost_try = False  # a try reached a replica that died: none may be left to record the request
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 try:
@@ -194,11 +208,13 @@ class Dispatcher:
                 except ApiException as exc:
                     routing = isinstance(exc.__cause__, BaseException) and is_routing_error(exc.__cause__)
                     if routing:
+                        lost_try = True
                         metrics.ROUTING_ERRORS.inc()
                     if not routing or attempt == MAX_ATTEMPTS:
                         if routing:
                             self.guard.outcome(True)
                             outcome_told = True
+                            self._record_lost(job, "", None)
                         raise
                     metrics.RETRIES.inc()
                     log.warning("request %s: replica failed before its first item (%s); retrying on "
@@ -208,12 +224,25 @@ class Dispatcher:
                     continue
                 self.guard.outcome(False)
                 outcome_told = True
-                generation.on_routing_error = lambda: self.guard.outcome(True)
+                generation.on_routing_error = self._on_lost_mid_stream
                 return generation
             raise AssertionError("unreachable")
+        except asyncio.CancelledError:
+            if lost_try:  # the caller left before a retry reached a live replica (or while one ran)
+                self._record_lost(job, "", None)
+            raise
         finally:
             if not outcome_told:
                 self.guard.abandoned()
+
+    def _on_lost_mid_stream(self, generation: Generation) -> None:
+        self.guard.outcome(True)
+        self._record_lost(generation.job, generation.replica, generation.last)
+
+    def _record_lost(self, job: GenerateJob, replica: str, item: dict[str, Any] | None) -> None:
+        if self._lost is not None:  # `RefusalMeter.lost`'s keywords
+            self._lost(request_id=job.request_id, tenant=job.tenant, adapter_id=job.adapter_id,
+                       sla_class=job.priority_class, queued_s=job.queued_s, replica=replica, item=item)
 
     async def _start_once(self, job: GenerateJob, route: str, t0: float) -> Generation:
         meter = GenerationMetrics(job.adapter_id, job.tenant, job.priority_class, arrived_at=t0)
@@ -227,7 +256,8 @@ class Dispatcher:
         meter.admitted()
         sent_at = time.monotonic()
         if granted is not None:
-            job = dataclasses.replace(job, replica_id=granted.replica_id, ticket_id=granted.ticket_id)
+            job = dataclasses.replace(job, replica_id=granted.replica_id, ticket_id=granted.ticket_id,
+                                      queued_s=sent_at - t0)
         pinned = granted is not None
         try:
             first, stream = await self._first_item(job)

@@ -24,7 +24,6 @@ import hashlib
 import http.client
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, 
 
 from lora_cluster.adapter_format import CONFIG_FILE, WEIGHTS_FILE, weights_file_or_refuse
 from lora_cluster.errors import AdapterLoadError, AdapterNotFoundError, ConfigError
+from lora_cluster.s3_client import LazyS3Client
 from lora_cluster.store.checksum import (
     CHECKSUMS_FILE,
     S3_METADATA_KEY,
@@ -100,7 +100,7 @@ class S3Source:
         self.uri, self.prefix = uri.rstrip("/"), prefix.strip("/")
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
         self._sleep, self._on_retry = sleep, on_retry
-        self._client, self._client_lock = client, threading.Lock()
+        self._s3 = LazyS3Client(client, connect_timeout_s=timeout_s, read_timeout_s=timeout_s)
         self._configs: dict[tuple[str, str], bytes] = {}  # (key, etag) -> config / checksums file bytes
 
     def __repr__(self) -> str:
@@ -108,16 +108,8 @@ class S3Source:
 
     @property
     def client(self) -> Any:
-        """One boto3 client per source (boto3 clients are thread-safe; sessions are not)."""
-        with self._client_lock:
-            if self._client is None:
-                import boto3
-                from botocore.config import Config
-
-                config = Config(connect_timeout=self.timeout_s, read_timeout=self.timeout_s,
-                                user_agent_extra="lora-cluster")
-                self._client = boto3.session.Session().client("s3", config=config)
-            return self._client
+        """One boto3 client per source (`lora_cluster.s3_client`)."""
+        return self._s3.get()
 
     def _key(self, *parts: str) -> str:
         return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
