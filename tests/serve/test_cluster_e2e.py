@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from helpers import cluster_replicas, cluster_view, wait_until
+from helpers import cluster_replicas, cluster_view, poll, wait_until
 
 from lora_cluster.engine import SamplingParams
 
@@ -173,15 +173,22 @@ def _interactive_stats(http: httpx.Client, at_least: int) -> dict[str, dict] | N
 def test_killing_the_controller_loses_no_request_and_the_view_is_rebuilt(base_url, http):
     import ray
 
-    with concurrent.futures.ThreadPoolExecutor(15) as pool:
-        # 15: more than the replicas take (3 x (2 slots + an admission window of 2)), so that some wait
-        load = [pool.submit(_stream, base_url, f"a{i % 3}", "standard", 200) for i in range(15)]
-        wait_until(lambda: cluster_view(http)["queue"]["depth"] >= 1, BOUND_S,
-                   "requests waiting in the controller's queue")
+    waves, load, queued = 0, [], False
+    with concurrent.futures.ThreadPoolExecutor(45) as pool:
+        # a wave of 15: more than the replicas take (3 x (2 slots + an admission window of 2)), so
+        # that some wait. On a loaded machine the ingress's fast path can take a whole wave into
+        # Serve's own queue (replicas' reports lag), so up to 3 waves are sent before this premise
+        # is judged unmet
+        while not queued and waves < 3:
+            waves += 1
+            load += [pool.submit(_stream, base_url, f"a{i % 3}", "standard", 200) for i in range(15)]
+            queued = bool(poll(lambda: cluster_view(http)["queue"]["depth"] >= 1, BOUND_S / 3))
+        assert queued, (f"requests waited in the controller's queue after {waves} waves of 15 "
+                        f"(view: {cluster_view(http)['controller']})")
         actor = cluster_view(http)["controller"]["actor"]
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=False)
-        results = [f.result(timeout=BOUND_S) for f in load]
-    assert [r["status"] for r in results] == [200] * 15, "no request is lost when the controller dies"
+        results = [f.result(timeout=3 * BOUND_S) for f in load]
+    assert [r["status"] for r in results] == [200] * len(load), "no request is lost when the controller dies"
     assert all(r["text"] for r in results), "every request produced its tokens"
 
     def rebuilt() -> bool:
