@@ -21,6 +21,7 @@ from ray_app import serve_log
 from shared_apps import MAX_PROMPT_TOKENS, demo_config
 
 from lora_cluster.engine import SamplingParams
+from lora_cluster.releases.split import bucket, takes_candidate
 
 pytestmark = pytest.mark.e2e
 
@@ -278,9 +279,13 @@ def test_a_release_goes_through_every_step_while_model_fin_callers_change_nothin
     created = http.post("/v1/adapters/rel/releases", json=body)
     assert created.status_code == 200, f"the release starts: {created.text}"
     release = created.json()
+    # ten users, three of them in the first step's 25% (fixed names miss it for 5.6% of release ids)
+    ranked = [f"user-{j}" for j in range(1000)]
+    early = [u for u in ranked if takes_candidate(25, bucket(release["id"], u))][:3]
+    late = [u for u in ranked if not takes_candidate(25, bucket(release["id"], u))][:7]
     shares, users = [], {}
-    for i in range(120):  # bounded: about 3 / 0.25 + 3 / 0.5 + 3 requests are needed
-        user = f"user-{i % 10}"
+    for i in range(120):  # bounded: about 3 / 0.3 + 3 / 0.5 + 3 requests are needed
+        user = (early + late)[i % 10]
         raw = client.completions.with_raw_response.create(model="rel", prompt=PROMPT, max_tokens=2,
                                                             temperature=0, user=user)
         users.setdefault(user, []).append(raw.headers["x-lora-adapter-version"])
