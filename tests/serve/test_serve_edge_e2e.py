@@ -59,13 +59,15 @@ def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counte
         # the premise is that the burst fills the cluster queue, so that the controller refuses; a
         # burst can instead overrun the fast path's view into Serve's own queue (a slow adapter load
         # on a loaded machine: the direct requests not started within report_lag_s stop counting),
-        # whose 429s are not the controller's: the burst is tried again then, at most 3 times
+        # whose 429s are not the controller's; and on a loaded machine the sequential requests can
+        # each reach the ingress more than edge_max_age_s (0.1 s) after the controller's last state,
+        # so that the edge refuses none: the burst is tried again then, at most 3 times
         for _ in range(3):
             edge_before, controller_before = _edge_refusals(http), _controller_refusals(http)
             answers = _burst(demo_app)
             edge = _edge_refusals(http) - edge_before
             by_controller = _controller_refusals(http) - controller_before
-            if by_controller >= 1:
+            if by_controller >= 1 and edge >= 1:
                 break
         codes = [r.status_code for r in answers]
         assert by_controller >= 1, f"the controller refused some (the burst filled its queue): {codes}"
