@@ -1,24 +1,43 @@
-"""One replica's rounds of reports to the controller's shards: what each shard is sent, and the replies
-taken back as one (pure, no I/O: the caller sends).
+"""One replica's rounds of reports to the controller's shards: which shards a round goes to, what each
+is sent, and the replies taken back as one (pure, no I/O: the caller sends).
 
 The live replica (`serve.replica.reporter.ControllerReporter`, over Ray handles) and the simulator
 (`sim.sharded_controller`, by direct calls) both run a round through this one object, so the
 simulator checks the composition the server runs:
 
-1. `messages(report)`: the report each shard gets, in shard order: that shard's adapters only
-   (`sharding.shard_report`), the share of the replica's free room it may grant (`split_room`, from
-   the queue depths of the shards' last replies; the round number rotates who gets a remainder
-   slot), encoded by that shard's own `ReportEncoder` (a delta against what that shard acknowledged,
-   or a full report). With one shard the report goes as built, without a room.
-2. `replied(replies)`: each shard's reply, or None for a shard that could not be reached (it counts
-   as queueing nothing, so no room is held back for it; its successor starts empty). Each reply
-   acknowledges its encoder's report and sets that shard's queue depth; the answered replies merge
-   into one (`merge_replies`: queue depths summed, prefetch lists united, each shard's list cut to
-   the adapters it owns). Returns that reply (None when no shard answered) and whether any shard
-   asked for a full report (`resync`: the caller reports again soon).
+1. `arrived(ticket_id, adapter_id)`: a granted ticket reached the replica; its adapter's shard
+   (`shard_of`) granted it, so that shard alone is told of it, and its share of the room shrinks by
+   one (its grant took one slot of its own share).
+2. `messages(report)`: the report each shard gets, in shard order, or None for a shard the round
+   does not concern. Each shard's report is cut to its own adapters and arrived tickets
+   (`sharding.shard_report`) and carries its share of the replica's free room (`split_room`, from
+   the queue depths of the shards' last replies and the shares they hold; the round number rotates
+   who gets a remainder slot), encoded by that shard's own `ReportEncoder` (a delta against what that
+   shard acknowledged, or a full report). A round concerns shard k, and goes to it, when
+   * its share of the room changed,
+   * the replica has events of its adapters (requests per adapter, arrived tickets it granted, or an
+     arrived ticket whose shard the replica does not know: that goes to every shard),
+   * its adapters resident, loading, in the host tier or on the node's cluster tier changed,
+   * its encoder owes it a full report (the first, one every `full_every_s`, or a `resync`), or
+   * `heartbeat_s` passed since it was last sent one (so a shard that nothing concerns still hears
+     that the replica lives, and its load, well within `ControllerSettings.stale_after_s`).
+   So a shard's view of the replica's shared fields (running, waiting, the per-class stats,
+   prefixes) is at most `heartbeat_s` older than the replica's last report, and exactly as fresh
+   for everything its grants depend on: its room share and its own adapters. With one shard the
+   report goes as built, without a room, every round.
+3. `replied(replies)`: each sent shard's reply, or None for a sent shard that could not be reached
+   (it counts as queueing nothing, so no room is held back for it; its successor starts empty);
+   entries of shards not sent to are ignored. Each reply acknowledges its encoder's report and sets
+   that shard's queue depth; the answered replies merge into one (`merge_replies`: queue depths
+   summed, prefetch lists united, each shard's list cut to the adapters it owns). Returns that
+   reply (None when no sent shard answered; a round sent to no shard is answered at once with the
+   depths known) and whether any shard asked for a full report (`resync`: the caller reports again
+   soon).
 
-Invariant: `queued` holds one depth per shard, each the latest reply's (0 for a silent shard), and
-`queue_depth` is their sum: what the replica acts on (`report_rules.report_on_finish`).
+Invariants: `queued` holds one depth per shard, each from the latest reply of that shard (0 for a
+silent one), and `queue_depth` is their sum, what the replica acts on
+(`report_rules.report_on_finish`); `rooms[k]` is the share shard k was last sent, so a shard's
+share changes only in a report it receives.
 """
 
 from __future__ import annotations
@@ -28,39 +47,82 @@ from typing import Any
 
 from lora_cluster.cluster.report_delta import ReportDelta, ReportEncoder
 from lora_cluster.cluster.reports import ReplicaReport
-from lora_cluster.cluster.sharding import merge_replies, owns, shard_report, split_room
+from lora_cluster.cluster.sharding import merge_replies, owns, shard_of, shard_report, split_room
+
+SHARD_HEARTBEAT_S = 1.0  # each shard hears from a replica at least this often (controller_shard_heartbeat_s)
+MAX_TICKETS_KEPT = 4096  # arrived tickets whose shard is kept until the next round (then: every shard)
+
+Lists = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+
+
+def _lists(report: ReplicaReport) -> Lists:
+    return report.resident, report.loading, report.host_held, report.cluster_held
 
 
 class ReportRounds:
     """The report rounds of one replica to `shards` controller shards (see the module docstring)."""
 
-    def __init__(self, shards: int, clock: Callable[[], float]):
+    def __init__(self, shards: int, clock: Callable[[], float], heartbeat_s: float = SHARD_HEARTBEAT_S):
         if shards < 1:
             raise ValueError(f"a controller has at least one shard, got {shards}")
         self.encoders = [ReportEncoder(clock=clock) for _ in range(shards)]
         self.queued = [0] * shards  # each shard's queue depth, from its last reply
+        self.rooms = [0] * shards  # the room share each shard was last sent
         self.rounds = 0
+        self.heartbeat_s, self._clock = heartbeat_s, clock
+        self._sent_at = [-float("inf")] * shards
+        self._lists: list[Lists | None] = [None] * shards  # its adapters as last sent to each shard
+        self._sent: list[bool] = [False] * shards  # the current round went to this shard
+        self._tickets: dict[str, int] = {}  # arrived ticket -> the shard that granted it
+        self._seen = 0  # replicas the shards see, from the latest replies
 
     @property
     def queue_depth(self) -> int:
         return sum(self.queued)
 
-    def messages(self, report: ReplicaReport) -> list[ReplicaReport | ReportDelta]:
-        """What each shard is sent for `report`, in shard order (step 1)."""
+    def arrived(self, ticket_id: str, adapter_id: str | None) -> None:
+        """A granted ticket of `adapter_id` reached the replica (step 1)."""
+        if len(self._tickets) < MAX_TICKETS_KEPT:
+            self._tickets[ticket_id] = shard_of(adapter_id, len(self.encoders))
+
+    def messages(self, report: ReplicaReport) -> list[ReplicaReport | ReportDelta | None]:
+        """What each shard is sent for `report`, in shard order; None: not sent (step 2)."""
         self.rounds += 1
         n = len(self.encoders)
-        rooms: list[int | None] = [None]
-        if n > 1:
-            rooms = list(split_room(report.capacity - report.ongoing, self.queued, turn=self.rounds))
-        return [encoder.encode(shard_report(report, k, n, rooms[k]))
-                for k, encoder in enumerate(self.encoders)]
+        if n == 1:
+            self._sent = [True]
+            return [self.encoders[0].encode(report)]
+        own: list[list[str]] = [[] for _ in range(n)]
+        unknown: list[str] = []
+        for ticket in report.arrived_tickets:
+            k = self._tickets.pop(ticket, -1)
+            (own[k] if k >= 0 else unknown).append(ticket)
+        held = [max(0, room - len(own[k])) for k, room in enumerate(self.rooms)]
+        rooms = split_room(report.capacity - report.ongoing, self.queued, turn=self.rounds, held=held)
+        now = self._clock()
+        out: list[ReplicaReport | ReportDelta | None] = []
+        for k, encoder in enumerate(self.encoders):
+            message = shard_report(report, k, n, rooms[k], tuple(own[k] + unknown))
+            lists = _lists(message)
+            concerned = (rooms[k] != self.rooms[k] or bool(message.adapter_requests)
+                         or bool(message.arrived_tickets) or lists != self._lists[k]
+                         or encoder.needs_full or now - self._sent_at[k] >= self.heartbeat_s)
+            self._sent[k] = concerned
+            if not concerned:
+                out.append(None)
+                continue
+            self.rooms[k], self._lists[k], self._sent_at[k] = rooms[k], lists, now
+            out.append(encoder.encode(message))
+        return out
 
     def replied(self, replies: Sequence[Mapping[str, Any] | None]) -> tuple[dict[str, Any] | None, bool]:
-        """The round's replies taken back (step 2): (the merged reply or None, resync asked)."""
+        """The round's replies taken back (step 3): (the merged reply or None, resync asked)."""
         n = len(self.encoders)
         answered: list[dict[str, Any]] = []
         resync = False
         for k, reply in enumerate(replies):
+            if not self._sent[k]:
+                continue
             if reply is None:
                 self.queued[k] = 0
                 continue
@@ -69,6 +131,10 @@ class ReportRounds:
             self.queued[k] = int(reply.get("queue_depth", 0))
             answered.append(dict(reply) if n == 1 else
                             {**reply, "prefetch": [a for a in reply.get("prefetch", ()) if owns(a, k, n)]})
+        if not any(self._sent):  # nothing concerned any shard: the depths known stand
+            return {"queue_depth": self.queue_depth, "prefetch": [], "replicas": self._seen}, False
         if not answered:
             return None, resync
-        return (answered[0] if n == 1 else merge_replies(answered)), resync
+        merged = answered[0] if n == 1 else {**merge_replies(answered), "queue_depth": self.queue_depth}
+        self._seen = int(merged.get("replicas", self._seen))
+        return merged, resync

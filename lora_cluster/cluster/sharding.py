@@ -82,10 +82,13 @@ def shard_deployment(controller: str, shard: int) -> str:
     return controller if shard == 0 else f"{controller}{SHARD_SUFFIX}{shard}"
 
 
-def shard_report(report: ReplicaReport, shard: int, shards: int, room: int | None) -> ReplicaReport:
+def shard_report(report: ReplicaReport, shard: int, shards: int, room: int | None,
+                 arrived: tuple[str, ...] | None = None) -> ReplicaReport:
     """What a replica tells `shard`: `report` with the adapters it lists (resident, loading,
-    requested) cut to those the shard owns, and `room`, the share of its free room the shard may
-    grant (see the module docstring). One shard: `report` itself, with `room`."""
+    requested, held in its host tier or on its node's cluster tier) cut to those the shard owns,
+    `room`, the share of its free room the shard may grant (see the module docstring), and, when
+    `arrived` is given, those of its arrived tickets (the ones this shard granted, and any whose
+    shard the replica does not know). One shard: `report` itself, with `room`."""
     if shards <= 1:
         return report if room is None else dataclasses.replace(report, room=room)
 
@@ -93,12 +96,23 @@ def shard_report(report: ReplicaReport, shard: int, shards: int, room: int | Non
         return tuple(a for a in ids if shard_of(a, shards) == shard)
     return dataclasses.replace(
         report, room=room, resident=own(report.resident), loading=own(report.loading),
+        host_held=own(report.host_held), cluster_held=own(report.cluster_held),
+        arrived_tickets=report.arrived_tickets if arrived is None else arrived,
         adapter_requests={a: n for a, n in report.adapter_requests.items() if shard_of(a, shards) == shard})
 
 
-def split_room(free: int, queued: Sequence[int], turn: int = 0) -> list[int]:
+def split_room(free: int, queued: Sequence[int], turn: int = 0,
+               held: Sequence[int] | None = None) -> list[int]:
     """How much of a replica's `free` slots each shard may grant, given each shard's `queued`
-    tickets (see the module docstring); `turn` rotates who gets a remainder slot first."""
+    tickets (see the module docstring); `turn` rotates who gets a remainder slot first.
+
+    `held`: the shares the shards hold now (what each was last sent, less its grants that arrived
+    since). When the queued tickets exceed the room, the split then moves as few slots as it can:
+    each shard keeps its share, cut to its queued tickets; while the shares exceed the room, a slot
+    is taken from the shard furthest above its proportional share; while they fall short, one goes
+    to the shard furthest below it. So a freed slot changes one shard's share, and only that shard
+    needs the replica's next report (`report_round`). The shares still add up to the room exactly
+    and never exceed a shard's queued tickets."""
     n = len(queued)
     free = max(0, free)
     if n <= 1:
@@ -113,7 +127,26 @@ def split_room(free: int, queued: Sequence[int], turn: int = 0) -> list[int]:
     order = sorted(range(n), key=lambda k: (-(free * demand[k] % total), (k - turn) % n))
     for k in order[:left]:
         shares[k] += 1
-    return shares
+    if held is None or len(held) != n:
+        return shares
+    return _sticky(shares, [min(max(0, h), q) for h, q in zip(held, demand, strict=True)], free, turn)
+
+
+def _sticky(target: list[int], kept: list[int], free: int, turn: int) -> list[int]:
+    """`kept` moved towards `target` one slot at a time until it adds up to `free` (`split_room`);
+    ties go to the shard first from `turn`."""
+    n = len(target)
+    order = sorted(range(n), key=lambda k: (k - turn) % n)
+    total = sum(kept)
+    while total > free:
+        k = max(order, key=lambda j: kept[j] - target[j])
+        kept[k] -= 1
+        total -= 1
+    while total < free:
+        k = max(order, key=lambda j: target[j] - kept[j])
+        kept[k] += 1
+        total += 1
+    return kept
 
 
 def merge_replies(replies: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

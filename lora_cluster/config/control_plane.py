@@ -115,6 +115,16 @@ class ControllerConfig(BaseModel):
         "over every replica (each replica reports to each, with a share of its free room). Shard 0 keeps "
         "the deployment name `ClusterController[-<group>]`, shard k > 0 adds `-shard<k>` (docs/scale.md).",
     )
+    controller_shard_heartbeat_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="With controller_shards > 1, a replica's report round goes only to the shards it "
+        "concerns (their room share, their adapters or their arrived tickets changed), and to every other "
+        "shard at least this often, so each still learns that the replica lives and its load. Keep it "
+        "well under the controller's forgetting of a silent replica (max(2 s, 4 report periods)) "
+        "(docs/scale.md#report-rounds-to-the-shards-concerned).",
+    )
     cluster_queue_size: int = Field(
         4096, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "
         "(a more urgent request bumps the least urgent queued one instead)."

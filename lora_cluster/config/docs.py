@@ -112,7 +112,7 @@ GROUPS = (
            "breaker_routing_recover_requests"),
           ("docs/serving.md", "routing")),
     Group("controller", "Cluster controller: cluster queue, preemption, placement", "controller",
-          ("enabled", "controller_shards", "cluster_queue_size",
+          ("enabled", "controller_shards", "controller_shard_heartbeat_s", "cluster_queue_size",
            "cluster_queue_aging_s", "cluster_queue_timeout_s", "cluster_queue_max_wait_s",
            "cold_shed_window_s", "cold_shed_pressure", "edge_max_age_s",
            "preempt_after_fraction", "top_class_preempt_after_fraction", "controller_report_period_s",

@@ -340,7 +340,7 @@ class LoraClusterPolicy:
             return
         self.preempting += grant.preempt
         req.ticket = ticket_id
-        self.reports.arrived[grant.replica_id].append(ticket_id)
+        self.reports.ticket_arrived(grant.replica_id, ticket_id, req.adapter)
         self.routing.record(grant.replica_id, req.adapter)
         self._send(req, grant.replica_id)
 
@@ -432,9 +432,10 @@ class LoraClusterPolicy:
 
     def control_plane(self) -> dict[str, float | bool | None]:
         """At steady state (from the end of the warm-up to the last arrival): reports per second per
-        replica (rounds: one report to each shard counts once), and CPU seconds spent in the
-        controller's calls per simulated second (with shards: all of them, and also the busiest one);
-        with the actor's loop modelled, the share of the whole run it was busy and its inputs per turn."""
+        replica (with shards: those every shard took over the shards, a shard's own), and CPU seconds
+        spent in the controller's calls per simulated second (with shards: all of them, and also the
+        busiest one); with the actor's loop modelled, the share of the whole run it was busy and its
+        inputs per turn."""
         reports, cpu_s, until = self._steady
         span = until - self.metrics.measure_from
         if span <= 0:

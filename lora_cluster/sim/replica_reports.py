@@ -44,7 +44,9 @@ class SimReporters:
         self.inbox, self.window = planes[0].inbox, planes[0].window
         self.sharded, self._taken, self._depth = len(shards) > 1, taken, depth
         n = len(shards)
-        self._rounds = {rid: ReportRounds(n, loop.clock) for rid in replicas} if self.sharded else {}
+        heartbeat_s = control.controller_shard_heartbeat_s
+        self._rounds = ({rid: ReportRounds(n, loop.clock, heartbeat_s) for rid in replicas}
+                        if self.sharded else {})
         self.in_flight: dict[str, bool] = {}  # replica -> its report awaits its reply; another is due after
         self.arrived: dict[str, list[str]] = {rid: [] for rid in replicas}
         self.queue_depth = dict.fromkeys(replicas, 0)
@@ -61,6 +63,13 @@ class SimReporters:
         n = len(self.replicas)
         for i, rid in enumerate(sorted(self.replicas)):
             self.schedule(rid, self.control.controller_report_period_s * i / n)
+
+    def ticket_arrived(self, replica_id: str, ticket_id: str, adapter_id: str | None) -> None:
+        """A granted ticket of `adapter_id` reached `replica_id`: its next report tells of it (with
+        shards, the shard that granted it)."""
+        self.arrived[replica_id].append(ticket_id)
+        if self.sharded:
+            self._rounds[replica_id].arrived(ticket_id, adapter_id)
 
     def finished(self, replica: SimReplica) -> None:
         """One of `replica`'s requests ended: report soon if `report_on_finish` says so."""
@@ -94,18 +103,25 @@ class SimReporters:
         self.inbox.input("report", partial(self._act, replica_id, sent))
 
     def _round(self, replica_id: str, built: Any) -> None:
-        """One round of reports, each to its shard's loop (see the module docstring)."""
+        """One round of reports, each to the loop of a shard it concerns (see the module docstring);
+        a round that concerns no shard is answered at once."""
         self.in_flight[replica_id] = False
         messages = self._rounds[replica_id].messages(built)
         replies: list[dict[str, Any] | None] = [None] * len(messages)
+        waiting = [m is not None for m in messages]
+        if not any(waiting):
+            self._round_replied(replica_id, replies)
+            return
         for k, message in enumerate(messages):
-            self.planes[k].inbox.input("report", partial(self._shard_act, replica_id, k, message, replies))
+            if message is not None:
+                self.planes[k].inbox.input("report", partial(self._shard_act, replica_id, k, message,
+                                                             replies, waiting))
 
-    def _shard_act(self, replica_id: str, k: int, message: Any,
-                   replies: list[dict[str, Any] | None]) -> Callable[[], None] | None:
+    def _shard_act(self, replica_id: str, k: int, message: Any, replies: list[dict[str, Any] | None],
+                   waiting: list[bool]) -> Callable[[], None] | None:
         """Shard `k` takes its report without a dispatch; its window dispatches for its room."""
         reply = self._call(k, "report", self.shards[k].report, message, False)
-        answer = partial(self._shard_replied, replica_id, k, reply, replies)
+        answer = partial(self._shard_replied, replica_id, k, reply, replies, waiting)
         plane = self.planes[k]
         if plane.inbox.loop is not None:
             plane.window.dispatch_soon()
@@ -114,11 +130,15 @@ class SimReporters:
         return None
 
     def _shard_replied(self, replica_id: str, k: int, reply: dict[str, Any],
-                       replies: list[dict[str, Any] | None]) -> None:
-        """Shard `k`'s reply (its queue as its dispatch left it); the round's, once all have answered."""
+                       replies: list[dict[str, Any] | None], waiting: list[bool]) -> None:
+        """Shard `k`'s reply (its queue as its dispatch left it); the round's, once every shard sent
+        to has answered."""
         replies[k] = {**reply, "queue_depth": len(self.shards[k].queue)}
-        if any(r is None for r in replies):
-            return
+        waiting[k] = False
+        if not any(waiting):
+            self._round_replied(replica_id, replies)
+
+    def _round_replied(self, replica_id: str, replies: list[dict[str, Any] | None]) -> None:
         merged, resync = self._rounds[replica_id].replied(replies)
         reply = {**(merged or {"queue_depth": 0, "prefetch": []}), "resync": resync}
         self._replied(replica_id, reply)

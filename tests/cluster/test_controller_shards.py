@@ -17,7 +17,7 @@ from helpers import CoalescedShard, FakeClock, FakeResponse
 from tickets import CLASSES, ticket
 
 from lora_cluster.cluster.controller import Controller
-from lora_cluster.cluster.report_round import ReportRounds
+from lora_cluster.cluster.report_round import SHARD_HEARTBEAT_S, ReportRounds
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sharding import (
@@ -245,7 +245,7 @@ async def test_a_shard_that_asks_for_a_resync_alone_gets_a_full_report():
     async def on_reply(_reply: dict) -> None:
         return None
 
-    reporter = ControllerReporter(shards, build, on_reply, period_s=60.0)
+    reporter = ControllerReporter(shards, build, on_reply, period_s=60.0, heartbeat_s=0.0)  # every round to each
     await reporter.report_once()
     shards[1].resync = True  # shard 1 restarted
     await reporter.report_once()
@@ -264,14 +264,18 @@ async def test_no_room_is_held_back_for_a_shard_that_does_not_answer():
     async def on_reply(_reply: dict) -> None:
         return None
 
-    reporter = ControllerReporter(shards, build, on_reply, period_s=60.0)
+    clock = FakeClock()
+    reporter = ControllerReporter(shards, build, on_reply, period_s=60.0, clock=clock)
     await reporter.report_once()  # both queue 6
     await reporter.report_once()
     assert shards[0].reports[-1]["changed"]["room"] == 2, "two shards queueing alike: half the room each"
     shards[1].dead = True
     await reporter.report_once()
+    assert shards[0].reports[-1]["changed"]["room"] == 2, "nothing changed: no round, the dead shard unseen"
+    clock.advance(SHARD_HEARTBEAT_S)  # the heartbeat reaches both: shard 1 does not answer
     await reporter.report_once()
-    assert shards[0].reports[-1]["changed"]["room"] == 4, "none held back for a dead shard"
+    await reporter.report_once()
+    assert shards[0].reports[-1]["changed"]["room"] == 4, "none held back for a dead shard after a heartbeat"
 
 
 def full() -> dict[str, RoutingStats]:

@@ -149,7 +149,8 @@ class LoraReplica:
         self.reporter = None if controller is None else ControllerReporter(
             controller, self._report, self._on_reply, self.config.controller.controller_report_period_s,
             self.config.controller.controller_report_coalesce_s,
-            budget_per_s=self.config.controller.controller_report_budget_per_s)
+            budget_per_s=self.config.controller.controller_report_budget_per_s,
+            heartbeat_s=self.config.controller.controller_shard_heartbeat_s)
         self.aengine = AsyncEngine(self.engine, on_step=self._observe_step)  # after the reporter it reads
         self.prefetcher = self._demand_prefetch(controller)
         # usage records go to the `UsageSink` deployment in batches (`serve.ops.usage_shipper`)
@@ -222,6 +223,8 @@ class LoraReplica:
         self.active += 1
         if job.ticket_id is not None:
             self._arrived.append(job.ticket_id)
+            if self.reporter is not None:
+                self.reporter.ticket_arrived(job.ticket_id, aid)
         started = time.monotonic()
         if self.reporter is not None:
             self.reporter.start()

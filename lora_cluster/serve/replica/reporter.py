@@ -16,13 +16,15 @@ window and the period stretch to keep the controller within `budget_per_s` repor
 at the next period; the replica keeps serving meanwhile.
 
 A controller in shards (`cluster.sharding`; `controller` is then the list of the shards' handles):
-each round of reports goes to every shard at once (one pacer: the rounds per second do not grow with
-the shards). What each shard is sent and how the replies merge is `cluster.report_round.ReportRounds`,
-the object the simulator runs too: one encoder per shard (deltas and resyncs per shard), each report
-listing that shard's adapters only and carrying the share of the replica's free room that shard may
-grant; the queue depth the replica acts on is the sum of the shards', its prefetch list the union. A
-shard that cannot be reached counts as queueing nothing (no room is held back for it: its tickets
-park again at its successor, which starts empty) and is retried with the next round.
+each round of reports goes at once to the shards it concerns (one pacer: the rounds per second do not
+grow with the shards). Which shards those are, what each is sent and how the replies merge is
+`cluster.report_round.ReportRounds`, the object the simulator runs too: a shard whose room share,
+adapters or arrived tickets changed, or that has not heard from the replica for
+`controller_shard_heartbeat_s`; one encoder per shard (deltas and resyncs per shard), each report
+listing that shard's adapters and tickets only and carrying the share of the replica's free room that
+shard may grant; the queue depth the replica acts on is the sum of the shards', its prefetch list
+the union. A shard that cannot be reached counts as queueing nothing (no room is held back for it:
+its tickets park again at its successor, which starts empty) and is retried with the next round.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lora_cluster.cluster.report_round import ReportRounds
+from lora_cluster.cluster.report_round import SHARD_HEARTBEAT_S, ReportRounds
 from lora_cluster.cluster.report_rules import ReportPacer, report_on_finish
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.serve.ops.background import keep_running, within
@@ -46,20 +48,25 @@ class ControllerReporter:
     def __init__(self, controller: Any, build_report: Callable[[], Awaitable[ReplicaReport]],
                  on_reply: Callable[[dict[str, Any]], Awaitable[None]], period_s: float,
                  coalesce_s: float = 0.2, clock: Callable[[], float] = time.monotonic,
-                 budget_per_s: float = 0.0):
+                 budget_per_s: float = 0.0, heartbeat_s: float = SHARD_HEARTBEAT_S):
         """`controller`: the controller's handle, or the list of its shards' handles."""
         self._shards = list(controller) if isinstance(controller, list | tuple) else [controller]
         self._build, self._on_reply = build_report, on_reply
         self.period_s, self._clock = period_s, clock
         self.pacer = ReportPacer(period_s=period_s, coalesce_s=coalesce_s, clock=clock,
                                  budget_per_s=budget_per_s)
-        self.rounds = ReportRounds(len(self._shards), clock)  # encoders, shards' depths (as the simulator)
+        # encoders, shards' depths and room shares (as the simulator)
+        self.rounds = ReportRounds(len(self._shards), clock, heartbeat_s)
         self.queue_depth = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = keep_running(self._task, self._run)
+
+    def ticket_arrived(self, ticket_id: str, adapter_id: str | None) -> None:
+        """A granted ticket of `adapter_id` reached the replica: the next report tells its shard."""
+        self.rounds.arrived(ticket_id, adapter_id)
 
     def request_finished(self, ongoing_before: int, capacity: int) -> None:
         """A request ended here (`ongoing_before` requests ran before it ended, of `capacity`):
@@ -82,7 +89,8 @@ class ControllerReporter:
         that cannot be reached is retried at the next period."""
         self.pacer.sent()
         try:
-            payloads = [message.to_dict() for message in self.rounds.messages(await self._build())]
+            payloads = [None if message is None else message.to_dict()
+                        for message in self.rounds.messages(await self._build())]
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -100,8 +108,10 @@ class ControllerReporter:
         await self._on_reply(reply)
 
     @staticmethod
-    async def _send(controller: Any, payload: dict[str, Any]) -> dict[str, Any] | None:
-        """One shard's reply to `payload` (None: the shard could not be reached)."""
+    async def _send(controller: Any, payload: dict[str, Any] | None) -> dict[str, Any] | None:
+        """One shard's reply to `payload` (None: the shard could not be reached, or nothing to send)."""
+        if payload is None:
+            return None
         try:
             return await controller.report.remote(payload)
         except asyncio.CancelledError:
