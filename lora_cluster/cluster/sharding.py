@@ -8,16 +8,19 @@ Ownership. Shard `shard_of(adapter_id, n)` owns a request: its ticket parks ther
 places (and has prefetched) its adapter. The hash is a stable digest of the id (blake2b, the same in
 every process and every run, unlike Python's salted `hash`), so every ingress parks an adapter's
 requests at the same shard and a restarted shard owns what its predecessor owned. Requests for the
-base model (adapter None) belong to shard 0. Every shard sees every replica: each replica reports to
-every shard, with one report encoder per shard (its deltas and resyncs are that shard's alone) and one
-pacer (a replica sends one round of reports per period or coalesced finish, so its report *rounds*
-per second do not grow with n; the calls do, n per round, spread over n actors). A shard's report
-(`shard_report`) lists only that shard's adapters among the resident, loading and requested ones:
-every decision of a shard reads residency and demand of its own adapters only (holders, hits,
-placement, cold shedding), so it loses nothing, and the adapter lists a shard keeps up to date
-shrink n times. What the shards place together differs from one controller's plan in one way: each
-counts a replica's free adapter slots for its own new holders, so n shards may plan up to n new
-adapters into the same free slot in one round (the replica's own eviction policy then decides).
+base model (adapter None) belong to shard 0. Every shard sees every replica, with one report encoder
+per shard (its deltas and resyncs are that shard's alone) and one pacer (a replica sends one round of
+reports per period or coalesced finish, so its report *rounds* per second do not grow with n). A
+round goes only to the shards it concerns (`report_round.ReportRounds`): those whose room share, own
+adapters or arrived tickets changed, that are owed a full report, and every shard at least every
+`controller_shard_heartbeat_s` (so each still learns the replica lives, and its load). A shard's
+report (`shard_report`) lists only that shard's adapters among the resident, loading, requested and
+host- or cluster-tier-held ones, and only the tickets it granted among the arrived ones: every
+decision of a shard reads residency and demand of its own adapters only (holders, hits, placement,
+cold shedding), so it loses nothing, and the adapter lists a shard keeps up to date shrink n times.
+What the shards place together differs from one controller's plan in one way: each counts a
+replica's free adapter slots for its own new holders, so n shards may plan up to n new adapters into
+the same free slot in one round (the replica's own eviction policy then decides).
 
 Room. Two shards could grant the same free slot. Each report therefore tells its shard how much of
 the replica's free room (capacity - requests in its hands) that shard may grant (`ReplicaReport.room`;
@@ -37,6 +40,24 @@ queued counts each shard's last reply gave (its queue depth):
 So protection never leaves capacity idle while requests wait: a shard with tickets always has room
 offered where room exists, and the bounded overcommit is the price of that. With one shard nothing
 is split: `room` stays None and the controller behaves exactly as before.
+
+Held shares: a shard's grants need no other shard's reports. Each shard grants from the share it was
+last sent, less its own grants on their way; a grant of its own that arrives takes its slot out of
+its own share (the replica knows which shard granted an arrived ticket from the ticket's adapter),
+and when demand exceeds the room `split_room` moves as few slots as it can between the shares it
+holds (`held`), so a freed slot changes one shard's share and only that shard is sent the round.
+A shard's view of the replica's shared fields (running, waiting, per-class stats) is then at most one
+heartbeat old; its room share, its adapters and its tickets are always as fresh as the replica's
+last round.
+
+Preemption across shards. A preempting grant needs no room share: a shard preempts less urgent work
+on any replica, whichever shard's requests those are, from the running-by-priority counts that
+replica last told it (at most one heartbeat old, fresh after every round that concerns it). The
+replica's engine picks the victims (its least urgent sequences), so two shards that preempt on one
+replica at once take its least urgent work in turn, and a grant beyond it waits in the replica's
+queue. The victim's own shard is not asked (the victim stays the replica's, paused there, not
+parked again) and sees the replica's counts change with the next round sent to it, at most one
+heartbeat later.
 
 Merging. `merge_replies` (the replica's view of its n replies: queued counts summed, prefetch lists
 united), `merge_placement` (each shard's table holds only its own adapters: their union),

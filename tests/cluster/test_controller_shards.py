@@ -245,7 +245,7 @@ async def test_a_shard_that_asks_for_a_resync_alone_gets_a_full_report():
     async def on_reply(_reply: dict) -> None:
         return None
 
-    reporter = ControllerReporter(shards, build, on_reply, period_s=60.0, heartbeat_s=0.0)  # every round to each
+    reporter = ControllerReporter(shards, build, on_reply, period_s=60.0, heartbeat_s=0.0)  # all, each round
     await reporter.report_once()
     shards[1].resync = True  # shard 1 restarted
     await reporter.report_once()
