@@ -6,25 +6,29 @@ The live replica (`serve.replica.reporter.ControllerReporter`, over Ray handles)
 simulator checks the composition the server runs:
 
 1. `arrived(ticket_id, adapter_id)`: a granted ticket reached the replica; its adapter's shard
-   (`shard_of`) granted it, so that shard alone is told of it, and its share of the room shrinks by
-   one (its grant took one slot of its own share).
+   (`shard_of`) granted it, so that shard alone is told of it, and its grant took one slot of its own
+   share of the room.
 2. `messages(report)`: the report each shard gets, in shard order, or None for a shard the round
-   does not concern. Each shard's report is cut to its own adapters and arrived tickets
-   (`sharding.shard_report`) and carries its share of the replica's free room (`split_room`, from
-   the queue depths of the shards' last replies and the shares they hold; the round number rotates
-   who gets a remainder slot), encoded by that shard's own `ReportEncoder` (a delta against what that
-   shard acknowledged, or a full report). A round concerns shard k, and goes to it, when
-   * its share of the room changed,
-   * the replica has events of its adapters (requests per adapter, arrived tickets it granted, or an
-     arrived ticket whose shard the replica does not know: that goes to every shard),
+   does not concern. Each shard's report is cut to its own adapters (`sharding.shard_report`) and
+   carries its share of the replica's free room (`split_room`, from the queue depths of the shards'
+   last replies and the shares they hold; the round number rotates who gets a remainder slot),
+   encoded by that shard's own `ReportEncoder` (a delta against what that shard acknowledged, or a
+   full report). A round concerns shard k, and goes to it, when
+   * the room it may still grant changed: its new share differs from the share it was last sent
+     less its grants that arrived since (an arrival alone changes nothing there: the shard counts
+     its grant against its share until it hears of the arrival, which is the same room),
    * its adapters resident, loading, in the host tier or on the node's cluster tier changed,
+   * an arrived ticket's shard is not known (that one goes to every shard),
    * its encoder owes it a full report (the first, one every `full_every_s`, or a `resync`), or
    * `heartbeat_s` passed since it was last sent one (so a shard that nothing concerns still hears
-     that the replica lives, and its load, well within `ControllerSettings.stale_after_s`).
-   So a shard's view of the replica's shared fields (running, waiting, the per-class stats,
-   prefixes) is at most `heartbeat_s` older than the replica's last report, and exactly as fresh
-   for everything its grants depend on: its room share and its own adapters. With one shard the
-   report goes as built, without a room, every round.
+     that the replica lives, and its load, well within `ControllerSettings.stale_after_s`, and its
+     grants' arrivals well within `grant_ttl_s`).
+   A shard's events (its arrived tickets, the requests per adapter of its adapters) wait for the
+   next report it is sent, summed over the rounds in between. So a shard's view of the replica's
+   shared fields (running, waiting, the per-class stats, prefixes) and of its adapters' demand is at
+   most `heartbeat_s` older than the replica's last report, and exactly as fresh for what its grants
+   depend on: the room it may grant and its adapters' residency. With one shard the report goes as
+   built, without a room, every round.
 3. `replied(replies)`: each sent shard's reply, or None for a sent shard that could not be reached
    (it counts as queueing nothing, so no room is held back for it; its successor starts empty);
    entries of shards not sent to are ignored. Each reply acknowledges its encoder's report and sets
@@ -42,11 +46,12 @@ share changes only in a report it receives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lora_cluster.cluster.report_delta import ReportDelta, ReportEncoder
-from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.reports import MAX_ARRIVED_TICKETS, MAX_REPORTED_ADAPTERS, ReplicaReport
 from lora_cluster.cluster.sharding import merge_replies, owns, shard_of, shard_report, split_room
 
 SHARD_HEARTBEAT_S = 1.0  # each shard hears from a replica at least this often (controller_shard_heartbeat_s)
@@ -57,6 +62,13 @@ Lists = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]
 
 def _lists(report: ReplicaReport) -> Lists:
     return report.resident, report.loading, report.host_held, report.cluster_held
+
+
+def _busiest(requests: dict[str, int]) -> dict[str, int]:
+    """The `MAX_REPORTED_ADAPTERS` adapters with the most requests (a report's bound)."""
+    if len(requests) <= MAX_REPORTED_ADAPTERS:
+        return requests
+    return dict(sorted(requests.items(), key=lambda item: -item[1])[:MAX_REPORTED_ADAPTERS])
 
 
 class ReportRounds:
@@ -74,6 +86,8 @@ class ReportRounds:
         self._lists: list[Lists | None] = [None] * shards  # its adapters as last sent to each shard
         self._sent: list[bool] = [False] * shards  # the current round went to this shard
         self._tickets: dict[str, int] = {}  # arrived ticket -> the shard that granted it
+        self._arrived: list[list[str]] = [[] for _ in range(shards)]  # each shard's, not sent yet
+        self._requests: list[dict[str, int]] = [{} for _ in range(shards)]  # per adapter, not sent yet
         self._seen = 0  # replicas the shards see, from the latest replies
 
     @property
@@ -92,28 +106,43 @@ class ReportRounds:
         if n == 1:
             self._sent = [True]
             return [self.encoders[0].encode(report)]
-        own: list[list[str]] = [[] for _ in range(n)]
-        unknown: list[str] = []
-        for ticket in report.arrived_tickets:
-            k = self._tickets.pop(ticket, -1)
-            (own[k] if k >= 0 else unknown).append(ticket)
-        held = [max(0, room - len(own[k])) for k, room in enumerate(self.rooms)]
+        unknown = self._take_events(report)
+        # what each shard may still grant: its share, less its grants that arrived since it was told
+        held = [max(0, room - len(self._arrived[k])) for k, room in enumerate(self.rooms)]
         rooms = split_room(report.capacity - report.ongoing, self.queued, turn=self.rounds, held=held)
         now = self._clock()
         out: list[ReplicaReport | ReportDelta | None] = []
         for k, encoder in enumerate(self.encoders):
-            message = shard_report(report, k, n, rooms[k], tuple(own[k] + unknown))
+            message = shard_report(report, k, n, rooms[k], tuple(self._arrived[k]) + unknown)
             lists = _lists(message)
-            concerned = (rooms[k] != self.rooms[k] or bool(message.adapter_requests)
-                         or bool(message.arrived_tickets) or lists != self._lists[k]
+            concerned = (rooms[k] != held[k] or bool(unknown) or lists != self._lists[k]
                          or encoder.needs_full or now - self._sent_at[k] >= self.heartbeat_s)
             self._sent[k] = concerned
             if not concerned:
                 out.append(None)
                 continue
+            message = dataclasses.replace(message, adapter_requests=_busiest(self._requests[k]))
             self.rooms[k], self._lists[k], self._sent_at[k] = rooms[k], lists, now
+            self._arrived[k], self._requests[k] = [], {}
             out.append(encoder.encode(message))
         return out
+
+    def _take_events(self, report: ReplicaReport) -> tuple[str, ...]:
+        """`report`'s events kept for the shards they belong to until each is next sent a report:
+        its arrived tickets by the shard that granted them, its requests per adapter by the adapter's
+        shard. Returns the arrived tickets whose shard is not known (they go to every shard now)."""
+        n = len(self.encoders)
+        unknown: list[str] = []
+        for ticket in report.arrived_tickets:
+            k = self._tickets.pop(ticket, -1)
+            if k < 0:
+                unknown.append(ticket)
+            elif len(self._arrived[k]) < MAX_ARRIVED_TICKETS:
+                self._arrived[k].append(ticket)
+        for adapter_id, count in report.adapter_requests.items():
+            requests = self._requests[shard_of(adapter_id, n)]
+            requests[adapter_id] = requests.get(adapter_id, 0) + count
+        return tuple(unknown)
 
     def replied(self, replies: Sequence[Mapping[str, Any] | None]) -> tuple[dict[str, Any] | None, bool]:
         """The round's replies taken back (step 3): (the merged reply or None, resync asked)."""

@@ -105,24 +105,31 @@ def test_an_adapter_loaded_is_told_to_its_shard_alone():
     assert sent_to(messages) == [2], "the adapter's owner alone hears of it"
 
 
-def test_requests_of_an_adapter_are_told_to_its_shard_alone():
+def test_requests_of_an_adapter_wait_for_its_shards_next_report_summed():
     clock = FakeClock()
     rounds = settled(clock, [5, 5, 5, 5])
-    messages = rounds.messages(report(adapter_requests={OWN[1][0]: 3}))
-    assert sent_to(messages) == [1], "demand for an adapter concerns its shard"
+    adapter = OWN[1][0]
+    assert sent_to(rounds.messages(report(adapter_requests={adapter: 3}))) == [], "demand alone: no round"
+    assert sent_to(rounds.messages(report(adapter_requests={adapter: 2}))) == [], "nor a second time"
+    messages = rounds.messages(report(resident=(adapter,)))
+    sent = messages[1]
+    assert isinstance(sent, ReportDelta), "the adapter's load goes to its shard"
+    assert dict(sent.adapter_requests) == {adapter: 5}, "with the requests of the rounds it missed, summed"
 
 
-def test_an_arrived_ticket_goes_to_the_shard_that_granted_it_and_takes_its_slot():
+def test_an_arrived_ticket_waits_for_the_shard_that_granted_it_and_takes_its_slot():
     clock = FakeClock()
     rounds = settled(clock, [5, 5, 5, 5], running=4)
     assert rounds.rooms == [1, 1, 1, 1], "four free slots, four shards queueing alike: one each"
     rounds.arrived("t1", OWN[3][0])
     messages = rounds.messages(report(running=5, arrived_tickets=("t1",)))
-    assert sent_to(messages) == [3], "the granting shard alone is told of its ticket"
+    assert sent_to(messages) == [], "its grant took its own slot: every shard may still grant what it may"
+    messages = rounds.messages(report(running=4))  # a request of another shard's finished
+    assert sent_to(messages) == [3], "the freed slot goes to the shard that used its own"
     sent = messages[3]
     assert isinstance(sent, ReportDelta), "a delta against that shard's own base"
-    assert sent.arrived_tickets == ("t1",), "its ticket, listed"
-    assert rounds.rooms == [1, 1, 1, 0], "its grant took its own share's slot; the others' stand"
+    assert sent.arrived_tickets == ("t1",), "with the ticket it granted, listed"
+    assert rounds.rooms == [1, 1, 1, 1], "the shares as before the grant"
 
 
 def test_a_ticket_of_an_unknown_shard_goes_to_every_shard():
