@@ -96,7 +96,7 @@ class ReportRounds:
 
     def arrived(self, ticket_id: str, adapter_id: str | None) -> None:
         """A granted ticket of `adapter_id` reached the replica (step 1)."""
-        if len(self._tickets) < MAX_TICKETS_KEPT:
+        if len(self.encoders) > 1 and len(self._tickets) < MAX_TICKETS_KEPT:
             self._tickets[ticket_id] = shard_of(adapter_id, len(self.encoders))
 
     def messages(self, report: ReplicaReport) -> list[ReplicaReport | ReportDelta | None]:

@@ -112,16 +112,19 @@ class ControllerConfig(BaseModel):
         le=64,
         description="Cluster controller actors per replica group: each owns the cluster queue, grants and "
         "placement of the adapters a stable hash of the adapter id gives it (base-model requests: shard 0), "
-        "over every replica (each replica reports to each, with a share of its free room). Shard 0 keeps "
-        "the deployment name `ClusterController[-<group>]`, shard k > 0 adds `-shard<k>` (docs/scale.md).",
+        "over every replica (each replica's report round goes to the shards it concerns, each with its "
+        "share of the replica's free room, and to every shard each controller_shard_heartbeat_s). Shard 0 "
+        "keeps the deployment name `ClusterController[-<group>]`, shard k > 0 adds `-shard<k>` "
+        "(docs/scale.md).",
     )
     controller_shard_heartbeat_s: float = Field(
         1.0,
         gt=0,
         le=60,
         description="With controller_shards > 1, a replica's report round goes only to the shards it "
-        "concerns (their room share, their adapters or their arrived tickets changed), and to every other "
-        "shard at least this often, so each still learns that the replica lives and its load. Keep it "
+        "concerns (the room a shard may grant there or its adapters there changed, or it is owed a full "
+        "report), and to every other shard at least this often, so each still learns that the replica "
+        "lives, its load, and its grants that arrived. Keep it "
         "well under the controller's forgetting of a silent replica (max(2 s, 4 report periods)) "
         "(docs/scale.md#report-rounds-to-the-shards-concerned).",
     )
@@ -207,7 +210,7 @@ class ControllerConfig(BaseModel):
     controller_report_budget_per_s: float = Field(
         400.0,
         ge=0,
-        description="Replica reports a second that one controller (each shard: it takes every round) "
+        description="Replica reports a second that one controller (each shard: as if it took every round) "
         "is sent at most: each replica's coalescing window and report period are at least (replicas the "
         "controller sees) / this, so that the reports stay within its event loop's reach as the cluster "
         "grows (each costs a Serve call, about 0.6 ms of its CPU). Below budget x "

@@ -432,10 +432,9 @@ class LoraClusterPolicy:
 
     def control_plane(self) -> dict[str, float | bool | None]:
         """At steady state (from the end of the warm-up to the last arrival): reports per second per
-        replica (with shards: those every shard took over the shards, a shard's own), and CPU seconds
-        spent in the controller's calls per simulated second (with shards: all of them, and also the
-        busiest one); with the actor's loop modelled, the share of the whole run it was busy and its
-        inputs per turn."""
+        replica (with shards: a shard's, all shards' over n), CPU seconds in the controller's calls per
+        simulated second (with shards: all of them, and the busiest one); with the actor's loop
+        modelled, the share of the whole run it was busy and its inputs per turn."""
         reports, cpu_s, until = self._steady
         span = until - self.metrics.measure_from
         if span <= 0:

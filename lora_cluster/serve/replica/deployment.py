@@ -223,10 +223,9 @@ class LoraReplica:
         self.active += 1
         if job.ticket_id is not None:
             self._arrived.append(job.ticket_id)
-            if self.reporter is not None:
-                self.reporter.ticket_arrived(job.ticket_id, aid)
         started = time.monotonic()
         if self.reporter is not None:
+            self.reporter.ticket_arrived(job.ticket_id, aid)  # its shard's share (no ticket: nothing)
             self.reporter.start()
         if self.prefetcher is not None:
             self.prefetcher.start()

@@ -64,9 +64,11 @@ class ControllerReporter:
     def start(self) -> None:
         self._task = keep_running(self._task, self._run)
 
-    def ticket_arrived(self, ticket_id: str, adapter_id: str | None) -> None:
-        """A granted ticket of `adapter_id` reached the replica: the next report tells its shard."""
-        self.rounds.arrived(ticket_id, adapter_id)
+    def ticket_arrived(self, ticket_id: str | None, adapter_id: str | None) -> None:
+        """A granted ticket of `adapter_id` reached the replica: a report tells its shard (a request
+        that was not granted, `ticket_id` None: nothing to tell)."""
+        if ticket_id is not None:
+            self.rounds.arrived(ticket_id, adapter_id)
 
     def request_finished(self, ongoing_before: int, capacity: int) -> None:
         """A request ended here (`ongoing_before` requests ran before it ended, of `capacity`):
