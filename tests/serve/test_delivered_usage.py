@@ -184,3 +184,13 @@ async def test_a_fan_out_cancelled_while_starting_is_one_delivered_record_per_ch
     assert [(r.request_id, r.output_tokens, r.delivered) for r in records] == \
         [("cmpl-2-0", 0, True), ("cmpl-2-1", 0, True)], \
         f"each choice (`<request id>-<index>`) has one delivered part of nothing: {records}"
+
+
+async def test_the_ingress_wires_both_ingress_parts_with_the_groups_base_model():
+    ingress = Ingress(Handle([]))
+    parts = ingress.meter.parts("base-b")
+    parts["delivered"](request_id="cmpl-3-0", tenant="acme", adapter_id=None, sla_class="standard",
+                       queued_s=0.5, replica="", item=None)
+    [record] = await ingress.records()
+    assert sorted(parts) == ["delivered", "lost"], "a Dispatcher's two usage keywords"
+    assert (record.base_model, record.delivered) == ("base-b", True), f"its group's base model: {record}"

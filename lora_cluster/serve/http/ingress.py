@@ -182,10 +182,8 @@ class LoraIngress:
                 report_lag_s=2 * resolved.router.routing_stats_period_s,
                 park_batch_max=resolved.controller.controller_park_batch_max)
             guard = RoutingGuard.from_config(resolved)  # routing-error breaker, one per group
-            base = served_name(by_group.get(group.name, resolved))
-            groups.append((group, Dispatcher(handle, app_name, admission, guard,
-                                             lost=functools.partial(refusals.lost, base=base),
-                                             delivered=functools.partial(refusals.delivered, base=base))))
+            parts = refusals.parts(served_name(by_group.get(group.name, resolved)))  # lost, delivered
+            groups.append((group, Dispatcher(handle, app_name, admission, guard, **parts)))
         dispatcher = GroupedDispatcher(groups)
         self.tenants = None if tenancy.tenants_file is None else TenantsWatcher(
             tenancy.tenants_file, build_sla_classes(resolved).names, tenancy.tenants_reload_period_s)

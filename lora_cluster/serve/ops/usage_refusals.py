@@ -29,6 +29,7 @@ queue-seconds; it wins the record's output tokens and outcome in the store, what
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -87,6 +88,11 @@ class RefusalMeter:
         self._part(request_id=request_id, tenant=tenant, adapter_id=adapter_id, sla_class=sla_class,
                    replica=replica, item=item, base=base, device_s=float(item.get("device_s") or 0.0),
                    queue_s=queued_s, outcome=Outcome.LOST)
+
+    def parts(self, base: str) -> dict[str, Callable[..., None]]:
+        """`lost` and `delivered` for requests on base model `base`: a `Dispatcher`'s keywords."""
+        return {"lost": functools.partial(self.lost, base=base),
+                "delivered": functools.partial(self.delivered, base=base)}
 
     def delivered(self, *, request_id: str, tenant: str | None, adapter_id: str | None, sla_class: str,
                   replica: str, item: dict[str, Any] | None, base: str | None = None, **_: Any) -> None:
