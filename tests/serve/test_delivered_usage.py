@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from ray.exceptions import TaskCancelledError
 
 from lora_cluster.engine import SamplingParams
 from lora_cluster.serve.http.sse import EventStream, event
+from lora_cluster.serve.http_errors import ApiException
 from lora_cluster.serve.ops.usage_refusals import RefusalMeter
 from lora_cluster.serve.ops.usage_shipper import UsageShipper
 from lora_cluster.serve.protocol import GenerateJob
@@ -194,3 +196,44 @@ async def test_the_ingress_wires_both_ingress_parts_with_the_groups_base_model()
     [record] = await ingress.records()
     assert sorted(parts) == ["delivered", "lost"], "a Dispatcher's two usage keywords"
     assert (record.base_model, record.delivered) == ("base-b", True), f"its group's base model: {record}"
+
+
+class CancelledCall(Call):
+    """A replica call that Serve cancels under the request (its client disconnected) once `items` are
+    out: it raises Ray's `TaskCancelledError`, before the ingress's own task sees a cancellation."""
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.items:
+            return self.items.pop(0)
+        raise TaskCancelledError()
+
+    def __await__(self) -> Any:
+        return self.__anext__().__await__()
+
+
+class CancellingHandle(Handle):
+    def remote(self, job: GenerateJob) -> Call:
+        self.calls.append(CancelledCall(self._items))
+        return self.calls[-1]
+
+
+async def test_a_stream_whose_call_serve_cancels_is_one_delivered_record_of_the_tokens_sent():
+    ingress = Ingress(CancellingHandle([item(1), item(4)]))
+    generation = await ingress.dispatcher.start(job(), "/v1/completions")
+    received = []
+    with pytest.raises(ApiException):
+        async for out in generation.items():
+            received.append(out["completion_tokens"])
+    records = await ingress.records()
+    assert received == [1, 4], "precondition: two items were handed on, then Serve cancelled the call"
+    assert [(r.output_tokens, r.outcome, r.delivered) for r in records] == [(4, Outcome.CANCELLED, True)], \
+        f"one delivered part of the tokens handed on: {records}"
+
+
+async def test_a_unary_call_serve_cancels_before_its_answer_is_one_delivered_record_of_nothing():
+    ingress = Ingress(CancellingHandle([]))
+    with pytest.raises(ApiException):
+        await ingress.dispatcher.start(job(stream=False), "/v1/completions")
+    records = await ingress.records()
+    assert [(r.output_tokens, r.outcome, r.delivered) for r in records] == [(0, Outcome.CANCELLED, True)], \
+        f"one delivered part of nothing: {records}"

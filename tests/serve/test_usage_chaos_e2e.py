@@ -7,8 +7,9 @@ of the requests it finished before the kill).
 
 A seeded, bounded mix of requests runs 6 at a time: long `batch` streams first, then streams read to
 the end, streams the client drops after a few chunks, unary requests, and unary requests the client
-gives up on (a short read timeout), in both classes; one second in, one LoRA replica's actor is killed
-with `ray.kill` (no graceful stop). At the end every request sent is exactly one record in the store,
+gives up on (a short read timeout), in both classes; one second in (or once one has ended a request,
+within `ENDED_WAIT_S` more), one LoRA replica that has ended a request is killed with `ray.kill` (no
+graceful stop). At the end every request sent is exactly one record in the store,
 and each record's output tokens are what its client received: the final usage of a whole stream or
 of a unary answer, the tokens of the chunks received before an error event (the ingress's `lost`
 record of a stream whose replica died), none for a unary request its client gave up on, and for a
@@ -26,6 +27,7 @@ import json
 import random
 import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +40,7 @@ PROMPT = "the quick brown fox"
 REQUESTS = 24  # after the 4 long batch streams that fill the engines first
 BOUND_S = 60.0  # every request and wait is bounded
 KILL_AFTER_S = 1.0
+ENDED_WAIT_S = 4.0  # past KILL_AFTER_S, for a replica to have ended a request (the victim is one)
 # a dropped stream's record may hold this many tokens more than its client received: those in flight
 # to it when it closed (docs/metering.md); measured 0 to 7 over the runs of the delivered part's change
 DROP_GAP_TOKENS = 16
@@ -77,6 +80,37 @@ def lora_replica_actors() -> dict[str, Any]:
         if len(parts) == 3 and "Replica" in parts[1] and "Ingress" not in parts[1]:
             found[parts[2]] = ray.get_actor(actor["name"], namespace=actor["namespace"])
     return found
+
+
+def ended_some(usage_paths: dict[str, str], replicas: list[str]) -> list[str]:
+    """The replicas that have ended a request (its record is in their spool or in the store), waiting
+    up to `ENDED_WAIT_S` for one; all of them if none has (the kill's precondition then fails)."""
+    deadline = time.monotonic() + ENDED_WAIT_S
+    while True:
+        found = [r for r in replicas if r in stored_replicas(usage_paths["usage_db_path"])
+                 or spooled(Path(usage_paths["usage_spool_dir"]), r)]
+        if found or time.monotonic() > deadline:
+            return found or replicas
+        time.sleep(0.05)
+
+
+def stored_replicas(db: str) -> set[str]:
+    try:
+        return {r[3] for r in records(db).values()} if Path(db).exists() else set()
+    except sqlite3.OperationalError:  # the store is creating its tables
+        return set()
+
+
+def spooled(spool: Path, replica: str) -> bool:
+    """Whether the replica's spool holds a record (a file that moves meanwhile counts as none)."""
+    for kind in ("open", "batch"):
+        for path in spool.glob(f"{replica}-*/*.{kind}"):
+            try:
+                if path.stat().st_size:
+                    return True
+            except FileNotFoundError:
+                continue
+    return False
 
 
 def stream(url: str, body: dict[str, Any], headers: dict[str, str], drop_after: int | None) -> dict[str, Any]:
@@ -161,7 +195,7 @@ def test_chaos_ends_with_one_record_per_request_and_the_tokens_the_clients_recei
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(call) for call in calls]
         time.sleep(KILL_AFTER_S)
-        victim = rng.choice(sorted(lora_replica_actors()))
+        victim = rng.choice(ended_some(usage_paths, sorted(lora_replica_actors())))
         ray.kill(lora_replica_actors()[victim], no_restart=True)
         results = [f.result(timeout=BOUND_S) for f in futures]
     took = time.monotonic() - started

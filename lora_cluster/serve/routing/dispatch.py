@@ -20,7 +20,8 @@ Usage of a request whose client went away: its replica may never have run it, or
 before it records the cancellation, and it counts what it produced, not what the client received. So
 the dispatcher hands the request to `delivered` (wired by the ingress:
 `usage_refusals.RefusalMeter.delivered`) when the caller is cancelled before the first item (`start`:
-nothing was handed on; also after a try whose replica died, during the pause before the retry or
+nothing was handed on; or its replica call is cancelled under it, `is_cancellation`; also after a try
+whose replica died, during the pause before the retry or
 while the retry runs, where no replica may be left to record it), and when the ingress cancels a
 generation not yet ended (`Generation.cancel`: its stream closed because the client left, or a
 sibling choice failed; the tokens of the last item passed on, 0 if none). Its part's tokens and
@@ -65,6 +66,15 @@ RETRY_PAUSE_S = 0.2  # times the attempt number, before a retry (Serve drops a d
 HEADER_REPLICA = "x-lora-replica"
 HEADER_HIT = "x-lora-adapter-hit"
 HEADER_CACHED = "x-lora-cached-tokens"
+
+
+def is_cancellation(exc: BaseException | None) -> bool:
+    """Whether a replica call failed because it was cancelled under the request: Ray Serve cancels a
+    request's calls when its client disconnects (`TaskCancelledError`, which Serve's
+    `RequestCancelledError` is), sometimes before the request's own task sees its cancellation."""
+    from ray import exceptions as ray_exc
+
+    return isinstance(exc, ray_exc.TaskCancelledError)
 
 
 def cancel_call(response: Any) -> None:
@@ -122,7 +132,8 @@ class Generation:
                 except StopAsyncIteration:
                     return
                 except Exception as exc:
-                    self.on_cancelled = None  # the replica's record, or the lost part, accounts for it
+                    if not is_cancellation(exc):  # the replica's record, or the lost part, accounts for it
+                        self.on_cancelled = None
                     if is_routing_error(exc):
                         metrics.ROUTING_ERRORS.inc()
                         if self.on_routing_error is not None:
@@ -220,6 +231,9 @@ class Dispatcher:
                 try:
                     generation = await self._start_once(job, route, t0)
                 except ApiException as exc:
+                    if is_cancellation(exc.__cause__):  # Serve cancelled the call: the client went away
+                        self._record(self._delivered, job, "", None)
+                        raise
                     routing = isinstance(exc.__cause__, BaseException) and is_routing_error(exc.__cause__)
                     if routing:
                         metrics.ROUTING_ERRORS.inc()
