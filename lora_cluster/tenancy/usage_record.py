@@ -19,6 +19,20 @@ queue-seconds are the larger of the two sides' (the replica's own record of the 
 ever comes, reports at least what it had put on the wire), so the merge of the two is the same in
 either order and counts the attempt once.
 
+A `delivered` part is the ingress's account of a request whose client went away (its request task
+was cancelled before the first item, or its stream closed by the client): outcome `cancelled`, the
+output tokens the ingress handed on to the client (0 before the first item), no device- or
+queue-seconds, and `delivered` set. Its output tokens and outcome win over every other part's,
+whatever the order of arrival, because only the ingress knows what reached the client: a replica
+counts what it produced before it saw the cancellation, and a replica killed meanwhile records
+nothing. The merged record keeps `delivered` set (the store merges parts across flushes, so the
+stored row must say that its tokens are final); its device- and queue-seconds still add up from the
+replica's parts (under the `lost` rule if a `lost` part is in it), its prompt and cached tokens are
+the larger side's (the delivered part may know none), its end the later one. A `lost` and a
+`delivered` part of one request do not arise together (a stream ended by its replica's loss is
+finished before its client can leave, and a client that leaves after a try was lost gets a
+`delivered` part only); should they meet, the delivered part wins as above.
+
 Outcomes: `completed`, `cancelled` (the client went away or aborted), `refused` (refused before
 running, by the ingress or the replica: a budget, a quota, an overload; no device time), `preempted_resumed`
 (completed after at least one preemption with recompute), `failed` (ended by an engine error), `lost`
@@ -70,6 +84,7 @@ class UsageRecord:
     outcome: Outcome
     ended_at: float
     preempted: bool = False  # some attempt of it was preempted and recomputed
+    delivered: bool = False  # its output tokens and outcome are the ingress's: what its client received
 
     def __post_init__(self) -> None:
         for name in ("request_id", "tenant", "adapter", "sla_class", "base_model", "replica"):
@@ -132,6 +147,8 @@ def merge(before: UsageRecord, part: UsageRecord) -> UsageRecord:
     if before.request_id != part.request_id:
         raise RequestError(f"cannot merge usage of {part.request_id!r} into {before.request_id!r}")
     preempted = before.preempted or part.preempted
+    if before.delivered or part.delivered:
+        return _with_delivered(before, part, preempted)
     if Outcome.LOST in (before.outcome, part.outcome):
         told = part if part.outcome is Outcome.LOST else before
         return replace(told, device_s=max(before.device_s, part.device_s),
@@ -141,6 +158,21 @@ def merge(before: UsageRecord, part: UsageRecord) -> UsageRecord:
         outcome = Outcome.PREEMPTED_RESUMED
     return replace(part, device_s=before.device_s + part.device_s, queue_s=before.queue_s + part.queue_s,
                    preempted=preempted, outcome=outcome)
+
+
+def _with_delivered(before: UsageRecord, part: UsageRecord, preempted: bool) -> UsageRecord:
+    """`merge` when a side holds a delivered part: its output tokens and outcome win, in either order."""
+    told, other = (part, before) if part.delivered else (before, part)
+    ran = told if other.delivered else other  # the side whose replica and names stand
+    if Outcome.LOST in (before.outcome, part.outcome):  # the lost attempt counts once (module docstring)
+        device_s, queue_s = max(before.device_s, part.device_s), max(before.queue_s, part.queue_s)
+    else:
+        device_s, queue_s = before.device_s + part.device_s, before.queue_s + part.queue_s
+    return replace(ran, replica=ran.replica or told.replica, output_tokens=told.output_tokens,
+                   outcome=told.outcome, prompt_tokens=max(before.prompt_tokens, part.prompt_tokens),
+                   cached_tokens=max(before.cached_tokens, part.cached_tokens), device_s=device_s,
+                   queue_s=queue_s, ended_at=max(before.ended_at, part.ended_at), preempted=preempted,
+                   delivered=True)
 
 
 def adapter_version(adapter_id: str | None) -> tuple[str, int]:

@@ -12,7 +12,8 @@ bucket and the merged one in, so the sums always equal the sum of the records, a
 per-request rows. `usage_residency` keeps slot-seconds (`slot_s`: the adapter held a device slot) and
 load seconds (`load_s`: its fetch and copy into a slot) per (minute, adapter id, replica); a replica
 ships them in its batches (`usage_record.Residency`), so they too count exactly once. A file from
-before `load_s` existed gets the column (0) when it is opened. `query` grouped by adapter alone adds
+before `load_s` (or `usage_requests.delivered`, the record's flag that its output tokens are what
+the client received) existed gets the column (0) when it is opened. `query` grouped by adapter alone adds
 `slot_s` and `load_s` per adapter name when asked (`residency=True`): the table has no tenant, so the
 caller asks only for an unscoped query (an admin's, `lora-cluster usage`).
 
@@ -83,6 +84,15 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS usage_export_pending (minute BIGINT PRIMARY KEY, changes BIGINT)",
     "CREATE TABLE IF NOT EXISTS usage_export_targets (target TEXT PRIMARY KEY)",
 )
+# columns added since the first release: (table, column, type), added (default 0) to an older file
+_ADDED_COLUMNS = (("usage_residency", "load_s", "DOUBLE PRECISION"),
+                  ("usage_requests", "delivered", "BIGINT"))
+
+
+def _row(rec: UsageRecord) -> tuple[object, ...]:
+    """A record's `usage_requests` row, in `_COLUMNS` order (an outcome as its text, a flag as 0 or 1)."""
+    return tuple(value.value if isinstance(value, Outcome) else int(value) if isinstance(value, bool)
+                 else value for value in astuple(rec))
 
 
 class UsageStore:
@@ -95,9 +105,10 @@ class UsageStore:
         with self._db.transaction():
             for statement in _SCHEMA:
                 self._db.execute(statement)
-            columns = self._db.execute("SELECT * FROM usage_residency WHERE false").description
-            if "load_s" not in [c[0] for c in columns]:  # a store from before load seconds were kept
-                self._db.execute("ALTER TABLE usage_residency ADD COLUMN load_s DOUBLE PRECISION DEFAULT 0")
+            for table, column, sql_type in _ADDED_COLUMNS:  # a file from before the column existed
+                columns = self._db.execute(f"SELECT * FROM {table} WHERE false").description
+                if column not in [c[0] for c in columns]:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type} DEFAULT 0")
         self._tracking = False  # whether changed minutes are noted for export (`track_exports`)
 
     def record(self, records: Iterable[UsageRecord]) -> int:
@@ -131,8 +142,7 @@ class UsageStore:
             else:
                 self._bucket(before, -1)
             rec = part if before is None else merge(before, part)
-            self._db.execute(_UPSERT_REQUEST,
-                             (*astuple(rec)[:-3], rec.outcome.value, rec.ended_at, int(rec.preempted)))
+            self._db.execute(_UPSERT_REQUEST, _row(rec))
             self._bucket(rec, +1)
         return new
 
@@ -285,7 +295,7 @@ class UsageStore:
             return None
         values = dict(zip(_COLUMNS, row, strict=True))
         return UsageRecord(**{**values, "outcome": Outcome(values["outcome"]),
-                              "preempted": bool(values["preempted"])})
+                              "preempted": bool(values["preempted"]), "delivered": bool(values["delivered"])})
 
     def _bucket(self, rec: UsageRecord, sign: int) -> None:
         """Add (sign +1) or take out (-1) a record's contribution to its minute's sums."""

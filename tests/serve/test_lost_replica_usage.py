@@ -111,7 +111,7 @@ async def test_a_request_whose_replica_dies_on_every_try_is_one_lost_record_of_n
         f"one lost record with no tokens: {records}"
 
 
-async def test_a_client_gone_between_a_dead_try_and_its_retry_is_one_lost_record(monkeypatch):
+async def test_a_client_gone_between_a_dead_try_and_its_retry_is_one_delivered_record(monkeypatch):
     monkeypatch.setattr(dispatch, "RETRY_PAUSE_S", 30.0)  # the client goes away during the pause
     batches: list[UsageBatch] = []
 
@@ -120,7 +120,8 @@ async def test_a_client_gone_between_a_dead_try_and_its_retry_is_one_lost_record
 
     meter = RefusalMeter(UsageShipper(send, background=False), "demo", "ingress-1")
     handle = Handle([])
-    start = asyncio.ensure_future(Dispatcher(handle, "app", lost=meter.lost).start(job(), "/v1/completions"))
+    dispatcher = Dispatcher(handle, "app", lost=meter.lost, delivered=meter.delivered)
+    start = asyncio.ensure_future(dispatcher.start(job(), "/v1/completions"))
     for _ in range(100):
         if handle.calls:
             break
@@ -132,5 +133,6 @@ async def test_a_client_gone_between_a_dead_try_and_its_retry_is_one_lost_record
     await meter.shipper.flush()
     records = [r for b in batches for r in b.records]
     assert handle.calls == 1, "precondition: the first try died and no retry was sent"
-    assert [(r.request_id, r.outcome, r.output_tokens) for r in records] == [("cmpl-1-0", Outcome.LOST, 0)], \
-        f"the request its dead replica cannot record is one lost record of nothing: {records}"
+    assert [(r.request_id, r.outcome, r.output_tokens, r.delivered) for r in records] == \
+        [("cmpl-1-0", Outcome.CANCELLED, 0, True)], \
+        f"the request its dead replica cannot record is one delivered record of nothing: {records}"

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from app_client import FakeDispatcher, FakeStream, FakeTokenizer, outputs, serving
 from tenant_app import ADMIN_KEY, FIN_KEY, HR_KEY, bearer, tenant_app, tenants_yaml
 
 from lora_cluster.config import ServeConfig
 from lora_cluster.errors import EngineStepError
 from lora_cluster.serve.http.adapter_versions import VERSION_HEADER
+from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.protocol import GenerateJob
 from lora_cluster.serve.routing.dispatch import Generation
 
@@ -30,6 +32,17 @@ class FailingCandidate(FakeDispatcher):
         if job.adapter_id == "fin@2":
             raise EngineStepError("the candidate's step failed")
         return await super().start(job, route)
+
+
+class FailingMidStream(FakeDispatcher):
+    """A replica on which version 2 of `fin` fails after its first item (an engine error event)."""
+
+    async def start(self, job: GenerateJob, route: str) -> Generation:
+        generation = await super().start(job, route)
+        if job.adapter_id == "fin@2":
+            failed = describe(EngineStepError("the candidate's step failed"))
+            generation.stream = FakeStream([{"error": failed.to_dict()}])
+        return generation
 
 
 async def first_version(client: Any, **headers: str) -> None:
@@ -71,6 +84,47 @@ async def test_a_good_candidate_goes_through_every_step_to_promotion():
     assert pinned.headers[VERSION_HEADER] == "1", "fin@1 still answers with version 1"
     switched = {u for u, versions in seen.items() if len(versions) > 1}
     assert all(seen[u] == {"1", "2"} for u in switched), "a user only ever moves from v1 to v2"
+
+
+async def _stream_ask(client: Any, user: str, api: str) -> tuple[int, str | None]:
+    """A streamed request of the bare name through the OpenAI or the LoRAX route, read to its end."""
+    if api == "openai":
+        url, body = "/v1/completions", {"model": "fin", "prompt": "hi", "max_tokens": 2, "user": user,
+                                        "stream": True}
+    else:
+        url, body = "/generate_stream", {"inputs": "hi", "parameters": {"adapter_id": "fin",
+                                                                        "max_new_tokens": 2}}
+    headers = {} if api == "openai" else {"x-lora-user": user}
+    async with client.stream("POST", url, json=body, headers=headers) as answer:
+        async for _ in answer.aiter_lines():
+            pass
+        return answer.status_code, answer.headers.get(VERSION_HEADER)
+
+
+@pytest.mark.parametrize("api", ["openai", "lorax"])
+async def test_streamed_requests_are_evidence_that_advances_and_rolls_back_a_release(api):
+    async with serving(FakeTokenizer(), FakeDispatcher(), CONFIG) as client:
+        await first_version(client)
+        release = (await client.post(RELEASES, json={"lora_path": "/zoo/fin-2"})).json()
+        for i in range(MAX_REQUESTS):
+            code, _ = await _stream_ask(client, f"user-{i % 20}", api)
+            assert code == 200, f"a streamed request is served ({api})"
+            status = (await client.get(f"{RELEASES}/{release['id']}")).json()
+            if status["state"] == "promoted":
+                break
+    assert status["state"] == "promoted", f"streamed answers alone promote a good candidate ({api}): {status}"
+    async with serving(FakeTokenizer(), FailingMidStream(), CONFIG) as client:
+        await first_version(client)
+        release = (await client.post(RELEASES, json={"lora_path": "/zoo/fin-2"})).json()
+        for i in range(MAX_REQUESTS):
+            await _stream_ask(client, f"user-{i % 20}", api)
+            status = (await client.get(f"{RELEASES}/{release['id']}")).json()
+            if status["state"] == "rolled_back":
+                break
+        events = (await client.get(f"{RELEASES}/{release['id']}/events")).json()["data"]
+    assert status["state"] == "rolled_back", \
+        f"streams that fail mid-way roll a candidate back ({api}): {status}"
+    assert events[-1]["reason"].startswith("automatic: error rate"), "the audit log says why"
 
 
 async def test_users_are_sticky_within_a_step():

@@ -329,6 +329,57 @@ def test_the_eval_gate_refuses_random_weights_and_passes_a_close_candidate(http,
     assert passed["state"] == "canary", f"a close candidate passes the eval gate: {passed}"
 
 
+def test_a_candidate_that_passes_the_eval_set_and_fails_live_is_rolled_back_in_its_step(http, demo_zoo):
+    """Version 2 (a4's weights) scores as version 1 (a3's) on an eval set neither answers, so it
+    passes the eval gate; live, its shadow copies of version 1's greedy answers disagree, and the
+    shadow gate rolls it back automatically at its first step, once release_gate_min_requests copies
+    were compared. Until then it answered only the step's share of users (the public split), as the
+    audit log's evidence and the responses' version header both count."""
+    first = {"lora_name": "live", "lora_path": str(demo_zoo.adapters_dir / "a3")}
+    assert http.post("/v1/load_lora_adapter", json=first).status_code == 200, "version 1 loads"
+    cases = [{"prompt": f"the river {i}", "expected": "no version writes this"} for i in range(3)]
+    body = {"lora_path": str(demo_zoo.adapters_dir / "a4"), "eval_set": cases, "steps": [25, 100],
+            "step_min_requests": 100_000, "shadow_percent": 100}
+    created = http.post("/v1/adapters/live/releases", json=body).json()
+    path = f"/v1/adapters/live/releases/{created['id']}"
+    users = [f"user-{j}" for j in range(40)]
+    in_step = {u for u in users if takes_candidate(25, bucket(created["id"], u))}
+    answers, status = [], created
+    for i in range(200):  # bounded: about 10 / 0.75 requests give the gate its 10 copies
+        user = users[i % len(users)]
+        r = http.post("/v1/completions", json={"model": "live", "prompt": "the river", "max_tokens": 8,
+                                                "temperature": 0, "user": user})
+        answers.append((user, r.status_code, r.headers.get("x-lora-adapter-version")))
+        status = http.get(path).json()
+        if status["state"] == "rolled_back":
+            break
+    events = http.get(f"{path}/events").json()["data"]
+    later = [http.post("/v1/completions", json={"model": "live", "prompt": "the river", "max_tokens": 2,
+                                                "user": u}).headers.get("x-lora-adapter-version")
+             for u in sorted(in_step)[:5]]
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "live"})
+    assert created["state"] == "canary", f"the candidate passes the eval gate (both score 0): {created}"
+    assert status["state"] == "rolled_back", f"the live gate rolled the candidate back: {status}"
+    assert [e["kind"] for e in events] == ["created", "eval_passed", "rolled_back"], \
+        f"the audit log: {[e['kind'] for e in events]}"
+    rollback = events[-1]
+    assert rollback["reason"].startswith("automatic: shadow token agreement"), \
+        f"the audit log says why: {rollback['reason']}"
+    assert (rollback["step"], rollback["percent"]) == (0, 25.0), "it was rolled back in its first step"
+    assert rollback["evidence"]["shadow"]["requests"] >= 10, "after release_gate_min_requests copies"
+    assert all(code == 200 for _, code, _ in answers), f"every live request is answered: {answers}"
+    by_candidate = [u for u, _, version in answers if version == "2"]
+    assert set(by_candidate) <= in_step, "the candidate answered only users in the step's share"
+    assert len(by_candidate) == sum(1 for u, _, _ in answers if u in in_step), \
+        "and every request of those users (sticky): no more than the step's share"
+    # the gate judges when a shadow copy ends, which may be while the next live request runs: that
+    # one request may have reached the candidate before the rollback and be counted after it
+    counted = rollback["evidence"]["candidate"]["requests"]
+    assert counted <= len(by_candidate) <= counted + 1, \
+        f"the audit log counts the candidate's answers as the headers do: {counted}, {len(by_candidate)}"
+    assert later == ["1"] * len(later), f"after the rollback the step's users get version 1: {later}"
+
+
 def test_choices_and_schema_eval_cases_run_through_the_engine_on_both_versions(http, demo_zoo, tmp_path):
     """The same choices asked with each answer: exactly one of the two cases passes on any version
     (its likelier choice), so version 1 scores 1/2 on them; a closed schema's document is complete

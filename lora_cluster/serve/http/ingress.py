@@ -167,7 +167,7 @@ class LoraIngress:
         tokenizers = load_tokenizers(by_group)  # one per base, by API name; the first group's first
         replica = serve.get_replica_context()
         app_name, self.ingress_id = replica.app_name, replica.replica_id.unique_id
-        tenancy = resolved.tenancy  # its refusals and lost replicas' requests are usage (usage_refusals)
+        tenancy = resolved.tenancy  # its refusals, lost replicas' and left clients' requests are usage
         refusals = RefusalMeter.to_sink(usage_sink, tenancy.usage_flush_s, served_name(resolved),
                                         self.ingress_id, spool_dir=tenancy.usage_spool_dir)
         groups = []
@@ -182,8 +182,8 @@ class LoraIngress:
                 report_lag_s=2 * resolved.router.routing_stats_period_s,
                 park_batch_max=resolved.controller.controller_park_batch_max)
             guard = RoutingGuard.from_config(resolved)  # routing-error breaker, one per group
-            lost = functools.partial(refusals.lost, base=served_name(by_group.get(group.name, resolved)))
-            groups.append((group, Dispatcher(handle, app_name, admission, guard, lost=lost)))
+            parts = refusals.parts(served_name(by_group.get(group.name, resolved)))  # lost, delivered
+            groups.append((group, Dispatcher(handle, app_name, admission, guard, **parts)))
         dispatcher = GroupedDispatcher(groups)
         self.tenants = None if tenancy.tenants_file is None else TenantsWatcher(
             tenancy.tenants_file, build_sla_classes(resolved).names, tenancy.tenants_reload_period_s)

@@ -40,7 +40,7 @@ from lora_cluster.serve.http.context import (
 from lora_cluster.serve.http.logprob_format import TokenTexts, json_logprob, lorax_alternatives, lorax_prefill
 from lora_cluster.serve.http.lorax_schemas import LORAX_FINISH, LoraxRequest, LoraxStreamRequest
 from lora_cluster.serve.http.release_shadow import ShadowCopies, StreamTap
-from lora_cluster.serve.http.release_traffic import record_answer, record_failure
+from lora_cluster.serve.http.release_traffic import StreamEvidence, record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import EventStream, event
 from lora_cluster.serve.http.truncation import Prompt, truncation_headers
@@ -184,7 +184,8 @@ class LoraxRoutes:
         generations, seeds, prompt, base = await self._start(body, True, route, sla, caller, user)
         generation = generations[0]  # a stream has one (check_best_of)
         events = _events(self.ctx, generation, body, seeds[0], partial(self._token, base=base), base,
-                         self.shadows.tap([generation.job]))
+                         self.shadows.tap([generation.job]),
+                         StreamEvidence(self.ctx.release_state, generation.job, sla))
         headers = {**_headers(generations, sla, prompt), **self.ctx.budget_headers(caller)}
         return EventStream(events, headers, on_close=generation.cancel)
 
@@ -206,9 +207,11 @@ def _sequence_details(final: dict[str, Any], seed: int | None) -> dict[str, Any]
 
 
 async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, seed: int | None,
-                  token: Any, base: str | None, tap: StreamTap | None) -> AsyncIterator[bytes]:
+                  token: Any, base: str | None, tap: StreamTap | None,
+                  evidence: StreamEvidence | None = None) -> AsyncIterator[bytes]:
     """TGI's stream events of one generation; `tap` (a release's shadow copy) sees every item the
-    client is sent and starts the copy once the stream ended."""
+    client is sent and starts the copy once the stream ended; `evidence` (a release's) sees them too,
+    and the error that ends the stream."""
     p = body.parameters
     last_id, last_lp = None, None
     texts = TokenTexts(partial(ctx.tokens.token_text, base=base))
@@ -217,6 +220,8 @@ async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, s
         async for item in generation.items():
             if tap is not None:
                 tap.add(item)
+            if evidence is not None:
+                evidence.item(0, item)
             ids, lps = item["delta_token_ids"], item.get("delta_logprobs")
             last_id = ids[-1] if ids else last_id
             last_lp = lps[-1] if lps else last_lp
@@ -233,6 +238,8 @@ async def _events(ctx: ApiContext, generation: Generation, body: LoraxRequest, s
             yield event({"token": token(final_id, last_lp, alternatives, texts, text=item["delta_text"]),
                          "generated_text": text, "details": details})
     except ApiException as exc:
+        if evidence is not None:
+            evidence.failed(exc)
         yield event(exc.error.body())
     if tap is not None:
         tap.end()  # after the live stream, never delaying it (a stream that failed is not copied)

@@ -55,7 +55,7 @@ from lora_cluster.serve.http.logprob_format import (
 from lora_cluster.serve.http.openai_schemas import OPENAI_FINISH, ChatCompletionRequest, CompletionRequest
 from lora_cluster.serve.http.prompt_limits import ChatLimits
 from lora_cluster.serve.http.release_shadow import ShadowCopies, StreamTap
-from lora_cluster.serve.http.release_traffic import record_answer, record_failure
+from lora_cluster.serve.http.release_traffic import StreamEvidence, record_answer, record_failure
 from lora_cluster.serve.http.schemas import merge_of
 from lora_cluster.serve.http.sse import DONE, EventStream, event
 from lora_cluster.serve.http.tool_calls import ContentDelta, ToolCallReader
@@ -223,7 +223,8 @@ class OpenAiRoutes:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream and not body.whole:
             events = _stream(generations, request_id, created, body.model, kind, prompt_tokens, include_usage,
-                             texts, reader, cached=cached, tap=self.shadows.tap(jobs))
+                             texts, reader, cached=cached, tap=self.shadows.tap(jobs),
+                             evidence=StreamEvidence(ctx.release_state, jobs[0], sla))
             return EventStream(events, headers, on_close=lambda: [g.cancel() for g in generations])
         try:
             done = await finals(generations)
@@ -322,9 +323,11 @@ def _echoed(prompt: list[int], item: dict[str, Any], texts: TokenTexts) -> dict[
 async def _stream(generations: list[Generation], request_id: str, created: int, model: str, kind: str,
                   prompt_tokens: int, include_usage: bool, texts: TokenTexts,
                   reader: Callable[[], ToolCallReader], *, cached: int = 0,
-                  tap: StreamTap | None = None) -> AsyncIterator[bytes]:
+                  tap: StreamTap | None = None,
+                  evidence: StreamEvidence | None = None) -> AsyncIterator[bytes]:
     """The SSE events of a streamed response; `tap` (a release's shadow copy of a one-job request)
-    sees every item the client is sent and starts the copy once the stream ended."""
+    sees every item the client is sent and starts the copy once the stream ended; `evidence` (a
+    release's) sees them too, and the error that ends the stream."""
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     offsets = [0] * len(generations)  # completions: text offset of each choice's next token
     readers = [reader() for _ in generations]  # chat: each choice's content and tool calls
@@ -354,6 +357,8 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
         async for index, item in merge(generations):
             if tap is not None:
                 tap.add(item)
+            if evidence is not None:
+                evidence.item(index, item)
             completion_tokens[index] = item["completion_tokens"]
             finish = OPENAI_FINISH.get(item["finish_reason"]) if item["finished"] else None
             lps = item.get("delta_logprobs")
@@ -366,6 +371,8 @@ async def _stream(generations: list[Generation], request_id: str, created: int, 
             yield event({"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
                          "usage": _usage(prompt_tokens, sum(completion_tokens), cached)})
     except ApiException as exc:
+        if evidence is not None:
+            evidence.failed(exc)
         yield event(exc.error.body())
     yield DONE
     if tap is not None:

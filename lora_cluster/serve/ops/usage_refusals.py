@@ -1,4 +1,5 @@
-"""The ingress's own usage records: the requests it refuses itself, and those whose replica was lost.
+"""The ingress's own usage records: the requests it refuses itself, those whose replica was lost, and
+what a client that went away received.
 
 A request refused at the ingress never reaches a LoRA replica, so no replica records it. The routes
 run the part of a request that can refuse it (the tenant's quota, the cluster queue's admission and
@@ -16,11 +17,19 @@ own request id: the tokens the ingress sent the client (the last item it passed 
 first), the last device-seconds the replica reported, and the replica's id. If the replica did record
 the request after all, the store merges both into one record that keeps what the client received
 (`tenancy.usage_record.merge`).
+
+A request whose client went away (the ingress's request task cancelled before the first item, or a
+stream the client closed) may have no replica record at all (its replica never ran it, or was killed
+before it recorded the cancellation), and a replica's record counts what it produced, not what the
+client received. `delivered` adds the request's `delivered` part under the job's id: outcome
+`cancelled`, the tokens of the last item the ingress handed on (none before the first), no device- or
+queue-seconds; it wins the record's output tokens and outcome in the store, whatever the order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -75,9 +84,31 @@ class RefusalMeter:
         """Add the `lost` part of a job (its id, tenant, adapter, class and wait for its grant), whose
         replica `replica` went away after the ingress passed on `item` (its last item; None: nothing
         reached the client). See the module docstring."""
+        item = item or {}
+        self._part(request_id=request_id, tenant=tenant, adapter_id=adapter_id, sla_class=sla_class,
+                   replica=replica, item=item, base=base, device_s=float(item.get("device_s") or 0.0),
+                   queue_s=queued_s, outcome=Outcome.LOST)
+
+    def parts(self, base: str) -> dict[str, Callable[..., None]]:
+        """`lost` and `delivered` for requests on base model `base`: a `Dispatcher`'s keywords."""
+        return {"lost": functools.partial(self.lost, base=base),
+                "delivered": functools.partial(self.delivered, base=base)}
+
+    def delivered(self, *, request_id: str, tenant: str | None, adapter_id: str | None, sla_class: str,
+                  replica: str, item: dict[str, Any] | None, base: str | None = None, **_: Any) -> None:
+        """Add the `delivered` part of a job whose client went away after the ingress handed on `item`
+        (its last item; None: nothing), on replica `replica` ("" if none ran it). See the module
+        docstring; the dispatcher's other keywords (`queued_s`) are taken and not used."""
+        self._part(request_id=request_id, tenant=tenant, adapter_id=adapter_id, sla_class=sla_class,
+                   replica=replica, item=item or {}, base=base, device_s=0.0, queue_s=0.0,
+                   outcome=Outcome.CANCELLED, delivered=True)
+
+    def _part(self, *, request_id: str, tenant: str | None, adapter_id: str | None, sla_class: str,
+              replica: str, item: dict[str, Any], base: str | None, device_s: float, queue_s: float,
+              outcome: Outcome, delivered: bool = False) -> None:
+        """Add one part of a job's record with the tokens of `item` (the last item handed on)."""
         if self.shipper is None:
             return
-        item = item or {}
         adapter, version = adapter_version(adapter_id)
         cut = MAX_FIELD_CHARS
         self.shipper.add(UsageRecord(
@@ -85,9 +116,8 @@ class RefusalMeter:
             version=version, sla_class=sla_class[:cut], base_model=(base or self.base_model)[:cut],
             replica=replica[:cut], prompt_tokens=int(item.get("prompt_tokens") or 0),
             cached_tokens=int(item.get("cached_tokens") or 0),
-            output_tokens=int(item.get("completion_tokens") or 0),
-            device_s=float(item.get("device_s") or 0.0),
-            queue_s=queued_s, outcome=Outcome.LOST, ended_at=self._clock()))
+            output_tokens=int(item.get("completion_tokens") or 0), device_s=device_s,
+            queue_s=queue_s, outcome=outcome, ended_at=self._clock(), delivered=delivered))
 
     def refused(self, *, tenant: str | None, adapter_id: str | None, sla_class: str,
                 base: str | None = None, request_id: str | None = None, queue_s: float = 0.0) -> None:

@@ -16,9 +16,17 @@ it to `lost` (wired by the ingress: `usage_refusals.RefusalMeter.lost`) with the
 to the caller (mid-stream), or none (every try failed before a first item): the request's one usage
 record then holds the tokens the client received.
 
-A caller that goes away (cancelled) after a try died, during the pause before the retry or while
-the retry runs, gets the same `lost` record of nothing: the dead replica cannot record the request,
-and a retry that reached a live replica merges its own record into it (what the client received wins).
+Usage of a request whose client went away: its replica may never have run it, or may be killed
+before it records the cancellation, and it counts what it produced, not what the client received. So
+the dispatcher hands the request to `delivered` (wired by the ingress:
+`usage_refusals.RefusalMeter.delivered`) when the caller is cancelled before the first item (`start`:
+nothing was handed on; or its replica call is cancelled under it, `is_cancellation`; also after a try
+whose replica died, during the pause before the retry or
+while the retry runs, where no replica may be left to record it), and when the ingress cancels a
+generation not yet ended (`Generation.cancel`: its stream closed because the client left, or a
+sibling choice failed; the tokens of the last item passed on, 0 if none). Its part's tokens and
+outcome win over the replica's record (`tenancy.usage_record.merge`). A generation that ended (its
+final item, an error item, a failed or lost replica call) adds no delivered part.
 
 Fan-out (`start_all`: `n > 1`, several prompts): the choices start concurrently. However the start
 ends (a choice fails, or the caller is cancelled, e.g. the client went away, at any await), every
@@ -60,6 +68,15 @@ HEADER_HIT = "x-lora-adapter-hit"
 HEADER_CACHED = "x-lora-cached-tokens"
 
 
+def is_cancellation(exc: BaseException | None) -> bool:
+    """Whether a replica call failed because it was cancelled under the request: Ray Serve cancels a
+    request's calls when its client disconnects (`TaskCancelledError`, which Serve's
+    `RequestCancelledError` is), sometimes before the request's own task sees its cancellation."""
+    from ray import exceptions as ray_exc
+
+    return isinstance(exc, ray_exc.TaskCancelledError)
+
+
 def cancel_call(response: Any) -> None:
     """Cancel a Serve call. `cancel()` re-raises the call's own error when it already failed (for
     example BackPressureError); there is nothing left to cancel then."""
@@ -82,6 +99,7 @@ class Generation:
     on_routing_error: Callable[[Generation], None] | None = None  # its replica died or went away mid-stream
     last: dict[str, Any] | None = None  # the last item passed on to the caller
     meter: GenerationMetrics | None = None  # its request metrics (labels: adapter, tenant, class)
+    on_cancelled: Callable[[Generation], None] | None = None  # the ingress cancelled it before it ended
 
     def _done(self) -> None:
         callback, self.on_done = self.on_done, None
@@ -114,6 +132,8 @@ class Generation:
                 except StopAsyncIteration:
                     return
                 except Exception as exc:
+                    if not is_cancellation(exc):  # the replica's record, or the lost part, accounts for it
+                        self.on_cancelled = None
                     if is_routing_error(exc):
                         metrics.ROUTING_ERRORS.inc()
                         if self.on_routing_error is not None:
@@ -138,10 +158,14 @@ class Generation:
 
     def cancel(self) -> None:
         """Abort the request on its replica (frees its batch slot). `tokens` then counts at least
-        the tokens of the first item, which the replica generated whether or not anyone read it."""
+        the tokens of the first item, which the replica generated whether or not anyone read it. A
+        generation not yet ended first has `on_cancelled` record what was handed on (`last`), once."""
         self.tokens = max(self.tokens, int(self.first.get("completion_tokens") or 0))
         if not self.finished:
             self.finished = True
+            callback, self.on_cancelled = self.on_cancelled, None
+            if callback is not None:
+                callback(self)
             metrics.CANCELLED.inc()
             if self.meter is not None:
                 self.meter.cancelled()
@@ -155,9 +179,10 @@ class Dispatcher:
 
     def __init__(self, handle: Any, app_name: str, admission: ClusterAdmission | None = None,
                  guard: RoutingGuard | None = None,
-                 lost: Callable[..., None] | None = None):
+                 lost: Callable[..., None] | None = None, delivered: Callable[..., None] | None = None):
         self._handle = handle
         self._lost = lost  # records a lost replica's request (see the module docstring)
+        self._delivered = delivered  # records what the client of a request that it left received
         self.guard = guard or RoutingGuard(enabled=False)
         self._stream = handle.options(stream=True)
         self._key = (app_name, handle.deployment_name)
@@ -192,7 +217,8 @@ class Dispatcher:
         item; raises ApiException with the request's error (429/503 from the cluster queue too, 503
         while the routing-error breaker sheds). A routing error before the first item (the replica
         died or is unreachable: nothing was sent to the client yet, and a non-streaming job's first
-        item is its whole result) is retried on another replica, `MAX_ATTEMPTS` tries in all."""
+        item is its whole result) is retried on another replica, `MAX_ATTEMPTS` tries in all. A caller
+        cancelled meanwhile (its client went away) adds the job's delivered part of nothing."""
         self._check_replicas()
         t0 = time.monotonic()
         try:
@@ -200,21 +226,22 @@ class Dispatcher:
         except RoutingUnavailableError as exc:
             raise ApiException(describe(exc)) from None
         outcome_told = False
-        lost_try = False  # a try reached a replica that died: none may be left to record the request
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 try:
                     generation = await self._start_once(job, route, t0)
                 except ApiException as exc:
+                    if is_cancellation(exc.__cause__):  # Serve cancelled the call: the client went away
+                        self._record(self._delivered, job, "", None)
+                        raise
                     routing = isinstance(exc.__cause__, BaseException) and is_routing_error(exc.__cause__)
                     if routing:
-                        lost_try = True
                         metrics.ROUTING_ERRORS.inc()
                     if not routing or attempt == MAX_ATTEMPTS:
                         if routing:
                             self.guard.outcome(True)
                             outcome_told = True
-                            self._record_lost(job, "", None)
+                            self._record(self._lost, job, "", None)
                         raise
                     metrics.RETRIES.inc()
                     log.warning("request %s: replica failed before its first item (%s); retrying on "
@@ -225,11 +252,11 @@ class Dispatcher:
                 self.guard.outcome(False)
                 outcome_told = True
                 generation.on_routing_error = self._on_lost_mid_stream
+                generation.on_cancelled = self._on_cancelled
                 return generation
             raise AssertionError("unreachable")
-        except asyncio.CancelledError:
-            if lost_try:  # the caller left before a retry reached a live replica (or while one ran)
-                self._record_lost(job, "", None)
+        except asyncio.CancelledError:  # the client left before the first item (module docstring)
+            self._record(self._delivered, job, "", None)
             raise
         finally:
             if not outcome_told:
@@ -237,12 +264,18 @@ class Dispatcher:
 
     def _on_lost_mid_stream(self, generation: Generation) -> None:
         self.guard.outcome(True)
-        self._record_lost(generation.job, generation.replica, generation.last)
+        self._record(self._lost, generation.job, generation.replica, generation.last)
 
-    def _record_lost(self, job: GenerateJob, replica: str, item: dict[str, Any] | None) -> None:
-        if self._lost is not None:  # `RefusalMeter.lost`'s keywords
-            self._lost(request_id=job.request_id, tenant=job.tenant, adapter_id=job.adapter_id,
-                       sla_class=job.priority_class, queued_s=job.queued_s, replica=replica, item=item)
+    def _on_cancelled(self, generation: Generation) -> None:
+        self._record(self._delivered, generation.job, generation.replica, generation.last)
+
+    @staticmethod
+    def _record(part: Callable[..., None] | None, job: GenerateJob, replica: str,
+                item: dict[str, Any] | None) -> None:
+        """Add a job's usage part through `part` (`RefusalMeter.lost` or `.delivered`, same keywords)."""
+        if part is not None:
+            part(request_id=job.request_id, tenant=job.tenant, adapter_id=job.adapter_id,
+                 sla_class=job.priority_class, queued_s=job.queued_s, replica=replica, item=item)
 
     async def _start_once(self, job: GenerateJob, route: str, t0: float) -> Generation:
         meter = GenerationMetrics(job.adapter_id, job.tenant, job.priority_class, arrived_at=t0)
@@ -323,7 +356,7 @@ class Dispatcher:
         try:
             # gather waits for every task to end, cancelled ones included, before it returns or raises
             results = await asyncio.gather(*tasks, return_exceptions=True)
-        except BaseException:
+        except BaseException:  # the caller was cancelled: its client went away
             for generation in started:
                 generation.cancel()
             raise
