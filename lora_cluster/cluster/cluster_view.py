@@ -48,6 +48,7 @@ class ClusterView:
         self._seen: dict[str, _Seen] = {}
         # ingress -> (when, its requests in flight per replica, its requests on their way)
         self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
+        self._claim_seqs: dict[str, int] = {}  # ingress -> the `seq` of its claims held (`claim`'s hint)
         # the room of every replica (max(0, free)) and its sum, kept up to date incrementally: a
         # replica's room changes only with its report, a grant to it, or a claim naming it (changed
         # counts, expired, or renewed where their report had superseded the previous one)
@@ -75,23 +76,35 @@ class ClusterView:
         # each adapter's replicas by rendezvous score (`homes.HomeRanks`), rebuilt when one joins or goes
         self.homes = HomeRanks(self.ids)
 
-    def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int) -> None:
+    def claim(self, ingress_id: str, inflight: Mapping[str, int], unassigned: int,
+              hint: tuple[int, int, Iterable[str]] | None = None) -> None:
         """An ingress's requests in flight per replica, and those on their way to an unknown one.
         `inflight` is kept as given (the caller does not change it afterwards): a caller that sends
-        the same mapping again while its counts are unchanged spares the comparison."""
+        the same mapping again while its counts are unchanged spares the comparison. `hint`: (`seq`,
+        `base`, `changed`) from the ingress (`park_batch.ClaimHint`): when the claims held from it are
+        those of its call `base`, the replicas in `changed` are the only ones whose counts may differ,
+        and the two mappings are not compared (O(changed), not O(replicas))."""
         old = self._claims.pop(ingress_id, None)
+        held_seq = self._claim_seqs.pop(ingress_id, None)
         new = inflight
         now = self._clock()
         if old is not None:
             # mostly equal: an ingress parks more often than its counts change
-            if old[1] is not new and old[1] != new:
-                self._touch({rid for rid, _ in old[1].items() ^ new.items()})  # the counts that changed
+            if old[1] is not new:
+                if hint is not None and held_seq is not None and hint[1] == held_seq:
+                    self._touch(hint[2])  # what changed since the claims held, as the ingress tells
+                elif old[1] != new:
+                    self._touch({rid for rid, _ in old[1].items() ^ new.items()})  # the counts that changed
             self._touch(self._recounted(old[0], now, new))
         else:
             self._touch(new)
         self._claims[ingress_id] = (now, new, max(0, int(unassigned)))
+        if hint is not None:
+            self._claim_seqs[ingress_id] = hint[0]
         while len(self._claims) > self.max_ingresses:
-            self._touch(self._claims.pop(next(iter(self._claims)))[1])
+            gone = next(iter(self._claims))
+            self._claim_seqs.pop(gone, None)
+            self._touch(self._claims.pop(gone)[1])
 
     def _recounted(self, old_at: float, now: float, inflight: Mapping[str, int]) -> list[str]:
         """The replicas of `inflight` where a claim made at `old_at` no longer counted (superseded by
@@ -123,6 +136,7 @@ class ClusterView:
                 break
             expired.append(ingress)
         for ingress in expired:
+            self._claim_seqs.pop(ingress, None)
             self._touch(claims.pop(ingress)[1])
         return list(claims.values())
 

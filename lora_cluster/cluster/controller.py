@@ -150,7 +150,8 @@ class Controller:
     def park(self, ticket: Ticket, claims: Mapping[str, Any] | None = None) -> Grant | Refusal | None:
         """Queue a request that no replica can take now; returns its grant if one is decided at once
         (it still waits its turn behind more urgent tickets). `claims`: the parking ingress's
-        requests in flight (`{"inflight": {replica: n}, "unassigned": n}`, see `ClusterView.claim`).
+        requests in flight (`{"inflight": {replica: n}, "unassigned": n}`, see `ClusterView.claim`; with
+        `seq`, `base` and `changed` from `park_batch.ClaimHint`: the replicas changed since its last call).
         Raises ClusterOverloadedError (a `ColdAdapterShedError` while its class sheds load and no
         replica holds its adapter: `cluster.shedding`)."""
         outcome = self.park_many([(ticket, claims)])[0]
@@ -179,7 +180,9 @@ class Controller:
             if claims is not None:
                 latest[ticket.ingress_id] = claims
         for ingress_id, claims in latest.items():
-            self.view.claim(ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)))
+            changed = claims.get("changed")  # the ingress's hint (`park_batch.ClaimHint`)
+            hint = None if changed is None else (int(claims["seq"]), int(claims["base"]), changed)
+            self.view.claim(ingress_id, claims.get("inflight") or {}, int(claims.get("unassigned", 0)), hint)
         outcomes: list[Grant | Refusal | LoraClusterError | None] = []
         room: int | None = None  # read when the queue is full: admitting changes no replica's room
         undispatched = self._dispatch_due  # admissions (or reports) the queue was not dispatched for

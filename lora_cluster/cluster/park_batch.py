@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from enum import Enum
 from itertools import islice
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 P = TypeVar("P")
 
@@ -85,3 +85,33 @@ class ParkBatcher(Generic[P]):
         self.calls += 1
         self.sent += len(batch)
         return batch
+
+
+
+class ClaimHints:
+    """What one ingress's claims (`ClusterView.claim`) changed since its previous park call to each shard,
+    sent with them so that the shard touches those replicas only instead of comparing the two mappings
+    (O(replicas) a park call, at every shard).
+
+    `changed(replica_id)`: the ingress's count there changed (call it at every change). `stamp(shard,
+    claims)`: the claims of the next park call to `shard` with `seq` (this call's number there), `base`
+    (the previous call's) and `changed` (the replicas changed since that call's claims were taken,
+    sorted). The shard uses `changed` only when the claims it holds from this ingress are those of call
+    `base` (else, a call lost, a restarted shard or claims dropped there, it compares the mappings, as
+    without the hint), so a lost call costs a comparison, never a replica left untouched. `changed` may
+    hold a replica whose count went back to the value the shard holds: it is only looked at again."""
+
+    def __init__(self, shards: int) -> None:
+        self.seqs = [0] * shards
+        self._changed: list[set[str]] = [set() for _ in range(shards)]
+
+    def changed(self, replica_id: str) -> None:
+        for ids in self._changed:
+            ids.add(replica_id)
+
+    def stamp(self, shard: int, claims: dict[str, Any]) -> dict[str, Any]:
+        base = self.seqs[shard]
+        self.seqs[shard] = base + 1
+        changed = sorted(self._changed[shard])
+        self._changed[shard] = set()
+        return {**claims, "seq": base + 1, "base": base, "changed": changed}

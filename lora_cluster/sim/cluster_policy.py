@@ -66,7 +66,7 @@ from typing import Any, TypeVar
 from lora_cluster.cluster.batch_window import BatchWindow
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, Grant, Refusal
-from lora_cluster.cluster.park_batch import ParkBatcher
+from lora_cluster.cluster.park_batch import ClaimHints, ParkBatcher
 from lora_cluster.cluster.report_rules import AdmissionWindow, window_limit
 from lora_cluster.cluster.sharding import merge_placement, owns, shard_of
 from lora_cluster.errors import ClusterOverloadedError, LoraClusterError
@@ -120,6 +120,7 @@ class LoraClusterPolicy:
         self._tickets: dict[str, SimRequest] = {}  # parked: in a park batch, a window or at the controller
         self.shards: list[Controller] = [self.controller] if self.sharded is None else self.sharded.shards
         self._parked_at = [0] * len(self.shards)  # `_tickets` of each shard's adapters
+        self._hints = ClaimHints(len(self.shards))  # what `_claimed` changed since each shard's last call
         self._tables: list[dict[str, tuple[str, ...]]] = [{} for _ in self.shards]  # each shard's placement
         # each controller (shard)'s actor loop (`sim.control_inbox`), modelled at window 0 (the default)
         cost = ctx.control_cost if control.controller_batch_window_s == 0 else None
@@ -234,8 +235,7 @@ class LoraClusterPolicy:
             self.planes[k].inbox.input("park", partial(self._park_act, k, batch), count=len(batch))
 
     def _park_act(self, k: int, batch: list[Ticket]) -> Callable[[], None] | None:
-        """Shard `k` takes a batch of parks into its window; the call's reply (the outcomes decided at
-        once) leaves when the window is sent: at the turn's end with the loop."""
+        """Shard `k` takes a batch of parks into its window; the reply leaves when the window is sent."""
         plane = self.planes[k]
         for ticket in batch:  # a ticket that timed out meanwhile is left out (`wanted`)
             plane.window.park(ticket, None, deliver=partial(self._parked, k, ticket), fail=_raise,
@@ -250,8 +250,7 @@ class LoraClusterPolicy:
         return None
 
     def _batch_replied(self, k: int) -> None:
-        """A park call's reply: its grants decided at once go, the next batch goes, and the ingress
-        polls for the grants of the tickets left waiting."""
+        """A park call's reply: its grants decided at once go, the next batch goes, the ingress polls."""
         plane = self.planes[k]
         immediate, plane.immediate = plane.immediate, []
         for ticket_id, grant in immediate:
@@ -260,11 +259,10 @@ class LoraClusterPolicy:
         plane.inbox.poll()
 
     def _park_window(self, k: int, parks: Sequence[tuple[Ticket, Any]]) -> list[Any]:
-        """The window's parks reach shard `k` at once (`Controller.park_many`), each with the
-        ingress's claims as of now."""
+        """The window's parks reach shard `k` at once (`Controller.park_many`), with the claims now."""
         if self._claim is None:  # the counts changed since the last claim sent: a new mapping
             self._claim = dict(self._claimed)
-        claims = {"inflight": self._claim, "unassigned": self._unassigned}
+        claims = self._hints.stamp(k, {"inflight": self._claim, "unassigned": self._unassigned})
         outcomes = self._call_on(k, "park_many", self.shards[k].park_many, [(t, claims) for t, _ in parks])
         if self.edge is not None:  # the live actor sends it with its replies to these parks (and grants)
             self.edge.offer(self._call("edge_state", self.controller.edge_state))
@@ -296,6 +294,7 @@ class LoraClusterPolicy:
         rid = replica.replica_id
         self._inflight[rid] = self._claimed[rid] = self._inflight[rid] + 1
         self._claim = None
+        self._hints.changed(rid)
         self._refree(rid)
 
     def finished(self, replica: SimReplica, req: SimRequest) -> None:
@@ -307,6 +306,7 @@ class LoraClusterPolicy:
         else:
             del self._claimed[rid]
         self._claim = None
+        self._hints.changed(rid)
         self._refree(rid)
         self.routing.changed(rid)
         self.reports.finished(replica)

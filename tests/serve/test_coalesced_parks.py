@@ -130,6 +130,31 @@ async def test_parks_that_arrive_during_a_call_go_together_and_their_grants_come
     assert a.counts["granted"] == 20, f"each grant counted once: {dict(a.counts)}"
 
 
+async def test_each_park_call_names_the_replicas_its_claims_changed_at_since_the_previous_one():
+    """A park call's claims carry, numbered, the replicas where this ingress's requests in flight
+    changed since its previous call to that shard (`park_batch.ClaimHints`): the shard touches those,
+    and compares no mappings, while the claims it holds are that previous call's."""
+    shard = ActorShard()
+    await full_replica(shard)
+    a = ingress(shard)
+    sent: list[dict[str, Any]] = []
+    send = shard.admit_many.remote
+    shard.admit_many = SimpleNamespace(remote=lambda *args: (sent.append(args[2]), send(*args))[1])
+    a.started("r1", granted=False)
+    requests = [asyncio.create_task(park(a))]
+    await until(lambda: len(shard.actor.core.queue) == 1, "the first parked")
+    a.started("r2", granted=False)
+    a.finished("r1")
+    requests.append(asyncio.create_task(park(a)))
+    await until(lambda: len(shard.actor.core.queue) == 2, "the second parked")
+    assert [(c["seq"], c["base"], c["changed"]) for c in sent] == [(1, 0, ["r1"]), (2, 1, ["r1", "r2"])], (
+        "each call numbered after the previous one, with the replicas changed since it")
+    assert [c["inflight"] for c in sent] == [{"r1": 1}, {"r2": 1}], "and the counts themselves, whole"
+    await shard.actor.report(batch_work(22, 2))
+    granted = await asyncio.wait_for(asyncio.gather(*requests), 5.0)
+    assert all(g is not None for g in granted), "both granted as without the hints"
+
+
 async def test_a_request_that_leaves_while_in_the_batch_never_reaches_the_shard():
     shard = ActorShard()
     await full_replica(shard)

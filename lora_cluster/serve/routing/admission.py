@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.cluster.edge import EdgeState, EdgeView
+from lora_cluster.cluster.park_batch import ClaimHints
 from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sharding import merge_placement, merge_snapshots, shard_of
 from lora_cluster.errors import (
@@ -123,6 +124,7 @@ class ClusterAdmission:
         self._placement_task: asyncio.Task[None] | None = None
         self.ingress_id = uuid.uuid4().hex[:12]
         self._inflight: Counter[str] = Counter()  # this ingress's requests per replica, in flight
+        self._hints = ClaimHints(len(self._shards))  # what `_inflight` changed since each shard's last call
         self.report_lag_s = report_lag_s
         self._on_their_way: deque[float] = deque()  # send times of direct requests, replica not known yet
         self._down_until = [0.0] * len(self._shards)  # per shard: direct routing until then
@@ -132,8 +134,9 @@ class ClusterAdmission:
         self.counts: Counter[str] = Counter()  # fast, parked, granted, preempting, fallback, refused
         # per shard: its parks coalesced, one park call and one grants poll in flight (`park_link`)
         self._links = [ShardLink(handle, self.ingress_id, max_batch=park_batch_max, timeout_s=timeout_s,
-                                 claims=self._claims, on_reply=functools.partial(self._edge_state, k),
-                                 clock=clock, retry_pause_s=RETRY_PAUSE_S, repark_window_s=REPARK_WINDOW_S)
+                                 claims=functools.partial(self._claims, k),
+                                 on_reply=functools.partial(self._edge_state, k), clock=clock,
+                                 retry_pause_s=RETRY_PAUSE_S, repark_window_s=REPARK_WINDOW_S)
                        for k, handle in enumerate(self._shards)]
 
     @property
@@ -235,9 +238,10 @@ class ClusterAdmission:
         refusal = REFUSALS.get(str(reply.get("error")), ClusterOverloadedError)
         raise refusal(str(reply.get("overloaded")), float(reply.get("retry_after_s", 1.0)))
 
-    def _claims(self) -> dict[str, Any]:
-        """This ingress's requests in flight, for a park call (`ClusterView.claim`)."""
-        return {"inflight": dict(self._inflight), "unassigned": self.unassigned()}
+    def _claims(self, shard: int) -> dict[str, Any]:
+        """This ingress's requests in flight, for a park call to `shard` (`ClusterView.claim`), with
+        the replicas they changed at since the previous call there (`park_batch.ClaimHints`)."""
+        return self._hints.stamp(shard, {"inflight": dict(self._inflight), "unassigned": self.unassigned()})
 
     def _sync_placement(self) -> None:
         """Start the placement fetch loop (once, on the serving event loop)."""
@@ -287,6 +291,7 @@ class ClusterAdmission:
         if not granted and self._on_their_way:
             self._on_their_way.popleft()
         self._inflight[replica_id] += 1
+        self._hints.changed(replica_id)
 
     def not_started(self, grant: Granted | None = None) -> None:
         """The request failed before any replica answered (`grant`: the grant it was pinned by, None
@@ -305,5 +310,6 @@ class ClusterAdmission:
 
     def finished(self, replica_id: str) -> None:
         self._inflight[replica_id] -= 1
+        self._hints.changed(replica_id)
         if self._inflight[replica_id] <= 0:
             del self._inflight[replica_id]
