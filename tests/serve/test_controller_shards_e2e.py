@@ -8,11 +8,17 @@ one CPU per node) running three LoRA replicas of two batch slots each, two ingre
   killed: every request still completes with its tokens, every response's replica holds the
   adapter it served (it held it, or loaded it: `x-lora-adapter-hit`), and the restarted shard
   rebuilds its view of every replica.
+* A burst at one shard's adapter past its queue (`cluster_queue_size` / 4 tickets) is answered 200 or
+  429 (none lost), and the ingresses refuse some of the full-queue requests themselves from the shard's
+  published state: `lora_cluster_edge_refusals_total` counts them in the scrape of /metrics (summed over
+  both ingresses), beside the shard's own refusals.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import time
 from typing import Any
 
 import httpx
@@ -28,6 +34,8 @@ ADAPTERS = [next(a for a in (f"a{i}" for i in range(16)) if shard_of(a, SHARDS) 
 REQUESTS = 24
 TOKENS = 120
 BOUND_S = 180.0  # every wait in this module is bounded
+QUEUE = 48  # cluster_queue_size: 12 tickets a shard, above the kill test's 6 a shard, below the burst's
+BURST, LATER = 32, 12  # the edge test's requests at once at one shard's adapter, then one after the other
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +50,7 @@ def base_url(ray_app, demo_zoo):
         # nothing refuses it by predicted wait: on a loaded 2-core machine the standard class's 5 s
         # target refused a few of the 24 (429), which is admission doing its job, not a lost request
         "cluster_queue_max_wait_s": 0, "cold_shed_pressure": 0, "cold_shed_window_s": 0,
+        "cluster_queue_size": QUEUE,
     }
     with ray_app(config, name="shards", nodes=3) as url:
         yield url
@@ -124,3 +133,51 @@ def test_killing_a_shard_under_load_loses_no_request(base_url, http):
         assert adapter in held["resident"] + held["loading"], \
             f"request {i}: replica {replica} holds {adapter}, which it served " \
             f"(hit: {r.headers.get('x-lora-adapter-hit')}): {held}"
+
+
+def _edge_refusals(http: httpx.Client) -> float:
+    """The ingresses' refusals at the edge, as a scrape of /metrics counts them (every ingress's)."""
+    text = http.get("/metrics").text
+    return sum(float(v) for v in re.findall(r"^lora_cluster_edge_refusals_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def _shard_refusals(http: httpx.Client) -> int:
+    return int(cluster_view(http)["controller"]["counts"]["rejected"])
+
+
+def _burst(base_url: str, adapter: str) -> list[httpx.Response]:
+    """BURST requests at once (6 run, a shard's 12 wait, the rest are refused for its full queue), then
+    LATER one after the other, each soon after the previous answer: the ingress that takes it holds a
+    state of the full shard at most `edge_max_age_s` old while that shard's tickets wait."""
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        burst = [pool.submit(_complete, base_url, adapter) for _ in range(BURST)]
+        next((f for f in concurrent.futures.as_completed(burst) if f.result().status_code == 429), None)
+        later = [_complete(base_url, adapter) for _ in range(LATER)]
+        return [f.result(timeout=BOUND_S) for f in burst] + later
+
+
+def test_a_full_shard_is_refused_at_the_edge_and_counted_in_the_metrics(base_url, http):
+    wait_until(lambda: _all_shards_see_every_replica(http), BOUND_S, "every shard's view of the 3 replicas")
+    adapter = ADAPTERS[2]
+    # on a loaded 2-core machine the one-after-the-other requests can each reach an ingress more than
+    # edge_max_age_s after its last state of the shard, so that the edge refuses none: tried again then
+    for _ in range(3):
+        edge_before, shard_before = _edge_refusals(http), _shard_refusals(http)
+        answers = _burst(base_url, adapter)
+        by_shard = _shard_refusals(http) - shard_before
+        # the other ingress's figures reach a scrape within 5 s (the metrics hub)
+        deadline = time.monotonic() + 15.0
+        while (edge := _edge_refusals(http) - edge_before) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if by_shard >= 1 and edge >= 1:
+            break
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 429}, f"each request is served or refused, none lost: {codes}"
+    served = [r for r in answers if r.status_code == 200]
+    assert all(r.json()["usage"]["completion_tokens"] == TOKENS for r in served), "served whole"
+    full = [r for r in answers
+            if r.status_code == 429 and "cluster_queue_size" in r.json()["error"]["message"]]
+    assert by_shard >= 1, f"the shard refused some itself (the burst filled its queue): {codes}"
+    assert edge >= 1, f"the ingresses refused some at the edge, counted in /metrics: {edge} ({by_shard})"
+    assert len(full) >= by_shard + edge, f"the full queue's refusals, at the shard or the edge: {codes}"
+    assert all(r.headers.get("retry-after") for r in full), "every full-queue refusal has a Retry-After"

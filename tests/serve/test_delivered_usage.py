@@ -188,6 +188,22 @@ async def test_a_fan_out_cancelled_while_starting_is_one_delivered_record_per_ch
         f"each choice (`<request id>-<index>`) has one delivered part of nothing: {records}"
 
 
+async def test_a_request_cancelled_before_its_choices_ran_is_one_delivered_record_per_choice():
+    handle = Handle([item(2)])
+    ingress = Ingress(handle)
+    jobs = [job("cmpl-3-0"), job("cmpl-3-1")]
+    start = asyncio.ensure_future(ingress.dispatcher.start_all(jobs, "/v1/completions"))
+    await asyncio.sleep(0)  # start_all made its choices' tasks and waits on them; none of them ran yet
+    start.cancel()  # the client went away: the choices are cancelled before their first step
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    records = sorted(await ingress.records(), key=lambda r: r.request_id)
+    assert handle.calls == [], "precondition: no choice reached a replica"
+    assert [(r.request_id, r.outcome, r.output_tokens, r.delivered) for r in records] == \
+        [("cmpl-3-0", Outcome.CANCELLED, 0, True), ("cmpl-3-1", Outcome.CANCELLED, 0, True)], \
+        f"each accepted choice has its one record, a delivered part of nothing: {records}"
+
+
 async def test_the_ingress_wires_both_ingress_parts_with_the_groups_base_model():
     ingress = Ingress(Handle([]))
     parts = ingress.meter.parts("base-b")

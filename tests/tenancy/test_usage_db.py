@@ -114,6 +114,30 @@ def test_export_tracking_and_residency(location):
     store.close()
 
 
+def test_a_store_from_before_the_added_columns_gets_them_on_open(location):
+    store = UsageStore(location, retention_s=KEEP)
+    store.record([rec("old")])
+    store.close()
+    db = open_usage_database(location)  # the tables as a release before `load_s` and `delivered` wrote them
+    with db.transaction():
+        db.execute("ALTER TABLE usage_requests DROP COLUMN delivered")
+        db.execute("ALTER TABLE usage_residency DROP COLUMN load_s")
+    db.close()
+    store = UsageStore(location, retention_s=KEEP)
+    old = store.get("old")
+    store.record([rec("new", outcome=Outcome.CANCELLED, output_tokens=9)])
+    store.record([rec("new", outcome=Outcome.CANCELLED, replica="", output_tokens=4, prompt_tokens=0,
+                      cached_tokens=0, device_s=0.0, queue_s=0.0, delivered=True)])
+    merged = store.get("new")
+    store.record_residency(int(T0 // 60), "r0", {"a1": 30.0})
+    residency = store.residency()
+    store.close()
+    assert old is not None and old.delivered is False, f"a row from before the flag is not delivered: {old}"
+    assert merged is not None and merged.delivered and merged.output_tokens == 4, \
+        f"a delivered part merges into the reopened store as into a new one: {merged}"
+    assert residency == {"a1": 30.0}, f"residency is stored in the reopened table: {residency}"
+
+
 def test_the_postgres_location_names_no_credentials(postgres_url):
     if postgres_url is None:
         pytest.skip("PostgreSQL (initdb, pg_ctl) or psycopg is not installed here")

@@ -28,11 +28,14 @@ sibling choice failed; the tokens of the last item passed on, 0 if none). Its pa
 outcome win over the replica's record (`tenancy.usage_record.merge`). A generation that ended (its
 final item, an error item, a failed or lost replica call) adds no delivered part.
 
-Fan-out (`start_all`: `n > 1`, several prompts): the choices start concurrently. However the start
-ends (a choice fails, or the caller is cancelled, e.g. the client went away, at any await), every
-choice that had started is cancelled (its replica aborts it), and its `on_done` runs (the cluster
-admission's in-flight count for its replica comes down); a choice still starting is cancelled
-before it reaches a replica or right after its first item. The caller learns of each choice as soon
+Fan-out (`start_all`: `n > 1`, several prompts; also one choice): the choices start concurrently,
+each in its own task; a choice whose task is cancelled before its first step (the client went away
+while `start_all` made them) never reaches `start`, so `start_all` adds its delivered part of nothing:
+every accepted job leaves exactly one record. However the start ends (a choice fails, or the caller
+is cancelled, e.g. the client went away, at any await), every choice that had started is cancelled
+(its replica aborts it), and its `on_done` runs (the cluster admission's in-flight count for its
+replica comes down); a choice still starting is cancelled before it reaches a replica or right after
+its first item. The caller learns of each choice as soon
 as it starts (`on_started`), so that the tokens of choices cancelled before `start_all` returns are
 charged too.
 """
@@ -42,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -336,8 +340,10 @@ class Dispatcher:
         and its error is raised; if the caller is cancelled, every started one is cancelled before
         the cancellation goes on (see the module docstring)."""
         started: list[Generation] = []
+        entered: set[str] = set()  # the jobs whose `start` ran (it records their cancellation itself)
 
         async def start_one(job: GenerateJob) -> Generation:
+            entered.add(job.request_id)
             generation = await self.start(job, route)
             started.append(generation)
             if on_started is not None:
@@ -351,8 +357,13 @@ class Dispatcher:
                 for other in tasks:
                     other.cancel()
 
-        for task in tasks:
+        def record_unstarted(job: GenerateJob, task: asyncio.Future[Generation]) -> None:
+            if task.cancelled() and job.request_id not in entered:  # cancelled before its first step
+                self._record(self._delivered, job, "", None)
+
+        for job, task in zip(jobs, tasks, strict=True):
             task.add_done_callback(stop_the_rest)
+            task.add_done_callback(functools.partial(record_unstarted, job))
         try:
             # gather waits for every task to end, cancelled ones included, before it returns or raises
             results = await asyncio.gather(*tasks, return_exceptions=True)
