@@ -87,7 +87,6 @@ class ParkBatcher(Generic[P]):
         return batch
 
 
-
 class ClaimHints:
     """What one ingress's claims (`ClusterView.claim`) changed since its previous park call to each shard,
     sent with them so that the shard touches those replicas only instead of comparing the two mappings
