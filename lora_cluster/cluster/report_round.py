@@ -55,7 +55,9 @@ from lora_cluster.cluster.reports import MAX_ARRIVED_TICKETS, MAX_REPORTED_ADAPT
 from lora_cluster.cluster.sharding import merge_replies, owns, shard_of, shard_report, split_room
 
 SHARD_HEARTBEAT_S = 1.0  # each shard hears from a replica at least this often (controller_shard_heartbeat_s)
-MAX_TICKETS_KEPT = 4096  # arrived tickets whose shard is kept until the next round (then: every shard)
+# arrived tickets whose shard is kept until a report lists them; past it the oldest is forgotten (a
+# ticket that no report listed: it left the replica's bounded list), and a forgotten one goes to every shard
+MAX_TICKETS_KEPT = 4096
 
 Lists = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 
@@ -96,7 +98,9 @@ class ReportRounds:
 
     def arrived(self, ticket_id: str, adapter_id: str | None) -> None:
         """A granted ticket of `adapter_id` reached the replica (step 1)."""
-        if len(self.encoders) > 1 and len(self._tickets) < MAX_TICKETS_KEPT:
+        if len(self.encoders) > 1:
+            if len(self._tickets) >= MAX_TICKETS_KEPT:
+                del self._tickets[next(iter(self._tickets))]
             self._tickets[ticket_id] = shard_of(adapter_id, len(self.encoders))
 
     def messages(self, report: ReplicaReport) -> list[ReplicaReport | ReportDelta | None]:

@@ -10,7 +10,7 @@ import random
 from helpers import FakeClock
 
 from lora_cluster.cluster.report_delta import ReportDelta
-from lora_cluster.cluster.report_round import SHARD_HEARTBEAT_S, ReportRounds
+from lora_cluster.cluster.report_round import MAX_TICKETS_KEPT, SHARD_HEARTBEAT_S, ReportRounds
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.sharding import shard_of, split_room
 
@@ -137,6 +137,17 @@ def test_a_ticket_of_an_unknown_shard_goes_to_every_shard():
     rounds = settled(clock, [5, 5, 5, 5])
     messages = rounds.messages(report(arrived_tickets=("lost",)))
     assert sent_to(messages) == [0, 1, 2, 3], "whoever granted it must hear of it"
+
+
+def test_tickets_no_report_listed_do_not_keep_a_new_arrival_from_its_shard():
+    clock = FakeClock()
+    rounds = settled(clock, [5, 5, 5, 5], running=4)
+    for i in range(MAX_TICKETS_KEPT):  # arrivals that left the replica's list before any report listed them
+        rounds.arrived(f"unlisted-{i}", OWN[0][0])
+    rounds.arrived("t1", OWN[3][0])
+    rounds.messages(report(running=5, arrived_tickets=("t1",)))
+    messages = rounds.messages(report(running=4))
+    assert sent_to(messages) == [3], "the new ticket is still known as shard 3's: told to it alone"
 
 
 def test_a_freed_slot_is_told_to_the_shard_whose_share_grew():
