@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import time
 
 import httpx
 import pytest
@@ -22,7 +21,6 @@ pytestmark = pytest.mark.e2e
 
 BODY = {"model": "a5", "prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True}
 HEADERS = {"x-lora-priority": "batch"}  # no TTFT target: no deadline refusal
-ANSWERED_AT: dict[int, float] = {}  # id(response) -> the client's monotonic time when it was answered
 FULL = "the cluster queue is full (4 requests wait; cluster_queue_size)"  # QueueFullError (size 4)
 
 
@@ -47,9 +45,7 @@ def _burst(url: str) -> list[httpx.Response]:
     controller's refusal) says the queue is full, well within edge_max_age_s."""
 
     def one(_: int) -> httpx.Response:
-        response = httpx.post(f"{url}/v1/completions", json=BODY, headers=HEADERS, timeout=120)
-        ANSWERED_AT[id(response)] = time.monotonic()
-        return response
+        return httpx.post(f"{url}/v1/completions", json=BODY, headers=HEADERS, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(28) as pool:
         burst = [pool.submit(one, i) for i in range(28)]
@@ -87,15 +83,14 @@ def test_a_request_refused_at_the_edge_gets_the_controllers_answer_and_is_counte
         assert len(bodies) == 1, f"every refusal has the same error body: {bodies}"
         retry = [r.headers.get("retry-after") for r in full]
         assert None not in retry, f"every refusal has a Retry-After: {retry}"
-        # the controller's own Retry-After for a full queue (the queue over its measured drain rate)
-        # moves as the grants it measured age (up) and as new grants come (down), about a second per
-        # second of the burst at most; the edge computes it as the controller does at the moment of
-        # refusal (`cluster.edge.DrainEdge`; exact agreement at one moment:
-        # tests/cluster/test_edge_refusals.py), so edge and controller refusals together stay within
-        # that drift over the time between the first and the last refusal (on a loaded machine the
-        # one-after-the-other requests can come seconds after the burst's)
-        seconds = sorted({int(str(v)) for v in retry})
-        times = [ANSWERED_AT[id(r)] for r in full]
-        span = max(times) - min(times)
-        assert seconds[-1] - seconds[0] <= 1 + span, (
-            f"the refusals' Retry-After agree within the drift of {span:.1f} s between them: {retry}")
+        # the controller's own Retry-After for a full queue is the queue over its drain rate: its grants
+        # over the 10 s drain window, over the time since the oldest (at least a quarter of the window),
+        # so 4 queued tickets wait between 1 s and 4 x 10 s. It steps when a burst of grants leaves the
+        # window (seen: 4 s, then 19 s within 0.7 s, the first burst's grants gone), so refusals seconds
+        # apart need not agree; the edge computes it as the controller does at the moment of refusal
+        # (`cluster.edge.DrainEdge`; exact agreement at one moment, steps included:
+        # tests/cluster/test_edge_refusals.py)
+        seconds = [int(str(v)) for v in retry]
+        assert all(1 <= s <= 4 * 10 for s in seconds), (
+            f"each refusal's Retry-After is the full queue of 4 over a drain rate the controller "
+            f"measured: {retry}")

@@ -42,8 +42,9 @@ BOUND_S = 60.0  # every request and wait is bounded
 KILL_AFTER_S = 1.0
 ENDED_WAIT_S = 4.0  # past KILL_AFTER_S, for a replica to have ended a request (the victim is one)
 # a dropped stream's record may hold this many tokens more than its client received: those in flight
-# to it when it closed (docs/metering.md); measured 0 to 7 over 8 runs (32 dropped streams)
-DROP_GAP_TOKENS = 16
+# to it while its close travelled back (docs/metering.md); measured 0 to 7 over 8 runs (32 dropped
+# streams) on a quiet machine, 17 once in CI's e2e tier on a loaded one (the close slower to travel)
+DROP_GAP_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
