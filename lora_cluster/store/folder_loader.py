@@ -75,7 +75,10 @@ class FolderAdapterLoader(StatelessHooks):
 
     def register(self, adapter_id: str, location: str) -> None:
         check_adapter_id(adapter_id)
-        folder = Path(location.removeprefix("file://")).expanduser()
+        try:
+            folder = Path(location.removeprefix("file://")).expanduser()
+        except RuntimeError:  # `~user` of no user on this host
+            raise AdapterNotFoundError(adapter_id, "its lora_path is in the home of no user here") from None
         load_peft_adapter(adapter_id, folder, self.shapes, self.max_rank)  # refuse what would fail later
         with self._lock:
             self._registered[adapter_id] = folder
