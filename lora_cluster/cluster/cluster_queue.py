@@ -50,7 +50,7 @@ import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lora_cluster.errors import (
@@ -87,11 +87,14 @@ class Ticket:
 Key = tuple[int, float, float, float, int]  # tier, priority + enqueued / aging, deadline, arrival, seq
 
 
-@dataclass(order=True)
+@dataclass(eq=False)
 class _Entry:
     key: Key
-    ticket: Ticket = field(compare=False)
-    removed: bool = field(default=False, compare=False)
+    ticket: Ticket
+    removed: bool = False
+
+    def __lt__(self, other: _Entry) -> bool:  # heap order by key (unique); compiled, unlike `order=True`'s
+        return self.key < other.key
 
 
 DRAIN_HEAD = 32  # the oldest drain events an edge state carries (`DrainMeter.head`)
@@ -366,9 +369,7 @@ class ClusterQueue:
     def pop(self) -> Ticket | None:
         """Take the most urgent ticket."""
         ticket = self.peek()
-        if ticket is not None:
-            self.remove(ticket.ticket_id)
-        return ticket
+        return None if ticket is None else self.remove(ticket.ticket_id)
 
     def _count(self, ticket: Ticket, n: int) -> None:
         """`queued_adapters` follows a ticket parked (n = 1) or gone (n = -1)."""
@@ -446,5 +447,4 @@ class ClusterQueue:
         return dict(Counter(e.ticket.sla_class for e in self._entries.values()))
 
     def oldest_wait_s(self) -> float:
-        now = self._clock()
-        return max((now - e.ticket.enqueued_at for e in self._entries.values()), default=0.0)
+        return max((self._clock() - e.ticket.enqueued_at for e in self._entries.values()), default=0.0)

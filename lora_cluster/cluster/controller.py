@@ -35,12 +35,12 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.edge import ClassEdge, DrainEdge, EdgeState
+from lora_cluster.cluster.hit_index import HitIndex
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
 from lora_cluster.cluster.reports import ReplicaReport
 from lora_cluster.cluster.scheduling import (
-    affinity_hit_in,
     choose_replica,
     hit_window_s,
     holder_preemption_target,
@@ -93,8 +93,10 @@ class Controller:
         self._grants: dict[str, Grant | Refusal] = {}
         self._by_replica: dict[str, list[str]] = {}  # the placement table by replica
         urgent = frozenset(c.priority for c in classes.classes if c.ttft_s is not None)  # with a TTFT target
+        self.hits = HitIndex(self.queue, self.view)  # where a queued ticket would hit, kept between looks
         self.preemption = Preemption(self.queue, self.view, settings, urgent, clock,
-                                     lambda ticket, replica_id: self._grant(ticket, replica_id, preempt=True))
+                                     lambda ticket, replica_id: self._grant(ticket, replica_id, preempt=True),
+                                     self.hits)
         self._dispatch_due = False  # a report was taken without its dispatch (`report(dispatch=False)`)
         # replica -> its batch slots over its service time (0.0 without one), in the view's order
         self._rates: dict[str, float] = {}
@@ -238,6 +240,7 @@ class Controller:
             self.counts["rejected"] += 1
             raise
         self.counts["parked"] += 1
+        self.hits.parked(ticket)
         if bumped is not None:
             error = self.queue.bumped_error(bumped)
             self._grants[bumped.ticket_id] = Refusal(str(error), error.retry_after_s)
@@ -344,9 +347,7 @@ class Controller:
             placement = self._placement
             if overdue is None and not holds_for(self.view, replica_id, ticket, placement):
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
-                hit = affinity_hit_in(ticket.priority, self.queue.best_for, self.queue.sort_key, self.view,
-                                      self.view.room_ids(), ticket.enqueued_at + window,
-                                      self.queue.queued_adapters(ticket.priority))
+                hit = self.hits.hit(ticket.priority, self.view.room_ids(), ticket.enqueued_at + window)
                 held = holds(self.view, replica_id, ticket.adapter_id)
                 if hit is not None:
                     ticket, replica_id = hit

@@ -27,6 +27,17 @@ def home_score(adapter_id: str, replica_id: str) -> int:
     return zlib.crc32(f"{adapter_id}\0{replica_id}".encode())
 
 
+def home_seed(adapter_id: str) -> int:
+    """The adapter's part of every `home_score` of it: `seeded_score(home_seed(a), r)` equals
+    `home_score(a, r)` (crc32 continued), so scoring many replicas for one adapter hashes its id once."""
+    return zlib.crc32(f"{adapter_id}\0".encode())
+
+
+def seeded_score(seed: int, replica_id: str) -> int:
+    """`home_score` of the adapter whose `home_seed` is `seed`, at `replica_id`."""
+    return zlib.crc32(replica_id.encode(), seed)
+
+
 class HomeRanks:
     """Per adapter, the replica ids of `ids()` by descending `home_score`, ties by ascending id."""
 
@@ -42,7 +53,7 @@ class HomeRanks:
             self._ranks.move_to_end(adapter_id)
             return ranks
         # the same scores as `home_score`: crc32 continued from the adapter's part of the input
-        seed, crc32 = zlib.crc32(f"{adapter_id}\0".encode()), zlib.crc32
+        seed, crc32 = home_seed(adapter_id), zlib.crc32
         ranks = [rid for _, rid in sorted((-crc32(rid.encode(), seed), rid) for rid in self._ids())]
         self._ranks[adapter_id] = ranks
         self._kept += len(ranks)

@@ -31,8 +31,8 @@ from typing import Any
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.hit_index import HitIndex
 from lora_cluster.cluster.scheduling import (
-    affinity_hit,
     holder_preemption_target,
     holder_wait_until,
     preemption_target,
@@ -45,10 +45,12 @@ class Preemption:
 
     def __init__(self, queue: ClusterQueue, view: ClusterView, settings: ControllerSettings,
                  urgent: frozenset[int], clock: Callable[[], float],
-                 grant: Callable[[Ticket, str], None]):
+                 grant: Callable[[Ticket, str], None], hits: HitIndex):
         """`urgent`: the priorities of the classes with a TTFT target; `grant(ticket, replica_id)`
-        sends a ticket over capacity (the controller's preempting grant)."""
+        sends a ticket over capacity (the controller's preempting grant); `hits`: where queued
+        tickets would hit (the controller's `HitIndex`)."""
         self.queue, self.view, self.settings, self._clock, self._grant = queue, view, settings, clock, grant
+        self.hits = hits
         self._urgent_set = urgent
         self._urgent = sorted(urgent)  # most urgent first
         self._at: list[tuple[float, int, Ticket]] = []  # watched tickets by when they are due
@@ -116,9 +118,8 @@ class Preemption:
     def _hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:
         """The most urgent queued ticket of `priority`, due or not, whose adapter one of
         `replica_ids` holds while running less urgent work there, and that replica (None: none)."""
-        room = [rid for rid in replica_ids if self.view.preemptible(rid, priority) > 0]
-        return affinity_hit(priority, self.queue.best_for, self.queue.sort_key, self.view, room,
-                            queued=self.queue.queued_adapters(priority))
+        view = self.view
+        return self.hits.best_in(priority, [r for r in replica_ids if view.preemptible(r, priority) > 0])
 
 
 __all__ = ["Preemption"]

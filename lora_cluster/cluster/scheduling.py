@@ -51,7 +51,7 @@ from typing import Any
 
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
-from lora_cluster.cluster.homes import home_score
+from lora_cluster.cluster.homes import home_score, home_seed, seeded_score
 from lora_cluster.cluster.prefix_keys import cached_depth
 
 
@@ -75,6 +75,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
 
     hosts = view.host_holders(aid)
     local: Set[str] = frozenset()  # `cluster_local`, looked up only when a miss is ranked
+    seed = home_seed(aid)
 
     def key(rid: str) -> tuple[bool, int, bool, bool, bool, bool, bool, int, str]:
         report = view.get(rid)
@@ -82,7 +83,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
         held = holds(view, rid, aid)
         extra = held and not primary_holder(view, rid, aid, placement)
         return (not held, -cached(rid), extra, rid not in placed, no_slot, rid not in hosts,
-                rid not in local, -home_score(aid, rid), rid)
+                rid not in local, -seeded_score(seed, rid), rid)
 
     if not prefix:  # no cached prefix anywhere: a holder with room, else a placed one, beats the rest
         for first in (view.holders(aid), placed):
@@ -91,18 +92,20 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
                 return min(found, key=key)  # O(the adapter's holders or placed replicas)
         local = view.cluster_local(aid)
 
-        def miss(rid: str) -> tuple[bool, bool, bool, int, str]:  # `key` where none holds it nor is placed
+        def no_slot(rid: str) -> bool:
             report = view.get(rid)
-            no_slot = report is None or report.free_adapter_slots <= 0
-            return no_slot, rid not in hosts, rid not in local, -home_score(aid, rid), rid
+            return report is None or report.free_adapter_slots <= 0
+
+        def miss(rid: str) -> tuple[bool, bool, bool, int, str]:  # `key` where none holds it nor is placed
+            return no_slot(rid), rid not in hosts, rid not in local, -seeded_score(seed, rid), rid
 
         # a host-tier holder with room and a free adapter slot beats every other miss, then a replica
         # on a node with the cluster tier's copy: found through the indexes, O(those replicas); the
         # others copy it from a peer when it is published (or fetch it from the source), at one cost
         # wherever they are, so the adapter's home takes it (its next misses find it there)
-        near = [rid for rid in hosts if rid in candidates and not miss(rid)[0]]
+        near = [rid for rid in hosts if rid in candidates and not no_slot(rid)]
         if not near:
-            near = [rid for rid in local if rid in candidates and not miss(rid)[0]]
+            near = [rid for rid in local if rid in candidates and not no_slot(rid)]
         return min(near or candidates, key=miss)
     local = view.cluster_local(aid)
     return min(candidates, key=key)
@@ -148,7 +151,22 @@ def primary_holder(view: ClusterView, replica_id: str, adapter_id: str | None,
         return True
     if any(rid in holders for rid in placed):
         return False
-    return replica_id == min(holders, key=lambda rid: (-home_score(adapter_id, rid), rid))
+    seed = home_seed(adapter_id)
+    return replica_id == min(holders, key=lambda rid: (-seeded_score(seed, rid), rid))
+
+
+def primary_holders(view: ClusterView, adapter_id: str,
+                    placement: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The holders of the adapter that `primary_holder` names, found at once: O(its holders), where
+    asking `primary_holder` of each holder costs O(holders) hashes each."""
+    holders = view.holders(adapter_id)
+    if len(holders) <= 1:
+        return list(holders)
+    placed = [rid for rid in placement.get(adapter_id, ()) if rid in holders]
+    if placed:
+        return placed
+    seed = home_seed(adapter_id)
+    return [min(holders, key=lambda rid: (-seeded_score(seed, rid), rid))]
 
 
 def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], order: Callable[[str], Any],
@@ -241,7 +259,7 @@ def holder_preemption_target(ticket: Ticket, view: ClusterView,
     # only those with such work can be chosen: O(the smaller of the two sets), not a score per holder
     holders = view.holders(aid) & view.preemptible_ids(ticket.priority)
     if placement is not None and len(holders) > 1:
-        holders = {rid for rid in holders if primary_holder(view, rid, aid, placement)} or holders
+        holders = {rid for rid in primary_holders(view, aid, placement) if rid in holders} or holders
     return _best_target(ticket, view, holders, False) if holders else None
 
 
@@ -272,7 +290,7 @@ def holder_queue_target(ticket: Ticket, view: ClusterView,
     holders = view.holders(aid)
     if not holders:
         return None
-    primary = [rid for rid in holders if primary_holder(view, rid, aid, placement)] or list(holders)
+    primary = primary_holders(view, aid, placement)
     best = min(primary, key=lambda rid: (-view.free(rid), rid))
     report = view.get(best)
     return best if report is not None and view.free(best) > -holder_queue_limit(report.max_num_seqs) else None
@@ -331,14 +349,16 @@ def _best_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str],
                  free_slot_first: bool) -> str | None:
     """`preemption_target` by scoring each of `replica_ids`."""
     best, most = None, (False, False, 0)  # the best score, and the first replica id that has it
-    aid = ticket.adapter_id
+    aid, priority = ticket.adapter_id, ticket.priority
+    seed = 0 if aid is None else home_seed(aid)
     for rid in replica_ids:
-        n = view.preemptible(rid, ticket.priority)
+        n = view.preemptible(rid, priority)
         if n <= 0:
             continue
         report = view.get(rid)
         slot = free_slot_first and report is not None and report.free_adapter_slots > 0
-        score = (holds(view, rid, aid), slot, n if aid is None else home_score(aid, rid))
+        held = aid is None or (report is not None and aid in report.held)  # `holds`
+        score = (held, slot, n if aid is None else seeded_score(seed, rid))
         if score > most or (best is not None and score == most and rid < best):
             best, most = rid, score
     return best

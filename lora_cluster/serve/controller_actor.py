@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import logging
 import time
 import uuid
@@ -65,6 +66,7 @@ from ray import serve
 from lora_cluster.cluster.cluster_queue import Ticket
 from lora_cluster.cluster.controller import TICK_S, Controller, ControllerSettings, Grant, Refusal
 from lora_cluster.cluster.prefix_keys import GRAIN, MAX_DEPTH
+from lora_cluster.cluster.process_gc import set_young_threshold
 from lora_cluster.cluster.report_delta import parse_report
 from lora_cluster.cluster.sharding import owns
 from lora_cluster.cluster.sla import build_sla_classes
@@ -91,6 +93,7 @@ def outcome_wire(grant: Grant | Refusal) -> dict[str, Any]:
 class ClusterController:
     def __init__(self, config: dict[str, Any], shard: int = 0, shards: int = 1):
         cfg = ServeConfig(**config)  # the app's resolved fields (the environment was applied there)
+        set_young_threshold(cfg.controller.controller_gc_threshold)  # this process runs the controller only
         settings = ControllerSettings.from_config(cfg.controller)
         self.core = Controller(build_sla_classes(cfg), settings, clock=time.monotonic)
         self._prefix_aware = cfg.router.prefix_aware_routing  # off: grants ignore prompt prefixes
@@ -251,7 +254,7 @@ class ClusterController:
         view = self.core.snapshot()
         context = ray.get_runtime_context()
         view["controller"].update(actor=context.get_actor_name(), node_id=context.get_node_id(),
-                                  calls=dict(self.calls))
+                                  calls=dict(self.calls), gc_threshold=list(gc.get_threshold()))
         if self.shards > 1:
             view["controller"].update(shard=self.shard, shards=self.shards)
             view["placement"] = {a: r for a, r in view["placement"].items() if self._own(a)}

@@ -21,8 +21,10 @@ import dataclasses
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
+from lora_cluster.cluster.process_gc import young_threshold
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.config import EngineConfig
 from lora_cluster.sim.baselines import RoundRobinPolicy, ServeMultiplexPolicy
@@ -200,12 +202,20 @@ class Simulation:
 
     def advance(self, until: float) -> None:
         """Run the simulation up to simulated time `until`."""
-        self.loop.run(until=until)
+        with self._controller_gc():
+            self.loop.run(until=until)
+
+    def _controller_gc(self) -> AbstractContextManager[None]:
+        """The controller actor's collector threshold while the simulation runs: its calls are timed
+        in this process (`cluster.process_gc`)."""
+        return young_threshold(self.config.serve.controller.controller_gc_threshold)
 
     def finish(self) -> SimResult:
         """Run to the end of the arrivals, drain, and measure."""
-        self.loop.run(until=self.end)
-        self.loop.run(until=self.end + self.config.drain_limit_s, stop=lambda: self.metrics.outstanding == 0)
+        with self._controller_gc():
+            self.loop.run(until=self.end)
+            drained = self.end + self.config.drain_limit_s
+            self.loop.run(until=drained, stop=lambda: self.metrics.outstanding == 0)
         unfinished = [*self.policy.pending()]
         for replica in self.replicas.values():
             unfinished.extend(replica.waiting)

@@ -9,21 +9,24 @@ from tickets import CLASSES, report, ticket
 from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.hit_index import HitIndex
 from lora_cluster.cluster.preemption import Preemption
 
 URGENT = frozenset(c.priority for c in CLASSES.classes if c.ttft_s is not None)
 
 
 class Wired:
-    """A queue, a view and a `Preemption` whose grants take the ticket out of the queue and are kept."""
+    """A queue, a view, its kept hits and a `Preemption` whose grants take the ticket out of the
+    queue and are kept."""
 
     def __init__(self, settings: ControllerSettings | None = None):
         self.clock = FakeClock(100.0)
         self.queue = ClusterQueue(max_size=64, aging_s=10.0, clock=self.clock, top_priority=0)
         self.view = ClusterView(stale_after_s=5.0, clock=self.clock)
         self.granted: list[tuple[str, str]] = []
+        self.hits = HitIndex(self.queue, self.view)
         self.preemption = Preemption(self.queue, self.view, settings or ControllerSettings(), URGENT,
-                                     self.clock, self._grant)
+                                     self.clock, self._grant, self.hits)
 
     def _grant(self, t: Ticket, replica_id: str) -> None:
         self.queue.remove(t.ticket_id)
@@ -32,6 +35,7 @@ class Wired:
 
     def park(self, t: Ticket) -> None:
         self.queue.park(t)
+        self.hits.parked(t)
         if t.ttft_s is not None:
             self.preemption.watch(t)
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from helpers import cluster_replicas, cluster_view, poll, wait_until
 
+from lora_cluster.config import ServeConfig
 from lora_cluster.engine import SamplingParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
@@ -109,6 +110,9 @@ def test_the_cluster_view_shows_nodes_replicas_adapters_and_memory(http, base_ur
                BOUND_S, "a1 resident on a replica")
     assert set(view["classes"]) == {"interactive", "standard", "batch"}, "the view lists the SLA classes"
     assert "queue" in view, "and the cluster queue"
+    shipped = ServeConfig().controller.controller_gc_threshold
+    assert view["controller"]["gc_threshold"][0] == shipped, (
+        "the controller's process collects its young generation at controller_gc_threshold")
 
 
 def test_the_cluster_view_shows_each_replicas_prefix_cache(http):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import random
@@ -396,3 +397,15 @@ def test_the_grid_command_runs_every_policy_per_cell_on_the_gpu_profile_and_judg
     policies = sorted(["lora-cluster", "serve-multiplex", "round-robin"] * 2)
     assert sorted(r["policy"] for r in runs) == policies, "every cell runs lora-cluster and both baselines"
     assert code == (0 if verdicts == ["pass", "pass"] else 1), "exit status 1 exactly when a cell fails"
+
+
+def test_the_simulation_runs_under_the_controllers_collector_threshold_and_restores_the_processs():
+    before = gc.get_threshold()
+    serve = ServeSections().with_fields(controller_gc_threshold=23456)
+    sim = Simulation(SimConfig(nodes=2, adapters=5, load=0.5, duration=2, warmup=0, seed=1, serve=serve),
+                     PROFILE)
+    seen: list[int] = []
+    sim.loop.at(1.0, lambda: seen.append(gc.get_threshold()[0]))
+    sim.advance(1.5)
+    assert seen == [23456], "the controller's calls run under its process's young threshold"
+    assert gc.get_threshold() == before, "the process's thresholds are restored after the run"
