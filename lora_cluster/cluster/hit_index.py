@@ -20,8 +20,8 @@ the arrival plus the class's one target), so a replica's most urgent ticket is a
 when it arrived after `latest`, every other ticket it could take did too. The answer is therefore
 `affinity_hit`'s; ties go to the first replica in the order given, as the walk's.
 
-Bounded: an entry per (priority, replica the view knows); entries of forgotten replicas are dropped
-once they are as many as the live ones. Pure: no clock, no Ray.
+Bounded: an entry per (priority, replica); those of replicas the view forgot are dropped once a
+priority's entries are more than twice the live replicas (plus 64). Pure: no clock, no Ray.
 """
 
 from __future__ import annotations
