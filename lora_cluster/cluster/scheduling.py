@@ -144,21 +144,14 @@ def primary_holder(view: ClusterView, replica_id: str, adapter_id: str | None,
     holders = view.holders(adapter_id)
     if replica_id not in holders:
         return False
-    if len(holders) == 1:
-        return True
-    placed = placement.get(adapter_id, ())
-    if replica_id in placed:
-        return True
-    if any(rid in holders for rid in placed):
-        return False
-    seed = home_seed(adapter_id)
-    return replica_id == min(holders, key=lambda rid: (-seeded_score(seed, rid), rid))
+    return len(holders) == 1 or replica_id in primary_holders(view, adapter_id, placement)
 
 
 def primary_holders(view: ClusterView, adapter_id: str,
                     placement: Mapping[str, tuple[str, ...]]) -> list[str]:
-    """The holders of the adapter that `primary_holder` names, found at once: O(its holders), where
-    asking `primary_holder` of each holder costs O(holders) hashes each."""
+    """The adapter's primary holders (`primary_holder`): its placed holders, or else its holder of
+    the highest home score (all of them when it has one holder or none). O(its holders) hashes at
+    most, once for all of them."""
     holders = view.holders(adapter_id)
     if len(holders) <= 1:
         return list(holders)
