@@ -47,7 +47,9 @@ from common import emit, header, load_avg
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.controller_settings import ControllerSettings
+from lora_cluster.cluster.process_gc import set_young_threshold
 from lora_cluster.cluster.sla import SlaClasses
+from lora_cluster.config import ControllerConfig
 from lora_cluster.errors import ClusterOverloadedError
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.simulation import SimConfig, Simulation
@@ -143,6 +145,7 @@ def main() -> None:
                     "give it when PYTHONPATH points at another copy of lora_cluster)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    set_young_threshold(ControllerConfig().controller_gc_threshold)  # as the controller actor's process
     sizes = [int(s) for s in args.sizes.split(",")]
     command = (f"python benchmarks/bench_controller_input.py --sizes {args.sizes} --adapters {args.adapters} "
                f"--load {args.load} --warmup {args.warmup} --duration {args.duration} --rounds {args.rounds}")

@@ -39,6 +39,8 @@ from common import load_avg
 
 from lora_cluster import compiled
 from lora_cluster.cluster.controller import Controller
+from lora_cluster.cluster.process_gc import set_young_threshold
+from lora_cluster.config import ControllerConfig
 from lora_cluster.errors import ClusterOverloadedError
 from lora_cluster.sim.__main__ import parse
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
@@ -135,6 +137,7 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="the timed replay only")
     ap.add_argument("sim", nargs=argparse.REMAINDER, help="-- then the simulator's options")
     args = ap.parse_args()
+    set_young_threshold(ControllerConfig().controller_gc_threshold)  # as the controller actor's process
     sim_args = [a for a in args.sim if a != "--"] or DEFAULT_SIM
     build = "Python sources" if compiled.pure_python_requested() else "compiled where a current build is"
     print(f"# controller calls: python -m lora_cluster.sim {' '.join(sim_args)}\n"
