@@ -55,12 +55,7 @@ class ClusterView:
         self._room: dict[str, int] = {}
         self._room_sum = 0
         self._dirty: set[str] = set()
-        self._roomy: set[str] = set()  # the replicas whose kept room is > 0
-        # the replicas with `free` > 0 (`free_ids`), kept exactly: refreshed for those in `_stale`,
-        # every replica whose `free` may have changed (what `_dirty` gets; each set is cleared by its
-        # own reader)
-        self._has_room: set[str] = set()
-        self._stale: set[str] = set()
+        self._roomy: set[str] = set()  # the replicas whose kept room is > 0 (`free_ids`)
         self._reported_at: dict[str, float] = {}  # replica -> when its latest report came, oldest first
         self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
         self._host_holders: dict[str, set[str]] = {}  # adapter -> replicas whose host tier holds it
@@ -121,9 +116,7 @@ class ClusterView:
 
     def _touch(self, replica_ids: Iterable[str]) -> None:
         """The room of these replicas may have changed."""
-        for rid in replica_ids:
-            self._dirty.add(rid)
-            self._stale.add(rid)
+        self._dirty.update(replica_ids)
 
     def _fresh_claims(self) -> list[tuple[float, Mapping[str, int], int]]:
         """The claims that still count, oldest first; the expired ones dropped. `_claims` is in the
@@ -209,8 +202,7 @@ class ClusterView:
             self.homes.reset()
         self._room_sum -= self._room.pop(replica_id, 0)
         self._dirty.discard(replica_id)
-        for ids in (self._roomy, self._has_room, self._stale):
-            ids.discard(replica_id)
+        self._roomy.discard(replica_id)
         self._reported_at.pop(replica_id, None)
 
     def prune(self) -> list[str]:
@@ -241,16 +233,10 @@ class ClusterView:
 
     def free_ids(self) -> set[str]:
         """The replicas with `free` > 0 (read-only, in no order): O(replicas whose `free` may have
-        changed since the last call: a report, an arrival, a grant, a claim naming them or expired)."""
-        claims = self._fresh_claims()
-        for rid in self._stale:
-            seen = self._seen.get(rid)
-            if seen is not None and self._free(rid, seen, claims) > 0:
-                self._has_room.add(rid)
-            else:
-                self._has_room.discard(rid)
-        self._stale.clear()
-        return self._has_room
+        changed since the last look at the room: a report, an arrival, a grant, a claim naming them or
+        expired), refreshed with `total_free`'s sum (one `_free` per changed replica serves both)."""
+        self.total_free()
+        return self._roomy
 
     def total_free(self) -> int:
         """The sum of `free` over the replicas with room: O(replicas changed since the last call)."""
@@ -273,10 +259,8 @@ class ClusterView:
         return sorted(self.room_ids())
 
     def room_ids(self) -> set[str]:
-        """The replicas with room (`free` > 0), read-only, in no order: O(replicas changed since the
-        last call), as `total_free`."""
-        self.total_free()
-        return self._roomy
+        """The replicas with room: `free_ids`."""
+        return self.free_ids()
 
     def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
         since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report

@@ -50,20 +50,35 @@ class HitIndex:
     def __init__(self, queue: ClusterQueue, view: ClusterView):
         self.queue, self.view = queue, view
         self._best: dict[int, dict[str, _Best]] = {}  # priority -> replica -> its entry
+        self._empty: dict[int, set[str]] = {}  # priority -> the replicas whose entry has no ticket
+        self._last: dict[int, Any] = {}  # priority -> a key ranked after (or as) every entry's key
 
     def parked(self, ticket: Ticket) -> None:
         """A ticket joined the queue: it becomes the kept answer of each holder of its adapter whose
-        kept ticket ranks after it. O(the adapter's holders)."""
-        entries = self._best.get(ticket.priority)
+        kept ticket ranks after it, or that kept none. Mostly it ranks after every kept ticket (a
+        class's order is its arrival order): then only the holders that kept none are looked at
+        (a set intersection), else O(the adapter's holders)."""
+        priority = ticket.priority
+        entries = self._best.get(priority)
         if not entries or ticket.adapter_id is None:
             return
         key = self.queue.sort_key(ticket.ticket_id)
         if key is None:
             return
-        for rid in self.view.holders(ticket.adapter_id):
+        holders, empty = self.view.holders(ticket.adapter_id), self._empty[priority]
+        last = self._last.get(priority)
+        if last is None or key > last:
+            self._last[priority] = key
+            for rid in empty & holders:  # over the smaller set
+                entry = entries[rid]
+                entry.key, entry.ticket = key, ticket
+            empty.difference_update(holders)
+            return
+        for rid in holders:
             best = entries.get(rid)
             if best is not None and (best.ticket is None or key < best.key):
                 best.key, best.ticket = key, ticket
+                empty.discard(rid)
 
     def hit(self, priority: int, room: Set[str], latest: float) -> tuple[Ticket, str] | None:
         """`scheduling.affinity_hit_in`'s answer: the most urgent queued ticket of `priority` that
@@ -83,9 +98,12 @@ class HitIndex:
         entries = self._best.get(priority)
         if entries is None:
             entries = self._best[priority] = {}
+            self._empty[priority] = set()
+        empty = self._empty[priority]
         if len(entries) > 2 * len(self.view) + 64:  # bounded: the forgotten replicas' entries go
             for rid in [rid for rid in entries if self.view.get(rid) is None]:
                 del entries[rid]
+                empty.discard(rid)
         queue, view = self.queue, self.view
         best_key: Any = None
         found: tuple[Ticket, str] | None = None
@@ -97,6 +115,13 @@ class HitIndex:
             if (entry is None or entry.held is not report.held
                     or (entry.ticket is not None and entry.ticket.ticket_id not in queue)):
                 entry = entries[rid] = self._walk(priority, rid, report.held)
+                if entry.ticket is None:
+                    empty.add(rid)
+                else:
+                    empty.discard(rid)
+                    last = self._last.get(priority)
+                    if last is None or entry.key > last:
+                        self._last[priority] = entry.key
             ticket = entry.ticket
             if ticket is None:
                 continue

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 MAX_RANKED_IDS = 1 << 22  # replica ids kept in all rankings (8 bytes each: 32 MiB)
+_RANK_BITS = 24  # a ranking's sort key: score << _RANK_BITS | (replicas - place by id), 56 bits at most
+_RANK_MASK = (1 << _RANK_BITS) - 1
 
 
 def home_score(adapter_id: str, replica_id: str) -> int:
@@ -45,6 +47,8 @@ class HomeRanks:
         self._ids, self.max_ids = ids, max_ids
         self._ranks: OrderedDict[str, list[str]] = OrderedDict()
         self._kept = 0  # replica ids held in all rankings
+        self._sorted: list[str] = []  # the replica ids in ascending order, encoded below (since `reset`)
+        self._encoded: list[bytes] = []
 
     def ranking(self, adapter_id: str) -> list[str]:
         """The adapter's ranking (read-only): built at the first ask after a `reset`."""
@@ -52,9 +56,17 @@ class HomeRanks:
         if ranks is not None:
             self._ranks.move_to_end(adapter_id)
             return ranks
-        # the same scores as `home_score`: crc32 continued from the adapter's part of the input
-        seed, crc32 = home_seed(adapter_id), zlib.crc32
-        ranks = [rid for _, rid in sorted((-crc32(rid.encode(), seed), rid) for rid in self._ids())]
+        if not self._sorted:
+            self._sorted = sorted(self._ids())
+            self._encoded = [rid.encode() for rid in self._sorted]
+        # the same scores as `home_score` (crc32 continued from the adapter's part of the input), each
+        # packed with its id's place above it (`_RANK_BITS`), so that one sort of plain ints, descending,
+        # orders by score and then by ascending id
+        seed, crc32, ids = home_seed(adapter_id), zlib.crc32, self._sorted
+        n = len(ids)
+        keys = [(crc32(b, seed) << _RANK_BITS) | (n - i) for i, b in enumerate(self._encoded)]
+        keys.sort(reverse=True)
+        ranks = [ids[n - (key & _RANK_MASK)] for key in keys]
         self._ranks[adapter_id] = ranks
         self._kept += len(ranks)
         while self._kept > self.max_ids and len(self._ranks) > 1:
@@ -65,6 +77,7 @@ class HomeRanks:
         """The set of replicas changed: every ranking is rebuilt at its next ask."""
         self._ranks.clear()
         self._kept = 0
+        self._sorted, self._encoded = [], []
 
     def __len__(self) -> int:
         return len(self._ranks)

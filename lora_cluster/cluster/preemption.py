@@ -32,11 +32,7 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.hit_index import HitIndex
-from lora_cluster.cluster.scheduling import (
-    holder_preemption_target,
-    holder_wait_until,
-    preemption_target,
-)
+from lora_cluster.cluster.scheduling import holder_can_preempt, holder_wait_until, preemption_target
 
 
 class Preemption:
@@ -62,7 +58,7 @@ class Preemption:
         """A parked ticket with a TTFT target: due after its preemption wait, or at once when a
         holder of its adapter runs less urgent work."""
         at = ticket.enqueued_at + self.settings.preempt_wait_s(ticket, self.queue.top_priority)
-        if holder_preemption_target(ticket, self.view) is not None:
+        if holder_can_preempt(ticket, self.view):
             at = ticket.enqueued_at  # a hit by preemption now beats a miss later
         heapq.heappush(self._at, (at, next(self._seq), ticket))
 
@@ -118,8 +114,8 @@ class Preemption:
     def _hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:
         """The most urgent queued ticket of `priority`, due or not, whose adapter one of
         `replica_ids` holds while running less urgent work there, and that replica (None: none)."""
-        view = self.view
-        return self.hits.best_in(priority, [r for r in replica_ids if view.preemptible(r, priority) > 0])
+        preemptible = self.view.preemptible_ids(priority)
+        return self.hits.best_in(priority, [r for r in replica_ids if r in preemptible])
 
 
 __all__ = ["Preemption"]

@@ -49,6 +49,8 @@ SET_FIELDS = {"resident": MAX_REPORTED_RESIDENT, "loading": MAX_REPORTED_LOADING
 EVENT_FIELDS = ("adapter_requests", "arrived_tickets")  # since the previous report: in every report
 STATE_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaReport)
                      if f.name not in {"replica_id", "seq", *SET_FIELDS, *EVENT_FIELDS})
+# each set field, its bound, and the names of its delta's two fields
+_SET_DELTAS = tuple((name, limit, f"{name}_added", f"{name}_removed") for name, limit in SET_FIELDS.items())
 
 
 @mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
@@ -120,8 +122,8 @@ def diff(base: ReplicaReport, new: ReplicaReport) -> ReportDelta:
 def apply_delta(base: ReplicaReport, delta: ReportDelta) -> ReplicaReport:
     """`base` (the report numbered `delta.base_seq`) with `delta` applied."""
     values: dict[str, Any] = dict(delta.changed)
-    for name, limit in SET_FIELDS.items():
-        added, removed = getattr(delta, f"{name}_added"), getattr(delta, f"{name}_removed")
+    for name, limit, added_field, removed_field in _SET_DELTAS:
+        added, removed = getattr(delta, added_field), getattr(delta, removed_field)
         if added or removed:
             values[name] = tuple(sorted((set(getattr(base, name)) - set(removed)) | set(added)))[:limit]
     values.update(seq=delta.seq, adapter_requests=delta.adapter_requests,

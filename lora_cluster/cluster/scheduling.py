@@ -253,7 +253,15 @@ def holder_preemption_target(ticket: Ticket, view: ClusterView,
     holders = view.holders(aid) & view.preemptible_ids(ticket.priority)
     if placement is not None and len(holders) > 1:
         holders = {rid for rid in primary_holders(view, aid, placement) if rid in holders} or holders
-    return _best_target(ticket, view, holders, False) if holders else None
+    return _best_target(ticket, view, holders, False, checked=True) if holders else None
+
+
+def holder_can_preempt(ticket: Ticket, view: ClusterView) -> bool:
+    """Whether `holder_preemption_target(ticket, view)` names a replica: a holder of its adapter runs
+    work strictly less urgent than it. O(the smaller of the adapter's holders and those replicas),
+    without a set built or a replica scored."""
+    aid = ticket.adapter_id
+    return aid is not None and not view.holders(aid).isdisjoint(view.preemptible_ids(ticket.priority))
 
 
 HOLDER_QUEUE_SHARE = 4  # a holder is given at most max_num_seqs / this over its room by `holder_queue_target`
@@ -331,7 +339,7 @@ def preemption_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[s
         candidates = view.preemptible_ids(ticket.priority)
         if aid is not None and len(candidates) * WALK_SHARE > len(view):
             return _walk_home(ticket, aid, view, candidates, free_slot_first)
-        replica_ids = candidates
+        return _best_target(ticket, view, candidates, free_slot_first, checked=True)
     return _best_target(ticket, view, replica_ids, free_slot_first)
 
 
@@ -339,13 +347,16 @@ WALK_SHARE = 16  # walk the home ranking when more than 1/WALK_SHARE of the repl
 
 
 def _best_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str],
-                 free_slot_first: bool) -> str | None:
-    """`preemption_target` by scoring each of `replica_ids`."""
+                 free_slot_first: bool, checked: bool = False) -> str | None:
+    """`preemption_target` by scoring each of `replica_ids`. `checked`: each of them has less urgent
+    work to preempt (they come from `ClusterView.preemptible_ids`), so an adapter's ticket scores
+    them without counting that work again (the base model's score is that count)."""
     best, most = None, (False, False, 0)  # the best score, and the first replica id that has it
     aid, priority = ticket.adapter_id, ticket.priority
     seed = 0 if aid is None else home_seed(aid)
+    count = aid is None or not checked
     for rid in replica_ids:
-        n = view.preemptible(rid, priority)
+        n = view.preemptible(rid, priority) if count else 1
         if n <= 0:
             continue
         report = view.get(rid)
@@ -364,13 +375,12 @@ def _walk_home(ticket: Ticket, aid: str, view: ClusterView, candidates: set[str]
     candidate of the adapter's home ranking (descending score, ties by id) with an adapter slot
     free or idle (`free_slot_first`), else the first candidate, unless its score is 0 (it
     outscores no replica, as in `_best_target`)."""
-    priority = ticket.priority
     held = [rid for rid in view.holders(aid) if rid in candidates]
     if held:
-        return _best_target(ticket, view, held, free_slot_first)
+        return _best_target(ticket, view, held, free_slot_first, checked=True)
     first = None
     for rid in view.homes.ranking(aid):
-        if rid not in candidates or view.preemptible(rid, priority) <= 0:
+        if rid not in candidates:  # `preemptible_ids`: less urgent work runs there
             continue
         if not free_slot_first:
             first = rid

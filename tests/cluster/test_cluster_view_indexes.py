@@ -18,6 +18,8 @@ from lora_cluster.cluster.scheduling import (
     QUEUED_PER_ROOM,
     affinity_hit_in,
     choose_replica,
+    holder_can_preempt,
+    holder_preemption_target,
     preemption_target,
     primary_holder,
 )
@@ -69,6 +71,10 @@ def test_the_preemption_target_walks_the_home_ranking_to_what_a_full_scan_choose
                 got = preemption_target(t, view, free_slot_first=top)
                 assert got == want, f"step {step}, {cls}, {t.adapter_id}, slot first {top}: {got} != {want}"
                 checked += want is not None
+            held = any(t.adapter_id in view.get(r).held for r in view.preemptible_ids(t.priority))
+            assert holder_can_preempt(t, view) is held, f"step {step}, {cls}: a holder runs less urgent work"
+            assert (holder_preemption_target(t, view) is not None) is held, (
+                f"step {step}, {cls}: the holder's target exists exactly then")
     assert checked > 500, f"most states have a target to compare: {checked}"
 
 
