@@ -35,6 +35,15 @@ class _Seen:
     at: float  # controller clock
     outstanding: dict[str, float] = field(default_factory=dict)  # granted ticket -> when, not arrived yet
     preempting: set[str] = field(default_factory=set)  # those of them that preempt
+    # the report's fields that its room is counted from (`ClusterView._free`), read once per report
+    capacity: int = 0
+    ongoing: int = 0
+    room: int | None = None
+
+    def took(self, report: ReplicaReport, at: float) -> None:
+        """The replica's latest report, taken at `at`."""
+        self.report, self.at = report, at
+        self.capacity, self.ongoing, self.room = report.capacity, report.ongoing, report.room
 
 
 class ClusterView:
@@ -61,6 +70,7 @@ class ClusterView:
         self._host_holders: dict[str, set[str]] = {}  # adapter -> replicas whose host tier holds it
         self._cluster_holders: dict[str, set[str]] = {}  # adapter -> replicas reporting its node's copy
         self._on_node: dict[str, set[str]] = {}  # node -> the replicas whose report names it
+        self._slots: set[str] = set()  # the replicas whose report has a free adapter slot
         # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
         self._preemptible: dict[int, set[str]] = {}
         self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
@@ -143,7 +153,8 @@ class ClusterView:
         seen = self._seen.get(rid)
         if seen is None:
             self._hold(rid, None, report)
-            self._seen[rid] = _Seen(report, now)
+            self._seen[rid] = seen = _Seen(report, now)
+            seen.took(report, now)
             self.homes.reset()
             changed = True
         else:  # in place: the grants that arrived, or outlived `grant_ttl_s`, leave `outstanding`
@@ -157,7 +168,7 @@ class ClusterView:
             preempting_before = len(preempting)
             if preempting:
                 preempting.intersection_update(outstanding)
-            seen.report, seen.at = report, now
+            seen.took(report, now)
             # else `preemptible` is as it was
             changed = old.running_by_priority is not report.running_by_priority or (
                 len(preempting) != preempting_before)
@@ -175,6 +186,10 @@ class ClusterView:
                  frozenset() if new is None else new.host_set)
         _reindex(self._cluster_holders, replica_id, frozenset() if old is None else old.cluster_set,
                  frozenset() if new is None else new.cluster_set)
+        if new is not None and new.free_adapter_slots > 0:
+            self._slots.add(replica_id)
+        else:
+            self._slots.discard(replica_id)
         if old is None or new is None or old.node_id != new.node_id:  # mostly: its node stays
             _reindex(self._on_node, replica_id, frozenset(() if old is None else (old.node_id,)),
                      frozenset(() if new is None else (new.node_id,)))
@@ -268,9 +283,9 @@ class ClusterView:
         for at, inflight, _ in claims:  # a loop, not a generator: read for every replica whose room changed
             if at > since:
                 claimed += inflight.get(replica_id, 0)
-        report = s.report
-        free = report.capacity - max(report.ongoing + len(s.outstanding), claimed)
-        return free if report.room is None else min(free, report.room - len(s.outstanding))
+        free = s.capacity - max(s.ongoing + len(s.outstanding), claimed)
+        room = s.room
+        return free if room is None else min(free, room - len(s.outstanding))
 
     def preemptible(self, replica_id: str, priority: int) -> int:
         """Less urgent running requests a grant over capacity could still preempt there."""
@@ -376,6 +391,11 @@ class ClusterView:
         for node in self.cluster_nodes(adapter_id):
             out.update(self._on_node.get(node, ()))
         return out
+
+    def slot_ids(self) -> set[str]:
+        """The replicas whose report has a free adapter slot (empty, or holding an idle adapter: a
+        new adapter can go there); read-only."""
+        return self._slots
 
     def held_adapters(self) -> frozenset[str]:
         """Every adapter some replica's report holds, resident or loading: O(those adapters)."""

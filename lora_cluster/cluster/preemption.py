@@ -32,7 +32,13 @@ from lora_cluster.cluster.cluster_queue import ClusterQueue, Ticket
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.hit_index import HitIndex
-from lora_cluster.cluster.scheduling import holder_can_preempt, holder_wait_until, preemption_target
+from lora_cluster.cluster.scheduling import (
+    can_preempt,
+    holder_can_preempt,
+    holder_wait_elsewhere,
+    holder_wait_until,
+    preemption_target,
+)
 
 
 class Preemption:
@@ -101,14 +107,22 @@ class Preemption:
                 ticket = due[0][1]
                 if ticket.ticket_id in queue:
                     top = ticket.priority == queue.top_priority
-                    replica_id = preemption_target(ticket, view, free_slot_first=top)
-                    if replica_id is None:
-                        return  # all taken: none is left for this or a less urgent class
                     wait = self.settings.holder_wait(ticket, queue.top_priority)
-                    if (until := holder_wait_until(ticket, replica_id, view, wait)) > now:  # a hit later
+                    until = holder_wait_elsewhere(ticket, view, wait)
+                    if until > now and not holder_can_preempt(ticket, view):
+                        # the target would not hold its adapter: it waits for a holder (a hit later),
+                        # where there is a target at all; known without choosing it
+                        if not can_preempt(ticket, view, top):
+                            return  # all taken: none is left for this or a less urgent class
                         heapq.heappush(self._at, (until, next(self._seq), ticket))
                     else:
-                        self._grant(ticket, replica_id)
+                        replica_id = preemption_target(ticket, view, free_slot_first=top)
+                        if replica_id is None:
+                            return
+                        if (until := holder_wait_until(ticket, replica_id, view, wait)) > now:  # a hit later
+                            heapq.heappush(self._at, (until, next(self._seq), ticket))
+                        else:
+                            self._grant(ticket, replica_id)
                 heapq.heappop(due)
 
     def _hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:

@@ -78,8 +78,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
     seed = home_seed(aid)
 
     def key(rid: str) -> tuple[bool, int, bool, bool, bool, bool, bool, int, str]:
-        report = view.get(rid)
-        no_slot = report is None or report.free_adapter_slots <= 0
+        no_slot = not _has_slot(view, rid)
         held = holds(view, rid, aid)
         extra = held and not primary_holder(view, rid, aid, placement)
         return (not held, -cached(rid), extra, rid not in placed, no_slot, rid not in hosts,
@@ -91,24 +90,40 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
             if found:
                 return min(found, key=key)  # O(the adapter's holders or placed replicas)
         local = view.cluster_local(aid)
-
-        def no_slot(rid: str) -> bool:
-            report = view.get(rid)
-            return report is None or report.free_adapter_slots <= 0
-
-        def miss(rid: str) -> tuple[bool, bool, bool, int, str]:  # `key` where none holds it nor is placed
-            return no_slot(rid), rid not in hosts, rid not in local, -seeded_score(seed, rid), rid
-
         # a host-tier holder with room and a free adapter slot beats every other miss, then a replica
         # on a node with the cluster tier's copy: found through the indexes, O(those replicas); the
         # others copy it from a peer when it is published (or fetch it from the source), at one cost
         # wherever they are, so the adapter's home takes it (its next misses find it there)
-        near = [rid for rid in hosts if rid in candidates and not no_slot(rid)]
+        near = [rid for rid in hosts if rid in candidates and _has_slot(view, rid)]
         if not near:
-            near = [rid for rid in local if rid in candidates and not no_slot(rid)]
-        return min(near or candidates, key=miss)
+            near = [rid for rid in local if rid in candidates and _has_slot(view, rid)]
+        return _best_miss(view, near or candidates, hosts, local, seed)
     local = view.cluster_local(aid)
     return min(candidates, key=key)
+
+
+def _has_slot(view: ClusterView, replica_id: str) -> bool:
+    return replica_id in view.slot_ids()
+
+
+def _best_miss(view: ClusterView, replica_ids: Iterable[str], hosts: Set[str], local: Set[str],
+               seed: int) -> str | None:
+    """`choose_replica`'s order where none of `replica_ids` holds the adapter nor is placed for it: one
+    with a free adapter slot, then one whose host tier holds it, then one on a node with its cluster
+    tier's copy (a rank of 0 to 7 from these three), then the highest home score (`seeded_score` of
+    the adapter's `seed`), then the lowest id. A loop over plain ints, not a key tuple per replica."""
+    best: str | None = None
+    best_rank, best_score = 0, 0
+    slots = view.slot_ids()
+    for rid in replica_ids:
+        rank = (0 if rid in slots else 4) + (0 if rid in hosts else 2) + (0 if rid in local else 1)
+        if best is not None and rank > best_rank:
+            continue
+        score = seeded_score(seed, rid)
+        if (best is None or rank < best_rank or score > best_score
+                or (score == best_score and rid < best)):
+            best, best_rank, best_score = rid, rank, score
+    return best
 
 
 def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
@@ -235,8 +250,14 @@ def holder_wait_until(ticket: Ticket, target: str, view: ClusterView, wait_fract
     once it runs less urgent work): `wait_fraction` of its TTFT target after it arrived, when some
     replica holds its adapter; else -inf (no reason to wait: preempt now). A miss then costs a load
     and a slot, and evicts another adapter on a full replica, where a hit costs nothing."""
-    if (ticket.ttft_s is None or ticket.adapter_id is None or holds(view, target, ticket.adapter_id)
-            or not view.holders(ticket.adapter_id)):
+    if holds(view, target, ticket.adapter_id):
+        return -math.inf
+    return holder_wait_elsewhere(ticket, view, wait_fraction)
+
+
+def holder_wait_elsewhere(ticket: Ticket, view: ClusterView, wait_fraction: float) -> float:
+    """`holder_wait_until` at a target that does not hold the ticket's adapter (it needs no target)."""
+    if ticket.ttft_s is None or ticket.adapter_id is None or not view.holders(ticket.adapter_id):
         return -math.inf
     return ticket.enqueued_at + wait_fraction * ticket.ttft_s
 
@@ -297,13 +318,14 @@ def holder_queue_target(ticket: Ticket, view: ClusterView,
     return best if report is not None and view.free(best) > -holder_queue_limit(report.max_num_seqs) else None
 
 
-def can_preempt(ticket: Ticket, view: ClusterView) -> bool:
-    """Whether `preemption_target(ticket, view)` names a replica, without ranking them all: some
-    replica runs work strictly less urgent than the ticket and outscores no replica at all (a
-    replica that neither holds the adapter nor hashes above zero for it does not)."""
+def can_preempt(ticket: Ticket, view: ClusterView, free_slot_first: bool = False) -> bool:
+    """Whether `preemption_target(ticket, view, free_slot_first=...)` names a replica, without ranking
+    them all: some replica runs work strictly less urgent than the ticket and outscores no replica at
+    all (a replica that neither holds the adapter, nor has an adapter slot free where that counts,
+    nor hashes above zero for it does not). Mostly the first such replica answers."""
     aid = ticket.adapter_id
-    return any(aid is None or holds(view, rid, aid) or home_score(aid, rid) > 0
-               for rid in view.preemptible_ids(ticket.priority))
+    return any(aid is None or holds(view, rid, aid) or (free_slot_first and _has_slot(view, rid))
+               or home_score(aid, rid) > 0 for rid in view.preemptible_ids(ticket.priority))
 
 
 def will_preempt(ticket: Ticket, view: ClusterView) -> bool:
@@ -351,20 +373,27 @@ def _best_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str],
     """`preemption_target` by scoring each of `replica_ids`. `checked`: each of them has less urgent
     work to preempt (they come from `ClusterView.preemptible_ids`), so an adapter's ticket scores
     them without counting that work again (the base model's score is that count)."""
-    best, most = None, (False, False, 0)  # the best score, and the first replica id that has it
+    # the score (held, slot, n or home score), compared as (held + slot rank, value); the best score
+    # starts at (False, False, 0), which a replica must beat: the first id of the best score wins
+    best: str | None = None
+    best_rank, best_value = 0, 0
     aid, priority = ticket.adapter_id, ticket.priority
     seed = 0 if aid is None else home_seed(aid)
     count = aid is None or not checked
+    slots: Set[str] = view.slot_ids() if free_slot_first else frozenset()
+    holders = frozenset() if aid is None else view.holders(aid)
     for rid in replica_ids:
         n = view.preemptible(rid, priority) if count else 1
         if n <= 0:
             continue
-        report = view.get(rid)
-        slot = free_slot_first and report is not None and report.free_adapter_slots > 0
-        held = aid is None or (report is not None and aid in report.held)  # `holds`
-        score = (held, slot, n if aid is None else seeded_score(seed, rid))
-        if score > most or (best is not None and score == most and rid < best):
-            best, most = rid, score
+        held = aid is None or rid in holders  # `holds`
+        rank = (2 if held else 0) + (1 if rid in slots else 0)
+        if rank < best_rank:
+            continue
+        value = n if aid is None else seeded_score(seed, rid)
+        if (rank > best_rank or value > best_value
+                or (best is not None and value == best_value and rid < best)):
+            best, best_rank, best_value = rid, rank, value
     return best
 
 
@@ -379,14 +408,14 @@ def _walk_home(ticket: Ticket, aid: str, view: ClusterView, candidates: set[str]
     if held:
         return _best_target(ticket, view, held, free_slot_first, checked=True)
     first = None
+    slots = view.slot_ids()
     for rid in view.homes.ranking(aid):
         if rid not in candidates:  # `preemptible_ids`: less urgent work runs there
             continue
         if not free_slot_first:
             first = rid
             break
-        report = view.get(rid)
-        if report is not None and report.free_adapter_slots > 0:
+        if rid in slots:
             return rid
         if first is None:
             first = rid

@@ -121,6 +121,8 @@ def test_the_replicas_with_room_are_kept_exactly_through_reports_grants_and_clai
         assert view.total_free() == sum(view.free(r) for r in want), (
             f"step {step}: the room summed over the replicas with room, as free() says")
         assert view.with_room() == sorted(want), f"step {step}: with_room, as free() says"
+        slots = {r for r in view.ids() if view.get(r).free_adapter_slots > 0}
+        assert view.slot_ids() == slots, f"step {step}: the replicas with a free adapter slot, as reported"
     assert renewed > 400, "claims were renewed often"
 
 
