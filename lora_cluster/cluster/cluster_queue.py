@@ -87,14 +87,16 @@ class Ticket:
 Key = tuple[int, float, float, float, int]  # tier, priority + enqueued / aging, deadline, arrival, seq
 
 
-@dataclass(eq=False)
 class _Entry:
-    key: Key
-    ticket: Ticket
-    removed: bool = False
+    """A queued ticket, its key, and whether it left (heap order: the key's tier, urgency, then the rest)."""
 
-    def __lt__(self, other: _Entry) -> bool:  # heap order by key (unique); compiled, unlike `order=True`'s
-        return self.key < other.key
+    def __init__(self, key: Key, ticket: Ticket):
+        self.key, self.ticket, self.removed, self.tier, self.urgency = key, ticket, False, key[0], key[1]
+
+    def __lt__(self, other: _Entry) -> bool:  # the key's head compared as plain numbers, compiled
+        if self.tier != other.tier:
+            return self.tier < other.tier
+        return self.urgency < other.urgency if self.urgency != other.urgency else self.key < other.key
 
 
 DRAIN_HEAD = 32  # the oldest drain events an edge state carries (`DrainMeter.head`)
@@ -121,14 +123,12 @@ class DrainMeter:
         self._times: deque[float] = deque(maxlen=100_000)  # bounded whatever the rate: the oldest go
 
     def record(self, n: int = 1) -> None:
-        now = self._clock()
-        self._times.extend([now] * n)
+        self._times.extend([now := self._clock()] * n)
         self._prune(now)
 
     def rate(self) -> float | None:
         """Events per second over the window; None until the window has seen any."""
-        now = self._clock()
-        self._prune(now)
+        self._prune(now := self._clock())
         if not self._times:
             return None
         return drain_rate(len(self._times), self._times[0], now, self.window_s)
@@ -173,7 +173,7 @@ class ClusterQueue:
         self.top_priority, self.wait_bound_s = top_priority, wait_bound_s
         # priority -> heap of (enqueued_at, seq, entry) of the classes without a TTFT target (lazy removal)
         self._untargeted: dict[int, list[tuple[float, int, _Entry]]] = {}
-        self._untargeted_count: Counter[int] = Counter()  # queued tickets of those classes
+        self._untargeted_count: dict[int, int] = {}  # queued tickets of those classes
         self._class_drain: dict[int, DrainMeter] = {}  # their grants per second
         self._heap: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
@@ -183,7 +183,7 @@ class ClusterQueue:
         self._indexed = 0  # entries in `_by_adapter`, removed ones included
         # priority -> the adapters with a queued ticket of it (exact), from the queued count of each
         self._adapters: dict[int, set[str | None]] = {}
-        self._queued: Counter[tuple[str | None, int]] = Counter()
+        self._queued: dict[tuple[str | None, int], int] = {}  # queued tickets per (adapter, priority)
         self._seq = itertools.count()
         self.drain = DrainMeter(drain_window_s, clock)
 
@@ -269,7 +269,7 @@ class ClusterQueue:
         if ticket.ttft_s is None:
             heapq.heappush(self._untargeted.setdefault(ticket.priority, []),
                            (ticket.enqueued_at, entry.key[4], entry))
-            self._untargeted_count[ticket.priority] += 1
+            self._untargeted_count[ticket.priority] = self._untargeted_count.get(ticket.priority, 0) + 1
         return bump
 
     def class_granted(self, ticket: Ticket) -> None:
@@ -292,7 +292,7 @@ class ClusterQueue:
         waited = now - oldest.enqueued_at
         meter = self._class_drain.get(ticket.priority)
         rate = meter.rate() if meter is not None else None
-        backlog = (self._untargeted_count[ticket.priority] + 1) / rate if rate else 0.0
+        backlog = (self._untargeted_count.get(ticket.priority, 0) + 1) / rate if rate else 0.0
         wait = max(waited, backlog)
         if wait >= ADMIT_WAIT_SHARE * bound:
             raise WaitBoundError(
@@ -345,7 +345,7 @@ class ClusterQueue:
         entry.removed = True
         ticket = entry.ticket
         if ticket.ttft_s is None:
-            self._untargeted_count[ticket.priority] -= 1
+            self._untargeted_count[ticket.priority] = self._untargeted_count.get(ticket.priority, 0) - 1
         self._count(ticket, -1)
         key = (ticket.adapter_id, ticket.priority)
         heap = self._by_adapter.get(key)
@@ -374,7 +374,7 @@ class ClusterQueue:
     def _count(self, ticket: Ticket, n: int) -> None:
         """`queued_adapters` follows a ticket parked (n = 1) or gone (n = -1)."""
         key = (ticket.adapter_id, ticket.priority)
-        left = self._queued[key] = self._queued[key] + n
+        left = self._queued[key] = self._queued.get(key, 0) + n
         if left == 0:
             del self._queued[key]
             self._adapters[ticket.priority].discard(ticket.adapter_id)

@@ -89,12 +89,23 @@ class HitIndex:
         queued = queue.queued_adapters(priority)
         if len(queued) < QUEUED_PER_ROOM * len(room):
             return affinity_hit_in(priority, queue.best_for, queue.sort_key, self.view, room, latest, queued)
-        return self.best_in(priority, sorted(room), latest)
+        return self._look(priority, room, latest, True)
+
+    def best_of(self, priority: int, replica_ids: Iterable[str]) -> tuple[Ticket, str] | None:
+        """`best_in` over `replica_ids` walked in id order, in any order (of equal answers, the
+        lowest replica id is kept)."""
+        return self._look(priority, replica_ids, math.inf, True)
 
     def best_in(self, priority: int, replica_ids: Iterable[str], latest: float = math.inf
                 ) -> tuple[Ticket, str] | None:
         """`scheduling.affinity_hit` over `replica_ids` (walked in the order given, the first of equal
         answers kept): from each replica's kept entry, walked again where it may have changed."""
+        return self._look(priority, replica_ids, latest, False)
+
+    def _look(self, priority: int, replica_ids: Iterable[str], latest: float, by_id: bool
+              ) -> tuple[Ticket, str] | None:
+        """`best_in`; with `by_id`, of equal answers (one ticket that several replicas could take)
+        the lowest replica id is kept, as walking `replica_ids` sorted would keep, without the sort."""
         entries = self._best.get(priority)
         if entries is None:
             entries = self._best[priority] = {}
@@ -130,6 +141,8 @@ class HitIndex:
             key = entry.key
             if found is None or key < best_key:
                 best_key, found = key, (ticket, rid)
+            elif by_id and ticket is found[0] and rid < found[1]:  # the same ticket (keys are unique)
+                found = (ticket, rid)
         return found
 
     def _walk(self, priority: int, replica_id: str, held: frozenset[str]) -> _Best:

@@ -85,7 +85,7 @@ class Preemption:
             self._at = [e for e in self._at if e[2].ticket_id in queue]
             heapq.heapify(self._at)
         # hits can only have appeared where a replica reported (a new ticket's hit is found at park)
-        reported = [rid for rid in sorted(self._reported) if view.get(rid) is not None]
+        reported = [rid for rid in self._reported if view.get(rid) is not None]
         self._reported.clear()
         urgent = self._urgent
         if not self._due.keys() <= self._urgent_set:
@@ -127,9 +127,10 @@ class Preemption:
 
     def _hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:
         """The most urgent queued ticket of `priority`, due or not, whose adapter one of
-        `replica_ids` holds while running less urgent work there, and that replica (None: none)."""
+        `replica_ids` holds while running less urgent work there, and that replica (the lowest id of
+        those that could take it; None: none)."""
         preemptible = self.view.preemptible_ids(priority)
-        return self.hits.best_in(priority, [r for r in replica_ids if r in preemptible])
+        return self.hits.best_of(priority, [r for r in replica_ids if r in preemptible])
 
 
 __all__ = ["Preemption"]

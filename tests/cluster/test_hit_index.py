@@ -58,6 +58,9 @@ def test_the_kept_hits_answer_as_the_walk_through_parks_removals_and_reports(see
             assert hits.best_in(priority, order) == affinity_hit(
                 priority, queue.best_for, queue.sort_key, view, order, queued=queued), (
                 f"step {step}, priority {priority}: the hit among replicas in a given order")
+            assert hits.best_of(priority, order) == affinity_hit(
+                priority, queue.best_for, queue.sort_key, view, sorted(order), queued=queued), (
+                f"step {step}, priority {priority}: the hit among replicas in any order, ties by id")
 
 
 def test_a_ticket_parked_for_a_held_adapter_becomes_the_kept_hit_at_once():
