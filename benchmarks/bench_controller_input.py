@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import math
 import pickle
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import emit, header, load_avg
+from common import emit, freeze_recording, header, load_avg
 
 from lora_cluster.cluster.controller import Controller
 from lora_cluster.cluster.controller_settings import ControllerSettings
@@ -156,6 +157,7 @@ def main() -> None:
         trace, classes, settings = record(n, args.adapters, args.load, args.warmup, args.duration,
                                           Path(args.traces) if args.traces else None)
         sim_s = time.perf_counter() - t0
+        freeze_recording()
         best: dict[str, float] = {}
         calls: Counter[str] = Counter()
         parked = 0
@@ -174,6 +176,7 @@ def main() -> None:
             pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
             profile_text = out.getvalue()
         del trace
+        gc.unfreeze()
     kinds = sorted({k for _, calls, _ in rows.values() for k in calls})
     lines = [*header("Controller cost per input", command, level=3, changed={}, code=args.code), "",
              f"Load average {load_avg()}. The simulator's defaults but "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import os
 import platform
@@ -75,6 +76,15 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"commit {head or 'unknown'}" + (" with uncommitted changes in lora_cluster/" if dirty else "")
+
+
+def freeze_recording() -> None:
+    """Move what the process holds now (a recording of calls to replay) out of the collector's reach
+    (`gc.freeze`, after a full collection): a controller replayed from it is then collected as in the
+    controller actor's process, which holds no recording, and a full collection does not walk the
+    recording's millions of objects and charge the call it interrupts (`gc.unfreeze` to undo)."""
+    gc.collect()
+    gc.freeze()
 
 
 def load_avg() -> str:

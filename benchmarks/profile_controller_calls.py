@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from common import load_avg
+from common import freeze_recording, load_avg
 
 from lora_cluster import compiled
 from lora_cluster.cluster.controller import Controller
@@ -143,6 +143,7 @@ def main() -> None:
     print(f"# controller calls: python -m lora_cluster.sim {' '.join(sim_args)}\n"
           f"({build}; load average {load_avg()})")
     calls, shards, measure_from, span, parked = record(sim_args, Path(args.trace) if args.trace else None)
+    freeze_recording()
     cpu, count, per_shard = replay(calls, shards, measure_from)
     total = sum(cpu.values())
     print(f"replayed {len(calls)} calls; after the warm-up {total / span:.4f} CPU s per simulated s, "

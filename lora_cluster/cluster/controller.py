@@ -132,6 +132,8 @@ class Controller:
             report = apply_delta(base, report)
         joined = base is None
         self.view.update(report)
+        if joined:
+            self.view.stale_after_s = self.settings.silent_after_s(len(self.view))
         service = report.service_time_s
         rate = report.capacity / service if service else 0.0
         if self._rates.get(report.replica_id) != rate:
@@ -267,6 +269,7 @@ class Controller:
     def tick(self) -> None:
         """Forget replicas that stopped reporting; let long-waiting urgent tickets preempt."""
         if gone := self.view.prune():
+            self.view.stale_after_s = self.settings.silent_after_s(len(self.view))
             for rid in gone:
                 del self._rates[rid]
             self._rate_sum = None

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from mypy_extensions import mypyc_attr
 
 from lora_cluster.cluster.cluster_queue import Ticket
+from lora_cluster.cluster.report_rules import report_spacing_s
 from lora_cluster.config import ControllerConfig
 
 _DEFAULTS = ControllerConfig()
+STALE_PERIODS = 4  # a replica is forgotten after this many of its report periods without one (2 s at least)
 
 
 @mypyc_attr(native_class=False)  # compiled, still a Python class: frozen (lora_cluster.compiled)
@@ -25,7 +27,10 @@ class ControllerSettings:
     aging_s: float = _DEFAULTS.cluster_queue_aging_s
     preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
     top_class_preempt_after_fraction: float | None = None  # the most urgent class's (None: the above)
-    stale_after_s: float = 5.0  # a replica silent this long is forgotten
+    stale_after_s: float = 5.0  # a replica silent this long is forgotten (longer where reports are paced:)
+    # the replicas' reports a second to one controller (`report_rules.report_spacing_s`; 0: no budget):
+    # each replica's period stretches to (replicas / budget), and so does the silence that forgets one
+    report_budget_per_s: float = 0.0
     hot_share: float = _DEFAULTS.placement_hot_share
     demand_window_s: float = 30.0
     affinity_wait_fraction: float = 0.5  # hits arrived this share of its TTFT target later may pass a miss
@@ -45,6 +50,14 @@ class ControllerSettings:
     # ... and held adapters older than this refuse nothing cold (they come with the placement fetch,
     # every `controller_report_period_s`: two of its periods)
     edge_held_max_age_s: float = 2 * _DEFAULTS.controller_report_period_s
+
+    def silent_after_s(self, replicas: int) -> float:
+        """How long a replica may go without a report before the controller forgets it, when it sees
+        `replicas` replicas: `stale_after_s`, or `STALE_PERIODS` of the period the report budget paces
+        each replica to where that is longer (`report_rules.report_spacing_s`: 1,024 replicas at 400
+        reports a second report every 2.56 s, so a fixed 2 s forgot and re-added most of them, each time
+        replanning placement and dropping its grants on their way)."""
+        return max(self.stale_after_s, STALE_PERIODS * report_spacing_s(replicas, self.report_budget_per_s))
 
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
         """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
@@ -67,7 +80,8 @@ class ControllerSettings:
             aging_s=config.cluster_queue_aging_s,
             preempt_after_fraction=config.preempt_after_fraction,
             top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
-            stale_after_s=max(2.0, 4 * config.controller_report_period_s),
+            stale_after_s=max(2.0, STALE_PERIODS * config.controller_report_period_s),
+            report_budget_per_s=config.controller_report_budget_per_s,
             hot_share=config.placement_hot_share, queue_timeout_s=config.cluster_queue_timeout_s,
             cold_shed_window_s=config.cold_shed_window_s, cold_shed_pressure=config.cold_shed_pressure,
             wait_bound_s=config.cluster_queue_max_wait_s or None, edge_max_age_s=config.edge_max_age_s,
