@@ -138,7 +138,8 @@ class ControllerConfig(BaseModel):
         "concerns (the room a shard may grant there or its adapters there changed, or it is owed a full "
         "report), and to every other shard at least this often, so each still learns that the replica "
         "lives, its load, and its grants that arrived. Keep it "
-        "well under the controller's forgetting of a silent replica (max(2 s, 4 report periods)) "
+        "well under the controller's forgetting of a silent replica (max(2 s, 4 report periods, each "
+        "paced by controller_report_budget_per_s)) "
         "(docs/scale.md#report-rounds-to-the-shards-concerned).",
     )
     cluster_queue_size: int = Field(
