@@ -35,7 +35,6 @@ from lora_cluster.cluster.hit_index import HitIndex
 from lora_cluster.cluster.scheduling import (
     can_preempt,
     holder_can_preempt,
-    holder_wait_elsewhere,
     holder_wait_until,
     preemption_target,
 )
@@ -108,21 +107,18 @@ class Preemption:
                 if ticket.ticket_id in queue:
                     top = ticket.priority == queue.top_priority
                     wait = self.settings.holder_wait(ticket, queue.top_priority)
-                    until = holder_wait_elsewhere(ticket, view, wait)
+                    until = holder_wait_until(ticket, view, wait)
+                    # a target exists (else all are taken: none is left for this or a less urgent class);
+                    # unless a holder is one, it would not hold the adapter: then wait for a holder until
+                    # `until` (a hit later), known without choosing the target
                     if until > now and not holder_can_preempt(ticket, view):
-                        # the target would not hold its adapter: it waits for a holder (a hit later),
-                        # where there is a target at all; known without choosing it
                         if not can_preempt(ticket, view, top):
-                            return  # all taken: none is left for this or a less urgent class
-                        heapq.heappush(self._at, (until, next(self._seq), ticket))
-                    else:
-                        replica_id = preemption_target(ticket, view, free_slot_first=top)
-                        if replica_id is None:
                             return
-                        if (until := holder_wait_until(ticket, replica_id, view, wait)) > now:  # a hit later
-                            heapq.heappush(self._at, (until, next(self._seq), ticket))
-                        else:
-                            self._grant(ticket, replica_id)
+                        heapq.heappush(self._at, (until, next(self._seq), ticket))
+                    elif (replica_id := preemption_target(ticket, view, free_slot_first=top)) is None:
+                        return
+                    else:
+                        self._grant(ticket, replica_id)
                 heapq.heappop(due)
 
     def _hit(self, priority: int, replica_ids: list[str]) -> tuple[Ticket, str] | None:

@@ -244,19 +244,13 @@ def hit_window_s(ticket: Ticket, wait_fraction: float, aging_s: float) -> float:
     return aging_s if ticket.ttft_s is None else wait_fraction * ticket.ttft_s
 
 
-def holder_wait_until(ticket: Ticket, target: str, view: ClusterView, wait_fraction: float) -> float:
-    """Until when a due ticket that would preempt at `target`, where its adapter is not held, should
-    rather wait for a replica that holds it (to take it when room frees there, or to preempt there
-    once it runs less urgent work): `wait_fraction` of its TTFT target after it arrived, when some
-    replica holds its adapter; else -inf (no reason to wait: preempt now). A miss then costs a load
-    and a slot, and evicts another adapter on a full replica, where a hit costs nothing."""
-    if holds(view, target, ticket.adapter_id):
-        return -math.inf
-    return holder_wait_elsewhere(ticket, view, wait_fraction)
-
-
-def holder_wait_elsewhere(ticket: Ticket, view: ClusterView, wait_fraction: float) -> float:
-    """`holder_wait_until` at a target that does not hold the ticket's adapter (it needs no target)."""
+def holder_wait_until(ticket: Ticket, view: ClusterView, wait_fraction: float) -> float:
+    """Until when a due ticket whose preemption target would not hold its adapter should rather wait
+    for a replica that holds it (to take it when room frees there, or to preempt there once it runs
+    less urgent work): `wait_fraction` of its TTFT target after it arrived, when some replica holds
+    its adapter; else -inf (no reason to wait: preempt now). A miss then costs a load and a slot, and
+    evicts another adapter on a full replica, where a hit costs nothing. (A holder running less
+    urgent work is itself the target: `holder_can_preempt`.)"""
     if ticket.ttft_s is None or ticket.adapter_id is None or not view.holders(ticket.adapter_id):
         return -math.inf
     return ticket.enqueued_at + wait_fraction * ticket.ttft_s
