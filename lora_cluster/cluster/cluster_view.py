@@ -271,11 +271,7 @@ class ClusterView:
 
     def with_room(self) -> list[str]:
         """The replicas with room (`free` > 0), in id order."""
-        return sorted(self.room_ids())
-
-    def room_ids(self) -> set[str]:
-        """The replicas with room: `free_ids`."""
-        return self.free_ids()
+        return sorted(self.free_ids())
 
     def _free(self, replica_id: str, s: _Seen, claims: list[tuple[float, Mapping[str, int], int]]) -> int:
         since = s.at - self.claim_superseded_after_s  # claims made before: superseded by the report

@@ -350,7 +350,7 @@ class Controller:
             placement = self._placement
             if overdue is None and not holds_for(self.view, replica_id, ticket, placement):
                 window = hit_window_s(ticket, self.settings.affinity_wait_fraction, self.settings.aging_s)
-                hit = self.hits.hit(ticket.priority, self.view.room_ids(), ticket.enqueued_at + window)
+                hit = self.hits.hit(ticket.priority, self.view.free_ids(), ticket.enqueued_at + window)
                 held = holds(self.view, replica_id, ticket.adapter_id)
                 if hit is not None:
                     ticket, replica_id = hit

@@ -222,7 +222,7 @@ def test_grants_through_the_indexes_choose_what_a_scan_of_every_replica_chooses(
         for priority in (0, 1, 2):
             latest = clock.now - rng.choice((0.0, 0.5, 2.0))
             queued = queue.queued_adapters(priority)
-            room = view.room_ids()
+            room = view.free_ids()
             hit = affinity_hit_in(priority, queue.best_for, queue.sort_key, view, room, latest, queued)
             got = None if hit is None else (hit[0].ticket_id, hit[1])
             assert got == scan_hit(view, queue, priority, latest), (
