@@ -68,7 +68,8 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, bool]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-loras", type=int, default=16, help="adapter slots per replica")
     ap.add_argument("--policy", choices=sorted(POLICIES), default="lora-cluster",
-                    help="routing policy (oracle: a yardstick that knows the true popularity, not shipped)")
+                    help="routing policy (oracle: a yardstick that knows the true popularity; oracle-pinned: "
+                    "lora-cluster with the oracle's placement pinned; neither is shipped)")
     ap.add_argument("--profile", default="gpu",
                     help="replica profile: gpu (from papers), cpu (measured on this 2-core machine) "
                     "or a JSON path")

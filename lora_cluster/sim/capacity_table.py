@@ -49,16 +49,21 @@ def markdown(runs: dict[str, list[dict[str, Any]]]) -> str:
     """One row per cell (see the module docstring), and how many cells pass."""
     verdicts = cg.verdicts(runs)
     searches = {(cg.CapacityCell(**s["cell"]), s["policy"]): s for s in runs["searches"]}
-    caps = " / ".join(cg.POLICIES)
-    lines = [f"| nodes x adapters | zipf | seed | capacity at SLO: {caps} | ours / oracle "
+    ran = {s["policy"] for s in runs["searches"]}
+    policies = [*cg.POLICIES, *sorted(ran.difference(cg.POLICIES))]  # a yardstick asked for: a column more
+    pinned = cg.PINNED in ran
+    lines = [f"| nodes x adapters | zipf | seed | capacity at SLO: {' / '.join(policies)} | ours / oracle "
              "| ours / better baseline | at 0.9x ours: hit rate completed / offered, PSB, static ceiling, "
-             "old ceiling | oracle hit rate offered | ours limited by | pass |",
-             "|" + "---|" * 10]
+             "old ceiling | oracle hit rate offered | "
+             + (f"{cg.PINNED} hit rate offered | " if pinned else "")
+             + "ours limited by | pass |",
+             "|" + "---|" * (11 if pinned else 10)]
     passed = 0
     for cell in sorted(verdicts, key=lambda c: (-c.nodes, c.zipf, c.seed)):
         v = verdicts[cell]
         at = v["reference"].get(cg.OURS)
         oracle_at = v["reference"].get(cg.ORACLE)
+        pinned_at = v["reference"].get(cg.PINNED)
         hits = "-" if at is None else (f"{_pct(at['hit_rate'])} / {_pct(at['hit_rate_offered'])}, "
                                        f"{_pct(at['psb'])}, {_pct(at['static_ceiling'])}, "
                                        f"{_pct(at['hit_rate_ceiling'])}")
@@ -66,10 +71,11 @@ def markdown(runs: dict[str, list[dict[str, Any]]]) -> str:
         passed += v["passed"]
         lines.append(
             f"| {cell.nodes} x {cell.adapters} | {cell.zipf:g} | {cell.seed} "
-            f"| {' / '.join(_x(v['capacity'].get(p)) for p in cg.POLICIES)} | {_ratio(v['oracle_share'])} "
+            f"| {' / '.join(_x(v['capacity'].get(p)) for p in policies)} | {_ratio(v['oracle_share'])} "
             f"| {_ratio(v['baseline_multiple'])} | {hits} "
             f"| {_pct(oracle_at['hit_rate_offered']) if oracle_at else '-'} "
-            f"| {_binding(searches.get((cell, cg.OURS)))} "
+            + (f"| {_pct(pinned_at['hit_rate_offered']) if pinned_at else '-'} " if pinned else "")
+            + f"| {_binding(searches.get((cell, cg.OURS)))} "
             f"| {'pass' if not failed else 'FAIL: ' + ', '.join(failed)} |")
     lines.append(f"\n{passed} of {len(verdicts)} cells pass.")
     return "\n".join(lines)

@@ -112,6 +112,14 @@ def place(in_flight: Sequence[tuple[str, float]], replica_ids: Sequence[str], *,
                      tail_slots=sum(tail[len(pinned):]))
 
 
+def true_placement(ctx: SimContext) -> Placement:
+    """`place` of the workload's true demand (`SimContext.demand`) on the context's replicas."""
+    replicas = [ctx.replicas[rid] for rid in sorted(ctx.replicas)]
+    return place(ctx.demand.in_flight(), sorted(ctx.replicas),
+                 max_loras=min(r.adapters.max_loras for r in replicas),
+                 max_num_seqs=min(r.max_num_seqs for r in replicas))
+
+
 class OraclePolicy:
     """The oracle-placement reference policy (see the module docstring): a yardstick, not shipped."""
 
@@ -125,9 +133,7 @@ class OraclePolicy:
         self.max_ongoing = ctx.serve.admission.max_ongoing_requests  # requests a replica is given at once
         self.max_queued = ctx.serve.admission.max_queued_requests
         self._ordered: list[SimReplica] = [ctx.replicas[rid] for rid in sorted(ctx.replicas)]
-        self.placement = place(ctx.demand.in_flight(), sorted(ctx.replicas),
-                               max_loras=min(r.adapters.max_loras for r in self._ordered),
-                               max_num_seqs=min(r.max_num_seqs for r in self._ordered))
+        self.placement = true_placement(ctx)
         holders = self.placement.holders
         self._holders = {a: [ctx.replicas[rid] for rid in rids] for a, rids in holders.items()}
         self._pinned_on: dict[str, list[str]] = {rid: [] for rid in ctx.replicas}

@@ -38,6 +38,7 @@ from lora_cluster.sim.control_loop import ControlCost
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.metrics import Metrics, SimResult
 from lora_cluster.sim.oracle import OraclePolicy
+from lora_cluster.sim.oracle_pinned import OraclePinnedPolicy
 from lora_cluster.sim.popularity import zipf_share, zipf_weights
 from lora_cluster.sim.prefix_cache import SimPrefixCache
 from lora_cluster.sim.profile import ReplicaProfile, load_profile
@@ -47,7 +48,8 @@ from lora_cluster.sim.workload import DEFAULT_MIX, SimRequest, Workload, mean_le
 BLOCK_SIZE: int = EngineConfig.model_fields["kv_block_size"].default  # the engine's KV block (tokens)
 POLICIES: dict[str, type] = {"lora-cluster": LoraClusterPolicy, "round-robin": RoundRobinPolicy,
                              "serve-multiplex": ServeMultiplexPolicy,
-                             "oracle": OraclePolicy}  # a yardstick, not a shipped policy (`sim.oracle`)
+                             # yardsticks, not shipped policies (`sim.oracle`, `sim.oracle_pinned`)
+                             "oracle": OraclePolicy, "oracle-pinned": OraclePinnedPolicy}
 
 
 @dataclass(frozen=True)
