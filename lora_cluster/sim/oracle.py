@@ -113,7 +113,11 @@ def place(in_flight: Sequence[tuple[str, float]], replica_ids: Sequence[str], *,
 
 
 def true_placement(ctx: SimContext) -> Placement:
-    """`place` of the workload's true demand (`SimContext.demand`) on the context's replicas."""
+    """`place` of the workload's true demand (`SimContext.demand`) on the context's replicas; raises
+    ValueError for a context without it (no shares, rate or slot hold)."""
+    if not ctx.demand.shares or ctx.demand.rate_rps <= 0 or ctx.demand.hold_s <= 0:
+        raise ValueError("a yardstick's placement needs the true demand (SimContext.demand: shares, rate, "
+                         "hold)")
     replicas = [ctx.replicas[rid] for rid in sorted(ctx.replicas)]
     return place(ctx.demand.in_flight(), sorted(ctx.replicas),
                  max_loras=min(r.adapters.max_loras for r in replicas),
@@ -126,9 +130,6 @@ class OraclePolicy:
     name = "oracle"
 
     def __init__(self, ctx: SimContext):
-        if not ctx.demand.shares or ctx.demand.rate_rps <= 0 or ctx.demand.hold_s <= 0:
-            raise ValueError("the oracle policy needs the true demand (SimContext.demand: shares, rate, "
-                             "hold)")
         self.ctx, self.loop, self.replicas, self.metrics = ctx, ctx.loop, ctx.replicas, ctx.metrics
         self.max_ongoing = ctx.serve.admission.max_ongoing_requests  # requests a replica is given at once
         self.max_queued = ctx.serve.admission.max_queued_requests

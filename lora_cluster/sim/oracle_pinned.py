@@ -30,11 +30,9 @@ class OraclePinnedPolicy(LoraClusterPolicy):
     name = "oracle-pinned"
 
     def __init__(self, ctx: SimContext):
-        if not ctx.demand.shares or ctx.demand.rate_rps <= 0 or ctx.demand.hold_s <= 0:
-            raise ValueError("the oracle-pinned policy needs the true demand (SimContext.demand: shares, "
-                             "rate, hold)")
+        placement = true_placement(ctx)  # first: a context without the true demand is refused at once
         super().__init__(ctx)
-        self.placement = true_placement(ctx)
+        self.placement = placement
 
     def start(self) -> None:
         """Pin the oracle's placement in the replicas' device slots, then start as `lora-cluster`."""

@@ -126,8 +126,9 @@ def test_when_the_cluster_is_full_a_more_urgent_request_queued_later_goes_first(
 
 # ----- the command line and determinism ---------------------------------------------------------
 
-def test_the_command_line_accepts_the_oracle_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["--policy", "oracle", "--nodes", "4", "--adapters", "40", "--duration", "10",
+@pytest.mark.parametrize("policy", ["oracle", "oracle-pinned"])
+def test_the_command_line_accepts_the_yardsticks(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--policy", policy, "--nodes", "4", "--adapters", "40", "--duration", "10",
                  "--warmup", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0, "the run succeeds"

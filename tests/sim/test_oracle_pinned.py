@@ -1,6 +1,6 @@
 """The pinned-placement yardstick (`sim.oracle_pinned`): lora-cluster's policy with the oracle's placement
 pinned at start. The oracle's adapters stay in its replicas' device slots for the whole run, every other
-decision is ours, and its command line and the capacity grid accept it."""
+decision is ours, and the capacity grid accepts it (the command line: `tests/sim/test_oracle.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from sim_profiles import SYNTHETIC
 from lora_cluster.cluster.sla import SlaClasses
 from lora_cluster.sim import SimConfig, Simulation
 from lora_cluster.sim import capacity_grid as cg
-from lora_cluster.sim.__main__ import main
 from lora_cluster.sim.cluster_policy import LoraClusterPolicy
 from lora_cluster.sim.context import ServeSections, SimContext
 from lora_cluster.sim.experiments import main as experiments
@@ -65,15 +64,6 @@ def test_it_refuses_a_context_without_the_true_demand() -> None:
                       serve=ServeSections(), rng=random.Random(0))
     with pytest.raises(ValueError, match="true demand"):
         OraclePinnedPolicy(bare)
-
-
-def test_the_command_line_accepts_it(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["--policy", "oracle-pinned", "--nodes", "4", "--adapters", "40", "--duration", "10",
-                 "--warmup", "2", "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0, "the run succeeds"
-    assert out["completed"] > 0, "requests complete"
-    assert out["hit_rate_offered"] is not None, "the hit rate over offered requests is printed"
 
 
 def test_the_capacity_grid_reruns_it_at_our_reference_load_and_shows_its_column(
