@@ -113,5 +113,11 @@ def info_from_config(adapter_id: str, location: str, source: str, config_text: s
 
 
 def folder_of(uri: str) -> Path:
-    """The local folder a `/path` or `file:///path` URI names (`~` expanded)."""
-    return Path(uri.removeprefix("file://")).expanduser()
+    """The local folder a `/path` or `file:///path` URI names, `~` expanded as a shell does: a
+    `~user` of no user on this host stays as written (a folder that does not exist, so an adapter
+    registered there is unknown, never a server error)."""
+    path = Path(uri.removeprefix("file://"))
+    try:
+        return path.expanduser()
+    except RuntimeError:  # pathlib's answer for a home it cannot determine
+        return path
