@@ -18,6 +18,11 @@ a stale claim would hide a slot freed since, and keep a parked ticket waiting fo
 the controller in shards, a report's `room` caps the room one shard sees there, less its own grants
 not arrived yet (`sharding`). A restarted controller starts empty and is whole again once every
 replica has reported, within one report period. Pure: injected clock, no Ray.
+
+The view learns from its own grants (`held`): a grant of adapter A to a replica whose report lacks A
+makes it a holder of A and takes one of its free adapter slots until a report lists the ticket as
+arrived (that report shows A itself) or the grant is dropped: between paced reports (seconds, in a
+large cluster) A's next tickets hit there instead of loading A elsewhere again.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class _Seen:
     at: float  # controller clock
     outstanding: dict[str, float] = field(default_factory=dict)  # granted ticket -> when, not arrived yet
     preempting: set[str] = field(default_factory=set)  # those of them that preempt
+    # those of them whose adapter the report does not hold: granted ticket -> its adapter
+    pending: dict[str, str] = field(default_factory=dict)
+    held: frozenset[str] = frozenset()  # the report's `held` and the adapters of `pending`
     # the report's fields that its room is counted from (`ClusterView._free`), read once per report
     capacity: int = 0
     ongoing: int = 0
@@ -58,25 +66,23 @@ class ClusterView:
         # ingress -> (when, its requests in flight per replica, its requests on their way)
         self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
         self._claim_seqs: dict[str, int] = {}  # ingress -> the `seq` of its claims held (`claim`'s hint)
-        # the room of every replica (max(0, free)) and its sum, kept up to date incrementally: a
-        # replica's room changes only with its report, a grant to it, or a claim naming it (changed
-        # counts, expired, or renewed where their report had superseded the previous one)
+        # the room of every replica (max(0, free)) and its sum, kept incrementally: it changes only with
+        # its report, a grant to it, or a claim naming it (changed, expired, or renewed after a report)
         self._room: dict[str, int] = {}
         self._room_sum = 0
         self._dirty: set[str] = set()
         self._roomy: set[str] = set()  # the replicas whose kept room is > 0 (`free_ids`)
         self._reported_at: dict[str, float] = {}  # replica -> when its latest report came, oldest first
-        self._holders: dict[str, set[str]] = {}  # adapter -> replicas whose report holds it
+        self._holders: dict[str, set[str]] = {}  # adapter -> replicas that hold it (`held`)
         self._host_holders: dict[str, set[str]] = {}  # adapter -> replicas whose host tier holds it
         self._cluster_holders: dict[str, set[str]] = {}  # adapter -> replicas reporting its node's copy
         self._on_node: dict[str, set[str]] = {}  # node -> the replicas whose report names it
-        self._slots: set[str] = set()  # the replicas whose report has a free adapter slot
+        self._slots: set[str] = set()  # the replicas with a free adapter slot (`slot_ids`)
         # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
         self._preemptible: dict[int, set[str]] = {}
         self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
-        # priority asked -> the replicas where `less_urgent_running(priority)` > 0 and
-        # `preemptible(rid, priority)` <= 0: preempting grants on their way claimed that work whole
-        # (`claimed_less_urgent_ids`; kept by `_repreempt` as `_preemptible` is)
+        # priority asked -> the replicas where `less_urgent_running(priority)` > 0 and `preemptible` <= 0:
+        # preempting grants on their way claimed that work whole (`claimed_less_urgent_ids`)
         self._claimed: dict[int, set[str]] = {}
         # each adapter's replicas by rendezvous score (`homes.HomeRanks`), rebuilt when one joins or goes
         self.homes = HomeRanks(self.ids)
@@ -129,9 +135,8 @@ class ClusterView:
         self._dirty.update(replica_ids)
 
     def _fresh_claims(self) -> list[tuple[float, Mapping[str, int], int]]:
-        """The claims that still count, oldest first; the expired ones dropped. `_claims` is in the
-        order of its claims' times (`claim` puts a renewed claim last), so the expired ones are its
-        head: O(expired + fresh), not a test of every claim's age."""
+        """The claims that still count, oldest first; the expired ones dropped. `_claims` is in its
+        claims' time order (`claim` puts a renewed one last): the expired are its head, O(expired + fresh)."""
         now, ttl, claims = self._clock(), self.claim_ttl_s, self._claims
         expired = []
         for ingress, (at, _, _) in claims.items():
@@ -155,6 +160,7 @@ class ClusterView:
             self._hold(rid, None, report)
             self._seen[rid] = seen = _Seen(report, now)
             seen.took(report, now)
+            self._reheld(rid, seen)
             self.homes.reset()
             changed = True
         else:  # in place: the grants that arrived, or outlived `grant_ttl_s`, leave `outstanding`
@@ -169,6 +175,10 @@ class ClusterView:
             if preempting:
                 preempting.intersection_update(outstanding)
             seen.took(report, now)
+            if seen.pending:
+                held = report.held
+                seen.pending = {t: a for t, a in seen.pending.items() if t in outstanding and a not in held}
+            self._reheld(rid, seen)
             # else `preemptible` is as it was
             changed = old.running_by_priority is not report.running_by_priority or (
                 len(preempting) != preempting_before)
@@ -179,20 +189,27 @@ class ClusterView:
             self._repreempt(rid)
 
     def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
-        """The holders indexes follow the replica's report from `old` to `new` (None: none)."""
-        _reindex(self._holders, replica_id, frozenset() if old is None else old.held,
-                 frozenset() if new is None else new.held)
+        """The host, cluster-tier and node indexes follow the replica's report from `old` to `new`
+        (None: none); the holders index and the slots follow its `held` (`_reheld`)."""
         _reindex(self._host_holders, replica_id, frozenset() if old is None else old.host_set,
                  frozenset() if new is None else new.host_set)
         _reindex(self._cluster_holders, replica_id, frozenset() if old is None else old.cluster_set,
                  frozenset() if new is None else new.cluster_set)
-        if new is not None and new.free_adapter_slots > 0:
-            self._slots.add(replica_id)
-        else:
-            self._slots.discard(replica_id)
         if old is None or new is None or old.node_id != new.node_id:  # mostly: its node stays
             _reindex(self._on_node, replica_id, frozenset(() if old is None else (old.node_id,)),
                      frozenset(() if new is None else (new.node_id,)))
+
+    def _reheld(self, replica_id: str, seen: _Seen) -> None:
+        """`held` (the report's and the pending grants' adapters), the holders index and the free
+        adapter slots (each pending adapter takes one) follow the replica's report and grants."""
+        report, pending = seen.report, frozenset(seen.pending.values())
+        before = seen.held
+        seen.held = report.held | pending if pending else report.held
+        _reindex(self._holders, replica_id, before, seen.held)
+        if report.free_adapter_slots - len(pending) > 0:
+            self._slots.add(replica_id)
+        else:
+            self._slots.discard(replica_id)
 
     def arrived(self, replica_id: str, tickets: Iterable[str]) -> None:
         """Granted tickets that reached the replica, told by a report the view could not use (a
@@ -203,9 +220,13 @@ class ClusterView:
 
     def _drop_grants(self, replica_id: str, seen: _Seen, tickets: Iterable[str]) -> None:
         """These grants count against the replica's room no longer."""
+        pending = len(seen.pending)
         for ticket_id in tickets:
             seen.outstanding.pop(ticket_id, None)
             seen.preempting.discard(ticket_id)
+            seen.pending.pop(ticket_id, None)
+        if len(seen.pending) != pending:
+            self._reheld(replica_id, seen)
         self._touch((replica_id,))
         self._repreempt(replica_id)
 
@@ -213,6 +234,8 @@ class ClusterView:
         seen = self._seen.pop(replica_id, None)
         if seen is not None:
             self._hold(replica_id, seen.report, None)
+            _reindex(self._holders, replica_id, seen.held, frozenset())
+            self._slots.discard(replica_id)
             self._repreempt(replica_id)
             self.homes.reset()
         self._room_sum -= self._room.pop(replica_id, 0)
@@ -248,8 +271,7 @@ class ClusterView:
 
     def free_ids(self) -> set[str]:
         """The replicas with `free` > 0 (read-only, in no order): O(replicas whose `free` may have
-        changed since the last look at the room: a report, an arrival, a grant, a claim naming them or
-        expired), refreshed with `total_free`'s sum (one `_free` per changed replica serves both)."""
+        changed since the last look), refreshed with `total_free`'s sum (one `_free` serves both)."""
         self.total_free()
         return self._roomy
 
@@ -301,9 +323,8 @@ class ClusterView:
     def claimed_less_urgent_ids(self, priority: int) -> set[str]:
         """The replicas that run work strictly less urgent than `priority` that preempting grants on
         their way there have claimed whole (so `preemptible` is 0 there); read-only. Built at the
-        first ask for `priority` (O(replicas with a preempting grant)), then kept up to date with
-        every report, arrival, preempting grant and forgotten replica (`_repreempt`), so that a
-        park's "could it count on preemption?" costs O(1) amortized, not a walk of the replicas."""
+        first ask for `priority` (O(replicas with a preempting grant)), then kept by `_repreempt`, so
+        that a park's "could it count on preemption?" costs O(1) amortized, not a walk of the replicas."""
         ids = self._claimed.get(priority)
         if ids is None:
             ids = {rid for rid in self._preempting_at
@@ -336,20 +357,26 @@ class ClusterView:
             else:
                 ids.discard(replica_id)
 
-    def granted(self, replica_id: str, ticket_id: str, *, preempting: bool = False) -> None:
+    def granted(self, replica_id: str, ticket_id: str, *, preempting: bool = False,
+                adapter_id: str | None = None) -> None:
+        """A ticket (of `adapter_id`) is sent to the replica: it counts against its room, and its
+        adapter is `held` there, until a report lists it as arrived."""
         s = self._seen.get(replica_id)
         if s is not None:
             self._touch((replica_id,))
             s.outstanding[ticket_id] = self._clock()
+            if adapter_id is not None and adapter_id not in s.report.held:
+                s.pending[ticket_id] = adapter_id
+                if adapter_id not in s.held:
+                    self._reheld(replica_id, s)
             if preempting:
                 s.preempting.add(ticket_id)
                 self._repreempt(replica_id)
 
     def release(self, ticket_id: str, replica_id: str | None = None) -> bool:
         """A grant whose request will not reach its replica (its caller went away, or sending it
-        failed) counts against that replica's room no longer, rather than until `grant_ttl_s`;
-        without `replica_id`, every replica's grants are looked at (O(replicas): a cancellation's
-        cost, not a grant's). Returns whether such a grant was counted."""
+        failed) counts against that replica's room no longer, rather than until `grant_ttl_s`; without
+        `replica_id`, every replica's grants are looked at (O(replicas)). Whether one was counted."""
         for rid in (replica_id,) if replica_id is not None else list(self._seen):
             seen = self._seen.get(rid)
             if seen is not None and ticket_id in seen.outstanding:
@@ -360,8 +387,14 @@ class ClusterView:
     def ids(self) -> Iterable[str]:
         return self._seen.keys()
 
+    def held(self, replica_id: str) -> frozenset[str]:
+        """The adapters the replica holds (resident or loading) by its report, and those granted there
+        since (module docstring); empty for a replica not known. The same object while unchanged."""
+        seen = self._seen.get(replica_id)
+        return frozenset() if seen is None else seen.held
+
     def holders(self, adapter_id: str) -> frozenset[str] | set[str]:
-        """The replicas whose report holds `adapter_id` (resident or loading); read-only."""
+        """The replicas that hold `adapter_id` (`held`: by their report or a grant since); read-only."""
         return self._holders.get(adapter_id, frozenset())
 
     def host_holders(self, adapter_id: str) -> frozenset[str] | set[str]:
@@ -380,21 +413,20 @@ class ClusterView:
         return out
 
     def cluster_local(self, adapter_id: str) -> set[str]:
-        """The replicas on a node where a cluster-tier copy of `adapter_id` lies (`cluster_nodes`):
-        a miss there reads the node's own copy instead of copying it from a peer or fetching it from
-        the source. O(the replicas reporting it + the replicas on those nodes)."""
+        """The replicas on a node where a cluster-tier copy of `adapter_id` lies (`cluster_nodes`): a
+        miss there reads the node's own copy. O(the replicas reporting it + the replicas on those nodes)."""
         out: set[str] = set()
         for node in self.cluster_nodes(adapter_id):
             out.update(self._on_node.get(node, ()))
         return out
 
     def slot_ids(self) -> set[str]:
-        """The replicas whose report has a free adapter slot (empty, or holding an idle adapter: a
-        new adapter can go there); read-only."""
+        """The replicas with a free adapter slot (empty, or holding an idle adapter: a new adapter can
+        go there) by their report, less one per adapter granted there since (`held`); read-only."""
         return self._slots
 
     def held_adapters(self) -> frozenset[str]:
-        """Every adapter some replica's report holds, resident or loading: O(those adapters)."""
+        """Every adapter some replica holds (`held`), resident or loading: O(those adapters)."""
         return frozenset(self._holders)
 
     def __len__(self) -> int:

@@ -319,7 +319,7 @@ class Controller:
 
     def _grant(self, ticket: Ticket, replica_id: str, *, preempt: bool) -> None:
         self.queue.remove(ticket.ticket_id)
-        self.view.granted(replica_id, ticket.ticket_id, preempting=preempt)
+        self.view.granted(replica_id, ticket.ticket_id, preempting=preempt, adapter_id=ticket.adapter_id)
         self.queue.drain.record()
         self.queue.class_granted(ticket)
         self._grants[ticket.ticket_id] = Grant(replica_id, preempt)

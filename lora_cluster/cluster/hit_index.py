@@ -9,7 +9,8 @@ keeps each replica's answer (`_Best`: the ticket, its queue key, and the adapter
 for), so that a look costs a few checks per replica, and the walk is done again for a replica only
 when its answer may have changed:
 
-- its report's adapters changed (a new `held` set: the entry was found for another);
+- its adapters changed (a new `ClusterView.held` set, by a report or a grant: the entry was found
+  for another);
 - its ticket left the queue (granted, cancelled or bumped: found by `in`);
 - a ticket parked for one of its adapters ranks before its ticket (`parked` updates the entries of
   the adapter's holders: O(holders), where a miss of the walk would cost a walk).
@@ -119,13 +120,13 @@ class HitIndex:
         best_key: Any = None
         found: tuple[Ticket, str] | None = None
         for rid in replica_ids:
-            report = view.get(rid)
-            if report is None:
+            if view.get(rid) is None:
                 continue
+            held = view.held(rid)
             entry = entries.get(rid)
-            if (entry is None or entry.held is not report.held
+            if (entry is None or entry.held is not held
                     or (entry.ticket is not None and entry.ticket.ticket_id not in queue)):
-                entry = entries[rid] = self._walk(priority, rid, report.held)
+                entry = entries[rid] = self._walk(priority, rid, held)
                 if entry.ticket is None:
                     empty.add(rid)
                 else:

@@ -127,11 +127,9 @@ def _best_miss(view: ClusterView, replica_ids: Iterable[str], hosts: Set[str], l
 
 
 def holds(view: ClusterView, replica_id: str, adapter_id: str | None) -> bool:
-    """The replica has the adapter on its device or loading it (the base model: always)."""
-    if adapter_id is None:
-        return True
-    report = view.get(replica_id)
-    return report is not None and adapter_id in report.held
+    """The replica has the adapter on its device or loading it, by its report or a grant since
+    (`ClusterView.held`; the base model: always)."""
+    return adapter_id is None or adapter_id in view.held(replica_id)
 
 
 def holds_for(view: ClusterView, replica_id: str, ticket: Ticket,
@@ -189,10 +187,8 @@ def affinity_hit(priority: int, best_for: Callable[[str, int], Ticket | None], o
     adapter both held and queued only."""
     best: tuple[Any, Ticket, str] | None = None
     for rid in replica_ids:
-        report = view.get(rid)
-        if report is None:
-            continue
-        for adapter_id in report.held if queued is None else report.held & queued:
+        held = view.held(rid)
+        for adapter_id in held if queued is None else held & queued:
             ticket = best_for(adapter_id, priority)
             if ticket is None or ticket.enqueued_at > latest:
                 continue
@@ -293,13 +289,13 @@ def holder_queue_target(ticket: Ticket, view: ClusterView,
                         placement: Mapping[str, tuple[str, ...]]) -> str | None:
     """A holder of the ticket's adapter to queue it at, over its room, rather than copy the adapter
     to a replica with room that does not hold it (None: the base model, no holder, or every holder
-    already `holder_queue_limit` requests past its room). Its primary holders (`primary_holder`)
-    first, the one with the most room left (ties by id). A seat frees every fraction of a second on
-    a busy replica, and its engine admits by priority, so the ticket waits there about that long and
-    then hits; the copy would take a slot, evict the idle adapter of lowest priority there (often
-    the only copy of a warm adapter, whose next request then misses) and stay as long as requests
-    keep coming. The replica with room is not left idle: its room goes to the next ticket.
-    O(the holders)."""
+    already `holder_queue_limit` requests past its room, less those expected to have ended there
+    since its report: `ended_since_report`). Its primary holders (`primary_holder`) first, the one
+    with the most room left (ties by id). A seat frees every fraction of a second on a busy replica,
+    and its engine admits by priority, so the ticket waits there about that long and then hits; the
+    copy would take a slot, evict the idle adapter of lowest priority there (often the only copy of a
+    warm adapter, whose next request then misses) and stay as long as requests keep coming. The
+    replica with room is not left idle: its room goes to the next ticket. O(the holders)."""
     aid = ticket.adapter_id
     if aid is None:
         return None
@@ -309,7 +305,23 @@ def holder_queue_target(ticket: Ticket, view: ClusterView,
     primary = primary_holders(view, aid, placement)
     best = min(primary, key=lambda rid: (-view.free(rid), rid))
     report = view.get(best)
-    return best if report is not None and view.free(best) > -holder_queue_limit(report.max_num_seqs) else None
+    if report is None:
+        return None
+    past = -view.free(best) - ended_since_report(view, best)
+    return best if past < holder_queue_limit(report.max_num_seqs) else None
+
+
+def ended_since_report(view: ClusterView, replica_id: str) -> int:
+    """The requests expected to have ended at the replica since its report (which the view learns
+    only from its next one): its requests in flight then over the mean time a request holds it
+    (`service_time_s`, Little's law), times the report's age, at most those in flight. A report
+    period of seconds (a large cluster paced to the report budget) frees most of a busy replica's
+    seats unseen; judged on the report alone, a holder looks full for the whole period and its
+    adapter's tickets copy it elsewhere instead (`holder_queue_target`)."""
+    report = view.get(replica_id)
+    if report is None or not report.service_time_s:
+        return 0
+    return min(report.ongoing, int(report.ongoing * view.age_s(replica_id) / report.service_time_s))
 
 
 def can_preempt(ticket: Ticket, view: ClusterView, free_slot_first: bool = False) -> bool:

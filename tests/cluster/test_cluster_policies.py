@@ -633,7 +633,8 @@ def test_the_top_class_preempts_as_soon_as_no_replica_has_room():
     grant = ctl.park(ticket("i", "interactive", 100.0, "nobody-holds-it"))
     assert grant is not None and grant.preempt and grant.replica_id == "r1", (
         "an interactive request whose adapter no replica holds preempts at once, not after 0.5 s")
-    assert ctl.park(ticket("s", "standard", 100.0, "nobody-holds-it")) is None, (
+    # another adapter: "nobody-holds-it" is held at r1 now, by the grant on its way (a hit by preemption)
+    assert ctl.park(ticket("s", "standard", 100.0, "nobody-holds-this-one")) is None, (
         "a standard request still waits its fraction of its target")
     clock.now = 102.6
     ctl.tick()
@@ -758,14 +759,15 @@ def test_a_top_class_miss_preempts_where_an_adapter_slot_is_free_and_other_class
     for rid in ids:  # every replica full of batch work; only `with_slot` has an adapter slot it can give
         slots = 1 if rid == with_slot else 0
         ctl.report(dataclasses.replace(full_replica(rid, {2: 2}), free_adapter_slots=slots))
+    standard = ticket("s", "standard", 100.0, "tail")
+    assert preemption_target(standard, ctl.view) == home, "a less urgent class's miss goes home"
     grant = ctl.park(ticket("i", "interactive", 100.0, "tail"))
     assert grant is not None and grant.preempt, "the interactive miss preempts at once"
     assert grant.replica_id == with_slot, (
         f"it goes where an adapter slot is free ({with_slot}), not to its home {home} whose slots all "
         "serve running requests")
-    view = ctl.view
-    standard = ticket("s", "standard", 100.0, "tail")
-    assert preemption_target(standard, view) == home, "a less urgent class's miss goes to the adapter's home"
+    assert preemption_target(standard, ctl.view) == with_slot, (
+        "once its adapter is granted there, the standard ticket goes where it loads, not home to load it")
 
 
 def test_urgent_tickets_beyond_the_preemptible_work_queue_and_run_before_the_less_urgent_ones():

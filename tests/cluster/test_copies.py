@@ -5,12 +5,15 @@ drains. Hand-made reports, a fake clock."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from helpers import FakeClock
 from tickets import CLASSES, report, ticket
 
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller import Controller, ControllerSettings
 from lora_cluster.cluster.scheduling import (
+    ended_since_report,
     holder_queue_limit,
     holder_queue_target,
     home_score,
@@ -56,6 +59,25 @@ def test_a_holder_takes_a_queued_ticket_up_to_a_quarter_of_its_batch_over_its_ro
     full = report("r1", capacity=8, running=8, waiting=2, resident=("x",))
     assert holder_queue_target(ticket("t", "batch", 100.0, "x"), view_of(full, report("r2")), {}) is None, (
         "a holder 2 requests past its room (a quarter of its batch of 8) takes no more")
+
+
+def test_a_holder_past_its_bound_by_an_old_report_takes_the_ticket_for_the_seats_freed_since() -> None:
+    """A large cluster's replica reports every few seconds (paced to the report budget): by the end of
+    the period most of its seats have freed unseen, so the bound counts those expected to be free."""
+    clock = FakeClock(100.0)
+    view = ClusterView(stale_after_s=30, clock=clock)
+    full = report("r1", capacity=8, running=8, waiting=2, resident=("x",))
+    view.update(dataclasses.replace(full, service_time_s=2.0))
+    view.update(report("r2"))
+    t = ticket("t", "batch", 100.0, "x")
+    assert holder_queue_target(t, view, {}) is None, "just reported 2 past its room: the bound holds"
+    clock.now = 100.5
+    assert ended_since_report(view, "r1") == 2, "10 in flight, 2 s each: 2.5 ended in 0.5 s (whole ones)"
+    assert holder_queue_target(t, view, {}) == "r1", "half a second on, two seats have freed: it queues there"
+    clock.now = 110.0
+    assert ended_since_report(view, "r1") == 10, "never more than were in flight"
+    view.update(dataclasses.replace(full, service_time_s=None))
+    assert ended_since_report(view, "r1") == 0, "no service time measured yet: nothing assumed"
 
 
 def test_a_ticket_queues_at_its_busy_holder_and_the_room_goes_to_the_next_ticket() -> None:

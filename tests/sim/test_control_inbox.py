@@ -24,7 +24,8 @@ def test_a_slow_controller_delays_first_tokens_and_batches_its_inputs() -> None:
     free = Simulation(CELL, SYNTHETIC, control_cost=ControlCost.zero()).finish().to_json()
     slow = Simulation(CELL, SYNTHETIC, control_cost=SLOW).finish().to_json()
     p50 = {name: (free["classes"][name]["ttft_p50_s"], slow["classes"][name]["ttft_p50_s"])
-           for name in ("standard", "batch")}
+           for name in ("interactive", "standard", "batch")}
+    # at 1.6x the classes compete: which one's median shows the delay depends on the policy's choices
     assert any(s > f for f, s in p50.values()), f"a controller busy 4 ms a call delays grants: {p50}"
     assert slow["control_plane"]["inputs_per_turn"] > free["control_plane"]["inputs_per_turn"], (
         "inputs that arrive while it is busy wait for its next turn, together")
