@@ -20,13 +20,22 @@ def test_the_committed_cost_model_is_the_default_and_is_modelled() -> None:
     assert ControlCost.named("none") is None, "`none` models no loop"
 
 
-def test_a_slow_controller_delays_first_tokens_and_batches_its_inputs() -> None:
+def test_a_slow_controller_delays_its_grants_where_tickets_park_without_overload() -> None:
+    """At 1.2x the cell carries its load and parks a third of its requests: a controller busy 10 ms a
+    call grants each a turn later, so the cluster queue is deeper on average (Little's law). (At 1.6x
+    the classes' first-token medians are the policy's choices, not the loop's: measured either way.)"""
+    carried = SimConfig(**{**CELL.__dict__, "load": 1.2})
+    slower = ControlCost(call_s=0.01, work_s=dict.fromkeys(KINDS, 0.0), dispatch_s=0.002)
+    free = Simulation(carried, SYNTHETIC, control_cost=ControlCost.zero()).finish().details
+    slow = Simulation(carried, SYNTHETIC, control_cost=slower).finish().details
+    assert slow["parked"] > 0.2 * (slow["parked"] + slow["fast_path"]), f"tickets park: {slow['parked']}"
+    assert slow["queue_depth_mean"] > 1.2 * free["queue_depth_mean"], (
+        f"grants a turn later: a deeper queue {slow['queue_depth_mean']} against {free['queue_depth_mean']}")
+
+
+def test_a_slow_controller_batches_its_inputs() -> None:
     free = Simulation(CELL, SYNTHETIC, control_cost=ControlCost.zero()).finish().to_json()
     slow = Simulation(CELL, SYNTHETIC, control_cost=SLOW).finish().to_json()
-    p50 = {name: (free["classes"][name]["ttft_p50_s"], slow["classes"][name]["ttft_p50_s"])
-           for name in ("interactive", "standard", "batch")}
-    # at 1.6x the classes compete: which one's median shows the delay depends on the policy's choices
-    assert any(s > f for f, s in p50.values()), f"a controller busy 4 ms a call delays grants: {p50}"
     assert slow["control_plane"]["inputs_per_turn"] > free["control_plane"]["inputs_per_turn"], (
         "inputs that arrive while it is busy wait for its next turn, together")
     assert slow["control_plane"]["controller_busy_share"] > free["control_plane"]["controller_busy_share"], (
