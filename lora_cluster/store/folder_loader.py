@@ -19,6 +19,7 @@ from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.request.merge_spec import MergeSpec
 from lora_cluster.store.merged import MergedAdapters
 from lora_cluster.store.ports import StatelessHooks
+from lora_cluster.store.sources.base import folder_of
 from lora_cluster.store.versions import Versions
 
 
@@ -27,7 +28,7 @@ class FolderAdapterLoader(StatelessHooks):
 
     def __init__(self, sources: list[str], shapes: ModelShapes, max_rank: int, *,
                  max_merged_adapters: int = 256, merge_seed: int = 0):
-        self.folders = [Path(s.removeprefix("file://")).expanduser() for s in sources]
+        self.folders = [folder_of(s) for s in sources]
         self.shapes, self.max_rank = shapes, max_rank
         self._registered: dict[str, Path] = {}
         self._versions = Versions()
