@@ -255,10 +255,49 @@ def moto_endpoint() -> Iterator[str]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def moto_serial_endpoint() -> Iterator[str]:
+    """A moto server on 127.0.0.1 that answers one request at a time (HTTP/1.0: one connection per
+    request), for tests of concurrent conditional writes. S3 checks a PUT's If-Match / If-None-Match
+    and writes in one step; moto's threaded server checks, then writes, in each request's thread, so
+    two writers over one ETag can both win there (and a concurrent PUT of one key can fail with a 500)."""
+    import threading
+
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    class OneRequestAtATime(MotoRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = make_server("127.0.0.1", 0, DomainDispatcherApplication(create_backend_app), False,
+                         request_handler=OneRequestAtATime)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
 @pytest.fixture
 def s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
     """A new empty bucket, dummy credentials and AWS_ENDPOINT_URL set for this test (botocore retries
     off: AWS_MAX_ATTEMPTS=1, so the store's own retries are what a test sees)."""
+    return _new_bucket(moto_endpoint, monkeypatch)
+
+
+@pytest.fixture
+def s3_serial(moto_serial_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
+    """`s3` on `moto_serial_endpoint`: a conditional write is atomic, as on S3."""
+    return _new_bucket(moto_serial_endpoint, monkeypatch)
+
+
+def _new_bucket(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
     import boto3
 
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

@@ -1,6 +1,7 @@
 """The durable release state (`releases.state_store`): a document in a folder or an S3 object (a real
-moto server on 127.0.0.1), read with a tag and written only over that tag, so that concurrent
-writers that read, change and retry never lose each other's changes."""
+moto server on 127.0.0.1 that answers one request at a time, `s3_serial`: S3 makes a conditional
+write's check and write one step, moto's threaded server does not), read with a tag and written only
+over that tag, so that concurrent writers that read, change and retry never lose each other's changes."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> StateStore:
         return FolderStateStore(tmp_path / "state")
     if request.param == "memory":
         return MemoryStateStore()
-    s3 = request.getfixturevalue("s3")
+    s3 = request.getfixturevalue("s3_serial")
     return S3StateStore(s3.bucket, "zoo/.lora-cluster")
 
 
@@ -60,16 +61,54 @@ def test_a_document_is_written_over_the_version_read_only(store):
 
 
 def test_concurrent_writers_that_retry_lose_no_change(store):
+    errors: list[BaseException] = []
+
     def writer() -> None:
-        for _ in range(INCREMENTS):
-            increment(store)
+        try:
+            for _ in range(INCREMENTS):
+                increment(store)
+        except BaseException as exc:  # a writer that dies would lose its increments unseen
+            errors.append(exc)
 
     threads = [threading.Thread(target=writer) for _ in range(WRITERS)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
+    assert not errors, f"no writer failed: {errors!r}"
+    assert not any(t.is_alive() for t in threads), "every writer finished within 120 s"
     assert store.read()[0]["count"] == WRITERS * INCREMENTS, "every writer's increments are in the document"
+
+
+def race(store: StateStore, tag: str, round_: int) -> tuple[list[str], list[int]]:
+    """WRITERS threads write over `tag` at once; returns the winners' tags and the conflicted writers."""
+    barrier, winners, conflicts = threading.Barrier(WRITERS), [], []
+
+    def writer(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            winners.append(store.write({"round": round_, "writer": i}, tag))
+        except StateConflict:
+            conflicts.append(i)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(WRITERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return winners, conflicts
+
+
+def test_of_writers_racing_over_one_tag_exactly_one_wins(store):
+    tag = store.write({"round": -1}, None)
+    for round_ in range(5):
+        winners, conflicts = race(store, tag, round_)
+        assert (len(winners), len(conflicts)) == (1, WRITERS - 1), (
+            f"round {round_}: one write over the tag wins, the others conflict: "
+            f"{len(winners)} won, {len(conflicts)} conflicted")
+        document, tag = store.read()
+        assert tag == winners[0], f"round {round_}: the winner's tag is the document's"
+        assert document["round"] == round_, f"round {round_}: the winner's document is read"
 
 
 def test_a_folder_write_is_atomic_and_leaves_no_temporary_file(tmp_path):
