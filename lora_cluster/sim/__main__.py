@@ -15,9 +15,9 @@ over offered requests and its bounds (hit_rate_offered, psb, static_ceiling, hit
 bound's inputs (slot_hold_s_mean, adapters_completed, slots_total, max_num_seqs, window_s;
 `sim.metrics`), and with the lora-cluster policy control_plane (reports_per_s_per_replica,
 controller_cpu_s_per_sim_s, at steady state; controller_loop_modelled, and with the actor's loop
-modelled, `--control-cost`, controller_busy_share and inputs_per_turn), and sim_cpu_s_per_request (the
-simulator's own speed: its CPU seconds per arrival). Without it, the same figures and the run's details
-(rates, controller calls and CPU time, queue depth) as text.
+modelled, `--control-cost`, controller_busy_share, inputs_per_turn and input_latency_s_mean), and
+sim_cpu_s_per_request (the simulator's own speed: its CPU seconds per arrival). Without it, the same
+figures and the run's details (rates, controller calls and CPU time, queue depth) as text.
 
 `--policy oracle` runs a yardstick, not a shipped policy (`sim.oracle`: it knows the true popularity
 and pins the most popular adapters at start); its `details` give `pinned_adapters`, `pinned_slots`,

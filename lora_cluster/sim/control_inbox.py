@@ -86,13 +86,15 @@ class ControlInbox:
             self._grant(ticket_id, grant)
 
     def figures(self) -> dict[str, float | bool]:
-        """Whether a loop is modelled; with one, the share of the run it was busy and its inputs per turn."""
+        """Whether a loop is modelled; with one, the share of the run it was busy, its inputs per turn and
+        their mean latency (from reaching the actor to the end of the turn that took them)."""
         if self.loop is None:
             return {"controller_loop_modelled": False}
         span = max(self._events.now, 1e-9)
         return {"controller_loop_modelled": True,
                 "controller_busy_share": self.loop.busy_s / span,
                 "inputs_per_turn": self.loop.inputs / max(1, self.loop.turns),
+                "input_latency_s_mean": self.loop.latency_s / max(1, self.loop.inputs),
                 "inputs_per_s": self.loop.inputs / span,
                 "parks_per_s": self.loop.items["park"] / span,
                 "park_calls_per_s": self.loop.by_kind["park"] / span,
@@ -138,7 +140,8 @@ class ShardPlane:
 
 def shard_loop_figures(loops: list[dict[str, float | bool]]) -> dict[str, float | bool]:
     """The shards' loops as one `control_plane`: the busiest one's busy share (and the quietest's),
-    its most inputs per turn, and the inputs, parks and calls a second summed over them."""
+    its most inputs per turn, the longest mean input latency, and the inputs, parks and calls a second
+    summed over them."""
     if not all(f.get("controller_loop_modelled") for f in loops):
         return {"controller_loop_modelled": False}
     figures: dict[str, float | bool] = {"controller_loop_modelled": True}
@@ -146,6 +149,7 @@ def shard_loop_figures(loops: list[dict[str, float | bool]]) -> dict[str, float 
     figures["controller_busy_share"] = max(busy)  # the busiest shard's
     figures["quietest_shard_busy_share"] = min(busy)
     figures["inputs_per_turn"] = max(float(f["inputs_per_turn"]) for f in loops)
+    figures["input_latency_s_mean"] = max(float(f["input_latency_s_mean"]) for f in loops)
     for key in ("inputs_per_s", "parks_per_s", "park_calls_per_s", "report_inputs_per_s", "poll_calls_per_s"):
         figures[key] = sum(float(f[key]) for f in loops)
     return figures

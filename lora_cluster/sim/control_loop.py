@@ -100,12 +100,13 @@ class ControlLoop:
     def __init__(self, cost: ControlCost, clock: Callable[[], float], timer: Timer,
                  end_turn: Callable[[], Callable[[], None] | None]):
         self.cost, self._clock, self._timer, self._end_turn = cost, clock, timer, end_turn
-        self._waiting: list[tuple[str, int, Act]] = []
+        self._waiting: list[tuple[str, int, Act, float]] = []  # (kind, items, act, when it arrived)
         self._scheduled = False
         self.free_at = 0.0  # when the current turn ends
         self.busy_s = 0.0
         self.turns = 0
         self.inputs = 0
+        self.latency_s = 0.0  # summed over inputs: from arrival to the end of the turn that took it
         self.by_kind: dict[str, int] = dict.fromkeys(KINDS, 0)  # inputs (calls) of each kind
         self.items: dict[str, int] = dict.fromkeys(KINDS, 0)  # what they carried (parks in batches)
 
@@ -114,22 +115,23 @@ class ControlLoop:
         the turn that takes it, and the output it returns is delivered at that turn's end."""
         if kind not in KINDS:
             raise ValueError(f"unknown controller input {kind!r}: one of {KINDS}")
-        self._waiting.append((kind, count, act))
+        self._waiting.append((kind, count, act, self._clock()))
         if not self._scheduled:
             self._scheduled = True
             self._timer(max(self._clock(), self.free_at), self._turn)
 
     def _turn(self) -> None:
         taken, self._waiting = self._waiting, []  # `_scheduled` stays set: input submitted now waits
-        outputs = [out for _, _, act in taken if (out := act()) is not None]
+        outputs = [out for _, _, act, _ in taken if (out := act()) is not None]
         last = self._end_turn()
         if last is not None:
             outputs.append(last)
-        spent = self.cost.turn_s([(k, n) for k, n, _ in taken])
-        for k, n, _ in taken:
+        spent = self.cost.turn_s([(k, n) for k, n, _, _ in taken])
+        self.free_at = self._clock() + spent
+        for k, n, _, at in taken:
             self.by_kind[k] += 1
             self.items[k] += n
-        self.free_at = self._clock() + spent
+            self.latency_s += self.free_at - at
         self.busy_s += spent
         self.turns += 1
         self.inputs += len(taken)

@@ -21,16 +21,19 @@ def test_the_committed_cost_model_is_the_default_and_is_modelled() -> None:
 
 
 def test_a_slow_controller_delays_its_grants_where_tickets_park_without_overload() -> None:
-    """At 1.2x the cell carries its load and parks a third of its requests: a controller busy 10 ms a
-    call grants each a turn later, so the cluster queue is deeper on average (Little's law). (At 1.6x
-    the classes' first-token medians are the policy's choices, not the loop's: measured either way.)"""
+    """At 1.2x the cell carries its load and parks a share of its requests: a controller busy 10 ms a
+    call answers each input (a park, a report, a poll) a turn later. Measured at the loop, from an
+    input reaching the actor to the end of the turn that took it: the queue's depth and the classes'
+    first-token medians are the policy's choices (which requests park, which copies it makes), and
+    moved either way with policy changes that left the loop alone."""
     carried = SimConfig(**{**CELL.__dict__, "load": 1.2})
     slower = ControlCost(call_s=0.01, work_s=dict.fromkeys(KINDS, 0.0), dispatch_s=0.002)
-    free = Simulation(carried, SYNTHETIC, control_cost=ControlCost.zero()).finish().details
-    slow = Simulation(carried, SYNTHETIC, control_cost=slower).finish().details
-    assert slow["parked"] > 0.2 * (slow["parked"] + slow["fast_path"]), f"tickets park: {slow['parked']}"
-    assert slow["queue_depth_mean"] > 1.2 * free["queue_depth_mean"], (
-        f"grants a turn later: a deeper queue {slow['queue_depth_mean']} against {free['queue_depth_mean']}")
+    free = Simulation(carried, SYNTHETIC, control_cost=ControlCost.zero()).finish().to_json()["control_plane"]
+    slow = Simulation(carried, SYNTHETIC, control_cost=slower).finish().to_json()["control_plane"]
+    assert slow["parks_per_s"] > 0, f"tickets park: {slow}"
+    assert free["input_latency_s_mean"] == 0, f"a controller that costs nothing answers at once: {free}"
+    assert slow["input_latency_s_mean"] >= 0.01, (
+        f"each input waits at least its own call's 10 ms: {slow['input_latency_s_mean']}")
 
 
 def test_a_slow_controller_batches_its_inputs() -> None:
