@@ -152,3 +152,41 @@ async def test_an_ingress_takes_over_a_gate_whose_ingress_died_and_loads_and_jud
     assert status["state"] == "canary", f"the gate ran again here and passed (no evaluation set): {status}"
     assert events == ["created", "gate_taken_over", "eval_passed"], f"the audit log: {events}"
     assert "fin@2" in listed, f"the new owner loaded the candidate the dead ingress never loaded: {listed}"
+
+
+async def test_a_takeover_waits_for_the_candidate_its_dead_creator_was_loading_then_loads_and_judges_it(
+        tmp_path):
+    store, registrations = FolderStateStore(tmp_path), LocalRegistrations()
+    async with serving(FakeTokenizer(), FakeDispatcher(), app_config(tmp_path),
+                       registrations=registrations) as client:
+        first = {"lora_name": "fin", "lora_path": "/zoo/fin-1"}
+        loaded = await client.post("/v1/load_lora_adapter", json=first)
+        dead = SharedReleases(ReleaseBook(SETTINGS, time.time), store, LocalRegistrations(), sync_s=60,
+                              lease_s=0.2, owner="dead-ingress")
+        await create(dead)
+        await registrations.reserve_load("fin@2")  # the creator died in the middle of loading its candidate
+
+        async def events() -> list[str]:
+            log = (await client.get("/v1/adapters/fin/releases/r1/events")).json()["data"]
+            return [e["kind"] for e in log]
+
+        async def taken() -> bool:
+            return "gate_taken_over" in await events()
+
+        await wait_until_async(taken, 10.0, "another ingress to take the gate over", interval_s=0.05)
+        await asyncio.sleep(0.3)  # the new owner finds the candidate busy meanwhile
+        busy = (await client.get("/v1/adapters/fin/releases/r1")).json()["state"]
+        await registrations.release("fin@2")  # the registry frees the dead ingress's reservation
+
+        async def judged() -> dict[str, Any] | None:
+            status = (await client.get("/v1/adapters/fin/releases/r1")).json()
+            return status if status["state"] != "evaluating" else None
+
+        status = await wait_until_async(judged, 10.0, "the gate's verdict", interval_s=0.05)
+        kinds = await events()
+        listed = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+    assert loaded.status_code == 200, loaded.text
+    assert busy == "evaluating", "a candidate still being loaded elsewhere is waited for, not a rollback"
+    assert status["state"] == "canary", f"once free, the new owner loads it and the gate passes: {status}"
+    assert kinds == ["created", "gate_taken_over", "eval_passed"], f"the audit log: {kinds}"
+    assert "fin@2" in listed, f"the candidate is served by the new owner's load: {listed}"

@@ -135,6 +135,24 @@ def test_a_name_left_busy_by_a_dead_ingress_is_freed_after_its_ttl():
     assert book.complete_load("x", "/x", None) == 1, "after busy_ttl_s it can be loaded again"
 
 
+def test_a_name_held_by_an_ingress_whose_long_poll_stopped_is_freed_after_the_subscriber_ttl():
+    now = [0.0]
+    book = RegistryBook(lambda: now[0], busy_ttl_s=600.0, subscriber_ttl_s=30.0)
+    book.heard("live", 0)
+    book.heard("dead", 0)
+    book.reserve_load("slow", "live")  # a load that outlasts the ttl, its ingress still polling
+    book.reserve_load("x", "dead")  # its ingress dies in the middle of the load
+    for _ in range(3):
+        now[0] += 12.0
+        book.heard("live", 0)
+    with pytest.raises(RegistrationConflict) as kept:
+        book.reserve_load("slow", "other")
+    book.reserve_load("x", "other")
+    assert kept.value.code == "being_loaded", "a live holder keeps its name however long its load takes"
+    assert book.complete_load("x", "/x", None) == 1, (
+        "a holder silent for subscriber_ttl_s is gone: its name is loaded by another ingress")
+
+
 def test_a_restarted_registry_takes_what_an_ingress_kept_only_while_untouched():
     fresh = RegistryBook(lambda: 0.0)
     assert fresh.restore({"x": ("/x", None), "y": ("/y", "qwen")}), "a fresh registry takes the entries"

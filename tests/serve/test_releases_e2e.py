@@ -308,7 +308,7 @@ def test_an_eval_gate_whose_ingress_dies_is_run_again_by_another_ingress(base_ur
     kinds = [e["kind"] for e in events]
     taken = [e for e in events if e["kind"] == "gate_taken_over"]
     assert created != 200, f"the create call died with its ingress, mid-gate: {created}"
-    assert status["state"] == "canary", f"the gate ran again elsewhere and passed (both score 0): {status}"
-    assert kinds == ["created", "gate_taken_over", "eval_passed"], f"the audit log: {kinds}"
+    assert status["state"] == "canary", f"the gate ran again elsewhere and passed (both score 0): {events}"
+    assert kinds == ["created", "gate_taken_over", "eval_passed"], f"the audit log: {events}"
     assert taken[0]["evidence"]["previous_owner"] == owner, f"it names the dead ingress: {taken[0]}"
     assert taken[0]["evidence"]["owner"] != owner, "a live ingress took the gate over"

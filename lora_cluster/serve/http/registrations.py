@@ -99,8 +99,10 @@ class RegistryBook:
     subscribe: each says which version it has applied (`heard`); `lagging(version)` names the live
     subscribers that have not applied `version` yet, so that a load or unload answers only once every
     ingress serves it. A subscriber not heard from for `subscriber_ttl_s` is dropped (bounded by the
-    ingress replicas that lived within it). A name busy for longer than `busy_ttl_s` is released (the
-    ingress that reserved it died before settling it). Pure: the clock is injected."""
+    ingress replicas that lived within it). A name busy is released when the ingress that reserved it
+    died before settling it: when that holder has not been heard from for `subscriber_ttl_s` (its
+    long poll stopped; a live holder is heard at least every poll), and in any case after
+    `busy_ttl_s` (a settling call that was lost). Pure: the clock is injected."""
 
     def __init__(self, clock: Callable[[], float], limit: int = MAX_REGISTERED_ADAPTERS,
                  busy_ttl_s: float = BUSY_TTL_S, subscriber_ttl_s: float = SUBSCRIBER_TTL_S):
@@ -108,21 +110,30 @@ class RegistryBook:
         self._clock, self.busy_ttl_s, self.subscriber_ttl_s = clock, busy_ttl_s, subscriber_ttl_s
         self.version = 0
         self._bases: dict[str, str | None] = {}
-        self._busy_since: dict[str, float] = {}
+        self._busy_since: dict[str, tuple[float, str | None]] = {}  # name -> (since, holder)
         self._heard: dict[str, tuple[int, float]] = {}  # subscriber -> (version applied, when heard)
 
     def entries(self) -> dict[str, tuple[str, str | None]]:
         """Every registered adapter: name -> (path, base it joined; None: every group)."""
         return {name: (path, self._bases.get(name)) for name, path in self.registrations.snapshot().items()}
 
-    def reserve_load(self, name: str) -> None:
-        """`AdapterRegistrations.reserve_load` (raises RegistrationConflict), after releasing the
-        names busy for longer than `busy_ttl_s`."""
+    def reserve_load(self, name: str, holder: str | None = None) -> None:
+        """`AdapterRegistrations.reserve_load` for subscriber `holder` (raises RegistrationConflict),
+        after releasing the names whose holder died (class docstring)."""
         now = self._clock()
-        for stale in [n for n, since in self._busy_since.items() if now - since > self.busy_ttl_s]:
+        for stale in [n for n, (since, by) in self._busy_since.items() if self._gone(by, since, now)]:
             self.release(stale)
         self.registrations.reserve_load(name)
-        self._busy_since[name] = now
+        self._busy_since[name] = (now, holder)
+
+    def _gone(self, holder: str | None, since: float, now: float) -> bool:
+        """Whether the reservation made at `since` by `holder` outlived its ingress (or its settling
+        call was lost: `busy_ttl_s` bounds every reservation)."""
+        if holder is None or now - since > self.busy_ttl_s:
+            return now - since > self.busy_ttl_s
+        heard = self._heard.get(holder)
+        last = since if heard is None else max(since, heard[1])
+        return now - last > self.subscriber_ttl_s
 
     def complete_load(self, name: str, path: str, base: str | None) -> int:
         """The reserved load of `name` succeeded; returns the new version."""
@@ -132,12 +143,13 @@ class RegistryBook:
         self.version += 1
         return self.version
 
-    def reserve_unload(self, name: str) -> int | None:
-        """Unregister `name` (busy until `release`); the new version, or None when it is not registered."""
+    def reserve_unload(self, name: str, holder: str | None = None) -> int | None:
+        """Unregister `name` (busy until `release`, or until its `holder` is gone); the new version,
+        or None when it is not registered."""
         if not self.registrations.reserve_unload(name):
             return None
         self._bases.pop(name, None)
-        self._busy_since[name] = self._clock()
+        self._busy_since[name] = (self._clock(), holder)
         self.version += 1
         return self.version
 

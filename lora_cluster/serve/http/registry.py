@@ -133,7 +133,7 @@ class SharedRegistrations:
 
     async def reserve_load(self, name: str) -> None:
         self.start()
-        reply = await self._call("reserve_load", name)
+        reply = await self._call("reserve_load", self.subscriber, name)
         if "conflict" in reply:
             raise RegistrationConflict(reply["conflict"], reply["code"])
 
@@ -222,9 +222,9 @@ class AdapterRegistry:
     def _reply(self, **extra: Any) -> dict[str, Any]:
         return {"epoch": self.epoch, "version": self.book.version, "entries": self.book.entries(), **extra}
 
-    async def reserve_load(self, name: str) -> dict[str, Any]:
+    async def reserve_load(self, subscriber: str, name: str) -> dict[str, Any]:
         try:
-            self.book.reserve_load(name)
+            self.book.reserve_load(name, subscriber)
         except RegistrationConflict as exc:
             return {"conflict": str(exc), "code": exc.code}
         return {}
@@ -237,7 +237,7 @@ class AdapterRegistry:
         return self._reply()
 
     async def reserve_unload(self, subscriber: str, name: str) -> dict[str, Any]:
-        version = self.book.reserve_unload(name)
+        version = self.book.reserve_unload(name, subscriber)
         if version is None:
             return self._reply(unloaded=False)
         self.book.heard(subscriber, version)
