@@ -110,7 +110,7 @@ class RegistryBook:
         self._clock, self.busy_ttl_s, self.subscriber_ttl_s = clock, busy_ttl_s, subscriber_ttl_s
         self.version = 0
         self._bases: dict[str, str | None] = {}
-        self._busy_since: dict[str, tuple[float, str | None]] = {}  # name -> (since, holder)
+        self._reserved: dict[str, tuple[float, str | None]] = {}  # name -> (since, holder)
         self._heard: dict[str, tuple[int, float]] = {}  # subscriber -> (version applied, when heard)
 
     def entries(self) -> dict[str, tuple[str, str | None]]:
@@ -121,16 +121,18 @@ class RegistryBook:
         """`AdapterRegistrations.reserve_load` for subscriber `holder` (raises RegistrationConflict),
         after releasing the names whose holder died (class docstring)."""
         now = self._clock()
-        for stale in [n for n, (since, by) in self._busy_since.items() if self._gone(by, since, now)]:
+        for stale in [n for n, (since, by) in self._reserved.items() if self._gone(by, since, now)]:
             self.release(stale)
         self.registrations.reserve_load(name)
-        self._busy_since[name] = (now, holder)
+        self._reserved[name] = (now, holder)
 
     def _gone(self, holder: str | None, since: float, now: float) -> bool:
         """Whether the reservation made at `since` by `holder` outlived its ingress (or its settling
         call was lost: `busy_ttl_s` bounds every reservation)."""
-        if holder is None or now - since > self.busy_ttl_s:
-            return now - since > self.busy_ttl_s
+        if now - since > self.busy_ttl_s:
+            return True
+        if holder is None:
+            return False
         heard = self._heard.get(holder)
         last = since if heard is None else max(since, heard[1])
         return now - last > self.subscriber_ttl_s
@@ -138,7 +140,7 @@ class RegistryBook:
     def complete_load(self, name: str, path: str, base: str | None) -> int:
         """The reserved load of `name` succeeded; returns the new version."""
         self.registrations.complete_load(name, path)
-        self._busy_since.pop(name, None)
+        self._reserved.pop(name, None)
         self._bases[name] = base
         self.version += 1
         return self.version
@@ -149,13 +151,13 @@ class RegistryBook:
         if not self.registrations.reserve_unload(name):
             return None
         self._bases.pop(name, None)
-        self._busy_since[name] = (self._clock(), holder)
+        self._reserved[name] = (self._clock(), holder)
         self.version += 1
         return self.version
 
     def release(self, name: str) -> None:
         self.registrations.release(name)
-        self._busy_since.pop(name, None)
+        self._reserved.pop(name, None)
 
     def restore(self, entries: dict[str, tuple[str, str | None]]) -> bool:
         """Take the registrations an ingress kept from a registry that is gone (this one restarted):
