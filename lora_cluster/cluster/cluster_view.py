@@ -1,22 +1,20 @@
-"""The controller's view of the cluster: the latest report of every live replica, and the grants
-on their way to each.
+"""The controller's view of the cluster: the latest report of every live replica, and the grants on their way
+to each.
 
-`ClusterView` keeps the latest report of each replica and forgets a replica that has not reported
-for `stale_after_s` (it died or was scaled down). Room on a replica is its capacity minus its
-requests in flight (`active`, counted by the replica itself) minus the grants sent its way that
-have not arrived yet: each grant is a ticket id, and each report lists the ticket ids that arrived
-since the previous one, so no grant is counted twice or lost between two reports (a grant that
-never arrives, its request gone, is dropped when its ingress says so, `release`, or after
-`grant_ttl_s`). Requests an ingress sent the
-direct way (its fast path) reach a replica before the replica reports them; each ingress therefore
-states, with every ticket it parks, its requests in flight per replica and those on their way to
-a replica not known yet (`claim`). A claim counts for `claim_ttl_s`, after which the replicas'
-reports, which include those requests, are the truth again; for one replica, a claim is
-superseded sooner by that replica's first report received `claim_superseded_after_s` after it (a
-report built after the claim shows the claimed requests that still run, and not those that ended:
-a stale claim would hide a slot freed since, and keep a parked ticket waiting for its TTL). With
-the controller in shards, a report's `room` caps the room one shard sees there, less its own grants
-not arrived yet (`sharding`). A restarted controller starts empty and is whole again once every
+`ClusterView` keeps the latest report of each replica and forgets a replica that has not reported for
+`stale_after_s` (it died or was scaled down). Room on a replica is its capacity minus its requests in flight
+(`active`, counted by the replica itself) minus the grants sent its way that have not arrived yet: each grant
+is a ticket id, and each report lists the ticket ids that arrived since the previous one, so no grant is
+counted twice or lost between two reports (a grant that never arrives, its request gone, is dropped when its
+ingress says so, `release`, or after `grant_ttl_s`). Requests an ingress sent the direct way (its fast path)
+reach a replica before the replica reports them; each ingress therefore states, with every ticket it parks,
+its requests in flight per replica and those on their way to a replica not known yet (`claim`). A claim
+counts for `claim_ttl_s`, after which the replicas' reports, which include those requests, are the truth
+again; for one replica, a claim is superseded sooner by that replica's first report received
+`claim_superseded_after_s` after it (a report built after the claim shows the claimed requests that still
+run, and not those that ended: a stale claim would hide a slot freed since, and keep a parked ticket waiting
+for its TTL). With the controller in shards, a report's `room` caps the room one shard sees there, less its
+own grants not arrived yet (`sharding`). A restarted controller starts empty and is whole again once every
 replica has reported, within one report period. Pure: injected clock, no Ray.
 
 The view learns from its own grants (`held`): a grant of adapter A to a replica whose report lacks A
@@ -66,8 +64,7 @@ class ClusterView:
         # ingress -> (when, its requests in flight per replica, its requests on their way)
         self._claims: dict[str, tuple[float, Mapping[str, int], int]] = {}
         self._claim_seqs: dict[str, int] = {}  # ingress -> the `seq` of its claims held (`claim`'s hint)
-        # the room of every replica (max(0, free)) and its sum, kept incrementally: it changes only with
-        # its report, a grant to it, or a claim naming it (changed, expired, or renewed after a report)
+        # each replica's room (max(0, free)) and its sum, kept incrementally (`_touch`: it may have changed)
         self._room: dict[str, int] = {}
         self._room_sum = 0
         self._dirty: set[str] = set()
@@ -78,11 +75,9 @@ class ClusterView:
         self._cluster_holders: dict[str, set[str]] = {}  # adapter -> replicas reporting its node's copy
         self._on_node: dict[str, set[str]] = {}  # node -> the replicas whose report names it
         self._slots: set[str] = set()  # the replicas with a free adapter slot (`slot_ids`)
-        # priority asked -> the replicas where `preemptible` > 0 (one entry per class priority asked)
-        self._preemptible: dict[int, set[str]] = {}
+        self._preemptible: dict[int, set[str]] = {}  # priority asked -> replicas where `preemptible` > 0
         self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
-        # priority asked -> the replicas where `less_urgent_running(priority)` > 0 and `preemptible` <= 0:
-        # preempting grants on their way claimed that work whole (`claimed_less_urgent_ids`)
+        # priority -> replicas whose less urgent work grants claimed whole (`claimed_less_urgent_ids`)
         self._claimed: dict[int, set[str]] = {}
         # each adapter's replicas by rendezvous score (`homes.HomeRanks`), rebuilt when one joins or goes
         self.homes = HomeRanks(self.ids)
@@ -309,6 +304,11 @@ class ClusterView:
         """Less urgent running requests a grant over capacity could still preempt there."""
         s = self._seen[replica_id]
         return s.report.less_urgent_running(priority) - len(s.preempting)
+
+    def preempting(self, replica_id: str) -> int:
+        """Preempting grants on their way to the replica (sent since its latest report); 0 if not known."""
+        seen = self._seen.get(replica_id)
+        return 0 if seen is None else len(seen.preempting)
 
     def preemptible_ids(self, priority: int) -> set[str]:
         """The replicas where `preemptible(rid, priority)` > 0 (read-only): built at the first ask

@@ -37,14 +37,16 @@ def random_report(rng: random.Random, rid: str) -> ReplicaReport:
 
 
 def scan_target(view: ClusterView, adapter: str, priority: int, free_slot_first: bool) -> str | None:
-    """The preemption target by scoring every replica (ties to the first id)."""
-    best, most = None, (False, False, 0)
+    """The preemption target by scoring every replica (ties to the first id): a holder of the adapter,
+    the fewest preempting grants on their way first among holders, then a free slot, then the home score."""
+    best, most = None, (False, 0, False, 0)
     for rid in sorted(view.ids()):
         if view.preemptible(rid, priority) <= 0:
             continue
         report = view.get(rid)
-        score = (adapter in report.held, free_slot_first and report.free_adapter_slots > 0,
-                 home_score(adapter, rid))
+        held = adapter in report.held
+        score = (held, -view.preempting(rid) if held else 0,
+                 free_slot_first and report.free_adapter_slots > 0, home_score(adapter, rid))
         if score > most:
             best, most = rid, score
     return best

@@ -97,3 +97,18 @@ def test_a_due_miss_waits_for_the_holder_of_its_adapter_until_its_holder_wait():
     w.clock.now = 104.0
     w.preemption.run()
     assert w.granted == [("s", "r1")], "after 0.8 of its 5 s target it preempts where it can"
+
+
+def test_hits_by_preemption_are_spread_over_the_holders_of_their_adapter():
+    w = Wired(ControllerSettings(preempt_after_fraction=0.9))
+    for rid in ("r1", "r2"):
+        w.view.update(report(rid, capacity=4, running=4, by_priority={2: 4}, resident=("hot",)))
+    for i in range(4):
+        w.park(ticket(f"s{i}", "standard", 100.0 + i / 100, "hot"))
+    w.clock.now = 100.1
+    w.preemption.run()
+    taken = sorted(rid for _, rid in w.granted)
+    assert len(taken) == 4, f"each ticket preempts batch work at a holder of its adapter: {w.granted}"
+    assert taken == ["r1", "r1", "r2", "r2"], (
+        f"the grants wait for seats at both holders, not piled on one (where they would recompute its "
+        f"batch work): {w.granted}")
