@@ -388,8 +388,9 @@ def _best_target(ticket: Ticket, view: ClusterView, replica_ids: Iterable[str],
     best: str | None = None
     best_rank, best_value = 0, 0
     aid, priority = ticket.adapter_id, ticket.priority
-    if aid is not None:
-        replica_ids = _least_claimed_holders(view, aid, replica_ids)
+    if aid is not None:  # the holders spread by their grants, among those with less urgent work
+        ids = replica_ids if checked else [rid for rid in replica_ids if view.preemptible(rid, priority) > 0]
+        replica_ids = _least_claimed_holders(view, aid, ids)
     seed = 0 if aid is None else home_seed(aid)
     count = aid is None or not checked
     slots: Set[str] = view.slot_ids() if free_slot_first else frozenset()

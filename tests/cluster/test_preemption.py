@@ -11,6 +11,7 @@ from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.hit_index import HitIndex
 from lora_cluster.cluster.preemption import Preemption
+from lora_cluster.cluster.scheduling import preemption_target
 
 URGENT = frozenset(c.priority for c in CLASSES.classes if c.ttft_s is not None)
 
@@ -112,3 +113,13 @@ def test_hits_by_preemption_are_spread_over_the_holders_of_their_adapter():
     assert taken == ["r1", "r1", "r2", "r2"], (
         f"the grants wait for seats at both holders, not piled on one (where they would recompute its "
         f"batch work): {w.granted}")
+
+
+def test_a_holder_without_less_urgent_work_is_no_target_however_few_grants_it_has():
+    w = Wired()
+    w.view.update(report("r1", capacity=2, running=2, by_priority={0: 2}, resident=("hot",)))
+    w.view.update(report("r2", capacity=2, running=2, by_priority={2: 2}, resident=("hot",)))
+    w.view.granted("r2", "earlier", preempting=True)
+    t = ticket("s", "standard", 100.0, "hot")
+    assert preemption_target(t, w.view, ["r1", "r2"]) == "r2", (
+        "r1 runs only more urgent work: r2 is the target though a preempting grant is on its way there")
