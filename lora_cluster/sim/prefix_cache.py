@@ -4,7 +4,11 @@
 A request carries the engine's content keys of its full blocks (`SimRequest.blocks`: a chain over
 the adapter id at its version and every token up to the block, `replica_policy.prefix_hash`), so two
 adapters with the same tokens never share a block, and one adapter's requests share the blocks of
-their common prefix. The model follows the engine's rules:
+their common prefix (chats, `sim.chats`). A request that shares no prefix (the Poisson workload) gets
+keys of its own at its first admission (`own_keys`: its id and block number, no other request's), so
+it reuses nothing at first, and after a preemption finds what it computed, unless the pool needed
+those blocks meanwhile, as the engine's own sequence does (`enable_prefix_caching`, on by default).
+The model follows the engine's rules:
 
 * **Admission** (`admit`, at each admission, re-admissions after a preemption included): the request
   takes the longest chain of its blocks that is cached, one reference each, and computes only the
@@ -32,14 +36,27 @@ holding it; idle blocks are exactly the cached blocks with no reference.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from lora_cluster.sim.workload import SimRequest
+from lora_cluster.sim.workload import BlockKey, SimRequest
+
+OWN_KEY_BITS = 16  # an own key is (request id << OWN_KEY_BITS) + block number
+
+
+def own_keys(req: SimRequest, block_size: int) -> range:
+    """Keys of `req`'s full blocks that no other request has (ints, where a chat's keys are bytes)."""
+    blocks = (req.prompt + req.output) // block_size
+    if blocks >> OWN_KEY_BITS:
+        raise ValueError(f"request {req.rid} of adapter {req.adapter!r} has {blocks} blocks, over the "
+                         f"{1 << OWN_KEY_BITS} its own keys can number")
+    first = req.rid << OWN_KEY_BITS
+    return range(first, first + blocks)
 
 
 class _Held:
     __slots__ = ("done", "keys", "private")
 
-    def __init__(self, keys: list[bytes], private: int):
+    def __init__(self, keys: list[BlockKey], private: int):
         self.keys, self.private = keys, private  # the cached blocks it references, its blocks without a key
         self.done = len(keys)  # its first blocks already reused or offered to the cache
 
@@ -52,8 +69,8 @@ class SimPrefixCache:
             raise ValueError(f"a prefix cache needs capacity >= 1 and block_size >= 1, "
                              f"got {capacity} and {block_size}")
         self.capacity, self.block_size = capacity, block_size
-        self._refs: dict[bytes, int] = {}  # cached block -> running requests holding it
-        self._idle: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._refs: dict[BlockKey, int] = {}  # cached block -> running requests holding it
+        self._idle: OrderedDict[BlockKey, None] = OrderedDict()  # least recently used first
         self._held: dict[int, _Held] = {}  # request id -> what it holds
         self._private = 0
         self.queried_tokens = self.hit_tokens = self.evictions = self.overcommitted = 0
@@ -70,7 +87,7 @@ class SimPrefixCache:
     def num_idle(self) -> int:
         return len(self._idle)
 
-    def cached_blocks(self, keys: tuple[bytes, ...] | list[bytes]) -> int:
+    def cached_blocks(self, keys: Sequence[BlockKey]) -> int:
         """How many first blocks of `keys` are cached (a query: nothing changes)."""
         n = 0
         for key in keys:
@@ -81,8 +98,11 @@ class SimPrefixCache:
 
     def admit(self, req: SimRequest) -> None:
         """`req` is admitted with `req.prefill_left` tokens to compute: it reuses its longest cached
-        chain (its `prefill_left` drops by the tokens found) and reserves private blocks for the rest."""
+        chain (its `prefill_left` drops by the tokens found) and reserves private blocks for the rest;
+        a request without keys gets its own (`own_keys`)."""
         bs = self.block_size
+        if not req.blocks:
+            req.blocks = own_keys(req, bs)
         todo = req.prefill_left  # prompt + tokens generated before a preemption
         usable = req.blocks[:max(0, todo - 1) // bs]
         hit = self.cached_blocks(usable)

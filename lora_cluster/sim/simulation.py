@@ -171,11 +171,10 @@ class Simulation:
             names = [a for a in names if self.split.adapter_base[a] == base]
         return names[:self.config.preload]
 
-    def _prefix_cache(self) -> SimPrefixCache | None:
-        """A replica's prefix cache model: with chats (other requests share no prefix), the engine's
-        pool of `ReplicaProfile.kv_tokens` in blocks."""
-        if self.config.chats is None:
-            return None
+    def _prefix_cache(self) -> SimPrefixCache:
+        """A replica's prefix cache model (`enable_prefix_caching` is on by default): the engine's pool
+        of `ReplicaProfile.kv_tokens` in blocks. Chats share their prefixes; a Poisson request shares
+        none, but a preempted one finds its own computed blocks again on re-admission."""
         return SimPrefixCache(max(1, self.profile.kv_tokens // BLOCK_SIZE), BLOCK_SIZE)
 
     def _submit(self, req: SimRequest) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from lora_cluster.cluster.sla import SlaClass
 from lora_cluster.sim.popularity import ZipfSampler
 
+BlockKey = bytes | int  # a block's content key (`SimRequest.blocks`)
 PROMPT_MEDIAN, OUTPUT_MEDIAN, LENGTH_SIGMA = 200.0, 100.0, 0.8
 PROMPT_RANGE, OUTPUT_RANGE = (4, 1536), (1, 512)
 DEFAULT_MIX = (("interactive", 0.2), ("standard", 0.5), ("batch", 0.3))
@@ -54,7 +55,7 @@ class SimRequest:
         self.finish_mark = -1  # the replica's decode-step count at which it ends (-1: not decoding)
         self.preemptions = 0
         self.prefix: tuple[str, ...] = ()  # its prompt's routing keys (`prefix_keys.routing_keys`, chats)
-        self.blocks: tuple[bytes, ...] = ()  # the engine's keys of its full blocks: prompt, answer (chats)
+        self.blocks: Sequence[BlockKey] = ()  # the engine's keys of its full blocks: prompt, answer
         self.cached = 0  # prompt tokens its replica's prefix cache held at its first admission
 
     def tpot_s(self) -> float | None:
