@@ -80,7 +80,7 @@ class Controller:
     def __init__(self, classes: SlaClasses, settings: ControllerSettings = _SETTINGS,
                  clock: Callable[[], float] = time.monotonic):
         self.classes, self.settings, self._clock = classes, settings, clock
-        self.queue = ClusterQueue(max_size=settings.queue_size, aging_s=settings.aging_s, clock=clock,
+        self.queue = ClusterQueue(max_size=settings.queue_bound(0), aging_s=settings.aging_s, clock=clock,
                                   top_priority=classes.classes[0].priority,
                                   wait_bound_s=settings.wait_bound_s)
         self.view = ClusterView(stale_after_s=settings.stale_after_s, clock=clock)
@@ -133,7 +133,7 @@ class Controller:
         joined = base is None
         self.view.update(report)
         if joined:
-            self.view.stale_after_s = self.settings.silent_after_s(len(self.view))
+            self._replicas_changed()
         service = report.service_time_s
         rate = report.capacity / service if service else 0.0
         if self._rates.get(report.replica_id) != rate:
@@ -269,7 +269,7 @@ class Controller:
     def tick(self) -> None:
         """Forget replicas that stopped reporting; let long-waiting urgent tickets preempt."""
         if gone := self.view.prune():
-            self.view.stale_after_s = self.settings.silent_after_s(len(self.view))
+            self._replicas_changed()
             for rid in gone:
                 del self._rates[rid]
             self._rate_sum = None
@@ -327,6 +327,12 @@ class Controller:
         self.counts["preempting_grants"] += int(preempt)
         if len(self._grants) > MAX_UNCLAIMED_GRANTS:  # nobody takes them: the actor is gone
             self._grants.pop(next(iter(self._grants)))
+
+    def _replicas_changed(self) -> None:
+        """A replica joined or was forgotten: the silence that forgets one and the queue's bound
+        (`cluster_queue_size` None: it grows with the replicas; tickets over a smaller bound stay)."""
+        self.view.stale_after_s = self.settings.silent_after_s(len(self.view))
+        self.queue.max_size = self.settings.queue_bound(len(self.view))
 
     def _room(self) -> int:
         """The free room to grant: direct requests on their way will take some of it."""

@@ -13,6 +13,8 @@ from lora_cluster.cluster.report_rules import report_spacing_s
 from lora_cluster.config import ControllerConfig
 
 _DEFAULTS = ControllerConfig()
+QUEUE_FLOOR = 4096  # the cluster queue's default bound (`cluster_queue_size` None) is at least this, ...
+QUEUE_PER_REPLICA = 128  # ... and this per replica seen: about 11 s of a GPU replica's rated throughput
 STALE_PERIODS = 4  # a replica is forgotten after this many of its report periods without one (2 s at least)
 
 
@@ -23,7 +25,8 @@ class ControllerSettings:
     section, never copied); `from_config` maps a section onto them. The others are the controller's
     own constants."""
 
-    queue_size: int = _DEFAULTS.cluster_queue_size
+    queue_size: int | None = _DEFAULTS.cluster_queue_size  # the whole cluster's (None: `cluster_queue_bound`)
+    queue_shards: int = 1  # this shard holds its share of it
     aging_s: float = _DEFAULTS.cluster_queue_aging_s
     preempt_after_fraction: float = _DEFAULTS.preempt_after_fraction
     top_class_preempt_after_fraction: float | None = None  # the most urgent class's (None: the above)
@@ -59,6 +62,11 @@ class ControllerSettings:
         replanning placement and dropping its grants on their way)."""
         return max(self.stale_after_s, STALE_PERIODS * report_spacing_s(replicas, self.report_budget_per_s))
 
+    def queue_bound(self, replicas: int) -> int:
+        """This shard's queue bound when the controller sees `replicas` replicas: its share of
+        `cluster_queue_bound`, at least 1."""
+        return max(1, -(-cluster_queue_bound(self.queue_size, replicas) // self.queue_shards))
+
     def preempt_wait_s(self, ticket: Ticket, top_priority: int | None) -> float:
         """How long `ticket` (with a TTFT target) waits before it may preempt less urgent work."""
         top = self.top_class_preempt_after_fraction
@@ -76,7 +84,7 @@ class ControllerSettings:
         `controller_shards` shards holds its share of the queue and drains by its share of the rate."""
         shards = config.controller_shards
         return cls(
-            queue_size=-(-config.cluster_queue_size // shards), rate_share=1.0 / shards,
+            queue_size=config.cluster_queue_size, queue_shards=shards, rate_share=1.0 / shards,
             aging_s=config.cluster_queue_aging_s,
             preempt_after_fraction=config.preempt_after_fraction,
             top_class_preempt_after_fraction=config.top_class_preempt_after_fraction,
@@ -87,3 +95,13 @@ class ControllerSettings:
             wait_bound_s=config.cluster_queue_max_wait_s or None, edge_max_age_s=config.edge_max_age_s,
             edge_held_max_age_s=2 * config.controller_report_period_s,
         )
+
+
+def cluster_queue_bound(size: int | None, replicas: int) -> int:
+    """Requests the cluster queue holds (all shards together): `size` (`cluster_queue_size`) when set;
+    else `QUEUE_PER_REPLICA` per replica, at least `QUEUE_FLOOR`. A fixed bound shrinks, in seconds of
+    the cluster's work, as the cluster grows: 4096 tickets are 11 s of arrivals at 32 GPU replicas
+    and a third of a second at 1,024, where a burst the replicas drain within a second was refused."""
+    if size is not None:
+        return size
+    return max(QUEUE_FLOOR, QUEUE_PER_REPLICA * replicas)

@@ -142,9 +142,12 @@ class ControllerConfig(BaseModel):
         "paced by controller_report_budget_per_s)) "
         "(docs/scale.md#report-rounds-to-the-shards-concerned).",
     )
-    cluster_queue_size: int = Field(
-        4096, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "
-        "(a more urgent request bumps the least urgent queued one instead)."
+    cluster_queue_size: int | None = Field(
+        None, ge=1, description="Requests the cluster queue holds; more are refused with 429 and Retry-After "
+        "(a more urgent request bumps the least urgent queued one instead). None (the default): 128 per "
+        "replica the controller sees, at least 4096, so that the queue holds about as many seconds of "
+        "the cluster's work on 1,024 replicas as on 32 (a fixed 4096 is a third of a second of arrivals "
+        "at 1,024 GPU replicas) (docs/scale.md#a-cluster-queue-that-grows-with-the-cluster)."
     )
     cluster_queue_aging_s: float = Field(
         10.0,

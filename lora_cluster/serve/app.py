@@ -46,6 +46,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from lora_cluster.cluster.controller_settings import cluster_queue_bound
 from lora_cluster.cluster.sharding import shard_deployment
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import ServeConfig, load_config
@@ -97,6 +98,14 @@ def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
     then adds and removes LoRA replicas of every group between min_replicas and max_replicas, to keep
     about target_ongoing_requests per replica). Raises ConfigError for an invalid autoscaling_config."""
     return _count(group.num_replicas, config.autoscaling_config, "autoscaling_config")
+
+
+def most_replicas(config: ServeConfig, group: ReplicaGroup) -> int:
+    """The most LoRA replicas `group` runs: its `num_replicas`, or `max_replicas` with autoscaling."""
+    counted = replica_count(config, group)  # an invalid autoscaling_config: ConfigError
+    if config.autoscaling_config is None:
+        return int(counted["num_replicas"])
+    return int(AutoscalingConfig(**config.autoscaling_config).max_replicas)
 
 
 def ingress_count(config: ServeConfig) -> dict[str, Any]:
@@ -188,7 +197,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         fields = configs[group.name].model_dump(exclude_unset=False)
         controller: Application | list[Application] | None = None
         if config.controller.enabled:  # every waiting request holds one call to it: room for the whole queue
-            room = config.controller.cluster_queue_size + 4096
+            queued = cluster_queue_bound(config.controller.cluster_queue_size, most_replicas(config, group))
+            room = queued + 4096
             n = config.controller.controller_shards
             shards = [ClusterController.options(name=shard_deployment(group.controller, k),
                                                 max_ongoing_requests=room,

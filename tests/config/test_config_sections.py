@@ -31,7 +31,7 @@ SECTIONS = {"engine": EngineConfig, "router": RouterConfig, "admission": Admissi
 def test_every_section_is_a_field_of_the_serve_config_and_holds_its_owner_s_fields() -> None:
     for name, model in SECTIONS.items():
         assert isinstance(getattr(ServeConfig(), name), model), f"ServeConfig.{name} is a {model.__name__}"
-    assert ServeConfig().controller.cluster_queue_size == 4096, "the queue size is in the controller section"
+    assert ServeConfig().controller.cluster_queue_size is None, "the queue size is in the controller section"
     assert ServeConfig().api.max_n == 16, "the API's limits are in its section"
 
 

@@ -296,6 +296,16 @@ def test_a_replica_takes_its_batch_slots_of_preempting_grants_beyond_max_ongoing
     assert off["max_ongoing_requests"] == 4, "without it, max_ongoing_requests is Serve's limit as it is"
 
 
+def test_the_controller_has_room_for_the_queue_of_the_most_replicas_its_group_runs(tmp_path):
+    from lora_cluster.serve.app import most_replicas
+    from lora_cluster.serve.routing.replica_groups import replica_groups
+
+    fixed = ServeConfig(model=str(tmp_path), num_replicas=3)
+    scaled = ServeConfig(model=str(tmp_path), autoscaling_config={"min_replicas": 1, "max_replicas": 40})
+    assert most_replicas(fixed, replica_groups(fixed)[0]) == 3, "num_replicas: that many"
+    assert most_replicas(scaled, replica_groups(scaled)[0]) == 40, "autoscaling: its max_replicas"
+
+
 def test_the_ingress_and_replicas_run_on_serves_main_loop_unless_the_environment_says_otherwise(monkeypatch):
     from lora_cluster.serve.app import SINGLE_LOOP_ENV, single_loop
 
