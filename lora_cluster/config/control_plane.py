@@ -147,7 +147,8 @@ class ControllerConfig(BaseModel):
         "(a more urgent request bumps the least urgent queued one instead). None (the default): 128 per "
         "replica the controller sees, at least 4096, so that the queue holds about as many seconds of "
         "the cluster's work on 1,024 replicas as on 32 (a fixed 4096 is a third of a second of arrivals "
-        "at 1,024 GPU replicas) (docs/scale.md#a-cluster-queue-that-grows-with-the-cluster)."
+        "at 1,024 GPU replicas) (docs/scale.md#a-preempted-requests-own-blocks-and-a-cluster-queue-"
+        "that-grows-with-the-cluster-issue-44-2026-12-06)."
     )
     cluster_queue_aging_s: float = Field(
         10.0,
