@@ -101,11 +101,10 @@ def replica_count(config: ServeConfig, group: ReplicaGroup) -> dict[str, Any]:
 
 
 def most_replicas(config: ServeConfig, group: ReplicaGroup) -> int:
-    """The most LoRA replicas `group` runs: its `num_replicas`, or `max_replicas` with autoscaling."""
-    counted = replica_count(config, group)  # an invalid autoscaling_config: ConfigError
-    if config.autoscaling_config is None:
-        return int(counted["num_replicas"])
-    return int(AutoscalingConfig(**config.autoscaling_config).max_replicas)
+    """The most LoRA replicas `group` runs: its `num_replicas`, or `max_replicas` with autoscaling.
+    Raises ConfigError for an invalid autoscaling_config."""
+    autoscaling = _autoscaling(config.autoscaling_config, "autoscaling_config")
+    return group.num_replicas if autoscaling is None else int(autoscaling.max_replicas)
 
 
 def ingress_count(config: ServeConfig) -> dict[str, Any]:
@@ -122,13 +121,20 @@ def several_ingresses(config: ServeConfig) -> bool:
 
 
 def _count(num_replicas: int, autoscaling_config: dict[str, Any] | None, field: str) -> dict[str, Any]:
-    if autoscaling_config is None:
+    autoscaling = _autoscaling(autoscaling_config, field)
+    if autoscaling is None:
         return {"num_replicas": num_replicas}
+    return {"autoscaling_config": autoscaling.model_dump(exclude_unset=True)}
+
+
+def _autoscaling(autoscaling_config: dict[str, Any] | None, field: str) -> AutoscalingConfig | None:
+    """`autoscaling_config` parsed by Ray Serve's own model (None: not set); ConfigError names `field`."""
+    if autoscaling_config is None:
+        return None
     try:
-        autoscaling = AutoscalingConfig(**autoscaling_config)
+        return AutoscalingConfig(**autoscaling_config)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid {field}: {exc}") from exc
-    return {"autoscaling_config": autoscaling.model_dump(exclude_unset=True)}
 
 
 def preemption_headroom(config: ServeConfig, group: ReplicaGroup) -> int:

@@ -304,6 +304,9 @@ def test_the_controller_has_room_for_the_queue_of_the_most_replicas_its_group_ru
     scaled = ServeConfig(model=str(tmp_path), autoscaling_config={"min_replicas": 1, "max_replicas": 40})
     assert most_replicas(fixed, replica_groups(fixed)[0]) == 3, "num_replicas: that many"
     assert most_replicas(scaled, replica_groups(scaled)[0]) == 40, "autoscaling: its max_replicas"
+    invalid = ServeConfig(model=str(tmp_path), autoscaling_config={"min_replicas": 5, "max_replicas": 2})
+    with pytest.raises(e.ConfigError, match="invalid autoscaling_config"):
+        most_replicas(invalid, replica_groups(invalid)[0])
 
 
 def test_the_ingress_and_replicas_run_on_serves_main_loop_unless_the_environment_says_otherwise(monkeypatch):
