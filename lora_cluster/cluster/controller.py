@@ -36,6 +36,7 @@ from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller_settings import ControllerSettings
 from lora_cluster.cluster.edge import ClassEdge, DrainEdge, EdgeState
 from lora_cluster.cluster.hit_index import HitIndex
+from lora_cluster.cluster.holder_queue import holder_queue_target
 from lora_cluster.cluster.placement import DemandTracker, PlacementPolicy
 from lora_cluster.cluster.preemption import Preemption
 from lora_cluster.cluster.report_delta import ReportDelta, apply_delta
@@ -44,7 +45,6 @@ from lora_cluster.cluster.scheduling import (
     choose_replica,
     hit_window_s,
     holder_preemption_target,
-    holder_queue_target,
     holds,
     holds_for,
     will_preempt,

@@ -22,9 +22,9 @@ however long it has already waited.
 
 Copies: when the head ticket would copy its adapter to the replica with room (no hit there, no hit by
 preemption) while a busy replica holds it, it is granted instead to that holder, over its room by at
-most a quarter of its batch (`holder_queue_target`), and the room goes to the next ticket: a hit a
-fraction of a second later beats a copy, and no room idles while tickets wait. Among an adapter's
-holders its primary ones come first (`primary_holder`: its placed replicas when the placement table
+most a quarter of its batch (`holder_queue.holder_queue_target`), and the room goes to the next
+ticket: a hit a fraction of a second later beats a copy, and no room idles while tickets wait. Among an
+adapter's holders its primary ones come first (`primary_holder`: its placed replicas when the placement table
 spreads it, else its holder of the highest home score), for a grant with room (after a holder that
 caches the ticket's prompt prefix: a chat's turn stays where its prefix is), a hit by preemption and
 that queue alike, so that its tickets gather on the copies its demand needs.
@@ -277,55 +277,6 @@ def holder_can_preempt(ticket: Ticket, view: ClusterView) -> bool:
     without a set built or a replica scored."""
     aid = ticket.adapter_id
     return aid is not None and not view.holders(aid).isdisjoint(view.preemptible_ids(ticket.priority))
-
-
-HOLDER_QUEUE_SHARE = 4  # a holder is given at most max_num_seqs / this over its room by `holder_queue_target`
-
-
-def holder_queue_limit(max_num_seqs: int) -> int:
-    """Requests a holder may be given over its room by `holder_queue_target`: a quarter of its batch
-    (8 of 32), at least 1; well within what a replica accepts over `max_ongoing_requests` while the
-    controller is on (its `max_num_seqs`)."""
-    return max(1, max_num_seqs // HOLDER_QUEUE_SHARE)
-
-
-def holder_queue_target(ticket: Ticket, view: ClusterView,
-                        placement: Mapping[str, tuple[str, ...]]) -> str | None:
-    """A holder of the ticket's adapter to queue it at, over its room, rather than copy the adapter
-    to a replica with room that does not hold it (None: the base model, no holder, or every holder
-    already `holder_queue_limit` requests past its room, less those expected to have ended there
-    since its report: `ended_since_report`). Its primary holders (`primary_holder`) first, the one
-    with the most room left (ties by id). A seat frees every fraction of a second on a busy replica,
-    and its engine admits by priority, so the ticket waits there about that long and then hits; the
-    copy would take a slot, evict the idle adapter of lowest priority there (often the only copy of a
-    warm adapter, whose next request then misses) and stay as long as requests keep coming. The
-    replica with room is not left idle: its room goes to the next ticket. O(the holders)."""
-    aid = ticket.adapter_id
-    if aid is None:
-        return None
-    holders = view.holders(aid)
-    if not holders:
-        return None
-    primary = primary_holders(view, aid, placement)
-    best = min(primary, key=lambda rid: (-view.free(rid), rid))
-    report = view.get(best)
-    if report is None:
-        return None
-    past = -view.free(best) - ended_since_report(view, best)
-    return best if past < holder_queue_limit(report.max_num_seqs) else None
-
-
-def ended_since_report(view: ClusterView, replica_id: str) -> int:
-    """The requests expected to have ended at the replica since its report (which the view learns
-    only from its next one): its requests in flight then over the mean time a request holds it
-    (`service_time_s`, Little's law), times the report's age, at most those in flight. A report
-    period of seconds (a large cluster paced to the report budget) frees most of a busy replica's
-    seats unseen; judged on the report alone, a holder looks full for the whole period and its
-    adapter's tickets copy it elsewhere instead (`holder_queue_target`)."""
-    report = view.get(replica_id)
-    if report is None or not report.service_time_s:
-        return 0
-    return min(report.ongoing, int(report.ongoing * view.age_s(replica_id) / report.service_time_s))
 
 
 def can_preempt(ticket: Ticket, view: ClusterView, free_slot_first: bool = False) -> bool:

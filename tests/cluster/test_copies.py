@@ -12,13 +12,8 @@ from tickets import CLASSES, report, ticket
 
 from lora_cluster.cluster.cluster_view import ClusterView
 from lora_cluster.cluster.controller import Controller, ControllerSettings
-from lora_cluster.cluster.scheduling import (
-    ended_since_report,
-    holder_queue_limit,
-    holder_queue_target,
-    home_score,
-    primary_holder,
-)
+from lora_cluster.cluster.holder_queue import ended_since_report, holder_queue_limit, holder_queue_target
+from lora_cluster.cluster.scheduling import home_score, primary_holder
 
 
 def view_of(*reports: object) -> ClusterView:
@@ -78,6 +73,34 @@ def test_a_holder_past_its_bound_by_an_old_report_takes_the_ticket_for_the_seats
     assert ended_since_report(view, "r1") == 10, "never more than were in flight"
     view.update(dataclasses.replace(full, service_time_s=None))
     assert ended_since_report(view, "r1") == 0, "no service time measured yet: nothing assumed"
+
+
+def test_the_holder_least_past_its_room_since_its_report_takes_the_ticket_not_the_most_room_shown() -> None:
+    """Reports seconds apart: the holder that reported the most room (just now, past its bound) is not
+    the one with the most room left; one that reported less room a second earlier has freed seats
+    since. Judged on the first alone, the ticket copied its adapter (issue 44, at 1,024 replicas)."""
+    clock = FakeClock(100.0)
+    view = ClusterView(stale_after_s=30, clock=clock)
+    view.update(dataclasses.replace(report("r2", capacity=8, running=8, waiting=4, resident=("x",)),
+                                    service_time_s=2.0))
+    clock.now = 101.0
+    view.update(dataclasses.replace(report("r1", capacity=8, running=8, waiting=2, resident=("x",)),
+                                    service_time_s=2.0))
+    view.update(report("r3"))
+    placement = {"x": ("r1", "r2")}
+    assert view.free("r1") > view.free("r2"), "r1 reported more room than r2"
+    assert holder_queue_target(ticket("t", "batch", 101.0, "x"), view, placement) == "r2", (
+        "r2, 4 past its room a second ago, 6 of its 12 requests ended since, takes it; r1 is at its bound")
+
+
+def test_a_holder_that_is_not_primary_takes_no_ticket_over_its_room_so_that_its_copy_drains() -> None:
+    home = max(("r1", "r2"), key=lambda rid: home_score("x", rid))
+    other = "r1" if home == "r2" else "r2"
+    view = view_of(report(home, capacity=8, running=8, waiting=2, resident=("x",)),
+                   report(other, capacity=8, running=8, waiting=1, resident=("x",)), report("r3"))
+    assert primary_holder(view, home, "x", {}), "the home is x's primary holder"
+    assert holder_queue_target(ticket("t", "batch", 100.0, "x"), view, {}) is None, (
+        "the primary holder is at its bound: the ticket takes the room, not a queue at the second copy")
 
 
 def test_a_ticket_queues_at_its_busy_holder_and_the_room_goes_to_the_next_ticket() -> None:
