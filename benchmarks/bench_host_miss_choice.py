@@ -40,14 +40,14 @@ def measure(seed: int) -> Counter[str]:
         room, aid = view.free_ids(), ticket.adapter_id
         near = (*view.holders(aid), *placement.get(aid, ())) if aid is not None else ()
         if room and aid is not None and not any(r in room for r in near):
-            in_host = [r for r in view.host_holders(aid) if r in room]
+            in_host = [r for r in view.tiers.host_holders(aid) if r in room]
             counts["misses"] += 1
             counts["room"] += len(room)
             counts["host_holder_with_room"] += bool(in_host)
             counts["only_host_holders_with_room"] += bool(in_host) and len(in_host) == len(room)
             if not in_host:
-                counts["cluster_local_with_room"] += any(r in room for r in view.cluster_local(aid))
-                counts["busy_host_holder"] += bool(view.host_holders(aid))
+                counts["cluster_local_with_room"] += any(r in room for r in view.tiers.cluster_local(aid))
+                counts["busy_host_holder"] += bool(view.tiers.host_holders(aid))
         return choose(ticket, view, placement)
 
     controller_module.choose_replica = counted  # type: ignore[assignment]

@@ -13,9 +13,16 @@ counts for `claim_ttl_s`, after which the replicas' reports, which include those
 again; for one replica, a claim is superseded sooner by that replica's first report received
 `claim_superseded_after_s` after it (a report built after the claim shows the claimed requests that still
 run, and not those that ended: a stale claim would hide a slot freed since, and keep a parked ticket waiting
-for its TTL). With the controller in shards, a report's `room` caps the room one shard sees there, less its
-own grants not arrived yet (`sharding`). A restarted controller starts empty and is whole again once every
-replica has reported, within one report period. Pure: injected clock, no Ray.
+for its TTL). An ingress also states, with its park calls, the requests the controller granted that
+ended since its previous call, per replica (`ended`): each frees a seat before the replica's next report
+says so, which in a large cluster (reports paced to the budget, seconds apart) would free a busy replica's
+seats in one lump and leave its adapter's tickets to copy it elsewhere meanwhile. An end that reaches the
+view after the report built after it frees a seat that report freed already, until the next report (at
+most the ends of one call's way, and never more seats than the report's requests and the grants since).
+With the controller in shards, a report's `room` caps the room one shard sees there, less its
+own grants not arrived yet (`sharding`; the ends told do not raise that cap). A restarted controller
+starts empty and is whole again once every replica has reported, within one report period. Pure:
+injected clock, no Ray.
 
 The view learns from its own grants (`held`): a grant of adapter A to a replica whose report lacks A
 makes it a holder of A and takes one of its free adapter slots until a report lists the ticket as
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 
 from lora_cluster.cluster.homes import HomeRanks
 from lora_cluster.cluster.reports import ReplicaReport
+from lora_cluster.cluster.tier_index import TierIndex, reindex
 
 
 @dataclass
@@ -45,11 +53,13 @@ class _Seen:
     capacity: int = 0
     ongoing: int = 0
     room: int | None = None
+    ended: int = 0  # granted requests an ingress saw end there since the report (`ClusterView.ended`)
 
     def took(self, report: ReplicaReport, at: float) -> None:
         """The replica's latest report, taken at `at`."""
         self.report, self.at = report, at
         self.capacity, self.ongoing, self.room = report.capacity, report.ongoing, report.room
+        self.ended = 0
 
 
 class ClusterView:
@@ -71,9 +81,7 @@ class ClusterView:
         self._roomy: set[str] = set()  # the replicas whose kept room is > 0 (`free_ids`)
         self._reported_at: dict[str, float] = {}  # replica -> when its latest report came, oldest first
         self._holders: dict[str, set[str]] = {}  # adapter -> replicas that hold it (`held`)
-        self._host_holders: dict[str, set[str]] = {}  # adapter -> replicas whose host tier holds it
-        self._cluster_holders: dict[str, set[str]] = {}  # adapter -> replicas reporting its node's copy
-        self._on_node: dict[str, set[str]] = {}  # node -> the replicas whose report names it
+        self.tiers = TierIndex()  # where the reports place adapters in host and cluster tiers
         self._slots: set[str] = set()  # the replicas with a free adapter slot (`slot_ids`)
         self._preemptible: dict[int, set[str]] = {}  # priority asked -> replicas where `preemptible` > 0
         self._preempting_at: set[str] = set()  # the replicas with a preempting grant on its way
@@ -152,7 +160,7 @@ class ClusterView:
         rid = report.replica_id
         seen = self._seen.get(rid)
         if seen is None:
-            self._hold(rid, None, report)
+            self.tiers.follow(rid, None, report)
             self._seen[rid] = seen = _Seen(report, now)
             seen.took(report, now)
             self._reheld(rid, seen)
@@ -160,7 +168,7 @@ class ClusterView:
             changed = True
         else:  # in place: the grants that arrived, or outlived `grant_ttl_s`, leave `outstanding`
             old = seen.report
-            self._hold(rid, old, report)
+            self.tiers.follow(rid, old, report)
             outstanding, preempting = seen.outstanding, seen.preempting
             for ticket_id in report.arrived_tickets:
                 outstanding.pop(ticket_id, None)
@@ -183,24 +191,13 @@ class ClusterView:
         if changed:
             self._repreempt(rid)
 
-    def _hold(self, replica_id: str, old: ReplicaReport | None, new: ReplicaReport | None) -> None:
-        """The host, cluster-tier and node indexes follow the replica's report from `old` to `new`
-        (None: none); the holders index and the slots follow its `held` (`_reheld`)."""
-        _reindex(self._host_holders, replica_id, frozenset() if old is None else old.host_set,
-                 frozenset() if new is None else new.host_set)
-        _reindex(self._cluster_holders, replica_id, frozenset() if old is None else old.cluster_set,
-                 frozenset() if new is None else new.cluster_set)
-        if old is None or new is None or old.node_id != new.node_id:  # mostly: its node stays
-            _reindex(self._on_node, replica_id, frozenset(() if old is None else (old.node_id,)),
-                     frozenset(() if new is None else (new.node_id,)))
-
     def _reheld(self, replica_id: str, seen: _Seen) -> None:
         """`held` (the report's and the pending grants' adapters), the holders index and the free
         adapter slots (each pending adapter takes one) follow the replica's report and grants."""
         report, pending = seen.report, frozenset(seen.pending.values())
         before = seen.held
         seen.held = report.held | pending if pending else report.held
-        _reindex(self._holders, replica_id, before, seen.held)
+        reindex(self._holders, replica_id, before, seen.held)
         if report.free_adapter_slots - len(pending) > 0:
             self._slots.add(replica_id)
         else:
@@ -228,8 +225,8 @@ class ClusterView:
     def forget(self, replica_id: str) -> None:
         seen = self._seen.pop(replica_id, None)
         if seen is not None:
-            self._hold(replica_id, seen.report, None)
-            _reindex(self._holders, replica_id, seen.held, frozenset())
+            self.tiers.follow(replica_id, seen.report, None)
+            reindex(self._holders, replica_id, seen.held, frozenset())
             self._slots.discard(replica_id)
             self._repreempt(replica_id)
             self.homes.reset()
@@ -296,9 +293,27 @@ class ClusterView:
         for at, inflight, _ in claims:  # a loop, not a generator: read for every replica whose room changed
             if at > since:
                 claimed += inflight.get(replica_id, 0)
-        free = s.capacity - max(s.ongoing + len(s.outstanding), claimed)
+        free = s.capacity - max(s.ongoing + len(s.outstanding) - s.ended, claimed)
         room = s.room
         return free if room is None else min(free, room - len(s.outstanding))
+
+    def ended(self, counts: Mapping[str, int]) -> bool:
+        """Granted requests an ingress saw end, per replica, since its previous park call (module
+        docstring): each frees a seat there until the replica's next report, at most the report's
+        requests in flight and the grants sent since. O(len(counts)). Whether any counted."""
+        counted = False
+        for rid, n in counts.items():
+            s = self._seen.get(rid)
+            if s is not None and n > 0:
+                s.ended = min(s.ended + int(n), s.ongoing + len(s.outstanding))
+                self._touch((rid,))
+                counted = True
+        return counted
+
+    def ends(self, replica_id: str) -> int:
+        """The seats `ended` counts free at the replica since its report (0: not known)."""
+        seen = self._seen.get(replica_id)
+        return 0 if seen is None else seen.ended
 
     def preemptible(self, replica_id: str, priority: int) -> int:
         """Less urgent running requests a grant over capacity could still preempt there."""
@@ -397,29 +412,6 @@ class ClusterView:
         """The replicas that hold `adapter_id` (`held`: by their report or a grant since); read-only."""
         return self._holders.get(adapter_id, frozenset())
 
-    def host_holders(self, adapter_id: str) -> frozenset[str] | set[str]:
-        """The replicas whose report lists `adapter_id` in their host tier (`ReplicaReport.host_held`:
-        a miss there copies it from host memory, not from the source); read-only."""
-        return self._host_holders.get(adapter_id, frozenset())
-
-    def cluster_nodes(self, adapter_id: str) -> set[str]:
-        """The nodes where a replica's report lists a cluster-tier copy of `adapter_id`
-        (`ReplicaReport.cluster_held`): O(the replicas reporting it)."""
-        out = set()
-        for rid in self._cluster_holders.get(adapter_id, ()):
-            report = self.get(rid)
-            if report is not None:
-                out.add(report.node_id)
-        return out
-
-    def cluster_local(self, adapter_id: str) -> set[str]:
-        """The replicas on a node where a cluster-tier copy of `adapter_id` lies (`cluster_nodes`): a
-        miss there reads the node's own copy. O(the replicas reporting it + the replicas on those nodes)."""
-        out: set[str] = set()
-        for node in self.cluster_nodes(adapter_id):
-            out.update(self._on_node.get(node, ()))
-        return out
-
     def slot_ids(self) -> set[str]:
         """The replicas with a free adapter slot (empty, or holding an idle adapter: a new adapter can
         go there) by their report, less one per adapter granted there since (`held`); read-only."""
@@ -435,16 +427,3 @@ class ClusterView:
     def age_s(self, replica_id: str) -> float:
         return self._clock() - self._seen[replica_id].at
 
-
-def _reindex(index: dict[str, set[str]], replica_id: str, before: frozenset[str],
-             after: frozenset[str]) -> None:
-    """`index` (adapter -> replicas) follows one replica's adapters from `before` to `after`."""
-    if before is after or before == after:
-        return
-    for aid in before - after:
-        holders = index[aid]
-        holders.discard(replica_id)
-        if not holders:
-            del index[aid]
-    for aid in after - before:
-        index.setdefault(aid, set()).add(replica_id)

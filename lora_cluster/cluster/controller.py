@@ -180,9 +180,14 @@ class Controller:
         O(batch) for the admission plus one dispatch, where one by one costs a dispatch and a claim
         comparison per ticket."""
         latest: dict[str, Mapping[str, Any]] = {}
+        last: Mapping[str, Any] | None = None
         for ticket, claims in parks:
             if claims is not None:
                 latest[ticket.ingress_id] = claims
+                if claims is not last:  # one call's parks share its claims: its ends count once
+                    last = claims
+                    if self.view.ended(claims.get("ended") or {}):
+                        self._dispatch_due = True
         for ingress_id, claims in latest.items():
             changed = claims.get("changed")  # the ingress's hint (`park_batch.ClaimHint`)
             hint = None if changed is None else (int(claims["seq"]), int(claims["base"]), changed)

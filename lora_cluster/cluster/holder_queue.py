@@ -6,9 +6,10 @@ holder (`holder_queue_target`), over that holder's room by at most a quarter of 
 (`holder_queue_limit`), and the room goes to the next ticket: a hit a fraction of a second later beats
 a copy, and no room idles while tickets wait. Only the adapter's primary holders
 (`scheduling.primary_holder`) take such tickets, the one least past its room first. A holder's room is
-judged on its report less the requests expected to have ended there since (`ended_since_report`): a
-large cluster's replicas report seconds apart (paced to the report budget), and judged on the report
-alone a busy holder looks full for the whole period. Pure functions.
+judged on its report less the requests ended there since: those the ingresses said ended
+(`ClusterView.ended`, already out of `ClusterView.free`), or if more, those expected to have ended
+(`ended_since_report`): a large cluster's replicas report seconds apart (paced to the report budget),
+and judged on the report alone a busy holder looks full for the whole period. Pure functions.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def holder_queue_target(ticket: Ticket, view: ClusterView,
     """A primary holder of the ticket's adapter (`primary_holder`) to queue it at, over its room,
     rather than copy the adapter to a replica with room that does not hold it (None: the base model,
     no holder, or every primary holder already `holder_queue_limit` requests past its room, less
-    those expected to have ended there since its report: `ended_since_report`); of them, the one
+    the requests ended there since its report: those told (`ClusterView.ends`) or, if more, those
+    expected (`ended_since_report`)); of them, the one
     least past its room so counted (ties by id), not the one whose report shows the most room: with
     reports seconds apart, an older report has more seats freed since. A seat frees every fraction
     of a second on a busy replica, and its engine admits by priority, so the ticket waits there about
@@ -49,14 +51,15 @@ def holder_queue_target(ticket: Ticket, view: ClusterView,
 
 def _least_past(view: ClusterView, replica_ids: Iterable[str]) -> str | None:
     """Of `replica_ids`, the one least past its room less the requests ended there since its report
-    (ties by id), if that is under its `holder_queue_limit`; else None."""
+    (ties by id), if that is under its `holder_queue_limit`; else None. `free` already counts the ends
+    the ingresses told; the expected ones count only beyond those (never one end twice)."""
     best: str | None = None
     best_past = 0
     for rid in replica_ids:
         report = view.get(rid)
         if report is None:
             continue
-        past = -view.free(rid) - ended_since_report(view, rid)
+        past = -view.free(rid) - max(0, ended_since_report(view, rid) - view.ends(rid))
         if past >= holder_queue_limit(report.max_num_seqs):
             continue
         if best is None or past < best_past or (past == best_past and rid < best):
@@ -65,8 +68,9 @@ def _least_past(view: ClusterView, replica_ids: Iterable[str]) -> str | None:
 
 
 def ended_since_report(view: ClusterView, replica_id: str) -> int:
-    """The requests expected to have ended at the replica since its report (which the view learns
-    only from its next one): its requests in flight then over the mean time a request holds it
+    """The requests expected to have ended at the replica since its report (the view learns of the
+    granted ones the ingresses saw end, `ClusterView.ended`, and of the rest only from the next
+    report): its requests in flight then over the mean time a request holds it
     (`service_time_s`, Little's law), times the report's age, at most those in flight. A report
     period of seconds (a large cluster paced to the report budget) frees most of a busy replica's
     seats unseen; judged on the report alone, a holder looks full for the whole period and its

@@ -98,19 +98,29 @@ class ClaimHints:
     sorted). The shard uses `changed` only when the claims it holds from this ingress are those of call
     `base` (else, a call lost, a restarted shard or claims dropped there, it compares the mappings, as
     without the hint), so a lost call costs a comparison, never a replica left untouched. `changed` may
-    hold a replica whose count went back to the value the shard holds: it is only looked at again."""
+    hold a replica whose count went back to the value the shard holds: it is only looked at again.
+    `ended` (replica -> granted requests that ended there since the previous call to `shard`): each
+    call carries its own, so a lost call loses its ends: the view counts those seats busy until the
+    replica's next report."""
 
     def __init__(self, shards: int) -> None:
         self.seqs = [0] * shards
         self._changed: list[set[str]] = [set() for _ in range(shards)]
+        self._ended: list[dict[str, int]] = [{} for _ in range(shards)]
 
-    def changed(self, replica_id: str) -> None:
+    def changed(self, replica_id: str, *, ended: bool = False) -> None:
+        """The ingress's count at the replica changed; `ended`: a request the controller granted there
+        ended (`ClusterView.ended`: its seat is free before the replica's next report says so)."""
         for ids in self._changed:
             ids.add(replica_id)
+        if ended:
+            for counts in self._ended:
+                counts[replica_id] = counts.get(replica_id, 0) + 1
 
     def stamp(self, shard: int, claims: dict[str, Any]) -> dict[str, Any]:
         base = self.seqs[shard]
         self.seqs[shard] = base + 1
         changed = sorted(self._changed[shard])
         self._changed[shard] = set()
-        return {**claims, "seq": base + 1, "base": base, "changed": changed}
+        ended, self._ended[shard] = self._ended[shard], {}
+        return {**claims, "seq": base + 1, "base": base, "changed": changed, "ended": ended}

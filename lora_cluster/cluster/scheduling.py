@@ -76,7 +76,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
         return min(candidates, key=lambda rid: (-cached(rid), -view.free(rid), rid))
     placed = placement.get(aid, ())
 
-    hosts = view.host_holders(aid)
+    hosts = view.tiers.host_holders(aid)
     local: Set[str] = frozenset()  # `cluster_local`, looked up only when a miss is ranked
     seed = home_seed(aid)
 
@@ -92,7 +92,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
             found = [rid for rid in first if rid in candidates]
             if found:
                 return min(found, key=key)  # O(the adapter's holders or placed replicas)
-        local = view.cluster_local(aid)
+        local = view.tiers.cluster_local(aid)
         # a host-tier holder with room and a free adapter slot beats every other miss, then a replica
         # on a node with the cluster tier's copy: found through the indexes, O(those replicas); the
         # others copy it from a peer when it is published (or fetch it from the source), at one cost
@@ -101,7 +101,7 @@ def choose_replica(ticket: Ticket, view: ClusterView, placement: Mapping[str, tu
         if not near:
             near = [rid for rid in local if rid in candidates and _has_slot(view, rid)]
         return _best_miss(view, near or candidates, hosts, local, seed)
-    local = view.cluster_local(aid)
+    local = view.tiers.cluster_local(aid)
     return min(candidates, key=key)
 
 

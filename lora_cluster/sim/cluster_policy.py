@@ -306,7 +306,7 @@ class LoraClusterPolicy:
         else:
             del self._claimed[rid]
         self._claim = None
-        self._hints.changed(rid)
+        self._hints.changed(rid, ended=req.ticket is not None)
         self._refree(rid)
         self.routing.changed(rid)
         self.reports.finished(replica)

@@ -59,8 +59,8 @@ def test_every_replica_on_that_node_qualifies_not_only_the_one_that_reported_it(
                        ("x",) if rid == reporter else ()) for rid in REPLICAS]
     reports[REPLICAS.index(reporter)] = on_node(reporter, "shared", ("x",), running=2)  # no room
     view = view_of(*reports)
-    assert view.cluster_nodes("x") == {"shared"}, "the view knows the node that holds the copy"
-    assert view.cluster_local("x") == {target, reporter}, "and every replica on it"
+    assert view.tiers.cluster_nodes("x") == {"shared"}, "the view knows the node that holds the copy"
+    assert view.tiers.cluster_local("x") == {target, reporter}, "and every replica on it"
     assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == target, (
         "a replica with room on the holding node, though another replica there reported the copy")
 
@@ -85,13 +85,13 @@ def test_the_host_tier_a_free_slot_and_room_come_before_the_cluster_tier_copy() 
 def test_the_cluster_index_follows_reports_and_departures() -> None:
     view = view_of(on_node("r1", "n1", ("x", "y")), on_node("r2", "n2", ("x",)))
     view.update(on_node("r1", "n1", ("y",)))
-    assert view.cluster_nodes("x") == {"n2"}, "a copy gone from a node leaves the index"
+    assert view.tiers.cluster_nodes("x") == {"n2"}, "a copy gone from a node leaves the index"
     view.forget("r2")
-    assert not view.cluster_local("x"), "a replica forgotten takes its node's copies with it"
-    assert view.cluster_local("y") == {"r1"}, "the other adapters stay"
+    assert not view.tiers.cluster_local("x"), "a replica forgotten takes its node's copies with it"
+    assert view.tiers.cluster_local("y") == {"r1"}, "the other adapters stay"
     view.update(on_node("r1", "n3", ("y",)))
-    assert view.cluster_local("y") == {"r1"}, "a replica that moved is found on its new node"
-    assert view.cluster_nodes("y") == {"n3"}, "and its old node no longer holds the copy"
+    assert view.tiers.cluster_local("y") == {"r1"}, "a replica that moved is found on its new node"
+    assert view.tiers.cluster_nodes("y") == {"n3"}, "and its old node no longer holds the copy"
 
 
 def test_a_report_lists_at_most_the_latest_cluster_copies_and_sends_changes_only() -> None:

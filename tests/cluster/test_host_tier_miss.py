@@ -41,7 +41,7 @@ def test_a_miss_goes_to_a_replica_whose_host_tier_holds_the_adapter() -> None:
     view = view_of(*(in_host(rid, ("x",) if rid == target else ("y",)) for rid in replicas))
     assert choose_replica(ticket("t", "standard", 100.0, "x"), view, {}) == target, (
         "the host-tier holder wins over the adapter's home")
-    assert view.host_holders("x") == {target}, "the view indexes the host tiers by adapter"
+    assert view.tiers.host_holders("x") == {target}, "the view indexes the host tiers by adapter"
     prefixed = dataclasses.replace(ticket("t", "standard", 100.0, "x"), prefix=("k1",))
     assert choose_replica(prefixed, view, {}) == target, "the same with a prompt prefix cached nowhere"
 
@@ -65,10 +65,10 @@ def test_a_device_holder_a_free_slot_and_room_come_before_the_host_tier() -> Non
 def test_the_host_index_follows_reports_deltas_and_departures() -> None:
     view = view_of(in_host("r1", ("x", "y")), in_host("r2", ("x",)))
     view.update(in_host("r1", ("y",)))
-    assert view.host_holders("x") == {"r2"}, "an adapter evicted from a host tier leaves the index"
+    assert view.tiers.host_holders("x") == {"r2"}, "an adapter evicted from a host tier leaves the index"
     view.forget("r2")
-    assert not view.host_holders("x"), "a replica forgotten leaves the index"
-    assert view.host_holders("y") == {"r1"}, "the other adapters stay"
+    assert not view.tiers.host_holders("x"), "a replica forgotten leaves the index"
+    assert view.tiers.host_holders("y") == {"r1"}, "the other adapters stay"
 
 
 def test_a_report_lists_at_most_the_most_recent_host_adapters_and_sends_changes_only() -> None:

@@ -109,6 +109,17 @@ async def full_replica(shard: ActorShard, running: int = 2) -> None:
     await shard.actor.report(batch_work(2, running))
 
 
+async def recording_claims() -> tuple[ActorShard, ClusterAdmission, list[dict[str, Any]]]:
+    """A shard whose replica is full, an ingress of it, and the claims of each park call it sends."""
+    shard = ActorShard()
+    await full_replica(shard)
+    a = ingress(shard)
+    sent: list[dict[str, Any]] = []
+    send = shard.admit_many.remote
+    shard.admit_many = SimpleNamespace(remote=lambda *args: (sent.append(args[2]), send(*args))[1])
+    return shard, a, sent
+
+
 async def test_parks_that_arrive_during_a_call_go_together_and_their_grants_come_by_poll():
     shard = ActorShard()
     await full_replica(shard)
@@ -134,12 +145,7 @@ async def test_each_park_call_names_the_replicas_its_claims_changed_at_since_the
     """A park call's claims carry, numbered, the replicas where this ingress's requests in flight
     changed since its previous call to that shard (`park_batch.ClaimHints`): the shard touches those,
     and compares no mappings, while the claims it holds are that previous call's."""
-    shard = ActorShard()
-    await full_replica(shard)
-    a = ingress(shard)
-    sent: list[dict[str, Any]] = []
-    send = shard.admit_many.remote
-    shard.admit_many = SimpleNamespace(remote=lambda *args: (sent.append(args[2]), send(*args))[1])
+    shard, a, sent = await recording_claims()
     a.started("r1", granted=False)
     requests = [asyncio.create_task(park(a))]
     await until(lambda: len(shard.actor.core.queue) == 1, "the first parked")
@@ -257,3 +263,25 @@ async def test_a_poll_answers_at_once_when_its_epoch_is_another_actors():
     reply = await asyncio.wait_for(actor.grants("i1", 30.0, "another-actor"), 1.0)
     assert reply["epoch"] == actor.epoch and reply["outcomes"] == {}, (
         "a poll meant for a previous actor is answered at once, naming this one")
+
+
+async def test_a_granted_request_that_ended_frees_its_seat_with_the_next_park_call_before_any_report():
+    """Replicas report seconds apart in a large cluster (paced to the report budget): a park call
+    tells the shard which granted requests ended since the previous one (`ClaimHints` `ended`), so a
+    ticket waiting for that replica is granted the seat at once, not at the replica's next report. A
+    request sent the direct way is not counted: the report's own count is the truth for those."""
+    shard, a, sent = await recording_claims()
+    for _ in range(2):
+        a.started("r1", granted=True)  # the two requests the report shows, pinned there earlier
+    waiting = asyncio.create_task(park(a))
+    await until(lambda: len(shard.actor.core.queue) == 1, "the first parked")
+    a.finished("r1", granted=False)
+    a.finished("r1", granted=True)
+    second = asyncio.create_task(park(a))
+    granted = await asyncio.wait_for(waiting, 5.0)
+    assert granted is not None and granted.replica_id == "r1", "the waiting ticket took the freed seat"
+    assert [c["ended"] for c in sent] == [{}, {"r1": 1}], (
+        f"the second call carried the one granted request that ended, not the direct one: {sent}")
+    assert len(shard.actor.core.queue) == 1, "one seat freed: the second ticket waits for the next"
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)

@@ -308,8 +308,11 @@ class ClusterAdmission:
         horizon = self._clock() - self.report_lag_s
         return sum(1 for sent in self._on_their_way if sent > horizon)
 
-    def finished(self, replica_id: str) -> None:
+    def finished(self, replica_id: str, *, granted: bool = False) -> None:
+        """The request ended at `replica_id` (`granted`: the controller pinned it there, and this
+        ingress's next park call to each shard says it ended: the claims' `ended`,
+        `park_batch.ClaimHints`)."""
         self._inflight[replica_id] -= 1
-        self._hints.changed(replica_id)
+        self._hints.changed(replica_id, ended=granted)
         if self._inflight[replica_id] <= 0:
             del self._inflight[replica_id]

@@ -304,14 +304,14 @@ class Dispatcher:
         replica = first["replica"]
         self.admission.started(replica, granted=pinned)
         if "error" in first:
-            self.admission.finished(replica)
+            self.admission.finished(replica, granted=pinned)
             raise ApiException(ApiError.from_dict(first["error"]))
         engine_ttft = first.get("ttft_s")  # a non-streaming job's first item is its last one
         meter.started(None if job.stream or engine_ttft is None else sent_at - t0 + engine_ttft)
         routing_decision(job.adapter_id, replica, first["hit"], self.replica_stats())
         (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
         return Generation(job=job, replica=replica, hit=first["hit"], first=first, stream=stream,
-                          on_done=lambda: self.admission.finished(replica), meter=meter)
+                          on_done=lambda: self.admission.finished(replica, granted=pinned), meter=meter)
 
     async def _first_item(self, job: GenerateJob) -> tuple[dict[str, Any], Any]:
         """The job's first item and its call: a streaming job's stream (`LoraReplica.generate`), a
