@@ -255,6 +255,15 @@ class Controller:
         if ticket.ttft_s is not None:
             self.preemption.watch(ticket)
 
+    def ended(self, counts: Mapping[str, int]) -> bool:
+        """Granted requests that ended at each replica, told by an ingress in a park call that parked
+        nothing (its tickets all parked here already: the ingress parks again after a call that failed
+        on its side), whose ends no later call repeats: their seats free as `park_many` frees them.
+        True when any counted; then `dispatch`."""
+        counted = self.view.ended(counts)
+        self._dispatch_due = self._dispatch_due or counted
+        return counted
+
     def dispatch(self) -> None:
         """Grant what the replicas' room allows, and let urgent tickets preempt (after reports taken
         with `dispatch=False`); `take_grants` then has the grants."""

@@ -101,7 +101,8 @@ class ClaimHints:
     hold a replica whose count went back to the value the shard holds: it is only looked at again.
     `ended` (replica -> granted requests that ended there since the previous call to `shard`): each
     call carries its own, so a lost call loses its ends: the view counts those seats busy until the
-    replica's next report."""
+    replica's next report (a call that reached the shard counts them, even one whose tickets were all
+    parked there already: `Controller.ended`)."""
 
     def __init__(self, shards: int) -> None:
         self.seqs = [0] * shards

@@ -21,7 +21,8 @@ which rebuilds its view from the next replica reports, see `controller`). Calls:
   one call in flight per ingress and shard, the parks that arrive meanwhile in the next): parks the
   batch in one call (the same batch window) and answers at once with what is decided now:
   `{"outcomes": {ticket: grant or refusal}, "epoch", "edge"}` (a ticket that waits is not in
-  `outcomes`; a ticket already parked here, a re-park, still waits); its outcome comes later in the
+  `outcomes`; a ticket already parked here, a re-park, still waits, and a call of re-parks only
+  still counts its claims' ends, `Controller.ended`); its outcome comes later in the
   reply of a `grants` poll or of a later `admit_many` of the same ingress (`serve.park_mailbox`).
   `epoch` names this actor: a restarted one has a new one, and the ingress parks its tickets again;
 * `grants(ingress_id, timeout_s, epoch)`: the ingress's long poll, one per ingress and shard while it
@@ -172,6 +173,8 @@ class ClusterController:
             for gone, replica_id in self._mail.register(ticket.ticket_id, ticket.ingress_id, ttl_s):
                 self.core.cancel(gone, replica_id)
             parks.append((ticket, claims))
+        if not parks and claims and self.core.ended(claims.get("ended") or {}):
+            await self._window.dispatched()  # the seats its ends freed, granted with the window's inputs
         outcomes: dict[str, dict[str, Any]] = {}
         for (ticket, _), outcome in zip(parks, await self._window.park_all(parks), strict=True):
             if outcome is None:

@@ -1,4 +1,5 @@
-"""Where the cluster's adapter slots go: a periodic census of every replica's device slots.
+"""Where the cluster's adapter slots go: a periodic census of every replica's device slots (and, for
+benchmarks, why requests miss: `MissCensus`).
 
 The hit-rate ceiling of docs/scale.md (`popularity.zipf_share` of `nodes x max_loras` slots) assumes
 every slot caches one of the most popular adapters. A slot whose adapter has running requests cannot be
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from lora_cluster.sim.events import EventLoop
 from lora_cluster.sim.replica import SimReplica
+from lora_cluster.sim.workload import SimRequest
 
 DEFAULT_EDGES = (16, 128, 512)  # rank buckets: 1-16, 17-128, 129-512, 513+ (a run passes its own)
 
@@ -64,3 +66,46 @@ class SlotCensus:
         return {"slots": slots, "samples": self.samples,
                 "by_rank": {label: {state: round(v / n, 1) for state, v in counts.items()}
                             for label, counts in self.totals.items()}}
+
+
+MISS_KINDS = ("cold", "copy", "joined")
+
+
+class MissCensus:
+    """Why requests missed their adapter, by the popularity rank of the adapter: for each request that
+    reached a replica without its adapter in a device slot there (`SimReplica`'s miss hook,
+    `Simulation.on_miss`), in the measured period, whether the adapter was
+
+    * `cold`: in no device slot of the cluster, and loading nowhere for a request (a host prefetch
+      does not count): every copy was evicted since its last request, or it never had one;
+    * `copy`: in a slot at another replica, or being loaded there for a request (routing sent it
+      away from a copy);
+    * `joined`: being fetched at that replica already (another request's load, or a prefetch).
+
+    A routing policy can turn copies into hits; a cold miss only a policy that keeps the adapter
+    resident somewhere can. O(replicas) per miss: an observer for benchmarks
+    (benchmarks/bench_miss_kinds.py), which the simulation does not wire by itself."""
+
+    def __init__(self, replicas: Mapping[str, SimReplica], buckets: RankBuckets, *,
+                 clock: Callable[[], float], start: float, end: float):
+        self.replicas, self.buckets, self.clock = replicas, buckets, clock
+        self.start, self.end = start, end
+        self.counts = {label: dict.fromkeys(MISS_KINDS, 0) for label in buckets.labels}
+
+    def missed(self, replica: SimReplica, req: SimRequest) -> None:
+        """`req` reached `replica` and missed its adapter there (`req.joined`: its load was under way)."""
+        if not self.start <= self.clock() < self.end or req.adapter is None:
+            return
+        aid = req.adapter
+        if req.joined:
+            kind = "joined"
+        elif any(aid in r.adapters.refs or r.adapters.loading.get(aid) is False  # True: a host prefetch
+                 for r in self.replicas.values() if r is not replica):
+            kind = "copy"
+        else:
+            kind = "cold"
+        self.counts[self.buckets(aid)][kind] += 1
+
+    def result(self) -> dict[str, dict[str, int]]:
+        """Misses in the measured period by rank bucket and kind."""
+        return {label: dict(kinds) for label, kinds in self.counts.items()}

@@ -65,12 +65,14 @@ class SimReplica:
                  on_first_token: Callable[[SimReplica, SimRequest], None] | None = None,
                  on_plan: Callable[[SimReplica], None] | None = None, base: str = "base",
                  prefix_cache: SimPrefixCache | None = None, preempt_patience: float = PREEMPT_PATIENCE,
-                 cluster: SimClusterTier | None = None):
+                 cluster: SimClusterTier | None = None,
+                 on_miss: Callable[[SimReplica, SimRequest], None] | None = None):
         self.replica_id, self.node_id = replica_id, f"node-{replica_id}"
         self.base = base  # the API name of the base model it serves, reported as a live replica does
         self.profile, self.loop, self.max_num_seqs = profile, loop, max_num_seqs
         self.budget = profile.max_num_batched_tokens
         self._on_finish, self._on_first_token, self._on_plan = on_finish, on_first_token, on_plan
+        self._on_miss = on_miss  # told of each request that reaches it without its adapter in a slot here
         self.store = store = NodeStore(host_bytes=profile.host_cache_bytes,
                                        disk_bytes=profile.disk_cache_bytes)
         self.cluster = cluster  # the cluster tier and prefetch (`sim.cluster_store`), if modelled
@@ -108,6 +110,8 @@ class SimReplica:
         req.preempt_at = now + req.sla.preempt_after_s(self.preempt_patience)
         req.joined = req.adapter in self.adapters.loading
         req.hit = self.adapters.request_started(req.adapter, req.priority)
+        if not req.hit and req.adapter is not None and self._on_miss is not None:
+            self._on_miss(self, req)
         self.demand.record(req.adapter)
         if self.cluster is not None:  # what the live replica reports as `adapter_requests`
             self.cluster.observe(req.adapter)

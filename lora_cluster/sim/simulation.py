@@ -119,7 +119,8 @@ class Simulation:
                                     max_loras=config.max_loras, loop=loop, sizes=self.workload.sizes,
                                     on_finish=self._finished, on_load=self.metrics.load,
                                     on_first_token=self._first_token, on_plan=self._planned,
-                                    prefix_cache=self._prefix_cache(), cluster=self.cluster)
+                                    prefix_cache=self._prefix_cache(), cluster=self.cluster,
+                                    on_miss=self._missed)
             for i in range(config.nodes)
         }
         self.split: BaseSplit | None = None
@@ -144,6 +145,9 @@ class Simulation:
         # hears every replica's step once its admission is done (after the policy): an observer's hook,
         # e.g. `tests/sim/test_priority_order.py`, which checks who entered a running batch before whom
         self.on_plan: Callable[[SimReplica], None] | None = None
+        # hears every request that reaches a replica without its adapter in a slot there (a miss):
+        # an observer's hook, e.g. `census.MissCensus` in benchmarks/bench_miss_kinds.py
+        self.on_miss: Callable[[SimReplica, SimRequest], None] | None = None
         self.end = config.warmup + config.duration
         self.arrivals = 0
         self.census = SlotCensus(self.replicas, buckets, loop=loop, start=config.warmup,
@@ -193,6 +197,10 @@ class Simulation:
         self.policy.planned(replica)
         if self.on_plan is not None:
             self.on_plan(replica)
+
+    def _missed(self, replica: SimReplica, req: SimRequest) -> None:
+        if self.on_miss is not None:
+            self.on_miss(replica, req)
 
     def _arrive(self) -> None:
         self.arrivals += 1

@@ -285,3 +285,20 @@ async def test_a_granted_request_that_ended_frees_its_seat_with_the_next_park_ca
     assert len(shard.actor.core.queue) == 1, "one seat freed: the second ticket waits for the next"
     second.cancel()
     await asyncio.gather(second, return_exceptions=True)
+
+
+async def test_the_ends_of_a_call_whose_tickets_were_all_parked_already_still_free_their_seats():
+    """An ingress parks its tickets again after a call that failed on its side but reached the shard:
+    the shard knows them all and parks none, yet the call's claims tell ends that no later call
+    repeats (`ClaimHints` hands each end to one call), so the seat they free goes to the waiting
+    ticket at once, not at the replica's next report."""
+    actor = ActorShard().actor
+    await actor.report(batch_work(2, 2))
+    ticket = {"ticket_id": "t1", "sla_class": "standard", "adapter_id": "a1", "ttl_s": 30.0}
+    claims = {"inflight": {}, "unassigned": 0, "seq": 1, "base": 0, "changed": [], "ended": {}}
+    first = await actor.admit_many("i1", [ticket], claims)
+    assert first["outcomes"] == {}, "the replica is full: the ticket waits"
+    again = await actor.admit_many("i1", [ticket], {**claims, "seq": 2, "base": 1, "ended": {"r1": 1}})
+    grant = again["outcomes"].get("t1")
+    assert grant is not None and grant.get("replica_id") == "r1", (
+        f"the re-park call's end freed a seat at r1 and the waiting ticket took it: {again['outcomes']}")
