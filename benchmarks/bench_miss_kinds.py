@@ -1,7 +1,7 @@
 """Benchmark of why requests miss their adapter, ours against the oracle, by popularity band, in the
 simulator.
 
-    python benchmarks/bench_miss_kinds.py [--workers 2] [--out docs/bench_miss_kinds.md]
+    python benchmarks/bench_miss_kinds.py [--workers 2] [--large] [--out docs/bench_miss_kinds.md]
 
 The cells and loads of benchmarks/bench_slot_bands.py at 0.9x of our capacity (0.9x of the rated load
 on the two cells never searched), with the grid's settings (GPU profile, every adapter preloaded, 60 s
@@ -12,7 +12,8 @@ replica without its adapter in a device slot there) is classified by `sim.census
 replica held it: routing sent the request away from a copy) or `joined` (its load was under way at
 that replica). Per band, each kind is given per 100 completed requests of the band, so the three add
 up to the band's miss rate; routing can only turn copies into hits, cold misses need a policy that
-keeps the adapter resident somewhere.
+keeps the adapter resident somewhere. `--large`: the 1,024 x 20,000 cell of docs/scale.md instead (Zipf
+1.0, seed 0, at 0.9x of our capacity there, 1.06875x; 20 s measured after 10 s, as there).
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ from lora_cluster.sim.grid import Common
 from lora_cluster.sim.simulation import Simulation
 
 POLICIES = ("lora-cluster", "oracle")
+LARGE = (1024, 20000, 1.0, 0, 1.06875, 20.0, 10.0)  # nodes, adapters, zipf, seed, load, duration, warm-up
 
 
-def one(nodes: int, adapters: int, zipf: float, seed: int, load: float, policy: str) -> dict[str, Any]:
+def one(nodes: int, adapters: int, zipf: float, seed: int, load: float, policy: str, duration: float = 60.0,
+        warmup: float = 20.0) -> dict[str, Any]:
     """One run with the miss census wired: hit rate over offered requests, and misses by band and kind
     per 100 completed requests of the band."""
-    config = Common().config(nodes=nodes, adapters=adapters, zipf=zipf, load=load, seed=seed, policy=policy)
+    config = Common(duration=duration, warmup=warmup).config(nodes=nodes, adapters=adapters, zipf=zipf,
+                                                             load=load, seed=seed, policy=policy)
     sim = Simulation(config)
     census = MissCensus(sim.replicas, sim.census.buckets, clock=sim.loop.clock, start=config.warmup,
                         end=sim.end)
@@ -55,8 +59,11 @@ def one(nodes: int, adapters: int, zipf: float, seed: int, load: float, policy: 
             / max(1, sum(sum(k.values()) for k in misses.values()))}
 
 
-def jobs() -> list[tuple[int, int, float, int, float, str]]:
-    return [(nodes, adapters, zipf, seed, round(REFERENCE * (cap or 1.0), 3), policy)
+def jobs(large: bool) -> list[tuple[int, int, float, int, float, str, float, float]]:
+    if large:
+        nodes, adapters, zipf, seed, load, duration, warmup = LARGE
+        return [(nodes, adapters, zipf, seed, load, policy, duration, warmup) for policy in POLICIES]
+    return [(nodes, adapters, zipf, seed, round(REFERENCE * (cap or 1.0), 3), policy, 60.0, 20.0)
             for nodes, adapters, zipf, seed, cap in CELLS for policy in POLICIES]
 
 
@@ -77,10 +84,11 @@ def markdown(runs: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--large", action="store_true", help="the 1,024 x 20,000 cell only")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        runs = list(pool.map(one, *zip(*jobs(), strict=True)))
+        runs = list(pool.map(one, *zip(*jobs(args.large), strict=True)))
     lines = common.header("Why requests miss their adapter, by popularity band, ours against the oracle "
                           "(simulator, GPU profile, preloaded)",
                           "python benchmarks/bench_miss_kinds.py " + " ".join(argv or sys.argv[1:]),
