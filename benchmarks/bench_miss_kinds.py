@@ -50,9 +50,9 @@ def one(nodes: int, adapters: int, zipf: float, seed: int, load: float, policy: 
     for adapter_id, n in out["adapters_completed"].items():
         label = sim.census.buckets(adapter_id)
         completed[label] = completed.get(label, 0) + n
-    per_100 = {label: {kind: 100 * k / max(1, completed.get(label, 0)) for kind, k in kinds.items()}
-               for label, kinds in census.result().items()}
     misses = census.result()
+    per_100 = {label: {kind: 100 * k / max(1, completed.get(label, 0)) for kind, k in kinds.items()}
+               for label, kinds in misses.items()}
     return {"cell": (nodes, adapters, zipf, seed), "load": load, "policy": policy,
             "hit": out["hit_rate_offered"], "per_100": per_100,
             "cold_share": sum(k["cold"] for k in misses.values())
