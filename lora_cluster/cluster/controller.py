@@ -186,8 +186,7 @@ class Controller:
                 latest[ticket.ingress_id] = claims
                 if claims is not last:  # one call's parks share its claims: its ends count once
                     last = claims
-                    if self.view.ended(claims.get("ended") or {}):
-                        self._dispatch_due = True
+                    self.ended(claims.get("ended") or {})
         for ingress_id, claims in latest.items():
             changed = claims.get("changed")  # the ingress's hint (`park_batch.ClaimHint`)
             hint = None if changed is None else (int(claims["seq"]), int(claims["base"]), changed)
@@ -256,10 +255,11 @@ class Controller:
             self.preemption.watch(ticket)
 
     def ended(self, counts: Mapping[str, int]) -> bool:
-        """Granted requests that ended at each replica, told by an ingress in a park call that parked
-        nothing (its tickets all parked here already: the ingress parks again after a call that failed
-        on its side), whose ends no later call repeats: their seats free as `park_many` frees them.
-        True when any counted; then `dispatch`."""
+        """Granted requests that ended at each replica, told by an ingress with a park call (`park_many`
+        applies each call's; the actor calls it for a call that parked nothing, its tickets all parked
+        here already: the ingress parks again after a call that failed on its side), whose ends no
+        later call repeats: each counts a free seat there (`ClusterView.ended`). True when any
+        counted; the queue is then due a dispatch (`dispatch`, or the next `park_many`)."""
         counted = self.view.ended(counts)
         self._dispatch_due = self._dispatch_due or counted
         return counted
