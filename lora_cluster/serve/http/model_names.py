@@ -14,9 +14,10 @@ import uuid
 from collections.abc import Sequence
 
 from lora_cluster.config import ServeConfig
-from lora_cluster.errors import AdapterNotFoundError, AdapterVersionNotFoundError
+from lora_cluster.errors import AdapterIdError, AdapterNotFoundError, AdapterVersionNotFoundError
 from lora_cluster.releases.book import ReleaseBook
 from lora_cluster.releases.refs import parse_ref
+from lora_cluster.request.adapter_id import check_adapter_id
 from lora_cluster.serve.http.adapter_versions import VersionIndex
 from lora_cluster.serve.http.registry import Registrations
 from lora_cluster.serve.http_errors import ApiException, describe
@@ -68,7 +69,8 @@ class ModelNames:
         """The replica adapter id a request's `model` names (None: the base model; `fin@N` and `fin`
         resolved by `adapter_versions`, a bare name under release by the release for `user`, the
         end user: sticky; None: a share of the anonymous requests); a 404 with the body of an unknown
-        adapter when the caller's tenant may not use the name (existence does not leak), or the
+        adapter when the caller's tenant may not use the name (existence does not leak), the name is
+        no valid adapter id (`request.adapter_id`: no replica is asked, no demand counted), or the
         version is not kept. `merging`: the request merges adapters (`merged_adapters`) onto the base
         model it names; the merge's own adapter ids are checked then (`schemas.merge_of`), so a
         tenant without `base_model` access may merge adapters it owns."""
@@ -79,8 +81,9 @@ class ModelNames:
         if adapter is None:
             return None
         try:
+            check_adapter_id(adapter)  # no adapter can have it: answered here, never sent to a replica
             return self.versions.replica_id(adapter, self._alias(adapter, user))
-        except AdapterVersionNotFoundError as exc:
+        except (AdapterIdError, AdapterVersionNotFoundError) as exc:
             raise ApiException(describe(exc)) from exc
 
     def _alias(self, adapter: str, user: str | None) -> int | None:
