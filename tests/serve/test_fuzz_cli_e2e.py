@@ -6,6 +6,7 @@ model's 512 positions is served on its latest messages (prompt_truncation: auto,
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -60,6 +61,16 @@ def _st_run(url: str, *options: str) -> tuple[int, str]:
     return result.returncode, result.stdout + result.stderr
 
 
+def _findings(out: str) -> str:
+    """The CLI's failures and errors (its sections before the summary, up to 5,000 characters): what a
+    failed run is read for, printed last so that the end of a long report shows it."""
+    starts = [out.find(f" {section} ") for section in ("FAILURES", "ERRORS")]
+    start = min((i for i in starts if i >= 0), default=-1)
+    end = out.find(" SUMMARY ")
+    found = out[start:end] if 0 <= start < end else out[start:] if start >= 0 else "(none in the output)"
+    return found[:5000]
+
+
 def _tested_every_operation(out: str) -> bool:
     selected = re.search(r"Selected: (\d+)/(\d+)", out)
     tested = re.search(r"Tested: (\d+)", out)
@@ -75,5 +86,27 @@ def test_the_schemathesis_cli_passes_every_default_check_and_phase_against_serve
     tail = out[-6000:]
     assert "schemathesis.toml" in out, f"the repository's config (its formats) is loaded: {tail}"
     assert _tested_every_operation(out), f"every operation's bodies are generated and tested: {tail}"
-    assert code == 0, (f"no failure and no error under every default check and phase: {tail}\n"
-                       f"{_server_state(url, log) if code else ''}")
+    assert code == 0, (f"no failure and no error under every default check and phase: {out[-1500:]}\n"
+                       f"{_server_state(url, log) if code else ''}\nthe CLI's findings:\n{_findings(out)}")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_fan_out_with_more_choices_than_the_replica_has_seats_is_answered_in_full(shipped_server, stream):
+    """3 prompts x n=13: 39 choices, the shipped replica's max_num_seqs is 32. Each choice's seat comes
+    back when its replica ends it, read or not (`serve.routing.generation`); once, the last 7 waited
+    for seats that the request's own unread choices held, until the cluster queue's timeout (300 s)."""
+    import httpx
+
+    url, log = shipped_server
+    body = {"model": "demo", "prompt": ["the river", "a lamp", "seven stones"], "n": 13, "max_tokens": 4,
+            "stream": stream}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, f"the fan-out is served: {answer.text[:500]}\n{_server_state(url, log)}"
+    if stream:
+        chunks = [line for line in answer.text.splitlines() if line.startswith("data: {")]
+        indexes = {choice["index"] for line in chunks for choice in json.loads(line[6:])["choices"]}
+    else:
+        indexes = {choice["index"] for choice in answer.json()["choices"]}
+    assert indexes == set(range(39)), f"every one of the 39 choices is answered: {sorted(indexes)}"

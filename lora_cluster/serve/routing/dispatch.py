@@ -28,6 +28,11 @@ sibling choice failed; the tokens of the last item passed on, 0 if none). Its pa
 outcome win over the replica's record (`tenancy.usage_record.merge`). A generation that ended (its
 final item, an error item, a failed or lost replica call) adds no delivered part.
 
+Seats: a started job's in-flight count in the cluster admission comes back when its replica ends
+it, whether or not the caller has read it (`generation`: a non-streaming job's as it starts, a
+stream's read ahead to its end), so a fan-out with more choices than the replicas' seats is never
+held up by its own unread choices.
+
 Fan-out (`start_all`: `n > 1`, several prompts; also one choice): the choices start concurrently,
 each in its own task; a choice whose task is cancelled before its first step (the client went away
 while `start_all` made them) never reaches `start`, so `start_all` adds its delivered part of nothing:
@@ -43,13 +48,11 @@ charged too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from lora_cluster.cluster.routing_stats import RoutingStats
@@ -60,6 +63,7 @@ from lora_cluster.serve.ops.generation_metrics import GenerationMetrics, routing
 from lora_cluster.serve.ops.ray_internals import own_request_id
 from lora_cluster.serve.protocol import GenerateJob, ToReplica
 from lora_cluster.serve.routing.admission import ClusterAdmission
+from lora_cluster.serve.routing.generation import Generation, cancel_call, is_cancellation
 from lora_cluster.serve.routing.replica_tables import replica_stats
 from lora_cluster.serve.routing.routing_guard import RoutingGuard, is_routing_error
 
@@ -70,111 +74,6 @@ RETRY_PAUSE_S = 0.2  # times the attempt number, before a retry (Serve drops a d
 HEADER_REPLICA = "x-lora-replica"
 HEADER_HIT = "x-lora-adapter-hit"
 HEADER_CACHED = "x-lora-cached-tokens"
-
-
-def is_cancellation(exc: BaseException | None) -> bool:
-    """Whether a replica call failed because it was cancelled under the request: Ray Serve cancels a
-    request's calls when its client disconnects (`TaskCancelledError`, which Serve's
-    `RequestCancelledError` is), sometimes before the request's own task sees its cancellation."""
-    from ray import exceptions as ray_exc
-
-    return isinstance(exc, ray_exc.TaskCancelledError)
-
-
-def cancel_call(response: Any) -> None:
-    """Cancel a Serve call. `cancel()` re-raises the call's own error when it already failed (for
-    example BackPressureError); there is nothing left to cancel then."""
-    with contextlib.suppress(Exception):
-        response.cancel()
-
-
-@dataclass
-class Generation:
-    """One job running on one replica; iterate `items()` for its outputs (the first is already in)."""
-
-    job: GenerateJob
-    replica: str
-    hit: bool
-    first: dict[str, Any]
-    stream: Any  # ray.serve.handle.DeploymentResponseGenerator (a DeploymentResponse: non-streaming job)
-    tokens: int = 0
-    finished: bool = field(default=False)
-    on_done: Callable[[], None] | None = None  # called once when the generation ends, however it ends
-    on_routing_error: Callable[[Generation], None] | None = None  # its replica died or went away mid-stream
-    last: dict[str, Any] | None = None  # the last item passed on to the caller
-    meter: GenerationMetrics | None = None  # its request metrics (labels: adapter, tenant, class)
-    on_cancelled: Callable[[Generation], None] | None = None  # the ingress cancelled it before it ended
-
-    def _done(self) -> None:
-        callback, self.on_done = self.on_done, None
-        if callback is not None:
-            callback()
-
-    async def items(self) -> AsyncIterator[dict[str, Any]]:
-        """Output items to the final one; raises ApiException for an error item mid-stream."""
-        item: dict[str, Any] | None = self.first
-        try:
-            while item is not None:
-                if "error" in item:
-                    self.finished = True  # the replica ended the stream: nothing to cancel
-                    self._meter_failed()
-                    raise ApiException(ApiError.from_dict(item["error"]))
-                if self.meter is not None:  # by the cumulative count: a non-streaming item has one delta
-                    self.meter.tokens(item["completion_tokens"] - self.tokens)
-                self.tokens = item["completion_tokens"]
-                self.last = item
-                if item["finished"]:
-                    self.finished = True
-                    if self.meter is not None:
-                        self.meter.finished(item["prompt_tokens"], item["completion_tokens"],
-                                            item.get("cached_tokens") or 0, item.get("device_s") or 0.0)
-                yield item
-                if item["finished"]:
-                    return
-                try:
-                    item = await self.stream.__anext__()
-                except StopAsyncIteration:
-                    return
-                except Exception as exc:
-                    if not is_cancellation(exc):  # the replica's record, or the lost part, accounts for it
-                        self.on_cancelled = None
-                    if is_routing_error(exc):
-                        metrics.ROUTING_ERRORS.inc()
-                        if self.on_routing_error is not None:
-                            self.on_routing_error(self)  # the replica died mid-stream
-                    self._meter_failed()
-                    raise ApiException(describe(exc)) from exc
-        finally:
-            if not self.finished:
-                self.cancel()
-            self._done()
-
-    async def final(self) -> dict[str, Any]:
-        """Run to the end; the final item (with the cumulative `text` and `token_ids`)."""
-        last: dict[str, Any] = {}
-        async for item in self.items():
-            last = item
-        return last
-
-    def _meter_failed(self) -> None:
-        if self.meter is not None:
-            self.meter.failed()
-
-    def cancel(self) -> None:
-        """Abort the request on its replica (frees its batch slot). `tokens` then counts at least
-        the tokens of the first item, which the replica generated whether or not anyone read it. A
-        generation not yet ended first has `on_cancelled` record what was handed on (`last`), once."""
-        self.tokens = max(self.tokens, int(self.first.get("completion_tokens") or 0))
-        if not self.finished:
-            self.finished = True
-            callback, self.on_cancelled = self.on_cancelled, None
-            if callback is not None:
-                callback(self)
-            metrics.CANCELLED.inc()
-            if self.meter is not None:
-                self.meter.cancelled()
-            cancel_call(self.stream)
-        self._done()
 
 
 class Dispatcher:
@@ -310,8 +209,10 @@ class Dispatcher:
         meter.started(None if job.stream or engine_ttft is None else sent_at - t0 + engine_ttft)
         routing_decision(job.adapter_id, replica, first["hit"], self.replica_stats())
         (metrics.ADAPTER_HITS if first["hit"] else metrics.ADAPTER_MISSES).inc()
-        return Generation(job=job, replica=replica, hit=first["hit"], first=first, stream=stream,
-                          on_done=lambda: self.admission.finished(replica, granted=pinned), meter=meter)
+        generation = Generation(job=job, replica=replica, hit=first["hit"], first=first, stream=stream,
+                                on_done=lambda: self.admission.finished(replica, granted=pinned), meter=meter)
+        generation.read_ahead()  # its seat comes back when the replica ends it, read or not (`generation`)
+        return generation
 
     async def _first_item(self, job: GenerateJob) -> tuple[dict[str, Any], Any]:
         """The job's first item and its call: a streaming job's stream (`LoraReplica.generate`), a
