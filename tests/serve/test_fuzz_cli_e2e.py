@@ -64,11 +64,11 @@ def _st_run(url: str, *options: str) -> tuple[int, str]:
 def _findings(out: str) -> str:
     """The CLI's failures and errors (its sections before the summary, up to 5,000 characters): what a
     failed run is read for, printed last so that the end of a long report shows it."""
-    starts = [out.find(f" {section} ") for section in ("FAILURES", "ERRORS")]
-    start = min((i for i in starts if i >= 0), default=-1)
-    end = out.find(" SUMMARY ")
-    found = out[start:end] if 0 <= start < end else out[start:] if start >= 0 else "(none in the output)"
-    return found[:5000]
+    start = min((i for i in (out.find(" FAILURES "), out.find(" ERRORS ")) if i >= 0), default=-1)
+    if start < 0:
+        return "(none in the output)"
+    end = out.find(" SUMMARY ", start)
+    return out[start:end if end > start else None][:5000]
 
 
 def _tested_every_operation(out: str) -> bool:
