@@ -25,15 +25,16 @@ lists the id), whose replicas check it against that base; a refusal names the ba
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lora_cluster.errors import ControllerOffError, LoraClusterError
 from lora_cluster.serve.http import openapi
 from lora_cluster.serve.http.adapter_loads import AdapterLoads
 from lora_cluster.serve.http.context import ApiContext
+from lora_cluster.serve.http.query_values import BOOLEAN, single_values
 from lora_cluster.serve.http.release_schemas import CreateReleaseRequest, LoadLoraAdapterRequest
 from lora_cluster.serve.http.schemas import UnloadLoraAdapterRequest
 from lora_cluster.serve.http_errors import ApiException
@@ -58,7 +59,8 @@ def admin_router(ctx: ApiContext, releases: ReleaseCreator) -> APIRouter:
     router.get("/health", responses=openapi.HEALTH)(routes.health)
     router.get("/metrics", response_class=PlainTextResponse)(routes.prometheus_metrics)
     router.get("/v1/cluster", responses=openapi.ADMIN_VIEW)(routes.cluster)
-    router.get("/debug/replicas", responses=openapi.ADMIN_VIEW)(routes.debug_replicas)
+    router.get("/debug/replicas", responses=openapi.ADMIN_VIEW,
+               dependencies=[Depends(single_values)])(routes.debug_replicas)
     return router
 
 
@@ -119,7 +121,7 @@ class AdminRoutes:
             reason = f"the cluster controller cannot be reached: {type(exc).__name__}"
             raise ControllerOffError(reason) from exc
 
-    async def debug_replicas(self, fresh: bool = True) -> dict[str, Any]:
+    async def debug_replicas(self, fresh: Annotated[bool, BOOLEAN] = True) -> dict[str, Any]:
         """Every replica's engine state: fresh from each replica, or the router's last reports."""
         if fresh:
             stats = await self.dispatcher.broadcast("stats")

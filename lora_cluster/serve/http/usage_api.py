@@ -13,18 +13,23 @@ not per tenant, so a tenant's key never sees them.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
+from pydantic import Field
 
 from lora_cluster.errors import LoraClusterError, PermissionDeniedError, UsageUnavailableError
 from lora_cluster.serve.http import openapi
+from lora_cluster.serve.http.query_values import INTEGER, NUMBER, single_values
 from lora_cluster.serve.routing.auth import CallerDep
 from lora_cluster.tenancy.usage_store import GROUPS
 
 MAX_TIME = 1e11  # Unix seconds (year 5138): bounds what the store's minute arithmetic takes
 _GROUP = f"({'|'.join(GROUPS)})"
 GROUP_BY_PATTERN = f"^({_GROUP}(,{_GROUP})*)?$"  # comma-separated groups, or none (one total)
+# the typed query values, in JSON's spelling (http.query_values)
+Time = Annotated[float | None, Query(), Field(ge=0, le=MAX_TIME), NUMBER]
+Version = Annotated[int | None, Query(), Field(ge=0, le=999_999_999), INTEGER]
 
 
 class UsageReader(Protocol):
@@ -45,11 +50,10 @@ def usage_router(reader: UsageReader | None) -> APIRouter:
     """The usage route over `reader` (None: usage is not recorded)."""
     router = APIRouter()
 
-    async def usage(caller: CallerDep, since: float | None = Query(None, ge=0, le=MAX_TIME),
-                    until: float | None = Query(None, ge=0, le=MAX_TIME),
+    async def usage(caller: CallerDep, since: Time = None, until: Time = None,
                     tenant: str | None = Query(None, max_length=256),
                     adapter: str | None = Query(None, max_length=256),
-                    version: int | None = Query(None, ge=0, le=999_999_999),
+                    version: Version = None,
                     sla_class: str | None = Query(None, alias="class", max_length=256),
                     group_by: str = Query("tenant", max_length=256, pattern=GROUP_BY_PATTERN),
                     ) -> dict[str, Any]:
@@ -74,7 +78,7 @@ def usage_router(reader: UsageReader | None) -> APIRouter:
             raise UsageUnavailableError(f"the usage store cannot be reached: {type(exc).__name__}") from exc
         return {"object": "list", "group_by": list(groups), "data": rows}
 
-    router.get("/v1/usage", responses=openapi.ADMIN_VIEW)(usage)
+    router.get("/v1/usage", responses=openapi.ADMIN_VIEW, dependencies=[Depends(single_values)])(usage)
     return router
 
 
