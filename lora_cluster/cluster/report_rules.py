@@ -95,6 +95,14 @@ class AdapterDemand:
         if adapter_id is not None and (adapter_id in self._counts or len(self._counts) < self.max_adapters):
             self._counts[adapter_id] += 1
 
+    def forget(self, adapter_id: str | None) -> None:
+        """Take back one request `record` counted for `adapter_id` (one no source has: counted, it would
+        draw prefetches and placement to a name, and take a place under the bound from a real adapter)."""
+        if adapter_id is not None and adapter_id in self._counts:
+            self._counts[adapter_id] -= 1
+            if self._counts[adapter_id] <= 0:
+                del self._counts[adapter_id]
+
     def take(self) -> dict[str, int]:
         """The busiest adapters since the last call; resets the counts."""
         counts, self._counts = self._counts, Counter()

@@ -209,7 +209,7 @@ def test_a_class_the_replica_does_not_know_is_not_counted():
 
 async def test_the_replica_tracks_a_request_from_its_engine_outputs():
     from lora_cluster.engine import RequestOutput
-    from lora_cluster.serve.replica.deployment import tracked
+    from lora_cluster.serve.replica.outputs import tracked
 
     clock = FakeClock()
     stats = ClassStats(SLA, clock=clock)

@@ -154,6 +154,18 @@ def test_adapter_demand_is_bounded_and_reset_by_each_report():
     assert demand.take() == {}, "each report takes the counts since the previous one"
 
 
+def test_adapter_demand_forgets_a_request_it_should_not_have_counted():
+    demand = AdapterDemand(max_adapters=2)
+    for aid in ["a", "a", "missing"]:
+        demand.record(aid)
+    demand.forget("a")
+    demand.forget("missing")
+    demand.forget("never-counted")
+    demand.forget(None)
+    demand.record("b")
+    assert demand.take() == {"a": 1, "b": 1}, "a forgotten id gives back its place under the bound"
+
+
 A_REPORT = ReplicaReport("r1", "n1", capacity=4, max_num_seqs=4, max_loras=2, running=0, waiting=0,
                          free_adapter_slots=2)
 

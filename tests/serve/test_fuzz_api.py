@@ -55,8 +55,8 @@ from lora_cluster.serve.http.ingress import build_fastapi
 from lora_cluster.serve.http_errors import ApiError, ApiException, describe
 from lora_cluster.serve.ops.usage_sink import UsageSinkCore
 from lora_cluster.serve.protocol import GenerateJob, output_item
-from lora_cluster.serve.replica.deployment import coalesce
 from lora_cluster.serve.replica.model import load_tokenizer
+from lora_cluster.serve.replica.outputs import coalesce
 from lora_cluster.serve.routing.admission import ClusterAdmission
 from lora_cluster.serve.routing.dispatch import Generation
 from lora_cluster.store.ports import AdapterCatalog

@@ -342,7 +342,7 @@ def _out(i: int, finished: bool = False) -> object:
 async def test_coalesce_merges_outputs_that_queue_up_and_keeps_errors_in_order():
     import asyncio
 
-    from lora_cluster.serve.replica.deployment import coalesce
+    from lora_cluster.serve.replica.outputs import coalesce
 
     async def outputs():
         for i in range(3):
@@ -366,7 +366,7 @@ async def test_coalesce_keeps_every_tokens_logprob():
     import asyncio
 
     from lora_cluster.request.output import TokenLogprob
-    from lora_cluster.serve.replica.deployment import coalesce
+    from lora_cluster.serve.replica.outputs import coalesce
 
     def with_logprob(i: int, finished: bool = False) -> object:
         out = _out(i, finished)
@@ -403,7 +403,7 @@ async def test_coalesce_keeps_every_tokens_logprob():
 async def test_leaving_a_coalesced_stream_closes_the_engine_stream():
     import asyncio
 
-    from lora_cluster.serve.replica.deployment import coalesce
+    from lora_cluster.serve.replica.outputs import coalesce
 
     closed = asyncio.Event()
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import serve
 
-from lora_cluster.cluster.class_stats import ClassStats, RequestTracker
+from lora_cluster.cluster.class_stats import ClassStats
 from lora_cluster.cluster.prefix_keys import PrefixSummary
 from lora_cluster.cluster.report_rules import (
     MAX_PREFETCHES,
@@ -62,15 +62,15 @@ from lora_cluster.cluster.routing_stats import RoutingStats
 from lora_cluster.cluster.sla import build_sla_classes
 from lora_cluster.config import load_config
 from lora_cluster.engine import AsyncEngine, EngineStats, build_engine
-from lora_cluster.errors import LoraClusterError
-from lora_cluster.request import RequestOutput
+from lora_cluster.errors import AdapterNotFoundError, LoraClusterError
 from lora_cluster.serve.http_errors import describe
 from lora_cluster.serve.ops.logs import configure_logging, set_request_id
 from lora_cluster.serve.ops.usage_shipper import UsageShipper, take_meter
-from lora_cluster.serve.protocol import GenerateJob, ToReplica, batches, output_item
+from lora_cluster.serve.protocol import GenerateJob, ToReplica, output_item
 from lora_cluster.serve.replica.cluster_tier import RayClusterTier
 from lora_cluster.serve.replica.demand_prefetch import ControllerHotList, DemandPrefetch
 from lora_cluster.serve.replica.model import resolve_model, served_name
+from lora_cluster.serve.replica.outputs import coalesce, tracked
 from lora_cluster.serve.replica.report import build_report, host_by_recency, host_held, memory_split
 from lora_cluster.serve.replica.reporter import ControllerReporter
 from lora_cluster.serve.replica.tier_actors import cluster_tier_actor, node_holder
@@ -86,38 +86,6 @@ if TYPE_CHECKING:
     from lora_cluster.config import EngineConfig
 
 log = logging.getLogger(__name__)
-
-
-
-
-async def coalesce(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
-    """Wire items of an engine output stream: one per output while the caller keeps up, else the
-    outputs that queued up merged into one item (deltas joined). Closing it aborts the request."""
-    async with contextlib.aclosing(batches(outputs)) as groups:  # closed here, not when collected
-        async for group in groups:
-            last = group[-1]
-            item = output_item(last, full=last.finished)
-            if len(group) > 1:
-                item["delta_text"] = "".join(o.delta_text for o in group)
-                item["delta_token_ids"] = [t for o in group for t in o.delta_token_ids]
-                if last.delta_logprobs is not None:
-                    item["delta_logprobs"] = [lp for o in group for lp in o.delta_logprobs or ()]
-            yield item
-            if last.finished:
-                return
-
-
-async def tracked(outputs: AsyncIterator[RequestOutput],
-                  tracker: RequestTracker) -> AsyncIterator[RequestOutput]:
-    """`outputs`, telling `tracker` when the first token and the final output arrive; closing it
-    closes `outputs` (aborts the request)."""
-    async with contextlib.aclosing(outputs):
-        async for out in outputs:
-            if out.completion_tokens:
-                tracker.first_token()
-            if out.finished:
-                tracker.finished(out.time_to_first_token, out.completion_tokens)
-            yield out
 
 
 @serve.deployment(name="LoraReplica")
@@ -265,6 +233,8 @@ class LoraReplica:
             raise
         except LoraClusterError as exc:
             self.counts["errors"] += 1
+            if isinstance(exc, AdapterNotFoundError):  # no source has it: not demand for a real adapter
+                self.demand.forget(job.adapter_id)
             refused = True
             tracker.failed()
             yield {**head, "error": describe(exc).to_dict()}
