@@ -2,13 +2,14 @@
 
 FastAPI, left alone, takes the last of a repeated parameter (`?adapter=a&adapter=b` reads `b`) and
 parses a typed one leniently through pydantic (`version=0.0`, `1_0` or ` +1` read as integers,
-`fresh=yes` as a boolean). A client that sends such a query meant something the route cannot know,
-and the schema's `integer`, `number` and `boolean` say otherwise, so both are refused with 422 naming
-the parameter: a route with query parameters lists `Depends(single_values)` (a repeated name), and
-annotates its typed ones with `INTEGER`, `NUMBER` or `BOOLEAN` (the value's spelling: JSON's grammar
+`fresh=yes` as a boolean). A client that sends such a query meant something the route cannot know, and
+the schema's `integer`, `number` and `boolean` say otherwise, so both are refused as invalid requests
+naming the parameter (FastAPI's 422, which the ingress answers as its 400 `invalid_parameter`,
+`serve.http_errors`): a route with query parameters lists `Depends(single_values)` (a repeated name),
+and annotates its typed ones with `INTEGER`, `NUMBER` or `BOOLEAN` (the value's spelling: JSON's grammar
 for numbers, `true` or `false`), their bounds beside them in the same `Annotated`
-(`Annotated[int | None, Query(), Field(ge=0), INTEGER]`: FastAPI's `Query(ge=...)` on an annotated
-type would write `ge` into the schema instead of `minimum`). The declared schema is unchanged by either.
+(`Annotated[int | None, Query(), Field(ge=0), INTEGER]`: FastAPI's `Query(ge=...)` on an annotated type
+would write `ge` into the schema instead of `minimum`). The declared schema is unchanged by either.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ BOOLEAN = BeforeValidator(_boolean)
 
 
 def single_values(request: Request) -> None:
-    """Refuse (422) a query that names a parameter more than once: the route declares one value."""
+    """Refuse (as invalid) a query that names a parameter more than once: the route declares one value."""
     seen: set[str] = set()
     for name, _ in request.query_params.multi_items():
         if name in seen:
